@@ -1,0 +1,22 @@
+//! ebpf-proxy kernel programs. Entry points live per hook (`sock.rs` for the cgroup
+//! socket hooks); shared logic in `lb.rs` (frontend lookup, backend selection) and the map
+//! definitions in `maps.rs`. Layouts come from `proxy-common` only.
+
+#![no_std]
+#![no_main]
+
+mod lb;
+mod maps;
+mod sock;
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    // The verifier rejects any reachable panic path; this is never executed.
+    loop {}
+}
+
+/// License of the object: GPL-compatible so GPL-only helpers are available.
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";

@@ -1,0 +1,50 @@
+//! Map definitions. Names, key and value types come from `proxy_common`; the sizes here are
+//! the defaults and the agent overrides them at load time (`EbpfLoader::map_max_entries`).
+
+use aya_ebpf::{
+    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    macros::btf_map,
+};
+use proxy_common::{
+    Backend, BackendSlotKey, COUNTER_MAX, Config, DEFAULT_MAX_BACKENDS, DEFAULT_MAX_FRONTENDS,
+    DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCKETS, Frontend, FrontendKey, RevNatKey, RevNatValue, ServiceName,
+    UdpFlow, UdpFlowKey,
+};
+
+/// (VIP, port, protocol) -> frontend; see `proxy_common::FRONTENDS`.
+#[btf_map]
+pub static FRONTENDS: HashMap<FrontendKey, Frontend, { DEFAULT_MAX_FRONTENDS as usize }> =
+    HashMap::new();
+
+/// (service id, slot) -> backend id; see `proxy_common::BACKEND_SLOTS`.
+#[btf_map]
+pub static BACKEND_SLOTS: HashMap<BackendSlotKey, u32, { DEFAULT_MAX_SLOTS as usize }> =
+    HashMap::new();
+
+/// backend id -> (address, port); see `proxy_common::BACKENDS`.
+#[btf_map]
+pub static BACKENDS: HashMap<u32, Backend, { DEFAULT_MAX_BACKENDS as usize }> = HashMap::new();
+
+/// (socket cookie, backend) -> frontend, for getpeername/recvmsg; LRU so entries of
+/// closed sockets age out.
+#[btf_map]
+pub static REVNAT_SK: LruHashMap<RevNatKey, RevNatValue, { DEFAULT_MAX_SOCKETS as usize }> =
+    LruHashMap::new();
+
+/// (socket cookie, frontend) -> chosen backend for unconnected UDP.
+#[btf_map]
+pub static UDP_FLOWS: LruHashMap<UdpFlowKey, UdpFlow, { DEFAULT_MAX_SOCKETS as usize }> =
+    LruHashMap::new();
+
+/// Data path configuration (index 0).
+#[btf_map]
+pub static CONFIG: Array<Config, 1> = Array::new();
+
+/// Per-CPU counters indexed by `proxy_common::Counter`.
+#[btf_map]
+pub static COUNTERS: PerCpuArray<u64, { COUNTER_MAX as usize }> = PerCpuArray::new();
+
+/// service id -> name; written by the agent for operators and restarts, never read here.
+#[btf_map]
+pub static SERVICE_NAMES: HashMap<u32, ServiceName, { DEFAULT_MAX_FRONTENDS as usize }> =
+    HashMap::new();

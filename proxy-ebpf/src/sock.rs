@@ -1,0 +1,242 @@
+//! cgroup `sock_addr` entry points: socket-level load balancing.
+//!
+//! - `connect4/6`: TCP connections and connected UDP sockets get one backend for their
+//!   lifetime (kube-proxy picks per connection too).
+//! - `sendmsg4/6`: unconnected UDP; one backend per (socket, frontend) flow, kept while the
+//!   flow is active (idle timeout from `CONFIG`, default 30 s as `nf_conntrack_udp_timeout`).
+//! - `recvmsg4/6`, `getpeername4/6`: the peer a socket reached through a VIP is shown as the
+//!   VIP again; peers the socket addressed directly are never touched.
+//!
+//! Refusals (no endpoints, undefined port on a VIP) fail the syscall with ECONNREFUSED via
+//! `bpf_set_retval` (kernel >= 5.18), as kube-proxy's nftables mode rejects them.
+
+use aya_ebpf::{
+    EbpfContext,
+    bindings::bpf_sock_addr,
+    helpers::{bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_set_retval},
+    macros::cgroup_sock_addr,
+    programs::SockAddrContext,
+};
+use proxy_common::{
+    Backend, Counter, DEFAULT_UDP_FLOW_TIMEOUT_NS, PROTO_TCP, PROTO_UDP, RevNatKey, RevNatValue,
+    UdpFlow, UdpFlowKey, is_v4_mapped, v4_mapped,
+};
+
+use crate::{
+    lb::{Choice, Lookup, backend, choose, count, lookup},
+    maps::{CONFIG, REVNAT_SK, UDP_FLOWS},
+};
+
+const ECONNREFUSED: i32 = 111;
+/// Verdict "let the syscall go on" of a sock_addr program.
+const ALLOW: i32 = 1;
+/// Verdict "fail the syscall" (with the errno set by `bpf_set_retval`).
+const DENY: i32 = 0;
+
+#[cgroup_sock_addr(connect4)]
+pub fn connect4(ctx: SockAddrContext) -> i32 {
+    on_connect::<false>(&ctx)
+}
+
+#[cgroup_sock_addr(connect6)]
+pub fn connect6(ctx: SockAddrContext) -> i32 {
+    on_connect::<true>(&ctx)
+}
+
+#[cgroup_sock_addr(sendmsg4)]
+pub fn sendmsg4(ctx: SockAddrContext) -> i32 {
+    on_sendmsg::<false>(&ctx)
+}
+
+#[cgroup_sock_addr(sendmsg6)]
+pub fn sendmsg6(ctx: SockAddrContext) -> i32 {
+    on_sendmsg::<true>(&ctx)
+}
+
+#[cgroup_sock_addr(recvmsg4)]
+pub fn recvmsg4(ctx: SockAddrContext) -> i32 {
+    on_reverse::<false, true>(&ctx)
+}
+
+#[cgroup_sock_addr(recvmsg6)]
+pub fn recvmsg6(ctx: SockAddrContext) -> i32 {
+    on_reverse::<true, true>(&ctx)
+}
+
+#[cgroup_sock_addr(getpeername4)]
+pub fn getpeername4(ctx: SockAddrContext) -> i32 {
+    on_reverse::<false, false>(&ctx)
+}
+
+#[cgroup_sock_addr(getpeername6)]
+pub fn getpeername6(ctx: SockAddrContext) -> i32 {
+    on_reverse::<true, false>(&ctx)
+}
+
+/// The user address of the syscall as 16 bytes (IPv4 mapped), and its port (network order).
+#[inline(always)]
+fn read_addr<const V6: bool>(sa: *const bpf_sock_addr) -> ([u32; 4], u16) {
+    // SAFETY: `sa` is the program context; these fields are readable in every sock_addr hook.
+    unsafe {
+        let addr = if V6 {
+            [(*sa).user_ip6[0], (*sa).user_ip6[1], (*sa).user_ip6[2], (*sa).user_ip6[3]]
+        } else {
+            v4_mapped((*sa).user_ip4)
+        };
+        // user_port holds the be16 port in its low 16 bits.
+        (addr, (*sa).user_port as u16)
+    }
+}
+
+/// Writes the user address; `false` when an IPv6 address cannot go into an IPv4 socket.
+#[inline(always)]
+fn write_addr<const V6: bool>(sa: *mut bpf_sock_addr, addr: &[u32; 4], port: u16) -> bool {
+    // SAFETY: `sa` is the program context; user_ip*/user_port are writable in these hooks.
+    unsafe {
+        if V6 {
+            (*sa).user_ip6[0] = addr[0];
+            (*sa).user_ip6[1] = addr[1];
+            (*sa).user_ip6[2] = addr[2];
+            (*sa).user_ip6[3] = addr[3];
+        } else {
+            if !is_v4_mapped(addr) {
+                return false;
+            }
+            (*sa).user_ip4 = addr[3];
+        }
+        (*sa).user_port = port as u32;
+    }
+    true
+}
+
+#[inline(always)]
+fn refuse(reason: Counter) -> i32 {
+    count(reason);
+    // SAFETY: helper; sets the errno the syscall returns when we deny it.
+    unsafe { bpf_set_retval(-ECONNREFUSED) };
+    DENY
+}
+
+#[inline(always)]
+fn cookie(ctx: &SockAddrContext) -> u64 {
+    // SAFETY: helper on our own context.
+    unsafe { bpf_get_socket_cookie(ctx.as_ptr()) }
+}
+
+/// Remembers that this socket reached `b` through the frontend (addr, port).
+#[inline(always)]
+fn remember(cookie: u64, b: &Backend, addr: &[u32; 4], port: u16) {
+    let key = RevNatKey { cookie, addr: b.addr, port: b.port, _pad: [0; 6] };
+    let val = RevNatValue { addr: *addr, port, _pad: [0; 2] };
+    if REVNAT_SK.insert(&key, &val, 0).is_err() {
+        count(Counter::MapUpdateFailed);
+    }
+}
+
+#[inline(always)]
+fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
+    let sa = ctx.sock_addr;
+    // SAFETY: context field read.
+    let proto = unsafe { (*sa).protocol } as u8;
+    if proto != PROTO_TCP && proto != PROTO_UDP {
+        return ALLOW;
+    }
+    let (addr, port) = read_addr::<V6>(sa);
+    let fe = match lookup(&addr, port, proto) {
+        Lookup::NotService => return ALLOW,
+        Lookup::UndefinedPort => return refuse(Counter::RefusedUndefinedPort),
+        Lookup::Frontend(fe) => fe,
+    };
+    let (_, b) = match choose(&fe, &addr, port, proto) {
+        Choice::NoEndpoints => return refuse(Counter::RefusedNoEndpoints),
+        Choice::Backend(id, b) => (id, b),
+    };
+    if !write_addr::<V6>(sa, &b.addr, b.port) {
+        return refuse(Counter::RefusedNoEndpoints);
+    }
+    remember(cookie(ctx), &b, &addr, port);
+    count(Counter::Translated);
+    ALLOW
+}
+
+#[inline(always)]
+fn flow_timeout_ns() -> u64 {
+    match CONFIG.get(0) {
+        Some(c) if c.udp_flow_timeout_ns != 0 => c.udp_flow_timeout_ns,
+        _ => DEFAULT_UDP_FLOW_TIMEOUT_NS,
+    }
+}
+
+#[inline(always)]
+fn on_sendmsg<const V6: bool>(ctx: &SockAddrContext) -> i32 {
+    let sa = ctx.sock_addr;
+    let (addr, port) = read_addr::<V6>(sa);
+    let fe = match lookup(&addr, port, PROTO_UDP) {
+        Lookup::NotService => return ALLOW,
+        Lookup::UndefinedPort => return refuse(Counter::RefusedUndefinedPort),
+        Lookup::Frontend(fe) => fe,
+    };
+    let cookie = cookie(ctx);
+    // SAFETY: helper without side effects.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let fkey = UdpFlowKey { cookie, addr, port, _pad: [0; 6] };
+
+    // Keep the flow's backend while the flow is active and the backend still exists.
+    let mut chosen: Option<(u32, Backend)> = None;
+    // SAFETY: copied out at once.
+    if let Some(f) = unsafe { UDP_FLOWS.get(&fkey).copied() } {
+        if f.service_id == fe.service_id
+            && fe.backend_count != 0
+            && now.wrapping_sub(f.last_seen_ns) < flow_timeout_ns()
+        {
+            if let Some(b) = backend(f.backend_id) {
+                if b.addr == f.addr {
+                    chosen = Some((f.backend_id, b));
+                }
+            }
+        }
+    }
+    let (id, b) = match chosen {
+        Some(c) => c,
+        None => match choose(&fe, &addr, port, PROTO_UDP) {
+            Choice::NoEndpoints => return refuse(Counter::RefusedNoEndpoints),
+            Choice::Backend(id, b) => (id, b),
+        },
+    };
+    if !write_addr::<V6>(sa, &b.addr, b.port) {
+        return refuse(Counter::RefusedNoEndpoints);
+    }
+    let flow = UdpFlow { backend_id: id, service_id: fe.service_id, last_seen_ns: now, addr: b.addr };
+    if UDP_FLOWS.insert(&fkey, &flow, 0).is_err() {
+        count(Counter::MapUpdateFailed);
+    }
+    remember(cookie, &b, &addr, port);
+    count(Counter::Translated);
+    ALLOW
+}
+
+/// recvmsg (`RECV` = true) and getpeername: show the VIP instead of the backend.
+#[inline(always)]
+fn on_reverse<const V6: bool, const RECV: bool>(ctx: &SockAddrContext) -> i32 {
+    let sa = ctx.sock_addr;
+    let (addr, port) = read_addr::<V6>(sa);
+    let cookie = cookie(ctx);
+    let key = RevNatKey { cookie, addr, port, _pad: [0; 6] };
+    // SAFETY: copied out at once.
+    let Some(v) = (unsafe { REVNAT_SK.get(&key).copied() }) else {
+        return ALLOW;
+    };
+    if write_addr::<V6>(sa, &v.addr, v.port) {
+        count(Counter::ReverseTranslated);
+    }
+    if RECV {
+        // A reply keeps the UDP flow active, as it refreshes a conntrack entry.
+        let fkey = UdpFlowKey { cookie, addr: v.addr, port: v.port, _pad: [0; 6] };
+        if let Some(f) = UDP_FLOWS.get_ptr_mut(&fkey) {
+            // SAFETY: in-place timestamp refresh; a torn read elsewhere only shifts expiry.
+            unsafe { (*f).last_seen_ns = bpf_ktime_get_ns() };
+        }
+    }
+    // recvmsg and getpeername programs must return 1.
+    ALLOW
+}

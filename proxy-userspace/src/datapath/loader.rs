@@ -1,0 +1,192 @@
+//! Loading the eBPF object, pinning its maps, and attaching the socket programs to a cgroup
+//! through pinned links, so the data path keeps working while the agent is stopped and a new
+//! agent takes it over without a gap.
+
+use std::{
+    fs::{self, File},
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context, Result, bail};
+use aya::{
+    EbpfLoader,
+    programs::{CgroupAttachMode, CgroupSockAddr, links::FdLink, links::PinnedLink},
+};
+use proxy_common::{
+    ALL_MAPS, BACKEND_SLOTS, BACKENDS, FRONTENDS, REVNAT_SK, SERVICE_NAMES, UDP_FLOWS,
+};
+
+/// The eBPF object embedded at build time (see `build.rs`); empty when the binary was built
+/// without `cargo xtask build`.
+pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/ebpf-proxy.bpf.o"));
+
+/// The cgroup `sock_addr` programs, by function name (section `cgroup/<name>`).
+pub const PROGRAMS: [&str; 8] = [
+    "connect4", "connect6", "sendmsg4", "sendmsg6", "recvmsg4", "recvmsg6", "getpeername4",
+    "getpeername6",
+];
+
+/// Map sizes (`max_entries`) used when the maps are created. Maps adopted from an earlier
+/// run keep the size they were created with.
+#[derive(Clone, Copy, Debug)]
+pub struct MapSizes {
+    /// `FRONTENDS` (and `SERVICE_NAMES`).
+    pub frontends: u32,
+    /// `BACKEND_SLOTS`.
+    pub slots: u32,
+    /// `BACKENDS`.
+    pub backends: u32,
+    /// `REVNAT_SK` and `UDP_FLOWS`.
+    pub sockets: u32,
+}
+
+/// Where the pins live: `<bpffs>/<pin_dir>`.
+pub fn pin_dir(bpffs: &Path, pin_dir: &str) -> PathBuf {
+    bpffs.join(pin_dir)
+}
+
+/// Path of the pinned link of program `prog`.
+pub fn link_pin(dir: &Path, prog: &str) -> PathBuf {
+    dir.join(format!("link_{prog}"))
+}
+
+fn mounts() -> Vec<(String, String)> {
+    fs::read_to_string("/proc/self/mounts")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let _dev = f.next()?;
+            let mnt = f.next()?;
+            let fstype = f.next()?;
+            Some((mnt.replace("\\040", " "), fstype.to_string()))
+        })
+        .collect()
+}
+
+/// The cgroup v2 mount point from /proc/self/mounts (the default `--cgroup-path`).
+pub fn cgroup2_root() -> Result<PathBuf> {
+    mounts()
+        .into_iter()
+        .find(|(_, t)| t == "cgroup2")
+        .map(|(m, _)| PathBuf::from(m))
+        .context("no cgroup2 file system is mounted (see /proc/self/mounts); mount one, e.g. `mount -t cgroup2 none /sys/fs/cgroup/unified`")
+}
+
+/// Mounts bpffs at `path` unless a bpf file system is already mounted there.
+pub fn ensure_bpffs(path: &Path) -> Result<()> {
+    if mounts().iter().any(|(m, t)| Path::new(m) == path && t == "bpf") {
+        return Ok(());
+    }
+    fs::create_dir_all(path).with_context(|| format!("create {}", path.display()))?;
+    let c = |s: &str| std::ffi::CString::new(s).unwrap();
+    let target = c(path.to_str().context("bpffs path is not UTF-8")?);
+    // SAFETY: plain mount(2) with valid NUL-terminated strings.
+    let rc = unsafe {
+        libc::mount(c("bpf").as_ptr(), target.as_ptr(), c("bpf").as_ptr(), 0, std::ptr::null())
+    };
+    if rc != 0 {
+        bail!(
+            "bpffs is not mounted at {} and mounting it failed: {} (run `mount -t bpf bpf {}` as root)",
+            path.display(),
+            std::io::Error::last_os_error(),
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+/// Loads the object with its maps pinned under `dir` (adopting maps pinned by an earlier
+/// run), then attaches every program to `cgroup` and pins the links. Links of an earlier run
+/// are replaced only after the new ones are attached, so there is no moment without a data
+/// path (the two generations agree, see `proxy-ebpf/src/sock.rs`).
+///
+/// Errors name the step that failed (load, verify, attach, pin) and carry the verifier log.
+pub fn load_and_attach(dir: &Path, cgroup: &Path, sizes: MapSizes) -> Result<()> {
+    if OBJECT.is_empty() {
+        bail!("this binary was built without the eBPF object; build it with `cargo xtask build`");
+    }
+    fs::create_dir_all(dir).with_context(|| format!("create pin directory {}", dir.display()))?;
+    let pins: Vec<(&str, PathBuf)> = ALL_MAPS.iter().map(|m| (*m, dir.join(m))).collect();
+    let mut loader = EbpfLoader::new();
+    for (name, path) in &pins {
+        loader.map_pin_path(name, path.as_path());
+    }
+    loader
+        .map_max_entries(FRONTENDS, sizes.frontends)
+        .map_max_entries(SERVICE_NAMES, sizes.frontends)
+        .map_max_entries(BACKEND_SLOTS, sizes.slots)
+        .map_max_entries(BACKENDS, sizes.backends)
+        .map_max_entries(REVNAT_SK, sizes.sockets)
+        .map_max_entries(UDP_FLOWS, sizes.sockets);
+    let mut ebpf = loader.load(OBJECT).context(
+        "load: creating or adopting the pinned maps failed (if the layout changed, run `ebpf-proxy cleanup`)",
+    )?;
+    let cg = File::open(cgroup)
+        .with_context(|| format!("attach: open cgroup {}", cgroup.display()))?;
+    for prog in PROGRAMS {
+        let p: &mut CgroupSockAddr = ebpf
+            .program_mut(prog)
+            .with_context(|| format!("load: program {prog} missing from the object"))?
+            .try_into()
+            .with_context(|| format!("load: program {prog} is not a cgroup sock_addr program"))?;
+        p.load().map_err(|e| anyhow::anyhow!("verify: program {prog} was rejected: {e:#}"))?;
+        let id = p
+            .attach(&cg, CgroupAttachMode::AllowMultiple)
+            .with_context(|| format!("attach: {prog} to cgroup {}", cgroup.display()))?;
+        let link: FdLink = p
+            .take_link(id)
+            .context("attach: take link")?
+            .try_into()
+            .context("attach: the kernel did not give a bpf_link (needs Linux >= 5.7)")?;
+        let final_pin = link_pin(dir, prog);
+        let new_pin = dir.join(format!("link_{prog}.new"));
+        let _ = fs::remove_file(&new_pin);
+        link.pin(&new_pin).with_context(|| format!("pin: link {}", new_pin.display()))?;
+        if final_pin.exists() {
+            // Detach the earlier generation: its pin is the last reference to its link.
+            match PinnedLink::from_pin(&final_pin) {
+                Ok(old) => drop(old.unpin()),
+                Err(_) => drop(fs::remove_file(&final_pin)),
+            }
+        }
+        fs::rename(&new_pin, &final_pin)
+            .with_context(|| format!("pin: rename {} to {}", new_pin.display(), final_pin.display()))?;
+    }
+    Ok(())
+}
+
+/// Everything `cleanup` removed.
+#[derive(Debug, Default)]
+pub struct CleanupReport {
+    /// Link pins removed (each detached its program).
+    pub links: Vec<PathBuf>,
+    /// Map pins removed.
+    pub maps: Vec<PathBuf>,
+    /// Whether the pin directory itself was removed.
+    pub dir_removed: bool,
+}
+
+/// Detaches the programs (by removing their pinned links) and removes the pinned maps and the
+/// pin directory. Missing pieces are not errors, so it can run on a half-cleaned node.
+pub fn cleanup(dir: &Path) -> Result<CleanupReport> {
+    let mut r = CleanupReport::default();
+    let Ok(entries) = fs::read_dir(dir) else { return Ok(r) };
+    let mut files: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
+    files.sort();
+    for path in files {
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
+        if name.starts_with("link_") {
+            match PinnedLink::from_pin(&path) {
+                Ok(l) => drop(l.unpin()),
+                Err(_) => drop(fs::remove_file(&path)),
+            }
+            r.links.push(path);
+        } else if ALL_MAPS.contains(&name.as_str()) {
+            fs::remove_file(&path).with_context(|| format!("remove {}", path.display()))?;
+            r.maps.push(path);
+        }
+    }
+    r.dir_removed = fs::remove_dir(dir).is_ok();
+    Ok(r)
+}

@@ -1,0 +1,152 @@
+//! [`Datapath`] on the pinned BPF maps (`<bpffs>/<pin-dir>/<MAP>`), opened by path so the
+//! agent and the inspection commands (which work while the agent is down) share one code path.
+
+use std::path::{Path, PathBuf};
+
+use aya::maps::{Array, HashMap, Map, MapData, MapError, MapInfo, PerCpuArray};
+use proxy_common::{
+    BACKEND_SLOTS, BACKENDS, Backend, BackendSlotKey, CONFIG, COUNTERS, Config, FRONTENDS,
+    Frontend, FrontendKey, SERVICE_NAMES, ServiceName,
+};
+
+use super::{Capacity, Datapath, DatapathError, Snapshot, decode_name, encode_name};
+
+/// The service maps of one pin directory.
+pub struct PinnedMaps {
+    dir: PathBuf,
+    frontends: HashMap<MapData, FrontendKey, Frontend>,
+    slots: HashMap<MapData, BackendSlotKey, u32>,
+    backends: HashMap<MapData, u32, Backend>,
+    names: HashMap<MapData, u32, ServiceName>,
+    cap: Capacity,
+}
+
+fn map_err(op: &'static str, map: &'static str, e: MapError) -> DatapathError {
+    let source = match e {
+        MapError::SyscallError(s) => s.io_error,
+        other => std::io::Error::other(other.to_string()),
+    };
+    DatapathError::Map { op, map, source }
+}
+
+fn open_map(dir: &Path, name: &'static str) -> Result<(Map, u32), DatapathError> {
+    let path = dir.join(name);
+    let data = MapData::from_pin(&path).map_err(|e| map_err("open pinned", name, e))?;
+    let info = MapInfo::from_pin(&path).map_err(|e| map_err("info", name, e))?;
+    let map = Map::from_map_data(data).map_err(|e| map_err("open pinned", name, e))?;
+    Ok((map, info.max_entries()))
+}
+
+fn hash<K: aya::Pod, V: aya::Pod>(
+    dir: &Path,
+    name: &'static str,
+) -> Result<(HashMap<MapData, K, V>, u32), DatapathError> {
+    let (map, max) = open_map(dir, name)?;
+    let m = HashMap::try_from(map).map_err(|e| map_err("open", name, e))?;
+    Ok((m, max))
+}
+
+impl PinnedMaps {
+    /// Opens the maps pinned under `dir` (e.g. `/sys/fs/bpf/ebpf-proxy`).
+    ///
+    /// Errors: a map is missing (the agent never ran, or `cleanup` removed it) or has
+    /// another layout than this build expects.
+    pub fn open(dir: &Path) -> Result<Self, DatapathError> {
+        let (frontends, f) = hash(dir, FRONTENDS)?;
+        let (slots, s) = hash(dir, BACKEND_SLOTS)?;
+        let (backends, b) = hash(dir, BACKENDS)?;
+        let (names, n) = hash(dir, SERVICE_NAMES)?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            frontends,
+            slots,
+            backends,
+            names,
+            cap: Capacity { frontends: f, slots: s, backends: b, services: n },
+        })
+    }
+
+    /// Writes the data path configuration (index 0 of `CONFIG`).
+    pub fn write_config(&self, cfg: &Config) -> Result<(), DatapathError> {
+        let (map, _) = open_map(&self.dir, CONFIG)?;
+        let mut a: Array<MapData, Config> =
+            Array::try_from(map).map_err(|e| map_err("open", CONFIG, e))?;
+        a.set(0, cfg, 0).map_err(|e| map_err("update", CONFIG, e))
+    }
+
+    /// Sums the per-CPU counters of `COUNTERS`, in `proxy_common::Counter` index order.
+    pub fn counters(&self) -> Result<Vec<u64>, DatapathError> {
+        let (map, _) = open_map(&self.dir, COUNTERS)?;
+        let a: PerCpuArray<MapData, u64> =
+            PerCpuArray::try_from(map).map_err(|e| map_err("open", COUNTERS, e))?;
+        let mut out = Vec::new();
+        for i in 0..a.len() {
+            let v = a.get(&i, 0).map_err(|e| map_err("lookup", COUNTERS, e))?;
+            out.push(v.iter().sum());
+        }
+        Ok(out)
+    }
+}
+
+fn ignore_missing(r: Result<(), MapError>) -> Result<(), MapError> {
+    match r {
+        Err(MapError::KeyNotFound) | Err(MapError::ElementNotFound) => Ok(()),
+        Err(MapError::SyscallError(s)) if s.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+        other => other,
+    }
+}
+
+impl Datapath for PinnedMaps {
+    fn capacity(&self) -> Capacity {
+        self.cap
+    }
+
+    fn snapshot(&self) -> Result<Snapshot, DatapathError> {
+        let mut s = Snapshot::default();
+        for kv in self.frontends.iter() {
+            let (k, v) = kv.map_err(|e| map_err("iterate", FRONTENDS, e))?;
+            s.frontends.insert(k, v);
+        }
+        for kv in self.slots.iter() {
+            let (k, v) = kv.map_err(|e| map_err("iterate", BACKEND_SLOTS, e))?;
+            s.slots.insert(k, v);
+        }
+        for kv in self.backends.iter() {
+            let (k, v) = kv.map_err(|e| map_err("iterate", BACKENDS, e))?;
+            s.backends.insert(k, v);
+        }
+        for kv in self.names.iter() {
+            let (k, v) = kv.map_err(|e| map_err("iterate", SERVICE_NAMES, e))?;
+            s.names.insert(k, decode_name(&v));
+        }
+        Ok(s)
+    }
+
+    fn put_frontend(&mut self, key: &FrontendKey, value: &Frontend) -> Result<(), DatapathError> {
+        self.frontends.insert(key, value, 0).map_err(|e| map_err("update", FRONTENDS, e))
+    }
+    fn delete_frontend(&mut self, key: &FrontendKey) -> Result<(), DatapathError> {
+        ignore_missing(self.frontends.remove(key)).map_err(|e| map_err("delete", FRONTENDS, e))
+    }
+    fn put_slot(&mut self, key: &BackendSlotKey, backend_id: u32) -> Result<(), DatapathError> {
+        self.slots.insert(key, backend_id, 0).map_err(|e| map_err("update", BACKEND_SLOTS, e))
+    }
+    fn delete_slot(&mut self, key: &BackendSlotKey) -> Result<(), DatapathError> {
+        ignore_missing(self.slots.remove(key)).map_err(|e| map_err("delete", BACKEND_SLOTS, e))
+    }
+    fn put_backend(&mut self, id: u32, value: &Backend) -> Result<(), DatapathError> {
+        self.backends.insert(id, value, 0).map_err(|e| map_err("update", BACKENDS, e))
+    }
+    fn delete_backend(&mut self, id: u32) -> Result<(), DatapathError> {
+        ignore_missing(self.backends.remove(&id)).map_err(|e| map_err("delete", BACKENDS, e))
+    }
+    fn put_name(&mut self, service_id: u32, name: &str) -> Result<(), DatapathError> {
+        self.names
+            .insert(service_id, encode_name(name), 0)
+            .map_err(|e| map_err("update", SERVICE_NAMES, e))
+    }
+    fn delete_name(&mut self, service_id: u32) -> Result<(), DatapathError> {
+        ignore_missing(self.names.remove(&service_id))
+            .map_err(|e| map_err("delete", SERVICE_NAMES, e))
+    }
+}

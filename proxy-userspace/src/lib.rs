@@ -1,0 +1,8 @@
+//! ebpf-proxy agent library: sources of Service and EndpointSlice objects, the pure
+//! desired-state model, the map sync, and the aya data path behind a trait.
+
+pub mod datapath;
+pub mod model;
+pub mod source;
+pub mod sync;
+pub mod testbed;

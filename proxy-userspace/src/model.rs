@@ -1,0 +1,1375 @@
+//! The pure desired-state model: from an [`ObjectSet`] (Services and EndpointSlices) to the
+//! backend sets the data path must implement. No I/O, no aya; deterministic (BTree
+//! everywhere, so the same objects always give the same state and the same errors).
+//!
+//! Rules (kube-proxy semantics; where its modes differ, the nftables mode of KEP-3866):
+//!
+//! Services
+//! - Frontends are the addresses of `spec.clusterIPs`, or `spec.clusterIP` when
+//!   `clusterIPs` is empty, for every `type` except `ExternalName`. Headless Services
+//!   (`clusterIP: None`), `ExternalName` Services and Services without any cluster IP are
+//!   ignored without error.
+//! - Each `spec.ports[]` entry gives one backend set per cluster IP family, identified by a
+//!   [`ServicePortKey`] (namespace, name, port name, protocol, family). A missing protocol
+//!   is TCP. SCTP ports are skipped with one error each ("SCTP is not supported"); the other
+//!   ports of the Service still work.
+//! - A Service is skipped as a whole, with one error, when: a cluster IP does not parse or
+//!   is unspecified, loopback, multicast or broadcast (a frontend there would hijack node
+//!   traffic); `clusterIP` is set and differs from `clusterIPs[0]`; two cluster IPs have the
+//!   same family; a port is 0 or above 65535; a port/protocol pair or a port name appears
+//!   twice; a protocol is not TCP, UDP or SCTP; or one of its frontends (VIP, port,
+//!   protocol) is already used by another Service (the Service first in namespace/name
+//!   order keeps it).
+//! - A Service without ports has no frontends.
+//!
+//! Endpoints
+//! - An EndpointSlice belongs to the Service named by its `kubernetes.io/service-name`
+//!   label in the same namespace; slices without the label are ignored. This is the only
+//!   link, so selectorless Services with hand-made slices work the same way.
+//! - `addressType` `IPv4`/`IPv6` feed the backends of that family; `FQDN` slices are
+//!   ignored; any other address type skips the slice with an error.
+//! - An endpoint is used when `conditions.ready` is true or unset (the EndpointSlice API:
+//!   "unknown state should be interpreted as ready"); terminating endpoints are not ready
+//!   and are excluded. Only an endpoint's first address (`addresses[0]`) is used, as
+//!   kube-proxy does. An address that does not parse or whose family is not the slice's
+//!   skips that endpoint with an error; the rest of the slice is used. An endpoint without
+//!   addresses is skipped with an error.
+//! - Slice ports: a missing name is `""`, a missing protocol TCP (the API server's
+//!   defaults). A port that is missing, 0 or above 65535, or whose protocol is not TCP,
+//!   UDP or SCTP, is skipped with an error. SCTP slice ports are ignored silently (the
+//!   Service port reports it).
+//! - targetPort resolution is kube-proxy's: a Service port takes the slice ports with the
+//!   same name and protocol (the EndpointSlice controller names slice ports after Service
+//!   ports and has already resolved named and numeric targetPorts per endpoint). One
+//!   Service port may thus reach different container ports on different slices, even on
+//!   the same IP. All slices of a Service are merged and backends deduplicated by
+//!   (address, port).
+//! - A backend set of a family with a frontend but no endpoints has empty backends (the
+//!   data path refuses with ECONNREFUSED). Endpoints of a family the Service has no
+//!   cluster IP of are dropped.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, SocketAddr};
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+
+use crate::source::{ObjectSet, Sourced};
+
+/// A validation error (or warning) for one object: names origin file, kind,
+/// namespace/name and reason. Every one is non-fatal (the object, port or endpoint named
+/// is skipped), so callers log them at warning level.
+pub use crate::source::SourceError as ModelError;
+
+/// The label linking an EndpointSlice to its Service.
+pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+
+/// Transport protocol of a Service port.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Protocol {
+    /// TCP.
+    Tcp,
+    /// UDP.
+    Udp,
+}
+
+impl Protocol {
+    /// IANA protocol number ([`proxy_common::PROTO_TCP`], [`proxy_common::PROTO_UDP`]).
+    pub fn number(self) -> u8 {
+        match self {
+            Protocol::Tcp => proxy_common::PROTO_TCP,
+            Protocol::Udp => proxy_common::PROTO_UDP,
+        }
+    }
+
+    /// Name as in Kubernetes manifests (`TCP`, `UDP`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+        }
+    }
+}
+
+impl std::fmt::Display for Protocol {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// IP family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Family {
+    /// IPv4.
+    V4,
+    /// IPv6.
+    V6,
+}
+
+impl Family {
+    /// Family of an address.
+    pub fn of(ip: &IpAddr) -> Family {
+        match ip {
+            IpAddr::V4(_) => Family::V4,
+            IpAddr::V6(_) => Family::V6,
+        }
+    }
+
+    /// Name as in EndpointSlice `addressType` (`IPv4`, `IPv6`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Family::V4 => "IPv4",
+            Family::V6 => "IPv6",
+        }
+    }
+}
+
+/// Identity of one backend set: a Service port (by port name; "" when unnamed) x protocol
+/// x IP family.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServicePortKey {
+    /// Namespace of the Service.
+    pub namespace: String,
+    /// Name of the Service.
+    pub name: String,
+    /// Name of the Service port; "" when unnamed.
+    pub port_name: String,
+    /// Protocol of the Service port.
+    pub protocol: Protocol,
+    /// Family of the frontends and backends.
+    pub family: Family,
+}
+
+/// The desired frontends and backends of one [`ServicePortKey`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DesiredService {
+    /// Every frontend (VIP, port) of this Service port in this family. ClusterIPs for now.
+    pub frontends: BTreeSet<SocketAddr>,
+    /// Endpoints, deduplicated by (address, port), sorted.
+    pub backends: BTreeSet<SocketAddr>,
+}
+
+/// Everything the data path must implement.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DesiredState {
+    /// Backend sets by Service port x protocol x family.
+    pub services: BTreeMap<ServicePortKey, DesiredService>,
+}
+
+impl DesiredState {
+    /// Every VIP (address of any frontend).
+    pub fn vips(&self) -> BTreeSet<IpAddr> {
+        self.services
+            .values()
+            .flat_map(|s| s.frontends.iter().map(SocketAddr::ip))
+            .collect()
+    }
+
+    /// Number of distinct frontends (VIP, port, protocol): entries of the frontend map,
+    /// VIP markers not included.
+    pub fn frontend_count(&self) -> usize {
+        self.services
+            .iter()
+            .flat_map(|(k, s)| s.frontends.iter().map(move |f| (*f, k.protocol)))
+            .collect::<BTreeSet<_>>()
+            .len()
+    }
+
+    /// Number of distinct backends (address, port, protocol): entries of the backend map.
+    pub fn backend_count(&self) -> usize {
+        self.services
+            .iter()
+            .flat_map(|(k, s)| s.backends.iter().map(move |b| (*b, k.protocol)))
+            .collect::<BTreeSet<_>>()
+            .len()
+    }
+
+    /// Number of backend slots: the sum of every backend set's size.
+    pub fn slot_count(&self) -> usize {
+        self.services.values().map(|s| s.backends.len()).sum()
+    }
+}
+
+/// Backends of one Service by (slice port name, protocol, family).
+type PortBackends = BTreeMap<(String, Protocol, Family), BTreeSet<SocketAddr>>;
+
+/// Information about this node (name from --hostname-override, zone label later).
+#[derive(Clone, Debug, Default)]
+pub struct NodeInfo {
+    /// Node name.
+    pub name: String,
+}
+
+/// Builds the desired state from a snapshot of objects. Returns the state and an error for
+/// everything skipped (see the module documentation). Slice errors come first (slices in
+/// namespace/name order), then Service errors (Services in namespace/name order).
+pub fn build(objects: &ObjectSet, node: &NodeInfo) -> (DesiredState, Vec<ModelError>) {
+    let _ = node; // topology and traffic policies will use it
+    let mut errors = Vec::new();
+
+    // Endpoints of every Service, by (namespace, service name) -> (port name, protocol, family).
+    let mut endpoints: BTreeMap<(&str, &str), PortBackends> = BTreeMap::new();
+    for ((ns, _), slice) in &objects.endpoint_slices {
+        let Some(service) = slice
+            .object
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(SERVICE_NAME_LABEL))
+        else {
+            continue;
+        };
+        let Some((family, ports)) = slice_backends(slice, &mut errors) else {
+            continue;
+        };
+        let per_service = endpoints
+            .entry((ns.as_str(), service.as_str()))
+            .or_default();
+        for ((port_name, protocol), addrs) in ports {
+            per_service
+                .entry((port_name, protocol, family))
+                .or_default()
+                .extend(addrs);
+        }
+    }
+
+    let mut state = DesiredState::default();
+    // Owner of every frontend, to refuse a second Service on the same (VIP, port, protocol).
+    let mut owners: BTreeMap<(SocketAddr, Protocol), (&str, &str)> = BTreeMap::new();
+    for ((ns, name), svc) in &objects.services {
+        let mk_err = |reason: String| {
+            ModelError::object(
+                svc.origin.clone(),
+                "Service",
+                ns.clone(),
+                name.clone(),
+                reason,
+            )
+        };
+        let (vips, ports, warnings) = match service_frontends(svc) {
+            Ok(Some(v)) => v,
+            Ok(None) => continue,
+            Err(reason) => {
+                errors.push(mk_err(format!("{reason}; Service skipped")));
+                continue;
+            }
+        };
+        let frontends: Vec<(SocketAddr, Protocol)> = ports
+            .iter()
+            .flat_map(|(_, proto, port)| {
+                vips.iter()
+                    .map(move |ip| (SocketAddr::new(*ip, *port), *proto))
+            })
+            .collect();
+        if let Some(((addr, proto), (other_ns, other_name))) =
+            frontends.iter().find_map(|f| owners.get(f).map(|o| (f, o)))
+        {
+            errors.push(mk_err(format!(
+                "frontend {addr}/{proto} is already used by Service {other_ns}/{other_name}; Service skipped"
+            )));
+            continue;
+        }
+        for f in frontends {
+            owners.insert(f, (ns.as_str(), name.as_str()));
+        }
+        errors.extend(warnings.into_iter().map(mk_err));
+
+        let service_endpoints = endpoints.get(&(ns.as_str(), name.as_str()));
+        for (port_name, protocol, port) in &ports {
+            for vip in &vips {
+                let family = Family::of(vip);
+                let key = ServicePortKey {
+                    namespace: ns.clone(),
+                    name: name.clone(),
+                    port_name: port_name.clone(),
+                    protocol: *protocol,
+                    family,
+                };
+                let backends = service_endpoints
+                    .and_then(|e| e.get(&(port_name.clone(), *protocol, family)))
+                    .cloned()
+                    .unwrap_or_default();
+                state.services.insert(
+                    key,
+                    DesiredService {
+                        frontends: BTreeSet::from([SocketAddr::new(*vip, *port)]),
+                        backends,
+                    },
+                );
+            }
+        }
+    }
+    (state, errors)
+}
+
+/// A Service's cluster IPs (at most one per family, in `clusterIPs` order), ports (name,
+/// protocol, port) and per-port warnings. `Ok(None)` for a Service that has no frontends by
+/// design (headless, ExternalName, no cluster IP); `Err(reason)` for an invalid Service.
+#[allow(clippy::type_complexity)]
+fn service_frontends(
+    svc: &Sourced<Service>,
+) -> Result<Option<(Vec<IpAddr>, Vec<(String, Protocol, u16)>, Vec<String>)>, String> {
+    let Some(spec) = svc.object.spec.as_ref() else {
+        return Ok(None);
+    };
+    if spec.type_.as_deref() == Some("ExternalName") {
+        return Ok(None);
+    }
+    let cluster_ip = spec.cluster_ip.as_deref().filter(|s| !s.is_empty());
+    let ip_strings: Vec<&str> = match spec.cluster_ips.as_deref() {
+        Some(ips) if !ips.is_empty() => {
+            if let Some(ip) = cluster_ip
+                && ip != ips[0]
+            {
+                return Err(format!(
+                    "clusterIP {ip} does not match clusterIPs[0] {}",
+                    ips[0]
+                ));
+            }
+            ips.iter().map(String::as_str).collect()
+        }
+        _ => cluster_ip.into_iter().collect(),
+    };
+    if ip_strings.is_empty() || ip_strings[0] == "None" {
+        return Ok(None);
+    }
+    let mut vips: Vec<IpAddr> = Vec::new();
+    for s in ip_strings {
+        let ip: IpAddr = s.parse().map_err(|_| format!("invalid cluster IP {s:?}"))?;
+        let unusable = ip.is_unspecified()
+            || ip.is_loopback()
+            || ip.is_multicast()
+            || matches!(ip, IpAddr::V4(v4) if v4.is_broadcast());
+        if unusable {
+            return Err(format!(
+                "cluster IP {ip} is not usable (unspecified, loopback, multicast or broadcast)"
+            ));
+        }
+        if let Some(other) = vips.iter().find(|v| Family::of(v) == Family::of(&ip)) {
+            return Err(format!(
+                "clusterIPs has two {} addresses ({other} and {ip})",
+                Family::of(&ip).as_str()
+            ));
+        }
+        vips.push(ip);
+    }
+
+    let mut ports = Vec::new();
+    let mut warnings = Vec::new();
+    let mut seen_ports: BTreeSet<(i32, String)> = BTreeSet::new();
+    let mut seen_names: BTreeSet<&str> = BTreeSet::new();
+    for p in spec.ports.iter().flatten() {
+        let name = p.name.as_deref().unwrap_or("");
+        let proto_name = p.protocol.as_deref().unwrap_or("TCP");
+        let shown = if name.is_empty() {
+            String::new()
+        } else {
+            format!(" ({name:?})")
+        };
+        if !(1..=65535).contains(&p.port) {
+            return Err(format!("port {}{shown} is out of range 1-65535", p.port));
+        }
+        if !seen_ports.insert((p.port, proto_name.to_string())) {
+            return Err(format!("port {}/{proto_name} is defined twice", p.port));
+        }
+        if !seen_names.insert(name) {
+            return Err(format!("port name {name:?} is used twice"));
+        }
+        let protocol = match proto_name {
+            "TCP" => Protocol::Tcp,
+            "UDP" => Protocol::Udp,
+            "SCTP" => {
+                warnings.push(format!(
+                    "port {}/SCTP{shown}: SCTP is not supported; port skipped",
+                    p.port
+                ));
+                continue;
+            }
+            other => {
+                return Err(format!(
+                    "unsupported protocol {other:?} on port {}{shown}",
+                    p.port
+                ));
+            }
+        };
+        ports.push((name.to_string(), protocol, p.port as u16));
+    }
+    Ok(Some((vips, ports, warnings)))
+}
+
+/// The family and backends (by slice port name and protocol) of one slice; `None` for a
+/// slice that feeds nothing (FQDN) or is invalid (error pushed).
+#[allow(clippy::type_complexity)]
+fn slice_backends(
+    slice: &Sourced<EndpointSlice>,
+    errors: &mut Vec<ModelError>,
+) -> Option<(Family, BTreeMap<(String, Protocol), BTreeSet<SocketAddr>>)> {
+    let meta = &slice.object.metadata;
+    let ns = meta.namespace.clone().unwrap_or_else(|| "default".into());
+    let name = meta.name.clone().unwrap_or_default();
+    let mut err = |reason: String| {
+        errors.push(ModelError::object(
+            slice.origin.clone(),
+            "EndpointSlice",
+            ns.clone(),
+            name.clone(),
+            reason,
+        ))
+    };
+    let family = match slice.object.address_type.as_str() {
+        "IPv4" => Family::V4,
+        "IPv6" => Family::V6,
+        "FQDN" => return None,
+        other => {
+            err(format!(
+                "unsupported addressType {other:?}; EndpointSlice skipped"
+            ));
+            return None;
+        }
+    };
+
+    let mut ports: Vec<(String, Protocol, u16)> = Vec::new();
+    for p in slice.object.ports.iter().flatten() {
+        let port_name = p.name.as_deref().unwrap_or("");
+        let shown = if port_name.is_empty() {
+            String::new()
+        } else {
+            format!(" ({port_name:?})")
+        };
+        let protocol = match p.protocol.as_deref().unwrap_or("TCP") {
+            "TCP" => Protocol::Tcp,
+            "UDP" => Protocol::Udp,
+            "SCTP" => continue,
+            other => {
+                err(format!(
+                    "unsupported protocol {other:?} on port{shown}; port skipped"
+                ));
+                continue;
+            }
+        };
+        match p.port {
+            Some(n @ 1..=65535) => ports.push((port_name.to_string(), protocol, n as u16)),
+            Some(n) => err(format!(
+                "port {n}{shown} is out of range 1-65535; port skipped"
+            )),
+            None => err(format!("port{shown} has no port number; port skipped")),
+        }
+    }
+
+    let mut addrs: Vec<IpAddr> = Vec::new();
+    for (i, ep) in slice.object.endpoints.iter().enumerate() {
+        // Ready unset means ready; terminating endpoints have ready false.
+        if ep.conditions.as_ref().and_then(|c| c.ready) == Some(false) {
+            continue;
+        }
+        // kube-proxy uses only the first address of an endpoint.
+        let Some(first) = ep.addresses.first() else {
+            err(format!("endpoint {i} has no addresses; endpoint skipped"));
+            continue;
+        };
+        match first.parse::<IpAddr>() {
+            Ok(ip) if Family::of(&ip) == family => addrs.push(ip),
+            Ok(ip) => err(format!(
+                "endpoint address {ip} is not an {} address (addressType {}); endpoint skipped",
+                family.as_str(),
+                family.as_str()
+            )),
+            Err(_) => err(format!(
+                "endpoint address {first:?} is not a valid IP address; endpoint skipped"
+            )),
+        }
+    }
+
+    let mut backends: BTreeMap<(String, Protocol), BTreeSet<SocketAddr>> = BTreeMap::new();
+    for (port_name, protocol, port) in ports {
+        backends
+            .entry((port_name, protocol))
+            .or_default()
+            .extend(addrs.iter().map(|ip| SocketAddr::new(*ip, port)));
+    }
+    Some((family, backends))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::manifests::parse_documents;
+
+    /// Objects from YAML documents (origin "test.yaml"); the YAML must be valid.
+    fn objects(yaml: &str) -> ObjectSet {
+        let (objs, errors) = parse_documents("test.yaml", yaml);
+        assert!(errors.is_empty(), "fixture errors: {errors:?}");
+        let mut set = ObjectSet::default();
+        for o in objs {
+            assert!(set.insert(o).is_none(), "duplicate in fixture");
+        }
+        set
+    }
+
+    fn build_yaml(yaml: &str) -> (DesiredState, Vec<String>) {
+        let (state, errors) = build(
+            &objects(yaml),
+            &NodeInfo {
+                name: "node-1".into(),
+            },
+        );
+        (state, errors.iter().map(ToString::to_string).collect())
+    }
+
+    fn key(
+        ns: &str,
+        name: &str,
+        port_name: &str,
+        protocol: Protocol,
+        family: Family,
+    ) -> ServicePortKey {
+        ServicePortKey {
+            namespace: ns.into(),
+            name: name.into(),
+            port_name: port_name.into(),
+            protocol,
+            family,
+        }
+    }
+
+    fn addrs(list: &[&str]) -> BTreeSet<SocketAddr> {
+        list.iter().map(|s| s.parse().unwrap()).collect()
+    }
+
+    fn desired(frontends: &[&str], backends: &[&str]) -> DesiredService {
+        DesiredService {
+            frontends: addrs(frontends),
+            backends: addrs(backends),
+        }
+    }
+
+    fn state(entries: Vec<(ServicePortKey, DesiredService)>) -> DesiredState {
+        DesiredState {
+            services: entries.into_iter().collect(),
+        }
+    }
+
+    use Family::{V4, V6};
+    use Protocol::{Tcp, Udp};
+
+    const NO_ERRORS: Vec<String> = Vec::new();
+
+    /// A Service with the given spec body (indented two spaces).
+    fn svc(ns: &str, name: &str, spec: &str) -> String {
+        format!(
+            "---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: {ns}}}\nspec:\n{spec}"
+        )
+    }
+
+    /// An EndpointSlice of Service `service` with the given body (top-level fields).
+    fn slice(ns: &str, name: &str, service: &str, body: &str) -> String {
+        format!(
+            "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}\n  namespace: {ns}\n  labels: {{kubernetes.io/service-name: {service}}}\n{body}"
+        )
+    }
+
+    #[test]
+    fn cluster_ip_with_ready_endpoints() {
+        let yaml = svc(
+            "shop",
+            "web",
+            "  clusterIP: 10.96.0.10\n  ports: [{name: http, port: 80, targetPort: 8080}]\n",
+        ) + &slice(
+            "shop",
+            "web-1",
+            "web",
+            "addressType: IPv4\nendpoints:\n- addresses: [10.0.0.2]\n- addresses: [10.0.0.1]\n  conditions: {ready: true}\nports: [{name: http, port: 8080, protocol: TCP}]\n",
+        );
+        let (s, e) = build_yaml(&yaml);
+        assert_eq!(e, NO_ERRORS);
+        assert_eq!(
+            s,
+            state(vec![(
+                key("shop", "web", "http", Tcp, V4),
+                desired(&["10.96.0.10:80"], &["10.0.0.1:8080", "10.0.0.2:8080"])
+            )])
+        );
+    }
+
+    #[test]
+    fn dual_stack_cluster_ips_split_by_family() {
+        let yaml = svc(
+            "default",
+            "ds",
+            "  clusterIP: 10.96.0.20\n  clusterIPs: [10.96.0.20, 'fd00::20']\n  ports: [{port: 80}]\n",
+        ) + &slice(
+            "default",
+            "ds-v4",
+            "ds",
+            "addressType: IPv4\nendpoints: [{addresses: [10.0.0.1]}]\nports: [{port: 8080}]\n",
+        ) + &slice(
+            "default",
+            "ds-v6",
+            "ds",
+            "addressType: IPv6\nendpoints: [{addresses: ['fd01::1']}]\nports: [{port: 8080}]\n",
+        );
+        let (s, e) = build_yaml(&yaml);
+        assert_eq!(e, NO_ERRORS);
+        assert_eq!(
+            s,
+            state(vec![
+                (
+                    key("default", "ds", "", Tcp, V4),
+                    desired(&["10.96.0.20:80"], &["10.0.0.1:8080"])
+                ),
+                (
+                    key("default", "ds", "", Tcp, V6),
+                    desired(&["[fd00::20]:80"], &["[fd01::1]:8080"])
+                ),
+            ])
+        );
+    }
+
+    #[test]
+    fn cluster_ips_take_precedence_and_cluster_ip_is_the_fallback() {
+        // clusterIPs alone (IPv6 first).
+        let yaml = svc(
+            "default",
+            "a",
+            "  clusterIPs: ['fd00::1', 10.96.0.1]\n  ports: [{port: 80}]\n",
+        ) + &svc(
+            "default",
+            "b",
+            "  clusterIP: 10.96.0.2\n  clusterIPs: []\n  ports: [{port: 80}]\n",
+        );
+        let (s, e) = build_yaml(&yaml);
+        assert_eq!(e, NO_ERRORS);
+        assert_eq!(
+            s,
+            state(vec![
+                (
+                    key("default", "a", "", Tcp, V4),
+                    desired(&["10.96.0.1:80"], &[])
+                ),
+                (
+                    key("default", "a", "", Tcp, V6),
+                    desired(&["[fd00::1]:80"], &[])
+                ),
+                (
+                    key("default", "b", "", Tcp, V4),
+                    desired(&["10.96.0.2:80"], &[])
+                ),
+            ])
+        );
+    }
+
+    #[test]
+    fn headless_external_name_and_no_cluster_ip_are_ignored() {
+        let yaml = svc(
+            "default",
+            "headless",
+            "  clusterIP: None\n  ports: [{port: 80}]\n",
+        ) + &svc(
+            "default",
+            "headless2",
+            "  clusterIPs: [None]\n  ports: [{port: 80}]\n",
+        ) + &svc(
+            "default",
+            "ext",
+            "  type: ExternalName\n  externalName: example.com\n  ports: [{port: 80}]\n",
+        ) + &svc("default", "noip", "  ports: [{port: 80}]\n")
+            + &svc(
+                "default",
+                "emptyip",
+                "  clusterIP: ''\n  ports: [{port: 80}]\n",
+            )
+            + "---\napiVersion: v1\nkind: Service\nmetadata: {name: nospec}\n"
+            + &slice(
+                "default",
+                "headless-1",
+                "headless",
+                "addressType: IPv4\nendpoints: [{addresses: [10.0.0.1]}]\nports: [{port: 80}]\n",
+            );
+        let (s, e) = build_yaml(&yaml);
+        assert_eq!(e, NO_ERRORS);
+        assert_eq!(s, DesiredState::default());
+    }
+
+    #[test]
+    fn node_port_and_load_balancer_services_use_their_cluster_ips() {
+        let yaml = svc(
+            "default",
+            "np",
+            "  type: NodePort\n  clusterIP: 10.96.0.5\n  ports: [{port: 80, nodePort: 30080}]\n",
+        ) + &svc(
+            "default",
+            "lb",
+            "  type: LoadBalancer\n  clusterIP: 10.96.0.6\n  ports: [{port: 443}]\n",
+        );
+        let (s, e) = build_yaml(&yaml);
+        assert_eq!(e, NO_ERRORS);
+        assert_eq!(
+            s,
+            state(vec![
+                (
+                    key("default", "lb", "", Tcp, V4),
+                    desired(&["10.96.0.6:443"], &[])
+                ),
+                (
+                    key("default", "np", "", Tcp, V4),
+                    desired(&["10.96.0.5:80"], &[])
+                ),
+            ])
+        );
+    }
+
+    #[test]
+    fn protocols_default_tcp_udp_and_sctp_warning() {
+        let yaml = svc(
+            "kube-system",
+            "dns",
+            "  clusterIP: 10.96.0.10\n  ports:\n  - {name: dns, port: 53, protocol: UDP}\n  - {name: dns-tcp, port: 53}\n  - {name: sig, port: 9000, protocol: SCTP}\n",
+        ) + &slice(
+            "kube-system",
+            "dns-1",
+            "dns",
+            "addressType: IPv4\nendpoints: [{addresses: [10.0.0.53]}]\nports:\n- {name: dns, port: 5353, protocol: UDP}\n- {name: dns-tcp, port: 5353}\n- {name: sig, port: 9000, protocol: SCTP}\n",
+        );
+        let (s, e) = build_yaml(&yaml);
+        assert_eq!(
+            e,
+            vec![
+                "test.yaml: Service kube-system/dns: port 9000/SCTP (\"sig\"): SCTP is not supported; port skipped"
+            ]
+        );
+        assert_eq!(
+            s,
+            state(vec![
+                (
+                    key("kube-system", "dns", "dns", Udp, V4),
+                    desired(&["10.96.0.10:53"], &["10.0.0.53:5353"])
+                ),
+                (
+                    key("kube-system", "dns", "dns-tcp", Tcp, V4),
+                    desired(&["10.96.0.10:53"], &["10.0.0.53:5353"])
+                ),
+            ])
+        );
+        assert_eq!(Tcp.number(), 6);
+        assert_eq!(Udp.number(), 17);
+    }
+
+    /// A good Service next to each bad one, to show the bad one does not affect it.
+    fn good() -> String {
+        svc(
+            "default",
+            "good",
+            "  clusterIP: 10.96.1.1\n  ports: [{port: 80}]\n",
+        )
+    }
+
+    fn good_state() -> DesiredState {
+        state(vec![(
+            key("default", "good", "", Tcp, V4),
+            desired(&["10.96.1.1:80"], &[]),
+        )])
+    }
+
+    fn assert_rejected(spec: &str, reason: &str) {
+        let (s, e) = build_yaml(&(good() + &svc("default", "bad", spec)));
+        assert_eq!(
+            e,
+            vec![format!(
+                "test.yaml: Service default/bad: {reason}; Service skipped"
+            )],
+            "{spec}"
+        );
+        assert_eq!(s, good_state(), "{spec}");
+    }
+
+    #[test]
+    fn invalid_cluster_ip_skips_the_service() {
+        assert_rejected(
+            "  clusterIP: 10.96.0.300\n  ports: [{port: 80}]\n",
+            "invalid cluster IP \"10.96.0.300\"",
+        );
+        assert_rejected(
+            "  clusterIPs: [10.96.0.3, nonsense]\n  ports: [{port: 80}]\n",
+            "invalid cluster IP \"nonsense\"",
+        );
+        assert_rejected(
+            "  clusterIP: 127.0.0.1\n  ports: [{port: 80}]\n",
+            "cluster IP 127.0.0.1 is not usable (unspecified, loopback, multicast or broadcast)",
+        );
+        assert_rejected(
+            "  clusterIP: 0.0.0.0\n  ports: [{port: 80}]\n",
+            "cluster IP 0.0.0.0 is not usable (unspecified, loopback, multicast or broadcast)",
+        );
+    }
+
+    #[test]
+    fn two_cluster_ips_of_one_family_skip_the_service() {
+        assert_rejected(
+            "  clusterIPs: [10.96.0.3, 10.96.0.4]\n  ports: [{port: 80}]\n",
+            "clusterIPs has two IPv4 addresses (10.96.0.3 and 10.96.0.4)",
+        );
+        assert_rejected(
+            "  clusterIPs: ['fd00::3', 10.96.0.4, 'fd00::4']\n  ports: [{port: 80}]\n",
+            "clusterIPs has two IPv6 addresses (fd00::3 and fd00::4)",
+        );
+    }
+
+    #[test]
+    fn cluster_ip_must_match_first_cluster_ips() {
+        assert_rejected(
+            "  clusterIP: 10.96.0.3\n  clusterIPs: [10.96.0.4]\n  ports: [{port: 80}]\n",
+            "clusterIP 10.96.0.3 does not match clusterIPs[0] 10.96.0.4",
+        );
+    }
+
+    #[test]
+    fn out_of_range_ports_skip_the_service() {
+        assert_rejected(
+            "  clusterIP: 10.96.0.3\n  ports: [{port: 0}]\n",
+            "port 0 is out of range 1-65535",
+        );
+        assert_rejected(
+            "  clusterIP: 10.96.0.3\n  ports: [{port: 80, name: a}, {name: big, port: 65536}]\n",
+            "port 65536 (\"big\") is out of range 1-65535",
+        );
+        assert_rejected(
+            "  clusterIP: 10.96.0.3\n  ports: [{port: -1}]\n",
+            "port -1 is out of range 1-65535",
+        );
+    }
+
+    #[test]
+    fn duplicate_ports_skip_the_service() {
+        assert_rejected(
+            "  clusterIP: 10.96.0.3\n  ports: [{name: a, port: 80}, {name: b, port: 80, protocol: TCP}]\n",
+            "port 80/TCP is defined twice",
+        );
+        assert_rejected(
+            "  clusterIP: 10.96.0.3\n  ports: [{name: a, port: 80}, {name: a, port: 81}]\n",
+            "port name \"a\" is used twice",
+        );
+        assert_rejected(
+            "  clusterIP: 10.96.0.3\n  ports: [{port: 80}, {port: 81}]\n",
+            "port name \"\" is used twice",
+        );
+        assert_rejected(
+            "  clusterIP: 10.96.0.3\n  ports: [{port: 80, protocol: HTTP}]\n",
+            "unsupported protocol \"HTTP\" on port 80",
+        );
+    }
+
+    #[test]
+    fn colliding_frontend_skips_the_later_service() {
+        let yaml = good()
+            + &svc(
+                "default",
+                "later",
+                "  clusterIP: 10.96.1.1\n  ports: [{port: 80}]\n",
+            )
+            + &svc(
+                "default",
+                "other-port",
+                "  clusterIP: 10.96.1.1\n  ports: [{port: 81}]\n",
+            );
+        let (s, e) = build_yaml(&yaml);
+        assert_eq!(
+            e,
+            vec![
+                "test.yaml: Service default/later: frontend 10.96.1.1:80/TCP is already used by Service default/good; Service skipped"
+            ]
+        );
+        assert_eq!(
+            s,
+            state(vec![
+                (
+                    key("default", "good", "", Tcp, V4),
+                    desired(&["10.96.1.1:80"], &[])
+                ),
+                (
+                    key("default", "other-port", "", Tcp, V4),
+                    desired(&["10.96.1.1:81"], &[])
+                ),
+            ])
+        );
+    }
+
+    #[test]
+    fn service_without_ports_has_no_frontends() {
+        let (s, e) = build_yaml(&svc("default", "noports", "  clusterIP: 10.96.0.3\n"));
+        assert_eq!(e, NO_ERRORS);
+        assert_eq!(s, DesiredState::default());
+    }
+
+    #[test]
+    fn slices_link_by_label_in_the_same_namespace_only() {
+        let yaml = svc("a", "web", "  clusterIP: 10.96.0.3\n  ports: [{port: 80}]\n")
+            + &slice("a", "web-1", "web", "addressType: IPv4\nendpoints: [{addresses: [10.0.0.1]}]\nports: [{port: 8080}]\n")
+            // Same label, other namespace.
+            + &slice("b", "web-1", "web", "addressType: IPv4\nendpoints: [{addresses: [10.0.0.2]}]\nports: [{port: 8080}]\n")
+            // No label.
+            + "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-x, namespace: a}\naddressType: IPv4\nendpoints: [{addresses: [10.0.0.3]}]\nports: [{port: 8080}]\n";
+        let (s, e) = build_yaml(&yaml);
+        assert_eq!(e, NO_ERRORS);
+        assert_eq!(
+            s,
+            state(vec![(
+                key("a", "web", "", Tcp, V4),
+                desired(&["10.96.0.3:80"], &["10.0.0.1:8080"])
+            )])
+        );
+    }
+
+    #[test]
+    fn selectorless_service_with_hand_made_slice() {
+        let yaml = svc(
+            "default",
+            "ext-db",
+            "  clusterIP: 10.96.0.7\n  ports: [{name: pg, port: 5432}]\n",
+        ) + &slice(
+            "default",
+            "ext-db-manual",
+            "ext-db",
+            "addressType: IPv4\nendpoints: [{addresses: [192.168.1.10]}, {addresses: [192.168.1.11]}]\nports: [{name: pg, port: 5432}]\n",
+        );
+        let (s, e) = build_yaml(&yaml);
+        assert_eq!(e, NO_ERRORS);
+        assert_eq!(
+            s,
+            state(vec![(
+                key("default", "ext-db", "pg", Tcp, V4),
+                desired(
+                    &["10.96.0.7:5432"],
+                    &["192.168.1.10:5432", "192.168.1.11:5432"]
+                )
+            )])
+        );
+    }
+
+    #[test]
+    fn address_types_fqdn_ignored_unknown_rejected() {
+        let yaml = svc(
+            "default",
+            "web",
+            "  clusterIP: 10.96.0.3\n  ports: [{port: 80}]\n",
+        ) + &slice(
+            "default",
+            "web-fqdn",
+            "web",
+            "addressType: FQDN\nendpoints: [{addresses: [example.com]}]\nports: [{port: 80}]\n",
+        ) + &slice(
+            "default",
+            "web-odd",
+            "web",
+            "addressType: IPX\nendpoints: [{addresses: [10.0.0.1]}]\nports: [{port: 80}]\n",
+        );
+        let (s, e) = build_yaml(&yaml);
+        assert_eq!(
+            e,
+            vec![
+                "test.yaml: EndpointSlice default/web-odd: unsupported addressType \"IPX\"; EndpointSlice skipped"
+            ]
+        );
+        assert_eq!(
+            s,
+            state(vec![(
+                key("default", "web", "", Tcp, V4),
+                desired(&["10.96.0.3:80"], &[])
+            )])
+        );
+    }
+
+    #[test]
+    fn readiness_unset_is_ready_false_and_terminating_are_excluded() {
+        let yaml = svc(
+            "default",
+            "web",
+            "  clusterIP: 10.96.0.3\n  ports: [{port: 80}]\n",
+        ) + &slice(
+            "default",
+            "web-1",
+            "web",
+            "addressType: IPv4\nendpoints:\n- addresses: [10.0.0.1]\n- addresses: [10.0.0.2]\n  conditions: {}\n- addresses: [10.0.0.3]\n  conditions: {ready: true, serving: true}\n- addresses: [10.0.0.4]\n  conditions: {ready: false}\n- addresses: [10.0.0.5]\n  conditions: {ready: false, serving: true, terminating: true}\nports: [{port: 8080}]\n",
+        );
+        let (s, e) = build_yaml(&yaml);
+        assert_eq!(e, NO_ERRORS);
+        assert_eq!(
+            s,
+            state(vec![(
+                key("default", "web", "", Tcp, V4),
+                desired(
+                    &["10.96.0.3:80"],
+                    &["10.0.0.1:8080", "10.0.0.2:8080", "10.0.0.3:8080"]
+                )
+            )])
+        );
+    }
+
+    #[test]
+    fn only_the_first_address_of_an_endpoint_is_used() {
+        let yaml = svc(
+            "default",
+            "web",
+            "  clusterIP: 10.96.0.3\n  ports: [{port: 80}]\n",
+        ) + &slice(
+            "default",
+            "web-1",
+            "web",
+            "addressType: IPv4\nendpoints: [{addresses: [10.0.0.1, 10.0.0.2]}, {addresses: []}]\nports: [{port: 8080}]\n",
+        );
+        let (s, e) = build_yaml(&yaml);
+        assert_eq!(
+            e,
+            vec![
+                "test.yaml: EndpointSlice default/web-1: endpoint 1 has no addresses; endpoint skipped"
+            ]
+        );
+        assert_eq!(
+            s,
+            state(vec![(
+                key("default", "web", "", Tcp, V4),
+                desired(&["10.96.0.3:80"], &["10.0.0.1:8080"])
+            )])
+        );
+    }
+
+    #[test]
+    fn bad_endpoint_addresses_skip_only_that_endpoint() {
+        let yaml = svc(
+            "default",
+            "web",
+            "  clusterIPs: [10.96.0.3, 'fd00::3']\n  ports: [{port: 80}]\n",
+        ) + &slice(
+            "default",
+            "web-v4",
+            "web",
+            "addressType: IPv4\nendpoints: [{addresses: [10.0.0.999]}, {addresses: ['fd01::1']}, {addresses: [10.0.0.1]}]\nports: [{port: 8080}]\n",
+        ) + &slice(
+            "default",
+            "web-v6",
+            "web",
+            "addressType: IPv6\nendpoints: [{addresses: [10.0.0.2]}, {addresses: ['fd01::2']}]\nports: [{port: 8080}]\n",
+        );
+        let (s, e) = build_yaml(&yaml);
+        assert_eq!(
+            e,
+            vec![
+                "test.yaml: EndpointSlice default/web-v4: endpoint address \"10.0.0.999\" is not a valid IP address; endpoint skipped",
+                "test.yaml: EndpointSlice default/web-v4: endpoint address fd01::1 is not an IPv4 address (addressType IPv4); endpoint skipped",
+                "test.yaml: EndpointSlice default/web-v6: endpoint address 10.0.0.2 is not an IPv6 address (addressType IPv6); endpoint skipped",
+            ]
+        );
+        assert_eq!(
+            s,
+            state(vec![
+                (
+                    key("default", "web", "", Tcp, V4),
+                    desired(&["10.96.0.3:80"], &["10.0.0.1:8080"])
+                ),
+                (
+                    key("default", "web", "", Tcp, V6),
+                    desired(&["[fd00::3]:80"], &["[fd01::2]:8080"])
+                ),
+            ])
+        );
+    }
+
+    #[test]
+    fn bad_slice_ports_skip_only_that_port() {
+        let yaml = svc(
+            "default",
+            "web",
+            "  clusterIP: 10.96.0.3\n  ports: [{name: a, port: 80}, {name: b, port: 81}, {name: c, port: 82}, {name: d, port: 83}]\n",
+        ) + &slice(
+            "default",
+            "web-1",
+            "web",
+            "addressType: IPv4\nendpoints: [{addresses: [10.0.0.1]}]\nports:\n- {name: a, port: 0}\n- {name: b, port: 70000}\n- {name: c}\n- {name: d, port: 8083}\n",
+        );
+        let (s, e) = build_yaml(&yaml);
+        assert_eq!(
+            e,
+            vec![
+                "test.yaml: EndpointSlice default/web-1: port 0 (\"a\") is out of range 1-65535; port skipped",
+                "test.yaml: EndpointSlice default/web-1: port 70000 (\"b\") is out of range 1-65535; port skipped",
+                "test.yaml: EndpointSlice default/web-1: port (\"c\") has no port number; port skipped",
+            ]
+        );
+        assert_eq!(
+            s,
+            state(vec![
+                (
+                    key("default", "web", "a", Tcp, V4),
+                    desired(&["10.96.0.3:80"], &[])
+                ),
+                (
+                    key("default", "web", "b", Tcp, V4),
+                    desired(&["10.96.0.3:81"], &[])
+                ),
+                (
+                    key("default", "web", "c", Tcp, V4),
+                    desired(&["10.96.0.3:82"], &[])
+                ),
+                (
+                    key("default", "web", "d", Tcp, V4),
+                    desired(&["10.96.0.3:83"], &["10.0.0.1:8083"])
+                ),
+            ])
+        );
+    }
+
+    #[test]
+    fn target_port_resolution_by_port_name_per_slice() {
+        // Named targetPort resolved differently on two slices, even for the same IP.
+        let yaml = svc(
+            "default",
+            "web",
+            "  clusterIP: 10.96.0.3\n  ports: [{name: http, port: 80, targetPort: web}, {name: metrics, port: 9100}]\n",
+        ) + &slice(
+            "default",
+            "web-old",
+            "web",
+            "addressType: IPv4\nendpoints: [{addresses: [10.0.0.1]}, {addresses: [10.0.0.2]}]\nports: [{name: http, port: 8080}, {name: metrics, port: 9100}]\n",
+        ) + &slice(
+            "default",
+            "web-new",
+            "web",
+            "addressType: IPv4\nendpoints: [{addresses: [10.0.0.1]}]\nports: [{name: http, port: 9090}]\n",
+        ) + &slice(
+            "default",
+            "web-other-name",
+            "web",
+            "addressType: IPv4\nendpoints: [{addresses: [10.0.0.9]}]\nports: [{name: https, port: 8443}]\n",
+        );
+        let (s, e) = build_yaml(&yaml);
+        assert_eq!(e, NO_ERRORS);
+        assert_eq!(
+            s,
+            state(vec![
+                (
+                    key("default", "web", "http", Tcp, V4),
+                    desired(
+                        &["10.96.0.3:80"],
+                        &["10.0.0.1:8080", "10.0.0.1:9090", "10.0.0.2:8080"]
+                    )
+                ),
+                (
+                    key("default", "web", "metrics", Tcp, V4),
+                    desired(&["10.96.0.3:9100"], &["10.0.0.1:9100", "10.0.0.2:9100"])
+                ),
+            ])
+        );
+    }
+
+    #[test]
+    fn unnamed_port_matches_unnamed_or_empty_named_slice_ports() {
+        let yaml = svc(
+            "default",
+            "web",
+            "  clusterIP: 10.96.0.3\n  ports: [{port: 80, targetPort: 8080}]\n",
+        ) + &slice(
+            "default",
+            "web-1",
+            "web",
+            "addressType: IPv4\nendpoints: [{addresses: [10.0.0.1]}]\nports: [{port: 8080}]\n",
+        ) + &slice(
+            "default",
+            "web-2",
+            "web",
+            "addressType: IPv4\nendpoints: [{addresses: [10.0.0.2]}]\nports: [{name: '', port: 8080}]\n",
+        ) + &slice(
+            "default",
+            "web-3",
+            "web",
+            "addressType: IPv4\nendpoints: [{addresses: [10.0.0.3]}]\nports: [{name: http, port: 8080}]\n",
+        );
+        let (s, e) = build_yaml(&yaml);
+        assert_eq!(e, NO_ERRORS);
+        assert_eq!(
+            s,
+            state(vec![(
+                key("default", "web", "", Tcp, V4),
+                desired(&["10.96.0.3:80"], &["10.0.0.1:8080", "10.0.0.2:8080"])
+            )])
+        );
+    }
+
+    #[test]
+    fn slice_port_protocol_must_match() {
+        let yaml = svc(
+            "default",
+            "web",
+            "  clusterIP: 10.96.0.3\n  ports: [{name: p, port: 80}]\n",
+        ) + &slice(
+            "default",
+            "web-1",
+            "web",
+            "addressType: IPv4\nendpoints: [{addresses: [10.0.0.1]}]\nports: [{name: p, port: 8080, protocol: UDP}]\n",
+        );
+        let (s, e) = build_yaml(&yaml);
+        assert_eq!(e, NO_ERRORS);
+        assert_eq!(
+            s,
+            state(vec![(
+                key("default", "web", "p", Tcp, V4),
+                desired(&["10.96.0.3:80"], &[])
+            )])
+        );
+    }
+
+    #[test]
+    fn slices_are_merged_and_backends_deduplicated() {
+        let yaml = svc(
+            "default",
+            "web",
+            "  clusterIP: 10.96.0.3\n  ports: [{port: 80}]\n",
+        ) + &slice(
+            "default",
+            "web-1",
+            "web",
+            "addressType: IPv4\nendpoints: [{addresses: [10.0.0.1]}, {addresses: [10.0.0.2]}, {addresses: [10.0.0.1]}]\nports: [{port: 8080}]\n",
+        ) + &slice(
+            "default",
+            "web-2",
+            "web",
+            "addressType: IPv4\nendpoints: [{addresses: [10.0.0.2]}, {addresses: [10.0.0.3]}]\nports: [{port: 8080}]\n",
+        );
+        let (s, e) = build_yaml(&yaml);
+        assert_eq!(e, NO_ERRORS);
+        assert_eq!(
+            s,
+            state(vec![(
+                key("default", "web", "", Tcp, V4),
+                desired(
+                    &["10.96.0.3:80"],
+                    &["10.0.0.1:8080", "10.0.0.2:8080", "10.0.0.3:8080"]
+                )
+            )])
+        );
+    }
+
+    #[test]
+    fn frontend_without_endpoints_and_endpoints_without_frontend_family() {
+        // IPv4-only Service: the IPv6 slice is dropped; no slice at all still gives a
+        // frontend with empty backends.
+        let yaml = svc(
+            "default",
+            "v4only",
+            "  clusterIP: 10.96.0.3\n  ports: [{port: 80}]\n",
+        ) + &slice(
+            "default",
+            "v4only-v6",
+            "v4only",
+            "addressType: IPv6\nendpoints: [{addresses: ['fd01::1']}]\nports: [{port: 8080}]\n",
+        ) + &svc(
+            "default",
+            "empty",
+            "  clusterIPs: [10.96.0.4, 'fd00::4']\n  ports: [{port: 80}]\n",
+        ) + &slice(
+            "default",
+            "empty-v4",
+            "empty",
+            "addressType: IPv4\nendpoints: [{addresses: [10.0.0.1], conditions: {ready: false}}]\nports: [{port: 8080}]\n",
+        );
+        let (s, e) = build_yaml(&yaml);
+        assert_eq!(e, NO_ERRORS);
+        assert_eq!(
+            s,
+            state(vec![
+                (
+                    key("default", "empty", "", Tcp, V4),
+                    desired(&["10.96.0.4:80"], &[])
+                ),
+                (
+                    key("default", "empty", "", Tcp, V6),
+                    desired(&["[fd00::4]:80"], &[])
+                ),
+                (
+                    key("default", "v4only", "", Tcp, V4),
+                    desired(&["10.96.0.3:80"], &[])
+                ),
+            ])
+        );
+    }
+
+    #[test]
+    fn slice_errors_are_reported_even_without_a_service() {
+        let yaml = slice(
+            "default",
+            "orphan",
+            "gone",
+            "addressType: IPv4\nendpoints: [{addresses: [bad]}]\nports: [{port: 80}]\n",
+        );
+        let (s, e) = build_yaml(&yaml);
+        assert_eq!(
+            e,
+            vec![
+                "test.yaml: EndpointSlice default/orphan: endpoint address \"bad\" is not a valid IP address; endpoint skipped"
+            ]
+        );
+        assert_eq!(s, DesiredState::default());
+    }
+
+    #[test]
+    fn counts() {
+        // Two Services share a backend (same addr, port, proto): one backend, two slots.
+        let yaml = svc(
+            "default",
+            "a",
+            "  clusterIPs: [10.96.0.1, 'fd00::1']\n  ports: [{name: x, port: 80}, {name: y, port: 53, protocol: UDP}]\n",
+        ) + &svc(
+            "default",
+            "b",
+            "  clusterIP: 10.96.0.2\n  ports: [{port: 80}]\n",
+        ) + &slice(
+            "default",
+            "a-1",
+            "a",
+            "addressType: IPv4\nendpoints: [{addresses: [10.0.0.1]}, {addresses: [10.0.0.2]}]\nports: [{name: x, port: 8080}, {name: y, port: 8080, protocol: UDP}]\n",
+        ) + &slice(
+            "default",
+            "b-1",
+            "b",
+            "addressType: IPv4\nendpoints: [{addresses: [10.0.0.1]}]\nports: [{port: 8080}]\n",
+        );
+        let (s, e) = build_yaml(&yaml);
+        assert_eq!(e, NO_ERRORS);
+        assert_eq!(s.services.len(), 5);
+        assert_eq!(
+            s.vips(),
+            ["10.96.0.1", "10.96.0.2", "fd00::1"]
+                .iter()
+                .map(|a| a.parse().unwrap())
+                .collect()
+        );
+        // a: 2 ports x 2 families, b: 1.
+        assert_eq!(s.frontend_count(), 5);
+        // 10.0.0.1:8080/TCP, 10.0.0.2:8080/TCP, 10.0.0.1:8080/UDP, 10.0.0.2:8080/UDP.
+        assert_eq!(s.backend_count(), 4);
+        // a/x/V4: 2, a/y/V4: 2, b/V4: 1, the V6 sets: 0.
+        assert_eq!(s.slot_count(), 5);
+        assert_eq!(DesiredState::default().frontend_count(), 0);
+    }
+
+    #[test]
+    fn build_is_deterministic() {
+        let yaml = svc(
+            "b",
+            "web",
+            "  clusterIP: 10.96.0.3\n  ports: [{port: 80}]\n",
+        ) + &svc(
+            "a",
+            "web",
+            "  clusterIP: 10.96.0.3\n  ports: [{port: 80}]\n",
+        );
+        let (s1, e1) = build_yaml(&yaml);
+        let (s2, e2) = build_yaml(&yaml);
+        assert_eq!((&s1, &e1), (&s2, &e2));
+        // Namespace "a" sorts first and keeps the frontend.
+        assert_eq!(
+            e1,
+            vec![
+                "test.yaml: Service b/web: frontend 10.96.0.3:80/TCP is already used by Service a/web; Service skipped"
+            ]
+        );
+    }
+}

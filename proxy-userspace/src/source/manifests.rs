@@ -1,0 +1,1057 @@
+//! The manifest source: Services and EndpointSlices read from a directory of YAML/JSON
+//! files, re-read whenever the directory changes.
+//!
+//! Rules (what is read, what is skipped):
+//! - Every regular file (or symlink to one) directly in the directory whose name ends in
+//!   `.yaml`, `.yml` or `.json` (any case) is read, in byte order of file names. Hidden files
+//!   (`.foo.yaml`, `.foo.swp`, Kubernetes ConfigMap `..data` entries) and editor backups
+//!   (`foo.yaml~`) are ignored; subdirectories are not entered.
+//! - `.json` files are parsed as JSON (a stream of one or more values); every other file
+//!   as YAML (any number of `---` documents). Each document is first parsed into a
+//!   `serde_json::Value`, then dispatched on `apiVersion`/`kind`:
+//!   `v1`/`Service` and `discovery.k8s.io/v1`/`EndpointSlice` are read;
+//!   `v1`/`List`, `v1`/`ServiceList` and `discovery.k8s.io/v1`/`EndpointSliceList` have their
+//!   `items` read (items of a typed list may leave out `apiVersion`/`kind`).
+//! - **Anything else is skipped with one [`SourceError`]**: a document without `apiVersion`
+//!   or `kind`, a Service or EndpointSlice with another `apiVersion` (e.g.
+//!   `discovery.k8s.io/v1beta1`), and every other kind, including valid but irrelevant ones
+//!   (`Deployment`, `ConfigMap`, ...). One clear line per skipped object beats silently
+//!   ignoring a typo'd kind. Empty documents (`---` with nothing, only comments) are skipped
+//!   silently.
+//! - A missing `metadata.namespace` means `"default"` (and is filled in on the object). A
+//!   missing `metadata.name` skips the object with an error.
+//! - An object that does not deserialize into its k8s-openapi type (e.g. `port: abc`) is
+//!   skipped with an error naming its kind, namespace and name (when they can be read) and
+//!   the serde error; the rest of the file is still read.
+//! - A syntax error skips the rest of the file with one error; the documents before it are
+//!   kept. An unreadable or non-UTF-8 file is skipped with one error.
+//! - The same kind/namespace/name twice (in two files, or twice in one file): the later one
+//!   (in file order, then document order) wins, with an error naming both origins.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use serde::Deserialize;
+use serde_json::Value;
+use tokio::sync::mpsc;
+use tracing::{debug, warn};
+
+use super::{Object, ObjectSet, Snapshot, Source, SourceError, Sourced};
+
+const SERVICE_API: &str = "v1";
+const ENDPOINT_SLICE_API: &str = "discovery.k8s.io/v1";
+
+/// Parses the text of one manifest file. `origin` names the file in errors; when it ends in
+/// `.json` (any case) the text is parsed as a JSON stream, otherwise as multi-document YAML.
+/// Returns the objects in document order and the errors of everything skipped.
+pub fn parse_documents(origin: &str, text: &str) -> (Vec<Object>, Vec<SourceError>) {
+    let mut objects = Vec::new();
+    let mut errors = Vec::new();
+    if origin.to_ascii_lowercase().ends_with(".json") {
+        for (i, doc) in serde_json::Deserializer::from_str(text)
+            .into_iter::<Value>()
+            .enumerate()
+        {
+            match doc {
+                Ok(value) => dispatch(origin, value, None, &mut objects, &mut errors),
+                Err(e) => {
+                    errors.push(SourceError::file(
+                        origin,
+                        format!(
+                            "invalid JSON in document {}: {e}; rest of the file skipped",
+                            i + 1
+                        ),
+                    ));
+                    break;
+                }
+            }
+        }
+    } else {
+        for (i, doc) in serde_yaml_ng::Deserializer::from_str(text).enumerate() {
+            match Value::deserialize(doc) {
+                Ok(value) => dispatch(origin, value, None, &mut objects, &mut errors),
+                Err(e) => {
+                    errors.push(SourceError::file(
+                        origin,
+                        format!(
+                            "invalid YAML in document {}: {e}; rest of the file skipped",
+                            i + 1
+                        ),
+                    ));
+                    break;
+                }
+            }
+        }
+    }
+    (objects, errors)
+}
+
+/// A string field of a JSON object, when present and a string.
+fn str_field<'a>(value: &'a Value, field: &str) -> Option<&'a str> {
+    value.get(field).and_then(Value::as_str)
+}
+
+/// (namespace, name) as far as they can be read from a raw object; namespace defaults to
+/// "default", name to "".
+fn raw_key(value: &Value) -> (String, String) {
+    let meta = value.get("metadata");
+    let ns = meta
+        .and_then(|m| str_field(m, "namespace"))
+        .filter(|n| !n.is_empty())
+        .unwrap_or("default");
+    let name = meta.and_then(|m| str_field(m, "name")).unwrap_or("");
+    (ns.to_string(), name.to_string())
+}
+
+/// Dispatches one document (or list item). `list_item_type` is `(apiVersion, kind)` of the
+/// typed list the value is an item of, used when the item leaves them out.
+fn dispatch(
+    origin: &str,
+    mut value: Value,
+    list_item_type: Option<(&str, &str)>,
+    objects: &mut Vec<Object>,
+    errors: &mut Vec<SourceError>,
+) {
+    if value.is_null() {
+        return; // empty document
+    }
+    let Some(map) = value.as_object_mut() else {
+        errors.push(SourceError::file(
+            origin,
+            "document is not an object (expected a Kubernetes manifest)",
+        ));
+        return;
+    };
+    if let Some((api, kind)) = list_item_type {
+        map.entry("apiVersion")
+            .or_insert_with(|| Value::String(api.into()));
+        map.entry("kind")
+            .or_insert_with(|| Value::String(kind.into()));
+    }
+    let (ns, name) = raw_key(&value);
+    let api = str_field(&value, "apiVersion").map(str::to_owned);
+    let kind = str_field(&value, "kind").map(str::to_owned);
+    let (api, kind) = match (api, kind) {
+        (Some(a), Some(k)) if !a.is_empty() && !k.is_empty() => (a, k),
+        (a, k) => {
+            let missing = match (a.as_deref().unwrap_or(""), k.as_deref().unwrap_or("")) {
+                ("", "") => "apiVersion and kind",
+                ("", _) => "apiVersion",
+                _ => "kind",
+            };
+            let shown_ns = if name.is_empty() { String::new() } else { ns };
+            errors.push(SourceError::object(
+                origin,
+                k.unwrap_or_default(),
+                shown_ns,
+                name,
+                format!("missing {missing}; object skipped"),
+            ));
+            return;
+        }
+    };
+
+    let item_type = match (api.as_str(), kind.as_str()) {
+        ("v1", "List") => Some(None),
+        ("v1", "ServiceList") => Some(Some((SERVICE_API, "Service"))),
+        ("discovery.k8s.io/v1", "EndpointSliceList") => {
+            Some(Some((ENDPOINT_SLICE_API, "EndpointSlice")))
+        }
+        _ => None,
+    };
+    if let Some(item_type) = item_type {
+        match value.get_mut("items").map(Value::take) {
+            None | Some(Value::Null) => {} // an empty list
+            Some(Value::Array(items)) => {
+                for item in items {
+                    dispatch(origin, item, item_type, objects, errors);
+                }
+            }
+            Some(_) => errors.push(SourceError::object(
+                origin,
+                kind,
+                "",
+                "",
+                "items is not a list; list skipped",
+            )),
+        }
+        return;
+    }
+
+    let shown_ns = if name.is_empty() {
+        String::new()
+    } else {
+        ns.clone()
+    };
+    match (api.as_str(), kind.as_str()) {
+        (SERVICE_API, "Service") | (ENDPOINT_SLICE_API, "EndpointSlice") => {}
+        _ => {
+            errors.push(SourceError::object(
+                origin,
+                kind.clone(),
+                shown_ns,
+                name,
+                format!(
+                    "unsupported kind {api} {kind} (only v1 Service and discovery.k8s.io/v1 \
+                     EndpointSlice are read); object skipped"
+                ),
+            ));
+            return;
+        }
+    }
+    if name.is_empty() {
+        errors.push(SourceError::object(
+            origin,
+            kind,
+            "",
+            "",
+            "metadata.name is missing; object skipped",
+        ));
+        return;
+    }
+    let result = if kind == "Service" {
+        serde_json::from_value::<Service>(value).map(|mut s| {
+            s.metadata.namespace = Some(ns.clone());
+            Object::Service(Sourced {
+                origin: origin.to_string(),
+                object: s,
+            })
+        })
+    } else {
+        serde_json::from_value::<EndpointSlice>(value).map(|mut s| {
+            s.metadata.namespace = Some(ns.clone());
+            Object::EndpointSlice(Sourced {
+                origin: origin.to_string(),
+                object: s,
+            })
+        })
+    };
+    match result {
+        Ok(object) => objects.push(object),
+        Err(e) => errors.push(SourceError::object(
+            origin,
+            kind,
+            ns,
+            name,
+            format!("{e}; object skipped"),
+        )),
+    }
+}
+
+/// True for a file name the directory source reads.
+fn is_manifest_name(name: &str) -> bool {
+    if name.starts_with('.') || name.ends_with('~') {
+        return false;
+    }
+    let lower = name.to_ascii_lowercase();
+    lower.ends_with(".yaml") || lower.ends_with(".yml") || lower.ends_with(".json")
+}
+
+/// Reads every manifest file of `dir` (see the module documentation for the rules).
+/// A directory that cannot be read yields an empty set and one error.
+pub fn load_dir(dir: &Path) -> (ObjectSet, Vec<SourceError>) {
+    match try_load_dir(dir) {
+        Ok(r) => r,
+        Err(e) => (
+            ObjectSet::default(),
+            vec![SourceError::file(
+                dir.display().to_string(),
+                format!("cannot read directory: {e}"),
+            )],
+        ),
+    }
+}
+
+/// As [`load_dir`], but a directory that cannot be listed is an error (so that a watcher
+/// can keep its previous snapshot instead of publishing an empty one).
+fn try_load_dir(dir: &Path) -> io::Result<(ObjectSet, Vec<SourceError>)> {
+    let mut files: Vec<(String, PathBuf)> = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let Some(name) = entry.file_name().to_str().map(str::to_owned) else {
+            debug!(path = %entry.path().display(), "ignoring file with a non-UTF-8 name");
+            continue;
+        };
+        if !is_manifest_name(&name) {
+            continue;
+        }
+        files.push((name, entry.path()));
+    }
+    files.sort();
+
+    let mut set = ObjectSet::default();
+    let mut errors = Vec::new();
+    for (_, path) in files {
+        let origin = path.display().to_string();
+        // Follows symlinks (ConfigMap volumes); skips directories named *.yaml.
+        match std::fs::metadata(&path) {
+            Ok(m) if m.is_file() => {}
+            Ok(_) => continue,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue, // removed meanwhile
+            Err(e) => {
+                errors.push(SourceError::file(origin, format!("cannot read file: {e}")));
+                continue;
+            }
+        }
+        let bytes = match std::fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue, // removed meanwhile
+            Err(e) => {
+                errors.push(SourceError::file(origin, format!("cannot read file: {e}")));
+                continue;
+            }
+        };
+        let text = match String::from_utf8(bytes) {
+            Ok(t) => t,
+            Err(e) => {
+                errors.push(SourceError::file(origin, format!("file is not UTF-8: {e}")));
+                continue;
+            }
+        };
+        let (objects, file_errors) = parse_documents(&origin, &text);
+        errors.extend(file_errors);
+        insert_all(&mut set, objects, &mut errors);
+    }
+    Ok((set, errors))
+}
+
+/// Inserts objects in order; a duplicate replaces the earlier object with an error naming
+/// both origins.
+fn insert_all(set: &mut ObjectSet, objects: Vec<Object>, errors: &mut Vec<SourceError>) {
+    for object in objects {
+        let kind = object.kind();
+        let origin = object.origin().to_string();
+        let (ns, name) = object.key();
+        if let Some(previous) = set.insert(object) {
+            let reason = if previous == origin {
+                format!("defined more than once in {origin}; the last definition is used")
+            } else {
+                format!("also defined in {previous}; the definition in {origin} is used")
+            };
+            errors.push(SourceError::object(origin, kind, ns, name, reason));
+        }
+    }
+}
+
+/// Default quiet time after the last file event before the directory is re-read.
+pub const DEFAULT_DEBOUNCE: Duration = Duration::from_millis(50);
+/// Default interval of the periodic re-read, a safety net for lost events (e.g. the
+/// directory itself removed and re-created).
+pub const DEFAULT_RESYNC: Duration = Duration::from_secs(10);
+/// Longest a burst of events can delay a snapshot.
+const MAX_DEBOUNCE_DELAY: Duration = Duration::from_secs(1);
+
+/// A [`Source`] reading a directory of manifests (see the module documentation) and
+/// re-reading it on change.
+///
+/// The directory is watched with `notify` (non-recursive). Any event other than a read
+/// access triggers a re-read once no event has arrived for the debounce time (50 ms by
+/// default, at most 1 s after the first event), so editors that save in several steps (write
+/// a temp file, rename it over) produce one snapshot. The directory is also re-read every
+/// resync interval. A snapshot equal to the previous one is not sent.
+///
+/// An empty directory yields an empty snapshot. A directory that cannot be listed (removed,
+/// permissions) yields no snapshot: the previous one stays in force, a warning is logged,
+/// and the watch is re-established once the directory is back.
+#[derive(Clone, Debug)]
+pub struct ManifestSource {
+    dir: PathBuf,
+    debounce: Duration,
+    resync: Duration,
+}
+
+impl ManifestSource {
+    /// A source for `dir`, with [`DEFAULT_DEBOUNCE`] and [`DEFAULT_RESYNC`].
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        ManifestSource {
+            dir: dir.into(),
+            debounce: DEFAULT_DEBOUNCE,
+            resync: DEFAULT_RESYNC,
+        }
+    }
+
+    /// Sets the quiet time after the last event before re-reading.
+    pub fn with_debounce(mut self, debounce: Duration) -> Self {
+        self.debounce = debounce;
+        self
+    }
+
+    /// Sets the periodic re-read interval.
+    pub fn with_resync(mut self, resync: Duration) -> Self {
+        self.resync = resync;
+        self
+    }
+
+    /// The watched directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+/// True for the events that may change what the directory holds.
+fn is_relevant(event: &notify::Event) -> bool {
+    use notify::event::{AccessKind, AccessMode, EventKind};
+    match event.kind {
+        // Our own reads open files: ignore opens and read closes, keep close-after-write.
+        EventKind::Access(AccessKind::Close(AccessMode::Write)) => true,
+        EventKind::Access(_) => false,
+        _ => true,
+    }
+}
+
+/// Identity of the directory inode, to notice it was replaced and must be re-watched.
+fn dir_identity(dir: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(dir).ok().map(|m| (m.dev(), m.ino()))
+}
+
+struct Watch {
+    watcher: notify::RecommendedWatcher,
+    dir: PathBuf,
+    /// Identity of the directory the watch is on; `None` when not watching.
+    watching: Option<(u64, u64)>,
+}
+
+impl Watch {
+    /// (Re-)establishes the watch when the directory is not watched or was replaced.
+    fn ensure(&mut self) {
+        use notify::{RecursiveMode, Watcher};
+        let current = dir_identity(&self.dir);
+        if current.is_some() && current == self.watching {
+            return;
+        }
+        if self.watching.take().is_some() {
+            let _ = self.watcher.unwatch(&self.dir);
+        }
+        if current.is_none() {
+            return;
+        }
+        match self.watcher.watch(&self.dir, RecursiveMode::NonRecursive) {
+            Ok(()) => {
+                debug!(dir = %self.dir.display(), "watching manifest directory");
+                self.watching = current;
+            }
+            Err(e) => {
+                warn!(dir = %self.dir.display(), error = %e, "cannot watch manifest directory")
+            }
+        }
+    }
+}
+
+impl Source for ManifestSource {
+    fn start(self) -> anyhow::Result<mpsc::Receiver<Snapshot>> {
+        use anyhow::Context as _;
+        std::fs::read_dir(&self.dir)
+            .with_context(|| format!("cannot read manifest directory {}", self.dir.display()))?;
+        let (event_tx, event_rx) = mpsc::unbounded_channel::<notify::Result<notify::Event>>();
+        let watcher = notify::recommended_watcher(move |res| {
+            let _ = event_tx.send(res);
+        })
+        .context("cannot create a file watcher")?;
+        let mut watch = Watch {
+            watcher,
+            dir: self.dir.clone(),
+            watching: None,
+        };
+        // Watch before the first read, so no change between the two is lost.
+        watch.ensure();
+        if watch.watching.is_none() {
+            anyhow::bail!("cannot watch manifest directory {}", self.dir.display());
+        }
+        let (tx, rx) = mpsc::channel(4);
+        tokio::spawn(run(self, watch, event_rx, tx));
+        Ok(rx)
+    }
+}
+
+async fn run(
+    source: ManifestSource,
+    mut watch: Watch,
+    mut events: mpsc::UnboundedReceiver<notify::Result<notify::Event>>,
+    tx: mpsc::Sender<Snapshot>,
+) {
+    let mut last: Option<Snapshot> = None;
+    let mut resync =
+        tokio::time::interval_at(tokio::time::Instant::now() + source.resync, source.resync);
+    resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        // Watch (again, if the directory was replaced) before reading, so no change
+        // between the read and the watch is lost.
+        watch.ensure();
+        // Read the directory and publish when the result changed.
+        let dir = source.dir.clone();
+        match tokio::task::spawn_blocking(move || try_load_dir(&dir)).await {
+            Ok(Ok((objects, errors))) => {
+                let snapshot = Snapshot { objects, errors };
+                if last.as_ref() != Some(&snapshot) {
+                    debug!(
+                        dir = %source.dir.display(),
+                        objects = snapshot.objects.len(),
+                        errors = snapshot.errors.len(),
+                        "manifest snapshot"
+                    );
+                    if tx.send(snapshot.clone()).await.is_err() {
+                        return; // consumer gone
+                    }
+                    last = Some(snapshot);
+                }
+            }
+            Ok(Err(e)) => warn!(
+                dir = %source.dir.display(),
+                error = %e,
+                "cannot read manifest directory; keeping the previous snapshot"
+            ),
+            Err(e) => warn!(error = %e, "manifest reader task failed"),
+        }
+
+        // Wait for a relevant event (or the resync tick), then for quiet.
+        tokio::select! {
+            _ = tx.closed() => return,
+            _ = resync.tick() => continue,
+            first = wait_relevant(&mut events) => {
+                if !first {
+                    return; // watcher gone
+                }
+            }
+        }
+        let burst_end = tokio::time::Instant::now() + MAX_DEBOUNCE_DELAY;
+        loop {
+            let quiet = tokio::time::Instant::now() + source.debounce;
+            let deadline = quiet.min(burst_end);
+            match tokio::time::timeout_at(deadline, wait_relevant(&mut events)).await {
+                Ok(true) if tokio::time::Instant::now() < burst_end => continue,
+                Ok(true) | Err(_) => break,
+                Ok(false) => return,
+            }
+        }
+    }
+}
+
+/// Waits for the next relevant event; false when the watcher's channel closed.
+async fn wait_relevant(
+    events: &mut mpsc::UnboundedReceiver<notify::Result<notify::Event>>,
+) -> bool {
+    loop {
+        match events.recv().await {
+            None => return false,
+            Some(Ok(event)) if is_relevant(&event) => return true,
+            Some(Ok(_)) => {}
+            Some(Err(e)) => {
+                warn!(error = %e, "manifest watch error; re-reading the directory");
+                return true;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SVC: &str = "apiVersion: v1
+kind: Service
+metadata:
+  name: web
+  namespace: shop
+spec:
+  clusterIP: 10.96.0.10
+  ports:
+  - port: 80
+";
+
+    const SLICE: &str = "apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-abc
+  namespace: shop
+  labels:
+    kubernetes.io/service-name: web
+addressType: IPv4
+endpoints:
+- addresses: [10.0.0.1]
+ports:
+- port: 8080
+";
+
+    fn keys(objects: &[Object]) -> Vec<(&'static str, String, String)> {
+        objects
+            .iter()
+            .map(|o| {
+                let (ns, name) = o.key();
+                (o.kind(), ns, name)
+            })
+            .collect()
+    }
+
+    fn lines(errors: &[SourceError]) -> Vec<String> {
+        errors.iter().map(ToString::to_string).collect()
+    }
+
+    #[test]
+    fn multi_document_yaml() {
+        let text = format!("---\n{SVC}---\n# only a comment\n---\n{SLICE}---\n");
+        let (objects, errors) = parse_documents("a.yaml", &text);
+        assert_eq!(lines(&errors), Vec::<String>::new());
+        assert_eq!(
+            keys(&objects),
+            vec![
+                ("Service", "shop".into(), "web".into()),
+                ("EndpointSlice", "shop".into(), "web-abc".into())
+            ]
+        );
+        assert_eq!(objects[0].origin(), "a.yaml");
+        let Object::Service(s) = &objects[0] else {
+            panic!()
+        };
+        assert_eq!(
+            s.object.spec.as_ref().unwrap().ports.as_ref().unwrap()[0].port,
+            80
+        );
+    }
+
+    #[test]
+    fn empty_and_comment_only_files() {
+        for text in ["", "\n", "# nothing\n", "---\n", "---\n---\n"] {
+            let (objects, errors) = parse_documents("e.yaml", text);
+            assert!(objects.is_empty(), "{text:?}");
+            assert!(errors.is_empty(), "{text:?}: {errors:?}");
+        }
+        let (objects, errors) = parse_documents("e.json", "");
+        assert!(objects.is_empty() && errors.is_empty());
+    }
+
+    #[test]
+    fn lists_generic_and_typed() {
+        let text = "apiVersion: v1
+kind: List
+items:
+- apiVersion: v1
+  kind: Service
+  metadata: {name: a}
+  spec: {clusterIP: 10.96.0.1, ports: [{port: 53, protocol: UDP}]}
+- apiVersion: discovery.k8s.io/v1
+  kind: EndpointSlice
+  metadata: {name: a-1}
+  addressType: IPv4
+  endpoints: []
+- metadata: {name: no-kind}
+---
+apiVersion: v1
+kind: ServiceList
+items:
+- metadata: {name: b, namespace: x}
+  spec: {clusterIP: 10.96.0.2}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSliceList
+items:
+- metadata: {name: b-1, namespace: x}
+  addressType: IPv6
+  endpoints: []
+---
+apiVersion: v1
+kind: List
+items: []
+";
+        let (objects, errors) = parse_documents("l.yaml", text);
+        assert_eq!(
+            keys(&objects),
+            vec![
+                ("Service", "default".into(), "a".into()),
+                ("EndpointSlice", "default".into(), "a-1".into()),
+                ("Service", "x".into(), "b".into()),
+                ("EndpointSlice", "x".into(), "b-1".into()),
+            ]
+        );
+        assert_eq!(
+            lines(&errors),
+            vec!["l.yaml: default/no-kind: missing apiVersion and kind; object skipped"]
+        );
+    }
+
+    #[test]
+    fn json_file_single_and_stream() {
+        let json = r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"j"},
+            "spec":{"clusterIP":"10.96.0.3","ports":[{"port":443}]}}
+            {"apiVersion":"v1","kind":"List","items":[{"apiVersion":"v1","kind":"Service",
+            "metadata":{"name":"k","namespace":"n"},"spec":{"clusterIP":"10.96.0.4"}}]}"#;
+        let (objects, errors) = parse_documents("/m/svc.json", json);
+        assert!(errors.is_empty(), "{errors:?}");
+        assert_eq!(
+            keys(&objects),
+            vec![
+                ("Service", "default".into(), "j".into()),
+                ("Service", "n".into(), "k".into())
+            ]
+        );
+        // Namespace defaulted on the object itself.
+        let Object::Service(s) = &objects[0] else {
+            panic!()
+        };
+        assert_eq!(s.object.metadata.namespace.as_deref(), Some("default"));
+    }
+
+    #[test]
+    fn invalid_json_keeps_earlier_values() {
+        let json =
+            r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"j"}} {"apiVersion": "#;
+        let (objects, errors) = parse_documents("x.JSON", json);
+        assert_eq!(
+            keys(&objects),
+            vec![("Service", "default".into(), "j".into())]
+        );
+        assert_eq!(errors.len(), 1);
+        assert!(
+            errors[0]
+                .to_string()
+                .starts_with("x.JSON: invalid JSON in document 2: "),
+            "{}",
+            errors[0]
+        );
+    }
+
+    #[test]
+    fn yaml_syntax_error_mid_stream_keeps_earlier_documents() {
+        let text = format!("{SVC}---\nkind: [unclosed\n---\n{SLICE}");
+        let (objects, errors) = parse_documents("m.yaml", &text);
+        assert_eq!(
+            keys(&objects),
+            vec![("Service", "shop".into(), "web".into())]
+        );
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        let line = errors[0].to_string();
+        assert!(
+            line.starts_with("m.yaml: invalid YAML in document 2: "),
+            "{line}"
+        );
+        assert!(line.ends_with("rest of the file skipped"), "{line}");
+        assert_eq!(errors[0].kind, "");
+    }
+
+    #[test]
+    fn unknown_and_wrong_api_version_kinds() {
+        let text = "apiVersion: apps/v1
+kind: Deployment
+metadata: {name: web, namespace: shop}
+---
+apiVersion: discovery.k8s.io/v1beta1
+kind: EndpointSlice
+metadata: {name: old}
+addressType: IPv4
+endpoints: []
+---
+apiVersion: v1
+kind: Sevrice
+metadata: {name: typo}
+---
+apiVersion: v1
+metadata: {name: nokind}
+---
+- just a list
+";
+        let (objects, errors) = parse_documents("k.yaml", text);
+        assert!(objects.is_empty());
+        assert_eq!(
+            lines(&errors),
+            vec![
+                "k.yaml: Deployment shop/web: unsupported kind apps/v1 Deployment (only v1 Service and discovery.k8s.io/v1 EndpointSlice are read); object skipped",
+                "k.yaml: EndpointSlice default/old: unsupported kind discovery.k8s.io/v1beta1 EndpointSlice (only v1 Service and discovery.k8s.io/v1 EndpointSlice are read); object skipped",
+                "k.yaml: Sevrice default/typo: unsupported kind v1 Sevrice (only v1 Service and discovery.k8s.io/v1 EndpointSlice are read); object skipped",
+                "k.yaml: default/nokind: missing kind; object skipped",
+                "k.yaml: document is not an object (expected a Kubernetes manifest)",
+            ]
+        );
+    }
+
+    #[test]
+    fn missing_name() {
+        let text = "apiVersion: v1\nkind: Service\nmetadata: {namespace: a}\nspec: {clusterIP: 10.96.0.1}\n";
+        let (objects, errors) = parse_documents("n.yaml", text);
+        assert!(objects.is_empty());
+        assert_eq!(
+            lines(&errors),
+            vec!["n.yaml: Service: metadata.name is missing; object skipped"]
+        );
+    }
+
+    #[test]
+    fn type_error_skips_only_that_object() {
+        let text = format!(
+            "apiVersion: v1
+kind: Service
+metadata: {{name: bad, namespace: shop}}
+spec:
+  clusterIP: 10.96.0.9
+  ports:
+  - port: abc
+---
+{SVC}"
+        );
+        let (objects, errors) = parse_documents("t.yaml", &text);
+        assert_eq!(
+            keys(&objects),
+            vec![("Service", "shop".into(), "web".into())]
+        );
+        assert_eq!(errors.len(), 1);
+        assert_eq!(
+            (
+                errors[0].origin.as_str(),
+                errors[0].kind.as_str(),
+                errors[0].namespace.as_str(),
+                errors[0].name.as_str()
+            ),
+            ("t.yaml", "Service", "shop", "bad")
+        );
+        let line = errors[0].to_string();
+        assert!(
+            line.starts_with(
+                "t.yaml: Service shop/bad: invalid type: string \"abc\", expected i32"
+            ),
+            "{line}"
+        );
+    }
+
+    #[test]
+    fn display_omits_unknown_parts() {
+        assert_eq!(
+            SourceError::file("f.yaml", "boom").to_string(),
+            "f.yaml: boom"
+        );
+        assert_eq!(
+            SourceError::object("f.yaml", "Service", "a", "b", "r").to_string(),
+            "f.yaml: Service a/b: r"
+        );
+        assert_eq!(
+            SourceError::object("f.yaml", "Service", "", "", "r").to_string(),
+            "f.yaml: Service: r"
+        );
+        assert_eq!(
+            SourceError::object("", "Service", "a", "b", "r").to_string(),
+            "Service a/b: r"
+        );
+        assert_eq!(SourceError::file("", "r").to_string(), "r");
+    }
+
+    fn write(dir: &Path, name: &str, text: &str) {
+        std::fs::write(dir.join(name), text).unwrap();
+    }
+
+    #[test]
+    fn load_dir_reads_sorted_files_and_ignores_others() {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = tmp.path();
+        write(d, "b.yml", SLICE);
+        write(d, "a.yaml", SVC);
+        write(
+            d,
+            "c.json",
+            r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"c"},"spec":{}}"#,
+        );
+        write(
+            d,
+            "D.YAML",
+            "apiVersion: v1\nkind: Service\nmetadata: {name: d}\n",
+        );
+        // Ignored: hidden, editor temp/backup, other extensions, subdirectories.
+        write(d, ".hidden.yaml", "not: [valid");
+        write(d, ".a.yaml.swp", "garbage");
+        write(d, "a.yaml~", "not: [valid");
+        write(d, "4913", "x");
+        write(d, "notes.txt", "x");
+        std::fs::create_dir(d.join("sub.yaml")).unwrap();
+        write(
+            &d.join("sub.yaml"),
+            "x.yaml",
+            "apiVersion: v1\nkind: Service\nmetadata: {name: sub}\n",
+        );
+
+        let (set, errors) = load_dir(d);
+        assert!(errors.is_empty(), "{errors:?}");
+        let svcs: Vec<_> = set.services.keys().cloned().collect();
+        assert_eq!(
+            svcs,
+            vec![
+                ("default".into(), "c".into()),
+                ("default".into(), "d".into()),
+                ("shop".into(), "web".into())
+            ]
+        );
+        let slices: Vec<_> = set.endpoint_slices.keys().cloned().collect();
+        assert_eq!(slices, vec![("shop".to_string(), "web-abc".to_string())]);
+        assert_eq!(
+            set.services[&("shop".into(), "web".into())].origin,
+            d.join("a.yaml").display().to_string()
+        );
+    }
+
+    #[test]
+    fn load_dir_unparseable_file_next_to_good_one() {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = tmp.path();
+        write(d, "bad.yaml", "apiVersion: v1\nkind: [unclosed\n");
+        write(d, "good.yaml", SVC);
+        write(d, "bin.yaml", "");
+        std::fs::write(d.join("bin.yaml"), [0xff, 0xfe, 0x00]).unwrap();
+        let (set, errors) = load_dir(d);
+        assert_eq!(set.services.len(), 1);
+        assert_eq!(errors.len(), 2, "{errors:?}");
+        let bad = d.join("bad.yaml").display().to_string();
+        let bin = d.join("bin.yaml").display().to_string();
+        assert_eq!(errors[0].origin, bad);
+        assert!(
+            errors[0]
+                .to_string()
+                .starts_with(&format!("{bad}: invalid YAML in document 1: "))
+        );
+        assert!(
+            errors[1]
+                .to_string()
+                .starts_with(&format!("{bin}: file is not UTF-8")),
+            "{}",
+            errors[1]
+        );
+    }
+
+    #[test]
+    fn load_dir_duplicate_later_file_wins() {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = tmp.path();
+        write(d, "1.yaml", SVC);
+        write(d, "2.yaml", &SVC.replace("10.96.0.10", "10.96.0.11"));
+        write(d, "3.yaml", &format!("{SLICE}---\n{SLICE}"));
+        let (set, errors) = load_dir(d);
+        let svc = &set.services[&("shop".into(), "web".into())];
+        assert_eq!(
+            svc.object.spec.as_ref().unwrap().cluster_ip.as_deref(),
+            Some("10.96.0.11")
+        );
+        let (one, two, three) = (
+            d.join("1.yaml").display().to_string(),
+            d.join("2.yaml").display().to_string(),
+            d.join("3.yaml").display().to_string(),
+        );
+        assert_eq!(svc.origin, two);
+        assert_eq!(
+            lines(&errors),
+            vec![
+                format!(
+                    "{two}: Service shop/web: also defined in {one}; the definition in {two} is used"
+                ),
+                format!(
+                    "{three}: EndpointSlice shop/web-abc: defined more than once in {three}; the last definition is used"
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn load_dir_missing_directory() {
+        let tmp = tempfile::tempdir().unwrap();
+        let missing = tmp.path().join("nope");
+        let (set, errors) = load_dir(&missing);
+        assert!(set.is_empty());
+        assert_eq!(errors.len(), 1);
+        assert!(errors[0].reason.starts_with("cannot read directory"));
+        assert!(ManifestSource::new(&missing).start().is_err());
+    }
+
+    async fn next(rx: &mut mpsc::Receiver<Snapshot>) -> Snapshot {
+        tokio::time::timeout(Duration::from_secs(5), rx.recv())
+            .await
+            .expect("no snapshot within 5 s")
+            .expect("source stopped")
+    }
+
+    fn service_names(s: &Snapshot) -> Vec<String> {
+        s.objects.services.keys().map(|(_, n)| n.clone()).collect()
+    }
+
+    #[tokio::test]
+    async fn manifest_source_follows_the_directory() {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = tmp.path().to_path_buf();
+        write(&d, "a.yaml", SVC);
+        let mut rx = ManifestSource::new(&d).start().unwrap();
+
+        // Initial snapshot.
+        let s = next(&mut rx).await;
+        assert_eq!(service_names(&s), vec!["web"]);
+        assert!(s.errors.is_empty());
+
+        // A new file.
+        write(
+            &d,
+            "b.yaml",
+            &SVC.replace("name: web", "name: api")
+                .replace("10.96.0.10", "10.96.0.20"),
+        );
+        let s = next(&mut rx).await;
+        assert_eq!(service_names(&s), vec!["api", "web"]);
+
+        // Replaced by rename (as sed -i and editors do): one snapshot with the new content.
+        write(
+            &d,
+            ".b.yaml.tmp",
+            &SVC.replace("name: web", "name: api2")
+                .replace("10.96.0.10", "10.96.0.21"),
+        );
+        std::fs::rename(d.join(".b.yaml.tmp"), d.join("b.yaml")).unwrap();
+        let s = next(&mut rx).await;
+        assert_eq!(service_names(&s), vec!["api2", "web"]);
+
+        // A removed file.
+        std::fs::remove_file(d.join("a.yaml")).unwrap();
+        let s = next(&mut rx).await;
+        assert_eq!(service_names(&s), vec!["api2"]);
+
+        // Temporarily empty, then filled again.
+        std::fs::remove_file(d.join("b.yaml")).unwrap();
+        let s = next(&mut rx).await;
+        assert!(s.objects.is_empty());
+        write(&d, "c.yaml", SVC);
+        let s = next(&mut rx).await;
+        assert_eq!(service_names(&s), vec!["web"]);
+
+        // A broken file is reported, the rest stays.
+        write(&d, "d.yaml", "kind: [");
+        let s = next(&mut rx).await;
+        assert_eq!(service_names(&s), vec!["web"]);
+        assert_eq!(s.errors.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn manifest_source_survives_directory_recreation() {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = tmp.path().join("m");
+        std::fs::create_dir(&d).unwrap();
+        write(&d, "a.yaml", SVC);
+        let mut rx = ManifestSource::new(&d)
+            .with_resync(Duration::from_millis(200))
+            .start()
+            .unwrap();
+        assert_eq!(service_names(&next(&mut rx).await), vec!["web"]);
+
+        // The directory goes away: the previous snapshot stays (nothing is sent).
+        std::fs::remove_dir_all(&d).unwrap();
+        assert!(
+            tokio::time::timeout(Duration::from_millis(500), rx.recv())
+                .await
+                .is_err()
+        );
+
+        // It comes back with other content: picked up (by the resync) and watched again.
+        std::fs::create_dir(&d).unwrap();
+        write(&d, "b.yaml", &SVC.replace("name: web", "name: api"));
+        assert_eq!(service_names(&next(&mut rx).await), vec!["api"]);
+        write(
+            &d,
+            "c.yaml",
+            &SVC.replace("name: web", "name: third")
+                .replace("10.96.0.10", "10.96.0.30"),
+        );
+        assert_eq!(service_names(&next(&mut rx).await), vec!["api", "third"]);
+    }
+}

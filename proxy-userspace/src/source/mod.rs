@@ -1,0 +1,217 @@
+//! Sources of Kubernetes objects. Every source produces [`Snapshot`]s: a whole
+//! [`ObjectSet`] (every Service and EndpointSlice it knows) plus the objects it had to skip,
+//! and every snapshot feeds the one model ([`crate::model::build`]).
+//!
+//! Sources never stream deltas: each snapshot replaces the previous one entirely, so the
+//! consumer can rebuild the desired state from it alone and diff against the maps.
+
+pub mod manifests;
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+
+pub use manifests::ManifestSource;
+
+/// Where an object came from, for error messages: a file path (or "api" later).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sourced<T> {
+    /// The file the object was read from (or "api").
+    pub origin: String,
+    /// The object. Its `metadata.namespace` is always set (defaulted to `"default"`).
+    pub object: T,
+}
+
+/// One object read by a source, before it is put into an [`ObjectSet`].
+// Not boxed: objects are short-lived (parsed, then moved into an ObjectSet).
+#[allow(clippy::large_enum_variant)]
+#[derive(Clone, Debug, PartialEq)]
+pub enum Object {
+    /// A `v1` `Service`.
+    Service(Sourced<Service>),
+    /// A `discovery.k8s.io/v1` `EndpointSlice`.
+    EndpointSlice(Sourced<EndpointSlice>),
+}
+
+impl Object {
+    /// The object's kind, as in its manifest.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Object::Service(_) => "Service",
+            Object::EndpointSlice(_) => "EndpointSlice",
+        }
+    }
+
+    /// Where the object came from.
+    pub fn origin(&self) -> &str {
+        match self {
+            Object::Service(s) => &s.origin,
+            Object::EndpointSlice(s) => &s.origin,
+        }
+    }
+
+    /// (namespace, name); the namespace is `"default"` when the manifest had none.
+    pub fn key(&self) -> (String, String) {
+        let meta = match self {
+            Object::Service(s) => &s.object.metadata,
+            Object::EndpointSlice(s) => &s.object.metadata,
+        };
+        (
+            meta.namespace
+                .clone()
+                .filter(|n| !n.is_empty())
+                .unwrap_or_else(|| "default".into()),
+            meta.name.clone().unwrap_or_default(),
+        )
+    }
+}
+
+/// A snapshot of every object a source knows. Keyed by (namespace, name).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ObjectSet {
+    /// Services by (namespace, name).
+    pub services: BTreeMap<(String, String), Sourced<Service>>,
+    /// EndpointSlices by (namespace, name).
+    pub endpoint_slices: BTreeMap<(String, String), Sourced<EndpointSlice>>,
+}
+
+impl ObjectSet {
+    /// Inserts an object. When an object of the same kind, namespace and name is already
+    /// present, the new one replaces it and the old one's origin is returned.
+    pub fn insert(&mut self, object: Object) -> Option<String> {
+        let key = object.key();
+        match object {
+            Object::Service(s) => self.services.insert(key, s).map(|old| old.origin),
+            Object::EndpointSlice(s) => self.endpoint_slices.insert(key, s).map(|old| old.origin),
+        }
+    }
+
+    /// Number of objects of every kind.
+    pub fn len(&self) -> usize {
+        self.services.len() + self.endpoint_slices.len()
+    }
+
+    /// True when the set holds no object.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One object or file skipped (or a warning about one), with a message that names file,
+/// kind, namespace/name and reason. Fields that are unknown are empty strings.
+///
+/// Every `SourceError` describes something the agent worked around (the object, the port
+/// or the endpoint is skipped; the rest keeps working), so callers log them at warning
+/// level; none is fatal.
+#[derive(Clone, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SourceError {
+    /// File (or "api") the object came from.
+    pub origin: String,
+    /// Kind of the object (`Service`, `EndpointSlice`, ...), empty when unknown.
+    pub kind: String,
+    /// Namespace of the object, empty when unknown.
+    pub namespace: String,
+    /// Name of the object, empty when unknown.
+    pub name: String,
+    /// What is wrong and what was skipped.
+    pub reason: String,
+}
+
+impl SourceError {
+    /// An error about a whole file (or directory).
+    pub fn file(origin: impl Into<String>, reason: impl Into<String>) -> Self {
+        SourceError {
+            origin: origin.into(),
+            reason: reason.into(),
+            ..Default::default()
+        }
+    }
+
+    /// An error about one object.
+    pub fn object(
+        origin: impl Into<String>,
+        kind: impl Into<String>,
+        namespace: impl Into<String>,
+        name: impl Into<String>,
+        reason: impl Into<String>,
+    ) -> Self {
+        SourceError {
+            origin: origin.into(),
+            kind: kind.into(),
+            namespace: namespace.into(),
+            name: name.into(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// One line: `<file>: <Kind> <ns>/<name>: <reason>`, leaving out the parts that are unknown
+/// (`<file>: <reason>` for an unparseable file, `<file>: <Kind>: <reason>` for an object
+/// without a name).
+impl fmt::Display for SourceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut wrote = false;
+        if !self.origin.is_empty() {
+            f.write_str(&self.origin)?;
+            wrote = true;
+        }
+        let mut object = String::new();
+        if !self.kind.is_empty() {
+            object.push_str(&self.kind);
+        }
+        if !self.name.is_empty() {
+            if !object.is_empty() {
+                object.push(' ');
+            }
+            if !self.namespace.is_empty() {
+                object.push_str(&self.namespace);
+                object.push('/');
+            }
+            object.push_str(&self.name);
+        }
+        if !object.is_empty() {
+            if wrote {
+                f.write_str(": ")?;
+            }
+            f.write_str(&object)?;
+            wrote = true;
+        }
+        if wrote {
+            f.write_str(": ")?;
+        }
+        f.write_str(&self.reason)
+    }
+}
+
+impl std::error::Error for SourceError {}
+
+/// Everything a source knows at one moment, and what it had to skip to get there.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Snapshot {
+    /// Every valid object.
+    pub objects: ObjectSet,
+    /// Every object, file or document skipped, in a deterministic order.
+    pub errors: Vec<SourceError>,
+}
+
+/// A producer of snapshots; implemented by [`ManifestSource`] (a directory of YAML/JSON
+/// files) and, later, by the Kubernetes API source, so both feed one model.
+///
+/// Contract:
+/// - [`Source::start`] must be called inside a tokio runtime; it spawns the source's task
+///   and returns the receiving end of its snapshot channel, or an error when the source
+///   cannot start at all (e.g. the manifest directory does not exist).
+/// - The first snapshot is sent as soon as the source has read its objects; after that a
+///   snapshot is sent whenever what the source knows has changed. Each snapshot is
+///   complete and replaces the previous one. A source may skip snapshots equal to the
+///   previous one.
+/// - A consumer that falls behind may drain the channel (`try_recv`) and use only the
+///   newest snapshot.
+/// - The source's task stops when the receiver is dropped; the channel closes when the
+///   source stops for good.
+pub trait Source {
+    /// Starts the source; see the trait documentation.
+    fn start(self) -> anyhow::Result<tokio::sync::mpsc::Receiver<Snapshot>>;
+}

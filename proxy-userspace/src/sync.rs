@@ -1,0 +1,654 @@
+//! Diff-based, ordered sync of a [`DesiredState`] into the service maps.
+//!
+//! Rules:
+//! - Only changed entries are written; the sync keeps a copy of what the maps hold
+//!   (adopted from the pinned maps at start, then updated after every successful write).
+//! - A service id is bound to one Service port x protocol x family for its lifetime; the
+//!   binding is stored in `SERVICE_NAMES`, so a restarted agent adopts the same ids and
+//!   rewrites nothing that did not change (established sockets keep their reverse NAT and
+//!   UDP flows keep their backend).
+//! - Order, so the data path never sees a half-written service: (A) remove frontends and
+//!   VIP markers that are no longer wanted, then the slots and names of service ids that no
+//!   longer exist; (B) write new or changed backends, names, slots, then VIP markers and
+//!   frontends (the frontend carries the backend count, so it is written after its slots);
+//!   (C) remove slots past the new counts, then backends nothing refers to.
+//! - Before writing anything, the peak number of entries of every map during these steps is
+//!   checked against its limit: a desired state that does not fit is refused whole with
+//!   [`DatapathError::Full`], and the maps keep their state.
+//! - Slots of a service keep their backends in place where possible: removing one backend
+//!   moves at most one other slot (the last one into the hole), adding fills holes first.
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    net::SocketAddr,
+    time::{Duration, Instant},
+};
+
+use proxy_common::{Backend, BackendSlotKey, FRONTEND_F_VIP_MARKER, Frontend, FrontendKey};
+
+use crate::{
+    datapath::{
+        Datapath, DatapathError, Snapshot,
+        addr::{ip_to_words, port_to_map},
+    },
+    model::{DesiredState, Family, Protocol, ServicePortKey},
+};
+
+/// What one sync did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SyncStats {
+    /// Service ids (Service port x protocol x family) in the desired state.
+    pub services: usize,
+    /// Frontends in the desired state (without VIP markers).
+    pub frontends: usize,
+    /// Distinct backends in the desired state.
+    pub backends: usize,
+    /// Map entries created or replaced.
+    pub writes: usize,
+    /// Map entries removed.
+    pub deletes: usize,
+    /// Wall time of the sync.
+    pub duration: Duration,
+}
+
+/// Canonical name of a service id, stored in `SERVICE_NAMES`:
+/// `namespace/name:port-name/PROTOCOL/family`, e.g. `default/kube-dns:dns/UDP/v4`.
+pub fn service_name(k: &ServicePortKey) -> String {
+    let proto = match k.protocol {
+        Protocol::Tcp => "TCP",
+        Protocol::Udp => "UDP",
+    };
+    let fam = match k.family {
+        Family::V4 => "v4",
+        Family::V6 => "v6",
+    };
+    format!("{}/{}:{}/{}/{}", k.namespace, k.name, k.port_name, proto, fam)
+}
+
+/// Inverse of [`service_name`]; `None` for anything else.
+pub fn parse_service_name(s: &str) -> Option<ServicePortKey> {
+    let mut parts = s.split('/');
+    let namespace = parts.next()?.to_string();
+    let name_port = parts.next()?;
+    let protocol = match parts.next()? {
+        "TCP" => Protocol::Tcp,
+        "UDP" => Protocol::Udp,
+        _ => return None,
+    };
+    let family = match parts.next()? {
+        "v4" => Family::V4,
+        "v6" => Family::V6,
+        _ => return None,
+    };
+    if parts.next().is_some() {
+        return None;
+    }
+    let (name, port_name) = name_port.split_once(':')?;
+    Some(ServicePortKey {
+        namespace,
+        name: name.to_string(),
+        port_name: port_name.to_string(),
+        protocol,
+        family,
+    })
+}
+
+fn backend_value(addr: &SocketAddr, proto: Protocol) -> Backend {
+    Backend { addr: ip_to_words(addr.ip()), port: port_to_map(addr.port()), proto: proto.number(), flags: 0 }
+}
+
+fn frontend_key(addr: &SocketAddr, proto: Protocol) -> FrontendKey {
+    FrontendKey { addr: ip_to_words(addr.ip()), port: port_to_map(addr.port()), proto: proto.number(), scope: 0 }
+}
+
+fn marker_key(addr: [u32; 4]) -> FrontendKey {
+    FrontendKey { addr, port: 0, proto: 0, scope: 0 }
+}
+
+const MARKER: Frontend = Frontend { service_id: 0, backend_count: 0, flags: FRONTEND_F_VIP_MARKER, _pad: 0 };
+
+/// New slot order for a service: survivors keep their slot, new backends fill holes, then
+/// the tail moves into holes that are left.
+pub fn arrange_slots(old: &[u32], wanted: &BTreeSet<u32>) -> Vec<u32> {
+    let mut placed = BTreeSet::new();
+    let mut new: Vec<Option<u32>> = old
+        .iter()
+        .map(|b| (wanted.contains(b) && placed.insert(*b)).then_some(*b))
+        .collect();
+    let mut adds = wanted.iter().filter(|b| !placed.contains(b)).copied();
+    for slot in new.iter_mut() {
+        if slot.is_none() {
+            *slot = adds.next();
+        }
+    }
+    new.extend(adds.map(Some));
+    // Compact: move the last filled slot into the first hole until none is left.
+    loop {
+        while matches!(new.last(), Some(None)) {
+            new.pop();
+        }
+        match new.iter().position(Option::is_none) {
+            Some(hole) => {
+                new[hole] = new.pop().flatten();
+            }
+            None => break,
+        }
+    }
+    new.into_iter().flatten().collect()
+}
+
+/// The sync state: the bindings of service ids and a copy of the maps.
+#[derive(Debug, Default)]
+pub struct Syncer {
+    ids: BTreeMap<ServicePortKey, u32>,
+    cur: Snapshot,
+    backend_ids: HashMap<Backend, u32>,
+    next_service_id: u32,
+    next_backend_id: u32,
+}
+
+impl Syncer {
+    /// Starts from what the maps hold now (pinned by an earlier run, or empty): service ids
+    /// are re-bound by their `SERVICE_NAMES` entry; entries nothing claims are removed by the
+    /// first sync.
+    pub fn adopt(dp: &impl Datapath) -> Result<Self, DatapathError> {
+        let cur = dp.snapshot()?;
+        let mut s = Syncer::default();
+        for (id, name) in &cur.names {
+            if let Some(k) = parse_service_name(name) {
+                s.ids.insert(k, *id);
+            }
+        }
+        for (id, b) in &cur.backends {
+            s.backend_ids.insert(*b, *id);
+        }
+        let max_sid = cur
+            .names
+            .keys()
+            .chain(cur.slots.keys().map(|k| &k.service_id))
+            .chain(cur.frontends.values().map(|f| &f.service_id))
+            .max()
+            .copied()
+            .unwrap_or(0);
+        s.next_service_id = max_sid.wrapping_add(1).max(1);
+        s.next_backend_id = cur.backends.keys().max().copied().unwrap_or(0).wrapping_add(1).max(1);
+        s.cur = cur;
+        Ok(s)
+    }
+
+    /// What the sync believes the maps hold.
+    pub fn current(&self) -> &Snapshot {
+        &self.cur
+    }
+
+    /// Number of service ids currently bound.
+    pub fn bound_services(&self) -> usize {
+        self.ids.len()
+    }
+
+    fn service_ids_in_use(&self) -> BTreeSet<u32> {
+        let mut used: BTreeSet<u32> = self.ids.values().copied().collect();
+        used.extend(self.cur.names.keys());
+        used.extend(self.cur.slots.keys().map(|k| k.service_id));
+        used.extend(self.cur.frontends.values().map(|f| f.service_id));
+        used
+    }
+
+    fn alloc_service_id(&mut self, used: &BTreeSet<u32>) -> u32 {
+        // Monotonic (wrapping, never 0), so a freed id is not handed out again soon.
+        loop {
+            let id = self.next_service_id.max(1);
+            self.next_service_id = id.wrapping_add(1);
+            if !used.contains(&id) {
+                return id;
+            }
+        }
+    }
+
+    fn alloc_backend_id(&mut self, used: &BTreeSet<u32>) -> u32 {
+        // Monotonic as well: a UDP flow remembers its backend id, so a reused id could send a
+        // flow to another endpoint; the data path also checks the address.
+        loop {
+            let id = self.next_backend_id.max(1);
+            self.next_backend_id = id.wrapping_add(1);
+            if !used.contains(&id) && !self.cur.backends.contains_key(&id) {
+                return id;
+            }
+        }
+    }
+
+    fn cur_slots(&self, id: u32) -> Vec<u32> {
+        let mut v = Vec::new();
+        for slot in 0.. {
+            match self.cur.slots.get(&BackendSlotKey { service_id: id, slot }) {
+                Some(b) => v.push(*b),
+                None => break,
+            }
+        }
+        v
+    }
+
+    /// Makes the maps match `desired`. On error, the maps hold a consistent prefix of the
+    /// ordered steps and the next call continues from there; on [`DatapathError::Full`]
+    /// nothing was written.
+    pub fn sync(&mut self, dp: &mut impl Datapath, desired: &DesiredState) -> Result<SyncStats, DatapathError> {
+        let start = Instant::now();
+        let mut stats = SyncStats::default();
+
+        // --- Plan -------------------------------------------------------------------------
+        // Bind ids (new bindings are only kept once written, see below).
+        let mut used = self.service_ids_in_use();
+        let mut bind: BTreeMap<ServicePortKey, u32> = BTreeMap::new();
+        for key in desired.services.keys() {
+            let id = match self.ids.get(key) {
+                Some(id) => *id,
+                None => {
+                    let id = self.alloc_service_id(&used);
+                    used.insert(id);
+                    id
+                }
+            };
+            bind.insert(key.clone(), id);
+        }
+        // Backend ids.
+        let mut want_backends: BTreeMap<u32, Backend> = BTreeMap::new();
+        let mut used_bids: BTreeSet<u32> = self.cur.backends.keys().copied().collect();
+        let mut local_bids: HashMap<Backend, u32> = HashMap::new();
+        let mut want_slots: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+        let mut want_frontends: BTreeMap<FrontendKey, Frontend> = BTreeMap::new();
+        let mut want_names: BTreeMap<u32, String> = BTreeMap::new();
+        for (key, svc) in &desired.services {
+            let id = bind[key];
+            let mut set = BTreeSet::new();
+            for addr in &svc.backends {
+                let b = backend_value(addr, key.protocol);
+                let bid = match self.backend_ids.get(&b).or(local_bids.get(&b)) {
+                    Some(bid) => *bid,
+                    None => {
+                        let bid = self.alloc_backend_id(&used_bids);
+                        used_bids.insert(bid);
+                        local_bids.insert(b, bid);
+                        bid
+                    }
+                };
+                want_backends.insert(bid, b);
+                set.insert(bid);
+            }
+            let slots = arrange_slots(&self.cur_slots(id), &set);
+            for fe in &svc.frontends {
+                want_frontends.insert(
+                    frontend_key(fe, key.protocol),
+                    Frontend { service_id: id, backend_count: slots.len() as u32, flags: 0, _pad: 0 },
+                );
+                want_frontends.insert(marker_key(ip_to_words(fe.ip())), MARKER);
+            }
+            want_slots.insert(id, slots);
+            want_names.insert(id, service_name(key));
+        }
+        stats.services = desired.services.len();
+        stats.frontends = want_frontends.values().filter(|f| f.flags & FRONTEND_F_VIP_MARKER == 0).count();
+        stats.backends = want_backends.len();
+
+        // --- Capacity (peak during the ordered steps) ------------------------------------------
+        let cap = dp.capacity();
+        let peak_frontends = want_frontends.len();
+        let peak_slots: usize = want_slots
+            .iter()
+            .map(|(id, s)| s.len().max(self.cur_slots(*id).len()))
+            .sum();
+        let peak_backends = self.cur.backends.keys().chain(want_backends.keys()).collect::<BTreeSet<_>>().len();
+        let peak_names = want_names.len();
+        let checks = [
+            ("FRONTENDS", peak_frontends, cap.frontends, "max-frontends"),
+            ("BACKEND_SLOTS", peak_slots, cap.slots, "max-backend-slots"),
+            ("BACKENDS", peak_backends, cap.backends, "max-backends"),
+            ("SERVICE_NAMES", peak_names, cap.services, "max-frontends"),
+        ];
+        for (map, needed, limit, flag) in checks {
+            if needed > limit as usize {
+                return Err(DatapathError::Full { map, needed, limit, flag });
+            }
+        }
+        if let Some((_, slots)) = want_slots.iter().find(|(_, s)| s.len() > proxy_common::MAX_BACKENDS_PER_SERVICE as usize) {
+            return Err(DatapathError::Full {
+                map: "BACKEND_SLOTS (per service)",
+                needed: slots.len(),
+                limit: proxy_common::MAX_BACKENDS_PER_SERVICE,
+                flag: "max-backend-slots",
+            });
+        }
+
+        // --- (A) removals of what is no longer wanted ------------------------------------------
+        let stale_fe: Vec<FrontendKey> = self.cur.frontends.keys().filter(|k| !want_frontends.contains_key(k)).copied().collect();
+        // Real frontends before VIP markers: a removed VIP briefly refuses rather than leaks.
+        for k in stale_fe.iter().filter(|k| k.proto != 0).chain(stale_fe.iter().filter(|k| k.proto == 0)) {
+            dp.delete_frontend(k)?;
+            self.cur.frontends.remove(k);
+            stats.deletes += 1;
+        }
+        let wanted_ids: BTreeSet<u32> = want_slots.keys().copied().collect();
+        let stale_slots: Vec<BackendSlotKey> =
+            self.cur.slots.keys().filter(|k| !wanted_ids.contains(&k.service_id)).copied().collect();
+        for k in stale_slots {
+            dp.delete_slot(&k)?;
+            self.cur.slots.remove(&k);
+            stats.deletes += 1;
+        }
+        let stale_names: Vec<u32> = self.cur.names.keys().filter(|id| !wanted_ids.contains(id)).copied().collect();
+        for id in stale_names {
+            dp.delete_name(id)?;
+            self.cur.names.remove(&id);
+            stats.deletes += 1;
+        }
+        self.ids.retain(|_, id| wanted_ids.contains(id));
+
+        // --- (B) writes -------------------------------------------------------------------
+        for (bid, b) in &want_backends {
+            if self.cur.backends.get(bid) != Some(b) {
+                dp.put_backend(*bid, b)?;
+                self.cur.backends.insert(*bid, *b);
+                self.backend_ids.insert(*b, *bid);
+                stats.writes += 1;
+            }
+        }
+        for (key, id) in &bind {
+            let name = &want_names[id];
+            if self.cur.names.get(id) != Some(name) {
+                dp.put_name(*id, name)?;
+                self.cur.names.insert(*id, name.clone());
+                stats.writes += 1;
+            }
+            self.ids.insert(key.clone(), *id);
+        }
+        for (id, slots) in &want_slots {
+            for (i, bid) in slots.iter().enumerate() {
+                let k = BackendSlotKey { service_id: *id, slot: i as u32 };
+                if self.cur.slots.get(&k) != Some(bid) {
+                    dp.put_slot(&k, *bid)?;
+                    self.cur.slots.insert(k, *bid);
+                    stats.writes += 1;
+                }
+            }
+        }
+        // Markers first: a new VIP refuses undefined ports from its first moment.
+        let (markers, real): (Vec<_>, Vec<_>) = want_frontends.iter().partition(|(k, _)| k.proto == 0);
+        for (k, v) in markers.into_iter().chain(real) {
+            if self.cur.frontends.get(k) != Some(v) {
+                dp.put_frontend(k, v)?;
+                self.cur.frontends.insert(*k, *v);
+                stats.writes += 1;
+            }
+        }
+
+        // --- (C) stale slots and backends ------------------------------------------------------
+        let extra: Vec<BackendSlotKey> = self
+            .cur
+            .slots
+            .keys()
+            .filter(|k| want_slots.get(&k.service_id).is_some_and(|s| k.slot as usize >= s.len()))
+            .copied()
+            .collect();
+        for k in extra {
+            dp.delete_slot(&k)?;
+            self.cur.slots.remove(&k);
+            stats.deletes += 1;
+        }
+        let stale_b: Vec<u32> = self.cur.backends.keys().filter(|id| !want_backends.contains_key(id)).copied().collect();
+        for id in stale_b {
+            dp.delete_backend(id)?;
+            if let Some(b) = self.cur.backends.remove(&id) {
+                self.backend_ids.remove(&b);
+            }
+            stats.deletes += 1;
+        }
+        stats.duration = start.elapsed();
+        Ok(stats)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{
+        datapath::{
+            Capacity,
+            fake::{FakeDatapath, Op},
+        },
+        model::DesiredService,
+    };
+
+    fn cap() -> Capacity {
+        Capacity { frontends: 100, slots: 100, backends: 100, services: 100 }
+    }
+
+    fn key(name: &str, proto: Protocol) -> ServicePortKey {
+        ServicePortKey {
+            namespace: "default".into(),
+            name: name.into(),
+            port_name: "http".into(),
+            protocol: proto,
+            family: Family::V4,
+        }
+    }
+
+    fn svc(frontends: &[&str], backends: &[&str]) -> DesiredService {
+        DesiredService {
+            frontends: frontends.iter().map(|s| s.parse().unwrap()).collect(),
+            backends: backends.iter().map(|s| s.parse().unwrap()).collect(),
+        }
+    }
+
+    fn state(items: Vec<(ServicePortKey, DesiredService)>) -> DesiredState {
+        DesiredState { services: items.into_iter().collect() }
+    }
+
+    /// Every frontend's slots and backends resolve (what the data path needs at any time).
+    fn assert_consistent(s: &Snapshot) {
+        for (k, f) in &s.frontends {
+            if f.flags & FRONTEND_F_VIP_MARKER != 0 {
+                continue;
+            }
+            let marker = marker_key(k.addr);
+            assert!(s.frontends.contains_key(&marker), "VIP marker missing for {k:?}");
+            for slot in 0..f.backend_count {
+                let bid = s.slots.get(&BackendSlotKey { service_id: f.service_id, slot }).expect("slot");
+                assert!(s.backends.contains_key(bid), "backend {bid} missing");
+            }
+        }
+    }
+
+    /// Replays the op log and checks consistency after every single write.
+    fn assert_every_step_consistent(log: &[Op], start: &Snapshot) {
+        let mut s = start.clone();
+        for op in log {
+            match op {
+                Op::PutFrontend(k, v) => drop(s.frontends.insert(*k, *v)),
+                Op::DeleteFrontend(k) => drop(s.frontends.remove(k)),
+                Op::PutSlot(k, v) => drop(s.slots.insert(*k, *v)),
+                Op::DeleteSlot(k) => drop(s.slots.remove(k)),
+                Op::PutBackend(k, v) => drop(s.backends.insert(*k, *v)),
+                Op::DeleteBackend(k) => drop(s.backends.remove(k)),
+                Op::PutName(k, v) => drop(s.names.insert(*k, v.clone())),
+                Op::DeleteName(k) => drop(s.names.remove(k)),
+            }
+            // A frontend may only point at slots that exist; slots may point past a count.
+            assert_consistent(&s);
+        }
+    }
+
+    #[test]
+    fn arrange_keeps_survivors_in_place() {
+        let set = |v: &[u32]| v.iter().copied().collect::<BTreeSet<_>>();
+        assert_eq!(arrange_slots(&[], &set(&[3, 1, 2])), vec![1, 2, 3]);
+        assert_eq!(arrange_slots(&[1, 2, 3], &set(&[1, 2, 3])), vec![1, 2, 3]);
+        // Remove the middle one: the last moves into its hole.
+        assert_eq!(arrange_slots(&[1, 2, 3], &set(&[1, 3])), vec![1, 3]);
+        // Replace: the new one takes the hole.
+        assert_eq!(arrange_slots(&[1, 2, 3], &set(&[1, 3, 4])), vec![1, 4, 3]);
+        // Grow.
+        assert_eq!(arrange_slots(&[1, 2], &set(&[1, 2, 5])), vec![1, 2, 5]);
+        assert_eq!(arrange_slots(&[1, 2, 3], &set(&[])), Vec::<u32>::new());
+        assert_eq!(arrange_slots(&[1, 2, 3, 4], &set(&[4])), vec![4]);
+    }
+
+    #[test]
+    fn service_names_round_trip() {
+        let k = key("web", Protocol::Udp);
+        assert_eq!(service_name(&k), "default/web:http/UDP/v4");
+        assert_eq!(parse_service_name(&service_name(&k)), Some(k));
+        let unnamed = ServicePortKey { port_name: String::new(), family: Family::V6, ..key("x", Protocol::Tcp) };
+        assert_eq!(parse_service_name(&service_name(&unnamed)), Some(unnamed));
+        assert_eq!(parse_service_name("garbage"), None);
+    }
+
+    #[test]
+    fn first_sync_writes_everything_in_order() {
+        let mut dp = FakeDatapath::new(cap());
+        let mut s = Syncer::adopt(&dp).unwrap();
+        let d = state(vec![(key("web", Protocol::Tcp), svc(&["10.96.0.10:80"], &["10.0.0.1:8080", "10.0.0.2:8080"]))]);
+        let st = s.sync(&mut dp, &d).unwrap();
+        assert_eq!(st.writes, 2 + 1 + 2 + 2); // backends, name, slots, marker + frontend
+        assert_eq!(dp.state.frontends.len(), 2);
+        assert_eq!(dp.state.slots.len(), 2);
+        assert_eq!(dp.state.backends.len(), 2);
+        assert_every_step_consistent(&dp.log, &Snapshot::default());
+        // The frontend comes last.
+        assert!(matches!(dp.log.last(), Some(Op::PutFrontend(k, f)) if k.proto == 6 && f.backend_count == 2));
+        // Keys are in network byte order.
+        let fk = dp.state.frontends.keys().find(|k| k.proto == 6).unwrap();
+        assert_eq!(fk.port.to_ne_bytes(), [0, 80]);
+    }
+
+    #[test]
+    fn unchanged_state_writes_nothing() {
+        let mut dp = FakeDatapath::new(cap());
+        let mut s = Syncer::adopt(&dp).unwrap();
+        let d = state(vec![(key("web", Protocol::Tcp), svc(&["10.96.0.10:80"], &["10.0.0.1:8080"]))]);
+        s.sync(&mut dp, &d).unwrap();
+        dp.log.clear();
+        let st = s.sync(&mut dp, &d).unwrap();
+        assert_eq!((st.writes, st.deletes), (0, 0));
+        assert!(dp.log.is_empty());
+    }
+
+    #[test]
+    fn removing_a_backend_moves_one_slot_and_keeps_every_step_consistent() {
+        let mut dp = FakeDatapath::new(cap());
+        let mut s = Syncer::adopt(&dp).unwrap();
+        let k = key("web", Protocol::Tcp);
+        let three = ["10.0.0.1:8080", "10.0.0.2:8080", "10.0.0.3:8080"];
+        s.sync(&mut dp, &state(vec![(k.clone(), svc(&["10.96.0.10:80"], &three))])).unwrap();
+        let before = dp.state.clone();
+        dp.log.clear();
+        s.sync(&mut dp, &state(vec![(k, svc(&["10.96.0.10:80"], &["10.0.0.1:8080", "10.0.0.3:8080"]))])).unwrap();
+        assert_every_step_consistent(&dp.log, &before);
+        // slot 1 rewritten (3 moved in), frontend count 2, slot 2 deleted, backend 2 deleted.
+        assert_eq!(dp.log.len(), 4, "{:?}", dp.log);
+        assert!(matches!(dp.log[0], Op::PutSlot(BackendSlotKey { slot: 1, .. }, _)));
+        assert!(matches!(dp.log[1], Op::PutFrontend(_, Frontend { backend_count: 2, .. })));
+        assert!(matches!(dp.log[2], Op::DeleteSlot(BackendSlotKey { slot: 2, .. })));
+        assert!(matches!(dp.log[3], Op::DeleteBackend(_)));
+    }
+
+    #[test]
+    fn removed_service_is_deleted_frontend_first_and_vip_marker_too() {
+        let mut dp = FakeDatapath::new(cap());
+        let mut s = Syncer::adopt(&dp).unwrap();
+        s.sync(&mut dp, &state(vec![(key("web", Protocol::Tcp), svc(&["10.96.0.10:80"], &["10.0.0.1:8080"]))])).unwrap();
+        let before = dp.state.clone();
+        dp.log.clear();
+        s.sync(&mut dp, &DesiredState::default()).unwrap();
+        assert_every_step_consistent(&dp.log, &before);
+        assert_eq!(dp.state, Snapshot::default());
+        assert!(matches!(dp.log[0], Op::DeleteFrontend(FrontendKey { proto: 6, .. })));
+        assert!(matches!(dp.log[1], Op::DeleteFrontend(FrontendKey { proto: 0, .. })));
+    }
+
+    #[test]
+    fn zero_endpoints_gives_a_frontend_with_count_zero() {
+        let mut dp = FakeDatapath::new(cap());
+        let mut s = Syncer::adopt(&dp).unwrap();
+        s.sync(&mut dp, &state(vec![(key("web", Protocol::Tcp), svc(&["10.96.0.10:80"], &[]))])).unwrap();
+        let f = dp.state.frontends.values().find(|f| f.flags == 0).unwrap();
+        assert_eq!(f.backend_count, 0);
+        assert!(dp.state.slots.is_empty());
+    }
+
+    #[test]
+    fn tcp_and_udp_of_one_port_are_distinct_frontends_sharing_backend_addresses() {
+        let mut dp = FakeDatapath::new(cap());
+        let mut s = Syncer::adopt(&dp).unwrap();
+        let d = state(vec![
+            (key("dns", Protocol::Tcp), svc(&["10.96.0.10:53"], &["10.0.0.1:53"])),
+            (key("dns", Protocol::Udp), svc(&["10.96.0.10:53"], &["10.0.0.1:53"])),
+        ]);
+        s.sync(&mut dp, &d).unwrap();
+        // 2 frontends + 1 marker; backends differ by protocol.
+        assert_eq!(dp.state.frontends.len(), 3);
+        assert_eq!(dp.state.backends.len(), 2);
+    }
+
+    #[test]
+    fn full_map_is_refused_whole_and_state_is_kept() {
+        let mut dp = FakeDatapath::new(Capacity { frontends: 100, slots: 3, backends: 100, services: 100 });
+        let mut s = Syncer::adopt(&dp).unwrap();
+        let ok = state(vec![(key("a", Protocol::Tcp), svc(&["10.96.0.1:80"], &["10.0.0.1:80", "10.0.0.2:80"]))]);
+        s.sync(&mut dp, &ok).unwrap();
+        let before = dp.state.clone();
+        let too_big = state(vec![
+            (key("a", Protocol::Tcp), svc(&["10.96.0.1:80"], &["10.0.0.1:80", "10.0.0.2:80"])),
+            (key("b", Protocol::Tcp), svc(&["10.96.0.2:80"], &["10.0.0.3:80", "10.0.0.4:80"])),
+        ]);
+        let err = s.sync(&mut dp, &too_big).unwrap_err();
+        assert!(matches!(err, DatapathError::Full { map: "BACKEND_SLOTS", needed: 4, limit: 3, .. }), "{err}");
+        assert!(err.to_string().contains("--max-backend-slots"));
+        assert_eq!(dp.state, before);
+        // And the old state still syncs cleanly afterwards.
+        let st = s.sync(&mut dp, &ok).unwrap();
+        assert_eq!((st.writes, st.deletes), (0, 0));
+    }
+
+    #[test]
+    fn restart_adopts_ids_and_rewrites_nothing() {
+        let mut dp = FakeDatapath::new(cap());
+        let d = state(vec![
+            (key("web", Protocol::Tcp), svc(&["10.96.0.10:80"], &["10.0.0.1:8080", "10.0.0.2:8080"])),
+            (key("dns", Protocol::Udp), svc(&["10.96.0.11:53"], &["10.0.0.1:53"])),
+        ]);
+        Syncer::adopt(&dp).unwrap().sync(&mut dp, &d).unwrap();
+        dp.log.clear();
+        let mut again = Syncer::adopt(&dp).unwrap();
+        let st = again.sync(&mut dp, &d).unwrap();
+        assert_eq!((st.writes, st.deletes), (0, 0), "{:?}", dp.log);
+        // A new service after restart gets a fresh id, not one in use.
+        let mut d2 = d.clone();
+        d2.services.insert(key("new", Protocol::Tcp), svc(&["10.96.0.12:80"], &["10.0.0.9:80"]));
+        again.sync(&mut dp, &d2).unwrap();
+        let ids: BTreeSet<u32> = dp.state.names.keys().copied().collect();
+        assert_eq!(ids.len(), 3);
+    }
+
+    #[test]
+    fn restart_removes_what_nothing_claims() {
+        let mut dp = FakeDatapath::new(cap());
+        let d = state(vec![(key("web", Protocol::Tcp), svc(&["10.96.0.10:80"], &["10.0.0.1:8080"]))]);
+        Syncer::adopt(&dp).unwrap().sync(&mut dp, &d).unwrap();
+        // Garbage left by some other writer.
+        dp.state.slots.insert(BackendSlotKey { service_id: 999, slot: 0 }, 12345);
+        dp.state.names.insert(999, "not a name".into());
+        let mut again = Syncer::adopt(&dp).unwrap();
+        again.sync(&mut dp, &DesiredState::default()).unwrap();
+        assert_eq!(dp.state, Snapshot::default());
+    }
+
+    #[test]
+    fn ipv6_frontends_and_backends() {
+        let mut dp = FakeDatapath::new(cap());
+        let mut s = Syncer::adopt(&dp).unwrap();
+        let k = ServicePortKey { family: Family::V6, ..key("web", Protocol::Tcp) };
+        s.sync(&mut dp, &state(vec![(k, svc(&["[fd00::10]:80"], &["[fd00:1::1]:8080"]))])).unwrap();
+        let b = dp.state.backends.values().next().unwrap();
+        assert!(!proxy_common::is_v4_mapped(&b.addr));
+        assert_eq!(crate::datapath::addr::to_socket_addr(b.addr, b.port), "[fd00:1::1]:8080".parse().unwrap());
+    }
+}
