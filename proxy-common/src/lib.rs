@@ -5,14 +5,13 @@
 //! - Every key and value is `#[repr(C)]` with explicit padding fields, so the layout is the
 //!   same for the BPF target and the host, and `bpftool map dump pinned` shows named fields
 //!   (the object is built with BTF).
-//! - Addresses are 16 bytes, `[u32; 4]` whose **memory bytes are the address in network byte
-//!   order** (exactly `struct in6_addr`, and what `bpf_sock_addr.user_ip6` holds). IPv4
-//!   addresses are stored IPv4-mapped (`::ffff:a.b.c.d`), so one map serves both families
-//!   and an IPv4 VIP reached through a dual-stack IPv6 socket (`::ffff:10.96.0.10`) matches
-//!   the IPv4 frontend. Word 3 of a mapped address is the IPv4 address exactly as
-//!   `bpf_sock_addr.user_ip4` holds it.
-//! - Ports are `u16` in **network byte order** (as `bpf_sock_addr.user_port` holds them in
-//!   its low 16 bits).
+//! - Addresses are `[u8; 16]` in **network byte order** (the bytes of `struct in6_addr`).
+//!   IPv4 addresses are stored IPv4-mapped (`::ffff:a.b.c.d`), so one map serves both
+//!   families and an IPv4 VIP reached through a dual-stack IPv6 socket
+//!   (`::ffff:10.96.0.10`) matches the IPv4 frontend. Byte arrays (rather than `u32` words)
+//!   make `bpftool map dump` print `[..,255,255,10,96,0,10]`, readable at a glance.
+//! - Ports are `[u8; 2]` in **network byte order** (`[0, 80]` is port 80), for the same
+//!   reason.
 //! - Protocols are IANA numbers: [`PROTO_TCP`], [`PROTO_UDP`].
 //!
 //! Service layout (after Cilium's `lb4_services_v2`/`lb4_backends`, see
@@ -84,9 +83,9 @@ pub const FRONTEND_F_VIP_MARKER: u32 = 1 << 0;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct FrontendKey {
     /// VIP, 16 bytes in network byte order; IPv4 stored IPv4-mapped.
-    pub addr: [u32; 4],
+    pub addr: [u8; 16],
     /// Port, network byte order.
-    pub port: u16,
+    pub port: [u8; 2],
     /// IANA protocol number ([`PROTO_TCP`], [`PROTO_UDP`]), 0 for a VIP marker.
     pub proto: u8,
     /// Reserved (scope of a future node-local frontend); always 0.
@@ -123,9 +122,9 @@ pub struct BackendSlotKey {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct Backend {
     /// Endpoint address, 16 bytes network byte order; IPv4 stored IPv4-mapped.
-    pub addr: [u32; 4],
+    pub addr: [u8; 16],
     /// Endpoint port, network byte order.
-    pub port: u16,
+    pub port: [u8; 2],
     /// IANA protocol number.
     pub proto: u8,
     /// Reserved; always 0.
@@ -143,9 +142,9 @@ pub struct RevNatKey {
     /// `bpf_get_socket_cookie()` of the client socket.
     pub cookie: u64,
     /// Backend address, network byte order, IPv4-mapped for IPv4.
-    pub addr: [u32; 4],
+    pub addr: [u8; 16],
     /// Backend port, network byte order.
-    pub port: u16,
+    pub port: [u8; 2],
     /// Reserved; always 0.
     pub _pad: [u8; 6],
 }
@@ -155,9 +154,9 @@ pub struct RevNatKey {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct RevNatValue {
     /// VIP, network byte order, IPv4-mapped for IPv4.
-    pub addr: [u32; 4],
+    pub addr: [u8; 16],
     /// Frontend port, network byte order.
-    pub port: u16,
+    pub port: [u8; 2],
     /// Reserved; always 0.
     pub _pad: [u8; 2],
 }
@@ -169,9 +168,9 @@ pub struct UdpFlowKey {
     /// `bpf_get_socket_cookie()` of the client socket.
     pub cookie: u64,
     /// VIP, network byte order, IPv4-mapped for IPv4.
-    pub addr: [u32; 4],
+    pub addr: [u8; 16],
     /// Frontend port, network byte order.
-    pub port: u16,
+    pub port: [u8; 2],
     /// Reserved; always 0.
     pub _pad: [u8; 6],
 }
@@ -188,7 +187,7 @@ pub struct UdpFlow {
     /// `bpf_ktime_get_ns()` of the last datagram sent or received on the flow (ns since boot).
     pub last_seen_ns: u64,
     /// Backend address at choice time; a mismatch (id reused) means a new choice.
-    pub addr: [u32; 4],
+    pub addr: [u8; 16],
 }
 
 /// Longest service name [`ServiceName`] holds, in bytes.
@@ -258,20 +257,43 @@ impl Counter {
     ];
 }
 
-/// The IPv4-mapped prefix word 2 (`0x0000ffff` in network byte order) as stored in memory.
-pub const V4_MAPPED_WORD2: u32 = u32::from_ne_bytes([0, 0, 0xff, 0xff]);
-
 /// Builds the 16-byte form of an IPv4 address given as `bpf_sock_addr.user_ip4` holds it
-/// (network byte order in a `u32`).
+/// (network byte order in a `u32`, so its memory bytes are the address bytes).
 #[inline(always)]
-pub const fn v4_mapped(ip4_be: u32) -> [u32; 4] {
-    [0, 0, V4_MAPPED_WORD2, ip4_be]
+pub const fn v4_mapped(ip4_be: u32) -> [u8; 16] {
+    let b = ip4_be.to_ne_bytes();
+    [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, b[0], b[1], b[2], b[3]]
 }
 
 /// True when a 16-byte address is IPv4-mapped (`::ffff:0:0/96`).
 #[inline(always)]
-pub const fn is_v4_mapped(addr: &[u32; 4]) -> bool {
-    addr[0] == 0 && addr[1] == 0 && addr[2] == V4_MAPPED_WORD2
+pub const fn is_v4_mapped(a: &[u8; 16]) -> bool {
+    a[0] == 0 && a[1] == 0 && a[2] == 0 && a[3] == 0 && a[4] == 0 && a[5] == 0 && a[6] == 0
+        && a[7] == 0 && a[8] == 0 && a[9] == 0 && a[10] == 0xff && a[11] == 0xff
+}
+
+/// The IPv4 address of a mapped address as `bpf_sock_addr.user_ip4` holds it.
+#[inline(always)]
+pub const fn v4_of_mapped(a: &[u8; 16]) -> u32 {
+    u32::from_ne_bytes([a[12], a[13], a[14], a[15]])
+}
+
+/// 16 address bytes -> the four `u32` words of `bpf_sock_addr.user_ip6` (memory order kept).
+#[inline(always)]
+pub const fn words_of(a: &[u8; 16]) -> [u32; 4] {
+    [
+        u32::from_ne_bytes([a[0], a[1], a[2], a[3]]),
+        u32::from_ne_bytes([a[4], a[5], a[6], a[7]]),
+        u32::from_ne_bytes([a[8], a[9], a[10], a[11]]),
+        u32::from_ne_bytes([a[12], a[13], a[14], a[15]]),
+    ]
+}
+
+/// The four `u32` words of `bpf_sock_addr.user_ip6` -> 16 address bytes.
+#[inline(always)]
+pub const fn bytes_of(w: &[u32; 4]) -> [u8; 16] {
+    let (a, b, c, d) = (w[0].to_ne_bytes(), w[1].to_ne_bytes(), w[2].to_ne_bytes(), w[3].to_ne_bytes());
+    [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3], c[0], c[1], c[2], c[3], d[0], d[1], d[2], d[3]]
 }
 
 #[cfg(feature = "user")]

@@ -26,9 +26,9 @@ pub fn count(c: Counter) {
     }
 }
 
-/// Looks up (addr, port, proto); `addr` 16-byte network order, `port` network order.
+/// Looks up (addr, port, proto); address and port bytes in network order.
 #[inline(always)]
-pub fn lookup(addr: &[u32; 4], port: u16, proto: u8) -> Lookup {
+pub fn lookup(addr: &[u8; 16], port: [u8; 2], proto: u8) -> Lookup {
     let key = FrontendKey { addr: *addr, port, proto, scope: 0 };
     // SAFETY: the value is copied out at once; a concurrent update replaces the element
     // (RCU) rather than writing into it.
@@ -38,7 +38,7 @@ pub fn lookup(addr: &[u32; 4], port: u16, proto: u8) -> Lookup {
             return Lookup::Frontend(fe);
         }
     }
-    let marker = FrontendKey { addr: *addr, port: 0, proto: 0, scope: 0 };
+    let marker = FrontendKey { addr: *addr, port: [0; 2], proto: 0, scope: 0 };
     if FRONTENDS.get_ptr(&marker).is_some() {
         return Lookup::UndefinedPort;
     }
@@ -81,7 +81,7 @@ pub enum Choice {
 /// Picks a backend for `fe`, retrying once with a fresh frontend value when a slot
 /// vanished under us (the agent shrank the service concurrently).
 #[inline(always)]
-pub fn choose(fe: &Frontend, addr: &[u32; 4], port: u16, proto: u8) -> Choice {
+pub fn choose(fe: &Frontend, addr: &[u8; 16], port: [u8; 2], proto: u8) -> Choice {
     if fe.backend_count == 0 {
         return Choice::NoEndpoints;
     }

@@ -19,7 +19,7 @@ use aya_ebpf::{
 };
 use proxy_common::{
     Backend, Counter, DEFAULT_UDP_FLOW_TIMEOUT_NS, PROTO_TCP, PROTO_UDP, RevNatKey, RevNatValue,
-    UdpFlow, UdpFlowKey, is_v4_mapped, v4_mapped,
+    UdpFlow, UdpFlowKey, bytes_of, is_v4_mapped, v4_mapped, v4_of_mapped, words_of,
 };
 
 use crate::{
@@ -75,36 +75,38 @@ pub fn getpeername6(ctx: SockAddrContext) -> i32 {
 
 /// The user address of the syscall as 16 bytes (IPv4 mapped), and its port (network order).
 #[inline(always)]
-fn read_addr<const V6: bool>(sa: *const bpf_sock_addr) -> ([u32; 4], u16) {
-    // SAFETY: `sa` is the program context; these fields are readable in every sock_addr hook.
+fn read_addr<const V6: bool>(sa: *const bpf_sock_addr) -> ([u8; 16], [u8; 2]) {
+    // SAFETY: `sa` is the program context; these fields are readable in every sock_addr hook
+    // (with 4-byte loads, hence word by word).
     unsafe {
         let addr = if V6 {
-            [(*sa).user_ip6[0], (*sa).user_ip6[1], (*sa).user_ip6[2], (*sa).user_ip6[3]]
+            bytes_of(&[(*sa).user_ip6[0], (*sa).user_ip6[1], (*sa).user_ip6[2], (*sa).user_ip6[3]])
         } else {
             v4_mapped((*sa).user_ip4)
         };
         // user_port holds the be16 port in its low 16 bits.
-        (addr, (*sa).user_port as u16)
+        (addr, ((*sa).user_port as u16).to_ne_bytes())
     }
 }
 
 /// Writes the user address; `false` when an IPv6 address cannot go into an IPv4 socket.
 #[inline(always)]
-fn write_addr<const V6: bool>(sa: *mut bpf_sock_addr, addr: &[u32; 4], port: u16) -> bool {
+fn write_addr<const V6: bool>(sa: *mut bpf_sock_addr, addr: &[u8; 16], port: [u8; 2]) -> bool {
     // SAFETY: `sa` is the program context; user_ip*/user_port are writable in these hooks.
     unsafe {
         if V6 {
-            (*sa).user_ip6[0] = addr[0];
-            (*sa).user_ip6[1] = addr[1];
-            (*sa).user_ip6[2] = addr[2];
-            (*sa).user_ip6[3] = addr[3];
+            let w = words_of(addr);
+            (*sa).user_ip6[0] = w[0];
+            (*sa).user_ip6[1] = w[1];
+            (*sa).user_ip6[2] = w[2];
+            (*sa).user_ip6[3] = w[3];
         } else {
             if !is_v4_mapped(addr) {
                 return false;
             }
-            (*sa).user_ip4 = addr[3];
+            (*sa).user_ip4 = v4_of_mapped(addr);
         }
-        (*sa).user_port = port as u32;
+        (*sa).user_port = u16::from_ne_bytes(port) as u32;
     }
     true
 }
@@ -125,7 +127,7 @@ fn cookie(ctx: &SockAddrContext) -> u64 {
 
 /// Remembers that this socket reached `b` through the frontend (addr, port).
 #[inline(always)]
-fn remember(cookie: u64, b: &Backend, addr: &[u32; 4], port: u16) {
+fn remember(cookie: u64, b: &Backend, addr: &[u8; 16], port: [u8; 2]) {
     let key = RevNatKey { cookie, addr: b.addr, port: b.port, _pad: [0; 6] };
     let val = RevNatValue { addr: *addr, port, _pad: [0; 2] };
     if REVNAT_SK.insert(&key, &val, 0).is_err() {

@@ -29,7 +29,7 @@ use proxy_common::{Backend, BackendSlotKey, FRONTEND_F_VIP_MARKER, Frontend, Fro
 use crate::{
     datapath::{
         Datapath, DatapathError, Snapshot,
-        addr::{ip_to_words, port_to_map},
+        addr::{ip_to_bytes, port_to_map},
     },
     model::{DesiredState, Family, Protocol, ServicePortKey},
 };
@@ -94,15 +94,15 @@ pub fn parse_service_name(s: &str) -> Option<ServicePortKey> {
 }
 
 fn backend_value(addr: &SocketAddr, proto: Protocol) -> Backend {
-    Backend { addr: ip_to_words(addr.ip()), port: port_to_map(addr.port()), proto: proto.number(), flags: 0 }
+    Backend { addr: ip_to_bytes(addr.ip()), port: port_to_map(addr.port()), proto: proto.number(), flags: 0 }
 }
 
 fn frontend_key(addr: &SocketAddr, proto: Protocol) -> FrontendKey {
-    FrontendKey { addr: ip_to_words(addr.ip()), port: port_to_map(addr.port()), proto: proto.number(), scope: 0 }
+    FrontendKey { addr: ip_to_bytes(addr.ip()), port: port_to_map(addr.port()), proto: proto.number(), scope: 0 }
 }
 
-fn marker_key(addr: [u32; 4]) -> FrontendKey {
-    FrontendKey { addr, port: 0, proto: 0, scope: 0 }
+fn marker_key(addr: [u8; 16]) -> FrontendKey {
+    FrontendKey { addr, port: [0; 2], proto: 0, scope: 0 }
 }
 
 const MARKER: Frontend = Frontend { service_id: 0, backend_count: 0, flags: FRONTEND_F_VIP_MARKER, _pad: 0 };
@@ -280,7 +280,7 @@ impl Syncer {
                     frontend_key(fe, key.protocol),
                     Frontend { service_id: id, backend_count: slots.len() as u32, flags: 0, _pad: 0 },
                 );
-                want_frontends.insert(marker_key(ip_to_words(fe.ip())), MARKER);
+                want_frontends.insert(marker_key(ip_to_bytes(fe.ip())), MARKER);
             }
             want_slots.insert(id, slots);
             want_names.insert(id, service_name(key));
@@ -516,7 +516,7 @@ mod tests {
         assert!(matches!(dp.log.last(), Some(Op::PutFrontend(k, f)) if k.proto == 6 && f.backend_count == 2));
         // Keys are in network byte order.
         let fk = dp.state.frontends.keys().find(|k| k.proto == 6).unwrap();
-        assert_eq!(fk.port.to_ne_bytes(), [0, 80]);
+        assert_eq!(fk.port, [0, 80]);
     }
 
     #[test]

@@ -131,8 +131,10 @@ pub fn load_and_attach(dir: &Path, cgroup: &Path, sizes: MapSizes) -> Result<()>
             .try_into()
             .with_context(|| format!("load: program {prog} is not a cgroup sock_addr program"))?;
         p.load().map_err(|e| anyhow::anyhow!("verify: program {prog} was rejected: {e:#}"))?;
+        // With bpf_link (kernel >= 5.7) `Single` means flags 0, which the kernel requires for
+        // cgroup links; links always coexist with other links on the same hook.
         let id = p
-            .attach(&cg, CgroupAttachMode::AllowMultiple)
+            .attach(&cg, CgroupAttachMode::Single)
             .with_context(|| format!("attach: {prog} to cgroup {}", cgroup.display()))?;
         let link: FdLink = p
             .take_link(id)
@@ -140,7 +142,7 @@ pub fn load_and_attach(dir: &Path, cgroup: &Path, sizes: MapSizes) -> Result<()>
             .try_into()
             .context("attach: the kernel did not give a bpf_link (needs Linux >= 5.7)")?;
         let final_pin = link_pin(dir, prog);
-        let new_pin = dir.join(format!("link_{prog}.new"));
+        let new_pin = dir.join(format!("next_{prog}"));
         let _ = fs::remove_file(&new_pin);
         link.pin(&new_pin).with_context(|| format!("pin: link {}", new_pin.display()))?;
         if final_pin.exists() {
@@ -176,7 +178,7 @@ pub fn cleanup(dir: &Path) -> Result<CleanupReport> {
     files.sort();
     for path in files {
         let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
-        if name.starts_with("link_") {
+        if name.starts_with("link_") || name.starts_with("next_") {
             match PinnedLink::from_pin(&path) {
                 Ok(l) => drop(l.unpin()),
                 Err(_) => drop(fs::remove_file(&path)),
