@@ -11,7 +11,9 @@ use std::{env, fs, path::PathBuf};
 fn main() {
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
     let default = manifest.join("../target/bpfel-unknown-none/release/ebpf-proxy");
-    let object = env::var_os("EBPF_PROXY_OBJECT").map(PathBuf::from).unwrap_or(default);
+    let object = env::var_os("EBPF_PROXY_OBJECT")
+        .map(PathBuf::from)
+        .unwrap_or(default);
     println!("cargo:rerun-if-env-changed=EBPF_PROXY_OBJECT");
     println!("cargo:rerun-if-changed={}", object.display());
     let out = PathBuf::from(env::var("OUT_DIR").unwrap()).join("ebpf-proxy.bpf.o");

@@ -52,8 +52,16 @@ pub const COUNTERS: &str = "COUNTERS";
 pub const SERVICE_NAMES: &str = "SERVICE_NAMES";
 
 /// Every map the agent pins, in the order the data path depends on them.
-pub const ALL_MAPS: [&str; 8] =
-    [FRONTENDS, BACKEND_SLOTS, BACKENDS, REVNAT_SK, UDP_FLOWS, CONFIG, COUNTERS, SERVICE_NAMES];
+pub const ALL_MAPS: [&str; 8] = [
+    FRONTENDS,
+    BACKEND_SLOTS,
+    BACKENDS,
+    REVNAT_SK,
+    UDP_FLOWS,
+    CONFIG,
+    COUNTERS,
+    SERVICE_NAMES,
+];
 
 /// Default `max_entries` of [`FRONTENDS`] (one per VIP x port x protocol, plus one
 /// VIP marker per VIP). The agent may override it (`--max-frontends`).
@@ -208,7 +216,11 @@ pub struct ServiceName {
 
 impl Default for ServiceName {
     fn default() -> Self {
-        Self { len: 0, _pad: 0, name: [0; SERVICE_NAME_LEN] }
+        Self {
+            len: 0,
+            _pad: 0,
+            name: [0; SERVICE_NAME_LEN],
+        }
     }
 }
 
@@ -262,14 +274,26 @@ impl Counter {
 #[inline(always)]
 pub const fn v4_mapped(ip4_be: u32) -> [u8; 16] {
     let b = ip4_be.to_ne_bytes();
-    [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, b[0], b[1], b[2], b[3]]
+    [
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, b[0], b[1], b[2], b[3],
+    ]
 }
 
 /// True when a 16-byte address is IPv4-mapped (`::ffff:0:0/96`).
 #[inline(always)]
 pub const fn is_v4_mapped(a: &[u8; 16]) -> bool {
-    a[0] == 0 && a[1] == 0 && a[2] == 0 && a[3] == 0 && a[4] == 0 && a[5] == 0 && a[6] == 0
-        && a[7] == 0 && a[8] == 0 && a[9] == 0 && a[10] == 0xff && a[11] == 0xff
+    a[0] == 0
+        && a[1] == 0
+        && a[2] == 0
+        && a[3] == 0
+        && a[4] == 0
+        && a[5] == 0
+        && a[6] == 0
+        && a[7] == 0
+        && a[8] == 0
+        && a[9] == 0
+        && a[10] == 0xff
+        && a[11] == 0xff
 }
 
 /// The IPv4 address of a mapped address as `bpf_sock_addr.user_ip4` holds it.
@@ -292,8 +316,16 @@ pub const fn words_of(a: &[u8; 16]) -> [u32; 4] {
 /// The four `u32` words of `bpf_sock_addr.user_ip6` -> 16 address bytes.
 #[inline(always)]
 pub const fn bytes_of(w: &[u32; 4]) -> [u8; 16] {
-    let (a, b, c, d) = (w[0].to_ne_bytes(), w[1].to_ne_bytes(), w[2].to_ne_bytes(), w[3].to_ne_bytes());
-    [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3], c[0], c[1], c[2], c[3], d[0], d[1], d[2], d[3]]
+    let (a, b, c, d) = (
+        w[0].to_ne_bytes(),
+        w[1].to_ne_bytes(),
+        w[2].to_ne_bytes(),
+        w[3].to_ne_bytes(),
+    );
+    [
+        a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3], c[0], c[1], c[2], c[3], d[0], d[1], d[2],
+        d[3],
+    ]
 }
 
 #[cfg(feature = "user")]

@@ -29,7 +29,12 @@ pub fn count(c: Counter) {
 /// Looks up (addr, port, proto); address and port bytes in network order.
 #[inline(always)]
 pub fn lookup(addr: &[u8; 16], port: [u8; 2], proto: u8) -> Lookup {
-    let key = FrontendKey { addr: *addr, port, proto, scope: 0 };
+    let key = FrontendKey {
+        addr: *addr,
+        port,
+        proto,
+        scope: 0,
+    };
     // SAFETY: the value is copied out at once; a concurrent update replaces the element
     // (RCU) rather than writing into it.
     if let Some(fe) = unsafe { FRONTENDS.get(&key) } {
@@ -38,7 +43,12 @@ pub fn lookup(addr: &[u8; 16], port: [u8; 2], proto: u8) -> Lookup {
             return Lookup::Frontend(fe);
         }
     }
-    let marker = FrontendKey { addr: *addr, port: [0; 2], proto: 0, scope: 0 };
+    let marker = FrontendKey {
+        addr: *addr,
+        port: [0; 2],
+        proto: 0,
+        scope: 0,
+    };
     if FRONTENDS.get_ptr(&marker).is_some() {
         return Lookup::UndefinedPort;
     }
@@ -63,7 +73,10 @@ pub fn pick(fe: &Frontend) -> Option<(u32, Backend)> {
     }
     // SAFETY: helper without side effects.
     let slot = unsafe { bpf_get_prandom_u32() } % count;
-    let key = BackendSlotKey { service_id: fe.service_id, slot };
+    let key = BackendSlotKey {
+        service_id: fe.service_id,
+        slot,
+    };
     // SAFETY: copied out at once.
     let id = unsafe { BACKEND_SLOTS.get(&key).copied() }?;
     let b = backend(id)?;

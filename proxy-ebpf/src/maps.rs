@@ -7,8 +7,8 @@ use aya_ebpf::{
 };
 use proxy_common::{
     Backend, BackendSlotKey, COUNTER_MAX, Config, DEFAULT_MAX_BACKENDS, DEFAULT_MAX_FRONTENDS,
-    DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCKETS, Frontend, FrontendKey, RevNatKey, RevNatValue, ServiceName,
-    UdpFlow, UdpFlowKey,
+    DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCKETS, Frontend, FrontendKey, RevNatKey, RevNatValue,
+    ServiceName, UdpFlow, UdpFlowKey,
 };
 
 /// (VIP, port, protocol) -> frontend; see `proxy_common::FRONTENDS`.

@@ -80,7 +80,12 @@ fn read_addr<const V6: bool>(sa: *const bpf_sock_addr) -> ([u8; 16], [u8; 2]) {
     // (with 4-byte loads, hence word by word).
     unsafe {
         let addr = if V6 {
-            bytes_of(&[(*sa).user_ip6[0], (*sa).user_ip6[1], (*sa).user_ip6[2], (*sa).user_ip6[3]])
+            bytes_of(&[
+                (*sa).user_ip6[0],
+                (*sa).user_ip6[1],
+                (*sa).user_ip6[2],
+                (*sa).user_ip6[3],
+            ])
         } else {
             v4_mapped((*sa).user_ip4)
         };
@@ -128,8 +133,17 @@ fn cookie(ctx: &SockAddrContext) -> u64 {
 /// Remembers that this socket reached `b` through the frontend (addr, port).
 #[inline(always)]
 fn remember(cookie: u64, b: &Backend, addr: &[u8; 16], port: [u8; 2]) {
-    let key = RevNatKey { cookie, addr: b.addr, port: b.port, _pad: [0; 6] };
-    let val = RevNatValue { addr: *addr, port, _pad: [0; 2] };
+    let key = RevNatKey {
+        cookie,
+        addr: b.addr,
+        port: b.port,
+        _pad: [0; 6],
+    };
+    let val = RevNatValue {
+        addr: *addr,
+        port,
+        _pad: [0; 2],
+    };
     if REVNAT_SK.insert(&key, &val, 0).is_err() {
         count(Counter::MapUpdateFailed);
     }
@@ -181,7 +195,12 @@ fn on_sendmsg<const V6: bool>(ctx: &SockAddrContext) -> i32 {
     let cookie = cookie(ctx);
     // SAFETY: helper without side effects.
     let now = unsafe { bpf_ktime_get_ns() };
-    let fkey = UdpFlowKey { cookie, addr, port, _pad: [0; 6] };
+    let fkey = UdpFlowKey {
+        cookie,
+        addr,
+        port,
+        _pad: [0; 6],
+    };
 
     // Keep the flow's backend while the flow is active and the backend still exists.
     let mut chosen: Option<(u32, Backend)> = None;
@@ -208,7 +227,12 @@ fn on_sendmsg<const V6: bool>(ctx: &SockAddrContext) -> i32 {
     if !write_addr::<V6>(sa, &b.addr, b.port) {
         return refuse(Counter::RefusedNoEndpoints);
     }
-    let flow = UdpFlow { backend_id: id, service_id: fe.service_id, last_seen_ns: now, addr: b.addr };
+    let flow = UdpFlow {
+        backend_id: id,
+        service_id: fe.service_id,
+        last_seen_ns: now,
+        addr: b.addr,
+    };
     if UDP_FLOWS.insert(&fkey, &flow, 0).is_err() {
         count(Counter::MapUpdateFailed);
     }
@@ -223,7 +247,12 @@ fn on_reverse<const V6: bool, const RECV: bool>(ctx: &SockAddrContext) -> i32 {
     let sa = ctx.sock_addr;
     let (addr, port) = read_addr::<V6>(sa);
     let cookie = cookie(ctx);
-    let key = RevNatKey { cookie, addr, port, _pad: [0; 6] };
+    let key = RevNatKey {
+        cookie,
+        addr,
+        port,
+        _pad: [0; 6],
+    };
     // SAFETY: copied out at once.
     let Some(v) = (unsafe { REVNAT_SK.get(&key).copied() }) else {
         return ALLOW;
@@ -233,7 +262,12 @@ fn on_reverse<const V6: bool, const RECV: bool>(ctx: &SockAddrContext) -> i32 {
     }
     if RECV {
         // A reply keeps the UDP flow active, as it refreshes a conntrack entry.
-        let fkey = UdpFlowKey { cookie, addr: v.addr, port: v.port, _pad: [0; 6] };
+        let fkey = UdpFlowKey {
+            cookie,
+            addr: v.addr,
+            port: v.port,
+            _pad: [0; 6],
+        };
         if let Some(f) = UDP_FLOWS.get_ptr_mut(&fkey) {
             // SAFETY: in-place timestamp refresh; a torn read elsewhere only shifts expiry.
             unsafe { (*f).last_seen_ns = bpf_ktime_get_ns() };

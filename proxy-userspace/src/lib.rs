@@ -3,6 +3,7 @@
 
 pub mod datapath;
 pub mod model;
+pub mod mounts;
 pub mod source;
 pub mod sync;
 pub mod testbed;

@@ -187,12 +187,18 @@ async fn healthz(
 fn node_name(flag: Option<String>) -> String {
     flag.filter(|s| !s.is_empty())
         .or_else(|| std::env::var("NODE_NAME").ok().filter(|s| !s.is_empty()))
-        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok().map(|s| s.trim().to_string()))
+        .or_else(|| {
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .ok()
+                .map(|s| s.trim().to_string())
+        })
         .unwrap_or_default()
 }
 
 fn run(args: RunArgs) -> Result<()> {
-    let node = NodeInfo { name: node_name(args.hostname_override.clone()), ..Default::default() };
+    let node = NodeInfo {
+        name: node_name(args.hostname_override.clone()),
+    };
     let dir = args.pins.dir();
     loader::ensure_bpffs(&args.pins.bpffs)?;
     let cgroup = match &args.cgroup_path {
@@ -213,13 +219,25 @@ fn run(args: RunArgs) -> Result<()> {
         _reserved: 0,
     })?;
     let cap = maps.capacity();
-    if cap.frontends != args.max_frontends || cap.slots != args.max_backend_slots || cap.backends != args.max_backends {
-        warn!(?cap, "adopted pinned maps keep the sizes they were created with; run `ebpf-proxy cleanup` to resize");
+    if cap.frontends != args.max_frontends
+        || cap.slots != args.max_backend_slots
+        || cap.backends != args.max_backends
+    {
+        warn!(
+            ?cap,
+            "adopted pinned maps keep the sizes they were created with; run `ebpf-proxy cleanup` to resize"
+        );
     }
     let mut syncer = Syncer::adopt(&maps).context("read the pinned maps")?;
-    info!(services = syncer.bound_services(), "adopted state from pinned maps");
+    info!(
+        services = syncer.bound_services(),
+        "adopted state from pinned maps"
+    );
 
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
     rt.block_on(async move {
         let health = Arc::new(Mutex::new(Health::default()));
         let app = axum::Router::new()
@@ -293,8 +311,12 @@ struct ServiceRow {
 
 fn services(args: ServicesArgs) -> Result<()> {
     let dir = args.pins.dir();
-    let maps = PinnedMaps::open(&dir)
-        .with_context(|| format!("no ebpf-proxy data path pinned at {} (is the agent running? check --bpffs/--pin-dir)", dir.display()))?;
+    let maps = PinnedMaps::open(&dir).with_context(|| {
+        format!(
+            "no ebpf-proxy data path pinned at {} (is the agent running? check --bpffs/--pin-dir)",
+            dir.display()
+        )
+    })?;
     let snap = maps.snapshot()?;
     let mut rows = Vec::new();
     for (k, f) in &snap.frontends {
@@ -303,7 +325,10 @@ fn services(args: ServicesArgs) -> Result<()> {
         }
         let backends = (0..f.backend_count)
             .map(|slot| {
-                let key = proxy_common::BackendSlotKey { service_id: f.service_id, slot };
+                let key = proxy_common::BackendSlotKey {
+                    service_id: f.service_id,
+                    slot,
+                };
                 match snap.slots.get(&key).and_then(|id| snap.backends.get(id)) {
                     Some(b) => to_socket_addr(b.addr, b.port).to_string(),
                     None => "<missing>".to_string(),
@@ -311,7 +336,11 @@ fn services(args: ServicesArgs) -> Result<()> {
             })
             .collect();
         rows.push(ServiceRow {
-            service: snap.names.get(&f.service_id).cloned().unwrap_or_else(|| "?".into()),
+            service: snap
+                .names
+                .get(&f.service_id)
+                .cloned()
+                .unwrap_or_else(|| "?".into()),
             frontend: to_socket_addr(k.addr, k.port).to_string(),
             protocol: proto_name(k.proto),
             service_id: f.service_id,
@@ -327,8 +356,18 @@ fn services(args: ServicesArgs) -> Result<()> {
     let table: Vec<[String; 5]> = rows
         .iter()
         .map(|r| {
-            let b = if r.backends.is_empty() { "<none: refused>".to_string() } else { r.backends.join(",") };
-            [r.service.clone(), r.frontend.clone(), r.protocol.to_string(), r.service_id.to_string(), b]
+            let b = if r.backends.is_empty() {
+                "<none: refused>".to_string()
+            } else {
+                r.backends.join(",")
+            };
+            [
+                r.service.clone(),
+                r.frontend.clone(),
+                r.protocol.to_string(),
+                r.service_id.to_string(),
+                b,
+            ]
         })
         .collect();
     let mut w = header.map(str::len);
@@ -337,9 +376,31 @@ fn services(args: ServicesArgs) -> Result<()> {
             w[i] = w[i].max(c.len());
         }
     }
-    println!("{:<w0$}  {:<w1$}  {:<w2$}  {:>w3$}  {}", header[0], header[1], header[2], header[3], header[4], w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3]);
+    println!(
+        "{:<w0$}  {:<w1$}  {:<w2$}  {:>w3$}  {}",
+        header[0],
+        header[1],
+        header[2],
+        header[3],
+        header[4],
+        w0 = w[0],
+        w1 = w[1],
+        w2 = w[2],
+        w3 = w[3]
+    );
     for r in &table {
-        println!("{:<w0$}  {:<w1$}  {:<w2$}  {:>w3$}  {}", r[0], r[1], r[2], r[3], r[4], w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3]);
+        println!(
+            "{:<w0$}  {:<w1$}  {:<w2$}  {:>w3$}  {}",
+            r[0],
+            r[1],
+            r[2],
+            r[3],
+            r[4],
+            w0 = w[0],
+            w1 = w[1],
+            w2 = w[2],
+            w3 = w[3]
+        );
     }
     if let Ok(c) = maps.counters() {
         let parts: Vec<String> = Counter::ALL

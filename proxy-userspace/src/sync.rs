@@ -62,7 +62,10 @@ pub fn service_name(k: &ServicePortKey) -> String {
         Family::V4 => "v4",
         Family::V6 => "v6",
     };
-    format!("{}/{}:{}/{}/{}", k.namespace, k.name, k.port_name, proto, fam)
+    format!(
+        "{}/{}:{}/{}/{}",
+        k.namespace, k.name, k.port_name, proto, fam
+    )
 }
 
 /// Inverse of [`service_name`]; `None` for anything else.
@@ -94,18 +97,38 @@ pub fn parse_service_name(s: &str) -> Option<ServicePortKey> {
 }
 
 fn backend_value(addr: &SocketAddr, proto: Protocol) -> Backend {
-    Backend { addr: ip_to_bytes(addr.ip()), port: port_to_map(addr.port()), proto: proto.number(), flags: 0 }
+    Backend {
+        addr: ip_to_bytes(addr.ip()),
+        port: port_to_map(addr.port()),
+        proto: proto.number(),
+        flags: 0,
+    }
 }
 
 fn frontend_key(addr: &SocketAddr, proto: Protocol) -> FrontendKey {
-    FrontendKey { addr: ip_to_bytes(addr.ip()), port: port_to_map(addr.port()), proto: proto.number(), scope: 0 }
+    FrontendKey {
+        addr: ip_to_bytes(addr.ip()),
+        port: port_to_map(addr.port()),
+        proto: proto.number(),
+        scope: 0,
+    }
 }
 
 fn marker_key(addr: [u8; 16]) -> FrontendKey {
-    FrontendKey { addr, port: [0; 2], proto: 0, scope: 0 }
+    FrontendKey {
+        addr,
+        port: [0; 2],
+        proto: 0,
+        scope: 0,
+    }
 }
 
-const MARKER: Frontend = Frontend { service_id: 0, backend_count: 0, flags: FRONTEND_F_VIP_MARKER, _pad: 0 };
+const MARKER: Frontend = Frontend {
+    service_id: 0,
+    backend_count: 0,
+    flags: FRONTEND_F_VIP_MARKER,
+    _pad: 0,
+};
 
 /// New slot order for a service: survivors keep their slot, new backends fill holes, then
 /// the tail moves into holes that are left.
@@ -171,7 +194,14 @@ impl Syncer {
             .copied()
             .unwrap_or(0);
         s.next_service_id = max_sid.wrapping_add(1).max(1);
-        s.next_backend_id = cur.backends.keys().max().copied().unwrap_or(0).wrapping_add(1).max(1);
+        s.next_backend_id = cur
+            .backends
+            .keys()
+            .max()
+            .copied()
+            .unwrap_or(0)
+            .wrapping_add(1)
+            .max(1);
         s.cur = cur;
         Ok(s)
     }
@@ -220,7 +250,10 @@ impl Syncer {
     fn cur_slots(&self, id: u32) -> Vec<u32> {
         let mut v = Vec::new();
         for slot in 0.. {
-            match self.cur.slots.get(&BackendSlotKey { service_id: id, slot }) {
+            match self.cur.slots.get(&BackendSlotKey {
+                service_id: id,
+                slot,
+            }) {
                 Some(b) => v.push(*b),
                 None => break,
             }
@@ -231,7 +264,11 @@ impl Syncer {
     /// Makes the maps match `desired`. On error, the maps hold a consistent prefix of the
     /// ordered steps and the next call continues from there; on [`DatapathError::Full`]
     /// nothing was written.
-    pub fn sync(&mut self, dp: &mut impl Datapath, desired: &DesiredState) -> Result<SyncStats, DatapathError> {
+    pub fn sync(
+        &mut self,
+        dp: &mut impl Datapath,
+        desired: &DesiredState,
+    ) -> Result<SyncStats, DatapathError> {
         let start = Instant::now();
         let mut stats = SyncStats::default();
 
@@ -278,7 +315,12 @@ impl Syncer {
             for fe in &svc.frontends {
                 want_frontends.insert(
                     frontend_key(fe, key.protocol),
-                    Frontend { service_id: id, backend_count: slots.len() as u32, flags: 0, _pad: 0 },
+                    Frontend {
+                        service_id: id,
+                        backend_count: slots.len() as u32,
+                        flags: 0,
+                        _pad: 0,
+                    },
                 );
                 want_frontends.insert(marker_key(ip_to_bytes(fe.ip())), MARKER);
             }
@@ -286,7 +328,10 @@ impl Syncer {
             want_names.insert(id, service_name(key));
         }
         stats.services = desired.services.len();
-        stats.frontends = want_frontends.values().filter(|f| f.flags & FRONTEND_F_VIP_MARKER == 0).count();
+        stats.frontends = want_frontends
+            .values()
+            .filter(|f| f.flags & FRONTEND_F_VIP_MARKER == 0)
+            .count();
         stats.backends = want_backends.len();
 
         // --- Capacity (peak during the ordered steps) ------------------------------------------
@@ -296,7 +341,13 @@ impl Syncer {
             .iter()
             .map(|(id, s)| s.len().max(self.cur_slots(*id).len()))
             .sum();
-        let peak_backends = self.cur.backends.keys().chain(want_backends.keys()).collect::<BTreeSet<_>>().len();
+        let peak_backends = self
+            .cur
+            .backends
+            .keys()
+            .chain(want_backends.keys())
+            .collect::<BTreeSet<_>>()
+            .len();
         let peak_names = want_names.len();
         let checks = [
             ("FRONTENDS", peak_frontends, cap.frontends, "max-frontends"),
@@ -306,10 +357,18 @@ impl Syncer {
         ];
         for (map, needed, limit, flag) in checks {
             if needed > limit as usize {
-                return Err(DatapathError::Full { map, needed, limit, flag });
+                return Err(DatapathError::Full {
+                    map,
+                    needed,
+                    limit,
+                    flag,
+                });
             }
         }
-        if let Some((_, slots)) = want_slots.iter().find(|(_, s)| s.len() > proxy_common::MAX_BACKENDS_PER_SERVICE as usize) {
+        if let Some((_, slots)) = want_slots
+            .iter()
+            .find(|(_, s)| s.len() > proxy_common::MAX_BACKENDS_PER_SERVICE as usize)
+        {
             return Err(DatapathError::Full {
                 map: "BACKEND_SLOTS (per service)",
                 needed: slots.len(),
@@ -319,22 +378,43 @@ impl Syncer {
         }
 
         // --- (A) removals of what is no longer wanted ------------------------------------------
-        let stale_fe: Vec<FrontendKey> = self.cur.frontends.keys().filter(|k| !want_frontends.contains_key(k)).copied().collect();
+        let stale_fe: Vec<FrontendKey> = self
+            .cur
+            .frontends
+            .keys()
+            .filter(|k| !want_frontends.contains_key(k))
+            .copied()
+            .collect();
         // Real frontends before VIP markers: a removed VIP briefly refuses rather than leaks.
-        for k in stale_fe.iter().filter(|k| k.proto != 0).chain(stale_fe.iter().filter(|k| k.proto == 0)) {
+        for k in stale_fe
+            .iter()
+            .filter(|k| k.proto != 0)
+            .chain(stale_fe.iter().filter(|k| k.proto == 0))
+        {
             dp.delete_frontend(k)?;
             self.cur.frontends.remove(k);
             stats.deletes += 1;
         }
         let wanted_ids: BTreeSet<u32> = want_slots.keys().copied().collect();
-        let stale_slots: Vec<BackendSlotKey> =
-            self.cur.slots.keys().filter(|k| !wanted_ids.contains(&k.service_id)).copied().collect();
+        let stale_slots: Vec<BackendSlotKey> = self
+            .cur
+            .slots
+            .keys()
+            .filter(|k| !wanted_ids.contains(&k.service_id))
+            .copied()
+            .collect();
         for k in stale_slots {
             dp.delete_slot(&k)?;
             self.cur.slots.remove(&k);
             stats.deletes += 1;
         }
-        let stale_names: Vec<u32> = self.cur.names.keys().filter(|id| !wanted_ids.contains(id)).copied().collect();
+        let stale_names: Vec<u32> = self
+            .cur
+            .names
+            .keys()
+            .filter(|id| !wanted_ids.contains(id))
+            .copied()
+            .collect();
         for id in stale_names {
             dp.delete_name(id)?;
             self.cur.names.remove(&id);
@@ -362,7 +442,10 @@ impl Syncer {
         }
         for (id, slots) in &want_slots {
             for (i, bid) in slots.iter().enumerate() {
-                let k = BackendSlotKey { service_id: *id, slot: i as u32 };
+                let k = BackendSlotKey {
+                    service_id: *id,
+                    slot: i as u32,
+                };
                 if self.cur.slots.get(&k) != Some(bid) {
                     dp.put_slot(&k, *bid)?;
                     self.cur.slots.insert(k, *bid);
@@ -371,7 +454,8 @@ impl Syncer {
             }
         }
         // Markers first: a new VIP refuses undefined ports from its first moment.
-        let (markers, real): (Vec<_>, Vec<_>) = want_frontends.iter().partition(|(k, _)| k.proto == 0);
+        let (markers, real): (Vec<_>, Vec<_>) =
+            want_frontends.iter().partition(|(k, _)| k.proto == 0);
         for (k, v) in markers.into_iter().chain(real) {
             if self.cur.frontends.get(k) != Some(v) {
                 dp.put_frontend(k, v)?;
@@ -385,7 +469,11 @@ impl Syncer {
             .cur
             .slots
             .keys()
-            .filter(|k| want_slots.get(&k.service_id).is_some_and(|s| k.slot as usize >= s.len()))
+            .filter(|k| {
+                want_slots
+                    .get(&k.service_id)
+                    .is_some_and(|s| k.slot as usize >= s.len())
+            })
             .copied()
             .collect();
         for k in extra {
@@ -393,7 +481,13 @@ impl Syncer {
             self.cur.slots.remove(&k);
             stats.deletes += 1;
         }
-        let stale_b: Vec<u32> = self.cur.backends.keys().filter(|id| !want_backends.contains_key(id)).copied().collect();
+        let stale_b: Vec<u32> = self
+            .cur
+            .backends
+            .keys()
+            .filter(|id| !want_backends.contains_key(id))
+            .copied()
+            .collect();
         for id in stale_b {
             dp.delete_backend(id)?;
             if let Some(b) = self.cur.backends.remove(&id) {
@@ -418,7 +512,12 @@ mod tests {
     };
 
     fn cap() -> Capacity {
-        Capacity { frontends: 100, slots: 100, backends: 100, services: 100 }
+        Capacity {
+            frontends: 100,
+            slots: 100,
+            backends: 100,
+            services: 100,
+        }
     }
 
     fn key(name: &str, proto: Protocol) -> ServicePortKey {
@@ -439,7 +538,9 @@ mod tests {
     }
 
     fn state(items: Vec<(ServicePortKey, DesiredService)>) -> DesiredState {
-        DesiredState { services: items.into_iter().collect() }
+        DesiredState {
+            services: items.into_iter().collect(),
+        }
     }
 
     /// Every frontend's slots and backends resolve (what the data path needs at any time).
@@ -449,9 +550,18 @@ mod tests {
                 continue;
             }
             let marker = marker_key(k.addr);
-            assert!(s.frontends.contains_key(&marker), "VIP marker missing for {k:?}");
+            assert!(
+                s.frontends.contains_key(&marker),
+                "VIP marker missing for {k:?}"
+            );
             for slot in 0..f.backend_count {
-                let bid = s.slots.get(&BackendSlotKey { service_id: f.service_id, slot }).expect("slot");
+                let bid = s
+                    .slots
+                    .get(&BackendSlotKey {
+                        service_id: f.service_id,
+                        slot,
+                    })
+                    .expect("slot");
                 assert!(s.backends.contains_key(bid), "backend {bid} missing");
             }
         }
@@ -496,7 +606,11 @@ mod tests {
         let k = key("web", Protocol::Udp);
         assert_eq!(service_name(&k), "default/web:http/UDP/v4");
         assert_eq!(parse_service_name(&service_name(&k)), Some(k));
-        let unnamed = ServicePortKey { port_name: String::new(), family: Family::V6, ..key("x", Protocol::Tcp) };
+        let unnamed = ServicePortKey {
+            port_name: String::new(),
+            family: Family::V6,
+            ..key("x", Protocol::Tcp)
+        };
         assert_eq!(parse_service_name(&service_name(&unnamed)), Some(unnamed));
         assert_eq!(parse_service_name("garbage"), None);
     }
@@ -505,7 +619,10 @@ mod tests {
     fn first_sync_writes_everything_in_order() {
         let mut dp = FakeDatapath::new(cap());
         let mut s = Syncer::adopt(&dp).unwrap();
-        let d = state(vec![(key("web", Protocol::Tcp), svc(&["10.96.0.10:80"], &["10.0.0.1:8080", "10.0.0.2:8080"]))]);
+        let d = state(vec![(
+            key("web", Protocol::Tcp),
+            svc(&["10.96.0.10:80"], &["10.0.0.1:8080", "10.0.0.2:8080"]),
+        )]);
         let st = s.sync(&mut dp, &d).unwrap();
         assert_eq!(st.writes, 2 + 1 + 2 + 2); // backends, name, slots, marker + frontend
         assert_eq!(dp.state.frontends.len(), 2);
@@ -513,7 +630,9 @@ mod tests {
         assert_eq!(dp.state.backends.len(), 2);
         assert_every_step_consistent(&dp.log, &Snapshot::default());
         // The frontend comes last.
-        assert!(matches!(dp.log.last(), Some(Op::PutFrontend(k, f)) if k.proto == 6 && f.backend_count == 2));
+        assert!(
+            matches!(dp.log.last(), Some(Op::PutFrontend(k, f)) if k.proto == 6 && f.backend_count == 2)
+        );
         // Keys are in network byte order.
         let fk = dp.state.frontends.keys().find(|k| k.proto == 6).unwrap();
         assert_eq!(fk.port, [0, 80]);
@@ -523,7 +642,10 @@ mod tests {
     fn unchanged_state_writes_nothing() {
         let mut dp = FakeDatapath::new(cap());
         let mut s = Syncer::adopt(&dp).unwrap();
-        let d = state(vec![(key("web", Protocol::Tcp), svc(&["10.96.0.10:80"], &["10.0.0.1:8080"]))]);
+        let d = state(vec![(
+            key("web", Protocol::Tcp),
+            svc(&["10.96.0.10:80"], &["10.0.0.1:8080"]),
+        )]);
         s.sync(&mut dp, &d).unwrap();
         dp.log.clear();
         let st = s.sync(&mut dp, &d).unwrap();
@@ -537,16 +659,42 @@ mod tests {
         let mut s = Syncer::adopt(&dp).unwrap();
         let k = key("web", Protocol::Tcp);
         let three = ["10.0.0.1:8080", "10.0.0.2:8080", "10.0.0.3:8080"];
-        s.sync(&mut dp, &state(vec![(k.clone(), svc(&["10.96.0.10:80"], &three))])).unwrap();
+        s.sync(
+            &mut dp,
+            &state(vec![(k.clone(), svc(&["10.96.0.10:80"], &three))]),
+        )
+        .unwrap();
         let before = dp.state.clone();
         dp.log.clear();
-        s.sync(&mut dp, &state(vec![(k, svc(&["10.96.0.10:80"], &["10.0.0.1:8080", "10.0.0.3:8080"]))])).unwrap();
+        s.sync(
+            &mut dp,
+            &state(vec![(
+                k,
+                svc(&["10.96.0.10:80"], &["10.0.0.1:8080", "10.0.0.3:8080"]),
+            )]),
+        )
+        .unwrap();
         assert_every_step_consistent(&dp.log, &before);
         // slot 1 rewritten (3 moved in), frontend count 2, slot 2 deleted, backend 2 deleted.
         assert_eq!(dp.log.len(), 4, "{:?}", dp.log);
-        assert!(matches!(dp.log[0], Op::PutSlot(BackendSlotKey { slot: 1, .. }, _)));
-        assert!(matches!(dp.log[1], Op::PutFrontend(_, Frontend { backend_count: 2, .. })));
-        assert!(matches!(dp.log[2], Op::DeleteSlot(BackendSlotKey { slot: 2, .. })));
+        assert!(matches!(
+            dp.log[0],
+            Op::PutSlot(BackendSlotKey { slot: 1, .. }, _)
+        ));
+        assert!(matches!(
+            dp.log[1],
+            Op::PutFrontend(
+                _,
+                Frontend {
+                    backend_count: 2,
+                    ..
+                }
+            )
+        ));
+        assert!(matches!(
+            dp.log[2],
+            Op::DeleteSlot(BackendSlotKey { slot: 2, .. })
+        ));
         assert!(matches!(dp.log[3], Op::DeleteBackend(_)));
     }
 
@@ -554,21 +702,41 @@ mod tests {
     fn removed_service_is_deleted_frontend_first_and_vip_marker_too() {
         let mut dp = FakeDatapath::new(cap());
         let mut s = Syncer::adopt(&dp).unwrap();
-        s.sync(&mut dp, &state(vec![(key("web", Protocol::Tcp), svc(&["10.96.0.10:80"], &["10.0.0.1:8080"]))])).unwrap();
+        s.sync(
+            &mut dp,
+            &state(vec![(
+                key("web", Protocol::Tcp),
+                svc(&["10.96.0.10:80"], &["10.0.0.1:8080"]),
+            )]),
+        )
+        .unwrap();
         let before = dp.state.clone();
         dp.log.clear();
         s.sync(&mut dp, &DesiredState::default()).unwrap();
         assert_every_step_consistent(&dp.log, &before);
         assert_eq!(dp.state, Snapshot::default());
-        assert!(matches!(dp.log[0], Op::DeleteFrontend(FrontendKey { proto: 6, .. })));
-        assert!(matches!(dp.log[1], Op::DeleteFrontend(FrontendKey { proto: 0, .. })));
+        assert!(matches!(
+            dp.log[0],
+            Op::DeleteFrontend(FrontendKey { proto: 6, .. })
+        ));
+        assert!(matches!(
+            dp.log[1],
+            Op::DeleteFrontend(FrontendKey { proto: 0, .. })
+        ));
     }
 
     #[test]
     fn zero_endpoints_gives_a_frontend_with_count_zero() {
         let mut dp = FakeDatapath::new(cap());
         let mut s = Syncer::adopt(&dp).unwrap();
-        s.sync(&mut dp, &state(vec![(key("web", Protocol::Tcp), svc(&["10.96.0.10:80"], &[]))])).unwrap();
+        s.sync(
+            &mut dp,
+            &state(vec![(
+                key("web", Protocol::Tcp),
+                svc(&["10.96.0.10:80"], &[]),
+            )]),
+        )
+        .unwrap();
         let f = dp.state.frontends.values().find(|f| f.flags == 0).unwrap();
         assert_eq!(f.backend_count, 0);
         assert!(dp.state.slots.is_empty());
@@ -579,8 +747,14 @@ mod tests {
         let mut dp = FakeDatapath::new(cap());
         let mut s = Syncer::adopt(&dp).unwrap();
         let d = state(vec![
-            (key("dns", Protocol::Tcp), svc(&["10.96.0.10:53"], &["10.0.0.1:53"])),
-            (key("dns", Protocol::Udp), svc(&["10.96.0.10:53"], &["10.0.0.1:53"])),
+            (
+                key("dns", Protocol::Tcp),
+                svc(&["10.96.0.10:53"], &["10.0.0.1:53"]),
+            ),
+            (
+                key("dns", Protocol::Udp),
+                svc(&["10.96.0.10:53"], &["10.0.0.1:53"]),
+            ),
         ]);
         s.sync(&mut dp, &d).unwrap();
         // 2 frontends + 1 marker; backends differ by protocol.
@@ -590,17 +764,42 @@ mod tests {
 
     #[test]
     fn full_map_is_refused_whole_and_state_is_kept() {
-        let mut dp = FakeDatapath::new(Capacity { frontends: 100, slots: 3, backends: 100, services: 100 });
+        let mut dp = FakeDatapath::new(Capacity {
+            frontends: 100,
+            slots: 3,
+            backends: 100,
+            services: 100,
+        });
         let mut s = Syncer::adopt(&dp).unwrap();
-        let ok = state(vec![(key("a", Protocol::Tcp), svc(&["10.96.0.1:80"], &["10.0.0.1:80", "10.0.0.2:80"]))]);
+        let ok = state(vec![(
+            key("a", Protocol::Tcp),
+            svc(&["10.96.0.1:80"], &["10.0.0.1:80", "10.0.0.2:80"]),
+        )]);
         s.sync(&mut dp, &ok).unwrap();
         let before = dp.state.clone();
         let too_big = state(vec![
-            (key("a", Protocol::Tcp), svc(&["10.96.0.1:80"], &["10.0.0.1:80", "10.0.0.2:80"])),
-            (key("b", Protocol::Tcp), svc(&["10.96.0.2:80"], &["10.0.0.3:80", "10.0.0.4:80"])),
+            (
+                key("a", Protocol::Tcp),
+                svc(&["10.96.0.1:80"], &["10.0.0.1:80", "10.0.0.2:80"]),
+            ),
+            (
+                key("b", Protocol::Tcp),
+                svc(&["10.96.0.2:80"], &["10.0.0.3:80", "10.0.0.4:80"]),
+            ),
         ]);
         let err = s.sync(&mut dp, &too_big).unwrap_err();
-        assert!(matches!(err, DatapathError::Full { map: "BACKEND_SLOTS", needed: 4, limit: 3, .. }), "{err}");
+        assert!(
+            matches!(
+                err,
+                DatapathError::Full {
+                    map: "BACKEND_SLOTS",
+                    needed: 4,
+                    limit: 3,
+                    ..
+                }
+            ),
+            "{err}"
+        );
         assert!(err.to_string().contains("--max-backend-slots"));
         assert_eq!(dp.state, before);
         // And the old state still syncs cleanly afterwards.
@@ -612,8 +811,14 @@ mod tests {
     fn restart_adopts_ids_and_rewrites_nothing() {
         let mut dp = FakeDatapath::new(cap());
         let d = state(vec![
-            (key("web", Protocol::Tcp), svc(&["10.96.0.10:80"], &["10.0.0.1:8080", "10.0.0.2:8080"])),
-            (key("dns", Protocol::Udp), svc(&["10.96.0.11:53"], &["10.0.0.1:53"])),
+            (
+                key("web", Protocol::Tcp),
+                svc(&["10.96.0.10:80"], &["10.0.0.1:8080", "10.0.0.2:8080"]),
+            ),
+            (
+                key("dns", Protocol::Udp),
+                svc(&["10.96.0.11:53"], &["10.0.0.1:53"]),
+            ),
         ]);
         Syncer::adopt(&dp).unwrap().sync(&mut dp, &d).unwrap();
         dp.log.clear();
@@ -622,7 +827,10 @@ mod tests {
         assert_eq!((st.writes, st.deletes), (0, 0), "{:?}", dp.log);
         // A new service after restart gets a fresh id, not one in use.
         let mut d2 = d.clone();
-        d2.services.insert(key("new", Protocol::Tcp), svc(&["10.96.0.12:80"], &["10.0.0.9:80"]));
+        d2.services.insert(
+            key("new", Protocol::Tcp),
+            svc(&["10.96.0.12:80"], &["10.0.0.9:80"]),
+        );
         again.sync(&mut dp, &d2).unwrap();
         let ids: BTreeSet<u32> = dp.state.names.keys().copied().collect();
         assert_eq!(ids.len(), 3);
@@ -631,10 +839,19 @@ mod tests {
     #[test]
     fn restart_removes_what_nothing_claims() {
         let mut dp = FakeDatapath::new(cap());
-        let d = state(vec![(key("web", Protocol::Tcp), svc(&["10.96.0.10:80"], &["10.0.0.1:8080"]))]);
+        let d = state(vec![(
+            key("web", Protocol::Tcp),
+            svc(&["10.96.0.10:80"], &["10.0.0.1:8080"]),
+        )]);
         Syncer::adopt(&dp).unwrap().sync(&mut dp, &d).unwrap();
         // Garbage left by some other writer.
-        dp.state.slots.insert(BackendSlotKey { service_id: 999, slot: 0 }, 12345);
+        dp.state.slots.insert(
+            BackendSlotKey {
+                service_id: 999,
+                slot: 0,
+            },
+            12345,
+        );
         dp.state.names.insert(999, "not a name".into());
         let mut again = Syncer::adopt(&dp).unwrap();
         again.sync(&mut dp, &DesiredState::default()).unwrap();
@@ -645,10 +862,20 @@ mod tests {
     fn ipv6_frontends_and_backends() {
         let mut dp = FakeDatapath::new(cap());
         let mut s = Syncer::adopt(&dp).unwrap();
-        let k = ServicePortKey { family: Family::V6, ..key("web", Protocol::Tcp) };
-        s.sync(&mut dp, &state(vec![(k, svc(&["[fd00::10]:80"], &["[fd00:1::1]:8080"]))])).unwrap();
+        let k = ServicePortKey {
+            family: Family::V6,
+            ..key("web", Protocol::Tcp)
+        };
+        s.sync(
+            &mut dp,
+            &state(vec![(k, svc(&["[fd00::10]:80"], &["[fd00:1::1]:8080"]))]),
+        )
+        .unwrap();
         let b = dp.state.backends.values().next().unwrap();
         assert!(!proxy_common::is_v4_mapped(&b.addr));
-        assert_eq!(crate::datapath::addr::to_socket_addr(b.addr, b.port), "[fd00:1::1]:8080".parse().unwrap());
+        assert_eq!(
+            crate::datapath::addr::to_socket_addr(b.addr, b.port),
+            "[fd00:1::1]:8080".parse().unwrap()
+        );
     }
 }

@@ -1,1 +1,535 @@
-fn main(){}
+//! Developer tasks for ebpf-proxy: `cargo xtask <setup|build-ebpf|build|test|demo>`.
+//!
+//! Every command first runs `setup` when one of its cheap checks fails, so a fresh Debian
+//! machine (as root) needs nothing but `cargo xtask test` or `cargo xtask demo`.
+
+use std::env;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+
+/// bpf-linker version known to work with the nightly toolchain's LLVM and aya-ebpf 0.2.
+const BPF_LINKER_VERSION: &str = "0.13.0";
+/// Target of the eBPF crate.
+const BPF_TARGET: &str = "bpfel-unknown-none";
+/// Commands the tests and the demo need, and the Debian packages that provide them.
+const APT_TOOLS: [(&str, &str); 3] = [("bpftool", "bpftool"), ("ip", "iproute2"), ("curl", "curl")];
+const BPFFS: &str = "/sys/fs/bpf";
+
+#[derive(Parser)]
+#[command(name = "xtask", about = "ebpf-proxy developer tasks")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install what building and testing need (idempotent; root, Debian-like).
+    Setup,
+    /// Build the eBPF object (nightly, -Z build-std=core, bpfel-unknown-none).
+    BuildEbpf,
+    /// Build the eBPF object, then the agent and netprobe (release).
+    Build,
+    /// Set up if needed, build, run every test single-threaded (needs root).
+    Test {
+        /// Extra arguments for the test binaries (after `--`), e.g. a test name filter.
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+    /// Set up if needed, build, run the end-to-end demo (needs root).
+    Demo,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let r = match cli.cmd {
+        Cmd::Setup => setup(),
+        Cmd::BuildEbpf => setup_if_needed().and_then(|()| build_ebpf()),
+        Cmd::Build => setup_if_needed().and_then(|()| build()),
+        Cmd::Test { args } => setup_if_needed()
+            .and_then(|()| build())
+            .and_then(|()| test(&args)),
+        Cmd::Demo => setup_if_needed()
+            .and_then(|()| build())
+            .and_then(|()| demo()),
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_owned()
+}
+
+fn target_dir() -> PathBuf {
+    workspace().join("target")
+}
+
+// ---------------------------------------------------------------------------------------
+// commands
+// ---------------------------------------------------------------------------------------
+
+/// Runs `cmd`, echoing it, and fails on a non-zero exit.
+fn run(cmd: &mut Command) -> Result<()> {
+    eprintln!("+ {}", show(cmd));
+    let status = cmd
+        .status()
+        .with_context(|| format!("starting {}", show(cmd)))?;
+    if !status.success() {
+        bail!("{} failed ({status})", show(cmd));
+    }
+    Ok(())
+}
+
+fn show(cmd: &Command) -> String {
+    let mut s = cmd.get_program().to_string_lossy().into_owned();
+    for a in cmd.get_args() {
+        s.push(' ');
+        s.push_str(&a.to_string_lossy());
+    }
+    s
+}
+
+/// True when `cmd` runs and exits 0 (output discarded).
+fn succeeds(cmd: &mut Command) -> bool {
+    cmd.stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+fn stdout_of(cmd: &mut Command) -> Result<String> {
+    let out = cmd
+        .output()
+        .with_context(|| format!("starting {}", show(cmd)))?;
+    if !out.status.success() {
+        bail!(
+            "{} failed: {}",
+            show(cmd),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+}
+
+/// The rustup proxy for cargo (understands `+nightly`), falling back to `cargo` on PATH.
+fn cargo_proxy() -> PathBuf {
+    let home = env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|| env::var_os("HOME").map(|h| Path::new(&h).join(".cargo")));
+    match home.map(|h| h.join("bin/cargo")) {
+        Some(p) if p.exists() => p,
+        _ => PathBuf::from("cargo"),
+    }
+}
+
+/// The cargo running this xtask (stable), for host builds.
+fn host_cargo() -> Command {
+    let mut c = Command::new(env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    c.env("CARGO_TARGET_DIR", target_dir())
+        .current_dir(workspace());
+    c
+}
+
+/// A cargo command with the variables of the outer (stable) cargo removed, so a nightly or
+/// `cargo install` sub-build chooses its own toolchain and flags.
+fn clean_cargo(toolchain: Option<&str>) -> Command {
+    let mut c = Command::new(cargo_proxy());
+    if let Some(t) = toolchain {
+        c.arg(format!("+{t}"));
+    }
+    for (k, _) in env::vars_os() {
+        let k = k.to_string_lossy();
+        let drop = (k.starts_with("CARGO") && k != "CARGO_HOME")
+            || k.starts_with("__CARGO")
+            || k.starts_with("RUSTC")
+            || matches!(
+                k.as_ref(),
+                "RUSTUP_TOOLCHAIN"
+                    | "RUSTDOC"
+                    | "RUSTFLAGS"
+                    | "RUSTDOCFLAGS"
+                    | "RUST_RECURSION_COUNT"
+            );
+        if drop {
+            c.env_remove(k.as_ref());
+        }
+    }
+    c
+}
+
+// ---------------------------------------------------------------------------------------
+// setup
+// ---------------------------------------------------------------------------------------
+
+fn has_nightly() -> bool {
+    Command::new("rustup")
+        .args(["toolchain", "list"])
+        .output()
+        .is_ok_and(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .any(|l| l.starts_with("nightly"))
+        })
+}
+
+fn nightly_sysroot() -> Result<PathBuf> {
+    let mut c = Command::new("rustc");
+    c.args(["+nightly", "--print", "sysroot"])
+        .env_remove("RUSTUP_TOOLCHAIN");
+    Ok(PathBuf::from(stdout_of(&mut c)?))
+}
+
+fn has_rust_src() -> bool {
+    nightly_sysroot().is_ok_and(|s| {
+        s.join("lib/rustlib/src/rust/library/core/Cargo.toml")
+            .exists()
+    })
+}
+
+fn has_bpf_linker() -> bool {
+    succeeds(Command::new("bpf-linker").arg("--version"))
+}
+
+/// Finds `name` on PATH or in the sbin directories (a non-root PATH may lack them).
+fn find_tool(name: &str) -> Option<PathBuf> {
+    let path = env::var_os("PATH").unwrap_or_default();
+    env::split_paths(&path)
+        .chain(["/usr/local/sbin", "/usr/sbin", "/sbin"].map(PathBuf::from))
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+fn missing_tools() -> Vec<(&'static str, &'static str)> {
+    APT_TOOLS
+        .into_iter()
+        .filter(|(t, _)| find_tool(t).is_none())
+        .collect()
+}
+
+fn mounts() -> String {
+    fs::read_to_string("/proc/self/mounts").unwrap_or_default()
+}
+
+fn bpffs_mounted() -> bool {
+    mounts().lines().any(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        f.len() > 2 && f[1] == BPFFS && f[2] == "bpf"
+    })
+}
+
+fn cgroup2_mount() -> Option<String> {
+    mounts().lines().find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        (f.len() > 2 && f[2] == "cgroup2").then(|| f[1].to_owned())
+    })
+}
+
+fn is_root() -> bool {
+    stdout_of(Command::new("id").arg("-u")).is_ok_and(|u| u == "0")
+}
+
+/// The cheap checks every command runs; true when `setup` has something to do.
+fn needs_setup() -> bool {
+    !(has_nightly()
+        && has_rust_src()
+        && has_bpf_linker()
+        && missing_tools().is_empty()
+        && bpffs_mounted())
+}
+
+fn setup_if_needed() -> Result<()> {
+    if needs_setup() {
+        eprintln!("xtask: something is missing; running setup first");
+        setup()?;
+    }
+    Ok(())
+}
+
+fn done(step: &str) {
+    eprintln!("[setup] {step}: already done");
+}
+
+fn doing(step: &str) {
+    eprintln!("[setup] {step}: installing");
+}
+
+fn setup() -> Result<()> {
+    let t = Instant::now();
+    if has_nightly() {
+        done("nightly toolchain");
+    } else {
+        doing("nightly toolchain");
+        run(Command::new("rustup").args([
+            "toolchain",
+            "install",
+            "nightly",
+            "--profile",
+            "minimal",
+        ]))?;
+    }
+
+    if has_rust_src() {
+        done("rust-src for nightly");
+    } else {
+        doing("rust-src for nightly");
+        run(Command::new("rustup").args([
+            "component",
+            "add",
+            "rust-src",
+            "--toolchain",
+            "nightly",
+        ]))?;
+    }
+
+    if has_bpf_linker() {
+        done(&format!(
+            "bpf-linker ({})",
+            stdout_of(Command::new("bpf-linker").arg("--version"))?
+        ));
+    } else {
+        doing(&format!(
+            "bpf-linker {BPF_LINKER_VERSION} against the nightly toolchain's libLLVM"
+        ));
+        install_bpf_linker()?;
+    }
+
+    let missing = missing_tools();
+    if missing.is_empty() {
+        done("bpftool, ip, curl");
+    } else {
+        let names: Vec<&str> = missing.iter().map(|(t, _)| *t).collect();
+        doing(&format!("apt packages for {}", names.join(", ")));
+        if !is_root() {
+            bail!("installing {names:?} needs root (apt-get)");
+        }
+        run(Command::new("apt-get").arg("update"))?;
+        run(Command::new("apt-get")
+            .args(["install", "-y"])
+            .args(APT_TOOLS.map(|(_, p)| p))
+            .env("DEBIAN_FRONTEND", "noninteractive"))?;
+        let still = missing_tools();
+        if !still.is_empty() {
+            bail!("still missing after apt-get install: {still:?}");
+        }
+    }
+
+    if bpffs_mounted() {
+        done(&format!("bpffs on {BPFFS}"));
+    } else {
+        doing(&format!("bpffs on {BPFFS} (mount -t bpf bpf {BPFFS})"));
+        fs::create_dir_all(BPFFS).with_context(|| format!("creating {BPFFS}"))?;
+        run(Command::new("mount").args(["-t", "bpf", "bpf", BPFFS]))?;
+    }
+
+    match cgroup2_mount() {
+        Some(m) => eprintln!("[setup] cgroup2: mounted at {m}"),
+        None => eprintln!(
+            "[setup] warning: no cgroup2 mount in /proc/self/mounts; tests and demo need one"
+        ),
+    }
+    if !Path::new("/sys/kernel/btf/vmlinux").exists() {
+        eprintln!("[setup] warning: /sys/kernel/btf/vmlinux missing; the kernel has no BTF");
+    }
+    eprintln!("[setup] done in {:.1?}", t.elapsed());
+    Ok(())
+}
+
+/// Builds bpf-linker against the nightly toolchain's own libLLVM (the only LLVM new enough
+/// here): symlink it into a prefix and select the cargo feature of its major version.
+fn install_bpf_linker() -> Result<()> {
+    let sysroot = nightly_sysroot()?;
+    let lib_dir = sysroot.join("lib");
+    let lib = fs::read_dir(&lib_dir)
+        .with_context(|| format!("reading {}", lib_dir.display()))?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .find(|n| n.starts_with("libLLVM.so.") && n.contains("-rust-"))
+        .with_context(|| format!("no libLLVM.so.*-rust-* in {}", lib_dir.display()))?;
+    let major = llvm_major(&lib).with_context(|| format!("no LLVM major version in {lib}"))?;
+    let home = env::var_os("HOME").context("HOME is not set")?;
+    let prefix = Path::new(&home).join(".local/llvm-nightly");
+    let plib = prefix.join("lib");
+    fs::create_dir_all(&plib)?;
+    let src = lib_dir.join(&lib);
+    for link in [plib.join("libLLVM.so"), plib.join(&lib)] {
+        let _ = fs::remove_file(&link);
+        std::os::unix::fs::symlink(&src, &link)
+            .with_context(|| format!("linking {} -> {}", link.display(), src.display()))?;
+    }
+    eprintln!("[setup] LLVM {major} from {}", src.display());
+    let mut c = clean_cargo(None);
+    c.args([
+        "install",
+        "bpf-linker",
+        "--force",
+        "--version",
+        BPF_LINKER_VERSION,
+        "--no-default-features",
+    ])
+    .args(["--features", &format!("llvm-{major}")])
+    .env("LLVM_PREFIX", &prefix);
+    run(&mut c)?;
+    if !has_bpf_linker() {
+        bail!(
+            "bpf-linker was installed but `bpf-linker --version` fails (is ~/.cargo/bin on PATH?)"
+        );
+    }
+    Ok(())
+}
+
+/// `libLLVM.so.22.1-rust-1.97.0-nightly` -> 22.
+fn llvm_major(lib: &str) -> Option<u32> {
+    lib.strip_prefix("libLLVM.so.")?
+        .split(['.', '-'])
+        .next()?
+        .parse()
+        .ok()
+}
+
+// ---------------------------------------------------------------------------------------
+// build, test, demo
+// ---------------------------------------------------------------------------------------
+
+fn build_ebpf() -> Result<()> {
+    let t = Instant::now();
+    let mut c = clean_cargo(Some("nightly"));
+    c.current_dir(workspace().join("proxy-ebpf"))
+        .args([
+            "build",
+            "--release",
+            "-Z",
+            "build-std=core",
+            "--target",
+            BPF_TARGET,
+        ])
+        .env("CARGO_TARGET_DIR", target_dir())
+        .env("RUSTFLAGS", "-C debuginfo=2 -C link-arg=--btf");
+    run(&mut c)?;
+    let obj = target_dir().join(BPF_TARGET).join("release/ebpf-proxy");
+    if !obj.exists() {
+        bail!("the eBPF build finished but {} is missing", obj.display());
+    }
+    eprintln!("xtask: eBPF object {} ({:.1?})", obj.display(), t.elapsed());
+    Ok(())
+}
+
+fn build() -> Result<()> {
+    build_ebpf()?;
+    run(host_cargo().args(["build", "--release", "-p", "proxy-userspace"]))?;
+    for bin in ["ebpf-proxy", "netprobe"] {
+        let p = target_dir().join("release").join(bin);
+        if !p.exists() {
+            bail!("{} was not built", p.display());
+        }
+    }
+    eprintln!("xtask: built target/release/ebpf-proxy and target/release/netprobe");
+    Ok(())
+}
+
+fn warn_unless_root(what: &str) {
+    if !is_root() {
+        eprintln!(
+            "xtask: warning: {what} needs root (namespaces, cgroups, BPF); not running as root"
+        );
+    }
+}
+
+fn test(extra: &[String]) -> Result<()> {
+    warn_unless_root("the test suite");
+    // Single-threaded: the integration tests share kernel state (namespaces, cgroups, pins).
+    let mut c = host_cargo();
+    c.args(["test", "--release", "--workspace", "--", "--test-threads=1"])
+        .args(extra)
+        .stdout(std::process::Stdio::piped());
+    eprintln!("xtask: running {c:?}");
+    let mut child = c.spawn().context("starting cargo test")?;
+    // Pass the output through and add up every binary's "test result" line, so the run ends
+    // with one total (the last binary alone, often the doc-tests, may have none).
+    let mut totals = [0u64; 3];
+    let out = child.stdout.take().expect("piped");
+    for line in std::io::BufRead::lines(std::io::BufReader::new(out)) {
+        let line = line?;
+        println!("{line}");
+        if let Some(counts) = parse_test_result(&line) {
+            for (t, c) in totals.iter_mut().zip(counts) {
+                *t += c;
+            }
+        }
+    }
+    let status = child.wait()?;
+    println!(
+        "total: {} passed, {} failed, {} skipped",
+        totals[0], totals[1], totals[2]
+    );
+    if !status.success() {
+        bail!("cargo test failed ({status})");
+    }
+    Ok(())
+}
+
+/// (passed, failed, ignored) of a libtest summary line
+/// `test result: ok. 11 passed; 0 failed; 0 ignored; ...`.
+fn parse_test_result(line: &str) -> Option<[u64; 3]> {
+    let rest = line.strip_prefix("test result: ")?;
+    let mut out = [0u64; 3];
+    for part in rest.split(';') {
+        let mut words = part.split_whitespace().rev();
+        let (Some(what), Some(n)) = (words.next(), words.next()) else {
+            continue;
+        };
+        let Ok(n) = n.parse() else { continue };
+        match what {
+            "passed" => out[0] = n,
+            "failed" => out[1] = n,
+            "ignored" => out[2] = n,
+            _ => {}
+        }
+    }
+    Some(out)
+}
+
+fn demo() -> Result<()> {
+    warn_unless_root("the demo");
+    let ws = workspace();
+    let rel = |p: &str| ws.join(p);
+    run(Command::new(rel("target/release/netprobe"))
+        .current_dir(&ws)
+        .arg("demo")
+        .arg("--agent")
+        .arg(rel("target/release/ebpf-proxy"))
+        .arg("--manifests")
+        .arg(rel("deploy/examples")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn test_result_lines_are_parsed() {
+        let l = "test result: ok. 11 passed; 2 failed; 3 ignored; 0 measured; 0 filtered out; finished in 7.33s";
+        assert_eq!(parse_test_result(l), Some([11, 2, 3]));
+        assert_eq!(parse_test_result("test foo ... ok"), None);
+    }
+
+    #[test]
+    fn llvm_major_from_the_library_name() {
+        assert_eq!(llvm_major("libLLVM.so.22.1-rust-1.97.0-nightly"), Some(22));
+        assert_eq!(llvm_major("libLLVM.so.19-rust-1.85.0-nightly"), Some(19));
+        assert_eq!(llvm_major("libLLVM-22-rust-1.97.0-nightly.so"), None);
+    }
+}

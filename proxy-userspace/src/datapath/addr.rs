@@ -45,7 +45,6 @@ pub fn proto_name(p: u8) -> &'static str {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

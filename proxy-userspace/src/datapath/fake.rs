@@ -31,12 +31,20 @@ pub struct FakeDatapath {
 impl FakeDatapath {
     /// Empty maps with the given limits.
     pub fn new(cap: Capacity) -> Self {
-        Self { state: Snapshot::default(), cap, log: Vec::new() }
+        Self {
+            state: Snapshot::default(),
+            cap,
+            log: Vec::new(),
+        }
     }
 }
 
 fn full(map: &'static str) -> DatapathError {
-    DatapathError::Map { op: "update", map, source: std::io::Error::from_raw_os_error(libc::E2BIG) }
+    DatapathError::Map {
+        op: "update",
+        map,
+        source: std::io::Error::from_raw_os_error(libc::E2BIG),
+    }
 }
 
 impl Datapath for FakeDatapath {

@@ -18,11 +18,18 @@ use proxy_common::{
 
 /// The eBPF object embedded at build time (see `build.rs`); empty when the binary was built
 /// without `cargo xtask build`.
-pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/ebpf-proxy.bpf.o"));
+pub static OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/ebpf-proxy.bpf.o"));
 
 /// The cgroup `sock_addr` programs, by function name (section `cgroup/<name>`).
 pub const PROGRAMS: [&str; 8] = [
-    "connect4", "connect6", "sendmsg4", "sendmsg6", "recvmsg4", "recvmsg6", "getpeername4",
+    "connect4",
+    "connect6",
+    "sendmsg4",
+    "sendmsg6",
+    "recvmsg4",
+    "recvmsg6",
+    "getpeername4",
     "getpeername6",
 ];
 
@@ -50,51 +57,7 @@ pub fn link_pin(dir: &Path, prog: &str) -> PathBuf {
     dir.join(format!("link_{prog}"))
 }
 
-fn mounts() -> Vec<(String, String)> {
-    fs::read_to_string("/proc/self/mounts")
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| {
-            let mut f = l.split_whitespace();
-            let _dev = f.next()?;
-            let mnt = f.next()?;
-            let fstype = f.next()?;
-            Some((mnt.replace("\\040", " "), fstype.to_string()))
-        })
-        .collect()
-}
-
-/// The cgroup v2 mount point from /proc/self/mounts (the default `--cgroup-path`).
-pub fn cgroup2_root() -> Result<PathBuf> {
-    mounts()
-        .into_iter()
-        .find(|(_, t)| t == "cgroup2")
-        .map(|(m, _)| PathBuf::from(m))
-        .context("no cgroup2 file system is mounted (see /proc/self/mounts); mount one, e.g. `mount -t cgroup2 none /sys/fs/cgroup/unified`")
-}
-
-/// Mounts bpffs at `path` unless a bpf file system is already mounted there.
-pub fn ensure_bpffs(path: &Path) -> Result<()> {
-    if mounts().iter().any(|(m, t)| Path::new(m) == path && t == "bpf") {
-        return Ok(());
-    }
-    fs::create_dir_all(path).with_context(|| format!("create {}", path.display()))?;
-    let c = |s: &str| std::ffi::CString::new(s).unwrap();
-    let target = c(path.to_str().context("bpffs path is not UTF-8")?);
-    // SAFETY: plain mount(2) with valid NUL-terminated strings.
-    let rc = unsafe {
-        libc::mount(c("bpf").as_ptr(), target.as_ptr(), c("bpf").as_ptr(), 0, std::ptr::null())
-    };
-    if rc != 0 {
-        bail!(
-            "bpffs is not mounted at {} and mounting it failed: {} (run `mount -t bpf bpf {}` as root)",
-            path.display(),
-            std::io::Error::last_os_error(),
-            path.display()
-        );
-    }
-    Ok(())
-}
+pub use crate::mounts::{cgroup2_root, ensure_bpffs};
 
 /// Loads the object with its maps pinned under `dir` (adopting maps pinned by an earlier
 /// run), then attaches every program to `cgroup` and pins the links. Links of an earlier run
@@ -122,15 +85,16 @@ pub fn load_and_attach(dir: &Path, cgroup: &Path, sizes: MapSizes) -> Result<()>
     let mut ebpf = loader.load(OBJECT).context(
         "load: creating or adopting the pinned maps failed (if the layout changed, run `ebpf-proxy cleanup`)",
     )?;
-    let cg = File::open(cgroup)
-        .with_context(|| format!("attach: open cgroup {}", cgroup.display()))?;
+    let cg =
+        File::open(cgroup).with_context(|| format!("attach: open cgroup {}", cgroup.display()))?;
     for prog in PROGRAMS {
         let p: &mut CgroupSockAddr = ebpf
             .program_mut(prog)
             .with_context(|| format!("load: program {prog} missing from the object"))?
             .try_into()
             .with_context(|| format!("load: program {prog} is not a cgroup sock_addr program"))?;
-        p.load().map_err(|e| anyhow::anyhow!("verify: program {prog} was rejected: {e:#}"))?;
+        p.load()
+            .map_err(|e| anyhow::anyhow!("verify: program {prog} was rejected: {e:#}"))?;
         // With bpf_link (kernel >= 5.7) `Single` means flags 0, which the kernel requires for
         // cgroup links; links always coexist with other links on the same hook.
         let id = p
@@ -144,7 +108,8 @@ pub fn load_and_attach(dir: &Path, cgroup: &Path, sizes: MapSizes) -> Result<()>
         let final_pin = link_pin(dir, prog);
         let new_pin = dir.join(format!("next_{prog}"));
         let _ = fs::remove_file(&new_pin);
-        link.pin(&new_pin).with_context(|| format!("pin: link {}", new_pin.display()))?;
+        link.pin(&new_pin)
+            .with_context(|| format!("pin: link {}", new_pin.display()))?;
         if final_pin.exists() {
             // Detach the earlier generation: its pin is the last reference to its link.
             match PinnedLink::from_pin(&final_pin) {
@@ -152,8 +117,13 @@ pub fn load_and_attach(dir: &Path, cgroup: &Path, sizes: MapSizes) -> Result<()>
                 Err(_) => drop(fs::remove_file(&final_pin)),
             }
         }
-        fs::rename(&new_pin, &final_pin)
-            .with_context(|| format!("pin: rename {} to {}", new_pin.display(), final_pin.display()))?;
+        fs::rename(&new_pin, &final_pin).with_context(|| {
+            format!(
+                "pin: rename {} to {}",
+                new_pin.display(),
+                final_pin.display()
+            )
+        })?;
     }
     Ok(())
 }
@@ -173,11 +143,17 @@ pub struct CleanupReport {
 /// pin directory. Missing pieces are not errors, so it can run on a half-cleaned node.
 pub fn cleanup(dir: &Path) -> Result<CleanupReport> {
     let mut r = CleanupReport::default();
-    let Ok(entries) = fs::read_dir(dir) else { return Ok(r) };
+    let Ok(entries) = fs::read_dir(dir) else {
+        return Ok(r);
+    };
     let mut files: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
     files.sort();
     for path in files {
-        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default().to_string();
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default()
+            .to_string();
         if name.starts_with("link_") || name.starts_with("next_") {
             match PinnedLink::from_pin(&path) {
                 Ok(l) => drop(l.unpin()),

@@ -62,7 +62,12 @@ impl PinnedMaps {
             slots,
             backends,
             names,
-            cap: Capacity { frontends: f, slots: s, backends: b, services: n },
+            cap: Capacity {
+                frontends: f,
+                slots: s,
+                backends: b,
+                services: n,
+            },
         })
     }
 
@@ -123,19 +128,25 @@ impl Datapath for PinnedMaps {
     }
 
     fn put_frontend(&mut self, key: &FrontendKey, value: &Frontend) -> Result<(), DatapathError> {
-        self.frontends.insert(key, value, 0).map_err(|e| map_err("update", FRONTENDS, e))
+        self.frontends
+            .insert(key, value, 0)
+            .map_err(|e| map_err("update", FRONTENDS, e))
     }
     fn delete_frontend(&mut self, key: &FrontendKey) -> Result<(), DatapathError> {
         ignore_missing(self.frontends.remove(key)).map_err(|e| map_err("delete", FRONTENDS, e))
     }
     fn put_slot(&mut self, key: &BackendSlotKey, backend_id: u32) -> Result<(), DatapathError> {
-        self.slots.insert(key, backend_id, 0).map_err(|e| map_err("update", BACKEND_SLOTS, e))
+        self.slots
+            .insert(key, backend_id, 0)
+            .map_err(|e| map_err("update", BACKEND_SLOTS, e))
     }
     fn delete_slot(&mut self, key: &BackendSlotKey) -> Result<(), DatapathError> {
         ignore_missing(self.slots.remove(key)).map_err(|e| map_err("delete", BACKEND_SLOTS, e))
     }
     fn put_backend(&mut self, id: u32, value: &Backend) -> Result<(), DatapathError> {
-        self.backends.insert(id, value, 0).map_err(|e| map_err("update", BACKENDS, e))
+        self.backends
+            .insert(id, value, 0)
+            .map_err(|e| map_err("update", BACKENDS, e))
     }
     fn delete_backend(&mut self, id: u32) -> Result<(), DatapathError> {
         ignore_missing(self.backends.remove(&id)).map_err(|e| map_err("delete", BACKENDS, e))

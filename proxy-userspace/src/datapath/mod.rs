@@ -17,10 +17,20 @@ pub enum DatapathError {
     /// The desired state does not fit: `needed` entries of `map`, whose limit is `limit`.
     /// Nothing was written.
     #[error("map {map} is full: {needed} entries needed, limit {limit} (raise --{flag})")]
-    Full { map: &'static str, needed: usize, limit: u32, flag: &'static str },
+    Full {
+        map: &'static str,
+        needed: usize,
+        limit: u32,
+        flag: &'static str,
+    },
     /// A map operation failed.
     #[error("{op} on map {map}: {source}")]
-    Map { op: &'static str, map: &'static str, #[source] source: std::io::Error },
+    Map {
+        op: &'static str,
+        map: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// `max_entries` of each service map.

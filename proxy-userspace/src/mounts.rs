@@ -1,0 +1,99 @@
+//! Mount points from `/proc/self/mounts`: the cgroup v2 root (default attach point) and the
+//! BPF file system (where maps and links are pinned).
+
+use std::{
+    fs,
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context, Result, bail};
+
+/// First mount point of file system type `fstype` (optionally exactly at `at`).
+pub fn find_mount(fstype: &str, at: Option<&Path>) -> Result<Option<PathBuf>> {
+    let mounts = fs::read_to_string("/proc/self/mounts").context("reading /proc/self/mounts")?;
+    for line in mounts.lines() {
+        let mut f = line.split_whitespace();
+        let (_dev, Some(mnt), Some(ty)) = (f.next(), f.next(), f.next()) else {
+            continue;
+        };
+        let mnt = PathBuf::from(unescape_mount(mnt));
+        if ty == fstype && at.is_none_or(|a| a == mnt) {
+            return Ok(Some(mnt));
+        }
+    }
+    Ok(None)
+}
+
+/// Undoes the octal escapes (`\040` for a space) of `/proc/self/mounts`.
+fn unescape_mount(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
+            out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The cgroup v2 mount point (on hybrid hosts e.g. `/sys/fs/cgroup/unified`).
+///
+/// Errors: no cgroup2 file system is mounted (the remedy is in the message).
+pub fn cgroup2_root() -> Result<PathBuf> {
+    find_mount("cgroup2", None)?.context(
+        "no cgroup2 file system is mounted (see /proc/self/mounts); \
+         mount one, e.g. `mount -t cgroup2 none /sys/fs/cgroup/unified`",
+    )
+}
+
+/// Mounts bpffs at `path` unless a bpf file system is mounted exactly there. Returns `true`
+/// when it mounted it now.
+///
+/// Errors: the mount(2) failed (not root, no CONFIG_BPF_SYSCALL); the message has the remedy.
+pub fn ensure_bpffs(path: &Path) -> Result<bool> {
+    if find_mount("bpf", Some(path))?.is_some() {
+        return Ok(false);
+    }
+    fs::create_dir_all(path).with_context(|| format!("create {}", path.display()))?;
+    let target =
+        std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).context("bpffs path")?;
+    // SAFETY: plain mount(2) with valid NUL-terminated strings and no data.
+    let rc = unsafe {
+        libc::mount(
+            c"bpf".as_ptr(),
+            target.as_ptr(),
+            c"bpf".as_ptr(),
+            0,
+            std::ptr::null(),
+        )
+    };
+    if rc != 0 {
+        bail!(
+            "bpffs is not mounted at {} and mounting it failed: {} (run `mount -t bpf bpf {}` as root)",
+            path.display(),
+            std::io::Error::last_os_error(),
+            path.display()
+        );
+    }
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unescapes_spaces() {
+        assert_eq!(unescape_mount(r"/mnt/a\040b"), "/mnt/a b");
+        assert_eq!(unescape_mount("/sys/fs/bpf"), "/sys/fs/bpf");
+        assert_eq!(unescape_mount("/x\\"), "/x\\");
+    }
+}

@@ -1,0 +1,342 @@
+//! Fixture of the privileged integration tests: a lab of pod namespaces on a bridge, a child
+//! cgroup for the clients, a manifest directory, the real agent attached to that cgroup with
+//! its own pin directory, and netprobe servers in the backend pods.
+//!
+//! Everything lives in namespaces, a cgroup and a pin directory created here, and is removed
+//! on drop, also when the test panics. Names are per test, so a leftover of a crashed run is
+//! replaced by the next run of the same test.
+
+#![allow(dead_code)]
+
+use std::{
+    collections::BTreeMap,
+    fs,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use proxy_userspace::{
+    datapath::{Datapath, Snapshot, loader, maps::PinnedMaps},
+    testbed::{ChildGuard, Lab, Pod, TestCgroup, ensure_bpffs, is_root},
+};
+
+pub const AGENT: &str = env!("CARGO_BIN_EXE_ebpf-proxy");
+pub const NETPROBE: &str = env!("CARGO_BIN_EXE_netprobe");
+pub const BPFFS: &str = "/sys/fs/bpf";
+
+/// One line of netprobe output.
+pub type Probe = serde_json::Value;
+
+pub struct Env {
+    pub name: String,
+    pub pin_dir: String,
+    pub manifests: tempfile::TempDir,
+    pub agent: Option<ChildGuard>,
+    pub agent_log: PathBuf,
+    pub servers: Vec<ChildGuard>,
+    pub client: Pod,
+    pub backends: Vec<Pod>,
+    pub extra_agent_args: Vec<String>,
+    // Dropped after the processes above are gone: cgroup, then the lab.
+    pub cg: TestCgroup,
+    pub lab: Lab,
+}
+
+/// IPv4 address of backend `i` (0-based) in the lab.
+pub fn backend_v4(i: usize) -> Ipv4Addr {
+    Ipv4Addr::new(198, 18, 0, 10 + i as u8)
+}
+
+/// IPv6 address of backend `i`.
+pub fn backend_v6(i: usize) -> Ipv6Addr {
+    Ipv6Addr::new(0xfd00, 0x198, 0x18, 0, 0, 0, 0, 0x10 + i as u16)
+}
+
+impl Env {
+    /// A lab `name` with a client pod and `n` backend pods `b0..`, each serving its name on
+    /// TCP 8080 and 8081 and UDP 5353 (dual-stack sockets), plus a test cgroup.
+    pub fn new(name: &str, n: usize, ipv6: bool) -> Env {
+        assert!(
+            is_root(),
+            "the privileged integration tests need root (run `cargo xtask test` as root)"
+        );
+        assert!(
+            !loader::OBJECT.is_empty(),
+            "built without the eBPF object: run `cargo xtask test`"
+        );
+        ensure_bpffs().expect("bpffs");
+        let pin_dir = format!("ebpf-proxy-test-{name}");
+        // A leftover of a crashed run of this test.
+        let _ = loader::cleanup(&Path::new(BPFFS).join(&pin_dir));
+        let mut lab = Lab::new(&format!("ept-{name}"), ipv6).expect("lab");
+        let client = lab
+            .add_pod(
+                "client",
+                Ipv4Addr::new(198, 18, 0, 2),
+                ipv6.then(|| Ipv6Addr::new(0xfd00, 0x198, 0x18, 0, 0, 0, 0, 2)),
+            )
+            .expect("client pod");
+        let cg = TestCgroup::create(&format!("ebpf-proxy-test-{name}")).expect("cgroup");
+        let manifests = tempfile::tempdir().expect("tempdir");
+        let agent_log = manifests.path().with_extension("agent.log");
+        let mut env = Env {
+            name: name.into(),
+            pin_dir,
+            manifests,
+            agent: None,
+            agent_log,
+            servers: Vec::new(),
+            client,
+            backends: Vec::new(),
+            extra_agent_args: Vec::new(),
+            cg,
+            lab,
+        };
+        for i in 0..n {
+            env.add_backend(i);
+        }
+        env
+    }
+
+    /// Adds backend pod `b<i>` and starts its server.
+    pub fn add_backend(&mut self, i: usize) -> Pod {
+        let v6 = self.lab.ipv6().then(|| backend_v6(i));
+        let pod = self
+            .lab
+            .add_pod(&format!("b{i}"), backend_v4(i), v6)
+            .expect("backend pod");
+        let server = pod
+            .spawn(
+                None,
+                Command::new(NETPROBE)
+                    .args(["serve", "--name", &format!("b{i}")])
+                    .args([
+                        "--tcp",
+                        "[::]:8080",
+                        "--tcp",
+                        "[::]:8081",
+                        "--udp",
+                        "[::]:5353",
+                    ])
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null()),
+            )
+            .expect("server");
+        self.servers.push(server);
+        self.backends.push(pod.clone());
+        pod
+    }
+
+    pub fn pin_path(&self) -> PathBuf {
+        Path::new(BPFFS).join(&self.pin_dir)
+    }
+
+    /// Writes (or replaces) a manifest file atomically (write + rename, as editors and
+    /// ConfigMap volumes do).
+    pub fn write_manifest(&self, file: &str, text: &str) {
+        let tmp = self.manifests.path().join(format!(".{file}.tmp"));
+        fs::write(&tmp, text).unwrap();
+        fs::rename(&tmp, self.manifests.path().join(file)).unwrap();
+    }
+
+    pub fn remove_manifest(&self, file: &str) {
+        fs::remove_file(self.manifests.path().join(file)).unwrap();
+    }
+
+    /// Starts the agent and waits (at most 20 s) until its first sync is done.
+    pub fn start_agent(&mut self) {
+        assert!(self.agent.is_none());
+        let log = fs::File::create(&self.agent_log).unwrap();
+        let child = ChildGuard::new(
+            Command::new(AGENT)
+                .args(["run", "--manifests"])
+                .arg(self.manifests.path())
+                .arg("--cgroup-path")
+                .arg(self.cg.path())
+                .args([
+                    "--pin-dir",
+                    &self.pin_dir,
+                    "--healthz-bind-address",
+                    "127.0.0.1:0",
+                ])
+                .args(&self.extra_agent_args)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .expect("start agent"),
+        );
+        self.agent = Some(child);
+        let n = self.log().matches("sync done").count();
+        self.wait_log(|l| l.matches("sync done").count() > n, "first sync");
+    }
+
+    /// Stops the agent with SIGTERM (its data path stays pinned and attached).
+    pub fn stop_agent(&mut self) {
+        if let Some(mut a) = self.agent.take() {
+            a.terminate(Duration::from_secs(5)).expect("stop agent");
+        }
+    }
+
+    pub fn log(&self) -> String {
+        fs::read_to_string(&self.agent_log).unwrap_or_default()
+    }
+
+    /// Waits (at most 20 s) until the agent log satisfies `f`.
+    pub fn wait_log(&self, f: impl Fn(&str) -> bool, what: &str) {
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(20) {
+            if f(&self.log()) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("timed out waiting for {what}; agent log:\n{}", self.log());
+    }
+
+    /// The health server address the agent logged.
+    pub fn health_addr(&self) -> SocketAddr {
+        let log = self.log();
+        let line = log
+            .lines()
+            .find(|l| l.contains("health server listening"))
+            .expect("health line");
+        let addr = line
+            .split("address=")
+            .nth(1)
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap();
+        addr.parse().unwrap()
+    }
+
+    /// Reads the pinned maps.
+    pub fn snapshot(&self) -> Snapshot {
+        PinnedMaps::open(&self.pin_path())
+            .expect("pinned maps")
+            .snapshot()
+            .expect("snapshot")
+    }
+
+    /// Waits (at most 10 s) until the pinned maps satisfy `f`; returns how long it took.
+    pub fn wait_maps(&self, f: impl Fn(&Snapshot) -> bool, what: &str) -> Duration {
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(10) {
+            if f(&self.snapshot()) {
+                return start.elapsed();
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        panic!(
+            "timed out waiting for the data path: {what}; agent log:\n{}",
+            self.log()
+        );
+    }
+
+    /// Runs netprobe in the client pod, inside the test cgroup; returns its JSON lines.
+    pub fn probe(&self, args: &[&str]) -> Vec<Probe> {
+        let out = self
+            .client
+            .output(
+                Some(self.cg.path()),
+                Command::new(NETPROBE).args(args),
+                Duration::from_secs(60),
+            )
+            .expect("netprobe");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        stdout
+            .lines()
+            .map(|l| {
+                serde_json::from_str(l).unwrap_or_else(|e| panic!("bad netprobe line {l:?}: {e}"))
+            })
+            .collect()
+    }
+
+    pub fn tcp(&self, to: &str, count: usize) -> Vec<Probe> {
+        self.probe(&["tcp", "--to", to, "--count", &count.to_string()])
+    }
+
+    pub fn udp(&self, to: &str, count: usize, connected: bool) -> Vec<Probe> {
+        let mut args = vec!["udp", "--to", to, "--count"];
+        let c = count.to_string();
+        args.push(&c);
+        if connected {
+            args.push("--connected");
+        }
+        self.probe(&args)
+    }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("--- agent log of {} ---\n{}", self.name, self.log());
+        }
+        self.agent.take();
+        self.servers.clear();
+        let _ = loader::cleanup(&self.pin_path());
+        let _ = fs::remove_file(&self.agent_log);
+    }
+}
+
+/// Counts of answering backends by name; panics on a failed probe.
+pub fn by_name(probes: &[Probe]) -> BTreeMap<String, usize> {
+    let mut m = BTreeMap::new();
+    for p in probes {
+        assert_eq!(p["ok"], true, "probe failed: {p}");
+        *m.entry(p["name"].as_str().unwrap().to_string())
+            .or_default() += 1;
+    }
+    m
+}
+
+/// The errno of a failed probe.
+pub fn errno(p: &Probe) -> Option<i64> {
+    p["errno"].as_i64()
+}
+
+/// A Service manifest.
+pub fn service(
+    ns: &str,
+    name: &str,
+    cluster_ips: &[&str],
+    ports: &[(&str, u32, u16, &str)],
+) -> String {
+    let ips: Vec<String> = cluster_ips.iter().map(|s| format!("\"{s}\"")).collect();
+    let mut s = format!(
+        "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\n  namespace: {ns}\nspec:\n  clusterIP: \"{}\"\n  clusterIPs: [{}]\n  ports:\n",
+        cluster_ips[0],
+        ips.join(", ")
+    );
+    for (pname, port, target, proto) in ports {
+        s += &format!(
+            "  - {{name: {pname}, port: {port}, targetPort: {target}, protocol: {proto}}}\n"
+        );
+    }
+    s
+}
+
+/// An EndpointSlice manifest; `endpoints` are (address, ready).
+pub fn slice(
+    ns: &str,
+    name: &str,
+    service: &str,
+    family: &str,
+    ports: &[(&str, u16, &str)],
+    endpoints: &[(IpAddr, bool)],
+) -> String {
+    let mut s = format!(
+        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}\n  namespace: {ns}\n  labels:\n    kubernetes.io/service-name: {service}\naddressType: {family}\nports:\n"
+    );
+    for (pname, port, proto) in ports {
+        s += &format!("- {{name: {pname}, port: {port}, protocol: {proto}}}\n");
+    }
+    s += "endpoints:\n";
+    for (ip, ready) in endpoints {
+        s += &format!("- addresses: [\"{ip}\"]\n  conditions: {{ready: {ready}}}\n");
+    }
+    s
+}
