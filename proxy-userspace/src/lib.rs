@@ -2,6 +2,8 @@
 //! desired-state model, the map sync, and the aya data path behind a trait.
 
 pub mod datapath;
+pub mod fakeapi;
+pub mod metrics;
 pub mod model;
 pub mod mounts;
 pub mod source;

@@ -23,8 +23,9 @@ use proxy_userspace::{
         loader::{self, MapSizes},
         maps::PinnedMaps,
     },
+    metrics::Metrics,
     model::{self, NodeInfo},
-    source::{ManifestSource, Source},
+    source::{KubeSource, ManifestSource, Source},
     sync::Syncer,
 };
 use tracing::{error, info, warn};
@@ -59,17 +60,35 @@ struct PinArgs {
 }
 
 impl PinArgs {
-    fn dir(&self) -> PathBuf {
-        loader::pin_dir(&self.bpffs, &self.pin_dir)
+    /// The pin directory, after checking the name.
+    fn dir(&self) -> Result<PathBuf> {
+        loader::check_pin_dir_name(&self.pin_dir)?;
+        Ok(loader::pin_dir(&self.bpffs, &self.pin_dir))
     }
 }
 
 #[derive(clap::Args, Debug)]
 struct RunArgs {
-    /// Directory of Service and EndpointSlice manifests (*.yaml, *.yml, *.json), watched for
-    /// changes.
+    /// Read Services and EndpointSlices from this directory of manifests (*.yaml, *.yml,
+    /// *.json), watched for changes, instead of the Kubernetes API.
+    #[arg(long, conflicts_with = "kubeconfig")]
+    manifests: Option<PathBuf>,
+    /// Kubeconfig for the Kubernetes API [default: $KUBECONFIG, else the in-cluster
+    /// service account, as kube-rs `Config::infer`].
     #[arg(long)]
-    manifests: PathBuf,
+    kubeconfig: Option<PathBuf>,
+    /// Minimum time between two syncs from the API source; an isolated change after a
+    /// quiet period is applied at once (kube-proxy's --min-sync-period).
+    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+    min_sync_period: Duration,
+    /// Period of the full resync, which also repairs map entries changed behind the agent's
+    /// back (kube-proxy's --sync-period). /healthz fails when an update stays pending for
+    /// twice this long.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    sync_period: Duration,
+    /// Address of the Prometheus metrics server (`/metrics`); port 0 picks a free port.
+    #[arg(long, default_value = "127.0.0.1:10249")]
+    metrics_bind_address: SocketAddr,
     /// cgroup v2 directory to attach the socket programs to [default: the cgroup2 mount root
     /// from /proc/self/mounts, i.e. every process of the node].
     #[arg(long)]
@@ -79,23 +98,23 @@ struct RunArgs {
     /// Name of this node [default: $NODE_NAME, else the hostname].
     #[arg(long)]
     hostname_override: Option<String>,
-    /// Address of the health server (`/healthz`); port 0 picks a free port.
+    /// Address of the health server (`/healthz`, `/livez`); port 0 picks a free port.
     #[arg(long, default_value = "0.0.0.0:10256")]
     healthz_bind_address: SocketAddr,
     /// Log level (error, warn, info, debug, trace) or a tracing filter directive.
     #[arg(long, default_value = "info")]
     log_level: String,
     /// Size of the frontend map (VIP x port x protocol, plus one entry per VIP) when created.
-    #[arg(long, default_value_t = DEFAULT_MAX_FRONTENDS)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), default_value_t = DEFAULT_MAX_FRONTENDS)]
     max_frontends: u32,
     /// Size of the backend slot map (sum of all services' endpoint counts) when created.
-    #[arg(long, default_value_t = DEFAULT_MAX_SLOTS)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), default_value_t = DEFAULT_MAX_SLOTS)]
     max_backend_slots: u32,
     /// Size of the backend map (distinct endpoint address x port x protocol) when created.
-    #[arg(long, default_value_t = DEFAULT_MAX_BACKENDS)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), default_value_t = DEFAULT_MAX_BACKENDS)]
     max_backends: u32,
     /// Size of the per-socket reverse-NAT and UDP flow maps (LRU) when created.
-    #[arg(long, default_value_t = DEFAULT_MAX_SOCKETS)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), default_value_t = DEFAULT_MAX_SOCKETS)]
     max_sockets: u32,
     /// Idle time after which an unconnected UDP flow picks a backend anew, like conntrack's
     /// nf_conntrack_udp_timeout (e.g. 30s, 2m).
@@ -128,9 +147,24 @@ struct CleanupArgs {
     cgroup_path: Option<PathBuf>,
 }
 
-fn init_logs(level: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_new(level)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+/// The tracing filter for `--log-level`: a plain level applies to the agent, other crates
+/// (kube, hyper, notify) log warnings only; anything with `=` or `,` is used as a directive.
+fn log_filter(level: &str) -> Result<tracing_subscriber::EnvFilter> {
+    const LEVELS: [&str; 6] = ["error", "warn", "info", "debug", "trace", "off"];
+    let directive = if LEVELS.contains(&level) {
+        format!("warn,ebpf_proxy={level},proxy_userspace={level}")
+    } else if level.contains('=') || level.contains(',') {
+        level.to_string()
+    } else {
+        anyhow::bail!(
+            "invalid --log-level {level:?}: use error, warn, info, debug, trace, or a tracing directive such as info,kube=debug"
+        );
+    };
+    tracing_subscriber::EnvFilter::try_new(&directive)
+        .with_context(|| format!("invalid --log-level {level:?}"))
+}
+
+fn init_logs(filter: tracing_subscriber::EnvFilter) {
     use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -142,10 +176,13 @@ fn init_logs(level: &str) {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Run(args) => {
-            init_logs(&args.log_level);
-            run(args)
-        }
+        Command::Run(args) => match log_filter(&args.log_level) {
+            Ok(filter) => {
+                init_logs(filter);
+                run(args)
+            }
+            Err(e) => Err(e),
+        },
         Command::Services(args) => services(args),
         Command::Cleanup(args) => cleanup(args),
     };
@@ -159,29 +196,106 @@ fn main() -> ExitCode {
     }
 }
 
-/// Health as kube-proxy's healthz server reports it.
-#[derive(Default)]
+/// Health as kube-proxy's healthz server reports it (`pkg/proxy/healthcheck`): healthy once
+/// a sync succeeded, unless an update has been pending for longer than the timeout.
 struct Health {
     /// Time of the last successful sync; `None` until the first one.
     last_updated: Option<SystemTime>,
+    /// When the oldest update not yet applied arrived; `None` when none is pending.
+    queued: Option<SystemTime>,
+    /// How long an update may stay pending before /healthz fails.
+    timeout: Duration,
+}
+
+impl Health {
+    fn healthy(&self, now: SystemTime) -> bool {
+        self.last_updated.is_some()
+            && self
+                .queued
+                .is_none_or(|q| now.duration_since(q).unwrap_or_default() < self.timeout)
+    }
 }
 
 async fn healthz(
     axum::extract::State(h): axum::extract::State<Arc<Mutex<Health>>>,
 ) -> (axum::http::StatusCode, axum::Json<serde_json::Value>) {
-    let last = h.lock().unwrap().last_updated;
     let now = SystemTime::now();
+    let (last, healthy) = {
+        let h = h.lock().unwrap();
+        (h.last_updated, h.healthy(now))
+    };
     let fmt = |t: SystemTime| humantime::format_rfc3339_millis(t).to_string();
     let body = serde_json::json!({
         "lastUpdated": last.map(fmt).unwrap_or_default(),
         "currentTime": fmt(now),
     });
-    let code = if last.is_some() {
+    let code = if healthy {
         axum::http::StatusCode::OK
     } else {
         axum::http::StatusCode::SERVICE_UNAVAILABLE
     };
     (code, axum::Json(body))
+}
+
+async fn metrics_handler(
+    axum::extract::State(m): axum::extract::State<Arc<Metrics>>,
+) -> impl axum::response::IntoResponse {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        m.encode(),
+    )
+}
+
+/// Serves `app` on a bound listener in the background; returns its address.
+fn serve(
+    what: &'static str,
+    listener: std::net::TcpListener,
+    app: axum::Router,
+) -> Result<SocketAddr> {
+    let listener = tokio::net::TcpListener::from_std(listener)?;
+    let local = listener.local_addr()?;
+    info!(address = %local, "{what} server listening");
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            error!(error = %e, "{what} server stopped");
+        }
+    });
+    Ok(local)
+}
+
+/// Counts objects added, changed or removed between two maps of one kind.
+fn changes<T: PartialEq>(
+    old: &std::collections::BTreeMap<(String, String), T>,
+    new: &std::collections::BTreeMap<(String, String), T>,
+) -> u64 {
+    let changed = new.iter().filter(|(k, v)| old.get(*k) != Some(*v)).count();
+    let removed = old.keys().filter(|k| !new.contains_key(*k)).count();
+    (changed + removed) as u64
+}
+
+async fn start_source(
+    args: &RunArgs,
+    node: &NodeInfo,
+) -> Result<tokio::sync::mpsc::Receiver<proxy_userspace::source::Snapshot>> {
+    if let Some(dir) = &args.manifests {
+        info!(dir = %dir.display(), "source: manifests");
+        return ManifestSource::new(dir).start();
+    }
+    let config = match &args.kubeconfig {
+        Some(path) => {
+            let kc = kube::config::Kubeconfig::read_from(path).with_context(|| format!("read kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+                .await
+                .with_context(|| format!("use kubeconfig {}", path.display()))?
+        }
+        None => kube::Config::infer().await.context("no Kubernetes API configuration: pass --kubeconfig or --manifests, set KUBECONFIG, or run in a pod")?,
+    };
+    info!(server = %config.cluster_url, "source: Kubernetes API");
+    let client = kube::Client::try_from(config).context("create the Kubernetes client")?;
+    KubeSource::new(client, node.name.clone(), args.min_sync_period).start()
 }
 
 fn node_name(flag: Option<String>) -> String {
@@ -199,88 +313,155 @@ fn run(args: RunArgs) -> Result<()> {
     let node = NodeInfo {
         name: node_name(args.hostname_override.clone()),
     };
-    let dir = args.pins.dir();
+    // Check every input before touching the data path, so a mistake changes nothing.
+    let dir = args.pins.dir()?;
+    if let Some(m) = &args.manifests {
+        std::fs::read_dir(m)
+            .with_context(|| format!("--manifests {}: cannot read the directory", m.display()))?;
+    }
+    if let Some(k) = &args.kubeconfig {
+        std::fs::metadata(k).with_context(|| format!("--kubeconfig {}", k.display()))?;
+    }
     loader::ensure_bpffs(&args.pins.bpffs)?;
     let cgroup = match &args.cgroup_path {
         Some(p) => p.clone(),
         None => loader::cgroup2_root()?,
     };
+    loader::check_cgroup(&cgroup)?;
+    let bind = |what: &str, addr: SocketAddr| -> Result<std::net::TcpListener> {
+        let l = std::net::TcpListener::bind(addr)
+            .with_context(|| format!("bind the {what} server to {addr}"))?;
+        l.set_nonblocking(true)?;
+        Ok(l)
+    };
+    let health_listener = bind("health", args.healthz_bind_address)?;
+    let metrics_listener = bind("metrics", args.metrics_bind_address)?;
     let sizes = MapSizes {
         frontends: args.max_frontends,
         slots: args.max_backend_slots,
         backends: args.max_backends,
         sockets: args.max_sockets,
     };
-    loader::load_and_attach(&dir, &cgroup, sizes)?;
-    info!(pin_dir = %dir.display(), cgroup = %cgroup.display(), node = %node.name, "data path attached");
-    let mut maps = PinnedMaps::open(&dir).context("open the pinned maps")?;
-    maps.write_config(&Config {
-        udp_flow_timeout_ns: args.udp_flow_timeout.as_nanos().min(u64::MAX as u128) as u64,
-        _reserved: 0,
-    })?;
-    let cap = maps.capacity();
-    if cap.frontends != args.max_frontends
-        || cap.slots != args.max_backend_slots
-        || cap.backends != args.max_backends
-    {
-        warn!(
-            ?cap,
-            "adopted pinned maps keep the sizes they were created with; run `ebpf-proxy cleanup` to resize"
-        );
-    }
-    let mut syncer = Syncer::adopt(&maps).context("read the pinned maps")?;
-    info!(
-        services = syncer.bound_services(),
-        "adopted state from pinned maps"
-    );
+    let fresh = !dir.exists();
+    let _lock = loader::lock_pin_dir(&dir)?;
 
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let health = Arc::new(Mutex::new(Health::default()));
-        let app = axum::Router::new()
-            .route("/healthz", axum::routing::get(healthz))
-            .with_state(health.clone());
-        let listener = tokio::net::TcpListener::bind(args.healthz_bind_address)
-            .await
-            .with_context(|| format!("bind the health server to {}", args.healthz_bind_address))?;
-        info!(address = %listener.local_addr()?, "health server listening");
-        tokio::spawn(async move {
-            if let Err(e) = axum::serve(listener, app).await {
-                error!(error = %e, "health server stopped");
+        // Start-up: on failure, a pin directory this run created is removed again (one that
+        // was adopted keeps serving the node).
+        let started = async {
+            loader::load_and_attach(&dir, &cgroup, sizes)?;
+            info!(pin_dir = %dir.display(), cgroup = %cgroup.display(), node = %node.name, "data path attached");
+            let maps = PinnedMaps::open(&dir).context("open the pinned maps")?;
+            maps.write_config(&Config {
+                udp_flow_timeout_ns: args.udp_flow_timeout.as_nanos().min(u64::MAX as u128) as u64,
+                _reserved: 0,
+            })?;
+            let cap = maps.capacity();
+            if cap.frontends != args.max_frontends || cap.slots != args.max_backend_slots || cap.backends != args.max_backends {
+                warn!(?cap, "adopted pinned maps keep the sizes they were created with; run `ebpf-proxy cleanup` to resize");
             }
-        });
+            let syncer = Syncer::adopt(&maps).context("read the pinned maps")?;
+            info!(services = syncer.bound_services(), "adopted state from pinned maps");
+            let rx = start_source(&args, &node).await?;
+            anyhow::Ok((maps, syncer, rx))
+        }
+        .await;
+        let (mut maps, mut syncer, mut rx) = match started {
+            Ok(v) => v,
+            Err(e) => {
+                if fresh {
+                    let _ = loader::cleanup(&dir);
+                }
+                return Err(e);
+            }
+        };
+        let health = Arc::new(Mutex::new(Health { last_updated: None, queued: None, timeout: args.sync_period * 2 }));
+        let metrics = Arc::new(Metrics::new(dir.clone()));
+        let health_app = axum::Router::new()
+            .route("/healthz", axum::routing::get(healthz))
+            .route("/livez", axum::routing::get(healthz))
+            .with_state(health.clone());
+        serve("health", health_listener, health_app)?;
+        let metrics_app =
+            axum::Router::new().route("/metrics", axum::routing::get(metrics_handler)).with_state(metrics.clone());
+        serve("metrics", metrics_listener, metrics_app)?;
 
-        let mut rx = ManifestSource::new(&args.manifests).start()?;
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let mut resync = tokio::time::interval(args.sync_period);
+        resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        resync.tick().await;
         let mut logged: BTreeSet<String> = BTreeSet::new();
+        let mut previous = proxy_userspace::source::ObjectSet::default();
+        let mut desired: Option<model::DesiredState> = None;
         loop {
             let snap = tokio::select! {
                 s = rx.recv() => match s {
-                    Some(s) => s,
-                    None => anyhow::bail!("the manifest source stopped"),
+                    Some(s) => Some(s),
+                    None => anyhow::bail!("the object source stopped"),
                 },
+                _ = resync.tick() => None,
                 _ = term.recv() => break,
                 _ = tokio::signal::ctrl_c() => break,
             };
+            let Some(mut snap) = snap else {
+                // Full resync: compare with what the kernel holds, not with our copy.
+                if let Some(d) = &desired {
+                    match Syncer::adopt(&maps) {
+                        Ok(mut fresh) => match fresh.sync(&mut maps, d) {
+                            Ok(st) if st.writes + st.deletes > 0 => {
+                                warn!(writes = st.writes, deletes = st.deletes, "full resync repaired map entries changed outside the agent");
+                                syncer = fresh;
+                            }
+                            Ok(_) => syncer = fresh,
+                            Err(e) => error!(error = %e, "full resync failed"),
+                        },
+                        Err(e) => error!(error = %e, "full resync: reading the maps failed"),
+                    }
+                }
+                continue;
+            };
             // Use only the newest snapshot when several queued up.
-            let mut snap = snap;
             while let Ok(newer) = rx.try_recv() {
                 snap = newer;
             }
-            let (desired, model_errors) = model::build(&snap.objects, &node);
+            let received = SystemTime::now();
+            {
+                let mut h = health.lock().unwrap();
+                h.queued.get_or_insert(received);
+            }
+            metrics.service_changes.inc_by(changes(&previous.services, &snap.objects.services));
+            metrics.endpoint_changes.inc_by(changes(&previous.endpoint_slices, &snap.objects.endpoint_slices));
+            let (d, model_errors) = model::build(&snap.objects, &node);
             // Each skipped object is reported once while it stays bad, not on every sync.
             let now: BTreeSet<String> =
                 snap.errors.iter().chain(model_errors.iter()).map(|e| e.to_string()).collect();
             for e in now.difference(&logged) {
-                error!("skipped: {e}");
+                error!("{e}");
             }
             logged = now;
-            match syncer.sync(&mut maps, &desired) {
+            metrics.skipped.set(logged.len() as i64);
+            match syncer.sync(&mut maps, &d) {
                 Ok(st) => {
-                    health.lock().unwrap().last_updated = Some(SystemTime::now());
+                    let done = SystemTime::now();
+                    {
+                        let mut h = health.lock().unwrap();
+                        h.last_updated = Some(done);
+                        h.queued = None;
+                    }
+                    metrics.synced(st.duration, syncer.current(), maps.capacity());
+                    for (key, slice) in &snap.objects.endpoint_slices {
+                        if previous.endpoint_slices.get(key) == Some(slice) {
+                            continue;
+                        }
+                        let trigger = slice.object.metadata.annotations.as_ref().and_then(|a| a.get("endpoints.kubernetes.io/last-change-trigger-time"));
+                        if let Some(lat) = proxy_userspace::metrics::programming_latency(trigger.map(String::as_str), done) {
+                            metrics.network_programming.observe(lat);
+                        }
+                    }
                     info!(
                         services = st.services,
                         frontends = st.frontends,
@@ -291,9 +472,14 @@ fn run(args: RunArgs) -> Result<()> {
                         duration_us = st.duration.as_micros() as u64,
                         "sync done"
                     );
+                    desired = Some(d);
                 }
-                Err(e) => error!(error = %e, "sync failed; the data path keeps its previous state"),
+                Err(e) => {
+                    metrics.sync_errors.inc();
+                    error!(error = %e, "sync failed; the data path keeps its previous state");
+                }
             }
+            previous = snap.objects;
         }
         info!("stopping; the data path stays attached and pinned for the next agent (use `ebpf-proxy cleanup` to remove it)");
         Ok(())
@@ -310,7 +496,7 @@ struct ServiceRow {
 }
 
 fn services(args: ServicesArgs) -> Result<()> {
-    let dir = args.pins.dir();
+    let dir = args.pins.dir()?;
     let maps = PinnedMaps::open(&dir).with_context(|| {
         format!(
             "no ebpf-proxy data path pinned at {} (is the agent running? check --bpffs/--pin-dir)",
@@ -413,7 +599,7 @@ fn services(args: ServicesArgs) -> Result<()> {
 }
 
 fn cleanup(args: CleanupArgs) -> Result<()> {
-    let dir = args.pins.dir();
+    let dir = args.pins.dir()?;
     let r = loader::cleanup(&dir)?;
     for l in &r.links {
         println!("detached {}", l.display());

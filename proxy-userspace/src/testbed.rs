@@ -67,13 +67,16 @@ pub fn configure_in(
         .map(|p| CString::new(p.as_os_str().as_bytes()))
         .transpose()
         .map_err(io::Error::other)?;
-    if procs.is_none() && ns.is_none() {
-        return Ok(());
-    }
     // SAFETY: the closure runs in the forked child before exec and only calls
-    // async-signal-safe functions (open, write, setns, close) on data prepared before fork.
+    // async-signal-safe functions (prctl, open, write, setns, close) on data prepared before
+    // fork.
     unsafe {
         cmd.pre_exec(move || {
+            // Die with the test or demo that started us, even when it is SIGKILLed, so no
+            // server or agent outlives its run.
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(io::Error::last_os_error());
+            }
             if let Some(procs) = &procs {
                 let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
                 if fd < 0 {

@@ -1,4 +1,4 @@
-//! Developer tasks for ebpf-proxy: `cargo xtask <setup|build-ebpf|build|test|demo>`.
+//! Developer tasks for ebpf-proxy: `cargo xtask <setup|build-ebpf|build|test|demo|bench>`.
 //!
 //! Every command first runs `setup` when one of its cheap checks fails, so a fresh Debian
 //! machine (as root) needs nothing but `cargo xtask test` or `cargo xtask demo`.
@@ -43,6 +43,13 @@ enum Cmd {
     },
     /// Set up if needed, build, run the end-to-end demo (needs root).
     Demo,
+    /// Set up if needed (plus iptables, nftables, fonts), build with the `bench` feature, run
+    /// the benchmarks against kube-proxy's rule sets (needs root; results in target/bench/).
+    Bench {
+        /// Arguments for ebpf-proxy-bench (after `--`), e.g. `--quick` or `--services 100,1000`.
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -57,6 +64,10 @@ fn main() -> ExitCode {
         Cmd::Demo => setup_if_needed()
             .and_then(|()| build())
             .and_then(|()| demo()),
+        Cmd::Bench { args } => setup_if_needed()
+            .and_then(|()| bench_setup())
+            .and_then(|()| build_ebpf())
+            .and_then(|()| bench(&args)),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
@@ -513,6 +524,59 @@ fn demo() -> Result<()> {
         .arg(rel("target/release/ebpf-proxy"))
         .arg("--manifests")
         .arg(rel("deploy/examples")))
+}
+
+/// What only the bench needs: the peers' tools and a font for the charts' text.
+const BENCH_APT: [(&str, &str); 3] = [
+    ("iptables-restore", "iptables"),
+    ("nft", "nftables"),
+    (
+        "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+        "fonts-dejavu-core",
+    ),
+];
+
+fn bench_setup() -> Result<()> {
+    let missing: Vec<&str> = BENCH_APT
+        .iter()
+        .filter(|(t, _)| {
+            if t.starts_with('/') {
+                !Path::new(t).exists()
+            } else {
+                find_tool(t).is_none()
+            }
+        })
+        .map(|(_, p)| *p)
+        .collect();
+    if missing.is_empty() {
+        done("iptables, nftables, fonts-dejavu-core");
+        return Ok(());
+    }
+    doing(&format!("apt packages {}", missing.join(", ")));
+    if !is_root() {
+        bail!("installing {missing:?} needs root (apt-get)");
+    }
+    run(Command::new("apt-get").arg("update"))?;
+    run(Command::new("apt-get")
+        .args(["install", "-y"])
+        .args(&missing)
+        .env("DEBIAN_FRONTEND", "noninteractive"))
+}
+
+fn bench(args: &[String]) -> Result<()> {
+    warn_unless_root("the bench");
+    run(host_cargo().args([
+        "build",
+        "--release",
+        "-p",
+        "proxy-userspace",
+        "--features",
+        "bench",
+    ]))?;
+    let ws = workspace();
+    run(Command::new(target_dir().join("release/ebpf-proxy-bench"))
+        .current_dir(&ws)
+        .args(args))
 }
 
 #[cfg(test)]

@@ -664,6 +664,8 @@ mod demo {
                 PIN_DIR,
                 "--healthz-bind-address",
                 &format!("127.0.0.1:{port}"),
+                "--metrics-bind-address",
+                "127.0.0.1:0",
             ])
             .stdin(Stdio::null());
         let f = fs::File::create(&log)?;
@@ -676,7 +678,9 @@ mod demo {
         );
         println!("agent log: {}", log.display());
         let mut agent = Agent {
-            child: Some(ChildGuard::new(cmd.spawn().context("starting the agent")?)),
+            child: Some(ChildGuard::new(
+                testbed::spawn_in(None, None, &mut cmd).context("starting the agent")?,
+            )),
             bin: agent_bin.clone(),
             cgroup: cg.path().to_owned(),
             log,

@@ -43,7 +43,7 @@ fn full(map: &'static str) -> DatapathError {
     DatapathError::Map {
         op: "update",
         map,
-        source: std::io::Error::from_raw_os_error(libc::E2BIG),
+        error: std::io::Error::from_raw_os_error(libc::E2BIG),
     }
 }
 

@@ -47,9 +47,89 @@ pub struct MapSizes {
     pub sockets: u32,
 }
 
-/// Where the pins live: `<bpffs>/<pin_dir>`.
+/// Where the pins live: `<bpffs>/<pin_dir>` (see [`check_pin_dir_name`]).
 pub fn pin_dir(bpffs: &Path, pin_dir: &str) -> PathBuf {
     bpffs.join(pin_dir)
+}
+
+/// Checks that a `--pin-dir` is a plain name (letters, digits, `-`, `_`; bpffs rejects dots),
+/// so no path outside the BPF file system can be addressed through it.
+pub fn check_pin_dir_name(pin_dir: &str) -> Result<()> {
+    if pin_dir.is_empty()
+        || !pin_dir
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+    {
+        bail!(
+            "--pin-dir {pin_dir:?} must be a plain name of letters, digits, '-' and '_' (it is created under --bpffs)"
+        );
+    }
+    Ok(())
+}
+
+const BPF_FS_MAGIC: i64 = 0xcafe4a11;
+const CGROUP2_SUPER_MAGIC: i64 = 0x63677270;
+
+fn fs_magic(path: &Path) -> std::io::Result<i64> {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(std::io::Error::other)?;
+    // SAFETY: statfs(2) into a zeroed struct we own.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(st.f_type as i64)
+}
+
+/// True when `path` is on a BPF file system.
+pub fn is_on_bpffs(path: &Path) -> bool {
+    fs_magic(path).is_ok_and(|m| m == BPF_FS_MAGIC)
+}
+
+/// Checks that `cgroup` is a cgroup v2 directory, with a remedy in the error.
+pub fn check_cgroup(cgroup: &Path) -> Result<()> {
+    let hint = || match cgroup2_root() {
+        Ok(root) => format!(
+            "cgroup v2 is mounted at {}; pass it or a directory below it",
+            root.display()
+        ),
+        Err(e) => format!("{e:#}"),
+    };
+    match fs_magic(cgroup) {
+        Ok(CGROUP2_SUPER_MAGIC) if cgroup.is_dir() => Ok(()),
+        Ok(_) => bail!(
+            "--cgroup-path {} is not a cgroup v2 directory ({})",
+            cgroup.display(),
+            hint()
+        ),
+        Err(e) => bail!("--cgroup-path {}: {e} ({})", cgroup.display(), hint()),
+    }
+}
+
+/// An exclusive lock on a pin directory, held while the agent runs, so two agents never
+/// write the same maps (each would undo the other's entries). Released on drop or exit.
+#[derive(Debug)]
+pub struct PinDirLock(#[allow(dead_code)] File);
+
+/// Creates `dir` if needed and locks it (`flock(LOCK_EX | LOCK_NB)`).
+///
+/// Errors: another process holds the lock (another agent uses this pin directory).
+pub fn lock_pin_dir(dir: &Path) -> Result<PinDirLock> {
+    fs::create_dir_all(dir).with_context(|| format!("create pin directory {}", dir.display()))?;
+    let f = File::open(dir).with_context(|| format!("open pin directory {}", dir.display()))?;
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock(2) on a descriptor we own.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            bail!(
+                "another ebpf-proxy agent is using the pin directory {}; stop it or choose another --pin-dir",
+                dir.display()
+            );
+        }
+        return Err(e).with_context(|| format!("lock pin directory {}", dir.display()));
+    }
+    Ok(PinDirLock(f))
 }
 
 /// Path of the pinned link of program `prog`.

@@ -26,7 +26,11 @@ fn map_err(op: &'static str, map: &'static str, e: MapError) -> DatapathError {
         MapError::SyscallError(s) => s.io_error,
         other => std::io::Error::other(other.to_string()),
     };
-    DatapathError::Map { op, map, source }
+    DatapathError::Map {
+        op,
+        map,
+        error: source,
+    }
 }
 
 fn open_map(dir: &Path, name: &'static str) -> Result<(Map, u32), DatapathError> {
@@ -81,16 +85,22 @@ impl PinnedMaps {
 
     /// Sums the per-CPU counters of `COUNTERS`, in `proxy_common::Counter` index order.
     pub fn counters(&self) -> Result<Vec<u64>, DatapathError> {
-        let (map, _) = open_map(&self.dir, COUNTERS)?;
-        let a: PerCpuArray<MapData, u64> =
-            PerCpuArray::try_from(map).map_err(|e| map_err("open", COUNTERS, e))?;
-        let mut out = Vec::new();
-        for i in 0..a.len() {
-            let v = a.get(&i, 0).map_err(|e| map_err("lookup", COUNTERS, e))?;
-            out.push(v.iter().sum());
-        }
-        Ok(out)
+        read_counters(&self.dir)
     }
+}
+
+/// Sums the per-CPU counters of the `COUNTERS` map pinned under `dir`, in
+/// `proxy_common::Counter` index order.
+pub fn read_counters(dir: &Path) -> Result<Vec<u64>, DatapathError> {
+    let (map, _) = open_map(dir, COUNTERS)?;
+    let a: PerCpuArray<MapData, u64> =
+        PerCpuArray::try_from(map).map_err(|e| map_err("open", COUNTERS, e))?;
+    let mut out = Vec::new();
+    for i in 0..a.len() {
+        let v = a.get(&i, 0).map_err(|e| map_err("lookup", COUNTERS, e))?;
+        out.push(v.iter().sum());
+    }
+    Ok(out)
 }
 
 fn ignore_missing(r: Result<(), MapError>) -> Result<(), MapError> {

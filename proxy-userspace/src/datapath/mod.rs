@@ -24,12 +24,11 @@ pub enum DatapathError {
         flag: &'static str,
     },
     /// A map operation failed.
-    #[error("{op} on map {map}: {source}")]
+    #[error("{op} on map {map}: {error}")]
     Map {
         op: &'static str,
         map: &'static str,
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
 }
 

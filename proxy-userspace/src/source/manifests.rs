@@ -71,13 +71,55 @@ pub fn parse_documents(origin: &str, text: &str) -> (Vec<Object>, Vec<SourceErro
         }
     } else {
         for (i, doc) in serde_yaml_ng::Deserializer::from_str(text).enumerate() {
-            match Value::deserialize(doc) {
-                Ok(value) => dispatch(origin, value, None, &mut objects, &mut errors),
+            // Through a YAML value first: a document that is valid YAML but not valid JSON
+            // (a number out of range, a non-string key) is skipped alone, not the rest of
+            // the file.
+            match serde_yaml_ng::Value::deserialize(doc) {
+                Ok(yaml) => match serde_json::to_value(&yaml) {
+                    Ok(value) => dispatch(origin, value, None, &mut objects, &mut errors),
+                    Err(e) => {
+                        let get = |f: &str| {
+                            yaml.get(f)
+                                .and_then(|v| v.as_str())
+                                .unwrap_or("")
+                                .to_string()
+                        };
+                        let meta = |f: &str| {
+                            yaml.get("metadata")
+                                .and_then(|m| m.get(f))
+                                .and_then(|v| v.as_str())
+                                .unwrap_or("")
+                                .to_string()
+                        };
+                        let ns = if meta("namespace").is_empty() {
+                            "default".to_string()
+                        } else {
+                            meta("namespace")
+                        };
+                        errors.push(SourceError::object(
+                            origin,
+                            get("kind"),
+                            ns,
+                            meta("name"),
+                            format!("document {} cannot be read: {e}; object skipped", i + 1),
+                        ));
+                    }
+                },
                 Err(e) => {
+                    let msg = e.to_string();
+                    // A value YAML cannot represent (an integer beyond 64 bits) spoils only
+                    // its document; a syntax error ends the stream.
+                    if msg.contains("invalid type") || msg.contains("invalid value") {
+                        errors.push(SourceError::file(
+                            origin,
+                            format!("document {} cannot be read: {msg}; document skipped", i + 1),
+                        ));
+                        continue;
+                    }
                     errors.push(SourceError::file(
                         origin,
                         format!(
-                            "invalid YAML in document {}: {e}; rest of the file skipped",
+                            "invalid YAML in document {}: {msg}; rest of the file skipped",
                             i + 1
                         ),
                     ));
@@ -588,6 +630,19 @@ ports:
 
     fn lines(errors: &[SourceError]) -> Vec<String> {
         errors.iter().map(ToString::to_string).collect()
+    }
+
+    #[test]
+    fn out_of_range_number_skips_only_its_document() {
+        let text = "apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {clusterIP: 10.0.0.1, ports: [{port: 80}]}\n---\napiVersion: v1\nkind: Service\nmetadata: {name: big, namespace: x}\nspec: {ports: [{port: 99999999999999999999}]}\n---\napiVersion: v1\nkind: Service\nmetadata: {name: c}\nspec: {clusterIP: 10.0.0.3, ports: [{port: 80}]}\n";
+        let (objects, errors) = parse_documents("f.yaml", text);
+        assert_eq!(objects.len(), 2, "{errors:?}");
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        let msg = errors[0].to_string();
+        assert!(
+            msg.contains("document 2") && msg.contains("document skipped"),
+            "{msg}"
+        );
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! Sources never stream deltas: each snapshot replaces the previous one entirely, so the
 //! consumer can rebuild the desired state from it alone and diff against the maps.
 
+pub mod kubeapi;
 pub mod manifests;
 
 use std::collections::BTreeMap;
@@ -13,6 +14,7 @@ use std::fmt;
 use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
+pub use kubeapi::KubeSource;
 pub use manifests::ManifestSource;
 
 /// Where an object came from, for error messages: a file path (or "api" later).
@@ -75,6 +77,8 @@ pub struct ObjectSet {
     pub services: BTreeMap<(String, String), Sourced<Service>>,
     /// EndpointSlices by (namespace, name).
     pub endpoint_slices: BTreeMap<(String, String), Sourced<EndpointSlice>>,
+    /// This node's `v1/Node` (the API source watches it; manifests do not carry it).
+    pub node: Option<Sourced<k8s_openapi::api::core::v1::Node>>,
 }
 
 impl ObjectSet {

@@ -19,7 +19,7 @@ use std::{
 
 use proxy_userspace::{
     datapath::{Datapath, Snapshot, loader, maps::PinnedMaps},
-    testbed::{ChildGuard, Lab, Pod, TestCgroup, ensure_bpffs, is_root},
+    testbed::{ChildGuard, Lab, Pod, TestCgroup, ensure_bpffs, is_root, spawn_in},
 };
 
 pub const AGENT: &str = env!("CARGO_BIN_EXE_ebpf-proxy");
@@ -149,25 +149,24 @@ impl Env {
     pub fn start_agent(&mut self) {
         assert!(self.agent.is_none());
         let log = fs::File::create(&self.agent_log).unwrap();
-        let child = ChildGuard::new(
-            Command::new(AGENT)
-                .args(["run", "--manifests"])
-                .arg(self.manifests.path())
-                .arg("--cgroup-path")
-                .arg(self.cg.path())
-                .args([
-                    "--pin-dir",
-                    &self.pin_dir,
-                    "--healthz-bind-address",
-                    "127.0.0.1:0",
-                ])
-                .args(&self.extra_agent_args)
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(log)
-                .spawn()
-                .expect("start agent"),
-        );
+        let mut cmd = Command::new(AGENT);
+        cmd.args(["run", "--manifests"])
+            .arg(self.manifests.path())
+            .arg("--cgroup-path")
+            .arg(self.cg.path())
+            .args(["--pin-dir", &self.pin_dir])
+            .args([
+                "--healthz-bind-address",
+                "127.0.0.1:0",
+                "--metrics-bind-address",
+                "127.0.0.1:0",
+            ])
+            .args(&self.extra_agent_args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log);
+        // spawn_in sets PR_SET_PDEATHSIG, so the agent dies with a killed test run.
+        let child = ChildGuard::new(spawn_in(None, None, &mut cmd).expect("start agent"));
         self.agent = Some(child);
         let n = self.log().matches("sync done").count();
         self.wait_log(|l| l.matches("sync done").count() > n, "first sync");

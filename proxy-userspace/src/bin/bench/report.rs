@@ -1,0 +1,721 @@
+//! Samples, statistics (median, min-max, p99), the markdown report and the PNG charts.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::fs;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use plotters::prelude::*;
+
+/// A proxy (or the direct path) under test.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Case {
+    Ebpf,
+    Iptables,
+    Nftables,
+    Direct,
+}
+
+impl Case {
+    pub const ALL: [Case; 4] = [Case::Ebpf, Case::Iptables, Case::Nftables, Case::Direct];
+
+    pub fn parse(s: &str) -> Option<Case> {
+        Some(match s {
+            "ebpf" => Case::Ebpf,
+            "iptables" => Case::Iptables,
+            "nftables" => Case::Nftables,
+            "direct" => Case::Direct,
+            _ => return None,
+        })
+    }
+
+    pub fn key(self) -> &'static str {
+        match self {
+            Case::Ebpf => "ebpf",
+            Case::Iptables => "iptables",
+            Case::Nftables => "nftables",
+            Case::Direct => "direct",
+        }
+    }
+
+    /// Name of the case's client pod in the lab.
+    pub fn pod(self) -> &'static str {
+        match self {
+            Case::Ebpf => "c-ebpf",
+            Case::Iptables => "c-ipt",
+            Case::Nftables => "c-nft",
+            Case::Direct => "c-direct",
+        }
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Case::Ebpf => "ebpf-proxy",
+            Case::Iptables => "kube-proxy iptables rules",
+            Case::Nftables => "kube-proxy nftables rules",
+            Case::Direct => "direct to pod IP",
+        }
+    }
+
+    fn color(self) -> RGBColor {
+        match self {
+            Case::Ebpf => RGBColor(0x1f, 0x77, 0xb4),
+            Case::Iptables => RGBColor(0xd6, 0x27, 0x28),
+            Case::Nftables => RGBColor(0xff, 0x7f, 0x0e),
+            Case::Direct => RGBColor(0x2c, 0xa0, 0x2c),
+        }
+    }
+}
+
+/// One measured value.
+pub enum Sample {
+    /// Cold programming time: agent sync, `iptables-restore`, `nft -f`.
+    ColdMs(f64),
+    /// ebpf-proxy: from starting the agent to its first `sync done`.
+    ColdWallMs(f64),
+    RuleLines(f64),
+    /// One endpoint change until programmed (ebpf-proxy: file rename until the maps show it).
+    ChangeMs(f64),
+    /// ebpf-proxy: the agent's own sync time of one change.
+    ChangeSyncMs(f64),
+    /// A cold load that did not finish within this many seconds.
+    TimedOutS(f64),
+    Cps(f64),
+    P50Us(f64),
+    P99Us(f64),
+    ConnErrors(f64),
+    BackendsSeen(f64),
+    RssMiB(f64),
+    PeakRssMiB(f64),
+    MapMiB(f64),
+    ServiceMapMiB(f64),
+}
+
+impl Sample {
+    fn split(&self) -> (&'static str, f64) {
+        match *self {
+            Sample::ColdMs(v) => ("cold_ms", v),
+            Sample::ColdWallMs(v) => ("cold_wall_ms", v),
+            Sample::RuleLines(v) => ("rule_lines", v),
+            Sample::ChangeMs(v) => ("change_ms", v),
+            Sample::ChangeSyncMs(v) => ("change_sync_ms", v),
+            Sample::TimedOutS(v) => ("timed_out_s", v),
+            Sample::Cps(v) => ("cps", v),
+            Sample::P50Us(v) => ("p50_us", v),
+            Sample::P99Us(v) => ("p99_us", v),
+            Sample::ConnErrors(v) => ("conn_errors", v),
+            Sample::BackendsSeen(v) => ("backends_seen", v),
+            Sample::RssMiB(v) => ("rss_mib", v),
+            Sample::PeakRssMiB(v) => ("peak_rss_mib", v),
+            Sample::MapMiB(v) => ("map_mib", v),
+            Sample::ServiceMapMiB(v) => ("service_map_mib", v),
+        }
+    }
+}
+
+/// The machine the numbers come from.
+#[derive(serde::Serialize, Clone, Debug)]
+pub struct Machine {
+    pub kernel: String,
+    pub cpu: String,
+    pub cores: usize,
+    pub mem_gib: f64,
+    pub iptables: String,
+    pub nft: String,
+}
+
+fn cmd_out(p: &str, a: &[&str]) -> String {
+    std::process::Command::new(p)
+        .args(a)
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default()
+}
+
+impl Machine {
+    pub fn detect() -> Self {
+        let cpuinfo = fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+        let cpu = cpuinfo
+            .lines()
+            .find_map(|l| l.strip_prefix("model name"))
+            .map(|l| l.trim_start_matches([' ', '\t', ':']).trim().to_string())
+            .unwrap_or_default();
+        let cores = cpuinfo
+            .lines()
+            .filter(|l| l.starts_with("processor"))
+            .count();
+        let mem_kib: f64 = fs::read_to_string("/proc/meminfo")
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .unwrap_or(0.0);
+        Self {
+            kernel: fs::read_to_string("/proc/sys/kernel/osrelease")
+                .unwrap_or_default()
+                .trim()
+                .to_string(),
+            cpu,
+            cores,
+            mem_gib: (mem_kib / 1048576.0 * 10.0).round() / 10.0,
+            iptables: cmd_out("iptables-restore", &["--version"]),
+            nft: cmd_out("nft", &["--version"]),
+        }
+    }
+
+    pub fn line(&self) -> String {
+        format!(
+            "Linux {}, {} x {}, {} GiB RAM; {}; {}",
+            self.kernel, self.cores, self.cpu, self.mem_gib, self.iptables, self.nft
+        )
+    }
+}
+
+/// Linear-interpolated percentile of sorted values.
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let r = p / 100.0 * (sorted.len() - 1) as f64;
+    let (lo, hi) = (r.floor() as usize, r.ceil() as usize);
+    sorted[lo] + (sorted[hi] - sorted[lo]) * (r - lo as f64)
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Stat {
+    pub med: f64,
+    pub min: f64,
+    pub max: f64,
+    pub p99: f64,
+    pub n: usize,
+}
+
+fn stat(v: &[f64]) -> Option<Stat> {
+    if v.is_empty() {
+        return None;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    Some(Stat {
+        med: percentile(&s, 50.0),
+        min: s[0],
+        max: s[s.len() - 1],
+        p99: percentile(&s, 99.0),
+        n: s.len(),
+    })
+}
+
+#[derive(serde::Serialize)]
+pub struct Results {
+    pub machine: Machine,
+    pub services: Vec<usize>,
+    pub runs: usize,
+    pub change_at: Vec<usize>,
+    pub changes: usize,
+    pub total_s: f64,
+    pub failures: Vec<String>,
+    /// 1-min load average before each case (other work on the machine skews the numbers).
+    pub load: Vec<f64>,
+    /// Peers whose cold load timed out, with the N at which it did.
+    pub timed_out: BTreeMap<String, usize>,
+    /// `case/N/metric` -> samples (one per run; for changes, one per change).
+    pub samples: BTreeMap<String, Vec<f64>>,
+}
+
+impl Results {
+    pub fn new(
+        machine: Machine,
+        services: &[usize],
+        runs: usize,
+        change_at: &[usize],
+        changes: usize,
+    ) -> Self {
+        Self {
+            machine,
+            services: services.to_vec(),
+            runs,
+            change_at: change_at.to_vec(),
+            changes,
+            total_s: 0.0,
+            failures: Vec::new(),
+            timed_out: BTreeMap::new(),
+            load: Vec::new(),
+            samples: BTreeMap::new(),
+        }
+    }
+
+    pub fn add(&mut self, case: Case, n: usize, _run: usize, s: Sample) {
+        let (m, v) = s.split();
+        self.samples
+            .entry(format!("{}/{n}/{m}", case.key()))
+            .or_default()
+            .push(v);
+    }
+
+    /// Records the current 1-min load average.
+    pub fn note_load(&mut self) {
+        if let Some(l) = fs::read_to_string("/proc/loadavg")
+            .ok()
+            .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        {
+            self.load.push(l);
+        }
+    }
+
+    fn get(&self, case: Case, n: usize, m: &str) -> Option<Stat> {
+        stat(self.samples.get(&format!("{}/{n}/{m}", case.key()))?)
+    }
+
+    pub fn log_change(&self, case: Case, n: usize, _run: usize) {
+        if let Some(s) = self.get(case, n, "change_ms") {
+            eprintln!(
+                "  {case:?} one endpoint change at N={n}: median {:.2} ms, p99 {:.2} ms ({} so far)",
+                s.med, s.p99, s.n
+            );
+        }
+        if let Some(s) = self.get(case, n, "change_sync_ms") {
+            eprintln!(
+                "    (agent sync alone: median {:.2} ms, p99 {:.2} ms)",
+                s.med, s.p99
+            );
+        }
+    }
+
+    pub fn write(&self, dir: &Path) -> Result<()> {
+        fs::write(
+            dir.join("results.json"),
+            serde_json::to_string_pretty(self)?,
+        )?;
+        fs::write(dir.join("results.md"), self.markdown())?;
+        Ok(())
+    }
+
+    fn cell(&self, case: Case, n: usize, m: &str, digits: usize) -> String {
+        match self.get(case, n, m) {
+            Some(s) if s.n > 1 => {
+                format!("{:.d$} ({:.d$}–{:.d$})", s.med, s.min, s.max, d = digits)
+            }
+            Some(s) => format!("{:.d$}", s.med, d = digits),
+            None => match self.timed_out.get(case.key()) {
+                Some(&t) if n >= t => match self.get(case, t, "timed_out_s") {
+                    Some(s) if n == t && m == "cold_ms" => format!("> {:.0} s (timed out)", s.med),
+                    _ => "not run".into(),
+                },
+                _ => "–".into(),
+            },
+        }
+    }
+
+    fn ratio(&self, case: Case, n: usize, m: &str) -> String {
+        match (self.get(case, n, m), self.get(Case::Direct, n, m)) {
+            (Some(a), Some(d)) if d.med > 0.0 => format!("{:.2}", a.med / d.med),
+            _ => "–".into(),
+        }
+    }
+
+    /// The whole report.
+    pub fn markdown(&self) -> String {
+        let mut o = String::new();
+        let _ = writeln!(o, "# ebpf-proxy benchmarks\n");
+        let _ = writeln!(o, "Machine: {}.\n", self.machine.line());
+        let _ = writeln!(
+            o,
+            "N ClusterIP services x 10 endpoints (TCP). {} run(s); cells are median (min–max over runs). Total time {:.0} s.\n",
+            self.runs, self.total_s
+        );
+        if let Some(l) = stat(&self.load) {
+            let _ = writeln!(
+                o,
+                "1-min load average before each case: median {:.1} (min {:.1}, max {:.1}) on {} cores; a load above 1 means other work competed with the measurements.\n",
+                l.med, l.min, l.max, self.machine.cores
+            );
+        }
+        o.push_str(&self.headline());
+        let _ = writeln!(
+            o,
+            "\n### Data path latency (µs per connection: connect, request, reply, close)\n"
+        );
+        let _ = writeln!(
+            o,
+            "| N | direct p50 / p99 | ebpf-proxy p50 / p99 | iptables p50 / p99 | nftables p50 / p99 |"
+        );
+        let _ = writeln!(o, "| ---: | ---: | ---: | ---: | ---: |");
+        for &n in &self.services {
+            let c = |case| {
+                format!(
+                    "{} / {}",
+                    self.cell(case, n, "p50_us", 0),
+                    self.cell(case, n, "p99_us", 0)
+                )
+            };
+            let _ = writeln!(
+                o,
+                "| {n} | {} | {} | {} | {} |",
+                c(Case::Direct),
+                c(Case::Ebpf),
+                c(Case::Iptables),
+                c(Case::Nftables)
+            );
+        }
+        let _ = writeln!(
+            o,
+            "\n### Rule-set size of the peers (lines of restore / nft input)\n"
+        );
+        let _ = writeln!(o, "| N | iptables-restore lines | nft -f lines |");
+        let _ = writeln!(o, "| ---: | ---: | ---: |");
+        for &n in &self.services {
+            let _ = writeln!(
+                o,
+                "| {n} | {} | {} |",
+                self.cell(Case::Iptables, n, "rule_lines", 0),
+                self.cell(Case::Nftables, n, "rule_lines", 0)
+            );
+        }
+        let errs: Vec<String> = Case::ALL
+            .iter()
+            .flat_map(|&c| {
+                self.services.iter().filter_map(move |&n| {
+                    let s = self.get(c, n, "conn_errors")?;
+                    (s.max > 0.0)
+                        .then(|| format!("{} N={n}: up to {} failed connections", c.label(), s.max))
+                })
+            })
+            .collect();
+        if !errs.is_empty() || !self.failures.is_empty() {
+            let _ = writeln!(o, "\n### Problems\n");
+            for e in errs.iter().chain(&self.failures) {
+                let _ = writeln!(o, "- {e}");
+            }
+        }
+        o
+    }
+
+    /// The tables that go into the README.
+    pub fn headline(&self) -> String {
+        let mut o = String::new();
+        let _ = writeln!(
+            o,
+            "### Control plane: programming N services from cold (ms)\n"
+        );
+        let _ = writeln!(
+            o,
+            "| N | ebpf-proxy sync | ebpf-proxy start → synced | iptables-restore | nft -f |"
+        );
+        let _ = writeln!(o, "| ---: | ---: | ---: | ---: | ---: |");
+        for &n in &self.services {
+            let _ = writeln!(
+                o,
+                "| {n} | {} | {} | {} | {} |",
+                self.cell(Case::Ebpf, n, "cold_ms", 1),
+                self.cell(Case::Ebpf, n, "cold_wall_ms", 0),
+                self.cell(Case::Iptables, n, "cold_ms", 0),
+                self.cell(Case::Nftables, n, "cold_ms", 0)
+            );
+        }
+        let _ = writeln!(
+            o,
+            "\n### Control plane: one endpoint change (ms, over all changes of all runs)\n"
+        );
+        let _ = writeln!(o, "| N | proxy | median | p99 | changes | what is timed |");
+        let _ = writeln!(o, "| ---: | --- | ---: | ---: | ---: | --- |");
+        for &n in &self.change_at {
+            let row = |o: &mut String, label: &str, case: Case, m: &str, what: &str| {
+                let cell = match self.get(case, n, m) {
+                    Some(s) => format!("{:.2} | {:.2} | {}", s.med, s.p99, s.n),
+                    None if self.get(case, n, "timed_out_s").is_some()
+                        || self.timed_out.get(case.key()).is_some_and(|&t| n >= t) =>
+                    {
+                        "not run (cold load timed out) | | ".to_string()
+                    }
+                    None => return,
+                };
+                let _ = writeln!(o, "| {n} | {label} | {cell} | {what} |");
+            };
+            row(
+                &mut o,
+                "ebpf-proxy",
+                Case::Ebpf,
+                "change_ms",
+                "manifest file renamed → new endpoint readable in the pinned maps",
+            );
+            row(
+                &mut o,
+                "ebpf-proxy (sync alone)",
+                Case::Ebpf,
+                "change_sync_ms",
+                "the agent's `sync done duration_us`",
+            );
+            row(
+                &mut o,
+                "iptables",
+                Case::Iptables,
+                "change_ms",
+                "`iptables-restore --noflush` of a partial sync",
+            );
+            row(
+                &mut o,
+                "nftables",
+                Case::Nftables,
+                "change_ms",
+                "`nft -f` of the changed chains",
+            );
+        }
+        let _ = writeln!(
+            o,
+            "\n### Data path: new TCP connections per second to one ClusterIP (ratio to direct)\n"
+        );
+        let _ = writeln!(o, "| N | direct | ebpf-proxy | iptables | nftables |");
+        let _ = writeln!(o, "| ---: | ---: | ---: | ---: | ---: |");
+        for &n in &self.services {
+            let c = |case| {
+                format!(
+                    "{} ({})",
+                    self.cell(case, n, "cps", 0),
+                    self.ratio(case, n, "cps")
+                )
+            };
+            let _ = writeln!(
+                o,
+                "| {n} | {} | {} | {} | {} |",
+                self.cell(Case::Direct, n, "cps", 0),
+                c(Case::Ebpf),
+                c(Case::Iptables),
+                c(Case::Nftables)
+            );
+        }
+        let _ = writeln!(o, "\n### Memory of ebpf-proxy (MiB)\n");
+        let _ = writeln!(
+            o,
+            "| N | agent RSS | agent peak RSS | BPF maps (all, memlock) | service maps |"
+        );
+        let _ = writeln!(o, "| ---: | ---: | ---: | ---: | ---: |");
+        for &n in &self.services {
+            let _ = writeln!(
+                o,
+                "| {n} | {} | {} | {} | {} |",
+                self.cell(Case::Ebpf, n, "rss_mib", 1),
+                self.cell(Case::Ebpf, n, "peak_rss_mib", 1),
+                self.cell(Case::Ebpf, n, "map_mib", 1),
+                self.cell(Case::Ebpf, n, "service_map_mib", 1)
+            );
+        }
+        o
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// charts
+// ---------------------------------------------------------------------------------------
+
+const FONT: &str = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf";
+
+type Series = (String, RGBColor, Vec<(f64, Stat)>);
+
+fn series(r: &Results, case: Case, m: &str, label: &str, color: RGBColor) -> Series {
+    let pts = r
+        .services
+        .iter()
+        .filter_map(|&n| Some((n as f64, r.get(case, n, m)?)))
+        .collect();
+    (label.to_string(), color, pts)
+}
+
+fn panel<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    title: &str,
+    ylabel: &str,
+    log_y: bool,
+    data: &[Series],
+) -> Result<()>
+where
+    DB::ErrorType: 'static,
+{
+    let xs: Vec<f64> = data.iter().flat_map(|s| s.2.iter().map(|p| p.0)).collect();
+    let ys: Vec<f64> = data
+        .iter()
+        .flat_map(|s| s.2.iter().flat_map(|p| [p.1.min, p.1.max]))
+        .filter(|v| v.is_finite() && *v > 0.0)
+        .collect();
+    if xs.is_empty() || ys.is_empty() {
+        return Ok(());
+    }
+    let ns = &xs;
+    let (x0, x1) = (
+        xs.iter().cloned().fold(f64::MAX, f64::min) / 1.5,
+        xs.iter().cloned().fold(0.0, f64::max) * 1.5,
+    );
+    let (y0, y1) = (
+        ys.iter().cloned().fold(f64::MAX, f64::min),
+        ys.iter().cloned().fold(0.0, f64::max),
+    );
+    let mut b = ChartBuilder::on(area);
+    b.caption(title, ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(45)
+        .y_label_area_size(80);
+    macro_rules! draw {
+        ($chart:expr) => {{
+            let mut chart = $chart;
+            chart
+                .configure_mesh()
+                .x_desc("services (N), log scale")
+                .y_desc(ylabel)
+                .light_line_style(WHITE)
+                .x_label_formatter(&|v: &f64| {
+                    let r = v.round();
+                    let mut p = 1.0;
+                    while p < r {
+                        p *= 10.0;
+                    }
+                    if (r - p).abs() < 0.5 || ns.iter().any(|n| (r - n).abs() < 0.5) {
+                        format!("{r:.0}")
+                    } else {
+                        String::new()
+                    }
+                })
+                .y_label_formatter(&|v: &f64| {
+                    if v.abs() >= 10.0 {
+                        format!("{v:.0}")
+                    } else {
+                        format!("{v:.1}")
+                    }
+                })
+                .label_style(("sans-serif", 15))
+                .axis_desc_style(("sans-serif", 16))
+                .draw()?;
+            for (label, color, pts) in data {
+                let c = *color;
+                chart
+                    .draw_series(LineSeries::new(
+                        pts.iter().map(|(x, s)| (*x, s.med)),
+                        c.stroke_width(2),
+                    ))?
+                    .label(label.as_str())
+                    .legend(move |(x, y)| {
+                        PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
+                    });
+                chart.draw_series(
+                    pts.iter()
+                        .map(|(x, s)| Circle::new((*x, s.med), 4, c.filled())),
+                )?;
+                chart.draw_series(pts.iter().map(|(x, s)| {
+                    ErrorBar::new_vertical(
+                        *x,
+                        s.min.max(y0 * 0.9),
+                        s.med,
+                        s.max,
+                        c.stroke_width(1),
+                        8,
+                    )
+                }))?;
+            }
+            chart
+                .configure_series_labels()
+                .position(SeriesLabelPosition::UpperLeft)
+                .label_font(("sans-serif", 15))
+                .background_style(WHITE.mix(0.85))
+                .border_style(BLACK)
+                .draw()?;
+        }};
+    }
+    if log_y {
+        draw!(b.build_cartesian_2d((x0..x1).log_scale(), (y0 / 2.0..y1 * 3.0).log_scale())?);
+    } else {
+        draw!(b.build_cartesian_2d((x0..x1).log_scale(), 0.0..y1 * 1.25)?);
+    }
+    Ok(())
+}
+
+/// Writes `control_plane.png` and `data_path.png`.
+pub fn charts(r: &Results, dir: &Path) -> Result<()> {
+    let font = match fs::read(FONT) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("no charts: cannot read {FONT} ({e}); install fonts-dejavu-core");
+            return Ok(());
+        }
+    };
+    let font: &'static [u8] = Box::leak(font.into_boxed_slice());
+    plotters::style::register_font("sans-serif", FontStyle::Normal, font)
+        .map_err(|_| anyhow::anyhow!("invalid font {FONT}"))?;
+
+    let cp = dir.join("control_plane.png");
+    {
+        let root = BitMapBackend::new(&cp, (1000, 620)).into_drawing_area();
+        root.fill(&WHITE)?;
+        panel(
+            &root,
+            &format!(
+                "Programming N services x 10 endpoints from cold — {}",
+                short_machine(r)
+            ),
+            "milliseconds (log scale)",
+            true,
+            &[
+                series(
+                    r,
+                    Case::Ebpf,
+                    "cold_ms",
+                    "ebpf-proxy: sync (map writes)",
+                    Case::Ebpf.color(),
+                ),
+                series(
+                    r,
+                    Case::Ebpf,
+                    "cold_wall_ms",
+                    "ebpf-proxy: agent start → synced",
+                    RGBColor(0x9e, 0xc7, 0xe8),
+                ),
+                series(
+                    r,
+                    Case::Iptables,
+                    "cold_ms",
+                    "iptables-restore (kube-proxy iptables mode)",
+                    Case::Iptables.color(),
+                ),
+                series(
+                    r,
+                    Case::Nftables,
+                    "cold_ms",
+                    "nft -f (kube-proxy nftables mode)",
+                    Case::Nftables.color(),
+                ),
+            ],
+        )?;
+        root.present().context("write control_plane.png")?;
+    }
+    let dp = dir.join("data_path.png");
+    {
+        let root = BitMapBackend::new(&dp, (1000, 1100)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let (top, bottom) = root.split_vertically(550);
+        let cases = [Case::Direct, Case::Ebpf, Case::Iptables, Case::Nftables];
+        let s = |m: &str| -> Vec<Series> {
+            cases
+                .iter()
+                .map(|&c| series(r, c, m, c.label(), c.color()))
+                .collect()
+        };
+        panel(
+            &top,
+            "New TCP connections per second to one ClusterIP",
+            "connections / s",
+            false,
+            &s("cps"),
+        )?;
+        panel(
+            &bottom,
+            "p99 latency per connection (connect + request + reply)",
+            "µs (log scale)",
+            true,
+            &s("p99_us"),
+        )?;
+        root.present().context("write data_path.png")?;
+    }
+    Ok(())
+}
+
+fn short_machine(r: &Results) -> String {
+    format!("{} cores, Linux {}", r.machine.cores, r.machine.kernel)
+}

@@ -1,0 +1,1088 @@
+//! `ebpf-proxy-bench` (run by `cargo xtask bench`): ebpf-proxy side by side with the rule sets
+//! of kube-proxy's iptables and nftables modes, and with the direct path, on this machine.
+//!
+//! For each N (services with 10 endpoints each):
+//! - control plane: ebpf-proxy from cold (manifests written, agent started on a fresh pin dir,
+//!   until its first `sync done`), `iptables-restore` of kube-proxy's iptables rule set and
+//!   `nft -f` of its nftables rule set; at one N, one endpoint change repeated (ebpf-proxy:
+//!   file rename until the pinned maps show the new endpoint; peers: their incremental update);
+//! - data path: new TCP connections per second and per-connection latency (connect, one
+//!   request line, one reply line, close) from a client pod to one ClusterIP;
+//! - memory: agent RSS and the memlock of its BPF maps.
+//!
+//! Safety: everything runs in a lab of network namespaces (`epb-*`) and a child cgroup
+//! (`ebpf-proxy-bench`) created here and removed on exit, panic or Ctrl-C; iptables and nft
+//! run only inside the lab's client namespaces (setns before exec; a failed setns fails the
+//! spawn); traffic goes only to lab addresses (198.18.0.0/15); every loop is bounded in count
+//! and time. The agent's pins live in `/sys/fs/bpf/ebpf-proxy-bench` and are removed.
+
+#[path = "bench/report.rs"]
+mod report;
+#[path = "bench/rules.rs"]
+mod rules;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{AsFd, AsRawFd};
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use aya::maps::{HashMap as BpfHash, Map, MapData};
+use clap::{Parser, Subcommand};
+use proxy_common::{
+    ALL_MAPS, BACKEND_SLOTS, BACKENDS, Backend, BackendSlotKey, FRONTENDS, Frontend, FrontendKey,
+    PROTO_TCP,
+};
+use proxy_userspace::datapath::loader;
+use proxy_userspace::testbed::{self, ChildGuard, Lab, Pod, TestCgroup};
+use report::{Case, Results, Sample};
+use rules::Svc;
+
+const PIN_DIR: &str = "ebpf-proxy-bench";
+const CGROUP: &str = "ebpf-proxy-bench";
+const LAB: &str = "epb";
+
+#[derive(Parser)]
+#[command(
+    name = "ebpf-proxy-bench",
+    about = "ebpf-proxy vs kube-proxy's iptables and nftables rule sets"
+)]
+struct Cli {
+    #[command(subcommand)]
+    sub: Option<Sub>,
+    #[command(flatten)]
+    opts: Opts,
+}
+
+#[derive(clap::Args, Clone, Debug)]
+struct Opts {
+    /// Small run for development: N = 100,1000, one run, 5 changes at N=1000, 1 s / 2000
+    /// connections per data path case.
+    #[arg(long)]
+    quick: bool,
+    /// Numbers of services (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "100,1000,10000,30000")]
+    services: Vec<usize>,
+    /// Repetitions of everything (medians and min-max are over these).
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Ns at which one endpoint change is measured (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1000,10000")]
+    change_at: Vec<usize>,
+    /// Endpoint changes per run.
+    #[arg(long, default_value_t = 20)]
+    changes: usize,
+    /// Connections per data path case (upper bound).
+    #[arg(long, default_value_t = 20000)]
+    conn_count: usize,
+    /// Seconds per data path case (upper bound).
+    #[arg(long, default_value_t = 3.0)]
+    conn_secs: f64,
+    /// Cases to run (ebpf, iptables, nftables, direct).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "ebpf,iptables,nftables,direct"
+    )]
+    cases: Vec<String>,
+    /// Output directory.
+    #[arg(long, default_value = "target/bench")]
+    out: PathBuf,
+    /// The agent binary [default: `ebpf-proxy` next to this binary].
+    #[arg(long)]
+    agent: Option<PathBuf>,
+    /// Timeout of the agent's first sync, seconds.
+    #[arg(long, default_value_t = 600)]
+    load_timeout: u64,
+    /// Timeout of one cold `iptables-restore` / `nft -f`, seconds. A peer that times out at
+    /// some N is recorded as such and not run again at that N or above.
+    #[arg(long, default_value_t = 90)]
+    peer_timeout: u64,
+    /// The `iptables-restore` to run for kube-proxy's iptables rules (e.g.
+    /// `iptables-legacy-restore` for the legacy backend).
+    #[arg(long, default_value = "iptables-restore")]
+    iptables_restore: String,
+}
+
+#[derive(Subcommand)]
+enum Sub {
+    /// (internal) Load client: sequential connections, one JSON line of results.
+    #[command(hide = true)]
+    Client {
+        #[arg(long, value_delimiter = ',')]
+        to: Vec<SocketAddr>,
+        #[arg(long)]
+        count: usize,
+        #[arg(long)]
+        secs: f64,
+        #[arg(long, default_value_t = 200)]
+        warmup: usize,
+    },
+    /// (internal) Server: answers one request line with NAME and waits for the close.
+    #[command(hide = true)]
+    Serve {
+        #[arg(long)]
+        listen: SocketAddr,
+        #[arg(long)]
+        name: String,
+    },
+}
+
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    STOP.store(true, Ordering::SeqCst);
+}
+
+fn check_stop() -> Result<()> {
+    if STOP.load(Ordering::SeqCst) {
+        bail!("interrupted");
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let r = match cli.sub {
+        Some(Sub::Client {
+            to,
+            count,
+            secs,
+            warmup,
+        }) => client(&to, count, secs, warmup),
+        Some(Sub::Serve { listen, name }) => serve(listen, &name),
+        None => {
+            for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+                // SAFETY: the handler only stores to an atomic (async-signal-safe).
+                unsafe { libc::signal(sig, on_signal as *const () as libc::sighandler_t) };
+            }
+            bench(cli.opts)
+        }
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ebpf-proxy-bench: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// server and client (run as children inside the lab)
+// ---------------------------------------------------------------------------------------
+
+fn serve(listen: SocketAddr, name: &str) -> Result<()> {
+    let l = TcpListener::bind(listen).with_context(|| format!("bind {listen}"))?;
+    let reply = format!("{name}\n").into_bytes();
+    let l2 = l.try_clone()?;
+    let r2 = reply.clone();
+    std::thread::spawn(move || serve_loop(l2, &r2));
+    serve_loop(l, &reply)
+}
+
+/// Accepts forever; per connection: one request line (small: one read), the reply, then
+/// wait (at most 2 s) for the client's close.
+fn serve_loop(l: TcpListener, reply: &[u8]) -> ! {
+    loop {
+        let Ok((mut s, _)) = l.accept() else { continue };
+        let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+        let _ = s.set_nodelay(true);
+        let mut buf = [0u8; 256];
+        if matches!(s.read(&mut buf), Ok(n) if n > 0) && s.write_all(reply).is_ok() {
+            let _ = s.read(&mut buf);
+        }
+    }
+}
+
+#[derive(serde::Serialize, serde::Deserialize, Debug, Default, Clone)]
+struct ClientResult {
+    ok: usize,
+    errors: usize,
+    first_error: Option<String>,
+    elapsed_s: f64,
+    cps: f64,
+    p50_us: f64,
+    p99_us: f64,
+    names: BTreeMap<String, usize>,
+}
+
+fn one_conn(to: SocketAddr) -> std::io::Result<String> {
+    let mut s = TcpStream::connect_timeout(&to, Duration::from_secs(1))?;
+    s.set_nodelay(true)?;
+    s.set_read_timeout(Some(Duration::from_secs(1)))?;
+    s.write_all(b"hello\n")?;
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    r.read_line(&mut line)?;
+    if line.is_empty() {
+        return Err(std::io::Error::other("closed without a reply"));
+    }
+    Ok(line.trim().to_string())
+}
+
+fn client(to: &[SocketAddr], count: usize, secs: f64, warmup: usize) -> Result<()> {
+    ensure!(!to.is_empty(), "--to");
+    for i in 0..warmup {
+        let _ = one_conn(to[i % to.len()]);
+    }
+    let mut lat = Vec::with_capacity(count);
+    let mut res = ClientResult::default();
+    let limit = Duration::from_secs_f64(secs);
+    let start = Instant::now();
+    let mut i = 0;
+    while i < count && start.elapsed() < limit {
+        let t = Instant::now();
+        match one_conn(to[i % to.len()]) {
+            Ok(name) => {
+                lat.push(t.elapsed().as_secs_f64() * 1e6);
+                res.ok += 1;
+                *res.names.entry(name).or_default() += 1;
+            }
+            Err(e) => {
+                res.errors += 1;
+                res.first_error.get_or_insert_with(|| e.to_string());
+            }
+        }
+        i += 1;
+    }
+    res.elapsed_s = start.elapsed().as_secs_f64();
+    res.cps = res.ok as f64 / res.elapsed_s;
+    lat.sort_by(f64::total_cmp);
+    res.p50_us = report::percentile(&lat, 50.0);
+    res.p99_us = report::percentile(&lat, 99.0);
+    println!("{}", serde_json::to_string(&res)?);
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// the bench
+// ---------------------------------------------------------------------------------------
+
+/// Removes the agent's pins on drop.
+struct PinGuard(PathBuf);
+impl Drop for PinGuard {
+    fn drop(&mut self) {
+        let _ = loader::cleanup(&self.0);
+    }
+}
+
+/// Removes a directory tree on drop.
+struct DirGuard(PathBuf);
+impl Drop for DirGuard {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Everything the bench creates. Fields drop in order: processes, pins, scratch files,
+/// cgroup, lab.
+struct Env {
+    agent: Option<ChildGuard>,
+    servers: Vec<ChildGuard>,
+    pins: PinGuard,
+    scratch: DirGuard,
+    cg: TestCgroup,
+    clients: BTreeMap<Case, Pod>,
+    lab: Lab,
+    me: PathBuf,
+    agent_bin: PathBuf,
+    agent_log: PathBuf,
+    manifests: PathBuf,
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        if let Some(mut a) = self.agent.take() {
+            let _ = a.terminate(Duration::from_secs(5));
+        }
+        self.servers.clear();
+    }
+}
+
+fn bench(mut o: Opts) -> Result<()> {
+    ensure!(
+        testbed::is_root(),
+        "the bench needs root (namespaces, cgroups, BPF)"
+    );
+    ensure!(
+        !loader::OBJECT.is_empty(),
+        "built without the eBPF object: use `cargo xtask bench`"
+    );
+    if o.quick {
+        o.services = vec![100, 1000];
+        o.runs = 1;
+        o.change_at = vec![1000];
+        o.changes = 5;
+        o.conn_count = 2000;
+        o.conn_secs = 1.0;
+    }
+    for c in &o.cases {
+        ensure!(
+            Case::parse(c).is_some(),
+            "unknown case {c:?} (ebpf, iptables, nftables, direct)"
+        );
+    }
+    let cases: Vec<Case> = o.cases.iter().filter_map(|c| Case::parse(c)).collect();
+    for (tool, case) in [
+        (o.iptables_restore.as_str(), Case::Iptables),
+        ("nft", Case::Nftables),
+    ] {
+        if cases.contains(&case) && which(tool).is_none() {
+            bail!(
+                "{tool} is missing (Debian packages iptables, nftables; `cargo xtask bench` installs them)"
+            );
+        }
+    }
+    testbed::ensure_bpffs()?;
+    fs::create_dir_all(&o.out)?;
+    let me = std::env::current_exe()?;
+    let agent_bin = o
+        .agent
+        .clone()
+        .unwrap_or_else(|| me.with_file_name("ebpf-proxy"));
+    ensure!(
+        agent_bin.exists(),
+        "agent {} not found",
+        agent_bin.display()
+    );
+
+    let machine = report::Machine::detect();
+    eprintln!("machine: {}", machine.line());
+    let started = Instant::now();
+    let mut env = setup(&o, me, agent_bin)?;
+    let mut results = Results::new(machine, &o.services, o.runs, &o.change_at, o.changes);
+    for run in 0..o.runs {
+        for &n in &o.services {
+            check_stop()?;
+            eprintln!(
+                "\n=== run {}/{}, N = {n} ({:.0?} so far) ===",
+                run + 1,
+                o.runs,
+                started.elapsed()
+            );
+            let real = n / 2;
+            let svcs = rules::services(n, real);
+            let change_svc = if real == 0 { 1.min(n - 1) } else { 0 };
+            for &case in &cases {
+                check_stop()?;
+                results.note_load();
+                if let Some(&t) = results.timed_out.get(case.key()) {
+                    if n >= t {
+                        eprintln!("  {case:?}: skipped (timed out at N={t})");
+                        continue;
+                    }
+                }
+                let r = match case {
+                    Case::Ebpf => {
+                        run_ebpf(&mut env, &o, &svcs, real, change_svc, &mut results, run)
+                    }
+                    Case::Iptables | Case::Nftables => {
+                        run_rules(&env, &o, case, &svcs, real, change_svc, &mut results, run)
+                    }
+                    Case::Direct => run_direct(&env, &o, n, &mut results, run),
+                };
+                if let Err(e) = r {
+                    if STOP.load(Ordering::SeqCst) {
+                        return Err(e);
+                    }
+                    eprintln!("  {case:?} at N={n} failed: {e:#}");
+                    results
+                        .failures
+                        .push(format!("run {} N={n} {case:?}: {e:#}", run + 1));
+                }
+            }
+            // Partial results survive an interruption of a long run.
+            results.write(&o.out)?;
+        }
+    }
+    results.total_s = started.elapsed().as_secs_f64();
+    results.write(&o.out)?;
+    report::charts(&results, &o.out)?;
+    print!("{}", results.markdown());
+    eprintln!(
+        "\nwrote {}/results.md, results.json, control_plane.png, data_path.png ({:.0?})",
+        o.out.display(),
+        started.elapsed()
+    );
+    drop(env);
+    Ok(())
+}
+
+fn which(tool: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(["/usr/sbin", "/sbin"].map(PathBuf::from))
+        .map(|d| d.join(tool))
+        .find(|p| p.is_file())
+}
+
+fn setup(o: &Opts, me: PathBuf, agent_bin: PathBuf) -> Result<Env> {
+    let pin = loader::pin_dir(Path::new(testbed::BPFFS_PATH), PIN_DIR);
+    // A leftover of a crashed run.
+    let _ = loader::cleanup(&pin);
+    let scratch = o.out.join("scratch");
+    let _ = fs::remove_dir_all(&scratch);
+    fs::create_dir_all(&scratch)?;
+    let scratch = DirGuard(fs::canonicalize(&scratch)?);
+    let manifests = scratch.0.join("manifests");
+    fs::create_dir_all(&manifests)?;
+    let cg = TestCgroup::create(CGROUP)?;
+    let mut lab = Lab::new(LAB, false)?;
+    let mut clients = BTreeMap::new();
+    for (i, case) in Case::ALL.into_iter().enumerate() {
+        let pod = lab.add_pod(case.pod(), Ipv4Addr::new(198, 18, 0, 2 + i as u8), None)?;
+        // Many short connections: reuse TIME_WAIT ports and use the whole port range.
+        for (k, v) in [
+            ("net/ipv4/tcp_tw_reuse", "1"),
+            ("net/ipv4/ip_local_port_range", "1024 65535"),
+        ] {
+            sysctl_in(&pod, k, v)?;
+        }
+        clients.insert(case, pod);
+    }
+    let mut env = Env {
+        agent: None,
+        servers: Vec::new(),
+        pins: PinGuard(pin),
+        scratch,
+        cg,
+        clients,
+        lab,
+        me,
+        agent_bin,
+        agent_log: PathBuf::new(),
+        manifests,
+    };
+    env.agent_log = env.scratch.0.join("agent.log");
+    for j in 0..rules::ENDPOINTS {
+        let pod = env
+            .lab
+            .add_pod(&format!("b{j}"), rules::real_backend(j), None)?;
+        let g = pod.spawn(
+            None,
+            Command::new(&env.me)
+                .args([
+                    "serve",
+                    "--listen",
+                    &format!("0.0.0.0:{}", rules::REAL_PORT),
+                ])
+                .args(["--name", &format!("b{j}")])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null()),
+        )?;
+        env.servers.push(g);
+    }
+    // Bounded wait until every server answers (from the direct client).
+    let to: Vec<String> = (0..rules::ENDPOINTS)
+        .map(|j| format!("{}:{}", rules::real_backend(j), rules::REAL_PORT))
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = run_client(&env, Case::Direct, &to.join(","), 10, 2.0, 0);
+        if r.as_ref()
+            .is_ok_and(|r| r.errors == 0 && r.names.len() == rules::ENDPOINTS)
+        {
+            break;
+        }
+        if Instant::now() > deadline {
+            bail!("backend servers did not come up: {r:?}");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(env)
+}
+
+fn sysctl_in(pod: &Pod, key: &str, value: &str) -> Result<()> {
+    let out = pod.output(
+        None,
+        Command::new("sh").args(["-c", &format!("echo {value} > /proc/sys/{key}")]),
+        Duration::from_secs(10),
+    )?;
+    ensure!(out.status.success(), "sysctl {key} in {}", pod.netns);
+    Ok(())
+}
+
+/// Runs the load client in the case's client pod (in the bench cgroup for ebpf-proxy).
+fn run_client(
+    env: &Env,
+    case: Case,
+    to: &str,
+    count: usize,
+    secs: f64,
+    warmup: usize,
+) -> Result<ClientResult> {
+    let pod = &env.clients[&case];
+    let cg = (case == Case::Ebpf).then(|| env.cg.path());
+    let out = pod.output(
+        cg,
+        Command::new(&env.me).args([
+            "client",
+            "--to",
+            to,
+            "--count",
+            &count.to_string(),
+            "--secs",
+            &secs.to_string(),
+            "--warmup",
+            &warmup.to_string(),
+        ]),
+        Duration::from_secs_f64(secs + 60.0),
+    )?;
+    ensure!(
+        out.status.success(),
+        "client failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(line.trim()).with_context(|| format!("client output {line:?}"))
+}
+
+/// Measures the data path of `case` towards `to`, records it.
+fn data_path(
+    env: &Env,
+    o: &Opts,
+    case: Case,
+    to: &str,
+    n: usize,
+    results: &mut Results,
+    run: usize,
+) -> Result<()> {
+    check_stop()?;
+    let r = run_client(env, case, to, o.conn_count, o.conn_secs, 200)?;
+    eprintln!(
+        "  {case:?} data path: {:.0} conn/s, p50 {:.0} us, p99 {:.0} us, {} ok, {} errors, {} backends{}",
+        r.cps,
+        r.p50_us,
+        r.p99_us,
+        r.ok,
+        r.errors,
+        r.names.len(),
+        r.first_error
+            .as_deref()
+            .map(|e| format!(" (first error: {e})"))
+            .unwrap_or_default()
+    );
+    ensure!(r.ok > 0, "no connection succeeded: {:?}", r.first_error);
+    results.add(case, n, run, Sample::Cps(r.cps));
+    results.add(case, n, run, Sample::P50Us(r.p50_us));
+    results.add(case, n, run, Sample::P99Us(r.p99_us));
+    results.add(case, n, run, Sample::ConnErrors(r.errors as f64));
+    results.add(case, n, run, Sample::BackendsSeen(r.names.len() as f64));
+    Ok(())
+}
+
+fn run_direct(env: &Env, o: &Opts, n: usize, results: &mut Results, run: usize) -> Result<()> {
+    let to: Vec<String> = (0..rules::ENDPOINTS)
+        .map(|j| format!("{}:{}", rules::real_backend(j), rules::REAL_PORT))
+        .collect();
+    data_path(env, o, Case::Direct, &to.join(","), n, results, run)
+}
+
+fn vip_target(real: usize) -> String {
+    format!("{}:{}", rules::vip(real), rules::SVC_PORT)
+}
+
+// ---------------------------------------------------------------------------------------
+// ebpf-proxy
+// ---------------------------------------------------------------------------------------
+
+fn write_atomic(path: &Path, text: &str) -> Result<()> {
+    let tmp = path.with_file_name(format!(
+        ".{}.tmp",
+        path.file_name().unwrap().to_string_lossy()
+    ));
+    fs::write(&tmp, text)?;
+    fs::rename(&tmp, path)?;
+    Ok(())
+}
+
+/// Writes the manifests: services and slices in files of 1000 services each, the slice of
+/// the service that the change test edits in a file of its own.
+fn write_manifests(dir: &Path, svcs: &[Svc], change_svc: usize) -> Result<()> {
+    let _ = fs::remove_dir_all(dir);
+    fs::create_dir_all(dir)?;
+    for (k, chunk) in svcs.chunks(1000).enumerate() {
+        let mut text = String::with_capacity(chunk.len() * 1200);
+        for (i, s) in chunk.iter().enumerate() {
+            text.push_str(&rules::service_json(s));
+            text.push('\n');
+            if k * 1000 + i != change_svc {
+                text.push_str(&rules::slice_json(s));
+                text.push('\n');
+            }
+        }
+        fs::write(dir.join(format!("services-{k:03}.json")), text)?;
+    }
+    fs::write(
+        dir.join("change.json"),
+        rules::slice_json(&svcs[change_svc]) + "\n",
+    )?;
+    Ok(())
+}
+
+fn agent_log(env: &Env) -> String {
+    fs::read_to_string(&env.agent_log).unwrap_or_default()
+}
+
+/// `key=value` of the last line containing `needle`.
+fn log_field(log: &str, needle: &str, key: &str) -> Option<u64> {
+    let line = log.lines().rev().find(|l| l.contains(needle))?;
+    let pat = format!("{key}=");
+    let rest = &line[line.find(&pat)? + pat.len()..];
+    rest.split(|c: char| !c.is_ascii_digit())
+        .next()?
+        .parse()
+        .ok()
+}
+
+fn v4_mapped(a: Ipv4Addr) -> [u8; 16] {
+    let mut b = [0u8; 16];
+    b[10] = 0xff;
+    b[11] = 0xff;
+    b[12..].copy_from_slice(&a.octets());
+    b
+}
+
+/// The pinned service maps, read one key at a time.
+struct Maps {
+    frontends: BpfHash<MapData, FrontendKey, Frontend>,
+    slots: BpfHash<MapData, BackendSlotKey, u32>,
+    backends: BpfHash<MapData, u32, Backend>,
+}
+
+impl Maps {
+    fn open(dir: &Path) -> Result<Self> {
+        let open = |name: &str| -> Result<Map> {
+            Ok(Map::from_map_data(MapData::from_pin(dir.join(name))?)?)
+        };
+        Ok(Self {
+            frontends: BpfHash::try_from(open(FRONTENDS)?)?,
+            slots: BpfHash::try_from(open(BACKEND_SLOTS)?)?,
+            backends: BpfHash::try_from(open(BACKENDS)?)?,
+        })
+    }
+
+    /// Backend addresses of the TCP frontend `vip:80` (empty when absent).
+    fn backends_of(&self, vip: Ipv4Addr) -> Vec<[u8; 16]> {
+        let key = FrontendKey {
+            addr: v4_mapped(vip),
+            port: rules::SVC_PORT.to_be_bytes(),
+            proto: PROTO_TCP,
+            scope: 0,
+        };
+        let Ok(f) = self.frontends.get(&key, 0) else {
+            return Vec::new();
+        };
+        (0..f.backend_count)
+            .filter_map(|slot| {
+                let id = self
+                    .slots
+                    .get(
+                        &BackendSlotKey {
+                            service_id: f.service_id,
+                            slot,
+                        },
+                        0,
+                    )
+                    .ok()?;
+                self.backends.get(&id, 0).ok().map(|b| b.addr)
+            })
+            .collect()
+    }
+}
+
+/// memlock bytes of every pinned map of the agent (from /proc/self/fdinfo), and of the
+/// three service maps alone.
+fn map_memlock(dir: &Path) -> (u64, u64) {
+    let (mut all, mut svc) = (0, 0);
+    for name in ALL_MAPS {
+        let Ok(m) = MapData::from_pin(dir.join(name)) else {
+            continue;
+        };
+        let fd = m.fd().as_fd().as_raw_fd();
+        let info = fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).unwrap_or_default();
+        let bytes = info
+            .lines()
+            .find_map(|l| l.strip_prefix("memlock:"))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(0);
+        all += bytes;
+        if [FRONTENDS, BACKEND_SLOTS, BACKENDS].contains(&name) {
+            svc += bytes;
+        }
+    }
+    (all, svc)
+}
+
+fn proc_status_kib(pid: u32, key: &str) -> Option<u64> {
+    let s = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let l = s.lines().find(|l| l.starts_with(key))?;
+    l.split_whitespace().nth(1)?.parse().ok()
+}
+
+fn stop_agent(env: &mut Env) {
+    if let Some(mut a) = env.agent.take() {
+        let _ = a.terminate(Duration::from_secs(10));
+    }
+    let _ = loader::cleanup(&env.pins.0);
+}
+
+fn run_ebpf(
+    env: &mut Env,
+    o: &Opts,
+    svcs: &[Svc],
+    real: usize,
+    change_svc: usize,
+    results: &mut Results,
+    run: usize,
+) -> Result<()> {
+    let r = run_ebpf_inner(env, o, svcs, real, change_svc, results, run);
+    stop_agent(env);
+    r
+}
+
+fn run_ebpf_inner(
+    env: &mut Env,
+    o: &Opts,
+    svcs: &[Svc],
+    real: usize,
+    change_svc: usize,
+    results: &mut Results,
+    run: usize,
+) -> Result<()> {
+    let n = svcs.len();
+    stop_agent(env);
+    write_manifests(&env.manifests, svcs, change_svc)?;
+    let room = |need: usize, default: u32| -> String {
+        (((need as f64 * 1.25) as u32).max(default)).to_string()
+    };
+    let log = fs::File::create(&env.agent_log)?;
+    let t0 = Instant::now();
+    let child = Command::new(&env.agent_bin)
+        .args(["run", "--manifests"])
+        .arg(&env.manifests)
+        .arg("--cgroup-path")
+        .arg(env.cg.path())
+        .args([
+            "--pin-dir",
+            PIN_DIR,
+            "--healthz-bind-address",
+            "127.0.0.1:0",
+        ])
+        .args([
+            "--max-frontends",
+            &room(2 * n, proxy_common::DEFAULT_MAX_FRONTENDS),
+        ])
+        .args([
+            "--max-backend-slots",
+            &room(n * rules::ENDPOINTS, proxy_common::DEFAULT_MAX_SLOTS),
+        ])
+        .args([
+            "--max-backends",
+            &room(n * rules::ENDPOINTS, proxy_common::DEFAULT_MAX_BACKENDS),
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .context("start the agent")?;
+    let pid = child.id();
+    env.agent = Some(ChildGuard::new(child));
+    let deadline = t0 + Duration::from_secs(o.load_timeout);
+    let wall = loop {
+        check_stop()?;
+        if agent_log(env).contains("sync done") {
+            break t0.elapsed();
+        }
+        if let Some(s) = env.agent.as_mut().unwrap().try_wait()? {
+            bail!("agent exited ({s}): {}", agent_log(env));
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "no sync within {}s: {}",
+            o.load_timeout,
+            agent_log(env)
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    let log = agent_log(env);
+    let sync_us = log_field(&log, "sync done", "duration_us").context("duration_us in the log")?;
+    let synced = log_field(&log, "sync done", "services").unwrap_or(0);
+    if synced as usize != n {
+        eprintln!("  warning: the agent synced {synced} services, expected {n}");
+    }
+    let maps = Maps::open(&env.pins.0)?;
+    ensure!(
+        maps.backends_of(svcs[n - 1].vip).len() == rules::ENDPOINTS,
+        "the maps do not hold the last service after sync done"
+    );
+    let rss = proc_status_kib(pid, "VmRSS:").unwrap_or(0);
+    let hwm = proc_status_kib(pid, "VmHWM:").unwrap_or(0);
+    let (mem_all, mem_svc) = map_memlock(&env.pins.0);
+    eprintln!(
+        "  Ebpf cold: sync {:.1} ms, wall (start to sync done) {:.1} ms, RSS {} MiB (peak {} MiB), maps {:.1} MiB (service maps {:.1} MiB)",
+        sync_us as f64 / 1e3,
+        wall.as_secs_f64() * 1e3,
+        rss / 1024,
+        hwm / 1024,
+        mem_all as f64 / 1048576.0,
+        mem_svc as f64 / 1048576.0
+    );
+    results.add(Case::Ebpf, n, run, Sample::ColdMs(sync_us as f64 / 1e3));
+    results.add(
+        Case::Ebpf,
+        n,
+        run,
+        Sample::ColdWallMs(wall.as_secs_f64() * 1e3),
+    );
+    results.add(Case::Ebpf, n, run, Sample::RssMiB(rss as f64 / 1024.0));
+    results.add(Case::Ebpf, n, run, Sample::PeakRssMiB(hwm as f64 / 1024.0));
+    results.add(
+        Case::Ebpf,
+        n,
+        run,
+        Sample::MapMiB(mem_all as f64 / 1048576.0),
+    );
+    results.add(
+        Case::Ebpf,
+        n,
+        run,
+        Sample::ServiceMapMiB(mem_svc as f64 / 1048576.0),
+    );
+
+    data_path(env, o, Case::Ebpf, &vip_target(real), n, results, run)?;
+
+    if o.change_at.contains(&n) {
+        let mut svc = svcs[change_svc].clone();
+        let file = env.manifests.join("change.json");
+        for k in 0..o.changes {
+            check_stop()?;
+            let new_ip = rules::change_addr(k);
+            svc.endpoints[rules::ENDPOINTS - 1].0 = new_ip;
+            let syncs = agent_log(env).matches("sync done").count();
+            let t = Instant::now();
+            write_atomic(&file, &(rules::slice_json(&svc) + "\n"))?;
+            let want = v4_mapped(new_ip);
+            let lat = loop {
+                if maps.backends_of(svc.vip).contains(&want) {
+                    break t.elapsed();
+                }
+                ensure!(
+                    t.elapsed() < Duration::from_secs(30),
+                    "change {k} not in the maps after 30 s"
+                );
+                std::thread::sleep(Duration::from_micros(100));
+            };
+            // The agent's own sync time of that change.
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while agent_log(env).matches("sync done").count() <= syncs {
+                ensure!(Instant::now() < deadline, "no sync done after change {k}");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let sync_us = log_field(&agent_log(env), "sync done", "duration_us").unwrap_or(0);
+            results.add(
+                Case::Ebpf,
+                n,
+                run,
+                Sample::ChangeMs(lat.as_secs_f64() * 1e3),
+            );
+            results.add(
+                Case::Ebpf,
+                n,
+                run,
+                Sample::ChangeSyncMs(sync_us as f64 / 1e3),
+            );
+            // Let the source's debounce window close before the next change.
+            std::thread::sleep(Duration::from_millis(150));
+        }
+        results.log_change(Case::Ebpf, n, run);
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// kube-proxy's rule sets
+// ---------------------------------------------------------------------------------------
+
+/// Runs `program args` with `input` on stdin inside the case's client namespace; returns
+/// how long it took. Never runs in the root namespace: the spawn fails if setns fails.
+fn apply_in(
+    env: &Env,
+    case: Case,
+    program: &str,
+    args: &[&str],
+    input: &Path,
+    timeout: Duration,
+) -> Result<Duration> {
+    let pod = &env.clients[&case];
+    let ns = pod.path();
+    ensure!(
+        ns.starts_with(testbed::NETNS_RUN_DIR) && pod.netns.starts_with(&format!("{LAB}-")),
+        "refusing to run {program} outside a bench namespace"
+    );
+    let mut cmd = Command::new(program);
+    cmd.args(args)
+        .stdin(fs::File::open(input)?)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let t = Instant::now();
+    let mut child = ChildGuard::spawn_in(Some(&ns), None, &mut cmd)?;
+    let mut err = child.child_mut().stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    let mut status = None;
+    while status.is_none() && t.elapsed() < timeout && !STOP.load(Ordering::SeqCst) {
+        status = child.wait_timeout(Duration::from_millis(200).min(timeout))?;
+    }
+    let took = t.elapsed();
+    check_stop()?;
+    let Some(status) = status else {
+        child.kill();
+        bail!("{program} {args:?} did not finish within {timeout:?}");
+    };
+    let stderr = reader.join().unwrap_or_default();
+    ensure!(
+        status.success(),
+        "{program} {args:?} failed ({status}): {}",
+        stderr.trim()
+    );
+    Ok(took)
+}
+
+fn reset_rules(env: &Env, o: &Opts, case: Case) -> Result<()> {
+    let scratch = env.scratch.0.join("reset.txt");
+    match case {
+        Case::Iptables => {
+            fs::write(&scratch, rules::IPTABLES_EMPTY)?;
+            apply_in(
+                env,
+                case,
+                &o.iptables_restore,
+                &["-w", "5"],
+                &scratch,
+                Duration::from_secs(600),
+            )?;
+        }
+        _ => {
+            // Creating it first makes the delete succeed when it does not exist yet.
+            fs::write(
+                &scratch,
+                "add table ip kube-proxy\ndelete table ip kube-proxy\n",
+            )?;
+            apply_in(
+                env,
+                case,
+                "nft",
+                &["-f", "-"],
+                &scratch,
+                Duration::from_secs(600),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_rules(
+    env: &Env,
+    o: &Opts,
+    case: Case,
+    svcs: &[Svc],
+    real: usize,
+    change_svc: usize,
+    results: &mut Results,
+    run: usize,
+) -> Result<()> {
+    let r = run_rules_inner(env, o, case, svcs, real, change_svc, results, run);
+    // The next case and N start from empty tables (not timed).
+    let reset = reset_rules(env, o, case);
+    r.and(reset)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_rules_inner(
+    env: &Env,
+    o: &Opts,
+    case: Case,
+    svcs: &[Svc],
+    real: usize,
+    change_svc: usize,
+    results: &mut Results,
+    run: usize,
+) -> Result<()> {
+    let n = svcs.len();
+    reset_rules(env, o, case)?;
+    let file = env.scratch.0.join("rules.txt");
+    let (text, program, args): (String, &str, &[&str]) = match case {
+        Case::Iptables => (
+            rules::iptables_full(svcs),
+            o.iptables_restore.as_str(),
+            &["-w", "5", "--noflush", "--counters"],
+        ),
+        _ => (rules::nft_full(svcs), "nft", &["-f", "-"]),
+    };
+    fs::write(&file, &text)?;
+    let lines = text.lines().count();
+    drop(text);
+    let took = match apply_in(
+        env,
+        case,
+        program,
+        args,
+        &file,
+        Duration::from_secs(o.peer_timeout),
+    ) {
+        Err(e) if e.to_string().contains("did not finish within") => {
+            eprintln!(
+                "  {case:?} cold: {program} of {lines} lines timed out after {} s",
+                o.peer_timeout
+            );
+            results.timed_out.insert(case.key().to_string(), n);
+            results.add(case, n, run, Sample::TimedOutS(o.peer_timeout as f64));
+            results.add(case, n, run, Sample::RuleLines(lines as f64));
+            return Ok(());
+        }
+        r => r?,
+    };
+    eprintln!(
+        "  {case:?} cold: {program} of {lines} lines took {:.1} ms",
+        took.as_secs_f64() * 1e3
+    );
+    results.add(case, n, run, Sample::ColdMs(took.as_secs_f64() * 1e3));
+    results.add(case, n, run, Sample::RuleLines(lines as f64));
+
+    data_path(env, o, case, &vip_target(real), n, results, run)?;
+
+    if o.change_at.contains(&n) {
+        let mut cur = svcs[change_svc].clone();
+        for k in 0..o.changes {
+            check_stop()?;
+            let mut next = cur.clone();
+            next.endpoints[rules::ENDPOINTS - 1].0 = rules::change_addr(k);
+            let text = match case {
+                Case::Iptables => {
+                    let mut all = svcs.to_vec();
+                    all[change_svc] = next.clone();
+                    rules::iptables_change(&all, &cur, &next)
+                }
+                _ => rules::nft_change(&cur, &next),
+            };
+            fs::write(&file, text)?;
+            let took = apply_in(env, case, program, args, &file, Duration::from_secs(120))?;
+            results.add(case, n, run, Sample::ChangeMs(took.as_secs_f64() * 1e3));
+            cur = next;
+        }
+        results.log_change(case, n, run);
+    }
+    let _ = fs::remove_file(&file);
+    Ok(())
+}
