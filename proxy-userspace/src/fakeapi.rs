@@ -1570,6 +1570,15 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("kubeconfig");
         server.write_kubeconfig(&path).unwrap();
+        let yaml = std::fs::read_to_string(&path).unwrap();
+        eprintln!("kubeconfig:\n{yaml}");
+        for want in [
+            "current-context: fakeapi",
+            "token: fakeapi-dummy-token",
+            "server: http://127.0.0.1:",
+        ] {
+            assert!(yaml.contains(want), "{want:?} not in\n{yaml}");
+        }
         let kc = kube::config::Kubeconfig::read_from(&path).unwrap();
         let config = kube::Config::from_custom_kubeconfig(kc, &Default::default())
             .await

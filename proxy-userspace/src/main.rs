@@ -41,7 +41,7 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Run the node agent: load the data path, follow Services and EndpointSlices, sync maps.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Print the frontends and their backends, read from the pinned maps (works while the
     /// agent is down).
     Services(ServicesArgs),
@@ -179,7 +179,7 @@ fn main() -> ExitCode {
         Command::Run(args) => match log_filter(&args.log_level) {
             Ok(filter) => {
                 init_logs(filter);
-                run(args)
+                run(*args)
             }
             Err(e) => Err(e),
         },

@@ -98,12 +98,9 @@ impl Metrics {
             "The last time proxy rules were successfully synced",
             last_sync.clone(),
         );
-        let network_programming = Histogram::new(
-            [
-                0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
-            ]
-            .into_iter(),
-        );
+        let network_programming = Histogram::new([
+            0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+        ]);
         registry.register(
             "kubeproxy_network_programming_duration_seconds",
             "In Cluster Network Programming Latency in seconds",

@@ -17,7 +17,7 @@
 //!
 //! Access used (checked against `deploy/rbac.yaml` by a test): [`API_ACCESS`].
 
-use std::{sync::Arc, time::Duration};
+use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::{
@@ -142,7 +142,7 @@ fn objects(
             key,
             Sourced {
                 origin: API_ORIGIN.into(),
-                object: Arc::unwrap_or_clone(s),
+                object: s,
             },
         );
     }
@@ -155,13 +155,13 @@ fn objects(
             key,
             Sourced {
                 origin: API_ORIGIN.into(),
-                object: Arc::unwrap_or_clone(s),
+                object: s,
             },
         );
     }
     set.node = node.state().into_iter().next().map(|n| Sourced {
         origin: API_ORIGIN.into(),
-        object: Arc::unwrap_or_clone(n),
+        object: n,
     });
     set
 }
@@ -254,7 +254,10 @@ impl Source for KubeSource {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    };
 
     fn counting_build(n: Arc<AtomicUsize>) -> impl FnMut() -> Snapshot {
         move || {

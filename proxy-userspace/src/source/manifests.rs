@@ -257,18 +257,12 @@ fn dispatch(
     let result = if kind == "Service" {
         serde_json::from_value::<Service>(value).map(|mut s| {
             s.metadata.namespace = Some(ns.clone());
-            Object::Service(Sourced {
-                origin: origin.to_string(),
-                object: s,
-            })
+            Object::Service(Sourced::new(origin, s))
         })
     } else {
         serde_json::from_value::<EndpointSlice>(value).map(|mut s| {
             s.metadata.namespace = Some(ns.clone());
-            Object::EndpointSlice(Sourced {
-                origin: origin.to_string(),
-                object: s,
-            })
+            Object::EndpointSlice(Sourced::new(origin, s))
         })
     };
     match result {
@@ -310,6 +304,37 @@ pub fn load_dir(dir: &Path) -> (ObjectSet, Vec<SourceError>) {
 /// As [`load_dir`], but a directory that cannot be listed is an error (so that a watcher
 /// can keep its previous snapshot instead of publishing an empty one).
 fn try_load_dir(dir: &Path) -> io::Result<(ObjectSet, Vec<SourceError>)> {
+    try_load_dir_cached(dir, &mut FileCache::default())
+}
+
+/// Identity and version of a file: a parse is reused while none of these change.
+type FileStamp = (u64, u64, u64, i64, i64, i64, i64);
+
+fn stamp(m: &std::fs::Metadata) -> FileStamp {
+    use std::os::unix::fs::MetadataExt;
+    (
+        m.dev(),
+        m.ino(),
+        m.size(),
+        m.mtime(),
+        m.mtime_nsec(),
+        m.ctime(),
+        m.ctime_nsec(),
+    )
+}
+
+/// Parsed files by path, reused while a file is unchanged, so one edited file among
+/// thousands costs one parse, and unchanged objects keep their allocation (the model and
+/// the change counters then skip them by pointer).
+#[derive(Default)]
+pub struct FileCache {
+    files: std::collections::HashMap<PathBuf, (FileStamp, Vec<Object>, Vec<SourceError>)>,
+}
+
+fn try_load_dir_cached(
+    dir: &Path,
+    cache: &mut FileCache,
+) -> io::Result<(ObjectSet, Vec<SourceError>)> {
     let mut files: Vec<(String, PathBuf)> = Vec::new();
     for entry in std::fs::read_dir(dir)? {
         let entry = entry?;
@@ -326,17 +351,26 @@ fn try_load_dir(dir: &Path) -> io::Result<(ObjectSet, Vec<SourceError>)> {
 
     let mut set = ObjectSet::default();
     let mut errors = Vec::new();
+    let mut seen = std::collections::HashSet::new();
     for (_, path) in files {
         let origin = path.display().to_string();
         // Follows symlinks (ConfigMap volumes); skips directories named *.yaml.
-        match std::fs::metadata(&path) {
-            Ok(m) if m.is_file() => {}
+        let st = match std::fs::metadata(&path) {
+            Ok(m) if m.is_file() => stamp(&m),
             Ok(_) => continue,
             Err(e) if e.kind() == io::ErrorKind::NotFound => continue, // removed meanwhile
             Err(e) => {
                 errors.push(SourceError::file(origin, format!("cannot read file: {e}")));
                 continue;
             }
+        };
+        seen.insert(path.clone());
+        if let Some((cached, objects, file_errors)) = cache.files.get(&path)
+            && *cached == st
+        {
+            errors.extend(file_errors.iter().cloned());
+            insert_all(&mut set, objects.clone(), &mut errors);
+            continue;
         }
         let bytes = match std::fs::read(&path) {
             Ok(b) => b,
@@ -354,9 +388,13 @@ fn try_load_dir(dir: &Path) -> io::Result<(ObjectSet, Vec<SourceError>)> {
             }
         };
         let (objects, file_errors) = parse_documents(&origin, &text);
-        errors.extend(file_errors);
+        errors.extend(file_errors.iter().cloned());
+        cache
+            .files
+            .insert(path.clone(), (st, objects.clone(), file_errors));
         insert_all(&mut set, objects, &mut errors);
     }
+    cache.files.retain(|p, _| seen.contains(p));
     Ok((set, errors))
 }
 
@@ -516,6 +554,7 @@ async fn run(
     tx: mpsc::Sender<Snapshot>,
 ) {
     let mut last: Option<Snapshot> = None;
+    let mut cache = FileCache::default();
     let mut resync =
         tokio::time::interval_at(tokio::time::Instant::now() + source.resync, source.resync);
     resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -525,7 +564,17 @@ async fn run(
         watch.ensure();
         // Read the directory and publish when the result changed.
         let dir = source.dir.clone();
-        match tokio::task::spawn_blocking(move || try_load_dir(&dir)).await {
+        let mut c = std::mem::take(&mut cache);
+        let read = tokio::task::spawn_blocking(move || {
+            let r = try_load_dir_cached(&dir, &mut c);
+            (r, c)
+        })
+        .await
+        .map(|(r, c)| {
+            cache = c;
+            r
+        });
+        match read {
             Ok(Ok((objects, errors))) => {
                 let snapshot = Snapshot { objects, errors };
                 if last.as_ref() != Some(&snapshot) {

@@ -17,13 +17,35 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 pub use kubeapi::KubeSource;
 pub use manifests::ManifestSource;
 
-/// Where an object came from, for error messages: a file path (or "api" later).
-#[derive(Clone, Debug, PartialEq)]
+/// Where an object came from, for error messages: a file path (or "api").
+///
+/// The object is shared (`Arc`): snapshots are cheap to clone, an unchanged object is the
+/// same allocation from one snapshot to the next (a reflector store's entry, a cached
+/// file's parse), and equality checks pointers first, so finding what changed between two
+/// snapshots costs little for the objects that did not.
+#[derive(Clone, Debug)]
 pub struct Sourced<T> {
     /// The file the object was read from (or "api").
     pub origin: String,
     /// The object. Its `metadata.namespace` is always set (defaulted to `"default"`).
-    pub object: T,
+    pub object: std::sync::Arc<T>,
+}
+
+impl<T> Sourced<T> {
+    /// Wraps an object read from `origin`.
+    pub fn new(origin: impl Into<String>, object: T) -> Self {
+        Sourced {
+            origin: origin.into(),
+            object: std::sync::Arc::new(object),
+        }
+    }
+}
+
+impl<T: PartialEq> PartialEq for Sourced<T> {
+    fn eq(&self, other: &Self) -> bool {
+        self.origin == other.origin
+            && (std::sync::Arc::ptr_eq(&self.object, &other.object) || self.object == other.object)
+    }
 }
 
 /// One object read by a source, before it is put into an [`ObjectSet`].

@@ -147,11 +147,27 @@ impl Env {
 
     /// Starts the agent and waits (at most 20 s) until its first sync is done.
     pub fn start_agent(&mut self) {
+        let source = vec![
+            "--manifests".to_string(),
+            self.manifests.path().display().to_string(),
+        ];
+        let n = self.log().matches("sync done").count();
+        self.start_agent_with(&source);
+        self.wait_log(|l| l.matches("sync done").count() > n, "first sync");
+    }
+
+    /// Starts the agent with the given source arguments (e.g. `--kubeconfig F`), without
+    /// waiting for a sync. The log is appended to, so earlier runs stay readable.
+    pub fn start_agent_with(&mut self, source: &[String]) {
         assert!(self.agent.is_none());
-        let log = fs::File::create(&self.agent_log).unwrap();
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.agent_log)
+            .unwrap();
         let mut cmd = Command::new(AGENT);
-        cmd.args(["run", "--manifests"])
-            .arg(self.manifests.path())
+        cmd.arg("run")
+            .args(source)
             .arg("--cgroup-path")
             .arg(self.cg.path())
             .args(["--pin-dir", &self.pin_dir])
@@ -168,8 +184,6 @@ impl Env {
         // spawn_in sets PR_SET_PDEATHSIG, so the agent dies with a killed test run.
         let child = ChildGuard::new(spawn_in(None, None, &mut cmd).expect("start agent"));
         self.agent = Some(child);
-        let n = self.log().matches("sync done").count();
-        self.wait_log(|l| l.matches("sync done").count() > n, "first sync");
     }
 
     /// Stops the agent with SIGTERM (its data path stays pinned and attached).
@@ -224,7 +238,11 @@ impl Env {
     pub fn wait_maps(&self, f: impl Fn(&Snapshot) -> bool, what: &str) -> Duration {
         let start = Instant::now();
         while start.elapsed() < Duration::from_secs(10) {
-            if f(&self.snapshot()) {
+            // The maps may not exist yet while the agent starts.
+            let snap = PinnedMaps::open(&self.pin_path())
+                .ok()
+                .and_then(|m| m.snapshot().ok());
+            if snap.is_some_and(|s| f(&s)) {
                 return start.elapsed();
             }
             std::thread::sleep(Duration::from_millis(2));
