@@ -397,6 +397,7 @@ fn run(args: RunArgs) -> Result<()> {
         let mut logged: BTreeSet<String> = BTreeSet::new();
         let mut previous = proxy_userspace::source::ObjectSet::default();
         let mut desired: Option<model::DesiredState> = None;
+        let mut model_cache = model::ModelCache::default();
         loop {
             let snap = tokio::select! {
                 s = rx.recv() => match s {
@@ -435,7 +436,9 @@ fn run(args: RunArgs) -> Result<()> {
             }
             metrics.service_changes.inc_by(changes(&previous.services, &snap.objects.services));
             metrics.endpoint_changes.inc_by(changes(&previous.endpoint_slices, &snap.objects.endpoint_slices));
-            let (d, model_errors) = model::build(&snap.objects, &node);
+            let model_start = std::time::Instant::now();
+            let (d, model_errors) = model::build_cached(&snap.objects, &node, &mut model_cache);
+            let model_us = model_start.elapsed().as_micros() as u64;
             // Each skipped object is reported once while it stays bad, not on every sync.
             let now: BTreeSet<String> =
                 snap.errors.iter().chain(model_errors.iter()).map(|e| e.to_string()).collect();
@@ -470,6 +473,7 @@ fn run(args: RunArgs) -> Result<()> {
                         deletes = st.deletes,
                         skipped = logged.len(),
                         duration_us = st.duration.as_micros() as u64,
+                        model_us,
                         "sync done"
                     );
                     desired = Some(d);

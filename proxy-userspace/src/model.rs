@@ -204,8 +204,38 @@ pub struct NodeInfo {
 /// everything skipped (see the module documentation). Slice errors come first (slices in
 /// namespace/name order), then Service errors (Services in namespace/name order).
 pub fn build(objects: &ObjectSet, node: &NodeInfo) -> (DesiredState, Vec<ModelError>) {
+    build_cached(objects, node, &mut ModelCache::default())
+}
+
+/// Result of reading one EndpointSlice: its family and backends per (port name, protocol).
+type SliceBackends = Option<(Family, BTreeMap<(String, Protocol), BTreeSet<SocketAddr>>)>;
+
+/// What [`build_cached`] remembers between calls: the backends read from each EndpointSlice,
+/// reused while the slice is the same object (same `Arc`), so one changed slice among
+/// thousands costs one parse of its endpoints.
+#[derive(Default)]
+pub struct ModelCache {
+    slices: std::collections::HashMap<
+        (String, String),
+        (
+            std::sync::Arc<EndpointSlice>,
+            SliceBackends,
+            Vec<ModelError>,
+        ),
+    >,
+}
+
+/// [`build`] with a cache kept by the caller across snapshots; the result is the same.
+pub fn build_cached(
+    objects: &ObjectSet,
+    node: &NodeInfo,
+    cache: &mut ModelCache,
+) -> (DesiredState, Vec<ModelError>) {
     let _ = node; // topology and traffic policies will use it
     let mut errors = Vec::new();
+    cache
+        .slices
+        .retain(|k, _| objects.endpoint_slices.contains_key(k));
 
     // Endpoints of every Service, by (namespace, service name) -> (port name, protocol, family).
     let mut endpoints: BTreeMap<(&str, &str), PortBackends> = BTreeMap::new();
@@ -219,7 +249,29 @@ pub fn build(objects: &ObjectSet, node: &NodeInfo) -> (DesiredState, Vec<ModelEr
         else {
             continue;
         };
-        let Some((family, ports)) = slice_backends(slice, &mut errors) else {
+        let key = (
+            ns.clone(),
+            slice.object.metadata.name.clone().unwrap_or_default(),
+        );
+        let cached = match cache.slices.get(&key) {
+            Some((obj, parsed, errs)) if std::sync::Arc::ptr_eq(obj, &slice.object) => {
+                Some((parsed, errs))
+            }
+            _ => None,
+        };
+        let (parsed, slice_errors) = match cached {
+            Some((parsed, errs)) => (parsed.clone(), errs.clone()),
+            None => {
+                let mut errs = Vec::new();
+                let parsed = slice_backends(slice, &mut errs);
+                cache
+                    .slices
+                    .insert(key, (slice.object.clone(), parsed.clone(), errs.clone()));
+                (parsed, errs)
+            }
+        };
+        errors.extend(slice_errors);
+        let Some((family, ports)) = parsed else {
             continue;
         };
         let per_service = endpoints
@@ -400,10 +452,7 @@ fn service_frontends(
 /// The family and backends (by slice port name and protocol) of one slice; `None` for a
 /// slice that feeds nothing (FQDN) or is invalid (error pushed).
 #[allow(clippy::type_complexity)]
-fn slice_backends(
-    slice: &Sourced<EndpointSlice>,
-    errors: &mut Vec<ModelError>,
-) -> Option<(Family, BTreeMap<(String, Protocol), BTreeSet<SocketAddr>>)> {
+fn slice_backends(slice: &Sourced<EndpointSlice>, errors: &mut Vec<ModelError>) -> SliceBackends {
     let meta = &slice.object.metadata;
     let ns = meta.namespace.clone().unwrap_or_else(|| "default".into());
     let name = meta.name.clone().unwrap_or_default();

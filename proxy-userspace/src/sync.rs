@@ -350,9 +350,10 @@ impl Syncer {
         };
 
         // --- Plan ---------------------------------------------------------------------------
-        let mut used = self.service_ids_in_use();
-        let mut used_bids: BTreeSet<u32> =
-            self.cur.backends.keys().copied().collect::<BTreeSet<_>>();
+        // Ids in use, without an O(N) scan: a bound id has a name and, with backends, slot 0;
+        // backend ids are checked against the map copy (alloc_backend_id).
+        let mut used: BTreeSet<u32> = BTreeSet::new();
+        let mut used_bids: BTreeSet<u32> = BTreeSet::new();
         let mut new_backends: BTreeMap<u32, Backend> = BTreeMap::new();
         let mut local_bids: HashMap<Backend, u32> = HashMap::new();
         let mut old_fe: BTreeSet<FrontendKey> = BTreeSet::new();
@@ -379,7 +380,19 @@ impl Syncer {
             let (id, is_new) = match self.ids.get(key) {
                 Some(id) => (*id, false),
                 None => {
-                    let id = self.alloc_service_id(&used);
+                    let id = loop {
+                        let id = self.next_service_id.max(1);
+                        self.next_service_id = id.wrapping_add(1);
+                        let taken = used.contains(&id)
+                            || self.cur.names.contains_key(&id)
+                            || self.cur.slots.contains_key(&BackendSlotKey {
+                                service_id: id,
+                                slot: 0,
+                            });
+                        if !taken {
+                            break id;
+                        }
+                    };
                     used.insert(id);
                     (id, true)
                 }

@@ -522,10 +522,15 @@ fn daemon_set_probes_use_the_health_server() {
         assert_eq!(port, health_port, "{what}: port");
         h.path.clone().unwrap_or_default()
     };
-    assert_eq!(get(c.liveness_probe.as_ref(), "livenessProbe"), "/livez");
+    assert_eq!(
+        get(c.liveness_probe.as_ref(), "livenessProbe"),
+        "/livez",
+        "livenessProbe path"
+    );
     assert_eq!(
         get(c.readiness_probe.as_ref(), "readinessProbe"),
-        "/healthz"
+        "/healthz",
+        "readinessProbe path"
     );
     if c.startup_probe.is_some() {
         get(c.startup_probe.as_ref(), "startupProbe");

@@ -61,6 +61,17 @@ fn tcp_and_udp_reach_every_backend_and_peer_is_the_vip() {
         assert_eq!(p["peer"], format!("{VIP}:80"), "{p}");
     }
 
+    // A dual-stack IPv6 socket reaching the IPv4 VIP as ::ffff:a.b.c.d is translated too.
+    let mapped = format!("[::ffff:{VIP}]:80");
+    let r = env.tcp(&mapped, 5);
+    assert_eq!(by_name(&r).values().sum::<usize>(), 5);
+    for p in &r {
+        assert_eq!(
+            p["peer"], mapped,
+            "getpeername on the IPv6 socket shows the mapped VIP: {p}"
+        );
+    }
+
     // Connected UDP: one backend per socket; several sockets reach every backend.
     let mut udp_counts = std::collections::BTreeMap::new();
     for _ in 0..40 {
