@@ -566,19 +566,7 @@ fn services(args: ServicesArgs) -> Result<()> {
             w[i] = w[i].max(c.len());
         }
     }
-    println!(
-        "{:<w0$}  {:<w1$}  {:<w2$}  {:>w3$}  {}",
-        header[0],
-        header[1],
-        header[2],
-        header[3],
-        header[4],
-        w0 = w[0],
-        w1 = w[1],
-        w2 = w[2],
-        w3 = w[3]
-    );
-    for r in &table {
+    let line = |r: [&str; 5]| {
         println!(
             "{:<w0$}  {:<w1$}  {:<w2$}  {:>w3$}  {}",
             r[0],
@@ -591,6 +579,10 @@ fn services(args: ServicesArgs) -> Result<()> {
             w2 = w[2],
             w3 = w[3]
         );
+    };
+    line(header);
+    for r in &table {
+        line([&r[0], &r[1], &r[2], &r[3], &r[4]]);
     }
     if let Ok(c) = maps.counters() {
         let parts: Vec<String> = Counter::ALL

@@ -215,15 +215,15 @@ type SliceBackends = Option<(Family, BTreeMap<(String, Protocol), BTreeSet<Socke
 /// thousands costs one parse of its endpoints.
 #[derive(Default)]
 pub struct ModelCache {
-    slices: std::collections::HashMap<
-        (String, String),
-        (
-            std::sync::Arc<EndpointSlice>,
-            SliceBackends,
-            Vec<ModelError>,
-        ),
-    >,
+    slices: std::collections::HashMap<(String, String), CachedSlice>,
 }
+
+/// A slice object, what was read from it, and the errors reading it gave.
+type CachedSlice = (
+    std::sync::Arc<EndpointSlice>,
+    SliceBackends,
+    Vec<ModelError>,
+);
 
 /// [`build`] with a cache kept by the caller across snapshots; the result is the same.
 pub fn build_cached(

@@ -28,7 +28,7 @@ use proxy_common::{Backend, BackendSlotKey, FRONTEND_F_VIP_MARKER, Frontend, Fro
 
 use crate::{
     datapath::{
-        Datapath, DatapathError, Snapshot,
+        Capacity, Datapath, DatapathError, Snapshot,
         addr::{ip_to_bytes, port_to_map},
     },
     model::{DesiredService, DesiredState, Family, Protocol, ServicePortKey},
@@ -158,6 +158,39 @@ pub fn arrange_slots(old: &[u32], wanted: &BTreeSet<u32>) -> Vec<u32> {
         }
     }
     new.into_iter().flatten().collect()
+}
+
+/// Refuses a plan whose peak entry counts (frontends, slots, backends, names) exceed the
+/// maps' limits, or whose largest service exceeds `MAX_BACKENDS_PER_SERVICE`, naming the map,
+/// the limit and the flag that raises it.
+fn check_capacity(
+    cap: Capacity,
+    peaks: [usize; 4],
+    largest_service: usize,
+) -> Result<(), DatapathError> {
+    let checks = [
+        ("FRONTENDS", peaks[0], cap.frontends, "max-frontends"),
+        ("BACKEND_SLOTS", peaks[1], cap.slots, "max-backend-slots"),
+        ("BACKENDS", peaks[2], cap.backends, "max-backends"),
+        ("SERVICE_NAMES", peaks[3], cap.services, "max-frontends"),
+        (
+            "BACKEND_SLOTS (per service)",
+            largest_service,
+            proxy_common::MAX_BACKENDS_PER_SERVICE,
+            "max-backend-slots",
+        ),
+    ];
+    for (map, needed, limit, flag) in checks {
+        if needed > limit as usize {
+            return Err(DatapathError::Full {
+                map,
+                needed,
+                limit,
+                flag,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// One key of an incremental sync: (key, service id, old slots, new slots or `None` when the
@@ -464,7 +497,6 @@ impl Syncer {
             .collect();
 
         // --- Capacity (peak during the ordered steps) ----------------------------------------
-        let cap = dp.capacity();
         let added_fe = new_fe
             .keys()
             .filter(|k| !self.cur.frontends.contains_key(*k))
@@ -483,35 +515,17 @@ impl Syncer {
         let new_ids = plans.iter().filter(|p| p.4).count();
         let removed_ids = plans.iter().filter(|p| p.3.is_none()).count();
         let peak_names = self.cur.names.len() - removed_ids.min(self.cur.names.len()) + new_ids;
-        let checks = [
-            ("FRONTENDS", peak_frontends, cap.frontends, "max-frontends"),
-            ("BACKEND_SLOTS", peak_slots, cap.slots, "max-backend-slots"),
-            ("BACKENDS", peak_backends, cap.backends, "max-backends"),
-            ("SERVICE_NAMES", peak_names, cap.services, "max-frontends"),
-        ];
-        for (map, needed, limit, flag) in checks {
-            if needed > limit as usize {
-                return Err(DatapathError::Full {
-                    map,
-                    needed,
-                    limit,
-                    flag,
-                });
-            }
-        }
-        if let Some(n) = plans
+        let largest = plans
             .iter()
             .filter_map(|p| p.3.as_ref())
             .map(Vec::len)
-            .find(|n| *n > proxy_common::MAX_BACKENDS_PER_SERVICE as usize)
-        {
-            return Err(DatapathError::Full {
-                map: "BACKEND_SLOTS (per service)",
-                needed: n,
-                limit: proxy_common::MAX_BACKENDS_PER_SERVICE,
-                flag: "max-backend-slots",
-            });
-        }
+            .max()
+            .unwrap_or(0);
+        check_capacity(
+            dp.capacity(),
+            [peak_frontends, peak_slots, peak_backends, peak_names],
+            largest,
+        )?;
 
         // --- (A) removals ---------------------------------------------------------------------
         for k in &fe_delete {
@@ -729,33 +743,12 @@ impl Syncer {
             .collect::<BTreeSet<_>>()
             .len();
         let peak_names = want_names.len();
-        let checks = [
-            ("FRONTENDS", peak_frontends, cap.frontends, "max-frontends"),
-            ("BACKEND_SLOTS", peak_slots, cap.slots, "max-backend-slots"),
-            ("BACKENDS", peak_backends, cap.backends, "max-backends"),
-            ("SERVICE_NAMES", peak_names, cap.services, "max-frontends"),
-        ];
-        for (map, needed, limit, flag) in checks {
-            if needed > limit as usize {
-                return Err(DatapathError::Full {
-                    map,
-                    needed,
-                    limit,
-                    flag,
-                });
-            }
-        }
-        if let Some((_, slots)) = want_slots
-            .iter()
-            .find(|(_, s)| s.len() > proxy_common::MAX_BACKENDS_PER_SERVICE as usize)
-        {
-            return Err(DatapathError::Full {
-                map: "BACKEND_SLOTS (per service)",
-                needed: slots.len(),
-                limit: proxy_common::MAX_BACKENDS_PER_SERVICE,
-                flag: "max-backend-slots",
-            });
-        }
+        let largest = want_slots.values().map(Vec::len).max().unwrap_or(0);
+        check_capacity(
+            cap,
+            [peak_frontends, peak_slots, peak_backends, peak_names],
+            largest,
+        )?;
 
         // --- (A) removals of what is no longer wanted ------------------------------------------
         let stale_fe: Vec<FrontendKey> = self

@@ -134,18 +134,7 @@ fn data_path_converges_after_every_api_event() {
     assert_eq!(c.keys().collect::<Vec<_>>(), vec!["b0"], "{c:?}");
 
     // Metrics: kube-proxy's names, and the network programming latency from the annotation.
-    let h = env.log();
-    let line = h
-        .lines()
-        .find(|l| l.contains("metrics server listening"))
-        .expect("metrics line");
-    let addr = line
-        .split("address=")
-        .nth(1)
-        .unwrap()
-        .split_whitespace()
-        .next()
-        .unwrap();
+    let addr = env.logged_addr("metrics");
     let out = std::process::Command::new("curl")
         .args(["-s", &format!("http://{addr}/metrics")])
         .output()

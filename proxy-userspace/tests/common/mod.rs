@@ -211,11 +211,17 @@ impl Env {
 
     /// The health server address the agent logged.
     pub fn health_addr(&self) -> SocketAddr {
+        self.logged_addr("health")
+    }
+
+    /// The address a server of the agent logged (`<what> server listening address=...`).
+    pub fn logged_addr(&self, what: &str) -> SocketAddr {
         let log = self.log();
+        let needle = format!("{what} server listening");
         let line = log
             .lines()
-            .find(|l| l.contains("health server listening"))
-            .expect("health line");
+            .find(|l| l.contains(&needle))
+            .unwrap_or_else(|| panic!("no {needle:?} line"));
         let addr = line
             .split("address=")
             .nth(1)
