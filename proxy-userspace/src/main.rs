@@ -173,6 +173,14 @@ fn init_logs(filter: tracing_subscriber::EnvFilter) {
         .init();
 }
 
+/// Lets `ebpf-proxy services | head` end quietly, as other CLI tools do (Rust ignores
+/// SIGPIPE, which turns a closed pipe into a panic in `println!`). Not for `run`: the agent
+/// must survive a peer closing a socket.
+fn restore_sigpipe() {
+    // SAFETY: resetting a signal disposition to its default before any thread exists.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
@@ -183,8 +191,14 @@ fn main() -> ExitCode {
             }
             Err(e) => Err(e),
         },
-        Command::Services(args) => services(args),
-        Command::Cleanup(args) => cleanup(args),
+        Command::Services(args) => {
+            restore_sigpipe();
+            services(args)
+        }
+        Command::Cleanup(args) => {
+            restore_sigpipe();
+            cleanup(args)
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -276,22 +290,39 @@ fn changes<T: PartialEq>(
     (changed + removed) as u64
 }
 
-async fn start_source(
-    args: &RunArgs,
-    node: &NodeInfo,
-) -> Result<tokio::sync::mpsc::Receiver<proxy_userspace::source::Snapshot>> {
-    if let Some(dir) = &args.manifests {
-        info!(dir = %dir.display(), "source: manifests");
-        return ManifestSource::new(dir).start();
+/// The Kubernetes API configuration (`--kubeconfig`, else `Config::infer`: KUBECONFIG,
+/// ~/.kube/config, in-cluster); `None` with `--manifests`. Resolved before the data path is
+/// touched, so a missing or broken configuration changes nothing.
+async fn kube_config(args: &RunArgs) -> Result<Option<kube::Config>> {
+    if args.manifests.is_some() {
+        return Ok(None);
     }
     let config = match &args.kubeconfig {
         Some(path) => {
-            let kc = kube::config::Kubeconfig::read_from(path).with_context(|| format!("read kubeconfig {}", path.display()))?;
+            let kc = kube::config::Kubeconfig::read_from(path)
+                .map_err(|e| anyhow::anyhow!("--kubeconfig {}: {e}", path.display()))?;
             kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
                 .await
-                .with_context(|| format!("use kubeconfig {}", path.display()))?
+                .map_err(|e| anyhow::anyhow!("--kubeconfig {}: {e}", path.display()))?
         }
-        None => kube::Config::infer().await.context("no Kubernetes API configuration: pass --kubeconfig or --manifests, set KUBECONFIG, or run in a pod")?,
+        None => kube::Config::infer().await.map_err(|e| {
+            anyhow::anyhow!(
+                "no usable Kubernetes API configuration ({e}); pass --kubeconfig or --manifests, set KUBECONFIG, or run in a pod"
+            )
+        })?,
+    };
+    Ok(Some(config))
+}
+
+async fn start_source(
+    args: &RunArgs,
+    node: &NodeInfo,
+    config: Option<kube::Config>,
+) -> Result<tokio::sync::mpsc::Receiver<proxy_userspace::source::Snapshot>> {
+    let (Some(config), None) = (config, &args.manifests) else {
+        let dir = args.manifests.as_ref().context("no source")?;
+        info!(dir = %dir.display(), "source: manifests");
+        return ManifestSource::new(dir).start();
     };
     info!(server = %config.cluster_url, "source: Kubernetes API");
     let client = kube::Client::try_from(config).context("create the Kubernetes client")?;
@@ -342,13 +373,14 @@ fn run(args: RunArgs) -> Result<()> {
         backends: args.max_backends,
         sockets: args.max_sockets,
     };
-    let fresh = !dir.exists();
-    let _lock = loader::lock_pin_dir(&dir)?;
-
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
+    let config = rt.block_on(kube_config(&args))?;
+    let fresh = !dir.exists();
+    let _lock = loader::lock_pin_dir(&dir)?;
+
     rt.block_on(async move {
         // Start-up: on failure, a pin directory this run created is removed again (one that
         // was adopted keeps serving the node).
@@ -366,7 +398,7 @@ fn run(args: RunArgs) -> Result<()> {
             }
             let syncer = Syncer::adopt(&maps).context("read the pinned maps")?;
             info!(services = syncer.bound_services(), "adopted state from pinned maps");
-            let rx = start_source(&args, &node).await?;
+            let rx = start_source(&args, &node, config).await?;
             anyhow::Ok((maps, syncer, rx))
         }
         .await;
@@ -447,6 +479,12 @@ fn run(args: RunArgs) -> Result<()> {
             }
             logged = now;
             metrics.skipped.set(logged.len() as i64);
+            if d.services.is_empty() && syncer.bound_services() > 0 {
+                warn!(
+                    services = syncer.bound_services(),
+                    "the source holds no Services: removing every Service from the data path"
+                );
+            }
             match syncer.sync(&mut maps, &d) {
                 Ok(st) => {
                     let done = SystemTime::now();
