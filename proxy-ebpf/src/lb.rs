@@ -37,7 +37,7 @@ pub fn lookup(addr: &[u8; 16], port: [u8; 2], proto: u8) -> Lookup {
     };
     // SAFETY: the value is copied out at once; a concurrent update replaces the element
     // (RCU) rather than writing into it.
-    if let Some(fe) = unsafe { FRONTENDS.get(&key) } {
+    if let Some(fe) = unsafe { FRONTENDS.get(key) } {
         let fe = *fe;
         if fe.flags & FRONTEND_F_VIP_MARKER == 0 {
             return Lookup::Frontend(fe);
@@ -49,7 +49,7 @@ pub fn lookup(addr: &[u8; 16], port: [u8; 2], proto: u8) -> Lookup {
         proto: 0,
         scope: 0,
     };
-    if FRONTENDS.get_ptr(&marker).is_some() {
+    if FRONTENDS.get_ptr(marker).is_some() {
         return Lookup::UndefinedPort;
     }
     Lookup::NotService
@@ -59,7 +59,7 @@ pub fn lookup(addr: &[u8; 16], port: [u8; 2], proto: u8) -> Lookup {
 #[inline(always)]
 pub fn backend(id: u32) -> Option<Backend> {
     // SAFETY: copied out at once, see `lookup`.
-    unsafe { BACKENDS.get(&id).copied() }
+    unsafe { BACKENDS.get(id).copied() }
 }
 
 /// Picks one backend of `fe` uniformly at random. `None` when the frontend has no
@@ -78,7 +78,7 @@ pub fn pick(fe: &Frontend) -> Option<(u32, Backend)> {
         slot,
     };
     // SAFETY: copied out at once.
-    let id = unsafe { BACKEND_SLOTS.get(&key).copied() }?;
+    let id = unsafe { BACKEND_SLOTS.get(key).copied() }?;
     let b = backend(id)?;
     Some((id, b))
 }
@@ -102,10 +102,10 @@ pub fn choose(fe: &Frontend, addr: &[u8; 16], port: [u8; 2], proto: u8) -> Choic
         return Choice::Backend(id, b);
     }
     count(Counter::SlotMiss);
-    if let Lookup::Frontend(fe2) = lookup(addr, port, proto) {
-        if let Some((id, b)) = pick(&fe2) {
-            return Choice::Backend(id, b);
-        }
+    if let Lookup::Frontend(fe2) = lookup(addr, port, proto)
+        && let Some((id, b)) = pick(&fe2)
+    {
+        return Choice::Backend(id, b);
     }
     Choice::NoEndpoints
 }

@@ -144,7 +144,7 @@ fn remember(cookie: u64, b: &Backend, addr: &[u8; 16], port: [u8; 2]) {
         port,
         _pad: [0; 2],
     };
-    if REVNAT_SK.insert(&key, &val, 0).is_err() {
+    if REVNAT_SK.insert(key, val, 0).is_err() {
         count(Counter::MapUpdateFailed);
     }
 }
@@ -205,17 +205,14 @@ fn on_sendmsg<const V6: bool>(ctx: &SockAddrContext) -> i32 {
     // Keep the flow's backend while the flow is active and the backend still exists.
     let mut chosen: Option<(u32, Backend)> = None;
     // SAFETY: copied out at once.
-    if let Some(f) = unsafe { UDP_FLOWS.get(&fkey).copied() } {
-        if f.service_id == fe.service_id
-            && fe.backend_count != 0
-            && now.wrapping_sub(f.last_seen_ns) < flow_timeout_ns()
-        {
-            if let Some(b) = backend(f.backend_id) {
-                if b.addr == f.addr {
-                    chosen = Some((f.backend_id, b));
-                }
-            }
-        }
+    if let Some(f) = unsafe { UDP_FLOWS.get(fkey).copied() }
+        && f.service_id == fe.service_id
+        && fe.backend_count != 0
+        && now.wrapping_sub(f.last_seen_ns) < flow_timeout_ns()
+        && let Some(b) = backend(f.backend_id)
+        && b.addr == f.addr
+    {
+        chosen = Some((f.backend_id, b));
     }
     let (id, b) = match chosen {
         Some(c) => c,
@@ -233,7 +230,7 @@ fn on_sendmsg<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         last_seen_ns: now,
         addr: b.addr,
     };
-    if UDP_FLOWS.insert(&fkey, &flow, 0).is_err() {
+    if UDP_FLOWS.insert(fkey, flow, 0).is_err() {
         count(Counter::MapUpdateFailed);
     }
     remember(cookie, &b, &addr, port);
@@ -254,7 +251,7 @@ fn on_reverse<const V6: bool, const RECV: bool>(ctx: &SockAddrContext) -> i32 {
         _pad: [0; 6],
     };
     // SAFETY: copied out at once.
-    let Some(v) = (unsafe { REVNAT_SK.get(&key).copied() }) else {
+    let Some(v) = (unsafe { REVNAT_SK.get(key).copied() }) else {
         return ALLOW;
     };
     if write_addr::<V6>(sa, &v.addr, v.port) {
@@ -268,7 +265,7 @@ fn on_reverse<const V6: bool, const RECV: bool>(ctx: &SockAddrContext) -> i32 {
             port: v.port,
             _pad: [0; 6],
         };
-        if let Some(f) = UDP_FLOWS.get_ptr_mut(&fkey) {
+        if let Some(f) = UDP_FLOWS.get_ptr_mut(fkey) {
             // SAFETY: in-place timestamp refresh; a torn read elsewhere only shifts expiry.
             unsafe { (*f).last_seen_ns = bpf_ktime_get_ns() };
         }

@@ -784,10 +784,7 @@ mod tests {
     /// Needs root (skipped otherwise); creates namespaces `epunit-*`.
     #[test]
     fn lab_pods_reach_each_other() {
-        if !is_root() {
-            eprintln!("skipped: needs root");
-            return;
-        }
+        assert!(is_root(), "needs root: run `cargo xtask test` as root");
         let mut lab = Lab::new("epunit", true).unwrap();
         let a = lab
             .add_pod(
@@ -823,10 +820,7 @@ mod tests {
     /// Needs root (skipped otherwise); creates the cgroup `ebpf-proxy-unit`.
     #[test]
     fn cgroup_spawn_and_cleanup() {
-        if !is_root() {
-            eprintln!("skipped: needs root");
-            return;
-        }
+        assert!(is_root(), "needs root: run `cargo xtask test` as root");
         let cg = TestCgroup::create("ebpf-proxy-unit").unwrap();
         let mut child =
             ChildGuard::spawn_in(None, Some(cg.path()), Command::new("sleep").arg("5")).unwrap();
