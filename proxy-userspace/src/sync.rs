@@ -193,6 +193,19 @@ fn check_capacity(
     Ok(())
 }
 
+/// The next id from `next`: ids are handed out in increasing order (wrapping, never 0), so a
+/// freed id is not reused soon and ids allocated in one sync never collide with each other;
+/// `taken` rejects ids the maps still use.
+fn alloc_id(next: &mut u32, taken: impl Fn(u32) -> bool) -> u32 {
+    loop {
+        let id = (*next).max(1);
+        *next = id.wrapping_add(1);
+        if !taken(id) {
+            return id;
+        }
+    }
+}
+
 /// One key of an incremental sync: (key, service id, old slots, new slots or `None` when the
 /// key is removed, whether the id is new).
 type Plan = (ServicePortKey, u32, Vec<u32>, Option<Vec<u32>>, bool);
@@ -275,27 +288,18 @@ impl Syncer {
         used
     }
 
-    fn alloc_service_id(&mut self, used: &BTreeSet<u32>) -> u32 {
-        // Monotonic (wrapping, never 0), so a freed id is not handed out again soon.
-        loop {
-            let id = self.next_service_id.max(1);
-            self.next_service_id = id.wrapping_add(1);
-            if !used.contains(&id) {
-                return id;
-            }
+    /// The backend id of `b`: the one it has, one allocated earlier in this sync (`local`),
+    /// or a new one (monotonic as service ids: a UDP flow remembers its backend id, so a
+    /// quickly reused id could send a flow elsewhere; the data path also checks the address).
+    /// The flag says whether the id is new.
+    fn backend_id(&mut self, b: &Backend, local: &mut HashMap<Backend, u32>) -> (u32, bool) {
+        if let Some(id) = self.backend_ids.get(b).or(local.get(b)) {
+            return (*id, false);
         }
-    }
-
-    fn alloc_backend_id(&mut self, used: &BTreeSet<u32>) -> u32 {
-        // Monotonic as well: a UDP flow remembers its backend id, so a reused id could send a
-        // flow to another endpoint; the data path also checks the address.
-        loop {
-            let id = self.next_backend_id.max(1);
-            self.next_backend_id = id.wrapping_add(1);
-            if !used.contains(&id) && !self.cur.backends.contains_key(&id) {
-                return id;
-            }
-        }
+        let backends = &self.cur.backends;
+        let id = alloc_id(&mut self.next_backend_id, |id| backends.contains_key(&id));
+        local.insert(*b, id);
+        (id, true)
     }
 
     fn cur_slots(&self, id: u32) -> Vec<u32> {
@@ -383,10 +387,6 @@ impl Syncer {
         };
 
         // --- Plan ---------------------------------------------------------------------------
-        // Ids in use, without an O(N) scan: a bound id has a name and, with backends, slot 0;
-        // backend ids are checked against the map copy (alloc_backend_id).
-        let mut used: BTreeSet<u32> = BTreeSet::new();
-        let mut used_bids: BTreeSet<u32> = BTreeSet::new();
         let mut new_backends: BTreeMap<u32, Backend> = BTreeMap::new();
         let mut local_bids: HashMap<Backend, u32> = HashMap::new();
         let mut old_fe: BTreeSet<FrontendKey> = BTreeSet::new();
@@ -413,36 +413,26 @@ impl Syncer {
             let (id, is_new) = match self.ids.get(key) {
                 Some(id) => (*id, false),
                 None => {
-                    let id = loop {
-                        let id = self.next_service_id.max(1);
-                        self.next_service_id = id.wrapping_add(1);
-                        let taken = used.contains(&id)
-                            || self.cur.names.contains_key(&id)
-                            || self.cur.slots.contains_key(&BackendSlotKey {
+                    // Without an O(N) scan: a bound id has a name and, with backends, slot 0.
+                    let (names, slots) = (&self.cur.names, &self.cur.slots);
+                    let taken = |id| {
+                        names.contains_key(&id)
+                            || slots.contains_key(&BackendSlotKey {
                                 service_id: id,
                                 slot: 0,
-                            });
-                        if !taken {
-                            break id;
-                        }
+                            })
                     };
-                    used.insert(id);
+                    let id = alloc_id(&mut self.next_service_id, taken);
                     (id, true)
                 }
             };
             let mut set = BTreeSet::new();
             for addr in &svc.backends {
                 let b = backend_value(addr, key.protocol);
-                let bid = match self.backend_ids.get(&b).or(local_bids.get(&b)) {
-                    Some(bid) => *bid,
-                    None => {
-                        let bid = self.alloc_backend_id(&used_bids);
-                        used_bids.insert(bid);
-                        local_bids.insert(b, bid);
-                        new_backends.insert(bid, b);
-                        bid
-                    }
-                };
+                let (bid, new) = self.backend_id(&b, &mut local_bids);
+                if new {
+                    new_backends.insert(bid, b);
+                }
                 set.insert(bid);
             }
             let old = self.cur_slots(id);
@@ -668,44 +658,34 @@ impl Syncer {
 
         // --- Plan -------------------------------------------------------------------------
         // Bind ids (new bindings are only kept once written, see below).
-        let mut used = self.service_ids_in_use();
+        let used = self.service_ids_in_use();
         let mut bind: BTreeMap<ServicePortKey, u32> = BTreeMap::new();
         for key in desired.services.keys() {
             let id = match self.ids.get(key) {
                 Some(id) => *id,
-                None => {
-                    let id = self.alloc_service_id(&used);
-                    used.insert(id);
-                    id
-                }
+                None => alloc_id(&mut self.next_service_id, |id| used.contains(&id)),
             };
             bind.insert(key.clone(), id);
         }
         // Backend ids.
         let mut want_backends: BTreeMap<u32, Backend> = BTreeMap::new();
-        let mut used_bids: BTreeSet<u32> = self.cur.backends.keys().copied().collect();
         let mut local_bids: HashMap<Backend, u32> = HashMap::new();
         let mut want_slots: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
         let mut want_frontends: BTreeMap<FrontendKey, Frontend> = BTreeMap::new();
         let mut want_names: BTreeMap<u32, String> = BTreeMap::new();
+        let mut old_lens: HashMap<u32, usize> = HashMap::new();
         for (key, svc) in &desired.services {
             let id = bind[key];
             let mut set = BTreeSet::new();
             for addr in &svc.backends {
                 let b = backend_value(addr, key.protocol);
-                let bid = match self.backend_ids.get(&b).or(local_bids.get(&b)) {
-                    Some(bid) => *bid,
-                    None => {
-                        let bid = self.alloc_backend_id(&used_bids);
-                        used_bids.insert(bid);
-                        local_bids.insert(b, bid);
-                        bid
-                    }
-                };
+                let (bid, _) = self.backend_id(&b, &mut local_bids);
                 want_backends.insert(bid, b);
                 set.insert(bid);
             }
-            let slots = arrange_slots(&self.cur_slots(id), &set);
+            let old = self.cur_slots(id);
+            old_lens.insert(id, old.len());
+            let slots = arrange_slots(&old, &set);
             for fe in &svc.frontends {
                 want_frontends.insert(
                     frontend_key(fe, key.protocol),
@@ -733,7 +713,7 @@ impl Syncer {
         let peak_frontends = want_frontends.len();
         let peak_slots: usize = want_slots
             .iter()
-            .map(|(id, s)| s.len().max(self.cur_slots(*id).len()))
+            .map(|(id, s)| s.len().max(old_lens[id]))
             .sum();
         let peak_backends = self
             .cur

@@ -272,21 +272,13 @@ impl Drop for PinGuard {
     }
 }
 
-/// Removes a directory tree on drop.
-struct DirGuard(PathBuf);
-impl Drop for DirGuard {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.0);
-    }
-}
-
 /// Everything the bench creates. Fields drop in order: processes, pins, scratch files,
 /// cgroup, lab.
 struct Env {
     agent: Option<ChildGuard>,
     servers: Vec<ChildGuard>,
     pins: PinGuard,
-    scratch: DirGuard,
+    scratch: tempfile::TempDir,
     cg: TestCgroup,
     clients: BTreeMap<Case, Pod>,
     lab: Lab,
@@ -372,11 +364,11 @@ fn bench(mut o: Opts) -> Result<()> {
             for &case in &cases {
                 check_stop()?;
                 results.note_load();
-                if let Some(&t) = results.timed_out.get(case.key()) {
-                    if n >= t {
-                        eprintln!("  {case:?}: skipped (timed out at N={t})");
-                        continue;
-                    }
+                if let Some(&t) = results.timed_out.get(case.key())
+                    && n >= t
+                {
+                    eprintln!("  {case:?}: skipped (timed out at N={t})");
+                    continue;
                 }
                 let r = match case {
                     Case::Ebpf => {
@@ -426,11 +418,12 @@ fn setup(o: &Opts, me: PathBuf, agent_bin: PathBuf) -> Result<Env> {
     let pin = loader::pin_dir(Path::new(testbed::BPFFS_PATH), PIN_DIR);
     // A leftover of a crashed run.
     let _ = loader::cleanup(&pin);
-    let scratch = o.out.join("scratch");
-    let _ = fs::remove_dir_all(&scratch);
-    fs::create_dir_all(&scratch)?;
-    let scratch = DirGuard(fs::canonicalize(&scratch)?);
-    let manifests = scratch.0.join("manifests");
+    // Removed on drop; a leftover of a crashed run only takes disk under --out.
+    fs::create_dir_all(&o.out)?;
+    let scratch = tempfile::Builder::new()
+        .prefix("scratch-")
+        .tempdir_in(fs::canonicalize(&o.out)?)?;
+    let manifests = scratch.path().join("manifests");
     fs::create_dir_all(&manifests)?;
     let cg = TestCgroup::create(CGROUP)?;
     let mut lab = Lab::new(LAB, false)?;
@@ -459,7 +452,7 @@ fn setup(o: &Opts, me: PathBuf, agent_bin: PathBuf) -> Result<Env> {
         agent_log: PathBuf::new(),
         manifests,
     };
-    env.agent_log = env.scratch.0.join("agent.log");
+    env.agent_log = env.scratch.path().join("agent.log");
     for j in 0..rules::ENDPOINTS {
         let pod = env
             .lab
@@ -959,7 +952,7 @@ fn apply_in(
 }
 
 fn reset_rules(env: &Env, o: &Opts, case: Case) -> Result<()> {
-    let scratch = env.scratch.0.join("reset.txt");
+    let scratch = env.scratch.path().join("reset.txt");
     match case {
         Case::Iptables => {
             fs::write(&scratch, rules::IPTABLES_EMPTY)?;
@@ -1021,7 +1014,7 @@ fn run_rules_inner(
 ) -> Result<()> {
     let n = svcs.len();
     reset_rules(env, o, case)?;
-    let file = env.scratch.0.join("rules.txt");
+    let file = env.scratch.path().join("rules.txt");
     let (text, program, args): (String, &str, &[&str]) = match case {
         Case::Iptables => (
             rules::iptables_full(svcs),

@@ -488,14 +488,6 @@ mod demo {
         Ok(())
     }
 
-    /// A temporary directory removed on drop.
-    struct TempDir(PathBuf);
-    impl Drop for TempDir {
-        fn drop(&mut self) {
-            let _ = fs::remove_dir_all(&self.0);
-        }
-    }
-
     /// The running agent: stopped, then `ebpf-proxy cleanup` on drop (also on failure).
     struct Agent {
         child: Option<ChildGuard>,
@@ -587,10 +579,11 @@ mod demo {
         if testbed::ensure_bpffs()? {
             println!("mounted bpffs on {}", testbed::BPFFS_PATH);
         }
-        let tmp =
-            TempDir(std::env::temp_dir().join(format!("ebpf-proxy-demo-{}", std::process::id())));
-        let _ = fs::remove_dir_all(&tmp.0);
-        let mdir = tmp.0.join("manifests");
+        // Removed on drop (also on failure and Ctrl-C, as the guards below unwind).
+        let tmp = tempfile::Builder::new()
+            .prefix("ebpf-proxy-demo-")
+            .tempdir()?;
+        let mdir = tmp.path().join("manifests");
         fs::create_dir_all(&mdir)?;
         for e in fs::read_dir(&manifests)?.flatten() {
             let p = e.path();
@@ -652,7 +645,7 @@ mod demo {
 
         step("starting the agent")?;
         let port = free_port()?;
-        let log = tmp.0.join("agent.log");
+        let log = tmp.path().join("agent.log");
         let mut cmd = Command::new(&agent_bin);
         cmd.arg("run")
             .arg("--manifests")
@@ -723,7 +716,7 @@ mod demo {
             step("removing backend-c (198.18.0.13) from the EndpointSlice of demo/web")?;
             let c_ip = BACKENDS[2].1.to_string();
             let listed_before = services_mentions(&agent.bin, &c_ip)?;
-            remove_endpoint(&demo_yaml, &tmp.0, &c_ip)?;
+            remove_endpoint(&demo_yaml, tmp.path(), &c_ip)?;
             wait_removed(&agent.bin, &c_ip, listed_before)?;
 
             step(&format!("{REQUESTS} HTTP requests again"))?;

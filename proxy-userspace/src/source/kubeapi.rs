@@ -127,43 +127,39 @@ async fn drive<K>(
     }
 }
 
+/// (namespace, name) and the shared object of every entry of a store.
+fn keyed<K: Resource + Clone>(
+    store: &Store<K>,
+) -> impl Iterator<Item = ((String, String), Sourced<K>)>
+where
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    store.state().into_iter().map(|o| {
+        let m = o.meta();
+        let key = (
+            m.namespace.clone().unwrap_or_default(),
+            m.name.clone().unwrap_or_default(),
+        );
+        (
+            key,
+            Sourced {
+                origin: API_ORIGIN.into(),
+                object: o,
+            },
+        )
+    })
+}
+
 fn objects(
     services: &Store<Service>,
     slices: &Store<EndpointSlice>,
     node: &Store<Node>,
 ) -> ObjectSet {
-    let mut set = ObjectSet::default();
-    for s in services.state() {
-        let key = (
-            s.metadata.namespace.clone().unwrap_or_default(),
-            s.metadata.name.clone().unwrap_or_default(),
-        );
-        set.services.insert(
-            key,
-            Sourced {
-                origin: API_ORIGIN.into(),
-                object: s,
-            },
-        );
+    ObjectSet {
+        services: keyed(services).collect(),
+        endpoint_slices: keyed(slices).collect(),
+        node: keyed(node).next().map(|(_, n)| n),
     }
-    for s in slices.state() {
-        let key = (
-            s.metadata.namespace.clone().unwrap_or_default(),
-            s.metadata.name.clone().unwrap_or_default(),
-        );
-        set.endpoint_slices.insert(
-            key,
-            Sourced {
-                origin: API_ORIGIN.into(),
-                object: s,
-            },
-        );
-    }
-    set.node = node.state().into_iter().next().map(|n| Sourced {
-        origin: API_ORIGIN.into(),
-        object: n,
-    });
-    set
 }
 
 /// The coalescing loop, separate from the watchers so it can be tested with paused time.
