@@ -73,8 +73,9 @@ struct RunArgs {
     /// *.json), watched for changes, instead of the Kubernetes API.
     #[arg(long, conflicts_with = "kubeconfig")]
     manifests: Option<PathBuf>,
-    /// Kubeconfig for the Kubernetes API [default: $KUBECONFIG, else the in-cluster
-    /// service account, as kube-rs `Config::infer`].
+    /// Kubeconfig for the Kubernetes API [default: $KUBECONFIG or ~/.kube/config, else the
+    /// in-cluster service account, as kube-rs `Config::infer`]. Read before anything is
+    /// attached: a missing or broken configuration stops start-up.
     #[arg(long)]
     kubeconfig: Option<PathBuf>,
     /// Minimum time between two syncs from the API source; an isolated change after a
@@ -101,7 +102,8 @@ struct RunArgs {
     /// Address of the health server (`/healthz`, `/livez`); port 0 picks a free port.
     #[arg(long, default_value = "0.0.0.0:10256")]
     healthz_bind_address: SocketAddr,
-    /// Log level (error, warn, info, debug, trace) or a tracing filter directive.
+    /// Log level of the agent (error, warn, info, debug, trace; other crates log warnings
+    /// only), or a tracing filter directive with `=` or `,` (e.g. `info,kube=debug`).
     #[arg(long, default_value = "info")]
     log_level: String,
     /// Size of the frontend map (VIP x port x protocol, plus one entry per VIP) when created.
