@@ -46,18 +46,27 @@ pub const CONFIG: &str = "CONFIG";
 /// (BPF_MAP_TYPE_PERCPU_ARRAY, [`COUNTER_MAX`] entries).
 pub const COUNTERS: &str = "COUNTERS";
 
+/// Name of the stale-socket map: socket cookie `u64` -> service id `u32`
+/// (BPF_MAP_TYPE_LRU_HASH). The agent adds a connected UDP socket here when the endpoint it
+/// was translated to leaves its service; the egress program then fails the socket's sends
+/// (EPERM) until the application connects it again, which picks a live endpoint and
+/// removes the entry. kube-proxy deletes the socket's UDP conntrack entries for the same
+/// reason (KEP-1669, "stale UDP flows").
+pub const STALE_SOCKETS: &str = "STALE_SOCKETS";
+
 /// Name of the service name map: service id `u32` -> [`ServiceName`] (BPF_MAP_TYPE_HASH).
 /// Not read by the data path: it lets `ebpf-proxy services` name what it prints while the
 /// agent is down, and lets a restarted agent re-bind service ids to Services exactly.
 pub const SERVICE_NAMES: &str = "SERVICE_NAMES";
 
 /// Every map the agent pins, in the order the data path depends on them.
-pub const ALL_MAPS: [&str; 8] = [
+pub const ALL_MAPS: [&str; 9] = [
     FRONTENDS,
     BACKEND_SLOTS,
     BACKENDS,
     REVNAT_SK,
     UDP_FLOWS,
+    STALE_SOCKETS,
     CONFIG,
     COUNTERS,
     SERVICE_NAMES,
@@ -70,10 +79,11 @@ pub const DEFAULT_MAX_FRONTENDS: u32 = 65536;
 pub const DEFAULT_MAX_SLOTS: u32 = 262144;
 /// Default `max_entries` of [`BACKENDS`] (distinct endpoint address x port x protocol).
 pub const DEFAULT_MAX_BACKENDS: u32 = 131072;
-/// Default `max_entries` of [`REVNAT_SK`] and [`UDP_FLOWS`] (LRU, per socket or flow).
+/// Default `max_entries` of [`REVNAT_SK`], [`UDP_FLOWS`] and [`STALE_SOCKETS`] (LRU, per
+/// socket or flow).
 pub const DEFAULT_MAX_SOCKETS: u32 = 262144;
 /// Number of entries in [`COUNTERS`].
-pub const COUNTER_MAX: u32 = 8;
+pub const COUNTER_MAX: u32 = 16;
 
 /// Highest number of backends one service id may have; bounds the agent's writes and
 /// documents the slot range `0..MAX_BACKENDS_PER_SERVICE`.
@@ -83,6 +93,14 @@ pub const MAX_BACKENDS_PER_SERVICE: u32 = 65535;
 /// every VIP so that a port that is not defined on the VIP is refused (ECONNREFUSED) instead
 /// of leaking to the network, as kube-proxy's nftables mode rejects it.
 pub const FRONTEND_F_VIP_MARKER: u32 = 1 << 0;
+
+/// [`Frontend::flags`] bit: the backend set holds only this node's endpoints because of a
+/// `Local` traffic policy (KEP-2086 `internalTrafficPolicy`). With no endpoint, kube-proxy
+/// drops such traffic rather than rejecting it; a socket-level hook cannot drop a
+/// connect(), so it fails at once with EHOSTUNREACH (counted as
+/// [`Counter::DroppedNoLocalEndpoints`]) instead of the ECONNREFUSED of a Service without
+/// any endpoint.
+pub const FRONTEND_F_LOCAL_ONLY: u32 = 1 << 1;
 
 /// Frontend key: (VIP, port, protocol). 20 bytes.
 ///
@@ -157,7 +175,7 @@ pub struct RevNatKey {
     pub _pad: [u8; 6],
 }
 
-/// Socket reverse-NAT value: the frontend the socket addressed. 20 bytes.
+/// Socket reverse-NAT value: the frontend the socket addressed. 24 bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct RevNatValue {
@@ -165,9 +183,18 @@ pub struct RevNatValue {
     pub addr: [u8; 16],
     /// Frontend port, network byte order.
     pub port: [u8; 2],
-    /// Reserved; always 0.
-    pub _pad: [u8; 2],
+    /// IANA protocol of the socket ([`PROTO_TCP`], [`PROTO_UDP`]).
+    pub proto: u8,
+    /// `REVNAT_F_*` bits: how the socket was translated.
+    pub flags: u8,
+    /// [`Frontend::service_id`] the backend was chosen from; the agent uses it to find the
+    /// sockets of an endpoint that left its service.
+    pub service_id: u32,
 }
+
+/// [`RevNatValue::flags`] bit: translated by `connect()` (a TCP connection or a connected UDP
+/// socket), as opposed to a `sendmsg()` of an unconnected UDP socket.
+pub const REVNAT_F_CONNECTED: u8 = 1 << 0;
 
 /// Unconnected-UDP flow key: (socket cookie, frontend). 32 bytes.
 #[repr(C)]
@@ -255,17 +282,23 @@ pub enum Counter {
     MapUpdateFailed = 4,
     /// getpeername()/recvmsg() rewritten back to the VIP.
     ReverseTranslated = 5,
+    /// Failed with EHOSTUNREACH: a `Local` traffic policy and no endpoint on this node.
+    DroppedNoLocalEndpoints = 6,
+    /// A send of a connected UDP socket failed: its endpoint left the service.
+    DroppedStaleSocket = 7,
 }
 
 impl Counter {
     /// Every counter, in index order, with its Prometheus-style name.
-    pub const ALL: [(Counter, &'static str); 6] = [
+    pub const ALL: [(Counter, &'static str); 8] = [
         (Counter::Translated, "translated"),
         (Counter::RefusedNoEndpoints, "refused_no_endpoints"),
         (Counter::RefusedUndefinedPort, "refused_undefined_port"),
         (Counter::SlotMiss, "slot_miss"),
         (Counter::MapUpdateFailed, "map_update_failed"),
         (Counter::ReverseTranslated, "reverse_translated"),
+        (Counter::DroppedNoLocalEndpoints, "dropped_no_local_endpoints"),
+        (Counter::DroppedStaleSocket, "dropped_stale_socket"),
     ];
 }
 
@@ -352,7 +385,7 @@ const _: () = {
     assert!(core::mem::size_of::<BackendSlotKey>() == 8);
     assert!(core::mem::size_of::<Backend>() == 20);
     assert!(core::mem::size_of::<RevNatKey>() == 32);
-    assert!(core::mem::size_of::<RevNatValue>() == 20);
+    assert!(core::mem::size_of::<RevNatValue>() == 24);
     assert!(core::mem::size_of::<UdpFlowKey>() == 32);
     assert!(core::mem::size_of::<UdpFlow>() == 32);
     assert!(core::mem::size_of::<Config>() == 16);

@@ -1,5 +1,5 @@
 //! ebpf-proxy kernel programs. Entry points live per hook (`sock.rs` for the cgroup
-//! socket hooks); shared logic in `lb.rs` (frontend lookup, backend selection) and the map
+//! socket hooks, `skb.rs` for the cgroup egress hook); shared logic in `lb.rs` (frontend lookup, backend selection) and the map
 //! definitions in `maps.rs`. Layouts come from `proxy-common` only.
 
 #![no_std]
@@ -7,6 +7,7 @@
 
 mod lb;
 mod maps;
+mod skb;
 mod sock;
 
 #[cfg(not(test))]

@@ -36,6 +36,12 @@ pub static REVNAT_SK: LruHashMap<RevNatKey, RevNatValue, { DEFAULT_MAX_SOCKETS a
 pub static UDP_FLOWS: LruHashMap<UdpFlowKey, UdpFlow, { DEFAULT_MAX_SOCKETS as usize }> =
     LruHashMap::new();
 
+/// socket cookie -> service id of connected UDP sockets whose endpoint left the service;
+/// see `proxy_common::STALE_SOCKETS`.
+#[btf_map]
+pub static STALE_SOCKETS: LruHashMap<u64, u32, { DEFAULT_MAX_SOCKETS as usize }> =
+    LruHashMap::new();
+
 /// Data path configuration (index 0).
 #[btf_map]
 pub static CONFIG: Array<Config, 1> = Array::new();

@@ -8,7 +8,9 @@
 //!   VIP again; peers the socket addressed directly are never touched.
 //!
 //! Refusals (no endpoints, undefined port on a VIP) fail the syscall with ECONNREFUSED via
-//! `bpf_set_retval` (kernel >= 5.18), as kube-proxy's nftables mode rejects them.
+//! `bpf_set_retval` (kernel >= 5.18), as kube-proxy's nftables mode rejects them. A frontend
+//! whose `Local` traffic policy leaves it without endpoints on this node (kube-proxy drops
+//! those packets) fails with EHOSTUNREACH: a connect() cannot be dropped silently here.
 
 use aya_ebpf::{
     EbpfContext,
@@ -18,16 +20,18 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use proxy_common::{
-    Backend, Counter, DEFAULT_UDP_FLOW_TIMEOUT_NS, PROTO_TCP, PROTO_UDP, RevNatKey, RevNatValue,
-    UdpFlow, UdpFlowKey, bytes_of, is_v4_mapped, v4_mapped, v4_of_mapped, words_of,
+    Backend, Counter, DEFAULT_UDP_FLOW_TIMEOUT_NS, FRONTEND_F_LOCAL_ONLY, Frontend, PROTO_TCP,
+    PROTO_UDP, REVNAT_F_CONNECTED, RevNatKey, RevNatValue, UdpFlow, UdpFlowKey, bytes_of,
+    is_v4_mapped, v4_mapped, v4_of_mapped, words_of,
 };
 
 use crate::{
     lb::{Choice, Lookup, backend, choose, count, lookup},
-    maps::{CONFIG, REVNAT_SK, UDP_FLOWS},
+    maps::{CONFIG, REVNAT_SK, STALE_SOCKETS, UDP_FLOWS},
 };
 
 const ECONNREFUSED: i32 = 111;
+const EHOSTUNREACH: i32 = 113;
 /// Verdict "let the syscall go on" of a sock_addr program.
 const ALLOW: i32 = 1;
 /// Verdict "fail the syscall" (with the errno set by `bpf_set_retval`).
@@ -124,15 +128,37 @@ fn refuse(reason: Counter) -> i32 {
     DENY
 }
 
+/// No endpoint to choose: ECONNREFUSED for a Service without endpoints, EHOSTUNREACH for a
+/// Local policy without endpoints on this node.
+#[inline(always)]
+fn no_endpoints(fe: &Frontend) -> i32 {
+    if fe.flags & FRONTEND_F_LOCAL_ONLY != 0 {
+        count(Counter::DroppedNoLocalEndpoints);
+        // SAFETY: as in `refuse`.
+        unsafe { bpf_set_retval(-EHOSTUNREACH) };
+        return DENY;
+    }
+    refuse(Counter::RefusedNoEndpoints)
+}
+
 #[inline(always)]
 fn cookie(ctx: &SockAddrContext) -> u64 {
     // SAFETY: helper on our own context.
     unsafe { bpf_get_socket_cookie(ctx.as_ptr()) }
 }
 
-/// Remembers that this socket reached `b` through the frontend (addr, port).
+/// Remembers that this socket reached `b` through the frontend (addr, port) of service
+/// `service_id`.
 #[inline(always)]
-fn remember(cookie: u64, b: &Backend, addr: &[u8; 16], port: [u8; 2]) {
+fn remember(
+    cookie: u64,
+    b: &Backend,
+    addr: &[u8; 16],
+    port: [u8; 2],
+    proto: u8,
+    flags: u8,
+    service_id: u32,
+) {
     let key = RevNatKey {
         cookie,
         addr: b.addr,
@@ -142,7 +168,9 @@ fn remember(cookie: u64, b: &Backend, addr: &[u8; 16], port: [u8; 2]) {
     let val = RevNatValue {
         addr: *addr,
         port,
-        _pad: [0; 2],
+        proto,
+        flags,
+        service_id,
     };
     if REVNAT_SK.insert(key, val, 0).is_err() {
         count(Counter::MapUpdateFailed);
@@ -164,13 +192,26 @@ fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         Lookup::Frontend(fe) => fe,
     };
     let (_, b) = match choose(&fe, &addr, port, proto) {
-        Choice::NoEndpoints => return refuse(Counter::RefusedNoEndpoints),
+        Choice::NoEndpoints => return no_endpoints(&fe),
         Choice::Backend(id, b) => (id, b),
     };
     if !write_addr::<V6>(sa, &b.addr, b.port) {
         return refuse(Counter::RefusedNoEndpoints);
     }
-    remember(cookie(ctx), &b, &addr, port);
+    let cookie = cookie(ctx);
+    if proto == PROTO_UDP {
+        // Connecting again is how an application recovers a socket whose endpoint left.
+        let _ = STALE_SOCKETS.remove(cookie);
+    }
+    remember(
+        cookie,
+        &b,
+        &addr,
+        port,
+        proto,
+        REVNAT_F_CONNECTED,
+        fe.service_id,
+    );
     count(Counter::Translated);
     ALLOW
 }
@@ -217,7 +258,7 @@ fn on_sendmsg<const V6: bool>(ctx: &SockAddrContext) -> i32 {
     let (id, b) = match chosen {
         Some(c) => c,
         None => match choose(&fe, &addr, port, PROTO_UDP) {
-            Choice::NoEndpoints => return refuse(Counter::RefusedNoEndpoints),
+            Choice::NoEndpoints => return no_endpoints(&fe),
             Choice::Backend(id, b) => (id, b),
         },
     };
@@ -233,7 +274,7 @@ fn on_sendmsg<const V6: bool>(ctx: &SockAddrContext) -> i32 {
     if UDP_FLOWS.insert(fkey, flow, 0).is_err() {
         count(Counter::MapUpdateFailed);
     }
-    remember(cookie, &b, &addr, port);
+    remember(cookie, &b, &addr, port, PROTO_UDP, 0, fe.service_id);
     count(Counter::Translated);
     ALLOW
 }

@@ -331,6 +331,24 @@ async fn start_source(
     KubeSource::new(client, node.name.clone(), args.min_sync_period).start()
 }
 
+/// Releases UDP flows and connected UDP sockets translated to endpoints that left their
+/// service in the last sync (see `PinnedMaps::release_stale`); failures are logged, the
+/// next removal retries nothing (LRU entries of closed sockets age out on their own).
+fn release_stale(maps: &PinnedMaps, released: &[(u32, u32, proxy_common::Backend)]) {
+    if released.is_empty() {
+        return;
+    }
+    match maps.release_stale(released) {
+        Ok(r) => info!(
+            endpoints = released.len(),
+            udp_flows = r.flows,
+            connected_udp_sockets = r.sockets,
+            "released UDP flows and sockets of removed endpoints"
+        ),
+        Err(e) => error!(error = %e, "releasing UDP flows of removed endpoints failed"),
+    }
+}
+
 fn node_name(flag: Option<String>) -> String {
     flag.filter(|s| !s.is_empty())
         .or_else(|| std::env::var("NODE_NAME").ok().filter(|s| !s.is_empty()))
@@ -448,6 +466,7 @@ fn run(args: RunArgs) -> Result<()> {
                     match Syncer::adopt(&maps) {
                         Ok(mut fresh) => match fresh.sync(&mut maps, d) {
                             Ok(st) if st.writes + st.deletes > 0 => {
+                                release_stale(&maps, &st.released);
                                 warn!(writes = st.writes, deletes = st.deletes, "full resync repaired map entries changed outside the agent");
                                 syncer = fresh;
                             }
@@ -489,6 +508,7 @@ fn run(args: RunArgs) -> Result<()> {
             }
             match syncer.sync(&mut maps, &d) {
                 Ok(st) => {
+                    release_stale(&maps, &st.released);
                     let done = SystemTime::now();
                     {
                         let mut h = health.lock().unwrap();

@@ -21,6 +21,18 @@
 //!   protocol) is already used by another Service (the Service first in namespace/name
 //!   order keeps it).
 //! - A Service without ports has no frontends.
+//! - External addresses: every `spec.externalIPs` entry and every
+//!   `status.loadBalancer.ingress[].ip` whose `ipMode` is unset or `VIP` (KEP-1860: with
+//!   `Proxy` the load balancer proxies to the nodes) is a frontend on every Service port,
+//!   in a backend set of scope [`Scope::External`]. An address that does not parse or is
+//!   unusable, whose family has no cluster IP, or whose frontend belongs to another Service
+//!   is skipped alone with an error. Seen from this node (the only traffic the socket
+//!   programs see) they use the Cluster endpoints whatever `externalTrafficPolicy` says:
+//!   kube-proxy short-circuits traffic from inside the cluster to external addresses.
+//! - `internalTrafficPolicy: Local` (KEP-2086) gives the cluster IPs only this node's
+//!   endpoints, flagged `FRONTEND_F_LOCAL_ONLY` (with none, the data path fails with
+//!   EHOSTUNREACH where kube-proxy drops). A policy other than `Cluster`/`Local` skips the
+//!   Service with an error.
 //!
 //! Endpoints
 //! - An EndpointSlice belongs to the Service named by its `kubernetes.io/service-name`
@@ -28,10 +40,16 @@
 //!   link, so selectorless Services with hand-made slices work the same way.
 //! - `addressType` `IPv4`/`IPv6` feed the backends of that family; `FQDN` slices are
 //!   ignored; any other address type skips the slice with an error.
-//! - An endpoint is used when `conditions.ready` is true or unset (the EndpointSlice API:
-//!   "unknown state should be interpreted as ready"); terminating endpoints are not ready
-//!   and are excluded. Only an endpoint's first address (`addresses[0]`) is used, as
-//!   kube-proxy does. An address that does not parse or whose family is not the slice's
+//! - Conditions: `ready` and `serving` unset mean true (the EndpointSlice API: "unknown
+//!   state should be interpreted as ready"), `terminating` unset means false. Which
+//!   endpoints a set gets is kube-proxy's `CategorizeEndpoints` ([`categorize`]): ready
+//!   ones, narrowed by topology hints (`hints.forNodes`, then `hints.forZones` against the
+//!   `topology.kubernetes.io/zone` label of this node's Node object) when every ready
+//!   endpoint has one and one matches; when no endpoint is ready, the serving and
+//!   terminating ones (KEP-1669); for Local sets the same on this node's endpoints
+//!   (`nodeName`). Only an endpoint's first address (`addresses[0]`) is used, as
+//!   kube-proxy does; an address in two slices is taken from the first, unless a later
+//!   one is on this node. An address that does not parse or whose family is not the slice's
 //!   skips that endpoint with an error; the rest of the slice is used. An endpoint without
 //!   addresses is skipped with an error.
 //! - Slice ports: a missing name is `""`, a missing protocol TCP (the API server's
@@ -124,8 +142,20 @@ impl Family {
     }
 }
 
+/// Which frontends of a Service port a backend set serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub enum Scope {
+    /// The cluster IPs, with `internalTrafficPolicy`.
+    #[default]
+    Internal,
+    /// The external addresses (`spec.externalIPs`, load balancer ingress IPs) as reached
+    /// from this node: always the Cluster endpoints, as kube-proxy short-circuits traffic
+    /// from inside the cluster to them.
+    External,
+}
+
 /// Identity of one backend set: a Service port (by port name; "" when unnamed) x protocol
-/// x IP family.
+/// x IP family x [`Scope`].
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ServicePortKey {
     /// Namespace of the Service.
@@ -138,15 +168,19 @@ pub struct ServicePortKey {
     pub protocol: Protocol,
     /// Family of the frontends and backends.
     pub family: Family,
+    /// Which frontends the set serves.
+    pub scope: Scope,
 }
 
 /// The desired frontends and backends of one [`ServicePortKey`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DesiredService {
-    /// Every frontend (VIP, port) of this Service port in this family. ClusterIPs for now.
+    /// Every frontend (address, port) of this Service port in this family and scope.
     pub frontends: BTreeSet<SocketAddr>,
-    /// Endpoints, deduplicated by (address, port), sorted.
+    /// Endpoints this node uses, deduplicated by (address, port), sorted.
     pub backends: BTreeSet<SocketAddr>,
+    /// `proxy_common::FRONTEND_F_*` bits of the frontends (`FRONTEND_F_LOCAL_ONLY`).
+    pub flags: u32,
 }
 
 /// Everything the data path must implement.
@@ -189,16 +223,40 @@ impl DesiredState {
         self.services.values().map(|s| s.backends.len()).sum()
     }
 }
+/// One endpoint as kube-proxy sees it (pkg/proxy endpointslicecache): its address and the
+/// conditions and topology that decide whether this node uses it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EndpointInfo {
+    /// `conditions.ready`; unset means ready (EndpointSlice API).
+    pub ready: bool,
+    /// `conditions.serving`; unset means serving.
+    pub serving: bool,
+    /// `conditions.terminating`; unset means not terminating.
+    pub terminating: bool,
+    /// `nodeName` equals this node's name.
+    pub local: bool,
+    /// `hints.forZones[].name`.
+    pub zone_hints: BTreeSet<String>,
+    /// `hints.forNodes[].name`.
+    pub node_hints: BTreeSet<String>,
+}
 
-/// Backends of one Service by (slice port name, protocol, family).
-type PortBackends = BTreeMap<(String, Protocol, Family), BTreeSet<SocketAddr>>;
+/// The endpoints of one Service port in one family, by (address, port).
+type PortEndpoints = BTreeMap<SocketAddr, EndpointInfo>;
 
-/// Information about this node (name from --hostname-override, zone label later).
+/// Endpoints of one Service by (slice port name, protocol, family).
+type ServiceEndpoints = BTreeMap<(String, Protocol, Family), PortEndpoints>;
+
+/// Information about this node: its name (`--hostname-override`). Its zone is the
+/// `topology.kubernetes.io/zone` label of the Node object of that name, when a source has it.
 #[derive(Clone, Debug, Default)]
 pub struct NodeInfo {
     /// Node name.
     pub name: String,
 }
+
+/// The label holding a Node's zone.
+pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
 
 /// Builds the desired state from a snapshot of objects. Returns the state and an error for
 /// everything skipped (see the module documentation). Slice errors come first (slices in
@@ -207,10 +265,27 @@ pub fn build(objects: &ObjectSet, node: &NodeInfo) -> (DesiredState, Vec<ModelEr
     build_cached(objects, node, &mut ModelCache::default())
 }
 
-/// Result of reading one EndpointSlice: its family and backends per (port name, protocol).
-type SliceBackends = Option<(Family, BTreeMap<(String, Protocol), BTreeSet<SocketAddr>>)>;
+/// What one EndpointSlice gives, independent of the node: its family, its ports (name,
+/// protocol, number) and its endpoints (first address, conditions, node, hints).
+#[derive(Clone, Debug)]
+struct SliceInfo {
+    family: Family,
+    ports: Vec<(String, Protocol, u16)>,
+    endpoints: Vec<(IpAddr, RawEndpoint)>,
+}
 
-/// What [`build_cached`] remembers between calls: the backends read from each EndpointSlice,
+/// An endpoint as read from a slice, before it is judged against this node.
+#[derive(Clone, Debug)]
+struct RawEndpoint {
+    ready: bool,
+    serving: bool,
+    terminating: bool,
+    node_name: Option<String>,
+    zone_hints: BTreeSet<String>,
+    node_hints: BTreeSet<String>,
+}
+
+/// What [`build_cached`] remembers between calls: what was read from each EndpointSlice,
 /// reused while the slice is the same object (same `Arc`), so one changed slice among
 /// thousands costs one parse of its endpoints.
 #[derive(Default)]
@@ -221,7 +296,7 @@ pub struct ModelCache {
 /// A slice object, what was read from it, and the errors reading it gave.
 type CachedSlice = (
     std::sync::Arc<EndpointSlice>,
-    SliceBackends,
+    Option<SliceInfo>,
     Vec<ModelError>,
 );
 
@@ -231,14 +306,20 @@ pub fn build_cached(
     node: &NodeInfo,
     cache: &mut ModelCache,
 ) -> (DesiredState, Vec<ModelError>) {
-    let _ = node; // topology and traffic policies will use it
     let mut errors = Vec::new();
     cache
         .slices
         .retain(|k, _| objects.endpoint_slices.contains_key(k));
+    let zone = objects
+        .nodes
+        .get(&node.name)
+        .and_then(|n| n.object.metadata.labels.as_ref())
+        .and_then(|l| l.get(ZONE_LABEL))
+        .cloned()
+        .unwrap_or_default();
 
     // Endpoints of every Service, by (namespace, service name) -> (port name, protocol, family).
-    let mut endpoints: BTreeMap<(&str, &str), PortBackends> = BTreeMap::new();
+    let mut endpoints: BTreeMap<(&str, &str), ServiceEndpoints> = BTreeMap::new();
     for ((ns, _), slice) in &objects.endpoint_slices {
         let Some(service) = slice
             .object
@@ -253,35 +334,47 @@ pub fn build_cached(
             ns.clone(),
             slice.object.metadata.name.clone().unwrap_or_default(),
         );
-        let cached = match cache.slices.get(&key) {
-            Some((obj, parsed, errs)) if std::sync::Arc::ptr_eq(obj, &slice.object) => {
-                Some((parsed, errs))
-            }
-            _ => None,
-        };
-        let (parsed, slice_errors) = match cached {
-            Some((parsed, errs)) => (parsed.clone(), errs.clone()),
-            None => {
-                let mut errs = Vec::new();
-                let parsed = slice_backends(slice, &mut errs);
-                cache
-                    .slices
-                    .insert(key, (slice.object.clone(), parsed.clone(), errs.clone()));
-                (parsed, errs)
-            }
-        };
-        errors.extend(slice_errors);
-        let Some((family, ports)) = parsed else {
+        let fresh = !matches!(cache.slices.get(&key),
+            Some((obj, _, _)) if std::sync::Arc::ptr_eq(obj, &slice.object));
+        if fresh {
+            let mut errs = Vec::new();
+            let parsed = read_slice(slice, &mut errs);
+            cache
+                .slices
+                .insert(key.clone(), (slice.object.clone(), parsed, errs));
+        }
+        let (_, parsed, slice_errors) = &cache.slices[&key];
+        errors.extend(slice_errors.iter().cloned());
+        let Some(info) = parsed else {
             continue;
         };
         let per_service = endpoints
             .entry((ns.as_str(), service.as_str()))
             .or_default();
-        for ((port_name, protocol), addrs) in ports {
-            per_service
-                .entry((port_name, protocol, family))
-                .or_default()
-                .extend(addrs);
+        for (port_name, protocol, port) in &info.ports {
+            let set = per_service
+                .entry((port_name.clone(), *protocol, info.family))
+                .or_default();
+            for (ip, raw) in &info.endpoints {
+                let local = raw.node_name.as_deref() == Some(node.name.as_str());
+                let ep = EndpointInfo {
+                    ready: raw.ready,
+                    serving: raw.serving,
+                    terminating: raw.terminating,
+                    local,
+                    zone_hints: raw.zone_hints.clone(),
+                    node_hints: raw.node_hints.clone(),
+                };
+                // An endpoint in two slices (during a move between slices): the first one
+                // read wins, unless a later one is local (kube-proxy favours local).
+                let addr = SocketAddr::new(*ip, *port);
+                match set.get(&addr) {
+                    Some(_) if !local => {}
+                    _ => {
+                        set.insert(addr, ep);
+                    }
+                }
+            }
         }
     }
 
@@ -298,7 +391,12 @@ pub fn build_cached(
                 reason,
             )
         };
-        let (vips, ports, warnings) = match service_frontends(svc) {
+        let Frontends {
+            vips,
+            ports,
+            external,
+            warnings,
+        } = match service_frontends(svc) {
             Ok(Some(v)) => v,
             Ok(None) => continue,
             Err(reason) => {
@@ -324,8 +422,46 @@ pub fn build_cached(
         for f in frontends {
             owners.insert(f, (ns.as_str(), name.as_str()));
         }
-        errors.extend(warnings.into_iter().map(mk_err));
+        errors.extend(warnings.into_iter().map(&mk_err));
+        // External addresses: each needs a cluster IP of its family (kube-proxy does not
+        // translate families) and must not collide with another Service's frontend.
+        let mut external_ok: Vec<(IpAddr, &'static str)> = Vec::new();
+        for (ip, what) in external {
+            if !vips.iter().any(|v| Family::of(v) == Family::of(&ip)) {
+                errors.push(mk_err(format!(
+                    "{what} {ip} is {} but the Service has no {} cluster IP; address skipped",
+                    Family::of(&ip).as_str(),
+                    Family::of(&ip).as_str()
+                )));
+                continue;
+            }
+            let clash = ports.iter().find_map(|(_, proto, port)| {
+                owners
+                    .get(&(SocketAddr::new(ip, *port), *proto))
+                    .filter(|o| **o != (ns.as_str(), name.as_str()))
+                    .map(|o| (*port, *proto, *o))
+            });
+            if let Some((port, proto, (other_ns, other_name))) = clash {
+                errors.push(mk_err(format!(
+                    "{what} {ip}: frontend {}/{proto} is already used by Service {other_ns}/{other_name}; address skipped",
+                    SocketAddr::new(ip, port)
+                )));
+                continue;
+            }
+            if external_ok.iter().any(|(e, _)| *e == ip) {
+                continue; // listed twice (e.g. as externalIP and LB ingress): one frontend
+            }
+            for (_, proto, port) in &ports {
+                owners.insert(
+                    (SocketAddr::new(ip, *port), *proto),
+                    (ns.as_str(), name.as_str()),
+                );
+            }
+            external_ok.push((ip, what));
+        }
 
+        let spec = svc.object.spec.as_ref();
+        let internal_local = spec.and_then(|s| s.internal_traffic_policy.as_deref()) == Some("Local");
         let service_endpoints = endpoints.get(&(ns.as_str(), name.as_str()));
         for (port_name, protocol, port) in &ports {
             for vip in &vips {
@@ -336,31 +472,149 @@ pub fn build_cached(
                     port_name: port_name.clone(),
                     protocol: *protocol,
                     family,
+                    scope: Scope::Internal,
                 };
-                let backends = service_endpoints
-                    .and_then(|e| e.get(&(port_name.clone(), *protocol, family)))
-                    .cloned()
-                    .unwrap_or_default();
+                let eps = service_endpoints
+                    .and_then(|e| e.get(&(port_name.clone(), *protocol, family)));
+                let empty = PortEndpoints::new();
+                let eps = eps.unwrap_or(&empty);
+                let sets = categorize(eps, &node.name, &zone);
+                let (backends, flags) = if internal_local {
+                    (sets.local, proxy_common::FRONTEND_F_LOCAL_ONLY)
+                } else {
+                    (sets.cluster.clone(), 0)
+                };
                 state.services.insert(
-                    key,
+                    key.clone(),
                     DesiredService {
                         frontends: BTreeSet::from([SocketAddr::new(*vip, *port)]),
                         backends,
+                        flags,
                     },
                 );
+                // Traffic from this node to external addresses is "internal to the cluster":
+                // kube-proxy short-circuits it to the Cluster endpoints whatever the
+                // externalTrafficPolicy (pkg/proxy: UsesClusterEndpoints).
+                let ext: BTreeSet<SocketAddr> = external_ok
+                    .iter()
+                    .filter(|(ip, _)| Family::of(ip) == family)
+                    .map(|(ip, _)| SocketAddr::new(*ip, *port))
+                    .collect();
+                if !ext.is_empty() {
+                    state.services.insert(
+                        ServicePortKey {
+                            scope: Scope::External,
+                            ..key
+                        },
+                        DesiredService {
+                            frontends: ext,
+                            backends: sets.cluster,
+                            flags: 0,
+                        },
+                    );
+                }
             }
         }
     }
     (state, errors)
 }
 
-/// A Service's cluster IPs (at most one per family, in `clusterIPs` order), ports (name,
-/// protocol, port) and per-port warnings. `Ok(None)` for a Service that has no frontends by
-/// design (headless, ExternalName, no cluster IP); `Err(reason)` for an invalid Service.
-#[allow(clippy::type_complexity)]
-fn service_frontends(
-    svc: &Sourced<Service>,
-) -> Result<Option<(Vec<IpAddr>, Vec<(String, Protocol, u16)>, Vec<String>)>, String> {
+/// The endpoint sets of one Service port for this node (pkg/proxy `CategorizeEndpoints`).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct EndpointSets {
+    /// For `Cluster` policies: ready endpoints narrowed by topology hints, else the serving
+    /// and terminating ones (KEP-1669).
+    pub cluster: BTreeSet<SocketAddr>,
+    /// For `Local` policies: this node's ready endpoints, else its serving and terminating
+    /// ones.
+    pub local: BTreeSet<SocketAddr>,
+    /// Topology narrowing applied to `cluster`: "" (none), `PreferSameZone` or
+    /// `PreferSameNode`.
+    pub topology: &'static str,
+}
+
+/// Splits endpoints into the Cluster and Local sets of this node (`node` name, `zone` label,
+/// "" when unknown), with kube-proxy's rules:
+/// - Topology (KEP-2433, KEP-4444 `trafficDistribution`): kube-proxy reads the hints the
+///   EndpointSlice controller writes, not the Service field. When every ready endpoint has
+///   a node hint and one names this node, only endpoints hinted for this node are used
+///   (`PreferSameNode`); else when every ready endpoint has a zone hint and one names this
+///   node's zone, only endpoints hinted for this zone (`PreferSameZone`, also what
+///   `PreferClose` gives); otherwise every endpoint.
+/// - Cluster: ready endpoints available under that topology; when none, every serving and
+///   terminating endpoint (KEP-1669).
+/// - Local: ready endpoints on this node; when none, this node's serving and terminating
+///   endpoints.
+pub fn categorize(eps: &PortEndpoints, node: &str, zone: &str) -> EndpointSets {
+    let ready = || eps.iter().filter(|(_, e)| e.ready);
+    let mut topology = "";
+    if ready().next().is_some() {
+        let all_node_hints = ready().all(|(_, e)| !e.node_hints.is_empty());
+        let all_zone_hints = ready().all(|(_, e)| !e.zone_hints.is_empty());
+        if all_node_hints && ready().any(|(_, e)| e.node_hints.contains(node)) {
+            topology = "PreferSameNode";
+        } else if all_zone_hints && !zone.is_empty() && ready().any(|(_, e)| e.zone_hints.contains(zone))
+        {
+            topology = "PreferSameZone";
+        }
+    }
+    let available = |e: &EndpointInfo| match topology {
+        "PreferSameNode" => e.node_hints.contains(node),
+        "PreferSameZone" => e.zone_hints.contains(zone),
+        _ => true,
+    };
+    let mut cluster: BTreeSet<SocketAddr> = ready()
+        .filter(|(_, e)| available(e))
+        .map(|(a, _)| *a)
+        .collect();
+    if cluster.is_empty() {
+        cluster = eps
+            .iter()
+            .filter(|(_, e)| e.serving && e.terminating)
+            .map(|(a, _)| *a)
+            .collect();
+    }
+    let mut local: BTreeSet<SocketAddr> = ready()
+        .filter(|(_, e)| e.local)
+        .map(|(a, _)| *a)
+        .collect();
+    if local.is_empty() {
+        local = eps
+            .iter()
+            .filter(|(_, e)| e.local && !e.ready && e.serving && e.terminating)
+            .map(|(a, _)| *a)
+            .collect();
+    }
+    EndpointSets {
+        cluster,
+        local,
+        topology,
+    }
+}
+
+/// What a Service offers: cluster IPs (at most one per family, in `clusterIPs` order),
+/// ports (name, protocol, port), external addresses (`spec.externalIPs` and
+/// `status.loadBalancer.ingress[].ip` in VIP mode, with what they are) and per-port or
+/// per-address warnings.
+struct Frontends {
+    vips: Vec<IpAddr>,
+    ports: Vec<(String, Protocol, u16)>,
+    external: Vec<(IpAddr, &'static str)>,
+    warnings: Vec<String>,
+}
+
+/// Checks that an address may be a frontend: not unspecified, loopback, multicast or
+/// broadcast (a frontend there would hijack node traffic).
+fn usable_vip(ip: &IpAddr) -> bool {
+    !(ip.is_unspecified()
+        || ip.is_loopback()
+        || ip.is_multicast()
+        || matches!(ip, IpAddr::V4(v4) if v4.is_broadcast()))
+}
+
+/// A Service's [`Frontends`]. `Ok(None)` for a Service that has no frontends by design
+/// (headless, ExternalName, no cluster IP); `Err(reason)` for an invalid Service.
+fn service_frontends(svc: &Sourced<Service>) -> Result<Option<Frontends>, String> {
     let Some(spec) = svc.object.spec.as_ref() else {
         return Ok(None);
     };
@@ -388,11 +642,7 @@ fn service_frontends(
     let mut vips: Vec<IpAddr> = Vec::new();
     for s in ip_strings {
         let ip: IpAddr = s.parse().map_err(|_| format!("invalid cluster IP {s:?}"))?;
-        let unusable = ip.is_unspecified()
-            || ip.is_loopback()
-            || ip.is_multicast()
-            || matches!(ip, IpAddr::V4(v4) if v4.is_broadcast());
-        if unusable {
+        if !usable_vip(&ip) {
             return Err(format!(
                 "cluster IP {ip} is not usable (unspecified, loopback, multicast or broadcast)"
             ));
@@ -404,6 +654,17 @@ fn service_frontends(
             ));
         }
         vips.push(ip);
+    }
+    for policy in [
+        ("internalTrafficPolicy", spec.internal_traffic_policy.as_deref()),
+        ("externalTrafficPolicy", spec.external_traffic_policy.as_deref()),
+    ] {
+        if let (field, Some(v)) = policy
+            && v != "Cluster"
+            && v != "Local"
+        {
+            return Err(format!("{field} {v:?} is not Cluster or Local"));
+        }
     }
 
     let mut ports = Vec::new();
@@ -446,13 +707,51 @@ fn service_frontends(
         };
         ports.push((name.to_string(), protocol, p.port as u16));
     }
-    Ok(Some((vips, ports, warnings)))
+
+    let mut external = Vec::new();
+    let mut candidates: Vec<(&str, &'static str)> = spec
+        .external_ips
+        .iter()
+        .flatten()
+        .map(|s| (s.as_str(), "externalIP"))
+        .collect();
+    // Ingress IPs in VIP mode only: with ipMode Proxy the load balancer proxies to the
+    // nodes and the IP must not be captured (KEP-1860).
+    let ingress = svc
+        .object
+        .status
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|lb| lb.ingress.as_ref());
+    for ing in ingress.into_iter().flatten() {
+        if let Some(ip) = ing.ip.as_deref().filter(|s| !s.is_empty())
+            && ing.ip_mode.as_deref().unwrap_or("VIP") == "VIP"
+        {
+            candidates.push((ip, "load balancer ingress IP"));
+        }
+    }
+    for (s, what) in candidates {
+        match s.parse::<IpAddr>() {
+            Ok(ip) if usable_vip(&ip) => external.push((ip, what)),
+            Ok(ip) => warnings.push(format!(
+                "{what} {ip} is not usable (unspecified, loopback, multicast or broadcast); address skipped"
+            )),
+            Err(_) => warnings.push(format!(
+                "{what} {s:?} is not a valid IP address; address skipped"
+            )),
+        }
+    }
+    Ok(Some(Frontends {
+        vips,
+        ports,
+        external,
+        warnings,
+    }))
 }
 
-/// The family and backends (by slice port name and protocol) of one slice; `None` for a
-/// slice that feeds nothing (FQDN) or is invalid (error pushed).
-#[allow(clippy::type_complexity)]
-fn slice_backends(slice: &Sourced<EndpointSlice>, errors: &mut Vec<ModelError>) -> SliceBackends {
+/// What one slice gives (see [`SliceInfo`]); `None` for a slice that feeds nothing (FQDN)
+/// or is invalid (error pushed).
+fn read_slice(slice: &Sourced<EndpointSlice>, errors: &mut Vec<ModelError>) -> Option<SliceInfo> {
     let meta = &slice.object.metadata;
     let ns = meta.namespace.clone().unwrap_or_else(|| "default".into());
     let name = meta.name.clone().unwrap_or_default();
@@ -505,19 +804,36 @@ fn slice_backends(slice: &Sourced<EndpointSlice>, errors: &mut Vec<ModelError>) 
         }
     }
 
-    let mut addrs: Vec<IpAddr> = Vec::new();
+    let mut endpoints = Vec::new();
     for (i, ep) in slice.object.endpoints.iter().enumerate() {
-        // Ready unset means ready; terminating endpoints have ready false.
-        if ep.conditions.as_ref().and_then(|c| c.ready) == Some(false) {
-            continue;
-        }
+        let cond = ep.conditions.as_ref();
+        // Unset conditions: ready and serving unknown mean true, terminating false
+        // (EndpointSlice API; kube-proxy reads them the same way).
+        let raw = RawEndpoint {
+            ready: cond.and_then(|c| c.ready) != Some(false),
+            serving: cond.and_then(|c| c.serving) != Some(false),
+            terminating: cond.and_then(|c| c.terminating) == Some(true),
+            node_name: ep.node_name.clone(),
+            zone_hints: ep
+                .hints
+                .iter()
+                .flat_map(|h| h.for_zones.iter().flatten())
+                .map(|z| z.name.clone())
+                .collect(),
+            node_hints: ep
+                .hints
+                .iter()
+                .flat_map(|h| h.for_nodes.iter().flatten())
+                .map(|n| n.name.clone())
+                .collect(),
+        };
         // kube-proxy uses only the first address of an endpoint.
         let Some(first) = ep.addresses.first() else {
             err(format!("endpoint {i} has no addresses; endpoint skipped"));
             continue;
         };
         match first.parse::<IpAddr>() {
-            Ok(ip) if Family::of(&ip) == family => addrs.push(ip),
+            Ok(ip) if Family::of(&ip) == family => endpoints.push((ip, raw)),
             Ok(ip) => err(format!(
                 "endpoint address {ip} is not an {} address (addressType {}); endpoint skipped",
                 family.as_str(),
@@ -528,15 +844,11 @@ fn slice_backends(slice: &Sourced<EndpointSlice>, errors: &mut Vec<ModelError>) 
             )),
         }
     }
-
-    let mut backends: BTreeMap<(String, Protocol), BTreeSet<SocketAddr>> = BTreeMap::new();
-    for (port_name, protocol, port) in ports {
-        backends
-            .entry((port_name, protocol))
-            .or_default()
-            .extend(addrs.iter().map(|ip| SocketAddr::new(*ip, port)));
-    }
-    Some((family, backends))
+    Some(SliceInfo {
+        family,
+        ports,
+        endpoints,
+    })
 }
 
 #[cfg(test)]
@@ -578,6 +890,7 @@ mod tests {
             port_name: port_name.into(),
             protocol,
             family,
+            scope: Scope::Internal,
         }
     }
 
@@ -589,6 +902,7 @@ mod tests {
         DesiredService {
             frontends: addrs(frontends),
             backends: addrs(backends),
+            flags: 0,
         }
     }
 

@@ -24,14 +24,16 @@ use std::{
     time::{Duration, Instant},
 };
 
-use proxy_common::{Backend, BackendSlotKey, FRONTEND_F_VIP_MARKER, Frontend, FrontendKey};
+use proxy_common::{
+    Backend, BackendSlotKey, FRONTEND_F_VIP_MARKER, Frontend, FrontendKey, PROTO_UDP,
+};
 
 use crate::{
     datapath::{
         Capacity, Datapath, DatapathError, Snapshot,
         addr::{ip_to_bytes, port_to_map},
     },
-    model::{DesiredService, DesiredState, Family, Protocol, ServicePortKey},
+    model::{DesiredService, DesiredState, Family, Protocol, Scope, ServicePortKey},
 };
 
 /// What one sync did.
@@ -49,10 +51,16 @@ pub struct SyncStats {
     pub deletes: usize,
     /// Wall time of the sync.
     pub duration: Duration,
+    /// UDP backends that left a service id in this sync: (service id, backend id, backend).
+    /// Flows and connected sockets translated to them must be released
+    /// ([`crate::datapath::maps::PinnedMaps::release_stale`]), as kube-proxy clears their
+    /// conntrack entries.
+    pub released: Vec<(u32, u32, Backend)>,
 }
 
 /// Canonical name of a service id, stored in `SERVICE_NAMES`:
-/// `namespace/name:port-name/PROTOCOL/family`, e.g. `default/kube-dns:dns/UDP/v4`.
+/// `namespace/name:port-name/PROTOCOL/family`, e.g. `default/kube-dns:dns/UDP/v4`, with
+/// `/external` appended for the external addresses' set ([`Scope::External`]).
 pub fn service_name(k: &ServicePortKey) -> String {
     let proto = match k.protocol {
         Protocol::Tcp => "TCP",
@@ -62,8 +70,12 @@ pub fn service_name(k: &ServicePortKey) -> String {
         Family::V4 => "v4",
         Family::V6 => "v6",
     };
+    let scope = match k.scope {
+        Scope::Internal => "",
+        Scope::External => "/external",
+    };
     format!(
-        "{}/{}:{}/{}/{}",
+        "{}/{}:{}/{}/{}{scope}",
         k.namespace, k.name, k.port_name, proto, fam
     )
 }
@@ -83,6 +95,11 @@ pub fn parse_service_name(s: &str) -> Option<ServicePortKey> {
         "v6" => Family::V6,
         _ => return None,
     };
+    let scope = match parts.next() {
+        None => Scope::Internal,
+        Some("external") => Scope::External,
+        Some(_) => return None,
+    };
     if parts.next().is_some() {
         return None;
     }
@@ -93,6 +110,7 @@ pub fn parse_service_name(s: &str) -> Option<ServicePortKey> {
         port_name: port_name.to_string(),
         protocol,
         family,
+        scope,
     })
 }
 
@@ -302,6 +320,24 @@ impl Syncer {
         (id, true)
     }
 
+    /// Appends the UDP backends of `old` that are not in `new` to `out` (see
+    /// [`SyncStats::released`]).
+    fn note_released(
+        &self,
+        id: u32,
+        old: &[u32],
+        new: &BTreeSet<u32>,
+        out: &mut Vec<(u32, u32, Backend)>,
+    ) {
+        for bid in old.iter().filter(|b| !new.contains(b)) {
+            if let Some(b) = self.cur.backends.get(bid)
+                && b.proto == PROTO_UDP
+            {
+                out.push((id, *bid, *b));
+            }
+        }
+    }
+
     fn cur_slots(&self, id: u32) -> Vec<u32> {
         let mut v = Vec::new();
         for slot in 0.. {
@@ -403,6 +439,7 @@ impl Syncer {
             for b in &old {
                 *ref_delta.entry(*b).or_default() -= 1;
             }
+            self.note_released(id, &old, &BTreeSet::new(), &mut stats.released);
             plans.push((key.clone(), id, old, None, false));
         }
         for key in changed {
@@ -436,6 +473,7 @@ impl Syncer {
                 set.insert(bid);
             }
             let old = self.cur_slots(id);
+            self.note_released(id, &old, &set, &mut stats.released);
             let new = arrange_slots(&old, &set);
             for b in &old {
                 *ref_delta.entry(*b).or_default() -= 1;
@@ -449,7 +487,7 @@ impl Syncer {
                     Frontend {
                         service_id: id,
                         backend_count: new.len() as u32,
-                        flags: 0,
+                        flags: svc.flags,
                         _pad: 0,
                     },
                 );
@@ -685,6 +723,7 @@ impl Syncer {
             }
             let old = self.cur_slots(id);
             old_lens.insert(id, old.len());
+            self.note_released(id, &old, &set, &mut stats.released);
             let slots = arrange_slots(&old, &set);
             for fe in &svc.frontends {
                 want_frontends.insert(
@@ -692,7 +731,7 @@ impl Syncer {
                     Frontend {
                         service_id: id,
                         backend_count: slots.len() as u32,
-                        flags: 0,
+                        flags: svc.flags,
                         _pad: 0,
                     },
                 );
@@ -756,6 +795,14 @@ impl Syncer {
             .filter(|k| !wanted_ids.contains(&k.service_id))
             .copied()
             .collect();
+        for k in &stale_slots {
+            if let Some(bid) = self.cur.slots.get(k)
+                && let Some(b) = self.cur.backends.get(bid)
+                && b.proto == PROTO_UDP
+            {
+                stats.released.push((k.service_id, *bid, *b));
+            }
+        }
         for k in stale_slots {
             dp.delete_slot(&k)?;
             self.cur.slots.remove(&k);
@@ -877,6 +924,7 @@ mod tests {
             port_name: "http".into(),
             protocol: proto,
             family: Family::V4,
+            scope: Scope::Internal,
         }
     }
 
@@ -884,6 +932,7 @@ mod tests {
         DesiredService {
             frontends: frontends.iter().map(|s| s.parse().unwrap()).collect(),
             backends: backends.iter().map(|s| s.parse().unwrap()).collect(),
+            flags: 0,
         }
     }
 
@@ -1331,6 +1380,7 @@ mod tests {
                         DesiredService {
                             frontends: [vip.parse().unwrap()].into(),
                             backends,
+                            flags: 0,
                         },
                     );
                 }

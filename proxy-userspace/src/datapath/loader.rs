@@ -10,10 +10,14 @@ use std::{
 use anyhow::{Context, Result, bail};
 use aya::{
     EbpfLoader,
-    programs::{CgroupAttachMode, CgroupSockAddr, links::FdLink, links::PinnedLink},
+    programs::{
+        CgroupAttachMode, CgroupSkb, CgroupSkbAttachType, CgroupSockAddr, links::FdLink,
+        links::PinnedLink,
+    },
 };
 use proxy_common::{
-    ALL_MAPS, BACKEND_SLOTS, BACKENDS, FRONTENDS, REVNAT_SK, SERVICE_NAMES, UDP_FLOWS,
+    ALL_MAPS, BACKEND_SLOTS, BACKENDS, FRONTENDS, REVNAT_SK, SERVICE_NAMES, STALE_SOCKETS,
+    UDP_FLOWS,
 };
 
 /// The eBPF object embedded at build time (see `build.rs`); empty when the binary was built
@@ -33,6 +37,10 @@ pub const PROGRAMS: [&str; 8] = [
     "getpeername6",
 ];
 
+/// The cgroup `skb` egress program (section `cgroup_skb/egress`): fails the sends of
+/// connected UDP sockets whose endpoint left their service (`STALE_SOCKETS`).
+pub const EGRESS_PROGRAM: &str = "sock_egress";
+
 /// Map sizes (`max_entries`) used when the maps are created. Maps adopted from an earlier
 /// run keep the size they were created with.
 #[derive(Clone, Copy, Debug)]
@@ -43,7 +51,7 @@ pub struct MapSizes {
     pub slots: u32,
     /// `BACKENDS`.
     pub backends: u32,
-    /// `REVNAT_SK` and `UDP_FLOWS`.
+    /// `REVNAT_SK`, `UDP_FLOWS` and `STALE_SOCKETS`.
     pub sockets: u32,
 }
 
@@ -161,7 +169,8 @@ pub fn load_and_attach(dir: &Path, cgroup: &Path, sizes: MapSizes) -> Result<()>
         .map_max_entries(BACKEND_SLOTS, sizes.slots)
         .map_max_entries(BACKENDS, sizes.backends)
         .map_max_entries(REVNAT_SK, sizes.sockets)
-        .map_max_entries(UDP_FLOWS, sizes.sockets);
+        .map_max_entries(UDP_FLOWS, sizes.sockets)
+        .map_max_entries(STALE_SOCKETS, sizes.sockets);
     let mut ebpf = loader.load(OBJECT).context(
         "load: creating or adopting the pinned maps failed (if the layout changed, run `ebpf-proxy cleanup`)",
     )?;
@@ -185,26 +194,49 @@ pub fn load_and_attach(dir: &Path, cgroup: &Path, sizes: MapSizes) -> Result<()>
             .context("attach: take link")?
             .try_into()
             .context("attach: the kernel did not give a bpf_link (needs Linux >= 5.7)")?;
-        let final_pin = link_pin(dir, prog);
-        let new_pin = dir.join(format!("next_{prog}"));
-        let _ = fs::remove_file(&new_pin);
-        link.pin(&new_pin)
-            .with_context(|| format!("pin: link {}", new_pin.display()))?;
-        if final_pin.exists() {
-            // Detach the earlier generation: its pin is the last reference to its link.
-            match PinnedLink::from_pin(&final_pin) {
-                Ok(old) => drop(old.unpin()),
-                Err(_) => drop(fs::remove_file(&final_pin)),
-            }
-        }
-        fs::rename(&new_pin, &final_pin).with_context(|| {
-            format!(
-                "pin: rename {} to {}",
-                new_pin.display(),
-                final_pin.display()
-            )
-        })?;
+        replace_link(dir, prog, link)?;
     }
+    let p: &mut CgroupSkb = ebpf
+        .program_mut(EGRESS_PROGRAM)
+        .with_context(|| format!("load: program {EGRESS_PROGRAM} missing from the object"))?
+        .try_into()
+        .with_context(|| format!("load: program {EGRESS_PROGRAM} is not a cgroup skb program"))?;
+    p.load()
+        .map_err(|e| anyhow::anyhow!("verify: program {EGRESS_PROGRAM} was rejected: {e:#}"))?;
+    let id = p
+        .attach(&cg, CgroupSkbAttachType::Egress, CgroupAttachMode::Single)
+        .with_context(|| format!("attach: {EGRESS_PROGRAM} to cgroup {}", cgroup.display()))?;
+    let link: FdLink = p
+        .take_link(id)
+        .context("attach: take link")?
+        .try_into()
+        .context("attach: the kernel did not give a bpf_link (needs Linux >= 5.7)")?;
+    replace_link(dir, EGRESS_PROGRAM, link)?;
+    Ok(())
+}
+
+/// Pins `link` as the link of `prog`, detaching the link an earlier run pinned there only
+/// after the new one is in place.
+fn replace_link(dir: &Path, prog: &str, link: FdLink) -> Result<()> {
+    let final_pin = link_pin(dir, prog);
+    let new_pin = dir.join(format!("next_{prog}"));
+    let _ = fs::remove_file(&new_pin);
+    link.pin(&new_pin)
+        .with_context(|| format!("pin: link {}", new_pin.display()))?;
+    if final_pin.exists() {
+        // Detach the earlier generation: its pin is the last reference to its link.
+        match PinnedLink::from_pin(&final_pin) {
+            Ok(old) => drop(old.unpin()),
+            Err(_) => drop(fs::remove_file(&final_pin)),
+        }
+    }
+    fs::rename(&new_pin, &final_pin).with_context(|| {
+        format!(
+            "pin: rename {} to {}",
+            new_pin.display(),
+            final_pin.display()
+        )
+    })?;
     Ok(())
 }
 

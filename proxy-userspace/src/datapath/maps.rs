@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 use aya::maps::{Array, HashMap, Map, MapData, MapError, MapInfo, PerCpuArray};
 use proxy_common::{
     BACKEND_SLOTS, BACKENDS, Backend, BackendSlotKey, CONFIG, COUNTERS, Config, FRONTENDS,
-    Frontend, FrontendKey, SERVICE_NAMES, ServiceName,
+    Frontend, FrontendKey, PROTO_UDP, REVNAT_F_CONNECTED, REVNAT_SK, RevNatKey, RevNatValue,
+    SERVICE_NAMES, STALE_SOCKETS, ServiceName, UDP_FLOWS, UdpFlow, UdpFlowKey,
 };
 
 use super::{Capacity, Datapath, DatapathError, Snapshot, decode_name, encode_name};
@@ -101,6 +102,74 @@ pub fn read_counters(dir: &Path) -> Result<Vec<u64>, DatapathError> {
         out.push(v.iter().sum());
     }
     Ok(out)
+}
+
+/// What [`PinnedMaps::release_stale`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Released {
+    /// Unconnected-UDP flows forgotten (their next datagram picks a live endpoint).
+    pub flows: usize,
+    /// Connected UDP sockets listed in `STALE_SOCKETS` (their sends fail until reconnected).
+    pub sockets: usize,
+}
+
+impl PinnedMaps {
+    /// Releases what was translated to UDP backends that left a service: `released` holds
+    /// (service id, backend id, backend) as [`crate::sync::SyncStats::released`] gives them.
+    /// `UDP_FLOWS` entries of those pairs are deleted, and connected UDP sockets whose
+    /// reverse-NAT entry names such a pair are put into `STALE_SOCKETS`. This is the socket
+    /// level's equivalent of kube-proxy deleting the UDP conntrack entries of a removed
+    /// endpoint. Costs one pass over `UDP_FLOWS` and `REVNAT_SK`, only when `released` is not
+    /// empty. TCP sockets are never touched.
+    pub fn release_stale(
+        &self,
+        released: &[(u32, u32, Backend)],
+    ) -> Result<Released, DatapathError> {
+        let mut r = Released::default();
+        if released.is_empty() {
+            return Ok(r);
+        }
+        let by_id: std::collections::HashSet<(u32, u32)> =
+            released.iter().map(|(s, b, _)| (*s, *b)).collect();
+        let by_addr: std::collections::HashSet<(u32, [u8; 16], [u8; 2])> = released
+            .iter()
+            .map(|(s, _, b)| (*s, b.addr, b.port))
+            .collect();
+
+        let (flows, _) = hash::<UdpFlowKey, UdpFlow>(&self.dir, UDP_FLOWS)?;
+        let mut flows = flows;
+        let stale_flows: Vec<UdpFlowKey> = flows
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(_, f)| by_id.contains(&(f.service_id, f.backend_id)))
+            .map(|(k, _)| k)
+            .collect();
+        for k in &stale_flows {
+            ignore_missing(flows.remove(k)).map_err(|e| map_err("delete", UDP_FLOWS, e))?;
+            r.flows += 1;
+        }
+
+        let (revnat, _) = hash::<RevNatKey, RevNatValue>(&self.dir, REVNAT_SK)?;
+        let (stale, _) = hash::<u64, u32>(&self.dir, STALE_SOCKETS)?;
+        let mut stale = stale;
+        let sockets: Vec<(u64, u32)> = revnat
+            .iter()
+            .filter_map(Result::ok)
+            .filter(|(k, v)| {
+                v.proto == PROTO_UDP
+                    && v.flags & REVNAT_F_CONNECTED != 0
+                    && by_addr.contains(&(v.service_id, k.addr, k.port))
+            })
+            .map(|(k, v)| (k.cookie, v.service_id))
+            .collect();
+        for (cookie, sid) in sockets {
+            stale
+                .insert(cookie, sid, 0)
+                .map_err(|e| map_err("update", STALE_SOCKETS, e))?;
+            r.sockets += 1;
+        }
+        Ok(r)
+    }
 }
 
 fn ignore_missing(r: Result<(), MapError>) -> Result<(), MapError> {

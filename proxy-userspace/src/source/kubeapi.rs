@@ -158,7 +158,7 @@ fn objects(
     ObjectSet {
         services: keyed(services).collect(),
         endpoint_slices: keyed(slices).collect(),
-        node: keyed(node).next().map(|(_, n)| n),
+        nodes: keyed(node).map(|((_, name), n)| (name, n)).collect(),
     }
 }
 

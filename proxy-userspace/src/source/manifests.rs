@@ -9,8 +9,10 @@
 //! - `.json` files are parsed as JSON (a stream of one or more values); every other file
 //!   as YAML (any number of `---` documents). Each document is first parsed into a
 //!   `serde_json::Value`, then dispatched on `apiVersion`/`kind`:
-//!   `v1`/`Service` and `discovery.k8s.io/v1`/`EndpointSlice` are read;
-//!   `v1`/`List`, `v1`/`ServiceList` and `discovery.k8s.io/v1`/`EndpointSliceList` have their
+//!   `v1`/`Service`, `discovery.k8s.io/v1`/`EndpointSlice` and `v1`/`Node` (for the zone
+//!   label of the agent's own node; cluster-scoped, so its namespace is ignored) are read;
+//!   `v1`/`List`, `v1`/`ServiceList`, `v1`/`NodeList` and
+//!   `discovery.k8s.io/v1`/`EndpointSliceList` have their
 //!   `items` read (items of a typed list may leave out `apiVersion`/`kind`).
 //! - **Anything else is skipped with one [`SourceError`]**: a document without `apiVersion`
 //!   or `kind`, a Service or EndpointSlice with another `apiVersion` (e.g.
@@ -32,7 +34,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use serde::Deserialize;
 use serde_json::Value;
@@ -199,6 +201,7 @@ fn dispatch(
     let item_type = match (api.as_str(), kind.as_str()) {
         ("v1", "List") => Some(None),
         ("v1", "ServiceList") => Some(Some((SERVICE_API, "Service"))),
+        ("v1", "NodeList") => Some(Some((SERVICE_API, "Node"))),
         ("discovery.k8s.io/v1", "EndpointSliceList") => {
             Some(Some((ENDPOINT_SLICE_API, "EndpointSlice")))
         }
@@ -229,7 +232,7 @@ fn dispatch(
         ns.clone()
     };
     match (api.as_str(), kind.as_str()) {
-        (SERVICE_API, "Service") | (ENDPOINT_SLICE_API, "EndpointSlice") => {}
+        (SERVICE_API, "Service") | (ENDPOINT_SLICE_API, "EndpointSlice") | (SERVICE_API, "Node") => {}
         _ => {
             errors.push(SourceError::object(
                 origin,
@@ -237,8 +240,8 @@ fn dispatch(
                 shown_ns,
                 name,
                 format!(
-                    "unsupported kind {api} {kind} (only v1 Service and discovery.k8s.io/v1 \
-                     EndpointSlice are read); object skipped"
+                    "unsupported kind {api} {kind} (only v1 Service, discovery.k8s.io/v1 \
+                     EndpointSlice and v1 Node are read); object skipped"
                 ),
             ));
             return;
@@ -254,7 +257,12 @@ fn dispatch(
         ));
         return;
     }
-    let result = if kind == "Service" {
+    let result = if kind == "Node" {
+        serde_json::from_value::<Node>(value).map(|mut n| {
+            n.metadata.namespace = None;
+            Object::Node(Sourced::new(origin, n))
+        })
+    } else if kind == "Service" {
         serde_json::from_value::<Service>(value).map(|mut s| {
             s.metadata.namespace = Some(ns.clone());
             Object::Service(Sourced::new(origin, s))
@@ -861,9 +869,9 @@ metadata: {name: nokind}
         assert_eq!(
             lines(&errors),
             vec![
-                "k.yaml: Deployment shop/web: unsupported kind apps/v1 Deployment (only v1 Service and discovery.k8s.io/v1 EndpointSlice are read); object skipped",
-                "k.yaml: EndpointSlice default/old: unsupported kind discovery.k8s.io/v1beta1 EndpointSlice (only v1 Service and discovery.k8s.io/v1 EndpointSlice are read); object skipped",
-                "k.yaml: Sevrice default/typo: unsupported kind v1 Sevrice (only v1 Service and discovery.k8s.io/v1 EndpointSlice are read); object skipped",
+                "k.yaml: Deployment shop/web: unsupported kind apps/v1 Deployment (only v1 Service, discovery.k8s.io/v1 EndpointSlice and v1 Node are read); object skipped",
+                "k.yaml: EndpointSlice default/old: unsupported kind discovery.k8s.io/v1beta1 EndpointSlice (only v1 Service, discovery.k8s.io/v1 EndpointSlice and v1 Node are read); object skipped",
+                "k.yaml: Sevrice default/typo: unsupported kind v1 Sevrice (only v1 Service, discovery.k8s.io/v1 EndpointSlice and v1 Node are read); object skipped",
                 "k.yaml: default/nokind: missing kind; object skipped",
                 "k.yaml: document is not an object (expected a Kubernetes manifest)",
             ]

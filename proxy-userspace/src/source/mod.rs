@@ -11,7 +11,7 @@ pub mod manifests;
 use std::collections::BTreeMap;
 use std::fmt;
 
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 pub use kubeapi::KubeSource;
@@ -57,6 +57,9 @@ pub enum Object {
     Service(Sourced<Service>),
     /// A `discovery.k8s.io/v1` `EndpointSlice`.
     EndpointSlice(Sourced<EndpointSlice>),
+    /// A `v1` `Node` (cluster-scoped: its namespace is `""`). The agent reads its own
+    /// node's zone label from it.
+    Node(Sourced<Node>),
 }
 
 impl Object {
@@ -65,6 +68,7 @@ impl Object {
         match self {
             Object::Service(_) => "Service",
             Object::EndpointSlice(_) => "EndpointSlice",
+            Object::Node(_) => "Node",
         }
     }
 
@@ -73,14 +77,17 @@ impl Object {
         match self {
             Object::Service(s) => &s.origin,
             Object::EndpointSlice(s) => &s.origin,
+            Object::Node(s) => &s.origin,
         }
     }
 
-    /// (namespace, name); the namespace is `"default"` when the manifest had none.
+    /// (namespace, name); the namespace is `"default"` when the manifest had none, `""` for
+    /// a Node.
     pub fn key(&self) -> (String, String) {
         let meta = match self {
             Object::Service(s) => &s.object.metadata,
             Object::EndpointSlice(s) => &s.object.metadata,
+            Object::Node(n) => return (String::new(), n.object.metadata.name.clone().unwrap_or_default()),
         };
         (
             meta.namespace
@@ -99,8 +106,9 @@ pub struct ObjectSet {
     pub services: BTreeMap<(String, String), Sourced<Service>>,
     /// EndpointSlices by (namespace, name).
     pub endpoint_slices: BTreeMap<(String, String), Sourced<EndpointSlice>>,
-    /// This node's `v1/Node` (the API source watches it; manifests do not carry it).
-    pub node: Option<Sourced<k8s_openapi::api::core::v1::Node>>,
+    /// Nodes by name: the API source watches this node's only; manifests may hold several
+    /// (agents of different nodes can share one directory).
+    pub nodes: BTreeMap<String, Sourced<Node>>,
 }
 
 impl ObjectSet {
@@ -111,12 +119,13 @@ impl ObjectSet {
         match object {
             Object::Service(s) => self.services.insert(key, s).map(|old| old.origin),
             Object::EndpointSlice(s) => self.endpoint_slices.insert(key, s).map(|old| old.origin),
+            Object::Node(n) => self.nodes.insert(key.1, n).map(|old| old.origin),
         }
     }
 
     /// Number of objects of every kind.
     pub fn len(&self) -> usize {
-        self.services.len() + self.endpoint_slices.len()
+        self.services.len() + self.endpoint_slices.len() + self.nodes.len()
     }
 
     /// True when the set holds no object.
