@@ -297,7 +297,10 @@ impl Counter {
         (Counter::SlotMiss, "slot_miss"),
         (Counter::MapUpdateFailed, "map_update_failed"),
         (Counter::ReverseTranslated, "reverse_translated"),
-        (Counter::DroppedNoLocalEndpoints, "dropped_no_local_endpoints"),
+        (
+            Counter::DroppedNoLocalEndpoints,
+            "dropped_no_local_endpoints",
+        ),
         (Counter::DroppedStaleSocket, "dropped_stale_socket"),
     ];
 }

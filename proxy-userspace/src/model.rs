@@ -461,7 +461,8 @@ pub fn build_cached(
         }
 
         let spec = svc.object.spec.as_ref();
-        let internal_local = spec.and_then(|s| s.internal_traffic_policy.as_deref()) == Some("Local");
+        let internal_local =
+            spec.and_then(|s| s.internal_traffic_policy.as_deref()) == Some("Local");
         let service_endpoints = endpoints.get(&(ns.as_str(), name.as_str()));
         for (port_name, protocol, port) in &ports {
             for vip in &vips {
@@ -474,8 +475,8 @@ pub fn build_cached(
                     family,
                     scope: Scope::Internal,
                 };
-                let eps = service_endpoints
-                    .and_then(|e| e.get(&(port_name.clone(), *protocol, family)));
+                let eps =
+                    service_endpoints.and_then(|e| e.get(&(port_name.clone(), *protocol, family)));
                 let empty = PortEndpoints::new();
                 let eps = eps.unwrap_or(&empty);
                 let sets = categorize(eps, &node.name, &zone);
@@ -553,7 +554,9 @@ pub fn categorize(eps: &PortEndpoints, node: &str, zone: &str) -> EndpointSets {
         let all_zone_hints = ready().all(|(_, e)| !e.zone_hints.is_empty());
         if all_node_hints && ready().any(|(_, e)| e.node_hints.contains(node)) {
             topology = "PreferSameNode";
-        } else if all_zone_hints && !zone.is_empty() && ready().any(|(_, e)| e.zone_hints.contains(zone))
+        } else if all_zone_hints
+            && !zone.is_empty()
+            && ready().any(|(_, e)| e.zone_hints.contains(zone))
         {
             topology = "PreferSameZone";
         }
@@ -574,10 +577,8 @@ pub fn categorize(eps: &PortEndpoints, node: &str, zone: &str) -> EndpointSets {
             .map(|(a, _)| *a)
             .collect();
     }
-    let mut local: BTreeSet<SocketAddr> = ready()
-        .filter(|(_, e)| e.local)
-        .map(|(a, _)| *a)
-        .collect();
+    let mut local: BTreeSet<SocketAddr> =
+        ready().filter(|(_, e)| e.local).map(|(a, _)| *a).collect();
     if local.is_empty() {
         local = eps
             .iter()
@@ -656,8 +657,14 @@ fn service_frontends(svc: &Sourced<Service>) -> Result<Option<Frontends>, String
         vips.push(ip);
     }
     for policy in [
-        ("internalTrafficPolicy", spec.internal_traffic_policy.as_deref()),
-        ("externalTrafficPolicy", spec.external_traffic_policy.as_deref()),
+        (
+            "internalTrafficPolicy",
+            spec.internal_traffic_policy.as_deref(),
+        ),
+        (
+            "externalTrafficPolicy",
+            spec.external_traffic_policy.as_deref(),
+        ),
     ] {
         if let (field, Some(v)) = policy
             && v != "Cluster"
@@ -1733,6 +1740,314 @@ mod tests {
             vec![
                 "test.yaml: Service b/web: frontend 10.96.0.3:80/TCP is already used by Service a/web; Service skipped"
             ]
+        );
+    }
+
+    /// A Node manifest named `name` in `zone`.
+    fn node(name: &str, zone: &str) -> String {
+        format!(
+            "---\napiVersion: v1\nkind: Node\nmetadata:\n  name: {name}\n  labels: {{topology.kubernetes.io/zone: {zone}}}\n"
+        )
+    }
+
+    /// One endpoint as a YAML flow mapping.
+    fn ep(addr: &str, node: &str, cond: &str, hints: &str) -> String {
+        let mut s = format!("{{addresses: [{addr}], nodeName: {node}");
+        if !cond.is_empty() {
+            s += &format!(", conditions: {{{cond}}}");
+        }
+        if !hints.is_empty() {
+            s += &format!(", hints: {{{hints}}}");
+        }
+        s + "}"
+    }
+
+    /// Backends of web's internal set (port 80/TCP/IPv4) for endpoints `eps`, seen from
+    /// node-1 in zone-a, with extra spec lines.
+    fn web_backends(spec_extra: &str, eps: &[String]) -> (DesiredService, Vec<String>) {
+        let yaml = node("node-1", "zone-a")
+            + &svc(
+                "default",
+                "web",
+                &format!("  clusterIP: 10.96.0.10\n  ports: [{{port: 80}}]\n{spec_extra}"),
+            )
+            + &slice(
+                "default",
+                "web-1",
+                "web",
+                &format!(
+                    "addressType: IPv4\nendpoints: [{}]\nports: [{{port: 8080}}]\n",
+                    eps.join(", ")
+                ),
+            );
+        let (s, e) = build_yaml(&yaml);
+        let d = s.services.get(&key("default", "web", "", Tcp, V4));
+        (d.cloned().unwrap_or_default(), e)
+    }
+
+    fn set(list: &[&str]) -> BTreeSet<SocketAddr> {
+        list.iter()
+            .map(|a| format!("{a}:8080").parse().unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn terminating_endpoints_are_used_only_when_none_is_ready() {
+        let ready = ep("10.0.0.1", "node-2", "", "");
+        let term_serving = ep(
+            "10.0.0.2",
+            "node-2",
+            "ready: false, serving: true, terminating: true",
+            "",
+        );
+        let term_not_serving = ep(
+            "10.0.0.3",
+            "node-2",
+            "ready: false, serving: false, terminating: true",
+            "",
+        );
+        let not_ready = ep("10.0.0.4", "node-2", "ready: false", "");
+        let all = [
+            ready.clone(),
+            term_serving.clone(),
+            term_not_serving.clone(),
+            not_ready.clone(),
+        ];
+        assert_eq!(web_backends("", &all).0.backends, set(&["10.0.0.1"]));
+        // No ready endpoint: the serving terminating ones.
+        let (d, e) = web_backends("", &all[1..]);
+        assert_eq!(e, NO_ERRORS);
+        assert_eq!(d.backends, set(&["10.0.0.2"]));
+        // Terminating but not serving, or not ready without terminating: nothing.
+        assert_eq!(web_backends("", &all[2..]).0.backends, set(&[]));
+    }
+
+    #[test]
+    fn internal_traffic_policy_local_uses_this_nodes_endpoints_and_flags_the_frontend() {
+        let eps = [
+            ep("10.0.0.1", "node-1", "", ""),
+            ep("10.0.0.2", "node-2", "", ""),
+        ];
+        let (d, e) = web_backends("  internalTrafficPolicy: Local\n", &eps);
+        assert_eq!(e, NO_ERRORS);
+        assert_eq!(d.backends, set(&["10.0.0.1"]));
+        assert_eq!(d.flags, proxy_common::FRONTEND_F_LOCAL_ONLY);
+        // None local: empty, still flagged (EHOSTUNREACH rather than ECONNREFUSED).
+        let (d, _) = web_backends("  internalTrafficPolicy: Local\n", &eps[1..]);
+        assert!(d.backends.is_empty());
+        assert_eq!(d.flags, proxy_common::FRONTEND_F_LOCAL_ONLY);
+        // Local falls back to this node's serving terminating endpoints, independently of
+        // the cluster-wide ready ones.
+        let eps = [
+            ep(
+                "10.0.0.1",
+                "node-1",
+                "ready: false, serving: true, terminating: true",
+                "",
+            ),
+            ep("10.0.0.2", "node-2", "", ""),
+        ];
+        let (d, _) = web_backends("  internalTrafficPolicy: Local\n", &eps);
+        assert_eq!(d.backends, set(&["10.0.0.1"]));
+        // Cluster policy (explicit) uses both nodes.
+        let (d, _) = web_backends("  internalTrafficPolicy: Cluster\n", &eps);
+        assert_eq!(d.backends, set(&["10.0.0.2"]));
+        assert_eq!(d.flags, 0);
+        let (_, e) = web_backends("  internalTrafficPolicy: Nearby\n", &eps);
+        assert_eq!(
+            e,
+            vec![
+                "test.yaml: Service default/web: internalTrafficPolicy \"Nearby\" is not Cluster or Local; Service skipped"
+            ]
+        );
+    }
+
+    #[test]
+    fn zone_hints_narrow_the_cluster_set_with_kube_proxys_fallbacks() {
+        let za = "forZones: [{name: zone-a}]";
+        let zb = "forZones: [{name: zone-b}]";
+        let eps = [
+            ep("10.0.0.1", "node-1", "", za),
+            ep("10.0.0.2", "node-2", "", zb),
+            ep("10.0.0.3", "node-3", "", za),
+        ];
+        assert_eq!(
+            web_backends("", &eps).0.backends,
+            set(&["10.0.0.1", "10.0.0.3"])
+        );
+        // trafficDistribution is the controller's input; kube-proxy (and we) read hints.
+        assert_eq!(
+            web_backends("  trafficDistribution: PreferClose\n", &eps)
+                .0
+                .backends,
+            set(&["10.0.0.1", "10.0.0.3"])
+        );
+        // One ready endpoint without hints: hints are ignored.
+        let partial = [
+            eps[0].clone(),
+            eps[1].clone(),
+            ep("10.0.0.3", "node-3", "", ""),
+        ];
+        assert_eq!(
+            web_backends("", &partial).0.backends,
+            set(&["10.0.0.1", "10.0.0.2", "10.0.0.3"])
+        );
+        // A not-ready endpoint without hints does not disable them.
+        let with_unready = [
+            eps[0].clone(),
+            eps[1].clone(),
+            ep("10.0.0.4", "node-3", "ready: false", ""),
+        ];
+        assert_eq!(
+            web_backends("", &with_unready).0.backends,
+            set(&["10.0.0.1"])
+        );
+        // No endpoint for this zone: every endpoint.
+        let other_zone = [eps[1].clone(), ep("10.0.0.5", "node-2", "", zb)];
+        assert_eq!(
+            web_backends("", &other_zone).0.backends,
+            set(&["10.0.0.2", "10.0.0.5"])
+        );
+    }
+
+    #[test]
+    fn node_hints_win_over_zone_hints_and_need_this_node() {
+        let h = |zone: &str, node: &str| {
+            format!("forZones: [{{name: {zone}}}], forNodes: [{{name: {node}}}]")
+        };
+        let eps = [
+            ep("10.0.0.1", "node-1", "", &h("zone-a", "node-1")),
+            ep("10.0.0.2", "node-2", "", &h("zone-a", "node-2")),
+            ep("10.0.0.3", "node-3", "", &h("zone-b", "node-3")),
+        ];
+        assert_eq!(web_backends("", &eps).0.backends, set(&["10.0.0.1"]));
+        // No endpoint hinted for node-1: zone hints apply.
+        assert_eq!(web_backends("", &eps[1..]).0.backends, set(&["10.0.0.2"]));
+        let sets = categorize(&PortEndpoints::new(), "node-1", "zone-a");
+        assert_eq!(sets, EndpointSets::default());
+    }
+
+    #[test]
+    fn zone_hints_need_the_node_zone_label() {
+        // Same endpoints, Node object without a zone: hints cannot match, all are used.
+        let yaml = svc(
+            "default",
+            "web",
+            "  clusterIP: 10.96.0.10\n  ports: [{port: 80}]\n",
+        ) + &slice(
+            "default",
+            "web-1",
+            "web",
+            &format!(
+                "addressType: IPv4\nendpoints: [{}, {}]\nports: [{{port: 8080}}]\n",
+                ep("10.0.0.1", "node-1", "", "forZones: [{name: zone-a}]"),
+                ep("10.0.0.2", "node-2", "", "forZones: [{name: zone-b}]")
+            ),
+        );
+        let (s, _) = build_yaml(&yaml);
+        assert_eq!(
+            s.services[&key("default", "web", "", Tcp, V4)].backends,
+            set(&["10.0.0.1", "10.0.0.2"])
+        );
+    }
+
+    #[test]
+    fn external_addresses_get_the_cluster_endpoints_whatever_the_policies() {
+        let eps = [
+            ep("10.0.0.1", "node-1", "", ""),
+            ep("10.0.0.2", "node-2", "", ""),
+        ];
+        let yaml = svc(
+            "default",
+            "lb",
+            "  type: LoadBalancer\n  clusterIPs: [10.96.0.10, 'fd00::10']\n  ports: [{port: 80}]\n  externalTrafficPolicy: Local\n  internalTrafficPolicy: Local\n  externalIPs: [192.0.2.7, 'not-an-ip', 127.0.0.1]\n",
+        ) + "status:\n  loadBalancer:\n    ingress:\n    - {ip: 192.0.2.8}\n    - {ip: 192.0.2.9, ipMode: Proxy}\n    - {ip: '2001:db8::8'}\n    - {hostname: lb.example.com}\n"
+            + &slice(
+                "default",
+                "lb-1",
+                "lb",
+                &format!(
+                    "addressType: IPv4\nendpoints: [{}]\nports: [{{port: 8080}}]\n",
+                    eps.join(", ")
+                ),
+            )
+            + &svc(
+                "default",
+                "single",
+                "  clusterIP: 10.96.0.11\n  ports: [{port: 80}]\n  externalIPs: ['2001:db8::1', 192.0.2.7]\n",
+            );
+        let (s, e) = build_yaml(&yaml);
+        let ext = ServicePortKey {
+            scope: Scope::External,
+            ..key("default", "lb", "", Tcp, V4)
+        };
+        assert_eq!(
+            s.services[&ext],
+            DesiredService {
+                frontends: addrs(&["192.0.2.7:80", "192.0.2.8:80"]),
+                backends: set(&["10.0.0.1", "10.0.0.2"]),
+                flags: 0,
+            }
+        );
+        let ext6 = ServicePortKey {
+            scope: Scope::External,
+            ..key("default", "lb", "", Tcp, V6)
+        };
+        assert_eq!(s.services[&ext6].frontends, addrs(&["[2001:db8::8]:80"]));
+        // The cluster IP keeps its Local policy.
+        let int = &s.services[&key("default", "lb", "", Tcp, V4)];
+        assert_eq!(int.backends, set(&["10.0.0.1"]));
+        assert_eq!(int.flags, proxy_common::FRONTEND_F_LOCAL_ONLY);
+        assert_eq!(
+            e,
+            vec![
+                "test.yaml: Service default/lb: externalIP \"not-an-ip\" is not a valid IP address; address skipped",
+                "test.yaml: Service default/lb: externalIP 127.0.0.1 is not usable (unspecified, loopback, multicast or broadcast); address skipped",
+                "test.yaml: Service default/single: externalIP 2001:db8::1 is IPv6 but the Service has no IPv6 cluster IP; address skipped",
+                "test.yaml: Service default/single: externalIP 192.0.2.7: frontend 192.0.2.7:80/TCP is already used by Service default/lb; address skipped",
+            ]
+        );
+        // The single-stack Service keeps its cluster IP and has no external set.
+        assert!(
+            s.services
+                .contains_key(&key("default", "single", "", Tcp, V4))
+        );
+        assert!(!s.services.contains_key(&ServicePortKey {
+            scope: Scope::External,
+            ..key("default", "single", "", Tcp, V4)
+        }));
+    }
+
+    #[test]
+    fn an_endpoint_in_two_slices_prefers_the_local_copy() {
+        let yaml = node("node-1", "zone-a")
+            + &svc(
+                "default",
+                "web",
+                "  clusterIP: 10.96.0.10\n  ports: [{port: 80}]\n  internalTrafficPolicy: Local\n",
+            )
+            + &slice(
+                "default",
+                "web-a",
+                "web",
+                &format!(
+                    "addressType: IPv4\nendpoints: [{}]\nports: [{{port: 8080}}]\n",
+                    ep("10.0.0.1", "node-2", "", "")
+                ),
+            )
+            + &slice(
+                "default",
+                "web-b",
+                "web",
+                &format!(
+                    "addressType: IPv4\nendpoints: [{}]\nports: [{{port: 8080}}]\n",
+                    ep("10.0.0.1", "node-1", "", "")
+                ),
+            );
+        let (s, _) = build_yaml(&yaml);
+        assert_eq!(
+            s.services[&key("default", "web", "", Tcp, V4)].backends,
+            set(&["10.0.0.1"])
         );
     }
 }

@@ -1011,7 +1011,89 @@ mod tests {
             ..key("x", Protocol::Tcp)
         };
         assert_eq!(parse_service_name(&service_name(&unnamed)), Some(unnamed));
+        let external = ServicePortKey {
+            scope: Scope::External,
+            ..key("lb", Protocol::Tcp)
+        };
+        assert_eq!(service_name(&external), "default/lb:http/TCP/v4/external");
+        assert_eq!(parse_service_name(&service_name(&external)), Some(external));
+        assert_eq!(parse_service_name("default/lb:http/TCP/v4/other"), None);
         assert_eq!(parse_service_name("garbage"), None);
+    }
+
+    #[test]
+    fn removed_udp_backends_are_reported_for_release_and_tcp_ones_are_not() {
+        for incremental in [false, true] {
+            let mut dp = FakeDatapath::new(cap());
+            let mut s = Syncer::adopt(&dp).unwrap();
+            let both = |udp: &[&str], tcp: &[&str]| {
+                state(vec![
+                    (key("dns", Protocol::Udp), svc(&["10.96.0.10:53"], udp)),
+                    (key("dns", Protocol::Tcp), svc(&["10.96.0.10:53"], tcp)),
+                ])
+            };
+            let st = s
+                .sync(
+                    &mut dp,
+                    &both(&["10.0.0.1:53", "10.0.0.2:53"], &["10.0.0.1:53"]),
+                )
+                .unwrap();
+            assert!(st.released.is_empty());
+            if !incremental {
+                s = Syncer::adopt(&dp).unwrap(); // the next sync is a full one
+            }
+            let udp_id = s.ids[&key("dns", Protocol::Udp)];
+            let st = s.sync(&mut dp, &both(&["10.0.0.2:53"], &[])).unwrap();
+            assert_eq!(st.released.len(), 1, "{:?}", st.released);
+            let (sid, bid, b) = st.released[0];
+            assert_eq!(sid, udp_id);
+            assert_eq!(
+                b,
+                backend_value(&"10.0.0.1:53".parse().unwrap(), Protocol::Udp)
+            );
+            assert_ne!(bid, 0);
+            // Removing the whole UDP Service releases its last backend too.
+            if !incremental {
+                s = Syncer::adopt(&dp).unwrap();
+            }
+            let st = s
+                .sync(
+                    &mut dp,
+                    &state(vec![(
+                        key("dns", Protocol::Tcp),
+                        svc(&["10.96.0.10:53"], &[]),
+                    )]),
+                )
+                .unwrap();
+            assert_eq!(st.released.len(), 1, "{:?}", st.released);
+            assert_eq!(st.released[0].0, udp_id);
+        }
+    }
+
+    #[test]
+    fn frontend_flags_come_from_the_desired_state() {
+        let mut dp = FakeDatapath::new(cap());
+        let mut s = Syncer::adopt(&dp).unwrap();
+        let mut d = svc(&["10.96.0.1:80"], &[]);
+        d.flags = proxy_common::FRONTEND_F_LOCAL_ONLY;
+        s.sync(
+            &mut dp,
+            &state(vec![(key("web", Protocol::Tcp), d.clone())]),
+        )
+        .unwrap();
+        let fe = |dp: &FakeDatapath| {
+            *dp.state
+                .frontends
+                .iter()
+                .find(|(k, _)| k.proto != 0)
+                .unwrap()
+                .1
+        };
+        assert_eq!(fe(&dp).flags, proxy_common::FRONTEND_F_LOCAL_ONLY);
+        d.flags = 0;
+        s.sync(&mut dp, &state(vec![(key("web", Protocol::Tcp), d)]))
+            .unwrap();
+        assert_eq!(fe(&dp).flags, 0);
     }
 
     #[test]

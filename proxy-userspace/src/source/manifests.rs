@@ -232,7 +232,9 @@ fn dispatch(
         ns.clone()
     };
     match (api.as_str(), kind.as_str()) {
-        (SERVICE_API, "Service") | (ENDPOINT_SLICE_API, "EndpointSlice") | (SERVICE_API, "Node") => {}
+        (SERVICE_API, "Service")
+        | (ENDPOINT_SLICE_API, "EndpointSlice")
+        | (SERVICE_API, "Node") => {}
         _ => {
             errors.push(SourceError::object(
                 origin,

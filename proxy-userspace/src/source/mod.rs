@@ -87,7 +87,12 @@ impl Object {
         let meta = match self {
             Object::Service(s) => &s.object.metadata,
             Object::EndpointSlice(s) => &s.object.metadata,
-            Object::Node(n) => return (String::new(), n.object.metadata.name.clone().unwrap_or_default()),
+            Object::Node(n) => {
+                return (
+                    String::new(),
+                    n.object.metadata.name.clone().unwrap_or_default(),
+                );
+            }
         };
         (
             meta.namespace
