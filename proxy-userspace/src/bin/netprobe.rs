@@ -78,6 +78,10 @@ enum Cmd {
         interval_ms: u64,
         #[arg(long, default_value_t = 1000)]
         timeout_ms: u64,
+        /// With --connected: when a send fails, connect() the socket to --to again (what an
+        /// application does to recover a socket whose endpoint went away) and retry once.
+        #[arg(long)]
+        reconnect: bool,
     },
     /// Run the end-to-end demo (needs root): a lab of pod namespaces, the agent, traffic.
     Demo {
@@ -126,10 +130,12 @@ fn main() -> ExitCode {
             connected,
             interval_ms,
             timeout_ms,
+            reconnect,
         } => udp_probe(
             to,
             count,
             connected,
+            reconnect,
             Duration::from_millis(interval_ms),
             Duration::from_millis(timeout_ms),
         ),
@@ -390,6 +396,7 @@ fn udp_probe(
     to: SocketAddr,
     count: u32,
     connected: bool,
+    reconnect: bool,
     interval: Duration,
     timeout: Duration,
 ) -> Result<bool> {
@@ -407,13 +414,21 @@ fn udp_probe(
         if i > 0 {
             std::thread::sleep(interval);
         }
-        let v = (|| -> io::Result<Value> {
+        let mut send_error: Option<Value> = None;
+        let mut v = (|| -> io::Result<Value> {
             if connected && !is_connected {
                 sock.connect(to)?;
                 is_connected = true;
             }
             if connected {
-                sock.send(b"ping")?;
+                if let Err(e) = sock.send(b"ping") {
+                    if !reconnect {
+                        return Err(e);
+                    }
+                    send_error = Some(error_json(&e));
+                    sock.connect(to)?;
+                    sock.send(b"ping")?;
+                }
             } else {
                 sock.send_to(b"ping", to)?;
             }
@@ -432,6 +447,16 @@ fn udp_probe(
             Ok(v)
         })()
         .unwrap_or_else(|e| error_json(&e));
+        if let Some(e) = send_error {
+            v["reconnected_after"] = e;
+        }
+        // Wall-clock time of the attempt, so a test can line attempts up with its changes.
+        v["at_ms"] = json!(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_millis() as u64)
+                .unwrap_or(0)
+        );
         all_ok &= v["ok"] == json!(true);
         print_json(&v);
     }

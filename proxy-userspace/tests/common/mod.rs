@@ -293,6 +293,122 @@ impl Env {
     }
 }
 
+/// A second "node" on the same lab: its own cgroup (its clients), pin directory and agent,
+/// reading the same manifests under another node name. Socket-level load balancing only
+/// depends on the client's cgroup, so two cgroups with two agents are two nodes.
+pub struct OtherNode {
+    pub node_name: String,
+    pub pin_dir: String,
+    pub agent: Option<ChildGuard>,
+    pub log_path: PathBuf,
+    pub cg: TestCgroup,
+}
+
+impl OtherNode {
+    pub fn log(&self) -> String {
+        fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    pub fn pin_path(&self) -> PathBuf {
+        Path::new(BPFFS).join(&self.pin_dir)
+    }
+
+    /// Waits (at most 10 s) until this node's pinned maps satisfy `f`.
+    pub fn wait_maps(&self, f: impl Fn(&Snapshot) -> bool, what: &str) -> Duration {
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(10) {
+            let snap = PinnedMaps::open(&self.pin_path())
+                .ok()
+                .and_then(|m| m.snapshot().ok());
+            if snap.is_some_and(|s| f(&s)) {
+                return start.elapsed();
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        panic!("timed out waiting for {what}; agent log:\n{}", self.log());
+    }
+}
+
+impl Drop for OtherNode {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("--- agent log of {} ---\n{}", self.node_name, self.log());
+        }
+        self.agent.take();
+        let _ = loader::cleanup(&self.pin_path());
+        let _ = fs::remove_file(&self.log_path);
+    }
+}
+
+impl Env {
+    /// Starts a second node `node_name` (agent with `--hostname-override node_name`) on the
+    /// same manifests and waits for its first sync. This Env's own agent should be started
+    /// with `--hostname-override` too (`extra_agent_args`).
+    pub fn add_node(&self, node_name: &str) -> OtherNode {
+        let tag = format!("{}-{node_name}", self.name);
+        let pin_dir = format!("ebpf-proxy-test-{tag}");
+        let _ = loader::cleanup(&Path::new(BPFFS).join(&pin_dir));
+        let cg = TestCgroup::create(&format!("ebpf-proxy-test-{tag}")).expect("cgroup");
+        let log_path = self
+            .manifests
+            .path()
+            .with_extension(format!("{node_name}.log"));
+        let log = fs::File::create(&log_path).unwrap();
+        let mut cmd = Command::new(AGENT);
+        cmd.arg("run")
+            .arg("--manifests")
+            .arg(self.manifests.path())
+            .arg("--cgroup-path")
+            .arg(cg.path())
+            .args(["--pin-dir", &pin_dir, "--hostname-override", node_name])
+            .args([
+                "--healthz-bind-address",
+                "127.0.0.1:0",
+                "--metrics-bind-address",
+                "127.0.0.1:0",
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log);
+        let agent = ChildGuard::new(spawn_in(None, None, &mut cmd).expect("start agent"));
+        let node = OtherNode {
+            node_name: node_name.into(),
+            pin_dir,
+            agent: Some(agent),
+            log_path,
+            cg,
+        };
+        let start = Instant::now();
+        while !node.log().contains("sync done") {
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "node {node_name} did not sync:\n{}",
+                node.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        node
+    }
+
+    /// Runs netprobe in the client pod inside cgroup `cg` (a node's clients); JSON lines.
+    pub fn probe_in(&self, cg: &Path, args: &[&str]) -> Vec<Probe> {
+        let out = self
+            .client
+            .output(
+                Some(cg),
+                Command::new(NETPROBE).args(args),
+                Duration::from_secs(60),
+            )
+            .expect("netprobe");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| {
+                serde_json::from_str(l).unwrap_or_else(|e| panic!("bad netprobe line {l:?}: {e}"))
+            })
+            .collect()
+    }
+}
+
 impl Drop for Env {
     fn drop(&mut self) {
         if std::thread::panicking() {
