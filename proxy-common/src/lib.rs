@@ -102,7 +102,21 @@ pub const FRONTEND_F_VIP_MARKER: u32 = 1 << 0;
 /// any endpoint.
 pub const FRONTEND_F_LOCAL_ONLY: u32 = 1 << 1;
 
-/// Frontend key: (VIP, port, protocol). 20 bytes.
+/// [`Frontend::flags`] bit: an external address (externalIP, load balancer IP) or a node
+/// port, rather than a cluster IP. Such addresses get no VIP marker: kube-proxy's nftables
+/// mode rejects undefined ports on cluster IPs only, and a node IP carries the node's own
+/// services.
+pub const FRONTEND_F_EXTERNAL: u32 = 1 << 2;
+
+/// [`FrontendKey::scope`] of frontends for traffic that starts on this node (the socket
+/// programs: pods and host processes, which reach external addresses and node ports with the
+/// Cluster endpoints, kube-proxy's short-circuit).
+pub const SCOPE_NODE: u8 = 0;
+/// [`FrontendKey::scope`] of frontends for traffic that enters the node from outside (the tc
+/// programs): external addresses and node ports with the `externalTrafficPolicy` endpoints.
+pub const SCOPE_INGRESS: u8 = 1;
+
+/// Frontend key: (VIP, port, protocol, scope). 20 bytes.
 ///
 /// The VIP marker of an address uses `port = 0`, `proto = 0`.
 #[repr(C)]
@@ -114,7 +128,7 @@ pub struct FrontendKey {
     pub port: [u8; 2],
     /// IANA protocol number ([`PROTO_TCP`], [`PROTO_UDP`]), 0 for a VIP marker.
     pub proto: u8,
-    /// Reserved (scope of a future node-local frontend); always 0.
+    /// Who reaches it: [`SCOPE_NODE`] (socket programs) or [`SCOPE_INGRESS`] (tc programs).
     pub scope: u8,
 }
 

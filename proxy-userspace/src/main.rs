@@ -99,6 +99,11 @@ struct RunArgs {
     /// Name of this node [default: $NODE_NAME, else the hostname].
     #[arg(long)]
     hostname_override: Option<String>,
+    /// Node addresses that serve NodePorts: comma-separated CIDRs, or `primary` (the
+    /// node's first InternalIP per family, kube-proxy's nftables default) [default: every
+    /// InternalIP and ExternalIP of this node's Node object].
+    #[arg(long, value_delimiter = ',')]
+    nodeport_addresses: Vec<String>,
     /// Address of the health server (`/healthz`, `/livez`); port 0 picks a free port.
     #[arg(long, default_value = "0.0.0.0:10256")]
     healthz_bind_address: SocketAddr,
@@ -349,6 +354,31 @@ fn release_stale(maps: &PinnedMaps, released: &[(u32, u32, proxy_common::Backend
     }
 }
 
+/// `--nodeport-addresses`: comma-separated CIDRs, or `primary`; empty is every address.
+fn parse_nodeport_addresses(list: &[String]) -> Result<(Vec<model::Cidr>, bool)> {
+    let mut cidrs = Vec::new();
+    let mut primary = false;
+    for item in list
+        .iter()
+        .flat_map(|s| s.split(','))
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+    {
+        if item == "primary" {
+            primary = true;
+        } else {
+            cidrs.push(
+                item.parse::<model::Cidr>()
+                    .map_err(|e| anyhow::anyhow!("--nodeport-addresses: {e}"))?,
+            );
+        }
+    }
+    if primary && !cidrs.is_empty() {
+        anyhow::bail!("--nodeport-addresses: `primary` cannot be combined with CIDRs");
+    }
+    Ok((cidrs, primary))
+}
+
 fn node_name(flag: Option<String>) -> String {
     flag.filter(|s| !s.is_empty())
         .or_else(|| std::env::var("NODE_NAME").ok().filter(|s| !s.is_empty()))
@@ -361,7 +391,11 @@ fn node_name(flag: Option<String>) -> String {
 }
 
 fn run(args: RunArgs) -> Result<()> {
+    let (nodeport_addresses, nodeport_primary) =
+        parse_nodeport_addresses(&args.nodeport_addresses)?;
     let node = NodeInfo {
+        nodeport_addresses,
+        nodeport_primary,
         name: node_name(args.hostname_override.clone()),
     };
     // Check every input before touching the data path, so a mistake changes nothing.

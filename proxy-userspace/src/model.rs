@@ -148,10 +148,23 @@ pub enum Scope {
     /// The cluster IPs, with `internalTrafficPolicy`.
     #[default]
     Internal,
-    /// The external addresses (`spec.externalIPs`, load balancer ingress IPs) as reached
-    /// from this node: always the Cluster endpoints, as kube-proxy short-circuits traffic
-    /// from inside the cluster to them.
+    /// The external addresses (`spec.externalIPs`, load balancer ingress IPs) and node
+    /// ports as reached from this node (socket programs): always the Cluster endpoints, as
+    /// kube-proxy short-circuits traffic from inside the cluster to them.
     External,
+    /// The same frontends as reached from outside the node (tc programs, key scope
+    /// `SCOPE_INGRESS`): the `externalTrafficPolicy` endpoints.
+    Ingress,
+}
+
+impl Scope {
+    /// `FrontendKey::scope` of this set's frontends.
+    pub fn key_scope(self) -> u8 {
+        match self {
+            Scope::Internal | Scope::External => proxy_common::SCOPE_NODE,
+            Scope::Ingress => proxy_common::SCOPE_INGRESS,
+        }
+    }
 }
 
 /// Identity of one backend set: a Service port (by port name; "" when unnamed) x protocol
@@ -248,11 +261,71 @@ type PortEndpoints = BTreeMap<SocketAddr, EndpointInfo>;
 type ServiceEndpoints = BTreeMap<(String, Protocol, Family), PortEndpoints>;
 
 /// Information about this node: its name (`--hostname-override`). Its zone is the
-/// `topology.kubernetes.io/zone` label of the Node object of that name, when a source has it.
+/// `topology.kubernetes.io/zone` label of the Node object of that name, and its node-port
+/// addresses that object's `status.addresses`, when a source has it.
 #[derive(Clone, Debug, Default)]
 pub struct NodeInfo {
     /// Node name.
     pub name: String,
+    /// `--nodeport-addresses` CIDRs: node ports are served only on node addresses inside
+    /// one of them; empty means every node address (kube-proxy's iptables default).
+    pub nodeport_addresses: Vec<Cidr>,
+    /// `--nodeport-addresses primary`: only the node's primary address of each family (its
+    /// first `InternalIP`), the default of kube-proxy's nftables mode.
+    pub nodeport_primary: bool,
+}
+
+/// An IP prefix (`10.0.0.0/8`, `fd00::/64`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cidr {
+    /// Network address (host bits may be set; they are ignored).
+    pub addr: IpAddr,
+    /// Prefix length, 0..=32 for IPv4, 0..=128 for IPv6.
+    pub len: u8,
+}
+
+impl Cidr {
+    /// True when `ip` is inside the prefix (never across families).
+    pub fn contains(&self, ip: &IpAddr) -> bool {
+        match (self.addr, ip) {
+            (IpAddr::V4(n), IpAddr::V4(a)) => {
+                let mask = u32::MAX.checked_shl(32 - self.len as u32).unwrap_or(0);
+                u32::from(n) & mask == u32::from(*a) & mask
+            }
+            (IpAddr::V6(n), IpAddr::V6(a)) => {
+                let mask = u128::MAX.checked_shl(128 - self.len as u32).unwrap_or(0);
+                u128::from(n) & mask == u128::from(*a) & mask
+            }
+            _ => false,
+        }
+    }
+}
+
+impl std::str::FromStr for Cidr {
+    type Err = String;
+
+    /// Parses `ADDR/LEN`; errors name the bad part.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (a, l) = s
+            .split_once('/')
+            .ok_or_else(|| format!("{s:?} is not a CIDR (ADDR/LEN)"))?;
+        let addr: IpAddr = a
+            .parse()
+            .map_err(|_| format!("{s:?}: {a:?} is not an IP address"))?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let len: u8 = l
+            .parse()
+            .ok()
+            .filter(|n| *n <= max)
+            .ok_or_else(|| format!("{s:?}: prefix length {l:?} is not 0-{max}"))?;
+        Ok(Cidr { addr, len })
+    }
+}
+
+impl std::fmt::Display for Cidr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.addr, self.len)
+    }
 }
 
 /// The label holding a Node's zone.
@@ -310,13 +383,13 @@ pub fn build_cached(
     cache
         .slices
         .retain(|k, _| objects.endpoint_slices.contains_key(k));
-    let zone = objects
-        .nodes
-        .get(&node.name)
+    let this_node = objects.nodes.get(&node.name);
+    let zone = this_node
         .and_then(|n| n.object.metadata.labels.as_ref())
         .and_then(|l| l.get(ZONE_LABEL))
         .cloned()
         .unwrap_or_default();
+    let node_ips = node_addresses(this_node, node, &mut errors);
 
     // Endpoints of every Service, by (namespace, service name) -> (port name, protocol, family).
     let mut endpoints: BTreeMap<(&str, &str), ServiceEndpoints> = BTreeMap::new();
@@ -395,6 +468,7 @@ pub fn build_cached(
             vips,
             ports,
             external,
+            node_ports,
             warnings,
         } = match service_frontends(svc) {
             Ok(Some(v)) => v,
@@ -459,8 +533,36 @@ pub fn build_cached(
             }
             external_ok.push((ip, what));
         }
+        // Node ports on this node's addresses, each (address, node port, protocol) owned
+        // by one Service.
+        let mut node_port_ok: BTreeMap<String, Vec<SocketAddr>> = BTreeMap::new();
+        for (port_name, protocol, _) in &ports {
+            let Some(np) = node_ports.get(port_name) else {
+                continue;
+            };
+            for ip in node_ips
+                .iter()
+                .filter(|ip| vips.iter().any(|v| Family::of(v) == Family::of(ip)))
+            {
+                let fe = SocketAddr::new(*ip, *np);
+                match owners.get(&(fe, *protocol)) {
+                    Some(o) if *o != (ns.as_str(), name.as_str()) => {
+                        errors.push(mk_err(format!(
+                            "node port {fe}/{protocol} is already used by Service {}/{}; node port skipped",
+                            o.0, o.1
+                        )));
+                    }
+                    _ => {
+                        owners.insert((fe, *protocol), (ns.as_str(), name.as_str()));
+                        node_port_ok.entry(port_name.clone()).or_default().push(fe);
+                    }
+                }
+            }
+        }
 
         let spec = svc.object.spec.as_ref();
+        let external_local =
+            spec.and_then(|s| s.external_traffic_policy.as_deref()) == Some("Local");
         let internal_local =
             spec.and_then(|s| s.internal_traffic_policy.as_deref()) == Some("Local");
         let service_endpoints = endpoints.get(&(ns.as_str(), name.as_str()));
@@ -481,7 +583,7 @@ pub fn build_cached(
                 let eps = eps.unwrap_or(&empty);
                 let sets = categorize(eps, &node.name, &zone);
                 let (backends, flags) = if internal_local {
-                    (sets.local, proxy_common::FRONTEND_F_LOCAL_ONLY)
+                    (sets.local.clone(), proxy_common::FRONTEND_F_LOCAL_ONLY)
                 } else {
                     (sets.cluster.clone(), 0)
                 };
@@ -496,12 +598,40 @@ pub fn build_cached(
                 // Traffic from this node to external addresses is "internal to the cluster":
                 // kube-proxy short-circuits it to the Cluster endpoints whatever the
                 // externalTrafficPolicy (pkg/proxy: UsesClusterEndpoints).
-                let ext: BTreeSet<SocketAddr> = external_ok
+                let mut ext: BTreeSet<SocketAddr> = external_ok
                     .iter()
                     .filter(|(ip, _)| Family::of(ip) == family)
                     .map(|(ip, _)| SocketAddr::new(*ip, *port))
                     .collect();
+                ext.extend(
+                    node_port_ok
+                        .get(port_name)
+                        .into_iter()
+                        .flatten()
+                        .filter(|fe| Family::of(&fe.ip()) == family),
+                );
                 if !ext.is_empty() {
+                    // From outside the node: the externalTrafficPolicy endpoints; Local has
+                    // no fallback to other nodes (traffic is dropped, the client IP kept).
+                    let (ingress_backends, ingress_flags) = if external_local {
+                        (
+                            sets.local.clone(),
+                            proxy_common::FRONTEND_F_EXTERNAL | proxy_common::FRONTEND_F_LOCAL_ONLY,
+                        )
+                    } else {
+                        (sets.cluster.clone(), proxy_common::FRONTEND_F_EXTERNAL)
+                    };
+                    state.services.insert(
+                        ServicePortKey {
+                            scope: Scope::Ingress,
+                            ..key.clone()
+                        },
+                        DesiredService {
+                            frontends: ext.clone(),
+                            backends: ingress_backends,
+                            flags: ingress_flags,
+                        },
+                    );
                     state.services.insert(
                         ServicePortKey {
                             scope: Scope::External,
@@ -510,7 +640,7 @@ pub fn build_cached(
                         DesiredService {
                             frontends: ext,
                             backends: sets.cluster,
-                            flags: 0,
+                            flags: proxy_common::FRONTEND_F_EXTERNAL,
                         },
                     );
                 }
@@ -518,6 +648,56 @@ pub fn build_cached(
         }
     }
     (state, errors)
+}
+
+/// This node's addresses that serve node ports: the `InternalIP` and `ExternalIP` entries of
+/// its Node object's `status.addresses` (the addresses other nodes and load balancers use),
+/// narrowed by `NodeInfo::nodeport_addresses` when set. Unparseable ones are reported.
+fn node_addresses(
+    this_node: Option<&Sourced<k8s_openapi::api::core::v1::Node>>,
+    node: &NodeInfo,
+    errors: &mut Vec<ModelError>,
+) -> BTreeSet<IpAddr> {
+    let mut ips = BTreeSet::new();
+    let Some(n) = this_node else {
+        return ips;
+    };
+    let addrs = n.object.status.as_ref().and_then(|s| s.addresses.as_ref());
+    let mut primary_seen: BTreeSet<Family> = BTreeSet::new();
+    for a in addrs.into_iter().flatten() {
+        if a.type_ != "InternalIP" && a.type_ != "ExternalIP" {
+            continue;
+        }
+        if node.nodeport_primary {
+            let fam = match a.address.parse::<IpAddr>() {
+                Ok(ip) => Family::of(&ip),
+                Err(_) => continue,
+            };
+            if a.type_ != "InternalIP" || !primary_seen.insert(fam) {
+                continue;
+            }
+        }
+        match a.address.parse::<IpAddr>() {
+            Ok(ip) if usable_vip(&ip) => {
+                if node.nodeport_addresses.is_empty()
+                    || node.nodeport_addresses.iter().any(|c| c.contains(&ip))
+                {
+                    ips.insert(ip);
+                }
+            }
+            _ => errors.push(ModelError::object(
+                n.origin.clone(),
+                "Node",
+                "",
+                node.name.clone(),
+                format!(
+                    "status.addresses {} {:?} is not a usable IP address; skipped for node ports",
+                    a.type_, a.address
+                ),
+            )),
+        }
+    }
+    ips
 }
 
 /// The endpoint sets of one Service port for this node (pkg/proxy `CategorizeEndpoints`).
@@ -601,6 +781,8 @@ struct Frontends {
     vips: Vec<IpAddr>,
     ports: Vec<(String, Protocol, u16)>,
     external: Vec<(IpAddr, &'static str)>,
+    /// `spec.ports[].nodePort` by port name, where set.
+    node_ports: BTreeMap<String, u16>,
     warnings: Vec<String>,
 }
 
@@ -675,6 +857,7 @@ fn service_frontends(svc: &Sourced<Service>) -> Result<Option<Frontends>, String
     }
 
     let mut ports = Vec::new();
+    let mut node_ports = BTreeMap::new();
     let mut warnings = Vec::new();
     let mut seen_ports: BTreeSet<(i32, String)> = BTreeSet::new();
     let mut seen_names: BTreeSet<&str> = BTreeSet::new();
@@ -712,6 +895,16 @@ fn service_frontends(svc: &Sourced<Service>) -> Result<Option<Frontends>, String
                 ));
             }
         };
+        match p.node_port {
+            None | Some(0) => {}
+            Some(n @ 1..=65535) => {
+                node_ports.insert(name.to_string(), n as u16);
+            }
+            Some(n) => warnings.push(format!(
+                "nodePort {n} of port {}{shown} is out of range 1-65535; node port skipped",
+                p.port
+            )),
+        }
         ports.push((name.to_string(), protocol, p.port as u16));
     }
 
@@ -752,6 +945,7 @@ fn service_frontends(svc: &Sourced<Service>) -> Result<Option<Frontends>, String
         vips,
         ports,
         external,
+        node_ports,
         warnings,
     }))
 }
@@ -875,12 +1069,17 @@ mod tests {
     }
 
     fn build_yaml(yaml: &str) -> (DesiredState, Vec<String>) {
-        let (state, errors) = build(
-            &objects(yaml),
+        build_yaml_on(
+            yaml,
             &NodeInfo {
                 name: "node-1".into(),
+                ..Default::default()
             },
-        );
+        )
+    }
+
+    fn build_yaml_on(yaml: &str, node: &NodeInfo) -> (DesiredState, Vec<String>) {
+        let (state, errors) = build(&objects(yaml), node);
         (state, errors.iter().map(ToString::to_string).collect())
     }
 
@@ -1986,7 +2185,20 @@ mod tests {
             DesiredService {
                 frontends: addrs(&["192.0.2.7:80", "192.0.2.8:80"]),
                 backends: set(&["10.0.0.1", "10.0.0.2"]),
-                flags: 0,
+                flags: proxy_common::FRONTEND_F_EXTERNAL,
+            }
+        );
+        // From outside the node the same frontends follow externalTrafficPolicy: Local.
+        let ingress = ServicePortKey {
+            scope: Scope::Ingress,
+            ..key("default", "lb", "", Tcp, V4)
+        };
+        assert_eq!(
+            s.services[&ingress],
+            DesiredService {
+                frontends: addrs(&["192.0.2.7:80", "192.0.2.8:80"]),
+                backends: set(&["10.0.0.1"]),
+                flags: proxy_common::FRONTEND_F_EXTERNAL | proxy_common::FRONTEND_F_LOCAL_ONLY,
             }
         );
         let ext6 = ServicePortKey {
@@ -2049,5 +2261,97 @@ mod tests {
             s.services[&key("default", "web", "", Tcp, V4)].backends,
             set(&["10.0.0.1"])
         );
+    }
+
+    #[test]
+    fn node_ports_on_this_nodes_addresses_with_nodeport_addresses() {
+        let node_yaml = "---\napiVersion: v1\nkind: Node\nmetadata: {name: node-1}\nstatus:\n  addresses:\n  - {type: Hostname, address: node-1}\n  - {type: InternalIP, address: 192.168.1.5}\n  - {type: InternalIP, address: 192.168.1.6}\n  - {type: ExternalIP, address: 203.0.113.5}\n  - {type: InternalIP, address: 'fd00::5'}\n  - {type: ExternalIP, address: bogus}\n";
+        let yaml = node_yaml.to_string()
+            + &svc(
+                "default",
+                "np",
+                "  type: NodePort\n  clusterIP: 10.96.0.10\n  ports: [{name: http, port: 80, nodePort: 30080}, {name: dns, port: 53, protocol: UDP, nodePort: 30053}]\n",
+            )
+            + &svc(
+                "default",
+                "zclash",
+                "  type: NodePort\n  clusterIP: 10.96.0.11\n  ports: [{port: 80, nodePort: 30080}]\n",
+            )
+            + &slice(
+                "default",
+                "np-1",
+                "np",
+                "addressType: IPv4\nendpoints: [{addresses: [10.0.0.1], nodeName: node-2}]\nports: [{name: http, port: 8080}, {name: dns, port: 5353, protocol: UDP}]\n",
+            );
+        let ext = |port_name: &str, proto| ServicePortKey {
+            scope: Scope::External,
+            ..key("default", "np", port_name, proto, V4)
+        };
+        let node = |cidrs: &[&str], primary| NodeInfo {
+            name: "node-1".into(),
+            nodeport_addresses: cidrs.iter().map(|c| c.parse().unwrap()).collect(),
+            nodeport_primary: primary,
+        };
+        let (s, e) = build_yaml_on(&yaml, &node(&[], false));
+        assert_eq!(
+            s.services[&ext("http", Tcp)].frontends,
+            addrs(&[
+                "192.168.1.5:30080",
+                "192.168.1.6:30080",
+                "203.0.113.5:30080"
+            ])
+        );
+        assert_eq!(
+            s.services[&ext("dns", Udp)].frontends,
+            addrs(&[
+                "192.168.1.5:30053",
+                "192.168.1.6:30053",
+                "203.0.113.5:30053"
+            ])
+        );
+        assert_eq!(s.services[&ext("http", Tcp)].backends, set(&["10.0.0.1"]));
+        assert_eq!(
+            e,
+            vec![
+                "test.yaml: Node node-1: status.addresses ExternalIP \"bogus\" is not a usable IP address; skipped for node ports",
+                "test.yaml: Service default/zclash: node port 192.168.1.5:30080/TCP is already used by Service default/np; node port skipped",
+                "test.yaml: Service default/zclash: node port 192.168.1.6:30080/TCP is already used by Service default/np; node port skipped",
+                "test.yaml: Service default/zclash: node port 203.0.113.5:30080/TCP is already used by Service default/np; node port skipped",
+            ]
+        );
+        // The IPv6 node address has no IPv6 cluster IP to serve.
+        let (s, _) = build_yaml_on(&yaml, &node(&[], true));
+        assert_eq!(
+            s.services[&ext("http", Tcp)].frontends,
+            addrs(&["192.168.1.5:30080"])
+        );
+        let (s, _) = build_yaml_on(&yaml, &node(&["203.0.113.0/24"], false));
+        assert_eq!(
+            s.services[&ext("http", Tcp)].frontends,
+            addrs(&["203.0.113.5:30080"])
+        );
+        // Another node's name: no Node object, no node ports.
+        let other = NodeInfo {
+            name: "node-9".into(),
+            ..Default::default()
+        };
+        let (s, _) = build_yaml_on(&yaml, &other);
+        assert!(!s.services.contains_key(&ext("http", Tcp)));
+    }
+
+    #[test]
+    fn cidrs_parse_and_match() {
+        let c: Cidr = "10.1.0.0/16".parse().unwrap();
+        assert!(c.contains(&"10.1.200.3".parse().unwrap()));
+        assert!(!c.contains(&"10.2.0.1".parse().unwrap()));
+        assert!(!c.contains(&"::1".parse().unwrap()));
+        let all: Cidr = "0.0.0.0/0".parse().unwrap();
+        assert!(all.contains(&"192.0.2.1".parse().unwrap()));
+        let v6: Cidr = "fd00::/8".parse().unwrap();
+        assert!(v6.contains(&"fd12::1".parse().unwrap()));
+        assert_eq!(c.to_string(), "10.1.0.0/16");
+        for bad in ["10.0.0.0", "10.0.0.0/33", "x/8", "fd00::/129"] {
+            assert!(bad.parse::<Cidr>().is_err(), "{bad}");
+        }
     }
 }

@@ -25,7 +25,8 @@ use std::{
 };
 
 use proxy_common::{
-    Backend, BackendSlotKey, FRONTEND_F_VIP_MARKER, Frontend, FrontendKey, PROTO_UDP,
+    Backend, BackendSlotKey, FRONTEND_F_EXTERNAL, FRONTEND_F_VIP_MARKER, Frontend, FrontendKey,
+    PROTO_UDP,
 };
 
 use crate::{
@@ -60,7 +61,7 @@ pub struct SyncStats {
 
 /// Canonical name of a service id, stored in `SERVICE_NAMES`:
 /// `namespace/name:port-name/PROTOCOL/family`, e.g. `default/kube-dns:dns/UDP/v4`, with
-/// `/external` appended for the external addresses' set ([`Scope::External`]).
+/// `/external` or `/ingress` appended for the external addresses' sets ([`Scope`]).
 pub fn service_name(k: &ServicePortKey) -> String {
     let proto = match k.protocol {
         Protocol::Tcp => "TCP",
@@ -73,6 +74,7 @@ pub fn service_name(k: &ServicePortKey) -> String {
     let scope = match k.scope {
         Scope::Internal => "",
         Scope::External => "/external",
+        Scope::Ingress => "/ingress",
     };
     format!(
         "{}/{}:{}/{}/{}{scope}",
@@ -98,6 +100,7 @@ pub fn parse_service_name(s: &str) -> Option<ServicePortKey> {
     let scope = match parts.next() {
         None => Scope::Internal,
         Some("external") => Scope::External,
+        Some("ingress") => Scope::Ingress,
         Some(_) => return None,
     };
     if parts.next().is_some() {
@@ -123,13 +126,19 @@ fn backend_value(addr: &SocketAddr, proto: Protocol) -> Backend {
     }
 }
 
-fn frontend_key(addr: &SocketAddr, proto: Protocol) -> FrontendKey {
+fn frontend_key(addr: &SocketAddr, proto: Protocol, scope: Scope) -> FrontendKey {
     FrontendKey {
         addr: ip_to_bytes(addr.ip()),
         port: port_to_map(addr.port()),
         proto: proto.number(),
-        scope: 0,
+        scope: scope.key_scope(),
     }
+}
+
+/// True for a frontend whose address gets a VIP marker: cluster IPs only (see
+/// `FRONTEND_F_EXTERNAL`).
+fn has_marker(f: &Frontend) -> bool {
+    f.flags & (FRONTEND_F_VIP_MARKER | FRONTEND_F_EXTERNAL) == 0
 }
 
 fn marker_key(addr: [u8; 16]) -> FrontendKey {
@@ -385,7 +394,7 @@ impl Syncer {
             *self.backend_refs.entry(*bid).or_default() += 1;
         }
         self.vip_refs.clear();
-        for k in self.cur.frontends.keys().filter(|k| k.proto != 0) {
+        for (k, _) in self.cur.frontends.iter().filter(|(_, f)| has_marker(f)) {
             *self.vip_refs.entry(k.addr).or_default() += 1;
         }
     }
@@ -418,7 +427,7 @@ impl Syncer {
         let fe_of = |key: &ServicePortKey, svc: &DesiredService| -> Vec<FrontendKey> {
             svc.frontends
                 .iter()
-                .map(|a| frontend_key(a, key.protocol))
+                .map(|a| frontend_key(a, key.protocol, key.scope))
                 .collect()
         };
 
@@ -500,14 +509,18 @@ impl Syncer {
             .copied()
             .collect();
         let mut vip_after: HashMap<[u8; 16], i64> = HashMap::new();
-        for k in &fe_delete {
+        for k in fe_delete
+            .iter()
+            .filter(|k| self.cur.frontends.get(*k).is_some_and(has_marker))
+        {
             *vip_after
                 .entry(k.addr)
                 .or_insert_with(|| *self.vip_refs.get(&k.addr).unwrap_or(&0) as i64) -= 1;
         }
         for k in new_fe
-            .keys()
-            .filter(|k| !self.cur.frontends.contains_key(*k))
+            .iter()
+            .filter(|(k, f)| has_marker(f) && !self.cur.frontends.contains_key(*k))
+            .map(|(k, _)| k)
         {
             *vip_after
                 .entry(k.addr)
@@ -679,7 +692,8 @@ impl Syncer {
                     .insert(key.clone(), desired.services[key].clone());
             }
         }
-        stats.frontends = self.vip_refs.values().map(|n| *n as usize).sum();
+        // A marker exists exactly for the addresses counted in vip_refs.
+        stats.frontends = self.cur.frontends.len() - self.vip_refs.len();
         stats.backends = self.cur.backends.len();
         stats.duration = start.elapsed();
         Ok(stats)
@@ -727,7 +741,7 @@ impl Syncer {
             let slots = arrange_slots(&old, &set);
             for fe in &svc.frontends {
                 want_frontends.insert(
-                    frontend_key(fe, key.protocol),
+                    frontend_key(fe, key.protocol, key.scope),
                     Frontend {
                         service_id: id,
                         backend_count: slots.len() as u32,
@@ -735,7 +749,9 @@ impl Syncer {
                         _pad: 0,
                     },
                 );
-                want_frontends.insert(marker_key(ip_to_bytes(fe.ip())), MARKER);
+                if svc.flags & FRONTEND_F_EXTERNAL == 0 {
+                    want_frontends.insert(marker_key(ip_to_bytes(fe.ip())), MARKER);
+                }
             }
             want_slots.insert(id, slots);
             want_names.insert(id, service_name(key));
@@ -1067,6 +1083,45 @@ mod tests {
                 .unwrap();
             assert_eq!(st.released.len(), 1, "{:?}", st.released);
             assert_eq!(st.released[0].0, udp_id);
+        }
+    }
+
+    #[test]
+    fn external_frontends_get_no_vip_marker_and_their_own_key_scope() {
+        for incremental in [false, true] {
+            let mut dp = FakeDatapath::new(cap());
+            let mut s = Syncer::adopt(&dp).unwrap();
+            let mut ext = svc(&["192.0.2.7:80", "192.168.1.5:30080"], &["10.0.0.1:8080"]);
+            ext.flags = FRONTEND_F_EXTERNAL;
+            let mut ingress = ext.clone();
+            ingress.flags |= proxy_common::FRONTEND_F_LOCAL_ONLY;
+            let k = |scope| ServicePortKey {
+                scope,
+                ..key("lb", Protocol::Tcp)
+            };
+            let d = state(vec![
+                (
+                    k(Scope::Internal),
+                    svc(&["10.96.0.1:80"], &["10.0.0.1:8080"]),
+                ),
+                (k(Scope::External), ext),
+                (k(Scope::Ingress), ingress),
+            ]);
+            if incremental {
+                s.sync(&mut dp, &DesiredState::default()).unwrap();
+            }
+            let st = s.sync(&mut dp, &d).unwrap();
+            assert_eq!(st.frontends, 5);
+            let markers: Vec<_> = dp.state.frontends.keys().filter(|k| k.proto == 0).collect();
+            assert_eq!(markers.len(), 1, "only the cluster IP: {markers:?}");
+            let scopes: BTreeSet<u8> = dp.state.frontends.keys().map(|k| k.scope).collect();
+            assert_eq!(
+                scopes,
+                BTreeSet::from([proxy_common::SCOPE_NODE, proxy_common::SCOPE_INGRESS])
+            );
+            // Removing everything leaves nothing behind.
+            s.sync(&mut dp, &DesiredState::default()).unwrap();
+            assert!(dp.state.frontends.is_empty(), "{:?}", dp.state.frontends);
         }
     }
 

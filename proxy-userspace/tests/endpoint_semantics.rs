@@ -67,11 +67,12 @@ fn web(env: &Env, spec_extra: &str, status: &str, endpoints: &[String]) {
     env.write_manifest("web.yaml", &format!("{svc}---\n{sl}"));
 }
 
-/// Node objects with zone labels (node-a in zone-a, node-b in zone-b).
+/// Node objects with zone labels (node-a in zone-a, node-b in zone-b) and addresses
+/// (node-a is the lab's node namespace, 198.18.0.1; node-b's address exists nowhere).
 fn nodes(env: &Env) {
     env.write_manifest(
         "nodes.yaml",
-        "apiVersion: v1\nkind: Node\nmetadata: {name: node-a, labels: {topology.kubernetes.io/zone: zone-a}}\n---\napiVersion: v1\nkind: Node\nmetadata: {name: node-b, labels: {topology.kubernetes.io/zone: zone-b}}\n",
+        "apiVersion: v1\nkind: Node\nmetadata: {name: node-a, labels: {topology.kubernetes.io/zone: zone-a}}\nstatus: {addresses: [{type: InternalIP, address: 198.18.0.1}]}\n---\napiVersion: v1\nkind: Node\nmetadata: {name: node-b, labels: {topology.kubernetes.io/zone: zone-b}}\nstatus: {addresses: [{type: InternalIP, address: 198.18.0.250}]}\n",
     );
 }
 
@@ -174,10 +175,28 @@ fn external_addresses_from_inside_reach_remote_endpoints_despite_local_external_
     let a = env.cg.path().to_path_buf();
     // externalTrafficPolicy Local, one external IP and one LB ingress IP, endpoint only on
     // node-b. These addresses exist on no interface: only translation can answer.
+    // The http port has node port 30080 (on node-a's address 198.18.0.1, where nothing
+    // listens on that port: only translation can answer).
     let spec = "  type: LoadBalancer\n  externalTrafficPolicy: Local\n  externalIPs: [\"203.0.113.10\", \"not-an-ip\"]\n";
     let status = "status:\n  loadBalancer:\n    ingress:\n    - ip: 203.0.113.11\n";
-    apply(&env, &other, || web(&env, spec, status, &[ep(1, "", "")]));
-    for to in ["203.0.113.10:80", "203.0.113.11:80", &format!("{VIP}:80")] {
+    let write = || {
+        web(&env, spec, status, &[ep(1, "", "")]);
+        let text = std::fs::read_to_string(env.manifests.path().join("web.yaml")).unwrap();
+        env.write_manifest(
+            "web.yaml",
+            &text.replace(
+                "{name: http, port: 80, targetPort: 8080, protocol: TCP}",
+                "{name: http, port: 80, targetPort: 8080, protocol: TCP, nodePort: 30080}",
+            ),
+        );
+    };
+    apply(&env, &other, write);
+    for to in [
+        "203.0.113.10:80",
+        "203.0.113.11:80",
+        "198.18.0.1:30080",
+        &format!("{VIP}:80"),
+    ] {
         let r = tcp_from(&env, &a, to, 5);
         assert_eq!(names(&r), set(&["b1"]), "{to}: {r:?}");
         // The client sees the address it connected to.
@@ -190,9 +209,22 @@ fn external_addresses_from_inside_reach_remote_endpoints_despite_local_external_
         |l| l.contains("externalIP \"not-an-ip\" is not a valid IP address; address skipped"),
         "bad externalIP error",
     );
-    // An undefined port on an external address is refused like on a cluster IP.
-    let r = tcp_from(&env, &a, "203.0.113.10:81", 1);
+    // Node-b's clients reach node ports on node-b's addresses only; node-a's address is
+    // not theirs to translate (node-a's own data path serves it from outside).
+    let r = tcp_from(&env, other.cg.path(), "198.18.0.1:30080", 1);
     assert_eq!(errno(&r[0]), Some(ECONNREFUSED), "{r:?}");
+    // Undefined ports on external addresses and node IPs are left alone (kube-proxy's
+    // nftables mode rejects undefined ports on cluster IPs only): 198.18.0.1:22 is the
+    // node namespace itself, which answers with a reset, not translated.
+    let r = tcp_from(&env, &a, "198.18.0.1:22", 1);
+    assert_eq!(errno(&r[0]), Some(ECONNREFUSED), "{r:?}");
+    let maps = env.snapshot();
+    let markers: Vec<_> = maps.frontends.keys().filter(|k| k.proto == 0).collect();
+    assert_eq!(
+        markers.len(),
+        1,
+        "a VIP marker for the cluster IP only: {markers:?}"
+    );
 }
 
 #[test]
