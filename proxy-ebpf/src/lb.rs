@@ -91,6 +91,25 @@ pub enum Choice {
     NoEndpoints,
 }
 
+/// Who opens a flow, for the selection policies that depend on the client (source hashing,
+/// ClientIP session affinity). The tc path fills it from the packet; the socket path from
+/// the socket.
+pub struct Client {
+    /// Client address, network byte order, IPv4-mapped for IPv4.
+    pub addr: [u8; 16],
+    /// Client port, network byte order (zero when unknown).
+    pub port: [u8; 2],
+}
+
+/// Chooses the backend of a new connection or flow to frontend (`addr`, `port`, `proto`) for
+/// `client`: the one entry point every hook (socket and tc) uses, so every data path applies
+/// the same selection rules.
+#[inline(always)]
+pub fn select(fe: &Frontend, addr: &[u8; 16], port: [u8; 2], proto: u8, client: &Client) -> Choice {
+    let _ = client;
+    choose(fe, addr, port, proto)
+}
+
 /// Picks a backend for `fe`, retrying once with a fresh frontend value when a slot
 /// vanished under us (the agent shrank the service concurrently).
 #[inline(always)]
