@@ -60,13 +60,19 @@ pub const STALE_SOCKETS: &str = "STALE_SOCKETS";
 pub const SERVICE_NAMES: &str = "SERVICE_NAMES";
 
 /// Every map the agent pins, in the order the data path depends on them.
-pub const ALL_MAPS: [&str; 9] = [
+pub const ALL_MAPS: [&str; 15] = [
     FRONTENDS,
     BACKEND_SLOTS,
     BACKENDS,
+    MEMBERS,
+    MAGLEV,
     REVNAT_SK,
     UDP_FLOWS,
     STALE_SOCKETS,
+    RR_CURSORS,
+    LC_COUNTS,
+    LC_SOCKETS,
+    AFFINITY,
     CONFIG,
     COUNTERS,
     SERVICE_NAMES,
@@ -132,19 +138,173 @@ pub struct FrontendKey {
     pub scope: u8,
 }
 
-/// Frontend value. 16 bytes.
+/// Frontend value. 24 bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct Frontend {
-    /// Id of the backend set (one per Service port x protocol x family); key of
+    /// Id of the backend set (one per Service port x protocol x family x scope); key of
     /// [`BACKEND_SLOTS`]. 0 for a VIP marker.
     pub service_id: u32,
     /// Number of valid slots `0..backend_count`; 0 means "no endpoints: refuse".
     pub backend_count: u32,
     /// `FRONTEND_F_*` bits.
     pub flags: u32,
+    /// Backend selection for new connections and flows: an [`Algorithm`] as `u8`.
+    pub algorithm: u8,
+    /// Reserved; always 0.
+    pub _pad: [u8; 3],
+    /// `sessionAffinity: ClientIP` timeout in seconds (1..=86400); 0 means no affinity.
+    pub affinity_timeout_s: u32,
+    /// Key of the Service port's affinity entries ([`AffinityKey::group`]): the same for every
+    /// frontend and scope of one Service port and family, so a client keeps its backend
+    /// whether it uses the cluster IP, a node port or a load balancer IP.
+    pub affinity_group: u32,
+}
+
+/// Backend selection algorithms ([`Frontend::algorithm`]).
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub enum Algorithm {
+    /// Uniformly random per connection (kube-proxy's iptables and nftables modes).
+    #[default]
+    Random = 0,
+    /// Successive new connections take successive slots, with one cursor per CPU and
+    /// service id.
+    RoundRobin = 1,
+    /// Round-robin over slots in which each endpoint appears as often as its weight
+    /// (interleaved by the agent, smooth weighted round-robin order).
+    WeightedRoundRobin = 2,
+    /// The slot whose backend has the fewest active connections ([`LC_COUNTS`]); ties at
+    /// random.
+    LeastConnections = 3,
+    /// Maglev consistent hashing of the client address ([`MAGLEV`]).
+    SourceHash = 4,
+    /// Maglev consistent hashing of the client address and port.
+    Maglev = 5,
+}
+
+impl Algorithm {
+    /// Every algorithm with its annotation / flag name, in number order.
+    pub const ALL: [(Algorithm, &'static str); 6] = [
+        (Algorithm::Random, "random"),
+        (Algorithm::RoundRobin, "round-robin"),
+        (Algorithm::WeightedRoundRobin, "weighted-round-robin"),
+        (Algorithm::LeastConnections, "least-connections"),
+        (Algorithm::SourceHash, "source-hash"),
+        (Algorithm::Maglev, "maglev"),
+    ];
+
+    /// The algorithm numbered `n`, if any.
+    pub const fn from_u8(n: u8) -> Option<Algorithm> {
+        match n {
+            0 => Some(Algorithm::Random),
+            1 => Some(Algorithm::RoundRobin),
+            2 => Some(Algorithm::WeightedRoundRobin),
+            3 => Some(Algorithm::LeastConnections),
+            4 => Some(Algorithm::SourceHash),
+            5 => Some(Algorithm::Maglev),
+            _ => None,
+        }
+    }
+
+    /// The name used in annotations and flags.
+    pub const fn name(self) -> &'static str {
+        Algorithm::ALL[self as usize].1
+    }
+}
+
+/// Name of the per-CPU round-robin cursor map: service id `u32` -> next slot `u32`
+/// (BPF_MAP_TYPE_PERCPU_HASH).
+pub const RR_CURSORS: &str = "RR_CURSORS";
+/// Name of the least-connections counter map: backend id `u32` -> active connections `u32`
+/// (BPF_MAP_TYPE_HASH), maintained by the data path: +1 when a connection is translated to
+/// the backend, -1 when its socket is released.
+pub const LC_COUNTS: &str = "LC_COUNTS";
+/// Name of the map of counted sockets: socket cookie `u64` -> backend id `u32`
+/// (BPF_MAP_TYPE_LRU_HASH), so the release of a socket decrements the right counter.
+pub const LC_SOCKETS: &str = "LC_SOCKETS";
+/// Name of the session-affinity map: [`AffinityKey`] -> [`AffinityValue`]
+/// (BPF_MAP_TYPE_LRU_HASH).
+pub const AFFINITY: &str = "AFFINITY";
+/// Name of the membership map: [`MemberKey`] (service id, backend id) -> slot `u32` of one of
+/// the backend's slots (BPF_MAP_TYPE_HASH). Affinity only returns a client to a backend that
+/// is still a member of the frontend's backend set (not removed, not ready, not
+/// terminating).
+pub const MEMBERS: &str = "MEMBERS";
+/// Name of the Maglev table map: service id `u32` -> [`MaglevTable`]
+/// (BPF_MAP_TYPE_HASH, BPF_F_NO_PREALLOC: only services using a hashing algorithm have one).
+pub const MAGLEV: &str = "MAGLEV";
+
+/// Largest Maglev table size ([`MaglevTable::entries`] length); sizes are primes up to this.
+pub const MAGLEV_MAX: usize = 65521;
+/// Default Maglev table size (a prime, as in Cilium and the Maglev paper's evaluation).
+pub const MAGLEV_DEFAULT: u32 = 16381;
+/// Default `max_entries` of [`MAGLEV`].
+pub const DEFAULT_MAX_MAGLEV: u32 = 1024;
+/// Most slots least-connections compares per decision: a larger service is compared over a
+/// window of this many consecutive slots starting at a random one.
+pub const LC_SCAN_MAX: u32 = 256;
+
+/// Affinity key: (Service port group, client). 24 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct AffinityKey {
+    /// [`Frontend::affinity_group`].
+    pub group: u32,
     /// Reserved; always 0.
     pub _pad: u32,
+    /// Client: its address, network byte order, IPv4-mapped; for a socket without a bound
+    /// source address, its network namespace (see [`client_of_netns`]).
+    pub client: [u8; 16],
+}
+
+/// Affinity value. 16 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct AffinityValue {
+    /// Backend id the client sticks to.
+    pub backend_id: u32,
+    /// Reserved; always 0.
+    pub _pad: u32,
+    /// `bpf_ktime_get_ns()` of the client's last new connection to the group (ns since
+    /// boot); the entry is used while `now - last_used_ns < timeout`.
+    pub last_used_ns: u64,
+}
+
+/// Membership key: (service id, backend id). 8 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct MemberKey {
+    /// [`Frontend::service_id`].
+    pub service_id: u32,
+    /// Backend id.
+    pub backend_id: u32,
+}
+
+/// A Maglev lookup table (Eisenbud et al., NSDI 2016): `entries[hash % size]` is the backend
+/// id for a client hash. `8 + 4 * MAGLEV_MAX` bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MaglevTable {
+    /// Table size M, a prime `<= MAGLEV_MAX`.
+    pub size: u32,
+    /// Reserved; always 0.
+    pub _pad: u32,
+    /// Backend ids; `entries[size..]` are 0.
+    pub entries: [u32; MAGLEV_MAX],
+}
+
+/// The client id of a socket in network namespace `cookie` (`bpf_get_netns_cookie`): used by
+/// the socket programs when the socket has no bound source address, since every pod has its
+/// own network namespace (one pod = one client IP) and host processes share the node's.
+/// Bytes: `fe80:ffff:ffff:ffff` then the cookie, little-endian; never an address a pod uses.
+#[inline(always)]
+pub const fn client_of_netns(cookie: u64) -> [u8; 16] {
+    let c = cookie.to_le_bytes();
+    [
+        0xfe, 0x80, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, c[0], c[1], c[2], c[3], c[4], c[5], c[6],
+        c[7],
+    ]
 }
 
 /// Slot key: (service id, slot index). 8 bytes. Value: backend id (`u32`, host order).
@@ -393,12 +553,20 @@ mod user {
     unsafe impl aya::Pod for UdpFlow {}
     unsafe impl aya::Pod for Config {}
     unsafe impl aya::Pod for ServiceName {}
+    unsafe impl aya::Pod for AffinityKey {}
+    unsafe impl aya::Pod for AffinityValue {}
+    unsafe impl aya::Pod for MemberKey {}
+    unsafe impl aya::Pod for MaglevTable {}
 }
 
 // Layout checks: the kernel and user builds must agree byte for byte.
 const _: () = {
     assert!(core::mem::size_of::<FrontendKey>() == 20);
-    assert!(core::mem::size_of::<Frontend>() == 16);
+    assert!(core::mem::size_of::<Frontend>() == 24);
+    assert!(core::mem::size_of::<AffinityKey>() == 24);
+    assert!(core::mem::size_of::<AffinityValue>() == 16);
+    assert!(core::mem::size_of::<MemberKey>() == 8);
+    assert!(core::mem::size_of::<MaglevTable>() == 8 + 4 * MAGLEV_MAX);
     assert!(core::mem::size_of::<BackendSlotKey>() == 8);
     assert!(core::mem::size_of::<Backend>() == 20);
     assert!(core::mem::size_of::<RevNatKey>() == 32);

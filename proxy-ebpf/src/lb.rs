@@ -1,11 +1,15 @@
 //! Frontend lookup and backend selection, shared by every hook.
 
-use aya_ebpf::helpers::bpf_get_prandom_u32;
+use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns};
 use proxy_common::{
-    Backend, BackendSlotKey, Counter, FRONTEND_F_VIP_MARKER, Frontend, FrontendKey,
+    AffinityKey, AffinityValue, Algorithm, Backend, BackendSlotKey, Counter,
+    FRONTEND_F_VIP_MARKER, Frontend, FrontendKey, LC_SCAN_MAX, MAGLEV_MAX, MemberKey,
 };
 
-use crate::maps::{BACKEND_SLOTS, BACKENDS, COUNTERS, FRONTENDS};
+use crate::maps::{
+    AFFINITY, BACKEND_SLOTS, BACKENDS, COUNTERS, FRONTENDS, LC_COUNTS, LC_SOCKETS, MAGLEV,
+    MEMBERS, RR_CURSORS,
+};
 
 /// Result of looking up a destination.
 pub enum Lookup {
@@ -93,21 +97,272 @@ pub enum Choice {
 
 /// Who opens a flow, for the selection policies that depend on the client (source hashing,
 /// ClientIP session affinity). The tc path fills it from the packet; the socket path from
-/// the socket.
+/// the socket (its bound source address, else its network namespace).
 pub struct Client {
-    /// Client address, network byte order, IPv4-mapped for IPv4.
+    /// Client address, network byte order, IPv4-mapped for IPv4 (or
+    /// `proxy_common::client_of_netns`).
     pub addr: [u8; 16],
     /// Client port, network byte order (zero when unknown).
     pub port: [u8; 2],
 }
 
-/// Chooses the backend of a new connection or flow to frontend (`addr`, `port`, `proto`) for
-/// `client`: the one entry point every hook (socket and tc) uses, so every data path applies
-/// the same selection rules.
+/// A new connection or flow: the frontend it addressed and its client.
+pub struct Request {
+    /// Frontend address, network byte order, IPv4-mapped.
+    pub addr: [u8; 16],
+    /// Frontend port, network byte order.
+    pub port: [u8; 2],
+    /// IANA protocol.
+    pub proto: u8,
+    /// Who connects.
+    pub client: Client,
+}
+
+/// Chooses the backend of a new connection or flow (`req`) to frontend `fe`: the one entry point every hook (socket and tc) uses, so every data path applies
+/// the same rules. ClientIP affinity first (a fresh entry whose backend is still a member of
+/// this frontend's set), then the frontend's algorithm; an affinity entry is (re)written for
+/// the result. Not inlined: a BPF subprogram with its own stack frame keeps the hooks
+/// within the 512-byte stack.
+#[inline(never)]
+pub fn select(fe: &Frontend, req: &Request) -> Choice {
+    let (addr, port, proto, client) = (&req.addr, req.port, req.proto, &req.client);
+    if fe.backend_count == 0 {
+        return Choice::NoEndpoints;
+    }
+    // SAFETY: helper without side effects.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let akey = AffinityKey {
+        group: fe.affinity_group,
+        _pad: 0,
+        client: client.addr,
+    };
+    if fe.affinity_timeout_s != 0 {
+        // SAFETY: copied out at once.
+        if let Some(a) = unsafe { AFFINITY.get(akey).copied() }
+            && now.wrapping_sub(a.last_used_ns) < fe.affinity_timeout_s as u64 * 1_000_000_000
+            && is_member(fe.service_id, a.backend_id)
+            && let Some(b) = backend(a.backend_id)
+        {
+            remember_affinity(&akey, a.backend_id, now);
+            return Choice::Backend(a.backend_id, b);
+        }
+    }
+    let chosen = match Algorithm::from_u8(fe.algorithm) {
+        Some(Algorithm::RoundRobin) | Some(Algorithm::WeightedRoundRobin) => {
+            by_slot(fe, next_cursor(fe.service_id) % fe.backend_count)
+        }
+        Some(Algorithm::LeastConnections) => least_connections(fe),
+        Some(Algorithm::SourceHash) => by_maglev(fe, hash_client(&client.addr, None)),
+        Some(Algorithm::Maglev) => by_maglev(fe, hash_client(&client.addr, Some(client.port))),
+        _ => None,
+    };
+    let choice = match chosen {
+        Some((id, b)) => Choice::Backend(id, b),
+        None => choose(fe, addr, port, proto),
+    };
+    if fe.affinity_timeout_s != 0
+        && let Choice::Backend(id, _) = &choice
+    {
+        remember_affinity(&akey, *id, now);
+    }
+    choice
+}
+
 #[inline(always)]
-pub fn select(fe: &Frontend, addr: &[u8; 16], port: [u8; 2], proto: u8, client: &Client) -> Choice {
-    let _ = client;
-    choose(fe, addr, port, proto)
+fn remember_affinity(key: &AffinityKey, backend_id: u32, now: u64) {
+    let v = AffinityValue {
+        backend_id,
+        _pad: 0,
+        last_used_ns: now,
+    };
+    if AFFINITY.insert(*key, v, 0).is_err() {
+        count(Counter::MapUpdateFailed);
+    }
+}
+
+/// True when `backend_id` is in the backend set of `service_id` now.
+#[inline(always)]
+fn is_member(service_id: u32, backend_id: u32) -> bool {
+    MEMBERS
+        .get_ptr(MemberKey {
+            service_id,
+            backend_id,
+        })
+        .is_some()
+}
+
+/// The backend in slot `slot` of `fe`; `None` on a concurrent update (the caller falls back
+/// to a random pick, which retries).
+#[inline(always)]
+fn by_slot(fe: &Frontend, slot: u32) -> Option<(u32, Backend)> {
+    let key = BackendSlotKey {
+        service_id: fe.service_id,
+        slot,
+    };
+    // SAFETY: copied out at once.
+    let id = unsafe { BACKEND_SLOTS.get(key).copied() }?;
+    Some((id, backend(id)?))
+}
+
+/// This CPU's round-robin cursor of `service_id`, advanced by one.
+#[inline(always)]
+fn next_cursor(service_id: u32) -> u32 {
+    if let Some(p) = RR_CURSORS.get_ptr_mut(service_id) {
+        // SAFETY: per-CPU value, only this CPU writes it while we run.
+        unsafe {
+            let c = *p;
+            *p = c.wrapping_add(1);
+            return c;
+        }
+    }
+    // First use on this CPU: start at a random slot so CPUs do not move in lockstep.
+    // SAFETY: helper without side effects.
+    let start = unsafe { bpf_get_prandom_u32() };
+    let _ = RR_CURSORS.insert(service_id, start.wrapping_add(1), 0);
+    start
+}
+
+/// The slot whose backend has the fewest active connections, over at most `LC_SCAN_MAX`
+/// consecutive slots from a random start; ties go to the later candidate with probability
+/// 1/k (reservoir sampling), so each tied backend is equally likely.
+#[inline(always)]
+fn least_connections(fe: &Frontend) -> Option<(u32, Backend)> {
+    let count = fe.backend_count;
+    // SAFETY: helper without side effects.
+    let start = unsafe { bpf_get_prandom_u32() } % count;
+    let n = if count < LC_SCAN_MAX { count } else { LC_SCAN_MAX };
+    let mut best: Option<u32> = None;
+    let mut best_conns = u32::MAX;
+    let mut ties = 0u32;
+    for i in 0..LC_SCAN_MAX {
+        if i >= n {
+            break;
+        }
+        let mut slot = start + i;
+        if slot >= count {
+            slot -= count;
+        }
+        let key = BackendSlotKey {
+            service_id: fe.service_id,
+            slot,
+        };
+        // SAFETY: copied out at once.
+        let Some(id) = (unsafe { BACKEND_SLOTS.get(key).copied() }) else {
+            continue;
+        };
+        // SAFETY: copied out at once.
+        let conns = unsafe { LC_COUNTS.get(id).copied() }.unwrap_or(0);
+        if conns < best_conns {
+            best = Some(id);
+            best_conns = conns;
+            ties = 1;
+        } else if conns == best_conns {
+            ties += 1;
+            // SAFETY: helper without side effects.
+            if unsafe { bpf_get_prandom_u32() } % ties == 0 {
+                best = Some(id);
+            }
+        }
+    }
+    let id = best?;
+    Some((id, backend(id)?))
+}
+
+/// Counts a new connection of a socket (`cookie`) to backend `id` for least-connections;
+/// the socket's release takes it back ([`release_connection`]).
+#[inline(always)]
+pub fn track_connection(cookie: u64, id: u32) {
+    if LC_SOCKETS.insert(cookie, id, 0).is_err() {
+        count(Counter::MapUpdateFailed);
+        return;
+    }
+    match LC_COUNTS.get_ptr_mut(id) {
+        Some(p) => atomic_add(p, 1),
+        None => {
+            // BPF_NOEXIST: a concurrent first insert wins and we add to it.
+            if LC_COUNTS.insert(id, 1, 1).is_err()
+                && let Some(p) = LC_COUNTS.get_ptr_mut(id)
+            {
+                atomic_add(p, 1);
+            }
+        }
+    }
+}
+
+/// `*p += v` atomically (one BPF_ATOMIC | BPF_ADD instruction; the result is unused so no
+/// fetch variant is needed).
+#[inline(always)]
+fn atomic_add(p: *mut u32, v: u32) {
+    // SAFETY: `p` points into a map value that lives while the program runs.
+    unsafe {
+        core::intrinsics::atomic_xadd::<u32, u32, { core::intrinsics::AtomicOrdering::Relaxed }>(
+            p, v,
+        );
+    }
+}
+
+/// Takes back the connection a released socket counted, if any.
+#[inline(always)]
+pub fn release_connection(cookie: u64) {
+    // SAFETY: copied out at once.
+    let Some(id) = (unsafe { LC_SOCKETS.get(cookie).copied() }) else {
+        return;
+    };
+    let _ = LC_SOCKETS.remove(cookie);
+    if let Some(p) = LC_COUNTS.get_ptr_mut(id) {
+        // Adding u32::MAX is subtracting one (wrapping), the inverse of `track_connection`.
+        atomic_add(p, u32::MAX);
+    }
+}
+
+/// A 32-bit hash of a client address (and port): murmur3's finalizer over its words, so
+/// nearby addresses spread over the whole Maglev table.
+#[inline(always)]
+fn hash_client(addr: &[u8; 16], port: Option<[u8; 2]>) -> u32 {
+    let mut h: u32 = 0x9e37_79b9;
+    let mut i = 0;
+    while i < 16 {
+        let w = u32::from_ne_bytes([addr[i], addr[i + 1], addr[i + 2], addr[i + 3]]);
+        h = fmix(h ^ w).wrapping_mul(0x85eb_ca6b);
+        i += 4;
+    }
+    if let Some(p) = port {
+        h = fmix(h ^ u16::from_ne_bytes(p) as u32);
+    }
+    fmix(h)
+}
+
+#[inline(always)]
+fn fmix(mut h: u32) -> u32 {
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xc2b2_ae35);
+    h ^ (h >> 16)
+}
+
+/// The Maglev table's backend for `hash`; `None` without a table (the agent writes it
+/// after the slots) or when its backend is no longer a member.
+#[inline(always)]
+fn by_maglev(fe: &Frontend, hash: u32) -> Option<(u32, Backend)> {
+    // Through a raw pointer: the table is far larger than the BPF stack and must never be
+    // copied. A concurrent update replaces the element (RCU), so the reads are consistent.
+    let t = MAGLEV.get_ptr(fe.service_id)?;
+    // SAFETY: `t` points to a live map value.
+    let size = unsafe { (*t).size };
+    if size == 0 {
+        return None;
+    }
+    let idx = (hash % size) as usize;
+    if idx >= MAGLEV_MAX {
+        return None;
+    }
+    // SAFETY: idx < MAGLEV_MAX, inside the value.
+    let id = unsafe { *(core::ptr::addr_of!((*t).entries) as *const u32).add(idx) };
+    if !is_member(fe.service_id, id) {
+        return None;
+    }
+    Some((id, backend(id)?))
 }
 
 /// Picks a backend for `fe`, retrying once with a fresh frontend value when a slot

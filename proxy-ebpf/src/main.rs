@@ -4,6 +4,10 @@
 
 #![no_std]
 #![no_main]
+// Atomic adds on shared map values (BPF_ATOMIC | BPF_ADD): the bpfel target has no atomic
+// types, so the intrinsic is used directly.
+#![allow(internal_features)]
+#![feature(core_intrinsics)]
 
 mod lb;
 mod maps;

@@ -2,12 +2,14 @@
 //! the defaults and the agent overrides them at load time (`EbpfLoader::map_max_entries`).
 
 use aya_ebpf::{
-    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    bindings::BPF_F_NO_PREALLOC,
+    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap},
     macros::btf_map,
 };
 use proxy_common::{
-    Backend, BackendSlotKey, COUNTER_MAX, Config, DEFAULT_MAX_BACKENDS, DEFAULT_MAX_FRONTENDS,
-    DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCKETS, Frontend, FrontendKey, RevNatKey, RevNatValue,
+    AffinityKey, AffinityValue, Backend, BackendSlotKey, COUNTER_MAX, Config,
+    DEFAULT_MAX_BACKENDS, DEFAULT_MAX_FRONTENDS, DEFAULT_MAX_MAGLEV, DEFAULT_MAX_SLOTS,
+    DEFAULT_MAX_SOCKETS, Frontend, FrontendKey, MaglevTable, MemberKey, RevNatKey, RevNatValue,
     ServiceName, UdpFlow, UdpFlowKey,
 };
 
@@ -54,3 +56,36 @@ pub static COUNTERS: PerCpuArray<u64, { COUNTER_MAX as usize }> = PerCpuArray::n
 #[btf_map]
 pub static SERVICE_NAMES: HashMap<u32, ServiceName, { DEFAULT_MAX_FRONTENDS as usize }> =
     HashMap::new();
+
+/// (service id, backend id) -> a slot of the backend; see `proxy_common::MEMBERS`.
+#[btf_map]
+pub static MEMBERS: HashMap<MemberKey, u32, { DEFAULT_MAX_SLOTS as usize }> = HashMap::new();
+
+/// service id -> Maglev table; see `proxy_common::MAGLEV`. Not preallocated: a table is
+/// 256 KiB and only hashing services have one.
+#[btf_map]
+pub static MAGLEV: HashMap<
+    u32,
+    MaglevTable,
+    { DEFAULT_MAX_MAGLEV as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
+
+/// Per-CPU round-robin cursors by service id; see `proxy_common::RR_CURSORS`.
+#[btf_map]
+pub static RR_CURSORS: PerCpuHashMap<u32, u32, { DEFAULT_MAX_FRONTENDS as usize }> =
+    PerCpuHashMap::new();
+
+/// Active connections by backend id; see `proxy_common::LC_COUNTS`.
+#[btf_map]
+pub static LC_COUNTS: HashMap<u32, u32, { DEFAULT_MAX_BACKENDS as usize }> = HashMap::new();
+
+/// Counted sockets: cookie -> backend id; see `proxy_common::LC_SOCKETS`.
+#[btf_map]
+pub static LC_SOCKETS: LruHashMap<u64, u32, { DEFAULT_MAX_SOCKETS as usize }> =
+    LruHashMap::new();
+
+/// ClientIP session affinity; see `proxy_common::AFFINITY`.
+#[btf_map]
+pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue, { DEFAULT_MAX_SOCKETS as usize }> =
+    LruHashMap::new();

@@ -15,18 +15,21 @@
 use aya_ebpf::{
     EbpfContext,
     bindings::bpf_sock_addr,
-    helpers::{bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_set_retval},
-    macros::cgroup_sock_addr,
-    programs::SockAddrContext,
+    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_set_retval},
+    macros::{cgroup_sock, cgroup_sock_addr},
+    programs::{SockAddrContext, SockContext},
 };
 use proxy_common::{
-    Backend, Counter, DEFAULT_UDP_FLOW_TIMEOUT_NS, FRONTEND_F_LOCAL_ONLY, Frontend, PROTO_TCP,
-    PROTO_UDP, REVNAT_F_CONNECTED, RevNatKey, RevNatValue, UdpFlow, UdpFlowKey, bytes_of,
-    is_v4_mapped, v4_mapped, v4_of_mapped, words_of,
+    Algorithm, Backend, Counter, DEFAULT_UDP_FLOW_TIMEOUT_NS, FRONTEND_F_LOCAL_ONLY, Frontend,
+    PROTO_TCP, PROTO_UDP, REVNAT_F_CONNECTED, RevNatKey, RevNatValue, UdpFlow, UdpFlowKey,
+    bytes_of, client_of_netns, is_v4_mapped, v4_mapped, v4_of_mapped, words_of,
 };
 
 use crate::{
-    lb::{Choice, Lookup, backend, choose, count, lookup},
+    lb::{
+        Choice, Client, Lookup, Request, backend, count, lookup, release_connection, select,
+        track_connection,
+    },
     maps::{CONFIG, REVNAT_SK, STALE_SOCKETS, UDP_FLOWS},
 };
 
@@ -36,6 +39,16 @@ const EHOSTUNREACH: i32 = 113;
 const ALLOW: i32 = 1;
 /// Verdict "fail the syscall" (with the errno set by `bpf_set_retval`).
 const DENY: i32 = 0;
+
+/// Gives back the least-connections count of a released socket.
+#[cgroup_sock(sock_release)]
+pub fn sock_release(ctx: SockContext) -> i32 {
+    // SAFETY: helper on our own context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    release_connection(cookie);
+    // sock_release programs must return 1.
+    1
+}
 
 #[cgroup_sock_addr(connect4)]
 pub fn connect4(ctx: SockAddrContext) -> i32 {
@@ -141,6 +154,41 @@ fn no_endpoints(fe: &Frontend) -> i32 {
     refuse(Counter::RefusedNoEndpoints)
 }
 
+/// The client as the Service sees it: the socket's bound source address when it has one,
+/// else its network namespace (one per pod; see `proxy_common::client_of_netns`).
+#[inline(always)]
+fn client_of<const V6: bool>(ctx: &SockAddrContext) -> Client {
+    let sa = ctx.sock_addr;
+    // SAFETY: `sk` of a sock_addr context is a valid socket pointer; src_ip4/src_ip6 are
+    // readable fields of `struct bpf_sock`.
+    let bound = unsafe {
+        let sk = (*sa).__bindgen_anon_1.sk;
+        if V6 {
+            let w = [
+                (*sk).src_ip6[0],
+                (*sk).src_ip6[1],
+                (*sk).src_ip6[2],
+                (*sk).src_ip6[3],
+            ];
+            let a = bytes_of(&w);
+            if w[0] | w[1] | w[2] | w[3] != 0 && !(is_v4_mapped(&a) && w[3] == 0) {
+                Some(a)
+            } else {
+                None
+            }
+        } else {
+            let ip = (*sk).src_ip4;
+            if ip != 0 { Some(v4_mapped(ip)) } else { None }
+        }
+    };
+    let addr = match bound {
+        Some(a) => a,
+        // SAFETY: helper on our own context.
+        None => client_of_netns(unsafe { bpf_get_netns_cookie(ctx.as_ptr()) }),
+    };
+    Client { addr, port: [0; 2] }
+}
+
 #[inline(always)]
 fn cookie(ctx: &SockAddrContext) -> u64 {
     // SAFETY: helper on our own context.
@@ -191,7 +239,13 @@ fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         Lookup::UndefinedPort => return refuse(Counter::RefusedUndefinedPort),
         Lookup::Frontend(fe) => fe,
     };
-    let (_, b) = match choose(&fe, &addr, port, proto) {
+    let req = Request {
+        addr,
+        port,
+        proto,
+        client: client_of::<V6>(ctx),
+    };
+    let (id, b) = match select(&fe, &req) {
         Choice::NoEndpoints => return no_endpoints(&fe),
         Choice::Backend(id, b) => (id, b),
     };
@@ -212,6 +266,9 @@ fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         REVNAT_F_CONNECTED,
         fe.service_id,
     );
+    if fe.algorithm == Algorithm::LeastConnections as u8 {
+        track_connection(cookie, id);
+    }
     count(Counter::Translated);
     ALLOW
 }
@@ -257,7 +314,15 @@ fn on_sendmsg<const V6: bool>(ctx: &SockAddrContext) -> i32 {
     }
     let (id, b) = match chosen {
         Some(c) => c,
-        None => match choose(&fe, &addr, port, PROTO_UDP) {
+        None => match select(
+            &fe,
+            &Request {
+                addr,
+                port,
+                proto: PROTO_UDP,
+                client: client_of::<V6>(ctx),
+            },
+        ) {
             Choice::NoEndpoints => return no_endpoints(&fe),
             Choice::Backend(id, b) => (id, b),
         },

@@ -104,6 +104,15 @@ struct RunArgs {
     /// InternalIP and ExternalIP of this node's Node object].
     #[arg(long, value_delimiter = ',')]
     nodeport_addresses: Vec<String>,
+    /// Backend selection of Services without the `ebpf-proxy.io/lb-algorithm` annotation:
+    /// random (kube-proxy's), round-robin, weighted-round-robin, least-connections,
+    /// source-hash or maglev.
+    #[arg(long, default_value = "random", value_parser = parse_lb_algorithm)]
+    lb_algorithm: proxy_common::Algorithm,
+    /// Size of the Maglev lookup tables of source-hash and maglev Services: a prime up to
+    /// 65521 (larger tables spread backends more evenly; each costs 4 bytes per entry).
+    #[arg(long, default_value_t = proxy_common::MAGLEV_DEFAULT, value_parser = parse_maglev_size)]
+    maglev_table_size: u32,
     /// Address of the health server (`/healthz`, `/livez`); port 0 picks a free port.
     #[arg(long, default_value = "0.0.0.0:10256")]
     healthz_bind_address: SocketAddr,
@@ -354,6 +363,24 @@ fn release_stale(maps: &PinnedMaps, released: &[(u32, u32, proxy_common::Backend
     }
 }
 
+fn parse_lb_algorithm(s: &str) -> Result<proxy_common::Algorithm, String> {
+    model::parse_algorithm(s).ok_or_else(|| {
+        let names: Vec<&str> = proxy_common::Algorithm::ALL.iter().map(|(_, n)| *n).collect();
+        format!("{s:?} is not one of {}", names.join(", "))
+    })
+}
+
+fn parse_maglev_size(s: &str) -> Result<u32, String> {
+    let n: u32 = s.parse().map_err(|_| format!("{s:?} is not a number"))?;
+    if !proxy_userspace::maglev::is_prime(n) || n as usize > proxy_common::MAGLEV_MAX || n < 7 {
+        return Err(format!(
+            "{n} is not a prime between 7 and {} (e.g. 251, 1021, 4093, 16381, 65521)",
+            proxy_common::MAGLEV_MAX
+        ));
+    }
+    Ok(n)
+}
+
 /// `--nodeport-addresses`: comma-separated CIDRs, or `primary`; empty is every address.
 fn parse_nodeport_addresses(list: &[String]) -> Result<(Vec<model::Cidr>, bool)> {
     let mut cidrs = Vec::new();
@@ -394,6 +421,7 @@ fn run(args: RunArgs) -> Result<()> {
     let (nodeport_addresses, nodeport_primary) =
         parse_nodeport_addresses(&args.nodeport_addresses)?;
     let node = NodeInfo {
+        default_algorithm: args.lb_algorithm,
         nodeport_addresses,
         nodeport_primary,
         name: node_name(args.hostname_override.clone()),

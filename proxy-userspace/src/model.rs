@@ -194,6 +194,36 @@ pub struct DesiredService {
     pub backends: BTreeSet<SocketAddr>,
     /// `proxy_common::FRONTEND_F_*` bits of the frontends (`FRONTEND_F_LOCAL_ONLY`).
     pub flags: u32,
+    /// Backend selection for new connections (`--lb-algorithm`, or the Service's
+    /// [`ALGORITHM_ANNOTATION`]).
+    pub algorithm: Algorithm,
+    /// `sessionAffinity: ClientIP` timeout in seconds; 0 without affinity.
+    pub affinity_timeout_s: u32,
+    /// Weights of the backends for `weighted-round-robin` (every backend has one, >= 1;
+    /// endpoints of weight 0 are not in `backends`); empty for other algorithms.
+    pub weights: BTreeMap<SocketAddr, u32>,
+}
+
+pub use proxy_common::Algorithm;
+
+/// Service annotation choosing its algorithm (`random`, `round-robin`,
+/// `weighted-round-robin`, `least-connections`, `source-hash`, `maglev`).
+pub const ALGORITHM_ANNOTATION: &str = "ebpf-proxy.io/lb-algorithm";
+/// Service annotation with endpoint weights for `weighted-round-robin`: a JSON object from
+/// pod name (the endpoint's `targetRef.name`) or endpoint IP address to an integer weight
+/// 0..=100 (default 1; 0 takes the endpoint out of new connections).
+pub const WEIGHTS_ANNOTATION: &str = "ebpf-proxy.io/weights";
+/// Highest weight an endpoint may have (bounds the slots a service uses).
+pub const MAX_WEIGHT: u32 = 100;
+/// Default `sessionAffinityConfig.clientIP.timeoutSeconds` (Kubernetes API: 3 hours).
+pub const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10800;
+
+/// Parses an algorithm name.
+pub fn parse_algorithm(s: &str) -> Option<Algorithm> {
+    Algorithm::ALL
+        .iter()
+        .find(|(_, n)| *n == s)
+        .map(|(a, _)| *a)
 }
 
 /// Everything the data path must implement.
@@ -252,6 +282,8 @@ pub struct EndpointInfo {
     pub zone_hints: BTreeSet<String>,
     /// `hints.forNodes[].name`.
     pub node_hints: BTreeSet<String>,
+    /// `targetRef.name` (the pod's name), for weights; "" when unset.
+    pub pod: String,
 }
 
 /// The endpoints of one Service port in one family, by (address, port).
@@ -273,6 +305,8 @@ pub struct NodeInfo {
     /// `--nodeport-addresses primary`: only the node's primary address of each family (its
     /// first `InternalIP`), the default of kube-proxy's nftables mode.
     pub nodeport_primary: bool,
+    /// `--lb-algorithm`: the algorithm of Services without [`ALGORITHM_ANNOTATION`].
+    pub default_algorithm: Algorithm,
 }
 
 /// An IP prefix (`10.0.0.0/8`, `fd00::/64`).
@@ -356,6 +390,7 @@ struct RawEndpoint {
     node_name: Option<String>,
     zone_hints: BTreeSet<String>,
     node_hints: BTreeSet<String>,
+    pod: String,
 }
 
 /// What [`build_cached`] remembers between calls: what was read from each EndpointSlice,
@@ -437,6 +472,7 @@ pub fn build_cached(
                     local,
                     zone_hints: raw.zone_hints.clone(),
                     node_hints: raw.node_hints.clone(),
+                    pod: raw.pod.clone(),
                 };
                 // An endpoint in two slices (during a move between slices): the first one
                 // read wins, unless a later one is local (kube-proxy favours local).
@@ -469,6 +505,7 @@ pub fn build_cached(
             ports,
             external,
             node_ports,
+            affinity,
             warnings,
         } = match service_frontends(svc) {
             Ok(Some(v)) => v,
@@ -565,6 +602,38 @@ pub fn build_cached(
             spec.and_then(|s| s.external_traffic_policy.as_deref()) == Some("Local");
         let internal_local =
             spec.and_then(|s| s.internal_traffic_policy.as_deref()) == Some("Local");
+        let (algorithm, weights) = selection(svc, node.default_algorithm, &mut |w| {
+            errors.push(mk_err(w))
+        });
+        // A DesiredService with the Service's selection settings; WRR weights applied.
+        let policy = |backends: BTreeSet<SocketAddr>,
+                      eps: &PortEndpoints,
+                      frontends: BTreeSet<SocketAddr>,
+                      flags: u32| {
+            let mut d = DesiredService {
+                frontends,
+                backends,
+                flags,
+                algorithm,
+                affinity_timeout_s: affinity,
+                weights: BTreeMap::new(),
+            };
+            if algorithm == Algorithm::WeightedRoundRobin {
+                let weight = |a: &SocketAddr| {
+                    let pod = eps.get(a).map(|e| e.pod.as_str()).unwrap_or("");
+                    weights
+                        .get(pod)
+                        .filter(|_| !pod.is_empty())
+                        .or_else(|| weights.get(&a.ip().to_string()))
+                        .copied()
+                        .unwrap_or(1)
+                };
+                d.weights = d.backends.iter().map(|a| (*a, weight(a))).collect();
+                d.weights.retain(|_, w| *w > 0);
+                d.backends.retain(|a| d.weights.contains_key(a));
+            }
+            d
+        };
         let service_endpoints = endpoints.get(&(ns.as_str(), name.as_str()));
         for (port_name, protocol, port) in &ports {
             for vip in &vips {
@@ -589,11 +658,12 @@ pub fn build_cached(
                 };
                 state.services.insert(
                     key.clone(),
-                    DesiredService {
-                        frontends: BTreeSet::from([SocketAddr::new(*vip, *port)]),
+                    policy(
                         backends,
+                        eps,
+                        BTreeSet::from([SocketAddr::new(*vip, *port)]),
                         flags,
-                    },
+                    ),
                 );
                 // Traffic from this node to external addresses is "internal to the cluster":
                 // kube-proxy short-circuits it to the Cluster endpoints whatever the
@@ -626,28 +696,73 @@ pub fn build_cached(
                             scope: Scope::Ingress,
                             ..key.clone()
                         },
-                        DesiredService {
-                            frontends: ext.clone(),
-                            backends: ingress_backends,
-                            flags: ingress_flags,
-                        },
+                        policy(ingress_backends, eps, ext.clone(), ingress_flags),
                     );
                     state.services.insert(
                         ServicePortKey {
                             scope: Scope::External,
                             ..key
                         },
-                        DesiredService {
-                            frontends: ext,
-                            backends: sets.cluster,
-                            flags: proxy_common::FRONTEND_F_EXTERNAL,
-                        },
+                        policy(sets.cluster, eps, ext, proxy_common::FRONTEND_F_EXTERNAL),
                     );
                 }
             }
         }
     }
     (state, errors)
+}
+
+/// A Service's algorithm ([`ALGORITHM_ANNOTATION`], else `default`) and endpoint weights
+/// ([`WEIGHTS_ANNOTATION`], by pod name or address). A bad annotation is reported through
+/// `warn` and ignored (default algorithm, weight 1), the rest of the Service still works.
+fn selection(
+    svc: &Sourced<Service>,
+    default: Algorithm,
+    warn: &mut dyn FnMut(String),
+) -> (Algorithm, BTreeMap<String, u32>) {
+    let ann = svc.object.metadata.annotations.as_ref();
+    let mut algorithm = default;
+    if let Some(v) = ann.and_then(|a| a.get(ALGORITHM_ANNOTATION)) {
+        match parse_algorithm(v.trim()) {
+            Some(a) => algorithm = a,
+            None => warn(format!(
+                "annotation {ALGORITHM_ANNOTATION} {v:?} is not one of {}; using {}",
+                Algorithm::ALL
+                    .iter()
+                    .map(|(_, n)| *n)
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                default.name()
+            )),
+        }
+    }
+    let mut weights = BTreeMap::new();
+    if let Some(v) = ann.and_then(|a| a.get(WEIGHTS_ANNOTATION)) {
+        match serde_json::from_str::<BTreeMap<String, i64>>(v) {
+            Ok(m) => {
+                for (k, w) in m {
+                    match u32::try_from(w) {
+                        Ok(w) if w <= MAX_WEIGHT => {
+                            weights.insert(k, w);
+                        }
+                        _ => warn(format!(
+                            "annotation {WEIGHTS_ANNOTATION}: weight {w} of {k:?} is not 0-{MAX_WEIGHT}; weight 1 used"
+                        )),
+                    }
+                }
+            }
+            Err(e) => warn(format!(
+                "annotation {WEIGHTS_ANNOTATION} is not a JSON object of integer weights ({e}); every weight is 1"
+            )),
+        }
+        if algorithm != Algorithm::WeightedRoundRobin {
+            warn(format!(
+                "annotation {WEIGHTS_ANNOTATION} has no effect with algorithm {}",
+                algorithm.name()
+            ));
+        }
+    }
+    (algorithm, weights)
 }
 
 /// This node's addresses that serve node ports: the `InternalIP` and `ExternalIP` entries of
@@ -783,6 +898,8 @@ struct Frontends {
     external: Vec<(IpAddr, &'static str)>,
     /// `spec.ports[].nodePort` by port name, where set.
     node_ports: BTreeMap<String, u16>,
+    /// ClientIP affinity timeout in seconds, 0 without affinity.
+    affinity: u32,
     warnings: Vec<String>,
 }
 
@@ -941,11 +1058,32 @@ fn service_frontends(svc: &Sourced<Service>) -> Result<Option<Frontends>, String
             )),
         }
     }
+    let affinity = match spec.session_affinity.as_deref() {
+        None | Some("") | Some("None") => 0,
+        Some("ClientIP") => {
+            let t = spec
+                .session_affinity_config
+                .as_ref()
+                .and_then(|c| c.client_ip.as_ref())
+                .and_then(|c| c.timeout_seconds);
+            match t {
+                None => DEFAULT_AFFINITY_TIMEOUT_S,
+                Some(t @ 1..=86400) => t as u32,
+                Some(t) => {
+                    return Err(format!(
+                        "sessionAffinityConfig.clientIP.timeoutSeconds {t} is out of range 1-86400"
+                    ));
+                }
+            }
+        }
+        Some(other) => return Err(format!("sessionAffinity {other:?} is not None or ClientIP")),
+    };
     Ok(Some(Frontends {
         vips,
         ports,
         external,
         node_ports,
+        affinity,
         warnings,
     }))
 }
@@ -1027,6 +1165,11 @@ fn read_slice(slice: &Sourced<EndpointSlice>, errors: &mut Vec<ModelError>) -> O
                 .flat_map(|h| h.for_nodes.iter().flatten())
                 .map(|n| n.name.clone())
                 .collect(),
+            pod: ep
+                .target_ref
+                .as_ref()
+                .and_then(|r| r.name.clone())
+                .unwrap_or_default(),
         };
         // kube-proxy uses only the first address of an endpoint.
         let Some(first) = ep.addresses.first() else {
@@ -1109,6 +1252,7 @@ mod tests {
             frontends: addrs(frontends),
             backends: addrs(backends),
             flags: 0,
+            ..Default::default()
         }
     }
 
@@ -2186,6 +2330,7 @@ mod tests {
                 frontends: addrs(&["192.0.2.7:80", "192.0.2.8:80"]),
                 backends: set(&["10.0.0.1", "10.0.0.2"]),
                 flags: proxy_common::FRONTEND_F_EXTERNAL,
+                ..Default::default()
             }
         );
         // From outside the node the same frontends follow externalTrafficPolicy: Local.
@@ -2199,6 +2344,7 @@ mod tests {
                 frontends: addrs(&["192.0.2.7:80", "192.0.2.8:80"]),
                 backends: set(&["10.0.0.1"]),
                 flags: proxy_common::FRONTEND_F_EXTERNAL | proxy_common::FRONTEND_F_LOCAL_ONLY,
+                ..Default::default()
             }
         );
         let ext6 = ServicePortKey {
@@ -2291,6 +2437,7 @@ mod tests {
             name: "node-1".into(),
             nodeport_addresses: cidrs.iter().map(|c| c.parse().unwrap()).collect(),
             nodeport_primary: primary,
+            ..Default::default()
         };
         let (s, e) = build_yaml_on(&yaml, &node(&[], false));
         assert_eq!(

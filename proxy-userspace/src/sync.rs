@@ -34,7 +34,7 @@ use crate::{
         Capacity, Datapath, DatapathError, Snapshot,
         addr::{ip_to_bytes, port_to_map},
     },
-    model::{DesiredService, DesiredState, Family, Protocol, Scope, ServicePortKey},
+    model::{Algorithm, DesiredService, DesiredState, Family, Protocol, Scope, ServicePortKey},
 };
 
 /// What one sync did.
@@ -154,8 +154,61 @@ const MARKER: Frontend = Frontend {
     service_id: 0,
     backend_count: 0,
     flags: FRONTEND_F_VIP_MARKER,
-    _pad: 0,
+    algorithm: 0,
+    _pad: [0; 3],
+    affinity_timeout_s: 0,
+    affinity_group: 0,
 };
+
+/// The frontend value of service id `id` with `count` slots, in affinity group `group`.
+fn frontend_value(id: u32, count: usize, svc: &DesiredService, group: u32) -> Frontend {
+    Frontend {
+        service_id: id,
+        backend_count: count as u32,
+        flags: svc.flags,
+        algorithm: svc.algorithm as u8,
+        _pad: [0; 3],
+        affinity_timeout_s: svc.affinity_timeout_s,
+        affinity_group: if svc.affinity_timeout_s != 0 { group } else { 0 },
+    }
+}
+
+/// The key whose service id names the affinity group of `key`: its cluster IP set.
+fn group_key(key: &ServicePortKey) -> ServicePortKey {
+    ServicePortKey {
+        scope: Scope::Internal,
+        ..key.clone()
+    }
+}
+
+/// Slots of a service: smooth weighted round-robin order for `weighted-round-robin` (each
+/// backend `weight` times, interleaved as nginx does, so successive slots spread the
+/// weights), else [`arrange_slots`] (survivors keep their slot).
+fn plan_slots(svc: &DesiredService, old: &[u32], bids: &[(SocketAddr, u32)]) -> Vec<u32> {
+    if svc.algorithm != Algorithm::WeightedRoundRobin {
+        let set: BTreeSet<u32> = bids.iter().map(|(_, b)| *b).collect();
+        return arrange_slots(old, &set);
+    }
+    let items: Vec<(u32, i64)> = bids
+        .iter()
+        .map(|(a, b)| (*b, *svc.weights.get(a).unwrap_or(&1) as i64))
+        .collect();
+    let total: i64 = items.iter().map(|(_, w)| w).sum();
+    let mut current = vec![0i64; items.len()];
+    let mut out = Vec::with_capacity(total as usize);
+    for _ in 0..total {
+        let mut best = 0;
+        for (i, (_, w)) in items.iter().enumerate() {
+            current[i] += w;
+            if current[i] > current[best] {
+                best = i;
+            }
+        }
+        current[best] -= total;
+        out.push(items[best].0);
+    }
+    out
+}
 
 /// New slot order for a service: survivors keep their slot, new backends fill holes, then
 /// the tail moves into holes that are left.
@@ -437,6 +490,7 @@ impl Syncer {
         let mut old_fe: BTreeSet<FrontendKey> = BTreeSet::new();
         let mut new_fe: BTreeMap<FrontendKey, Frontend> = BTreeMap::new();
         let mut ref_delta: HashMap<u32, i64> = HashMap::new();
+        let mut local_ids: HashMap<ServicePortKey, u32> = HashMap::new();
         // (key, id, old slots, new slots); removed keys have no new slots.
         let mut plans: Vec<Plan> = Vec::new();
         for key in &removed {
@@ -472,34 +526,34 @@ impl Syncer {
                     (id, true)
                 }
             };
-            let mut set = BTreeSet::new();
+            local_ids.insert(key.clone(), id);
+            let mut bids = Vec::new();
             for addr in &svc.backends {
                 let b = backend_value(addr, key.protocol);
                 let (bid, new) = self.backend_id(&b, &mut local_bids);
                 if new {
                     new_backends.insert(bid, b);
                 }
-                set.insert(bid);
+                bids.push((*addr, bid));
             }
+            let set: BTreeSet<u32> = bids.iter().map(|(_, b)| *b).collect();
             let old = self.cur_slots(id);
             self.note_released(id, &old, &set, &mut stats.released);
-            let new = arrange_slots(&old, &set);
+            let new = plan_slots(svc, &old, &bids);
             for b in &old {
                 *ref_delta.entry(*b).or_default() -= 1;
             }
             for b in &new {
                 *ref_delta.entry(*b).or_default() += 1;
             }
+            let gk = group_key(key);
+            let group = local_ids
+                .get(&gk)
+                .or_else(|| self.ids.get(&gk))
+                .copied()
+                .unwrap_or(id);
             for k in fe_of(key, svc) {
-                new_fe.insert(
-                    k,
-                    Frontend {
-                        service_id: id,
-                        backend_count: new.len() as u32,
-                        flags: svc.flags,
-                        _pad: 0,
-                    },
-                );
+                new_fe.insert(k, frontend_value(id, new.len(), svc, group));
             }
             plans.push((key.clone(), id, old, Some(new), is_new));
         }
@@ -728,26 +782,23 @@ impl Syncer {
         let mut old_lens: HashMap<u32, usize> = HashMap::new();
         for (key, svc) in &desired.services {
             let id = bind[key];
-            let mut set = BTreeSet::new();
+            let mut bids = Vec::new();
             for addr in &svc.backends {
                 let b = backend_value(addr, key.protocol);
                 let (bid, _) = self.backend_id(&b, &mut local_bids);
                 want_backends.insert(bid, b);
-                set.insert(bid);
+                bids.push((*addr, bid));
             }
+            let set: BTreeSet<u32> = bids.iter().map(|(_, b)| *b).collect();
             let old = self.cur_slots(id);
             old_lens.insert(id, old.len());
             self.note_released(id, &old, &set, &mut stats.released);
-            let slots = arrange_slots(&old, &set);
+            let slots = plan_slots(svc, &old, &bids);
+            let group = bind.get(&group_key(key)).copied().unwrap_or(id);
             for fe in &svc.frontends {
                 want_frontends.insert(
                     frontend_key(fe, key.protocol, key.scope),
-                    Frontend {
-                        service_id: id,
-                        backend_count: slots.len() as u32,
-                        flags: svc.flags,
-                        _pad: 0,
-                    },
+                    frontend_value(id, slots.len(), svc, group),
                 );
                 if svc.flags & FRONTEND_F_EXTERNAL == 0 {
                     want_frontends.insert(marker_key(ip_to_bytes(fe.ip())), MARKER);
@@ -949,6 +1000,7 @@ mod tests {
             frontends: frontends.iter().map(|s| s.parse().unwrap()).collect(),
             backends: backends.iter().map(|s| s.parse().unwrap()).collect(),
             flags: 0,
+            ..Default::default()
         }
     }
 
@@ -1518,6 +1570,7 @@ mod tests {
                             frontends: [vip.parse().unwrap()].into(),
                             backends,
                             flags: 0,
+                            ..Default::default()
                         },
                     );
                 }

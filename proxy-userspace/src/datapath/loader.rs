@@ -11,13 +11,13 @@ use anyhow::{Context, Result, bail};
 use aya::{
     EbpfLoader,
     programs::{
-        CgroupAttachMode, CgroupSkb, CgroupSkbAttachType, CgroupSockAddr, links::FdLink,
-        links::PinnedLink,
+        CgroupAttachMode, CgroupSkb, CgroupSkbAttachType, CgroupSock, CgroupSockAddr,
+        links::FdLink, links::PinnedLink,
     },
 };
 use proxy_common::{
-    ALL_MAPS, BACKEND_SLOTS, BACKENDS, FRONTENDS, REVNAT_SK, SERVICE_NAMES, STALE_SOCKETS,
-    UDP_FLOWS,
+    AFFINITY, ALL_MAPS, BACKEND_SLOTS, BACKENDS, FRONTENDS, LC_COUNTS, LC_SOCKETS, MEMBERS,
+    REVNAT_SK, RR_CURSORS, SERVICE_NAMES, STALE_SOCKETS, UDP_FLOWS,
 };
 
 /// The eBPF object embedded at build time (see `build.rs`); empty when the binary was built
@@ -40,6 +40,10 @@ pub const PROGRAMS: [&str; 8] = [
 /// The cgroup `skb` egress program (section `cgroup_skb/egress`): fails the sends of
 /// connected UDP sockets whose endpoint left their service (`STALE_SOCKETS`).
 pub const EGRESS_PROGRAM: &str = "sock_egress";
+
+/// The cgroup `sock` release program (section `cgroup/sock_release`): gives back the
+/// least-connections count of closed sockets.
+pub const RELEASE_PROGRAM: &str = "sock_release";
 
 /// Map sizes (`max_entries`) used when the maps are created. Maps adopted from an earlier
 /// run keep the size they were created with.
@@ -170,7 +174,12 @@ pub fn load_and_attach(dir: &Path, cgroup: &Path, sizes: MapSizes) -> Result<()>
         .map_max_entries(BACKENDS, sizes.backends)
         .map_max_entries(REVNAT_SK, sizes.sockets)
         .map_max_entries(UDP_FLOWS, sizes.sockets)
-        .map_max_entries(STALE_SOCKETS, sizes.sockets);
+        .map_max_entries(STALE_SOCKETS, sizes.sockets)
+        .map_max_entries(LC_SOCKETS, sizes.sockets)
+        .map_max_entries(AFFINITY, sizes.sockets)
+        .map_max_entries(MEMBERS, sizes.slots)
+        .map_max_entries(LC_COUNTS, sizes.backends)
+        .map_max_entries(RR_CURSORS, sizes.frontends);
     let mut ebpf = loader.load(OBJECT).context(
         "load: creating or adopting the pinned maps failed (if the layout changed, run `ebpf-proxy cleanup`)",
     )?;
@@ -212,6 +221,23 @@ pub fn load_and_attach(dir: &Path, cgroup: &Path, sizes: MapSizes) -> Result<()>
         .try_into()
         .context("attach: the kernel did not give a bpf_link (needs Linux >= 5.7)")?;
     replace_link(dir, EGRESS_PROGRAM, link)?;
+
+    let p: &mut CgroupSock = ebpf
+        .program_mut(RELEASE_PROGRAM)
+        .with_context(|| format!("load: program {RELEASE_PROGRAM} missing from the object"))?
+        .try_into()
+        .with_context(|| format!("load: program {RELEASE_PROGRAM} is not a cgroup sock program"))?;
+    p.load()
+        .map_err(|e| anyhow::anyhow!("verify: program {RELEASE_PROGRAM} was rejected: {e:#}"))?;
+    let id = p
+        .attach(&cg, CgroupAttachMode::Single)
+        .with_context(|| format!("attach: {RELEASE_PROGRAM} to cgroup {}", cgroup.display()))?;
+    let link: FdLink = p
+        .take_link(id)
+        .context("attach: take link")?
+        .try_into()
+        .context("attach: the kernel did not give a bpf_link (needs Linux >= 5.7)")?;
+    replace_link(dir, RELEASE_PROGRAM, link)?;
     Ok(())
 }
 
