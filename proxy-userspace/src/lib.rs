@@ -3,6 +3,7 @@
 
 pub mod datapath;
 pub mod fakeapi;
+pub mod inspect;
 pub mod maglev;
 pub mod metrics;
 pub mod model;

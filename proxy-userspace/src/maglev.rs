@@ -91,7 +91,12 @@ mod tests {
 
     fn names(n: usize) -> Vec<(u32, String)> {
         (0..n)
-            .map(|i| (i as u32 + 1, format!("10.0.{}.{}:8080/TCP", i / 250, i % 250)))
+            .map(|i| {
+                (
+                    i as u32 + 1,
+                    format!("10.0.{}.{}:8080/TCP", i / 250, i % 250),
+                )
+            })
             .collect()
     }
 
@@ -114,7 +119,10 @@ mod tests {
             let fair = m as f64 / n as f64;
             for (id, c) in count {
                 let dev = (c as f64 - fair).abs() / fair;
-                assert!(dev < 0.05, "n={n} m={m}: backend {id} has {c}, fair {fair:.1}");
+                assert!(
+                    dev < 0.05,
+                    "n={n} m={m}: backend {id} has {c}, fair {fair:.1}"
+                );
             }
         }
     }

@@ -14,12 +14,11 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use proxy_common::{
     Config, Counter, DEFAULT_MAX_BACKENDS, DEFAULT_MAX_FRONTENDS, DEFAULT_MAX_SLOTS,
-    DEFAULT_MAX_SOCKETS, FRONTEND_F_VIP_MARKER,
+    DEFAULT_MAX_SOCKETS,
 };
 use proxy_userspace::{
     datapath::{
         Datapath,
-        addr::{proto_name, to_socket_addr},
         loader::{self, MapSizes},
         maps::PinnedMaps,
     },
@@ -45,6 +44,9 @@ enum Command {
     /// Print the frontends and their backends, read from the pinned maps (works while the
     /// agent is down).
     Services(ServicesArgs),
+    /// List ClientIP session-affinity entries (service, client, backend, age, expiry), read
+    /// from the pinned maps.
+    Affinity(ServicesArgs),
     /// Detach the programs and remove the pinned maps and links (like kube-proxy --cleanup).
     Cleanup(CleanupArgs),
 }
@@ -211,6 +213,10 @@ fn main() -> ExitCode {
             restore_sigpipe();
             services(args)
         }
+        Command::Affinity(args) => {
+            restore_sigpipe();
+            affinity(args)
+        }
         Command::Cleanup(args) => {
             restore_sigpipe();
             cleanup(args)
@@ -365,7 +371,10 @@ fn release_stale(maps: &PinnedMaps, released: &[(u32, u32, proxy_common::Backend
 
 fn parse_lb_algorithm(s: &str) -> Result<proxy_common::Algorithm, String> {
     model::parse_algorithm(s).ok_or_else(|| {
-        let names: Vec<&str> = proxy_common::Algorithm::ALL.iter().map(|(_, n)| *n).collect();
+        let names: Vec<&str> = proxy_common::Algorithm::ALL
+            .iter()
+            .map(|(_, n)| *n)
+            .collect();
         format!("{s:?} is not one of {}", names.join(", "))
     })
 }
@@ -478,7 +487,8 @@ fn run(args: RunArgs) -> Result<()> {
             if cap.frontends != args.max_frontends || cap.slots != args.max_backend_slots || cap.backends != args.max_backends {
                 warn!(?cap, "adopted pinned maps keep the sizes they were created with; run `ebpf-proxy cleanup` to resize");
             }
-            let syncer = Syncer::adopt(&maps).context("read the pinned maps")?;
+            let mut syncer = Syncer::adopt(&maps).context("read the pinned maps")?;
+            syncer.set_maglev_size(args.maglev_table_size);
             info!(services = syncer.bound_services(), "adopted state from pinned maps");
             let rx = start_source(&args, &node, config).await?;
             anyhow::Ok((maps, syncer, rx))
@@ -526,7 +536,7 @@ fn run(args: RunArgs) -> Result<()> {
                 // Full resync: compare with what the kernel holds, not with our copy.
                 if let Some(d) = &desired {
                     match Syncer::adopt(&maps) {
-                        Ok(mut fresh) => match fresh.sync(&mut maps, d) {
+                        Ok(mut fresh) => match { fresh.set_maglev_size(args.maglev_table_size); fresh.sync(&mut maps, d) } {
                             Ok(st) if st.writes + st.deletes > 0 => {
                                 release_stale(&maps, &st.released);
                                 warn!(writes = st.writes, deletes = st.deletes, "full resync repaired map entries changed outside the agent");
@@ -612,101 +622,13 @@ fn run(args: RunArgs) -> Result<()> {
     })
 }
 
-#[derive(serde::Serialize)]
-struct ServiceRow {
-    service: String,
-    frontend: String,
-    protocol: &'static str,
-    service_id: u32,
-    backends: Vec<String>,
-}
-
 fn services(args: ServicesArgs) -> Result<()> {
     let dir = args.pins.dir()?;
-    let maps = PinnedMaps::open(&dir).with_context(|| {
-        format!(
-            "no ebpf-proxy data path pinned at {} (is the agent running? check --bpffs/--pin-dir)",
-            dir.display()
-        )
-    })?;
-    let snap = maps.snapshot()?;
-    let mut rows = Vec::new();
-    for (k, f) in &snap.frontends {
-        if f.flags & FRONTEND_F_VIP_MARKER != 0 {
-            continue;
-        }
-        let backends = (0..f.backend_count)
-            .map(|slot| {
-                let key = proxy_common::BackendSlotKey {
-                    service_id: f.service_id,
-                    slot,
-                };
-                match snap.slots.get(&key).and_then(|id| snap.backends.get(id)) {
-                    Some(b) => to_socket_addr(b.addr, b.port).to_string(),
-                    None => "<missing>".to_string(),
-                }
-            })
-            .collect();
-        rows.push(ServiceRow {
-            service: snap
-                .names
-                .get(&f.service_id)
-                .cloned()
-                .unwrap_or_else(|| "?".into()),
-            frontend: to_socket_addr(k.addr, k.port).to_string(),
-            protocol: proto_name(k.proto),
-            service_id: f.service_id,
-            backends,
-        });
-    }
-    rows.sort_by(|a, b| (&a.service, &a.frontend).cmp(&(&b.service, &b.frontend)));
-    if args.output == Output::Json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
-        return Ok(());
-    }
-    let header = ["SERVICE", "FRONTEND", "PROTO", "ID", "BACKENDS"];
-    let table: Vec<[String; 5]> = rows
-        .iter()
-        .map(|r| {
-            let b = if r.backends.is_empty() {
-                "<none: refused>".to_string()
-            } else {
-                r.backends.join(",")
-            };
-            [
-                r.service.clone(),
-                r.frontend.clone(),
-                r.protocol.to_string(),
-                r.service_id.to_string(),
-                b,
-            ]
-        })
-        .collect();
-    let mut w = header.map(str::len);
-    for row in &table {
-        for (i, c) in row.iter().enumerate() {
-            w[i] = w[i].max(c.len());
-        }
-    }
-    let line = |r: [&str; 5]| {
-        println!(
-            "{:<w0$}  {:<w1$}  {:<w2$}  {:>w3$}  {}",
-            r[0],
-            r[1],
-            r[2],
-            r[3],
-            r[4],
-            w0 = w[0],
-            w1 = w[1],
-            w2 = w[2],
-            w3 = w[3]
-        );
-    };
-    line(header);
-    for r in &table {
-        line([&r[0], &r[1], &r[2], &r[3], &r[4]]);
-    }
-    if let Ok(c) = maps.counters() {
+    let maps = open_pins(&dir)?;
+    proxy_userspace::inspect::print_services(&maps, args.output == Output::Json)?;
+    if args.output == Output::Table
+        && let Ok(c) = maps.counters()
+    {
         let parts: Vec<String> = Counter::ALL
             .iter()
             .map(|(idx, name)| format!("{name}={}", c.get(*idx as usize).copied().unwrap_or(0)))
@@ -714,6 +636,21 @@ fn services(args: ServicesArgs) -> Result<()> {
         println!("\ncounters: {}", parts.join(" "));
     }
     Ok(())
+}
+
+fn affinity(args: ServicesArgs) -> Result<()> {
+    let dir = args.pins.dir()?;
+    let maps = open_pins(&dir)?;
+    proxy_userspace::inspect::print_affinity(&dir, &maps, args.output == Output::Json)
+}
+
+fn open_pins(dir: &std::path::Path) -> Result<PinnedMaps> {
+    PinnedMaps::open(dir).with_context(|| {
+        format!(
+            "no ebpf-proxy data path pinned at {} (is the agent running? check --bpffs/--pin-dir)",
+            dir.display()
+        )
+    })
 }
 
 fn cleanup(args: CleanupArgs) -> Result<()> {

@@ -602,9 +602,8 @@ pub fn build_cached(
             spec.and_then(|s| s.external_traffic_policy.as_deref()) == Some("Local");
         let internal_local =
             spec.and_then(|s| s.internal_traffic_policy.as_deref()) == Some("Local");
-        let (algorithm, weights) = selection(svc, node.default_algorithm, &mut |w| {
-            errors.push(mk_err(w))
-        });
+        let (algorithm, weights) =
+            selection(svc, node.default_algorithm, &mut |w| errors.push(mk_err(w)));
         // A DesiredService with the Service's selection settings; WRR weights applied.
         let policy = |backends: BTreeSet<SocketAddr>,
                       eps: &PortEndpoints,

@@ -26,7 +26,7 @@ use std::{
 
 use proxy_common::{
     Backend, BackendSlotKey, FRONTEND_F_EXTERNAL, FRONTEND_F_VIP_MARKER, Frontend, FrontendKey,
-    PROTO_UDP,
+    MemberKey, PROTO_UDP,
 };
 
 use crate::{
@@ -169,7 +169,11 @@ fn frontend_value(id: u32, count: usize, svc: &DesiredService, group: u32) -> Fr
         algorithm: svc.algorithm as u8,
         _pad: [0; 3],
         affinity_timeout_s: svc.affinity_timeout_s,
-        affinity_group: if svc.affinity_timeout_s != 0 { group } else { 0 },
+        affinity_group: if svc.affinity_timeout_s != 0 {
+            group
+        } else {
+            0
+        },
     }
 }
 
@@ -312,6 +316,20 @@ pub struct Syncer {
     vip_refs: HashMap<[u8; 16], u32>,
     /// The maps hold exactly `applied` (set by a successful sync, cleared by a failed one).
     incremental_ok: bool,
+    /// Maglev table size (0: `MAGLEV_DEFAULT`).
+    maglev_size: u32,
+}
+
+/// True for algorithms that read a Maglev table.
+fn is_hashing(a: Algorithm) -> bool {
+    matches!(a, Algorithm::SourceHash | Algorithm::Maglev)
+}
+
+/// A backend's name for Maglev: `address:port/PROTOCOL`, the same on every node.
+fn backend_name(b: &Backend) -> String {
+    let addr = crate::datapath::addr::to_socket_addr(b.addr, b.port);
+    let proto = if b.proto == PROTO_UDP { "UDP" } else { "TCP" };
+    format!("{addr}/{proto}")
 }
 
 impl Syncer {
@@ -380,6 +398,59 @@ impl Syncer {
         let id = alloc_id(&mut self.next_backend_id, |id| backends.contains_key(&id));
         local.insert(*b, id);
         (id, true)
+    }
+
+    /// Sets the Maglev table size of hashing services (a prime `<= MAGLEV_MAX`); tables are
+    /// rewritten by the next sync of each service.
+    pub fn set_maglev_size(&mut self, size: u32) {
+        self.maglev_size = size;
+    }
+
+    /// Adds the memberships of `slots` that the maps lack, and writes the Maglev table of a
+    /// hashing service when it differs from the one in the map. Called after the slots and
+    /// backends are written and before the frontend, so a table never names a backend the
+    /// data path cannot resolve.
+    fn write_members_and_table(
+        &mut self,
+        dp: &mut impl Datapath,
+        id: u32,
+        slots: &[u32],
+        svc: &DesiredService,
+        stats: &mut SyncStats,
+    ) -> Result<(), DatapathError> {
+        for bid in slots.iter().collect::<BTreeSet<_>>() {
+            let k = MemberKey {
+                service_id: id,
+                backend_id: *bid,
+            };
+            if !self.cur.members.contains(&k) {
+                dp.put_member(&k)?;
+                self.cur.members.insert(k);
+                stats.writes += 1;
+            }
+        }
+        if is_hashing(svc.algorithm) {
+            let names: Vec<(u32, String)> = slots
+                .iter()
+                .collect::<BTreeSet<_>>()
+                .into_iter()
+                .filter_map(|bid| self.cur.backends.get(bid).map(|b| (*bid, backend_name(b))))
+                .collect();
+            let size = if self.maglev_size == 0 {
+                proxy_common::MAGLEV_DEFAULT
+            } else {
+                self.maglev_size
+            };
+            let table = crate::maglev::table(&names, size);
+            let same =
+                self.cur.maglev.contains(&id) && dp.get_maglev(id)?.as_deref() == Some(&table[..]);
+            if !same {
+                dp.put_maglev(id, &table)?;
+                self.cur.maglev.insert(id);
+                stats.writes += 1;
+            }
+        }
+        Ok(())
     }
 
     /// Appends the UDP backends of `old` that are not in `new` to `out` (see
@@ -623,6 +694,22 @@ impl Syncer {
         )?;
 
         // --- (A) removals ---------------------------------------------------------------------
+        // Memberships first: affinity and Maglev stop choosing a leaving backend before its
+        // slot goes.
+        for (_, id, old, new, _) in &plans {
+            let keep: BTreeSet<u32> = new.iter().flatten().copied().collect();
+            for bid in old.iter().collect::<BTreeSet<_>>() {
+                let k = MemberKey {
+                    service_id: *id,
+                    backend_id: *bid,
+                };
+                if !keep.contains(bid) && self.cur.members.contains(&k) {
+                    dp.delete_member(&k)?;
+                    self.cur.members.remove(&k);
+                    stats.deletes += 1;
+                }
+            }
+        }
         for k in &fe_delete {
             dp.delete_frontend(k)?;
             self.cur.frontends.remove(k);
@@ -689,6 +776,10 @@ impl Syncer {
                 }
             }
         }
+        for (key, id, _, new, _) in &plans {
+            let Some(new) = new else { continue };
+            self.write_members_and_table(dp, *id, new, &desired.services[key], &mut stats)?;
+        }
         for a in &marker_add {
             let k = marker_key(*a);
             dp.put_frontend(&k, &MARKER)?;
@@ -704,6 +795,14 @@ impl Syncer {
         }
 
         // --- (C) stale slots and backends --------------------------------------------------------
+        for (key, id, _, new, _) in &plans {
+            let hashing = new.is_some() && is_hashing(desired.services[key].algorithm);
+            if !hashing && self.cur.maglev.contains(id) {
+                dp.delete_maglev(*id)?;
+                self.cur.maglev.remove(id);
+                stats.deletes += 1;
+            }
+        }
         for (_, id, old, new, _) in &plans {
             let Some(new) = new else { continue };
             for slot in new.len()..old.len() {
@@ -837,6 +936,26 @@ impl Syncer {
         )?;
 
         // --- (A) removals of what is no longer wanted ------------------------------------------
+        let want_members: BTreeSet<MemberKey> = want_slots
+            .iter()
+            .flat_map(|(id, slots)| {
+                slots.iter().map(|bid| MemberKey {
+                    service_id: *id,
+                    backend_id: *bid,
+                })
+            })
+            .collect();
+        let stale_members: Vec<MemberKey> = self
+            .cur
+            .members
+            .difference(&want_members)
+            .copied()
+            .collect();
+        for k in stale_members {
+            dp.delete_member(&k)?;
+            self.cur.members.remove(&k);
+            stats.deletes += 1;
+        }
         let stale_fe: Vec<FrontendKey> = self
             .cur
             .frontends
@@ -920,6 +1039,15 @@ impl Syncer {
                 }
             }
         }
+        for (key, id) in &bind {
+            self.write_members_and_table(
+                dp,
+                *id,
+                &want_slots[id],
+                &desired.services[key],
+                &mut stats,
+            )?;
+        }
         // Markers first: a new VIP refuses undefined ports from its first moment.
         let (markers, real): (Vec<_>, Vec<_>) =
             want_frontends.iter().partition(|(k, _)| k.proto == 0);
@@ -946,6 +1074,17 @@ impl Syncer {
         for k in extra {
             dp.delete_slot(&k)?;
             self.cur.slots.remove(&k);
+            stats.deletes += 1;
+        }
+        let hashing_ids: BTreeSet<u32> = bind
+            .iter()
+            .filter(|(k, _)| is_hashing(desired.services[*k].algorithm))
+            .map(|(_, id)| *id)
+            .collect();
+        let stale_tables: Vec<u32> = self.cur.maglev.difference(&hashing_ids).copied().collect();
+        for id in stale_tables {
+            dp.delete_maglev(id)?;
+            self.cur.maglev.remove(&id);
             stats.deletes += 1;
         }
         let stale_b: Vec<u32> = self
@@ -1047,6 +1186,17 @@ mod tests {
                 Op::DeleteBackend(k) => drop(s.backends.remove(k)),
                 Op::PutName(k, v) => drop(s.names.insert(*k, v.clone())),
                 Op::DeleteName(k) => drop(s.names.remove(k)),
+                Op::PutMember(k) => drop(s.members.insert(*k)),
+                Op::DeleteMember(k) => drop(s.members.remove(k)),
+                Op::PutMaglev(id, t) => {
+                    // A table only names backends the data path can resolve.
+                    assert!(t.iter().all(|b| s.backends.contains_key(b)), "{t:?}");
+                    s.maglev.insert(*id);
+                }
+                Op::DeleteMaglev(id) => drop(s.maglev.remove(id)),
+            }
+            for m in &s.members {
+                assert!(s.backends.contains_key(&m.backend_id), "member {m:?}");
             }
             // A frontend may only point at slots that exist; slots may point past a count.
             assert_consistent(&s);
@@ -1212,7 +1362,8 @@ mod tests {
             svc(&["10.96.0.10:80"], &["10.0.0.1:8080", "10.0.0.2:8080"]),
         )]);
         let st = s.sync(&mut dp, &d).unwrap();
-        assert_eq!(st.writes, 2 + 1 + 2 + 2); // backends, name, slots, marker + frontend
+        assert_eq!(st.writes, 2 + 1 + 2 + 2 + 2); // backends, name, slots, members, marker + frontend
+        assert_eq!(dp.state.members.len(), 2);
         assert_eq!(dp.state.frontends.len(), 2);
         assert_eq!(dp.state.slots.len(), 2);
         assert_eq!(dp.state.backends.len(), 2);
@@ -1263,6 +1414,13 @@ mod tests {
         )
         .unwrap();
         assert_every_step_consistent(&dp.log, &before);
+        // The leaving backend stops being a member first (affinity and Maglev let go of it).
+        assert!(
+            matches!(dp.log[0], Op::DeleteMember(MemberKey { backend_id: 2, .. })),
+            "{:?}",
+            dp.log
+        );
+        dp.log.remove(0);
         // slot 1 rewritten (3 moved in), frontend count 2, slot 2 deleted, backend 2 deleted.
         assert_eq!(dp.log.len(), 4, "{:?}", dp.log);
         assert!(matches!(
@@ -1303,12 +1461,13 @@ mod tests {
         s.sync(&mut dp, &DesiredState::default()).unwrap();
         assert_every_step_consistent(&dp.log, &before);
         assert_eq!(dp.state, Snapshot::default());
+        assert!(matches!(dp.log[0], Op::DeleteMember(_)), "{:?}", dp.log);
         assert!(matches!(
-            dp.log[0],
+            dp.log[1],
             Op::DeleteFrontend(FrontendKey { proto: 6, .. })
         ));
         assert!(matches!(
-            dp.log[1],
+            dp.log[2],
             Op::DeleteFrontend(FrontendKey { proto: 0, .. })
         ));
     }

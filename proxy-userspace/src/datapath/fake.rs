@@ -2,7 +2,7 @@
 //! capacities, and a log of every write in order.
 
 use super::{Capacity, Datapath, DatapathError, Snapshot};
-use proxy_common::{Backend, BackendSlotKey, Frontend, FrontendKey};
+use proxy_common::{Backend, BackendSlotKey, Frontend, FrontendKey, MemberKey};
 
 /// One write, as logged by [`FakeDatapath`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -15,6 +15,10 @@ pub enum Op {
     DeleteBackend(u32),
     PutName(u32, String),
     DeleteName(u32),
+    PutMember(MemberKey),
+    DeleteMember(MemberKey),
+    PutMaglev(u32, Vec<u32>),
+    DeleteMaglev(u32),
 }
 
 /// Maps in memory. Writes beyond the capacity fail like a full BPF hash map (E2BIG).
@@ -26,6 +30,8 @@ pub struct FakeDatapath {
     pub cap: Capacity,
     /// Every successful write, in order.
     pub log: Vec<Op>,
+    /// Maglev tables by service id (their ids are in `state.maglev`).
+    pub tables: std::collections::BTreeMap<u32, Vec<u32>>,
 }
 
 impl FakeDatapath {
@@ -35,6 +41,7 @@ impl FakeDatapath {
             state: Snapshot::default(),
             cap,
             log: Vec::new(),
+            tables: Default::default(),
         }
     }
 }
@@ -108,6 +115,35 @@ impl Datapath for FakeDatapath {
     fn delete_name(&mut self, service_id: u32) -> Result<(), DatapathError> {
         self.state.names.remove(&service_id);
         self.log.push(Op::DeleteName(service_id));
+        Ok(())
+    }
+    fn put_member(&mut self, key: &MemberKey) -> Result<(), DatapathError> {
+        let m = &mut self.state.members;
+        if !m.contains(key) && m.len() >= self.cap.slots as usize {
+            return Err(full("MEMBERS"));
+        }
+        m.insert(*key);
+        self.log.push(Op::PutMember(*key));
+        Ok(())
+    }
+    fn delete_member(&mut self, key: &MemberKey) -> Result<(), DatapathError> {
+        self.state.members.remove(key);
+        self.log.push(Op::DeleteMember(*key));
+        Ok(())
+    }
+    fn get_maglev(&self, service_id: u32) -> Result<Option<Vec<u32>>, DatapathError> {
+        Ok(self.tables.get(&service_id).cloned())
+    }
+    fn put_maglev(&mut self, service_id: u32, table: &[u32]) -> Result<(), DatapathError> {
+        self.tables.insert(service_id, table.to_vec());
+        self.state.maglev.insert(service_id);
+        self.log.push(Op::PutMaglev(service_id, table.to_vec()));
+        Ok(())
+    }
+    fn delete_maglev(&mut self, service_id: u32) -> Result<(), DatapathError> {
+        self.tables.remove(&service_id);
+        self.state.maglev.remove(&service_id);
+        self.log.push(Op::DeleteMaglev(service_id));
         Ok(())
     }
 }

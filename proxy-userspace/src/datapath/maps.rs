@@ -6,8 +6,9 @@ use std::path::{Path, PathBuf};
 use aya::maps::{Array, HashMap, Map, MapData, MapError, MapInfo, PerCpuArray};
 use proxy_common::{
     BACKEND_SLOTS, BACKENDS, Backend, BackendSlotKey, CONFIG, COUNTERS, Config, FRONTENDS,
-    Frontend, FrontendKey, PROTO_UDP, REVNAT_F_CONNECTED, REVNAT_SK, RevNatKey, RevNatValue,
-    SERVICE_NAMES, STALE_SOCKETS, ServiceName, UDP_FLOWS, UdpFlow, UdpFlowKey,
+    Frontend, FrontendKey, MAGLEV, MAGLEV_MAX, MEMBERS, MaglevTable, MemberKey, PROTO_UDP,
+    REVNAT_F_CONNECTED, REVNAT_SK, RevNatKey, RevNatValue, SERVICE_NAMES, STALE_SOCKETS,
+    ServiceName, UDP_FLOWS, UdpFlow, UdpFlowKey,
 };
 
 use super::{Capacity, Datapath, DatapathError, Snapshot, decode_name, encode_name};
@@ -19,6 +20,8 @@ pub struct PinnedMaps {
     slots: HashMap<MapData, BackendSlotKey, u32>,
     backends: HashMap<MapData, u32, Backend>,
     names: HashMap<MapData, u32, ServiceName>,
+    members: HashMap<MapData, MemberKey, u32>,
+    maglev: HashMap<MapData, u32, MaglevTable>,
     cap: Capacity,
 }
 
@@ -61,12 +64,16 @@ impl PinnedMaps {
         let (slots, s) = hash(dir, BACKEND_SLOTS)?;
         let (backends, b) = hash(dir, BACKENDS)?;
         let (names, n) = hash(dir, SERVICE_NAMES)?;
+        let (members, _) = hash(dir, MEMBERS)?;
+        let (maglev, _) = hash(dir, MAGLEV)?;
         Ok(Self {
             dir: dir.to_path_buf(),
             frontends,
             slots,
             backends,
             names,
+            members,
+            maglev,
             cap: Capacity {
                 frontends: f,
                 slots: s,
@@ -203,6 +210,14 @@ impl Datapath for PinnedMaps {
             let (k, v) = kv.map_err(|e| map_err("iterate", SERVICE_NAMES, e))?;
             s.names.insert(k, decode_name(&v));
         }
+        for k in self.members.keys() {
+            s.members
+                .insert(k.map_err(|e| map_err("iterate", MEMBERS, e))?);
+        }
+        for k in self.maglev.keys() {
+            s.maglev
+                .insert(k.map_err(|e| map_err("iterate", MAGLEV, e))?);
+        }
         Ok(s)
     }
 
@@ -238,5 +253,39 @@ impl Datapath for PinnedMaps {
     fn delete_name(&mut self, service_id: u32) -> Result<(), DatapathError> {
         ignore_missing(self.names.remove(&service_id))
             .map_err(|e| map_err("delete", SERVICE_NAMES, e))
+    }
+    fn put_member(&mut self, key: &MemberKey) -> Result<(), DatapathError> {
+        self.members
+            .insert(key, 1, 0)
+            .map_err(|e| map_err("update", MEMBERS, e))
+    }
+    fn delete_member(&mut self, key: &MemberKey) -> Result<(), DatapathError> {
+        ignore_missing(self.members.remove(key)).map_err(|e| map_err("delete", MEMBERS, e))
+    }
+    fn get_maglev(&self, service_id: u32) -> Result<Option<Vec<u32>>, DatapathError> {
+        match self.maglev.get(&service_id, 0) {
+            Ok(t) => {
+                let n = (t.size as usize).min(MAGLEV_MAX);
+                Ok(Some(t.entries[..n].to_vec()))
+            }
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(map_err("lookup", MAGLEV, e)),
+        }
+    }
+    fn put_maglev(&mut self, service_id: u32, table: &[u32]) -> Result<(), DatapathError> {
+        // 256 KiB: built on the heap, never on the stack.
+        let mut t: Box<MaglevTable> = Box::new(MaglevTable {
+            size: table.len().min(MAGLEV_MAX) as u32,
+            _pad: 0,
+            entries: [0; MAGLEV_MAX],
+        });
+        let n = table.len().min(MAGLEV_MAX);
+        t.entries[..n].copy_from_slice(&table[..n]);
+        self.maglev
+            .insert(service_id, &*t, 0)
+            .map_err(|e| map_err("update", MAGLEV, e))
+    }
+    fn delete_maglev(&mut self, service_id: u32) -> Result<(), DatapathError> {
+        ignore_missing(self.maglev.remove(&service_id)).map_err(|e| map_err("delete", MAGLEV, e))
     }
 }

@@ -7,9 +7,9 @@ pub mod fake;
 pub mod loader;
 pub mod maps;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
-use proxy_common::{Backend, BackendSlotKey, Frontend, FrontendKey, ServiceName};
+use proxy_common::{Backend, BackendSlotKey, Frontend, FrontendKey, MemberKey, ServiceName};
 
 /// Error of a data path operation.
 #[derive(Debug, thiserror::Error)]
@@ -56,6 +56,10 @@ pub struct Snapshot {
     pub backends: BTreeMap<u32, Backend>,
     /// `SERVICE_NAMES`, decoded.
     pub names: BTreeMap<u32, String>,
+    /// `MEMBERS` keys.
+    pub members: BTreeSet<MemberKey>,
+    /// Service ids with a `MAGLEV` table (the tables themselves are read on demand).
+    pub maglev: BTreeSet<u32>,
 }
 
 /// Writes to the service maps. Every method is one map operation; ordering is the caller's.
@@ -80,6 +84,17 @@ pub trait Datapath {
     fn put_name(&mut self, service_id: u32, name: &str) -> Result<(), DatapathError>;
     /// Removes a service name (absent is not an error).
     fn delete_name(&mut self, service_id: u32) -> Result<(), DatapathError>;
+    /// Marks a backend as a member of a service id's set.
+    fn put_member(&mut self, key: &MemberKey) -> Result<(), DatapathError>;
+    /// Removes a membership (absent is not an error).
+    fn delete_member(&mut self, key: &MemberKey) -> Result<(), DatapathError>;
+    /// The Maglev table of a service id, if any (its `size` entries).
+    fn get_maglev(&self, service_id: u32) -> Result<Option<Vec<u32>>, DatapathError>;
+    /// Creates or replaces the Maglev table of a service id (`table.len()` is its size, a
+    /// prime `<= MAGLEV_MAX`).
+    fn put_maglev(&mut self, service_id: u32, table: &[u32]) -> Result<(), DatapathError>;
+    /// Removes a Maglev table (absent is not an error).
+    fn delete_maglev(&mut self, service_id: u32) -> Result<(), DatapathError>;
 }
 
 /// Encodes a service name for `SERVICE_NAMES`, truncated to the map's value size.
