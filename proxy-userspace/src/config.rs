@@ -822,6 +822,18 @@ winkernel:
     }
 
     #[test]
+    fn readme_example_is_valid_and_quiet() {
+        let readme = include_str!("../../README.md");
+        let section = &readme[readme.find("### Configuration file").expect("section")..];
+        let start = section.find("```yaml\n").expect("yaml block") + "```yaml\n".len();
+        let example = &section[start..start + section[start..].find("```").unwrap()];
+        let l = parse(example).unwrap();
+        assert_eq!(l.warnings, Vec::<String>::new());
+        assert_eq!(l.settings.log_format, Some(LogFormat::Json));
+        assert_eq!(l.settings.sync_period, Some(Duration::from_secs(30)));
+    }
+
+    #[test]
     fn fill_keeps_given_flags() {
         let mut v = 1;
         fill(&mut v, true, Some(2));

@@ -339,8 +339,8 @@ fn metric_names(expr: &str) -> BTreeSet<String> {
 
 /// Every query of the dashboard: panel targets and template variables.
 fn dashboard_queries() -> Vec<String> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/grafana-dashboard.json");
-    let text = std::fs::read_to_string(&path).expect("deploy/grafana-dashboard.json");
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/grafana/dashboard.json");
+    let text = std::fs::read_to_string(&path).expect("deploy/grafana/dashboard.json");
     let v: serde_json::Value = serde_json::from_str(&text).expect("the dashboard is JSON");
     let mut queries = Vec::new();
     let panels = v["panels"].as_array().expect("panels");
