@@ -408,4 +408,34 @@ mod tests {
         assert!(e.ends_with("  line 30\n"), "{e}");
         assert_eq!(verifier_excerpt("a\n\nb\n"), "  a\n  b\n");
     }
+
+    #[test]
+    fn program_errors_name_the_step_and_a_remedy() {
+        let rejected = ProgramError::LoadError {
+            io_error: std::io::Error::from_raw_os_error(libc::EINVAL),
+            verifier_log: aya_obj::VerifierLog::new(
+                "0: (b7) r0 = 0\n1: (85) call bpf_set_retval#187\nunknown func bpf_set_retval#187\n"
+                    .into(),
+            ),
+        };
+        let e = format!("{:#}", program_load_error("connect4", rejected));
+        assert!(
+            e.starts_with("verify: the kernel rejected program connect4 (Invalid argument"),
+            "{e}"
+        );
+        assert!(
+            e.contains("  unknown func bpf_set_retval#187\n(remedy: "),
+            "{e}"
+        );
+
+        let denied = ProgramError::LoadError {
+            io_error: std::io::Error::from_raw_os_error(libc::EPERM),
+            verifier_log: aya_obj::VerifierLog::new(String::new()),
+        };
+        let e = format!("{:#}", program_load_error("connect4", denied));
+        assert!(
+            e.starts_with("load: program connect4 (remedy: run as root"),
+            "{e}"
+        );
+    }
 }
