@@ -919,6 +919,29 @@ logging: {format: json}
         assert_eq!(a.hostname_override.as_deref(), Some("file-node"));
     }
 
+    /// `apply_config` asks clap about these ids; a misspelt one would make the file win
+    /// over a flag that was given (clap checks ids only in debug builds).
+    #[test]
+    fn ids_asked_by_apply_config_are_arguments_of_run() {
+        let cmd = Cli::command();
+        let run = cmd.find_subcommand("run").unwrap();
+        let src = include_str!("main.rs");
+        let body = &src[src.find("fn apply_config(").unwrap()..];
+        let body = &body[..body.find("\n}\n").unwrap()];
+        let ids: Vec<&str> = body
+            .split("given(m, \"")
+            .skip(1)
+            .map(|s| &s[..s.find('"').unwrap()])
+            .collect();
+        assert!(ids.len() >= 11, "{ids:?}");
+        for id in ids {
+            assert!(
+                run.get_arguments().any(|a| a.get_id() == id),
+                "{id} is not an argument of run"
+            );
+        }
+    }
+
     #[test]
     fn invalid_list_flags_are_refused() {
         for argv in [
