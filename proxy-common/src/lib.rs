@@ -243,7 +243,7 @@ pub const MAGLEV_DEFAULT: u32 = 16381;
 pub const DEFAULT_MAX_MAGLEV: u32 = 1024;
 /// Most slots least-connections compares per decision: a larger service is compared over a
 /// window of this many consecutive slots starting at a random one.
-pub const LC_SCAN_MAX: u32 = 256;
+pub const LC_SCAN_MAX: u32 = 32;
 
 /// Affinity key: (Service port group, client). 24 bytes.
 #[repr(C)]

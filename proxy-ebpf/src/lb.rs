@@ -87,14 +87,6 @@ pub fn pick(fe: &Frontend) -> Option<(u32, Backend)> {
     Some((id, b))
 }
 
-/// Selection outcome for a frontend.
-pub enum Choice {
-    /// Translate to this backend.
-    Backend(u32, Backend),
-    /// Refuse: no endpoints.
-    NoEndpoints,
-}
-
 /// Who opens a flow, for the selection policies that depend on the client (source hashing,
 /// ClientIP session affinity). The tc path fills it from the packet; the socket path from
 /// the socket (its bound source address, else its network namespace).
@@ -121,61 +113,87 @@ pub struct Request {
 /// Chooses the backend of a new connection or flow (`req`) to frontend `fe`: the one entry point every hook (socket and tc) uses, so every data path applies
 /// the same rules. ClientIP affinity first (a fresh entry whose backend is still a member of
 /// this frontend's set), then the frontend's algorithm; an affinity entry is (re)written for
-/// the result. Not inlined: a BPF subprogram with its own stack frame keeps the hooks
-/// within the 512-byte stack.
+/// the result. Returns the backend id, 0 when the frontend has no endpoints (the caller
+/// refuses or drops).
+///
+/// Not inlined: a BPF subprogram with its own stack frame keeps the hooks within the
+/// 512-byte stack. Subprograms here return scalars only (the verifier rejects a returned
+/// pointer to the caller's stack, which is how larger return values travel).
 #[inline(never)]
-pub fn select(fe: &Frontend, req: &Request) -> Choice {
-    let (addr, port, proto, client) = (&req.addr, req.port, req.proto, &req.client);
+pub fn select(fe: &Frontend, req: &Request) -> u32 {
     if fe.backend_count == 0 {
-        return Choice::NoEndpoints;
+        return 0;
     }
+    let client = &req.client;
     // SAFETY: helper without side effects.
     let now = unsafe { bpf_ktime_get_ns() };
-    let akey = AffinityKey {
-        group: fe.affinity_group,
-        _pad: 0,
-        client: client.addr,
-    };
     if fe.affinity_timeout_s != 0 {
-        // SAFETY: copied out at once.
-        if let Some(a) = unsafe { AFFINITY.get(akey).copied() }
-            && now.wrapping_sub(a.last_used_ns) < fe.affinity_timeout_s as u64 * 1_000_000_000
-            && is_member(fe.service_id, a.backend_id)
-            && let Some(b) = backend(a.backend_id)
-        {
-            remember_affinity(&akey, a.backend_id, now);
-            return Choice::Backend(a.backend_id, b);
+        let id = affine(fe, &client.addr, now);
+        if id != 0 {
+            return id;
         }
     }
-    let chosen = match Algorithm::from_u8(fe.algorithm) {
+    let mut id = match Algorithm::from_u8(fe.algorithm) {
         Some(Algorithm::RoundRobin) | Some(Algorithm::WeightedRoundRobin) => {
-            by_slot(fe, next_cursor(fe.service_id) % fe.backend_count)
+            // checked_rem: no division-by-zero panic path (the verifier rejects one).
+            by_slot(
+                fe,
+                next_cursor(fe.service_id)
+                    .checked_rem(fe.backend_count)
+                    .unwrap_or(0),
+            )
         }
         Some(Algorithm::LeastConnections) => least_connections(fe),
         Some(Algorithm::SourceHash) => by_maglev(fe, hash_client(&client.addr, None)),
         Some(Algorithm::Maglev) => by_maglev(fe, hash_client(&client.addr, Some(client.port))),
-        _ => None,
+        _ => 0,
     };
-    let choice = match chosen {
-        Some((id, b)) => Choice::Backend(id, b),
-        None => choose(fe, addr, port, proto),
-    };
-    if fe.affinity_timeout_s != 0
-        && let Choice::Backend(id, _) = &choice
-    {
-        remember_affinity(&akey, *id, now);
+    if id == 0 {
+        id = choose(fe, &req.addr, req.port, req.proto);
     }
-    choice
+    if fe.affinity_timeout_s != 0 && id != 0 {
+        remember_affinity(fe.affinity_group, &client.addr, id, now);
+    }
+    id
 }
 
-#[inline(always)]
-fn remember_affinity(key: &AffinityKey, backend_id: u32, now: u64) {
+/// The backend of `client`'s affinity entry in `fe`'s group when the entry is fresh and the
+/// backend still a member of `fe`'s set; refreshes the entry. Not inlined (stack).
+#[inline(never)]
+fn affine(fe: &Frontend, client: &[u8; 16], now: u64) -> u32 {
+    let key = AffinityKey {
+        group: fe.affinity_group,
+        _pad: 0,
+        client: *client,
+    };
+    // SAFETY: copied out at once.
+    let Some(a) = (unsafe { AFFINITY.get(key).copied() }) else {
+        return 0;
+    };
+    if now.wrapping_sub(a.last_used_ns) >= fe.affinity_timeout_s as u64 * 1_000_000_000
+        || !is_member(fe.service_id, a.backend_id)
+        || backend(a.backend_id).is_none()
+    {
+        return 0;
+    }
+    remember_affinity(fe.affinity_group, client, a.backend_id, now);
+    a.backend_id
+}
+
+/// Writes `client`'s affinity entry in `group`. Not inlined (stack).
+#[inline(never)]
+fn remember_affinity(group: u32, client: &[u8; 16], backend_id: u32, now: u64) {
+    let key = AffinityKey {
+        group,
+        _pad: 0,
+        client: *client,
+    };
     let v = AffinityValue {
         backend_id,
         _pad: 0,
         last_used_ns: now,
     };
-    if AFFINITY.insert(*key, v, 0).is_err() {
+    if AFFINITY.insert(key, v, 0).is_err() {
         count(Counter::MapUpdateFailed);
     }
 }
@@ -191,17 +209,19 @@ fn is_member(service_id: u32, backend_id: u32) -> bool {
         .is_some()
 }
 
-/// The backend in slot `slot` of `fe`; `None` on a concurrent update (the caller falls back
+/// The backend id in slot `slot` of `fe`; 0 on a concurrent update (the caller falls back
 /// to a random pick, which retries).
 #[inline(always)]
-fn by_slot(fe: &Frontend, slot: u32) -> Option<(u32, Backend)> {
+fn by_slot(fe: &Frontend, slot: u32) -> u32 {
     let key = BackendSlotKey {
         service_id: fe.service_id,
         slot,
     };
     // SAFETY: copied out at once.
-    let id = unsafe { BACKEND_SLOTS.get(key).copied() }?;
-    Some((id, backend(id)?))
+    match unsafe { BACKEND_SLOTS.get(key).copied() } {
+        Some(id) if backend(id).is_some() => id,
+        _ => 0,
+    }
 }
 
 /// This CPU's round-robin cursor of `service_id`, advanced by one.
@@ -223,19 +243,19 @@ fn next_cursor(service_id: u32) -> u32 {
 }
 
 /// The slot whose backend has the fewest active connections, over at most `LC_SCAN_MAX`
-/// consecutive slots from a random start; ties go to the later candidate with probability
-/// 1/k (reservoir sampling), so each tied backend is equally likely.
-#[inline(always)]
-fn least_connections(fe: &Frontend) -> Option<(u32, Backend)> {
+/// consecutive slots from a random start. Each candidate is ranked by (connections, random
+/// 32-bit draw), so ties go to a uniformly random one of the tied backends. The ranking is
+/// one 64-bit compare per slot: few verifier states per iteration. Not inlined, so its
+/// frame is not added to `select`'s (the BPF stack is 512 bytes for the whole call chain).
+#[inline(never)]
+fn least_connections(fe: &Frontend) -> u32 {
     let count = fe.backend_count;
     // SAFETY: helper without side effects.
-    let start = unsafe { bpf_get_prandom_u32() } % count;
-    let n = if count < LC_SCAN_MAX { count } else { LC_SCAN_MAX };
-    let mut best: Option<u32> = None;
-    let mut best_conns = u32::MAX;
-    let mut ties = 0u32;
+    let start = unsafe { bpf_get_prandom_u32() }.checked_rem(count).unwrap_or(0);
+    let mut best_rank = u64::MAX;
+    let mut best_id = 0u32;
     for i in 0..LC_SCAN_MAX {
-        if i >= n {
+        if i >= count {
             break;
         }
         let mut slot = start + i;
@@ -247,25 +267,21 @@ fn least_connections(fe: &Frontend) -> Option<(u32, Backend)> {
             slot,
         };
         // SAFETY: copied out at once.
-        let Some(id) = (unsafe { BACKEND_SLOTS.get(key).copied() }) else {
-            continue;
-        };
+        let id = unsafe { BACKEND_SLOTS.get(key).copied() }.unwrap_or(0);
         // SAFETY: copied out at once.
         let conns = unsafe { LC_COUNTS.get(id).copied() }.unwrap_or(0);
-        if conns < best_conns {
-            best = Some(id);
-            best_conns = conns;
-            ties = 1;
-        } else if conns == best_conns {
-            ties += 1;
-            // SAFETY: helper without side effects.
-            if unsafe { bpf_get_prandom_u32() } % ties == 0 {
-                best = Some(id);
-            }
+        // SAFETY: helper without side effects.
+        let draw = unsafe { bpf_get_prandom_u32() };
+        let rank = ((conns as u64) << 32) | draw as u64;
+        if id != 0 && rank < best_rank {
+            best_rank = rank;
+            best_id = id;
         }
     }
-    let id = best?;
-    Some((id, backend(id)?))
+    if best_id == 0 || backend(best_id).is_none() {
+        return 0;
+    }
+    best_id
 }
 
 /// Counts a new connection of a socket (`cookie`) to backend `id` for least-connections;
@@ -342,44 +358,47 @@ fn fmix(mut h: u32) -> u32 {
 }
 
 /// The Maglev table's backend for `hash`; `None` without a table (the agent writes it
-/// after the slots) or when its backend is no longer a member.
-#[inline(always)]
-fn by_maglev(fe: &Frontend, hash: u32) -> Option<(u32, Backend)> {
+/// after the slots) or when its backend is no longer a member. Not inlined (stack).
+#[inline(never)]
+fn by_maglev(fe: &Frontend, hash: u32) -> u32 {
     // Through a raw pointer: the table is far larger than the BPF stack and must never be
     // copied. A concurrent update replaces the element (RCU), so the reads are consistent.
-    let t = MAGLEV.get_ptr(fe.service_id)?;
+    let Some(t) = MAGLEV.get_ptr(fe.service_id) else {
+        return 0;
+    };
     // SAFETY: `t` points to a live map value.
     let size = unsafe { (*t).size };
     if size == 0 {
-        return None;
+        return 0;
     }
-    let idx = (hash % size) as usize;
+    let idx = hash.checked_rem(size).unwrap_or(0) as usize;
     if idx >= MAGLEV_MAX {
-        return None;
+        return 0;
     }
     // SAFETY: idx < MAGLEV_MAX, inside the value.
     let id = unsafe { *(core::ptr::addr_of!((*t).entries) as *const u32).add(idx) };
-    if !is_member(fe.service_id, id) {
-        return None;
+    if !is_member(fe.service_id, id) || backend(id).is_none() {
+        return 0;
     }
-    Some((id, backend(id)?))
+    id
 }
 
-/// Picks a backend for `fe`, retrying once with a fresh frontend value when a slot
-/// vanished under us (the agent shrank the service concurrently).
-#[inline(always)]
-pub fn choose(fe: &Frontend, addr: &[u8; 16], port: [u8; 2], proto: u8) -> Choice {
+/// Picks a backend id of `fe` uniformly at random, retrying once with a fresh frontend
+/// value when a slot vanished under us (the agent shrank the service concurrently); 0 when
+/// there is none. Not inlined (stack).
+#[inline(never)]
+pub fn choose(fe: &Frontend, addr: &[u8; 16], port: [u8; 2], proto: u8) -> u32 {
     if fe.backend_count == 0 {
-        return Choice::NoEndpoints;
+        return 0;
     }
-    if let Some((id, b)) = pick(fe) {
-        return Choice::Backend(id, b);
+    if let Some((id, _)) = pick(fe) {
+        return id;
     }
     count(Counter::SlotMiss);
     if let Lookup::Frontend(fe2) = lookup(addr, port, proto)
-        && let Some((id, b)) = pick(&fe2)
+        && let Some((id, _)) = pick(&fe2)
     {
-        return Choice::Backend(id, b);
+        return id;
     }
-    Choice::NoEndpoints
+    0
 }

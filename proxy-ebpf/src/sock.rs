@@ -27,7 +27,7 @@ use proxy_common::{
 
 use crate::{
     lb::{
-        Choice, Client, Lookup, Request, backend, count, lookup, release_connection, select,
+        Client, Lookup, Request, backend, count, lookup, release_connection, select,
         track_connection,
     },
     maps::{CONFIG, REVNAT_SK, STALE_SOCKETS, UDP_FLOWS},
@@ -155,9 +155,10 @@ fn no_endpoints(fe: &Frontend) -> i32 {
 }
 
 /// The client as the Service sees it: the socket's bound source address when it has one,
-/// else its network namespace (one per pod; see `proxy_common::client_of_netns`).
-#[inline(always)]
-fn client_of<const V6: bool>(ctx: &SockAddrContext) -> Client {
+/// else its network namespace (one per pod; see `proxy_common::client_of_netns`). Not
+/// inlined, for the stack (see `remember`).
+#[inline(never)]
+fn client_of<const V6: bool>(ctx: &SockAddrContext, out: &mut Client) {
     let sa = ctx.sock_addr;
     // SAFETY: `sk` of a sock_addr context is a valid socket pointer; src_ip4/src_ip6 are
     // readable fields of `struct bpf_sock`.
@@ -181,12 +182,12 @@ fn client_of<const V6: bool>(ctx: &SockAddrContext) -> Client {
             if ip != 0 { Some(v4_mapped(ip)) } else { None }
         }
     };
-    let addr = match bound {
+    out.addr = match bound {
         Some(a) => a,
         // SAFETY: helper on our own context.
         None => client_of_netns(unsafe { bpf_get_netns_cookie(ctx.as_ptr()) }),
     };
-    Client { addr, port: [0; 2] }
+    out.port = [0; 2];
 }
 
 #[inline(always)]
@@ -195,18 +196,11 @@ fn cookie(ctx: &SockAddrContext) -> u64 {
     unsafe { bpf_get_socket_cookie(ctx.as_ptr()) }
 }
 
-/// Remembers that this socket reached `b` through the frontend (addr, port) of service
-/// `service_id`.
-#[inline(always)]
-fn remember(
-    cookie: u64,
-    b: &Backend,
-    addr: &[u8; 16],
-    port: [u8; 2],
-    proto: u8,
-    flags: u8,
-    service_id: u32,
-) {
+/// Remembers that this socket reached `b` through the frontend of `req` of service
+/// `service_id`. Not inlined: its 56 bytes of key and value stay out of the hook's frame,
+/// which shares the 512-byte BPF stack with `select`.
+#[inline(never)]
+fn remember(cookie: u64, b: &Backend, req: &Request, flags: u8, service_id: u32) {
     let key = RevNatKey {
         cookie,
         addr: b.addr,
@@ -214,9 +208,9 @@ fn remember(
         _pad: [0; 6],
     };
     let val = RevNatValue {
-        addr: *addr,
-        port,
-        proto,
+        addr: req.addr,
+        port: req.port,
+        proto: req.proto,
         flags,
         service_id,
     };
@@ -239,15 +233,19 @@ fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         Lookup::UndefinedPort => return refuse(Counter::RefusedUndefinedPort),
         Lookup::Frontend(fe) => fe,
     };
-    let req = Request {
+    let mut req = Request {
         addr,
         port,
         proto,
-        client: client_of::<V6>(ctx),
+        client: Client {
+            addr: [0; 16],
+            port: [0; 2],
+        },
     };
-    let (id, b) = match select(&fe, &req) {
-        Choice::NoEndpoints => return no_endpoints(&fe),
-        Choice::Backend(id, b) => (id, b),
+    client_of::<V6>(ctx, &mut req.client);
+    let id = select(&fe, &req);
+    let Some(b) = backend(id).filter(|_| id != 0) else {
+        return no_endpoints(&fe);
     };
     if !write_addr::<V6>(sa, &b.addr, b.port) {
         return refuse(Counter::RefusedNoEndpoints);
@@ -257,15 +255,7 @@ fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         // Connecting again is how an application recovers a socket whose endpoint left.
         let _ = STALE_SOCKETS.remove(cookie);
     }
-    remember(
-        cookie,
-        &b,
-        &addr,
-        port,
-        proto,
-        REVNAT_F_CONNECTED,
-        fe.service_id,
-    );
+    remember(cookie, &b, &req, REVNAT_F_CONNECTED, fe.service_id);
     if fe.algorithm == Algorithm::LeastConnections as u8 {
         track_connection(cookie, id);
     }
@@ -300,48 +290,67 @@ fn on_sendmsg<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         _pad: [0; 6],
     };
 
-    // Keep the flow's backend while the flow is active and the backend still exists.
-    let mut chosen: Option<(u32, Backend)> = None;
-    // SAFETY: copied out at once.
-    if let Some(f) = unsafe { UDP_FLOWS.get(fkey).copied() }
-        && f.service_id == fe.service_id
-        && fe.backend_count != 0
-        && now.wrapping_sub(f.last_seen_ns) < flow_timeout_ns()
-        && let Some(b) = backend(f.backend_id)
-        && b.addr == f.addr
-    {
-        chosen = Some((f.backend_id, b));
-    }
-    let (id, b) = match chosen {
-        Some(c) => c,
-        None => match select(
-            &fe,
-            &Request {
-                addr,
-                port,
-                proto: PROTO_UDP,
-                client: client_of::<V6>(ctx),
-            },
-        ) {
-            Choice::NoEndpoints => return no_endpoints(&fe),
-            Choice::Backend(id, b) => (id, b),
+    let chosen = flow_backend(&fkey, &fe, now);
+    let mut req = Request {
+        addr,
+        port,
+        proto: PROTO_UDP,
+        client: Client {
+            addr: [0; 16],
+            port: [0; 2],
         },
+    };
+    let id = if chosen != 0 {
+        chosen
+    } else {
+        client_of::<V6>(ctx, &mut req.client);
+        select(&fe, &req)
+    };
+    let Some(b) = backend(id).filter(|_| id != 0) else {
+        return no_endpoints(&fe);
     };
     if !write_addr::<V6>(sa, &b.addr, b.port) {
         return refuse(Counter::RefusedNoEndpoints);
     }
+    save_flow(&fkey, id, fe.service_id, now, &b);
+    remember(cookie, &b, &req, 0, fe.service_id);
+    count(Counter::Translated);
+    ALLOW
+}
+
+/// The flow's backend while the flow is active and the backend still exists. Not inlined
+/// (stack).
+#[inline(never)]
+fn flow_backend(fkey: &UdpFlowKey, fe: &Frontend, now: u64) -> u32 {
+    // SAFETY: copied out at once.
+    let Some(f) = (unsafe { UDP_FLOWS.get(*fkey).copied() }) else {
+        return 0;
+    };
+    if f.service_id != fe.service_id
+        || fe.backend_count == 0
+        || now.wrapping_sub(f.last_seen_ns) >= flow_timeout_ns()
+    {
+        return 0;
+    }
+    match backend(f.backend_id) {
+        Some(b) if b.addr == f.addr => f.backend_id,
+        _ => 0,
+    }
+}
+
+/// Records (or refreshes) the flow `key` -> backend `id` of service `service_id`. Not
+/// inlined, for the stack (see `remember`).
+#[inline(never)]
+fn save_flow(key: &UdpFlowKey, id: u32, service_id: u32, now: u64, b: &Backend) {
     let flow = UdpFlow {
         backend_id: id,
-        service_id: fe.service_id,
+        service_id,
         last_seen_ns: now,
         addr: b.addr,
     };
-    if UDP_FLOWS.insert(fkey, flow, 0).is_err() {
+    if UDP_FLOWS.insert(*key, flow, 0).is_err() {
         count(Counter::MapUpdateFailed);
     }
-    remember(cookie, &b, &addr, port, PROTO_UDP, 0, fe.service_id);
-    count(Counter::Translated);
-    ALLOW
 }
 
 /// recvmsg (`RECV` = true) and getpeername: show the VIP instead of the backend.

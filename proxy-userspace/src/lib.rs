@@ -1,6 +1,8 @@
 //! ebpf-proxy agent library: sources of Service and EndpointSlice objects, the pure
 //! desired-state model, the map sync, and the aya data path behind a trait.
 
+pub mod check;
+pub mod config;
 pub mod datapath;
 pub mod fakeapi;
 pub mod inspect;

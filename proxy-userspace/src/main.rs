@@ -1,5 +1,5 @@
-//! `ebpf-proxy`: the node agent (`run`) and the commands that inspect (`services`) and remove
-//! (`cleanup`) its data path.
+//! `ebpf-proxy`: the node agent (`run`), the preflight (`check`), and the commands that
+//! inspect (`services`) and remove (`cleanup`) its data path.
 
 use std::{
     collections::BTreeSet,
@@ -11,12 +11,14 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use proxy_common::{
     Config, Counter, DEFAULT_MAX_BACKENDS, DEFAULT_MAX_FRONTENDS, DEFAULT_MAX_SLOTS,
     DEFAULT_MAX_SOCKETS,
 };
 use proxy_userspace::{
+    check,
+    config::{self, ClusterCidrs, LogFormat, NodePortAddresses},
     datapath::{
         Datapath,
         loader::{self, MapSizes},
@@ -49,6 +51,9 @@ enum Command {
     Affinity(ServicesArgs),
     /// Detach the programs and remove the pinned maps and links (like kube-proxy --cleanup).
     Cleanup(CleanupArgs),
+    /// Preflight: check that this node can run the agent (kernel, BTF, bpffs, cgroup v2,
+    /// program and map types, helpers, memlock, kube-proxy rules). Exit code 1 on a failure.
+    Check(CheckArgs),
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -71,6 +76,10 @@ impl PinArgs {
 
 #[derive(clap::Args, Debug)]
 struct RunArgs {
+    /// kube-proxy configuration file (KubeProxyConfiguration, kubeproxy.config.k8s.io/v1alpha1).
+    /// Flags given on the command line override its values.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
     /// Read Services and EndpointSlices from this directory of manifests (*.yaml, *.yml,
     /// *.json), watched for changes, instead of the Kubernetes API.
     #[arg(long, conflicts_with = "kubeconfig")]
@@ -101,11 +110,6 @@ struct RunArgs {
     /// Name of this node [default: $NODE_NAME, else the hostname].
     #[arg(long)]
     hostname_override: Option<String>,
-    /// Node addresses that serve NodePorts: comma-separated CIDRs, or `primary` (the
-    /// node's first InternalIP per family, kube-proxy's nftables default) [default: every
-    /// InternalIP and ExternalIP of this node's Node object].
-    #[arg(long, value_delimiter = ',')]
-    nodeport_addresses: Vec<String>,
     /// Backend selection of Services without the `ebpf-proxy.io/lb-algorithm` annotation:
     /// random (kube-proxy's), round-robin, weighted-round-robin, least-connections,
     /// source-hash or maglev.
@@ -122,6 +126,19 @@ struct RunArgs {
     /// only), or a tracing filter directive with `=` or `,` (e.g. `info,kube=debug`).
     #[arg(long, default_value = "info")]
     log_level: String,
+    /// Log format: one text line or one JSON object per event.
+    #[arg(long, value_enum, default_value = "text")]
+    log_format: LogFormat,
+    /// CIDR of the cluster's pods, or an IPv4 and an IPv6 CIDR separated by a comma
+    /// (kube-proxy's --cluster-cidr). Checked and kept for the packet path; no effect yet.
+    #[arg(long)]
+    cluster_cidr: Option<ClusterCidrs>,
+    /// Node addresses that serve NodePorts: comma-separated CIDRs, or `primary` (the
+    /// node's first InternalIP per family, kube-proxy's nftables default) [default: every
+    /// InternalIP and ExternalIP of this node's Node object] (kube-proxy's
+    /// --nodeport-addresses).
+    #[arg(long)]
+    nodeport_addresses: Option<NodePortAddresses>,
     /// Size of the frontend map (VIP x port x protocol, plus one entry per VIP) when created.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..), default_value_t = DEFAULT_MAX_FRONTENDS)]
     max_frontends: u32,
@@ -156,6 +173,22 @@ struct ServicesArgs {
 }
 
 #[derive(clap::Args, Debug)]
+struct CheckArgs {
+    /// Mount point of the BPF file system.
+    #[arg(long, default_value = "/sys/fs/bpf")]
+    bpffs: PathBuf,
+    /// Mount bpffs at --bpffs when it is not mounted (otherwise that is a failure).
+    #[arg(long)]
+    mount_bpffs: bool,
+    /// cgroup v2 directory the programs would attach to [default: the cgroup2 mount root].
+    #[arg(long)]
+    cgroup_path: Option<PathBuf>,
+    /// Output format.
+    #[arg(short = 'o', long, value_enum, default_value = "table")]
+    output: Output,
+}
+
+#[derive(clap::Args, Debug)]
 struct CleanupArgs {
     #[command(flatten)]
     pins: PinArgs,
@@ -182,13 +215,90 @@ fn log_filter(level: &str) -> Result<tracing_subscriber::EnvFilter> {
         .with_context(|| format!("invalid --log-level {level:?}"))
 }
 
-fn init_logs(filter: tracing_subscriber::EnvFilter) {
+fn init_logs(filter: tracing_subscriber::EnvFilter, format: LogFormat) {
     use std::io::IsTerminal;
-    tracing_subscriber::fmt()
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => logs.with_ansi(std::io::stderr().is_terminal()).init(),
+        LogFormat::Json => logs.json().init(),
+    }
+}
+
+/// Fills every setting of `run` that was not given as a flag from the configuration file,
+/// as kube-proxy does with `--config`: a flag given on the command line wins, a flag left at
+/// its default does not.
+fn apply_config(args: &mut RunArgs, m: &clap::ArgMatches, file: config::FileSettings) {
+    use config::{fill, given};
+    // The file's kubeconfig is a source choice; --manifests is the other one.
+    if !given(m, "manifests") {
+        fill(
+            &mut args.kubeconfig,
+            given(m, "kubeconfig"),
+            file.kubeconfig.map(Some),
+        );
+    }
+    fill(
+        &mut args.hostname_override,
+        given(m, "hostname_override"),
+        file.hostname_override.map(Some),
+    );
+    fill(
+        &mut args.healthz_bind_address,
+        given(m, "healthz_bind_address"),
+        file.healthz_bind_address,
+    );
+    fill(
+        &mut args.metrics_bind_address,
+        given(m, "metrics_bind_address"),
+        file.metrics_bind_address,
+    );
+    fill(
+        &mut args.cluster_cidr,
+        given(m, "cluster_cidr"),
+        file.cluster_cidr.map(Some),
+    );
+    fill(
+        &mut args.nodeport_addresses,
+        given(m, "nodeport_addresses"),
+        file.node_port_addresses.map(Some),
+    );
+    fill(
+        &mut args.sync_period,
+        given(m, "sync_period"),
+        file.sync_period,
+    );
+    fill(
+        &mut args.min_sync_period,
+        given(m, "min_sync_period"),
+        file.min_sync_period,
+    );
+    fill(
+        &mut args.udp_flow_timeout,
+        given(m, "udp_flow_timeout"),
+        file.udp_flow_timeout,
+    );
+    fill(
+        &mut args.log_format,
+        given(m, "log_format"),
+        file.log_format,
+    );
+}
+
+/// `run` up to the agent: the configuration file merged into the flags, then the logs.
+fn start_run(mut args: RunArgs, m: Option<&clap::ArgMatches>) -> Result<()> {
+    let mut warnings = Vec::new();
+    if let (Some(path), Some(m)) = (args.config.clone(), m) {
+        let loaded = config::load(&path)?;
+        apply_config(&mut args, m, loaded.settings);
+        warnings = loaded.warnings;
+    }
+    init_logs(log_filter(&args.log_level)?, args.log_format);
+    for w in &warnings {
+        warn!("{w}");
+    }
+    run(args)
 }
 
 /// Lets `ebpf-proxy services | head` end quietly, as other CLI tools do (Rust ignores
@@ -200,15 +310,14 @@ fn restore_sigpipe() {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let result = match cli.command {
-        Command::Run(args) => match log_filter(&args.log_level) {
-            Ok(filter) => {
-                init_logs(filter);
-                run(*args)
-            }
-            Err(e) => Err(e),
-        },
+        Command::Run(args) => start_run(*args, matches.subcommand_matches("run")),
+        Command::Check(args) => {
+            restore_sigpipe();
+            return check_command(args);
+        }
         Command::Services(args) => {
             restore_sigpipe();
             services(args)
@@ -390,31 +499,6 @@ fn parse_maglev_size(s: &str) -> Result<u32, String> {
     Ok(n)
 }
 
-/// `--nodeport-addresses`: comma-separated CIDRs, or `primary`; empty is every address.
-fn parse_nodeport_addresses(list: &[String]) -> Result<(Vec<model::Cidr>, bool)> {
-    let mut cidrs = Vec::new();
-    let mut primary = false;
-    for item in list
-        .iter()
-        .flat_map(|s| s.split(','))
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-    {
-        if item == "primary" {
-            primary = true;
-        } else {
-            cidrs.push(
-                item.parse::<model::Cidr>()
-                    .map_err(|e| anyhow::anyhow!("--nodeport-addresses: {e}"))?,
-            );
-        }
-    }
-    if primary && !cidrs.is_empty() {
-        anyhow::bail!("--nodeport-addresses: `primary` cannot be combined with CIDRs");
-    }
-    Ok((cidrs, primary))
-}
-
 fn node_name(flag: Option<String>) -> String {
     flag.filter(|s| !s.is_empty())
         .or_else(|| std::env::var("NODE_NAME").ok().filter(|s| !s.is_empty()))
@@ -427,8 +511,11 @@ fn node_name(flag: Option<String>) -> String {
 }
 
 fn run(args: RunArgs) -> Result<()> {
-    let (nodeport_addresses, nodeport_primary) =
-        parse_nodeport_addresses(&args.nodeport_addresses)?;
+    let (nodeport_addresses, nodeport_primary) = match &args.nodeport_addresses {
+        None => (Vec::new(), false),
+        Some(NodePortAddresses::Primary) => (Vec::new(), true),
+        Some(NodePortAddresses::Cidrs(c)) => (c.clone(), false),
+    };
     let node = NodeInfo {
         default_algorithm: args.lb_algorithm,
         nodeport_addresses,
@@ -444,12 +531,17 @@ fn run(args: RunArgs) -> Result<()> {
     if let Some(k) = &args.kubeconfig {
         std::fs::metadata(k).with_context(|| format!("--kubeconfig {}", k.display()))?;
     }
-    loader::ensure_bpffs(&args.pins.bpffs)?;
+    preflight(&args)?;
     let cgroup = match &args.cgroup_path {
         Some(p) => p.clone(),
         None => loader::cgroup2_root()?,
     };
-    loader::check_cgroup(&cgroup)?;
+    if let Some(c) = &args.cluster_cidr {
+        info!(cluster_cidr = %c, "cluster CIDR (kept for the packet path, no effect yet)");
+    }
+    if let Some(n) = &args.nodeport_addresses {
+        info!(nodeport_addresses = %n, "NodePort addresses");
+    }
     let bind = |what: &str, addr: SocketAddr| -> Result<std::net::TcpListener> {
         let l = std::net::TcpListener::bind(addr)
             .with_context(|| format!("bind the {what} server to {addr}"))?;
@@ -535,8 +627,12 @@ fn run(args: RunArgs) -> Result<()> {
             let Some(mut snap) = snap else {
                 // Full resync: compare with what the kernel holds, not with our copy.
                 if let Some(d) = &desired {
-                    match Syncer::adopt(&maps) {
-                        Ok(mut fresh) => match { fresh.set_maglev_size(args.maglev_table_size); fresh.sync(&mut maps, d) } {
+                    let adopted = Syncer::adopt(&maps).map(|mut s| {
+                        s.set_maglev_size(args.maglev_table_size);
+                        s
+                    });
+                    match adopted {
+                        Ok(mut fresh) => match fresh.sync(&mut maps, d) {
                             Ok(st) if st.writes + st.deletes > 0 => {
                                 release_stale(&maps, &st.released);
                                 warn!(writes = st.writes, deletes = st.deletes, "full resync repaired map entries changed outside the agent");
@@ -622,6 +718,58 @@ fn run(args: RunArgs) -> Result<()> {
     })
 }
 
+/// The preflight checks of `run` (without the program probes: the load that follows reports
+/// its own failures with the step); a failure stops start-up with the message `check` prints.
+fn preflight(args: &RunArgs) -> Result<()> {
+    let results = check::run_checks(&check::Options {
+        bpffs: args.pins.bpffs.clone(),
+        mount_bpffs: true,
+        cgroup: args.cgroup_path.clone(),
+        probe_programs: false,
+    });
+    for r in &results {
+        match r.status {
+            check::Status::Ok => tracing::debug!(check = r.check, "preflight: {}", r.detail),
+            check::Status::Warn | check::Status::Skip => warn!("preflight: {}", r.message()),
+            check::Status::Fail => {}
+        }
+    }
+    let failures: Vec<String> = results
+        .iter()
+        .filter(|r| r.status == check::Status::Fail)
+        .map(|r| r.message())
+        .collect();
+    if !failures.is_empty() {
+        anyhow::bail!("preflight check failed: {}", failures.join("; "));
+    }
+    Ok(())
+}
+
+/// `ebpf-proxy check`: exit code 0 when nothing failed, 1 otherwise.
+fn check_command(args: CheckArgs) -> ExitCode {
+    let results = check::run_checks(&check::Options {
+        bpffs: args.bpffs,
+        mount_bpffs: args.mount_bpffs,
+        cgroup: args.cgroup_path,
+        probe_programs: true,
+    });
+    match args.output {
+        Output::Json => match serde_json::to_string_pretty(&results) {
+            Ok(j) => println!("{j}"),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+        Output::Table => print!("{}", check::table(&results)),
+    }
+    if check::failed(&results) {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
 fn services(args: ServicesArgs) -> Result<()> {
     let dir = args.pins.dir()?;
     let maps = open_pins(&dir)?;
@@ -669,4 +817,138 @@ fn cleanup(args: CleanupArgs) -> Result<()> {
     }
     let _ = args.cgroup_path;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `run` arguments and their matches, as `main` gets them.
+    fn run_args(argv: &[&str]) -> (RunArgs, clap::ArgMatches) {
+        let m = Cli::command()
+            .try_get_matches_from(["ebpf-proxy", "run"].iter().chain(argv))
+            .unwrap();
+        let Command::Run(args) = Cli::from_arg_matches(&m).unwrap().command else {
+            panic!("not run");
+        };
+        (*args, m.subcommand_matches("run").unwrap().clone())
+    }
+
+    const FILE: &str = "apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+clientConnection: {kubeconfig: /etc/kube-proxy/kubeconfig}
+hostnameOverride: file-node
+healthzBindAddress: 0.0.0.0:20256
+metricsBindAddress: 0.0.0.0:20249
+clusterCIDR: 10.244.0.0/16
+nodePortAddresses: [primary]
+nftables: {syncPeriod: 1m, minSyncPeriod: 5s}
+conntrack: {udpTimeout: 1m}
+logging: {format: json}
+";
+
+    #[test]
+    fn the_file_fills_what_no_flag_gave() {
+        let (mut a, m) = run_args(&["--config", "f.yaml"]);
+        apply_config(&mut a, &m, config::parse(FILE).unwrap().settings);
+        assert_eq!(
+            a.kubeconfig.as_deref(),
+            Some(std::path::Path::new("/etc/kube-proxy/kubeconfig"))
+        );
+        assert_eq!(a.hostname_override.as_deref(), Some("file-node"));
+        assert_eq!(a.healthz_bind_address, "0.0.0.0:20256".parse().unwrap());
+        assert_eq!(a.metrics_bind_address, "0.0.0.0:20249".parse().unwrap());
+        assert_eq!(a.cluster_cidr.unwrap().to_string(), "10.244.0.0/16");
+        assert_eq!(a.nodeport_addresses, Some(NodePortAddresses::Primary));
+        assert_eq!(a.sync_period, Duration::from_secs(60));
+        assert_eq!(a.min_sync_period, Duration::from_secs(5));
+        assert_eq!(a.udp_flow_timeout, Duration::from_secs(60));
+        assert_eq!(a.log_format, LogFormat::Json);
+    }
+
+    #[test]
+    fn flags_given_override_the_file_even_at_their_default_value() {
+        let (mut a, m) = run_args(&[
+            "--config",
+            "f.yaml",
+            "--manifests",
+            "/tmp/m",
+            "--hostname-override",
+            "flag-node",
+            // Explicitly given, though equal to the default: the flag still wins.
+            "--metrics-bind-address",
+            "127.0.0.1:10249",
+            "--sync-period",
+            "10s",
+            "--udp-flow-timeout",
+            "30s",
+            "--log-format",
+            "text",
+            "--cluster-cidr",
+            "10.0.0.0/8,fd00::/64",
+            "--nodeport-addresses",
+            "192.0.2.0/24",
+        ]);
+        apply_config(&mut a, &m, config::parse(FILE).unwrap().settings);
+        assert_eq!(
+            a.kubeconfig, None,
+            "--manifests given: the file's kubeconfig is not used"
+        );
+        assert_eq!(a.hostname_override.as_deref(), Some("flag-node"));
+        assert_eq!(a.metrics_bind_address, "127.0.0.1:10249".parse().unwrap());
+        assert_eq!(a.sync_period, Duration::from_secs(10));
+        assert_eq!(a.udp_flow_timeout, Duration::from_secs(30));
+        assert_eq!(a.log_format, LogFormat::Text);
+        assert_eq!(a.cluster_cidr.unwrap().to_string(), "10.0.0.0/8,fd00::/64");
+        assert_eq!(a.nodeport_addresses.unwrap().to_string(), "192.0.2.0/24");
+        // Not given as flags: from the file.
+        assert_eq!(a.healthz_bind_address, "0.0.0.0:20256".parse().unwrap());
+        assert_eq!(a.min_sync_period, Duration::from_secs(5));
+    }
+
+    #[test]
+    fn kubeconfig_flag_overrides_the_file_and_other_fields_still_apply() {
+        let (mut a, m) = run_args(&["--kubeconfig", "/root/.kube/other"]);
+        apply_config(&mut a, &m, config::parse(FILE).unwrap().settings);
+        assert_eq!(
+            a.kubeconfig.as_deref(),
+            Some(std::path::Path::new("/root/.kube/other"))
+        );
+        assert_eq!(a.hostname_override.as_deref(), Some("file-node"));
+    }
+
+    /// `apply_config` asks clap about these ids; a misspelt one would make the file win
+    /// over a flag that was given (clap checks ids only in debug builds).
+    #[test]
+    fn ids_asked_by_apply_config_are_arguments_of_run() {
+        let cmd = Cli::command();
+        let run = cmd.find_subcommand("run").unwrap();
+        let src = include_str!("main.rs");
+        let body = &src[src.find("fn apply_config(").unwrap()..];
+        let body = &body[..body.find("\n}\n").unwrap()];
+        let ids: Vec<&str> = body
+            .split("given(m, \"")
+            .skip(1)
+            .map(|s| &s[..s.find('"').unwrap()])
+            .collect();
+        assert!(ids.len() >= 11, "{ids:?}");
+        for id in ids {
+            assert!(
+                run.get_arguments().any(|a| a.get_id() == id),
+                "{id} is not an argument of run"
+            );
+        }
+    }
+
+    #[test]
+    fn invalid_list_flags_are_refused() {
+        for argv in [
+            ["--cluster-cidr", "10.0.0.0/33"],
+            ["--nodeport-addresses", "primary,10.0.0.0/8"],
+            ["--log-format", "xml"],
+        ] {
+            let r = Cli::command().try_get_matches_from(["ebpf-proxy", "run"].iter().chain(&argv));
+            assert!(r.is_err(), "{argv:?}");
+        }
+    }
 }

@@ -301,65 +301,12 @@ pub struct NodeInfo {
     pub name: String,
     /// `--nodeport-addresses` CIDRs: node ports are served only on node addresses inside
     /// one of them; empty means every node address (kube-proxy's iptables default).
-    pub nodeport_addresses: Vec<Cidr>,
+    pub nodeport_addresses: Vec<ipnet::IpNet>,
     /// `--nodeport-addresses primary`: only the node's primary address of each family (its
     /// first `InternalIP`), the default of kube-proxy's nftables mode.
     pub nodeport_primary: bool,
     /// `--lb-algorithm`: the algorithm of Services without [`ALGORITHM_ANNOTATION`].
     pub default_algorithm: Algorithm,
-}
-
-/// An IP prefix (`10.0.0.0/8`, `fd00::/64`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Cidr {
-    /// Network address (host bits may be set; they are ignored).
-    pub addr: IpAddr,
-    /// Prefix length, 0..=32 for IPv4, 0..=128 for IPv6.
-    pub len: u8,
-}
-
-impl Cidr {
-    /// True when `ip` is inside the prefix (never across families).
-    pub fn contains(&self, ip: &IpAddr) -> bool {
-        match (self.addr, ip) {
-            (IpAddr::V4(n), IpAddr::V4(a)) => {
-                let mask = u32::MAX.checked_shl(32 - self.len as u32).unwrap_or(0);
-                u32::from(n) & mask == u32::from(*a) & mask
-            }
-            (IpAddr::V6(n), IpAddr::V6(a)) => {
-                let mask = u128::MAX.checked_shl(128 - self.len as u32).unwrap_or(0);
-                u128::from(n) & mask == u128::from(*a) & mask
-            }
-            _ => false,
-        }
-    }
-}
-
-impl std::str::FromStr for Cidr {
-    type Err = String;
-
-    /// Parses `ADDR/LEN`; errors name the bad part.
-    fn from_str(s: &str) -> Result<Self, String> {
-        let (a, l) = s
-            .split_once('/')
-            .ok_or_else(|| format!("{s:?} is not a CIDR (ADDR/LEN)"))?;
-        let addr: IpAddr = a
-            .parse()
-            .map_err(|_| format!("{s:?}: {a:?} is not an IP address"))?;
-        let max = if addr.is_ipv4() { 32 } else { 128 };
-        let len: u8 = l
-            .parse()
-            .ok()
-            .filter(|n| *n <= max)
-            .ok_or_else(|| format!("{s:?}: prefix length {l:?} is not 0-{max}"))?;
-        Ok(Cidr { addr, len })
-    }
-}
-
-impl std::fmt::Display for Cidr {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}", self.addr, self.len)
-    }
 }
 
 /// The label holding a Node's zone.
@@ -2483,21 +2430,5 @@ mod tests {
         };
         let (s, _) = build_yaml_on(&yaml, &other);
         assert!(!s.services.contains_key(&ext("http", Tcp)));
-    }
-
-    #[test]
-    fn cidrs_parse_and_match() {
-        let c: Cidr = "10.1.0.0/16".parse().unwrap();
-        assert!(c.contains(&"10.1.200.3".parse().unwrap()));
-        assert!(!c.contains(&"10.2.0.1".parse().unwrap()));
-        assert!(!c.contains(&"::1".parse().unwrap()));
-        let all: Cidr = "0.0.0.0/0".parse().unwrap();
-        assert!(all.contains(&"192.0.2.1".parse().unwrap()));
-        let v6: Cidr = "fd00::/8".parse().unwrap();
-        assert!(v6.contains(&"fd12::1".parse().unwrap()));
-        assert_eq!(c.to_string(), "10.1.0.0/16");
-        for bad in ["10.0.0.0", "10.0.0.0/33", "x/8", "fd00::/129"] {
-            assert!(bad.parse::<Cidr>().is_err(), "{bad}");
-        }
     }
 }

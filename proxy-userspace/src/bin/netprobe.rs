@@ -64,6 +64,10 @@ enum Cmd {
         /// Connect once, then send each stdin line and print the reply as JSON.
         #[arg(long)]
         interactive: bool,
+        /// Source address to bind before connecting; repeated, attempt i uses the
+        /// (i mod n)-th (many clients from one pod).
+        #[arg(long)]
+        bind: Vec<std::net::IpAddr>,
     },
     /// Send UDP datagrams from one socket and wait for each reply; one JSON line per attempt.
     Udp {
@@ -110,6 +114,7 @@ fn main() -> ExitCode {
             hold_ms,
             interval_ms,
             interactive,
+            bind,
         } => {
             let t = Duration::from_millis(timeout_ms);
             if interactive {
@@ -121,6 +126,7 @@ fn main() -> ExitCode {
                     t,
                     Duration::from_millis(hold_ms),
                     Duration::from_millis(interval_ms),
+                    &bind,
                 )
             }
         }
@@ -307,7 +313,28 @@ fn strerror(e: &io::Error) -> String {
 }
 
 fn connect(to: SocketAddr, timeout: Duration) -> io::Result<TcpStream> {
-    let s = TcpStream::connect_timeout(&to, timeout)?;
+    connect_from(to, None, timeout)
+}
+
+/// Connects to `to`, from source address `from` when given (bound with port 0 first).
+fn connect_from(
+    to: SocketAddr,
+    from: Option<std::net::IpAddr>,
+    timeout: Duration,
+) -> io::Result<TcpStream> {
+    let s = match from {
+        None => TcpStream::connect_timeout(&to, timeout)?,
+        Some(ip) => {
+            let sock = socket2::Socket::new(
+                socket2::Domain::for_address(to),
+                socket2::Type::STREAM,
+                Some(socket2::Protocol::TCP),
+            )?;
+            sock.bind(&SocketAddr::new(ip, 0).into())?;
+            sock.connect_timeout(&to.into(), timeout)?;
+            sock.into()
+        }
+    };
     s.set_read_timeout(Some(timeout))?;
     s.set_write_timeout(Some(timeout))?;
     Ok(s)
@@ -325,8 +352,12 @@ fn read_line(r: &mut impl BufRead) -> io::Result<String> {
 }
 
 /// Connects, reads the server's first line, prints the attempt's JSON.
-fn tcp_attempt(to: SocketAddr, timeout: Duration) -> (Value, Option<BufReader<TcpStream>>) {
-    let s = match connect(to, timeout) {
+fn tcp_attempt(
+    to: SocketAddr,
+    from: Option<std::net::IpAddr>,
+    timeout: Duration,
+) -> (Value, Option<BufReader<TcpStream>>) {
+    let s = match connect_from(to, from, timeout) {
         Ok(s) => s,
         Err(e) => return (error_json(&e), None),
     };
@@ -354,13 +385,15 @@ fn tcp_probe(
     timeout: Duration,
     hold: Duration,
     interval: Duration,
+    bind: &[std::net::IpAddr],
 ) -> Result<bool> {
     let mut all_ok = true;
     for i in 0..count {
         if i > 0 {
             std::thread::sleep(interval);
         }
-        let (v, conn) = tcp_attempt(to, timeout);
+        let from = (!bind.is_empty()).then(|| bind[i as usize % bind.len()]);
+        let (v, conn) = tcp_attempt(to, from, timeout);
         all_ok &= v["ok"] == json!(true);
         print_json(&v);
         if conn.is_some() && !hold.is_zero() {
@@ -372,7 +405,7 @@ fn tcp_probe(
 }
 
 fn tcp_interactive(to: SocketAddr, timeout: Duration) -> Result<bool> {
-    let (v, conn) = tcp_attempt(to, timeout);
+    let (v, conn) = tcp_attempt(to, None, timeout);
     print_json(&v);
     let Some(mut r) = conn else { return Ok(false) };
     let mut w = r.get_ref().try_clone()?;

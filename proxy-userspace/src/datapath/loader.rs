@@ -9,10 +9,11 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 use aya::{
-    EbpfLoader,
+    EbpfError, EbpfLoader,
+    maps::MapError,
     programs::{
-        CgroupAttachMode, CgroupSkb, CgroupSkbAttachType, CgroupSock, CgroupSockAddr,
-        links::FdLink, links::PinnedLink,
+        CgroupAttachMode, CgroupSkb, CgroupSkbAttachType, CgroupSock, CgroupSockAddr, Program,
+        ProgramError, links::FdLink, links::PinnedLink,
     },
 };
 use proxy_common::{
@@ -151,22 +152,88 @@ pub fn link_pin(dir: &Path, prog: &str) -> PathBuf {
 
 pub use crate::mounts::{cgroup2_root, ensure_bpffs};
 
-/// Loads the object with its maps pinned under `dir` (adopting maps pinned by an earlier
-/// run), then attaches every program to `cgroup` and pins the links. Links of an earlier run
-/// are replaced only after the new ones are attached, so there is no moment without a data
-/// path (the two generations agree, see `proxy-ebpf/src/sock.rs`).
-///
-/// Errors name the step that failed (load, verify, attach, pin) and carry the verifier log.
-pub fn load_and_attach(dir: &Path, cgroup: &Path, sizes: MapSizes) -> Result<()> {
-    if OBJECT.is_empty() {
-        bail!("this binary was built without the eBPF object; build it with `cargo xtask build`");
+/// The remedy for a failure that is most likely missing privileges.
+const REMEDY_PRIVILEGES: &str = "run as root, or with CAP_BPF, CAP_NET_ADMIN and CAP_SYS_ADMIN (and AppArmor/SELinux allowing bpf)";
+
+/// At most this many lines of the verifier log end up in an error (the reason is at the end).
+const VERIFIER_EXCERPT_LINES: usize = 12;
+
+/// The last lines of a verifier log, where the kernel says why it rejected the program.
+pub fn verifier_excerpt(log: &str) -> String {
+    let lines: Vec<&str> = log.lines().filter(|l| !l.trim().is_empty()).collect();
+    let start = lines.len().saturating_sub(VERIFIER_EXCERPT_LINES);
+    let mut out = String::new();
+    if start > 0 {
+        out.push_str(&format!("  ... ({start} earlier lines)\n"));
     }
-    fs::create_dir_all(dir).with_context(|| format!("create pin directory {}", dir.display()))?;
-    let pins: Vec<(&str, PathBuf)> = ALL_MAPS.iter().map(|m| (*m, dir.join(m))).collect();
+    for l in &lines[start..] {
+        out.push_str("  ");
+        out.push_str(l);
+        out.push('\n');
+    }
+    out
+}
+
+/// True when an error chain ends in EPERM or EACCES.
+fn denied(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if let Some(io) = err.downcast_ref::<std::io::Error>()
+            && matches!(io.raw_os_error(), Some(libc::EPERM) | Some(libc::EACCES))
+        {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
+}
+
+/// The error of the object load (maps created, adopted and pinned), naming the step.
+fn load_error(e: EbpfError, pinned: bool) -> anyhow::Error {
+    let remedy = if denied(&e) {
+        REMEDY_PRIVILEGES
+    } else if pinned {
+        "if the map layout changed since the maps were pinned, run `ebpf-proxy cleanup` first"
+    } else {
+        "run `ebpf-proxy check`"
+    };
+    let step = match &e {
+        EbpfError::MapError(MapError::PinError { .. }) => "pin",
+        _ => "load",
+    };
+    anyhow::Error::new(e).context(format!(
+        "{step}: creating{} the maps failed (remedy: {remedy})",
+        if pinned { ", adopting or pinning" } else { "" }
+    ))
+}
+
+/// The error of loading program `prog` into the kernel: "verify" with the verifier log
+/// excerpt when the verifier rejected it, "load" otherwise.
+fn program_load_error(prog: &str, e: ProgramError) -> anyhow::Error {
+    match e {
+        ProgramError::LoadError {
+            io_error,
+            verifier_log,
+        } if !denied(&io_error) => {
+            let log = verifier_log.to_string();
+            anyhow::anyhow!(
+                "verify: the kernel rejected program {prog} ({io_error}); end of the verifier log:\n{}\
+                 (remedy: this kernel lacks something the program needs: run `ebpf-proxy check`; Linux >= 5.18 is required)",
+                verifier_excerpt(&log)
+            )
+        }
+        e if denied(&e) => anyhow::Error::new(e).context(format!(
+            "load: program {prog} (remedy: {REMEDY_PRIVILEGES})"
+        )),
+        e => anyhow::Error::new(e).context(format!(
+            "load: program {prog} (remedy: run `ebpf-proxy check`)"
+        )),
+    }
+}
+
+/// A loader for the embedded object with the given map sizes.
+fn object_loader(sizes: MapSizes) -> EbpfLoader<'static> {
     let mut loader = EbpfLoader::new();
-    for (name, path) in &pins {
-        loader.map_pin_path(name, path.as_path());
-    }
     loader
         .map_max_entries(FRONTENDS, sizes.frontends)
         .map_max_entries(SERVICE_NAMES, sizes.frontends)
@@ -180,29 +247,108 @@ pub fn load_and_attach(dir: &Path, cgroup: &Path, sizes: MapSizes) -> Result<()>
         .map_max_entries(MEMBERS, sizes.slots)
         .map_max_entries(LC_COUNTS, sizes.backends)
         .map_max_entries(RR_CURSORS, sizes.frontends);
-    let mut ebpf = loader.load(OBJECT).context(
-        "load: creating or adopting the pinned maps failed (if the layout changed, run `ebpf-proxy cleanup`)",
-    )?;
-    let cg =
-        File::open(cgroup).with_context(|| format!("attach: open cgroup {}", cgroup.display()))?;
+    loader
+}
+
+/// Loads every program of the embedded object into the kernel, with small maps that are not
+/// pinned, attaches nothing, and unloads everything again: the preflight of `check` for the
+/// attach types (each program of a cgroup `sock_addr` section is loaded with the expected
+/// attach type its section names, e.g. `connect4`) and the verifier. Returns the names of
+/// the programs, with the program type when it is not cgroup `sock_addr`.
+///
+/// Errors name the step (load, verify) as [`load_and_attach`] does.
+pub fn verify_programs() -> Result<Vec<String>> {
+    if OBJECT.is_empty() {
+        bail!("this binary was built without the eBPF object; build it with `cargo xtask build`");
+    }
+    let small = MapSizes {
+        frontends: 64,
+        slots: 64,
+        backends: 64,
+        sockets: 64,
+    };
+    let mut ebpf = object_loader(small)
+        .load(OBJECT)
+        .map_err(|e| load_error(e, false))?;
+    let mut names: Vec<String> = ebpf.programs().map(|(n, _)| n.to_string()).collect();
+    names.sort();
+    let mut loaded = Vec::new();
+    for name in names {
+        let Some(program) = ebpf.program_mut(&name) else {
+            continue;
+        };
+        match program {
+            Program::CgroupSockAddr(p) => {
+                p.load().map_err(|e| program_load_error(&name, e))?;
+                loaded.push(name);
+            }
+            Program::SchedClassifier(p) => {
+                p.load().map_err(|e| program_load_error(&name, e))?;
+                loaded.push(format!("{name} (sched_cls)"));
+            }
+            Program::CgroupSkb(p) => {
+                p.load().map_err(|e| program_load_error(&name, e))?;
+                loaded.push(format!("{name} (cgroup_skb)"));
+            }
+            Program::CgroupSock(p) => {
+                p.load().map_err(|e| program_load_error(&name, e))?;
+                loaded.push(format!("{name} (cgroup_sock)"));
+            }
+            other => {
+                let t = other.prog_type();
+                loaded.push(format!("{name} ({t:?}, not loaded by the check)"));
+            }
+        }
+    }
+    Ok(loaded)
+}
+
+/// Loads the object with its maps pinned under `dir` (adopting maps pinned by an earlier
+/// run), then attaches every program to `cgroup` and pins the links. Links of an earlier run
+/// are replaced only after the new ones are attached, so there is no moment without a data
+/// path (the two generations agree, see `proxy-ebpf/src/sock.rs`).
+///
+/// Errors name the step that failed (load, verify, attach, pin) and a remedy; a verifier
+/// rejection carries the end of the verifier log.
+pub fn load_and_attach(dir: &Path, cgroup: &Path, sizes: MapSizes) -> Result<()> {
+    if OBJECT.is_empty() {
+        bail!("this binary was built without the eBPF object; build it with `cargo xtask build`");
+    }
+    fs::create_dir_all(dir)
+        .with_context(|| format!("pin: create pin directory {}", dir.display()))?;
+    let pins: Vec<(&str, PathBuf)> = ALL_MAPS.iter().map(|m| (*m, dir.join(m))).collect();
+    let mut loader = object_loader(sizes);
+    for (name, path) in &pins {
+        loader.map_pin_path(name, path.as_path());
+    }
+    let mut ebpf = loader.load(OBJECT).map_err(|e| load_error(e, true))?;
+    let cg = File::open(cgroup).with_context(|| {
+        format!(
+            "attach: open cgroup {} (remedy: pass an existing cgroup v2 directory as --cgroup-path)",
+            cgroup.display()
+        )
+    })?;
     for prog in PROGRAMS {
         let p: &mut CgroupSockAddr = ebpf
             .program_mut(prog)
-            .with_context(|| format!("load: program {prog} missing from the object"))?
+            .with_context(|| format!("load: program {prog} missing from the object (remedy: rebuild with `cargo xtask build`)"))?
             .try_into()
-            .with_context(|| format!("load: program {prog} is not a cgroup sock_addr program"))?;
-        p.load()
-            .map_err(|e| anyhow::anyhow!("verify: program {prog} was rejected: {e:#}"))?;
+            .with_context(|| format!("load: program {prog} is not a cgroup sock_addr program (remedy: rebuild with `cargo xtask build`)"))?;
+        p.load().map_err(|e| program_load_error(prog, e))?;
         // With bpf_link (kernel >= 5.7) `Single` means flags 0, which the kernel requires for
         // cgroup links; links always coexist with other links on the same hook.
-        let id = p
-            .attach(&cg, CgroupAttachMode::Single)
-            .with_context(|| format!("attach: {prog} to cgroup {}", cgroup.display()))?;
+        let id = p.attach(&cg, CgroupAttachMode::Single).with_context(|| {
+            format!(
+                "attach: {prog} to cgroup {} (remedy: {})",
+                cgroup.display(),
+                "check that it is a cgroup v2 directory and that the agent has CAP_NET_ADMIN and CAP_SYS_ADMIN"
+            )
+        })?;
         let link: FdLink = p
             .take_link(id)
             .context("attach: take link")?
             .try_into()
-            .context("attach: the kernel did not give a bpf_link (needs Linux >= 5.7)")?;
+            .context("attach: the kernel did not give a bpf_link (remedy: use Linux >= 5.7)")?;
         replace_link(dir, prog, link)?;
     }
     let p: &mut CgroupSkb = ebpf
@@ -211,7 +357,7 @@ pub fn load_and_attach(dir: &Path, cgroup: &Path, sizes: MapSizes) -> Result<()>
         .try_into()
         .with_context(|| format!("load: program {EGRESS_PROGRAM} is not a cgroup skb program"))?;
     p.load()
-        .map_err(|e| anyhow::anyhow!("verify: program {EGRESS_PROGRAM} was rejected: {e:#}"))?;
+        .map_err(|e| program_load_error(EGRESS_PROGRAM, e))?;
     let id = p
         .attach(&cg, CgroupSkbAttachType::Egress, CgroupAttachMode::Single)
         .with_context(|| format!("attach: {EGRESS_PROGRAM} to cgroup {}", cgroup.display()))?;
@@ -228,7 +374,7 @@ pub fn load_and_attach(dir: &Path, cgroup: &Path, sizes: MapSizes) -> Result<()>
         .try_into()
         .with_context(|| format!("load: program {RELEASE_PROGRAM} is not a cgroup sock program"))?;
     p.load()
-        .map_err(|e| anyhow::anyhow!("verify: program {RELEASE_PROGRAM} was rejected: {e:#}"))?;
+        .map_err(|e| program_load_error(RELEASE_PROGRAM, e))?;
     let id = p
         .attach(&cg, CgroupAttachMode::Single)
         .with_context(|| format!("attach: {RELEASE_PROGRAM} to cgroup {}", cgroup.display()))?;
@@ -247,8 +393,12 @@ fn replace_link(dir: &Path, prog: &str, link: FdLink) -> Result<()> {
     let final_pin = link_pin(dir, prog);
     let new_pin = dir.join(format!("next_{prog}"));
     let _ = fs::remove_file(&new_pin);
-    link.pin(&new_pin)
-        .with_context(|| format!("pin: link {}", new_pin.display()))?;
+    link.pin(&new_pin).with_context(|| {
+        format!(
+            "pin: link {} (remedy: check that --bpffs is a writable BPF file system)",
+            new_pin.display()
+        )
+    })?;
     if final_pin.exists() {
         // Detach the earlier generation: its pin is the last reference to its link.
         match PinnedLink::from_pin(&final_pin) {
@@ -305,4 +455,51 @@ pub fn cleanup(dir: &Path) -> Result<CleanupReport> {
     }
     r.dir_removed = fs::remove_dir(dir).is_ok();
     Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verifier_excerpt_keeps_the_end() {
+        let log: String = (1..=30).map(|i| format!("line {i}\n")).collect();
+        let e = verifier_excerpt(&log);
+        assert!(
+            e.starts_with("  ... (18 earlier lines)\n  line 19\n"),
+            "{e}"
+        );
+        assert!(e.ends_with("  line 30\n"), "{e}");
+        assert_eq!(verifier_excerpt("a\n\nb\n"), "  a\n  b\n");
+    }
+
+    #[test]
+    fn program_errors_name_the_step_and_a_remedy() {
+        let rejected = ProgramError::LoadError {
+            io_error: std::io::Error::from_raw_os_error(libc::EINVAL),
+            verifier_log: aya_obj::VerifierLog::new(
+                "0: (b7) r0 = 0\n1: (85) call bpf_set_retval#187\nunknown func bpf_set_retval#187\n"
+                    .into(),
+            ),
+        };
+        let e = format!("{:#}", program_load_error("connect4", rejected));
+        assert!(
+            e.starts_with("verify: the kernel rejected program connect4 (Invalid argument"),
+            "{e}"
+        );
+        assert!(
+            e.contains("  unknown func bpf_set_retval#187\n(remedy: "),
+            "{e}"
+        );
+
+        let denied = ProgramError::LoadError {
+            io_error: std::io::Error::from_raw_os_error(libc::EPERM),
+            verifier_log: aya_obj::VerifierLog::new(String::new()),
+        };
+        let e = format!("{:#}", program_load_error("connect4", denied));
+        assert!(
+            e.starts_with("load: program connect4 (remedy: run as root"),
+            "{e}"
+        );
+    }
 }

@@ -281,6 +281,8 @@ impl Datapath for PinnedMaps {
         });
         let n = table.len().min(MAGLEV_MAX);
         t.entries[..n].copy_from_slice(&table[..n]);
+        // By reference: `*t` would move 256 KiB onto the stack.
+        #[allow(clippy::needless_borrows_for_generic_args)]
         self.maglev
             .insert(service_id, &*t, 0)
             .map_err(|e| map_err("update", MAGLEV, e))

@@ -1,0 +1,768 @@
+//! `ebpf-proxy check`: the preflight checks, also run at the start of `ebpf-proxy run`.
+//!
+//! Each check reports `ok`, `warn`, `fail` or `skip` (could not be checked) with a detail
+//! and, when it is not `ok`, a one-line remedy. Only `fail` stops `run` and makes `check`
+//! exit with 1. The checks only read, except the bpffs check, which mounts bpffs when
+//! [`Options::mount_bpffs`] is set, and the program check, which loads the programs into the
+//! kernel (with small maps that are not pinned) and unloads them again without attaching
+//! anything.
+//!
+//! What is probed, as `bpftool feature probe` does (aya's `is_program_supported`,
+//! `is_map_supported` and `is_helper_supported`, each loading a tiny program or creating a
+//! tiny map): the program types, map types and helpers that the embedded eBPF object
+//! actually uses, read from its sections and call instructions. Attach types are probed by
+//! loading each program with its expected attach type (that load runs the verifier too).
+
+use std::{
+    collections::BTreeSet,
+    fmt::Write as _,
+    io::Read as _,
+    path::PathBuf,
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use aya::{
+    maps::MapType,
+    programs::ProgramType,
+    sys::{BpfHelper, is_helper_supported, is_map_supported, is_program_supported},
+};
+use aya_obj::{
+    Object, ProgramSection,
+    generated::{BPF_CALL, BPF_JMP, bpf_func_id, bpf_map_type},
+};
+use serde::Serialize;
+
+use crate::{
+    datapath::loader,
+    mounts::{cgroup2_root, ensure_bpffs, find_mount},
+};
+
+/// The oldest kernel the programs load on: `bpf_set_retval` (5.18) refuses a connect() or
+/// sendmsg() with ECONNREFUSED. The other needs are older: cgroup sock_addr `connect4/6`
+/// (4.17), `sendmsg4/6` (4.18), `recvmsg4/6` (5.2), `getpeername4/6` (5.8), cgroup
+/// `bpf_link` (5.7).
+pub const MIN_KERNEL: (u32, u32) = (5, 18);
+
+/// Outcome of one check.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    /// Fine.
+    Ok,
+    /// Works, but something deserves attention.
+    Warn,
+    /// The agent cannot run (or would misbehave) until this is fixed.
+    Fail,
+    /// Not checked (a tool it needs is missing).
+    Skip,
+}
+
+impl Status {
+    /// The lowercase name used in the table and in JSON.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Ok => "ok",
+            Status::Warn => "warn",
+            Status::Fail => "fail",
+            Status::Skip => "skip",
+        }
+    }
+}
+
+/// One row of the report.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct CheckResult {
+    /// What was checked (`kernel`, `bpffs`, ...).
+    pub check: &'static str,
+    /// Its outcome.
+    pub status: Status,
+    /// What was found.
+    pub detail: String,
+    /// What to do about it (set when the status is not `ok`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remedy: Option<String>,
+}
+
+impl CheckResult {
+    fn ok(check: &'static str, detail: impl Into<String>) -> Self {
+        Self {
+            check,
+            status: Status::Ok,
+            detail: detail.into(),
+            remedy: None,
+        }
+    }
+
+    fn bad(
+        check: &'static str,
+        status: Status,
+        detail: impl Into<String>,
+        remedy: impl Into<String>,
+    ) -> Self {
+        Self {
+            check,
+            status,
+            detail: detail.into(),
+            remedy: Some(remedy.into()),
+        }
+    }
+
+    /// One line: `check: detail (remedy: ...)`; the message `run` stops with on a failure.
+    pub fn message(&self) -> String {
+        match &self.remedy {
+            Some(r) => format!("{}: {} (remedy: {r})", self.check, self.detail),
+            None => format!("{}: {}", self.check, self.detail),
+        }
+    }
+}
+
+/// What to check.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Mount point of the BPF file system (`--bpffs`).
+    pub bpffs: PathBuf,
+    /// Mount bpffs at [`Options::bpffs`] when it is not mounted.
+    pub mount_bpffs: bool,
+    /// The cgroup the programs attach to; `None` for the cgroup v2 root.
+    pub cgroup: Option<PathBuf>,
+    /// Probe types and helpers, and load (verify) the programs. `run` skips this: it loads
+    /// them right after, and reports a failure with the step that failed.
+    pub probe_programs: bool,
+}
+
+/// Runs every check, in order.
+pub fn run_checks(opts: &Options) -> Vec<CheckResult> {
+    let mut out = vec![kernel(), btf(), bpffs(opts), cgroup(opts)];
+    if opts.probe_programs {
+        out.extend(programs());
+    }
+    out.push(memlock());
+    out.push(kube_proxy_rules());
+    out
+}
+
+/// True when a check failed.
+pub fn failed(results: &[CheckResult]) -> bool {
+    results.iter().any(|r| r.status == Status::Fail)
+}
+
+/// The aligned table `ebpf-proxy check` prints: `CHECK STATUS DETAIL`, and a `remedy:` line
+/// under every row that is not `ok`.
+pub fn table(results: &[CheckResult]) -> String {
+    let w = results
+        .iter()
+        .map(|r| r.check.len())
+        .chain(["CHECK".len()])
+        .max()
+        .unwrap_or(0);
+    let mut s = String::new();
+    let _ = writeln!(s, "{:<w$}  {:<6}  DETAIL", "CHECK", "STATUS");
+    for r in results {
+        let _ = writeln!(s, "{:<w$}  {:<6}  {}", r.check, r.status.as_str(), r.detail);
+        if let Some(remedy) = &r.remedy {
+            let _ = writeln!(s, "{:<w$}  {:<6}  remedy: {remedy}", "", "");
+        }
+    }
+    s
+}
+
+/// Major and minor of a kernel release such as `6.18.44` or `5.15.0-91-generic`.
+pub fn parse_kernel_release(release: &str) -> Option<(u32, u32)> {
+    let mut parts = release.split(['.', '-']);
+    let major = parts.next()?.parse().ok()?;
+    let minor_part = parts.next()?;
+    let digits: String = minor_part
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    Some((major, digits.parse().ok()?))
+}
+
+fn kernel_release() -> Option<String> {
+    // SAFETY: uname(2) into a zeroed struct we own.
+    let mut u: libc::utsname = unsafe { std::mem::zeroed() };
+    if unsafe { libc::uname(&mut u) } != 0 {
+        return None;
+    }
+    // SAFETY: the kernel NUL-terminates the field.
+    let c = unsafe { std::ffi::CStr::from_ptr(u.release.as_ptr()) };
+    Some(c.to_string_lossy().into_owned())
+}
+
+fn kernel() -> CheckResult {
+    let (maj, min) = MIN_KERNEL;
+    let need = format!("needs >= {maj}.{min} for bpf_set_retval in cgroup sock_addr programs");
+    let Some(release) = kernel_release() else {
+        return CheckResult::bad(
+            "kernel",
+            Status::Warn,
+            "uname(2) failed",
+            format!("make sure the kernel is Linux >= {maj}.{min}"),
+        );
+    };
+    match parse_kernel_release(&release) {
+        Some(v) if v >= MIN_KERNEL => CheckResult::ok("kernel", format!("{release} ({need})")),
+        Some(_) => CheckResult::bad(
+            "kernel",
+            Status::Fail,
+            format!("{release} is too old ({need})"),
+            format!("upgrade the node to Linux >= {maj}.{min}"),
+        ),
+        None => CheckResult::bad(
+            "kernel",
+            Status::Warn,
+            format!("cannot read the version of {release:?} ({need})"),
+            format!("make sure the kernel is Linux >= {maj}.{min}"),
+        ),
+    }
+}
+
+fn btf() -> CheckResult {
+    const VMLINUX: &str = "/sys/kernel/btf/vmlinux";
+    match std::fs::metadata(VMLINUX) {
+        Ok(_) => CheckResult::ok("btf", VMLINUX),
+        // The programs use no CO-RE relocation, so they load without kernel BTF; bpftool
+        // still prints the maps' fields from the object's own BTF.
+        Err(e) => CheckResult::bad(
+            "btf",
+            Status::Warn,
+            format!("{VMLINUX}: {e} (the programs do not need it today)"),
+            "use a kernel built with CONFIG_DEBUG_INFO_BTF=y",
+        ),
+    }
+}
+
+fn bpffs(opts: &Options) -> CheckResult {
+    let path = &opts.bpffs;
+    let mount_cmd = format!("mount -t bpf bpf {}", path.display());
+    match find_mount("bpf", Some(path)) {
+        Ok(Some(_)) => return CheckResult::ok("bpffs", format!("mounted at {}", path.display())),
+        Ok(None) => {}
+        Err(e) => {
+            return CheckResult::bad(
+                "bpffs",
+                Status::Fail,
+                format!("{e:#}"),
+                "mount /proc (the mount table is read from /proc/self/mounts)",
+            );
+        }
+    }
+    if !opts.mount_bpffs {
+        return CheckResult::bad(
+            "bpffs",
+            Status::Fail,
+            format!("{} is not a BPF file system", path.display()),
+            format!("run `{mount_cmd}`, pass --mount-bpffs, or point --bpffs at a bpffs mount"),
+        );
+    }
+    match ensure_bpffs(path) {
+        Ok(_) => CheckResult::ok("bpffs", format!("mounted at {} (now)", path.display())),
+        Err(e) => CheckResult::bad(
+            "bpffs",
+            Status::Fail,
+            format!("{e:#}"),
+            format!("run `{mount_cmd}` as root"),
+        ),
+    }
+}
+
+fn cgroup(opts: &Options) -> CheckResult {
+    let root = match cgroup2_root() {
+        Ok(r) => r,
+        Err(e) => {
+            return CheckResult::bad(
+                "cgroup v2",
+                Status::Fail,
+                format!("{e:#}"),
+                "mount cgroup2, e.g. `mount -t cgroup2 none /sys/fs/cgroup/unified`",
+            );
+        }
+    };
+    let target = opts.cgroup.clone().unwrap_or_else(|| root.clone());
+    match loader::check_cgroup(&target) {
+        Ok(()) => CheckResult::ok(
+            "cgroup v2",
+            format!(
+                "mounted at {}; programs attach to {}",
+                root.display(),
+                target.display()
+            ),
+        ),
+        Err(e) => CheckResult::bad(
+            "cgroup v2",
+            Status::Fail,
+            format!("{e:#}"),
+            format!(
+                "pass --cgroup-path {} (every process of the node) or a directory below it",
+                root.display()
+            ),
+        ),
+    }
+}
+
+/// Short name of a program type, as bpftool prints it.
+fn program_type_name(t: ProgramType) -> &'static str {
+    match t {
+        ProgramType::CgroupSockAddr => "cgroup_sock_addr",
+        ProgramType::SchedClassifier => "sched_cls",
+        ProgramType::CgroupSkb => "cgroup_skb",
+        ProgramType::CgroupSock => "cgroup_sock",
+        ProgramType::Xdp => "xdp",
+        _ => "other",
+    }
+}
+
+/// The program type of an object section, for the types this project uses.
+fn program_type(section: &ProgramSection) -> Option<ProgramType> {
+    match section {
+        ProgramSection::CgroupSockAddr { .. } => Some(ProgramType::CgroupSockAddr),
+        ProgramSection::SchedClassifier => Some(ProgramType::SchedClassifier),
+        ProgramSection::CgroupSkb { .. } => Some(ProgramType::CgroupSkb),
+        ProgramSection::CgroupSock { .. } => Some(ProgramType::CgroupSock),
+        ProgramSection::Xdp { .. } => Some(ProgramType::Xdp),
+        _ => None,
+    }
+}
+
+/// A map type number of the object as aya's [`MapType`].
+fn map_type(t: u32) -> Option<MapType> {
+    if t >= bpf_map_type::__MAX_BPF_MAP_TYPE as u32 {
+        return None;
+    }
+    // SAFETY: `bpf_map_type` is `repr(u32)` with every value from 0 to
+    // `__MAX_BPF_MAP_TYPE` defined (the kernel numbers them densely), checked above.
+    let t: bpf_map_type = unsafe { std::mem::transmute::<u32, bpf_map_type>(t) };
+    MapType::try_from(t).ok()
+}
+
+/// A helper id of a call instruction as aya's [`BpfHelper`].
+fn helper(id: i32) -> Option<BpfHelper> {
+    let id = u32::try_from(id).ok()?;
+    if id == 0 || id >= bpf_func_id::__BPF_FUNC_MAX_ID as u32 {
+        return None;
+    }
+    // SAFETY: `bpf_func_id` is `repr(u32)` with every value from 0 to `__BPF_FUNC_MAX_ID`
+    // defined (the kernel's helper list is dense), checked above.
+    Some(unsafe { std::mem::transmute::<u32, bpf_func_id>(id) })
+}
+
+/// `BPF_FUNC_map_lookup_elem` as `map_lookup_elem`.
+fn helper_name(h: BpfHelper) -> String {
+    format!("{h:?}").trim_start_matches("BPF_FUNC_").to_string()
+}
+
+/// What the embedded object uses: program types (with their programs), map types, and the
+/// helpers called by the programs of each type.
+#[derive(Debug, Default)]
+struct Uses {
+    programs: Vec<(ProgramType, String)>,
+    map_types: BTreeSet<String>,
+    maps: Vec<(String, MapType)>,
+    helpers: Vec<(ProgramType, BpfHelper)>,
+}
+
+fn uses(obj: &Object) -> Uses {
+    let mut u = Uses::default();
+    let mut names: Vec<&String> = obj.programs.keys().collect();
+    names.sort();
+    for name in names {
+        let p = &obj.programs[name];
+        let Some(t) = program_type(&p.section) else {
+            continue;
+        };
+        u.programs.push((t, name.clone()));
+        // The program's function and every function of its section (subprograms).
+        for f in obj
+            .functions
+            .values()
+            .filter(|f| f.section_index.0 == p.section_index)
+        {
+            for insn in &f.instructions {
+                if insn.code == (BPF_JMP | BPF_CALL) as u8
+                    && insn.src_reg() == 0
+                    && let Some(h) = helper(insn.imm)
+                    && !u.helpers.contains(&(t, h))
+                {
+                    u.helpers.push((t, h));
+                }
+            }
+        }
+    }
+    let mut maps: Vec<(&String, u32)> = obj.maps.iter().map(|(n, m)| (n, m.map_type())).collect();
+    maps.sort();
+    for (name, t) in maps {
+        if let Some(mt) = map_type(t) {
+            u.map_types.insert(format!("{mt:?}"));
+            u.maps.push((name.clone(), mt));
+        }
+    }
+    u
+}
+
+/// Program type, map type, helper and attach type probes, then a load of every program.
+fn programs() -> Vec<CheckResult> {
+    const ROOT: &str = "run as root (or with CAP_BPF, CAP_NET_ADMIN and CAP_SYS_ADMIN)";
+    if loader::OBJECT.is_empty() {
+        return vec![CheckResult::bad(
+            "programs",
+            Status::Fail,
+            "this binary was built without the eBPF object",
+            "build it with `cargo xtask build`",
+        )];
+    }
+    let obj = match Object::parse(loader::OBJECT) {
+        Ok(o) => o,
+        Err(e) => {
+            return vec![CheckResult::bad(
+                "programs",
+                Status::Fail,
+                format!("the embedded eBPF object does not parse: {e}"),
+                "rebuild with `cargo xtask build`",
+            )];
+        }
+    };
+    let u = uses(&obj);
+    let mut out = Vec::new();
+
+    // Program types.
+    let mut types: Vec<ProgramType> = Vec::new();
+    for (t, _) in &u.programs {
+        if !types.contains(t) {
+            types.push(*t);
+        }
+    }
+    let mut missing = Vec::new();
+    let mut errors = Vec::new();
+    for t in &types {
+        match is_program_supported(*t) {
+            Ok(true) => {}
+            Ok(false) => missing.push(program_type_name(*t)),
+            Err(e) => errors.push(format!("{}: {e}", program_type_name(*t))),
+        }
+    }
+    let names: Vec<&str> = types.iter().map(|t| program_type_name(*t)).collect();
+    out.push(probe_result(
+        "program types",
+        &names.join(", "),
+        &missing,
+        &errors,
+        "a kernel with CONFIG_BPF_SYSCALL and CONFIG_CGROUP_BPF (Linux >= 5.18)",
+        ROOT,
+    ));
+
+    // Map types.
+    let mut missing = Vec::new();
+    let mut errors = Vec::new();
+    let mut seen: Vec<MapType> = Vec::new();
+    for (_, t) in &u.maps {
+        if seen.contains(t) {
+            continue;
+        }
+        seen.push(*t);
+        match is_map_supported(*t) {
+            Ok(true) => {}
+            Ok(false) => missing.push(format!("{t:?}")),
+            Err(e) => errors.push(format!("{t:?}: {e}")),
+        }
+    }
+    let all: Vec<&str> = u.map_types.iter().map(String::as_str).collect();
+    out.push(probe_result(
+        "map types",
+        &all.join(", "),
+        &missing,
+        &errors,
+        "a newer kernel (Linux >= 5.18)",
+        ROOT,
+    ));
+
+    // Helpers, per program type.
+    let mut missing = Vec::new();
+    let mut errors = Vec::new();
+    for (t, h) in &u.helpers {
+        match is_helper_supported(*t, *h) {
+            Ok(true) => {}
+            Ok(false) => missing.push(format!("{} in {}", helper_name(*h), program_type_name(*t))),
+            Err(e) => errors.push(format!("{}: {e}", helper_name(*h))),
+        }
+    }
+    let all: BTreeSet<String> = u.helpers.iter().map(|(_, h)| helper_name(*h)).collect();
+    let all: Vec<String> = all.into_iter().collect();
+    out.push(probe_result(
+        "helpers",
+        &all.join(", "),
+        &missing,
+        &errors,
+        "Linux >= 5.18 (bpf_set_retval)",
+        ROOT,
+    ));
+
+    // Attach types and the verifier: load every program, attach nothing.
+    out.push(match loader::verify_programs() {
+        Ok(loaded) => CheckResult::ok(
+            "programs",
+            format!(
+                "{} programs pass the verifier with their attach types: {}",
+                loaded.len(),
+                loaded.join(", ")
+            ),
+        ),
+        Err(e) => {
+            let msg = format!("{e:#}");
+            let remedy = if msg.contains("Operation not permitted") {
+                ROOT.to_string()
+            } else {
+                format!(
+                    "use Linux >= {}.{}; with a newer kernel, report the verifier log above",
+                    MIN_KERNEL.0, MIN_KERNEL.1
+                )
+            };
+            CheckResult::bad("programs", Status::Fail, msg, remedy)
+        }
+    });
+    out
+}
+
+fn probe_result(
+    check: &'static str,
+    all: &str,
+    missing: &[impl AsRef<str>],
+    errors: &[String],
+    newer: &str,
+    root: &str,
+) -> CheckResult {
+    if !missing.is_empty() {
+        let m: Vec<&str> = missing.iter().map(AsRef::as_ref).collect();
+        return CheckResult::bad(
+            check,
+            Status::Fail,
+            format!("not supported by this kernel: {}", m.join(", ")),
+            format!("use {newer}"),
+        );
+    }
+    if !errors.is_empty() {
+        return CheckResult::bad(
+            check,
+            Status::Fail,
+            format!("probing failed: {}", errors.join("; ")),
+            root,
+        );
+    }
+    CheckResult::ok(check, format!("{all} (probed)"))
+}
+
+fn memlock() -> CheckResult {
+    // SAFETY: getrlimit(2) into a struct we own.
+    let mut r: libc::rlimit = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) } != 0 {
+        return CheckResult::bad(
+            "memlock",
+            Status::Warn,
+            format!("getrlimit: {}", std::io::Error::last_os_error()),
+            "nothing to do on Linux >= 5.11",
+        );
+    }
+    let v = if r.rlim_cur == libc::RLIM_INFINITY {
+        "unlimited".to_string()
+    } else {
+        format!("{} KiB", r.rlim_cur / 1024)
+    };
+    CheckResult::ok(
+        "memlock",
+        format!(
+            "RLIMIT_MEMLOCK {v} (informational: Linux >= 5.11 charges BPF memory to the memory cgroup)"
+        ),
+    )
+}
+
+/// Runs a read-only command for at most `timeout`; `None` when it is not installed.
+fn read_command(program: &str, args: &[&str], timeout: Duration) -> Option<Result<String, String>> {
+    let mut child = match Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+    {
+        Ok(c) => c,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+        Err(e) => return Some(Err(format!("{program}: {e}"))),
+    };
+    let mut stdout = child.stdout.take()?;
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stdout.read_to_string(&mut s);
+        s
+    });
+    let start = Instant::now();
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(s)) => break Ok(s),
+            Ok(None) if start.elapsed() < timeout => std::thread::sleep(Duration::from_millis(10)),
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                break Err(format!("{program} did not finish within {timeout:?}"));
+            }
+            Err(e) => break Err(format!("{program}: {e}")),
+        }
+    };
+    let out = reader.join().unwrap_or_default();
+    Some(match status {
+        Ok(s) if s.success() => Ok(out),
+        Ok(s) => Err(format!("{program} failed ({s})")),
+        Err(e) => Err(e),
+    })
+}
+
+/// Whether kube-proxy's rules are present in this network namespace, from the output of
+/// `iptables-save`/`ip6tables-save` (a `KUBE-SERVICES` chain) and `nft list tables` (a
+/// table named `kube-proxy`).
+pub fn kube_proxy_found(tool: &str, output: &str) -> bool {
+    if tool == "nft" {
+        output
+            .lines()
+            .any(|l| l.split_whitespace().last() == Some("kube-proxy"))
+    } else {
+        output
+            .lines()
+            .any(|l| l.starts_with(":KUBE-SERVICES ") || l.starts_with("-N KUBE-SERVICES"))
+    }
+}
+
+fn kube_proxy_rules() -> CheckResult {
+    const CHECK: &str = "kube-proxy rules";
+    let timeout = Duration::from_secs(10);
+    let mut found = Vec::new();
+    let mut checked = Vec::new();
+    let mut not_checked = Vec::new();
+    for (tool, args) in [
+        ("iptables-save", &[][..]),
+        ("ip6tables-save", &[][..]),
+        ("nft", &["list", "tables"][..]),
+    ] {
+        let label = if tool == "nft" {
+            "nft list tables".to_string()
+        } else {
+            tool.to_string()
+        };
+        match read_command(tool, args, timeout) {
+            None => not_checked.push(format!("{label}: not installed")),
+            Some(Err(e)) => not_checked.push(e),
+            Some(Ok(out)) => {
+                if kube_proxy_found(tool, &out) {
+                    found.push(if tool == "nft" {
+                        "nftables table kube-proxy".to_string()
+                    } else {
+                        format!("KUBE-SERVICES chain ({tool})")
+                    });
+                }
+                checked.push(label);
+            }
+        }
+    }
+    let remedy = "kube-proxy runs or ran on this node: both can run side by side while switching; \
+                  once ebpf-proxy serves every node, remove kube-proxy and run `kube-proxy --cleanup`";
+    if !found.is_empty() {
+        return CheckResult::bad(
+            CHECK,
+            Status::Warn,
+            format!("found: {}", found.join(", ")),
+            remedy,
+        );
+    }
+    if checked.is_empty() {
+        return CheckResult::bad(
+            CHECK,
+            Status::Skip,
+            format!("not checked ({})", not_checked.join("; ")),
+            "install iptables or nftables to check for kube-proxy's rules",
+        );
+    }
+    let mut detail = format!("none ({})", checked.join(", "));
+    if !not_checked.is_empty() {
+        let _ = write!(detail, "; not checked: {}", not_checked.join("; "));
+    }
+    CheckResult::ok(CHECK, detail)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_releases() {
+        assert_eq!(parse_kernel_release("6.18.44"), Some((6, 18)));
+        assert_eq!(parse_kernel_release("5.15.0-91-generic"), Some((5, 15)));
+        assert_eq!(parse_kernel_release("5.18-rc1"), Some((5, 18)));
+        assert_eq!(parse_kernel_release("6.1+"), Some((6, 1)));
+        assert_eq!(parse_kernel_release("garbage"), None);
+        assert!(parse_kernel_release("5.17.3").unwrap() < MIN_KERNEL);
+        assert!(parse_kernel_release("5.18.0").unwrap() >= MIN_KERNEL);
+    }
+
+    #[test]
+    fn kube_proxy_rules_are_recognised() {
+        let ipt = "*nat\n:PREROUTING ACCEPT [0:0]\n:KUBE-SERVICES - [0:0]\n-A PREROUTING -j KUBE-SERVICES\nCOMMIT\n";
+        assert!(kube_proxy_found("iptables-save", ipt));
+        assert!(!kube_proxy_found(
+            "iptables-save",
+            "*filter\n:INPUT ACCEPT [0:0]\n-A INPUT -m comment --comment KUBE-SERVICES -j ACCEPT\nCOMMIT\n"
+        ));
+        assert!(kube_proxy_found(
+            "nft",
+            "table ip filter\ntable ip kube-proxy\ntable ip6 kube-proxy\n"
+        ));
+        assert!(!kube_proxy_found(
+            "nft",
+            "table ip filter\ntable inet kube-proxy-old\n"
+        ));
+    }
+
+    #[test]
+    fn table_is_aligned_with_remedies_under_failures() {
+        let rows = vec![
+            CheckResult::ok("kernel", "6.18.44"),
+            CheckResult::bad(
+                "bpffs",
+                Status::Fail,
+                "/tmp/x is not a BPF file system",
+                "mount it",
+            ),
+        ];
+        let t = table(&rows);
+        assert_eq!(
+            t,
+            "CHECK   STATUS  DETAIL\n\
+             kernel  ok      6.18.44\n\
+             bpffs   fail    /tmp/x is not a BPF file system\n\
+             \x20               remedy: mount it\n"
+        );
+        assert!(failed(&rows));
+        assert!(!failed(&rows[..1]));
+        let json = serde_json::to_value(&rows).unwrap();
+        assert_eq!(json[1]["status"], "fail");
+        assert_eq!(json[0].get("remedy"), None);
+        assert_eq!(
+            rows[1].message(),
+            "bpffs: /tmp/x is not a BPF file system (remedy: mount it)"
+        );
+    }
+
+    #[test]
+    fn the_object_uses_what_the_docs_say() {
+        if loader::OBJECT.is_empty() {
+            return;
+        }
+        let u = uses(&Object::parse(loader::OBJECT).unwrap());
+        let progs: Vec<&str> = u.programs.iter().map(|(_, n)| n.as_str()).collect();
+        for p in loader::PROGRAMS {
+            assert!(progs.contains(&p), "{p} in {progs:?}");
+        }
+        let helpers: Vec<String> = u.helpers.iter().map(|(_, h)| helper_name(*h)).collect();
+        for h in ["set_retval", "get_socket_cookie", "map_lookup_elem"] {
+            assert!(helpers.iter().any(|x| x == h), "{h} in {helpers:?}");
+        }
+        assert!(u.map_types.contains("Hash"), "{:?}", u.map_types);
+    }
+}

@@ -1,0 +1,416 @@
+//! Operating the agent: the preflight `check`, the configuration file, JSON logs, SIGTERM
+//! leaving the data path pinned for the next agent, and the Grafana dashboard's metric names.
+//!
+//! The privileged tests (root, `cargo xtask test`) use the fixture of `common` (their own
+//! namespaces, child cgroup and pin directory, removed on drop). `check` only reads, except
+//! that it loads the programs into the kernel without attaching them; no test gives `run` or
+//! `check` a directory that it could mount bpffs on.
+
+mod common;
+
+use std::{
+    collections::BTreeSet,
+    net::IpAddr,
+    path::Path,
+    process::{Command, Output},
+    time::Duration,
+};
+
+use common::*;
+use proxy_userspace::{datapath::loader, testbed};
+
+const VIP: &str = "198.19.0.10";
+
+/// A Service `default/web` (TCP 80 -> 8080) with the given ready IPv4 endpoints.
+fn web(env: &Env, endpoints: &[usize]) {
+    let svc = service("default", "web", &[VIP], &[("http", 80, 8080, "TCP")]);
+    let eps: Vec<(IpAddr, bool)> = endpoints
+        .iter()
+        .map(|i| (IpAddr::V4(backend_v4(*i)), true))
+        .collect();
+    let sl = slice(
+        "default",
+        "web-1",
+        "web",
+        "IPv4",
+        &[("http", 8080, "TCP")],
+        &eps,
+    );
+    env.write_manifest("web.yaml", &format!("{svc}---\n{sl}"));
+}
+
+fn agent(args: &[&str]) -> Output {
+    Command::new(AGENT).args(args).output().expect("run agent")
+}
+
+fn text(out: &[u8]) -> String {
+    String::from_utf8_lossy(out).into_owned()
+}
+
+fn require_root() {
+    assert!(
+        testbed::is_root(),
+        "the privileged integration tests need root (run `cargo xtask test` as root)"
+    );
+    testbed::ensure_bpffs().expect("bpffs");
+}
+
+#[test]
+fn check_passes_on_this_machine() {
+    require_root();
+    let out = agent(&["check"]);
+    let table = text(&out.stdout);
+    println!("{table}");
+    assert!(out.status.success(), "{table}\n{}", text(&out.stderr));
+    assert!(table.starts_with("CHECK "), "{table}");
+    let out = agent(&["check", "-o", "json"]);
+    assert!(out.status.success());
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    let checks: Vec<&str> = rows.iter().map(|r| r["check"].as_str().unwrap()).collect();
+    assert_eq!(
+        checks,
+        [
+            "kernel",
+            "btf",
+            "bpffs",
+            "cgroup v2",
+            "program types",
+            "map types",
+            "helpers",
+            "programs",
+            "memlock",
+            "kube-proxy rules"
+        ]
+    );
+    for r in &rows {
+        assert_ne!(r["status"], "fail", "{r}");
+    }
+    let programs = rows.iter().find(|r| r["check"] == "programs").unwrap();
+    for p in loader::PROGRAMS {
+        assert!(
+            programs["detail"].as_str().unwrap().contains(p),
+            "{programs}"
+        );
+    }
+}
+
+#[test]
+fn check_fails_with_the_documented_messages() {
+    require_root();
+    // A directory that is not a bpffs: reported, never mounted on (no --mount-bpffs).
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display().to_string();
+    let out = agent(&["check", "--bpffs", &d]);
+    let table = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{table}");
+    let line = table.lines().find(|l| l.starts_with("bpffs ")).unwrap();
+    assert!(
+        line.contains("fail") && line.contains(&format!("{d} is not a BPF file system")),
+        "{table}"
+    );
+    assert!(
+        table.contains(&format!(
+            "remedy: run `mount -t bpf bpf {d}`, pass --mount-bpffs, or point --bpffs at a bpffs mount"
+        )),
+        "{table}"
+    );
+    assert!(
+        !std::fs::read_to_string("/proc/self/mounts")
+            .unwrap()
+            .contains(&d),
+        "check mounted something on {d}"
+    );
+
+    // A cgroup path that does not exist.
+    let bogus = "/sys/fs/cgroup/ebpf-proxy-test-no-such-cgroup";
+    let out = agent(&["check", "--cgroup-path", bogus, "-o", "json"]);
+    assert_eq!(out.status.code(), Some(1));
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    let cg = rows.iter().find(|r| r["check"] == "cgroup v2").unwrap();
+    assert_eq!(cg["status"], "fail");
+    let detail = cg["detail"].as_str().unwrap();
+    assert!(
+        detail.starts_with(&format!("--cgroup-path {bogus}: No such file or directory")),
+        "{cg}"
+    );
+    assert!(
+        cg["remedy"]
+            .as_str()
+            .unwrap()
+            .starts_with("pass --cgroup-path "),
+        "{cg}"
+    );
+
+    // `run` runs the same checks first and stops with the same message, before it creates
+    // a pin directory or attaches anything.
+    let manifests = tempfile::tempdir().unwrap();
+    let pin_dir = "ebpf-proxy-test-preflight";
+    let out = agent(&[
+        "run",
+        "--manifests",
+        &manifests.path().display().to_string(),
+        "--cgroup-path",
+        bogus,
+        "--pin-dir",
+        pin_dir,
+        "--healthz-bind-address",
+        "127.0.0.1:0",
+        "--metrics-bind-address",
+        "127.0.0.1:0",
+    ]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(&format!(
+            "error: preflight check failed: cgroup v2: {detail} (remedy: pass --cgroup-path "
+        )),
+        "{err}"
+    );
+    assert!(!Path::new(BPFFS).join(pin_dir).exists());
+}
+
+#[test]
+fn invalid_configuration_file_stops_start_up_naming_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("config.yaml");
+    std::fs::write(
+        &file,
+        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: ipvs\n",
+    )
+    .unwrap();
+    // Read before anything else: nothing is checked, mounted or attached.
+    let out = agent(&[
+        "run",
+        "--config",
+        &file.display().to_string(),
+        "--manifests",
+        "/nonexistent",
+    ]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(
+        err.trim(),
+        format!(
+            "error: --config {}: mode: \"ipvs\" is not supported by ebpf-proxy; leave it empty or set it to \"ebpf\"",
+            file.display()
+        )
+    );
+}
+
+#[test]
+fn configuration_file_is_applied_flags_override_it_and_logs_are_json() {
+    let mut env = Env::new("ops-config", 1, false);
+    web(&env, &[0]);
+    let config = env.manifests.path().with_extension("config.yaml");
+    let _remove = RemoveOnDrop(config.clone());
+    // healthzBindAddress is not a local address: the agent starts only because the fixture
+    // passes --healthz-bind-address, which overrides the file.
+    std::fs::write(
+        &config,
+        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\n\
+         kind: KubeProxyConfiguration\n\
+         mode: ebpf\n\
+         hostnameOverride: node-from-config\n\
+         healthzBindAddress: 192.0.2.1:10256\n\
+         clusterCIDR: 198.18.0.0/24\n\
+         enableProfiling: true\n\
+         conntrack:\n  udpTimeout: 7s\n  maxPerCore: 32768\n\
+         logging:\n  format: json\n",
+    )
+    .unwrap();
+    env.extra_agent_args = vec!["--config".into(), config.display().to_string()];
+    env.start_agent();
+
+    let log = env.log();
+    let lines: Vec<serde_json::Value> = log
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON: {l:?}: {e}")))
+        .collect();
+    let message = |v: &serde_json::Value| v["fields"]["message"].as_str().unwrap_or("").to_string();
+    let warnings: Vec<String> = lines
+        .iter()
+        .filter(|v| v["level"] == "WARN")
+        .map(message)
+        .collect();
+    for field in ["enableProfiling", "conntrack.maxPerCore"] {
+        assert_eq!(
+            warnings
+                .iter()
+                .filter(|w| w.contains(&format!("field \"{field}\"")))
+                .count(),
+            1,
+            "{warnings:?}"
+        );
+    }
+    let attached = lines
+        .iter()
+        .find(|v| message(v) == "data path attached")
+        .expect("attached line");
+    assert_eq!(attached["fields"]["node"], "node-from-config", "{attached}");
+    let cidr = lines
+        .iter()
+        .find(|v| v["fields"]["cluster_cidr"].is_string())
+        .expect("cluster CIDR line");
+    assert_eq!(cidr["fields"]["cluster_cidr"], "198.18.0.0/24");
+    // One info line per sync, with its counts and duration.
+    let syncs: Vec<&serde_json::Value> =
+        lines.iter().filter(|v| message(v) == "sync done").collect();
+    assert_eq!(syncs.len(), 1, "{log}");
+    assert_eq!(syncs[0]["level"], "INFO");
+    assert_eq!(syncs[0]["fields"]["services"], 1);
+    assert!(syncs[0]["fields"]["duration_us"].is_u64());
+
+    // conntrack.udpTimeout became the data path's UDP flow timeout.
+    let map = aya::maps::MapData::from_pin(env.pin_path().join(proxy_common::CONFIG)).unwrap();
+    let a: aya::maps::Array<_, proxy_common::Config> =
+        aya::maps::Array::try_from(aya::maps::Map::Array(map)).unwrap();
+    assert_eq!(
+        a.get(&0, 0).unwrap().udp_flow_timeout_ns,
+        Duration::from_secs(7).as_nanos() as u64
+    );
+}
+
+/// Removes a file on drop.
+struct RemoveOnDrop(std::path::PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+#[test]
+fn sigterm_keeps_the_pinned_data_path_and_the_next_agent_adopts_it() {
+    let mut env = Env::new("ops-sigterm", 2, false);
+    web(&env, &[0, 1]);
+    env.start_agent();
+
+    let mut agent = env.agent.take().unwrap();
+    let status = agent.terminate(Duration::from_secs(5)).unwrap();
+    assert!(status.success(), "SIGTERM is a clean stop: {status:?}");
+    assert!(env.log().contains("data path stays attached"));
+
+    // Every map and link is still pinned, and the programs are still attached.
+    for m in proxy_common::ALL_MAPS {
+        assert!(env.pin_path().join(m).exists(), "map {m} unpinned");
+    }
+    for p in loader::PROGRAMS {
+        assert!(
+            loader::link_pin(&env.pin_path(), p).exists(),
+            "link {p} unpinned"
+        );
+    }
+    let out = Command::new("bpftool")
+        .args(["cgroup", "show"])
+        .arg(env.cg.path())
+        .output()
+        .unwrap();
+    let attached = text(&out.stdout);
+    for p in loader::PROGRAMS {
+        assert!(attached.contains(p), "{p} detached: {attached}");
+    }
+    let c = by_name(&env.tcp(&format!("{VIP}:80"), 20));
+    assert_eq!(c.len(), 2, "while the agent is down: {c:?}");
+
+    // The next agent adopts the pins and rewrites nothing.
+    env.start_agent();
+    let log = env.log();
+    let adopted = log
+        .lines()
+        .rfind(|l| l.contains("adopted state from pinned maps"))
+        .unwrap();
+    assert!(adopted.contains("services=1"), "{adopted}");
+    let sync = log.lines().rfind(|l| l.contains("sync done")).unwrap();
+    assert!(
+        sync.contains("writes=0") && sync.contains("deletes=0"),
+        "{sync}"
+    );
+    assert_eq!(by_name(&env.tcp(&format!("{VIP}:80"), 20)).len(), 2);
+}
+
+/// Metric names (`kubeproxy_*`, `ebpf_proxy_*`) in a PromQL expression.
+fn metric_names(expr: &str) -> BTreeSet<String> {
+    expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
+        .filter(|t| t.starts_with("kubeproxy_") || t.starts_with("ebpf_proxy_"))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Every query of the dashboard: panel targets and template variables.
+fn dashboard_queries() -> Vec<String> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/grafana/dashboard.json");
+    let text = std::fs::read_to_string(&path).expect("deploy/grafana/dashboard.json");
+    let v: serde_json::Value = serde_json::from_str(&text).expect("the dashboard is JSON");
+    let mut queries = Vec::new();
+    let panels = v["panels"].as_array().expect("panels");
+    for p in panels {
+        if p["type"] == "row" {
+            continue;
+        }
+        let targets = p["targets"]
+            .as_array()
+            .unwrap_or_else(|| panic!("panel {} has no targets", p["title"]));
+        assert!(!targets.is_empty(), "panel {} has no targets", p["title"]);
+        for t in targets {
+            let expr = t["expr"].as_str().expect("expr");
+            assert!(
+                !metric_names(expr).is_empty(),
+                "{expr:?} uses no metric of the agent"
+            );
+            queries.push(expr.to_string());
+        }
+    }
+    for var in v["templating"]["list"].as_array().expect("templating") {
+        if let Some(q) = var["definition"].as_str() {
+            queries.push(q.to_string());
+        }
+    }
+    queries
+}
+
+#[test]
+fn grafana_dashboard_is_valid_json_with_queries() {
+    let queries = dashboard_queries();
+    assert!(queries.len() >= 10, "{queries:?}");
+}
+
+#[test]
+fn grafana_dashboard_uses_only_metrics_the_agent_exports() {
+    let mut env = Env::new("ops-metrics", 1, false);
+    web(&env, &[0]);
+    env.start_agent();
+    // Some traffic, so every data path counter has been touched at least once.
+    assert_eq!(by_name(&env.tcp(&format!("{VIP}:80"), 3)).len(), 1);
+    let addr = env.logged_addr("metrics");
+    let out = Command::new("curl")
+        .args(["-s", &format!("http://{addr}/metrics")])
+        .output()
+        .expect("curl");
+    let exposition = text(&out.stdout);
+    // Sample names: the first token of every line that is not a comment.
+    let exported: BTreeSet<String> = exposition
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| l.split(['{', ' ']).next().unwrap().to_string())
+        .collect();
+    let mut used = BTreeSet::new();
+    for q in dashboard_queries() {
+        used.extend(metric_names(&q));
+    }
+    let missing: Vec<&String> = used.iter().filter(|n| !exported.contains(*n)).collect();
+    assert!(
+        missing.is_empty(),
+        "the dashboard uses metrics the agent does not export: {missing:?}\nexported: {exported:?}"
+    );
+    // And it covers the agent's own families.
+    for family in [
+        "ebpf_proxy_datapath_events_total",
+        "ebpf_proxy_map_entries",
+        "ebpf_proxy_map_capacity",
+        "ebpf_proxy_sync_errors_total",
+        "kubeproxy_sync_proxy_rules_duration_seconds_bucket",
+    ] {
+        assert!(used.contains(family), "{family} not on the dashboard");
+    }
+}
