@@ -70,7 +70,10 @@ fn web(env: &Env, annotations: &[(&str, &str)], spec_extra: &str, endpoints: &[(
 fn apply(env: &Env, write: impl FnOnce()) {
     let n = env.log().matches("sync done").count();
     write();
-    env.wait_log(|l| l.matches("sync done").count() > n, "sync after the change");
+    env.wait_log(
+        |l| l.matches("sync done").count() > n,
+        "sync after the change",
+    );
 }
 
 fn counts(env: &Env, n: usize) -> BTreeMap<String, usize> {
@@ -89,9 +92,14 @@ fn started(name: &str, n: usize, annotations: &[(&str, &str)], spec: &str) -> En
 fn share_test(name: &str, algorithm: &str) {
     let env = started(name, 3, &[("ebpf-proxy.io/lb-algorithm", algorithm)], "");
     let c = counts(&env, 300);
-    let v: Vec<usize> = (0..3).map(|i| *c.get(&format!("b{i}")).unwrap_or(&0)).collect();
+    let v: Vec<usize> = (0..3)
+        .map(|i| *c.get(&format!("b{i}")).unwrap_or(&0))
+        .collect();
     let x2 = chi2(&v, &[1.0 / 3.0; 3]);
-    println!("{algorithm}: {v:?}, chi2 = {x2:.2} (critical {})", CHI2_P001[1]);
+    println!(
+        "{algorithm}: {v:?}, chi2 = {x2:.2} (critical {})",
+        CHI2_P001[1]
+    );
     assert!(x2 < CHI2_P001[1], "{algorithm}: {v:?} chi2 {x2}");
 }
 
@@ -106,7 +114,12 @@ fn round_robin_spreads_uniformly_and_cycles() {
     // Successive connections from one process mostly take successive slots: over 30
     // connections, every backend appears in every window of 3 far more often than random's
     // 2/9 would give (per-CPU cursors: a migration between CPUs may break a window).
-    let env = started("alg-rr2", 3, &[("ebpf-proxy.io/lb-algorithm", "round-robin")], "");
+    let env = started(
+        "alg-rr2",
+        3,
+        &[("ebpf-proxy.io/lb-algorithm", "round-robin")],
+        "",
+    );
     let seq: Vec<String> = env
         .tcp(&format!("{VIP}:80"), 30)
         .iter()
@@ -136,8 +149,13 @@ fn weighted_round_robin_follows_weights_and_zero_drains() {
         "",
     );
     let c = counts(&env, 300);
-    assert!(!c.contains_key("b3"), "weight 0 takes no new connection: {c:?}");
-    let v: Vec<usize> = (0..3).map(|i| *c.get(&format!("b{i}")).unwrap_or(&0)).collect();
+    assert!(
+        !c.contains_key("b3"),
+        "weight 0 takes no new connection: {c:?}"
+    );
+    let v: Vec<usize> = (0..3)
+        .map(|i| *c.get(&format!("b{i}")).unwrap_or(&0))
+        .collect();
     let x2 = chi2(&v, &[1.0 / 6.0, 2.0 / 6.0, 3.0 / 6.0]);
     println!("weighted 1:2:3 -> {v:?}, chi2 = {x2:.2}");
     assert!(x2 < CHI2_P001[1], "{v:?} chi2 {x2}");
@@ -150,7 +168,11 @@ fn holder(env: &Env, hold: Duration) -> Held {
         .args(["--hold-ms", &hold.as_millis().to_string()])
         .stdout(Stdio::piped())
         .stderr(Stdio::null());
-    Held(env.client.spawn(Some(env.cg.path()), &mut cmd).expect("holder"))
+    Held(
+        env.client
+            .spawn(Some(env.cg.path()), &mut cmd)
+            .expect("holder"),
+    )
 }
 
 /// A running netprobe holding a connection; `name()` waits for it and returns the backend.
@@ -236,12 +258,7 @@ fn client_ip_affinity_sticks_expires_on_time_and_beats_the_algorithm() {
 
 #[test]
 fn affinity_default_timeout_listing_and_terminating_backend() {
-    let mut env = started(
-        "aff-default",
-        2,
-        &[],
-        "  sessionAffinity: ClientIP\n",
-    );
+    let mut env = started("aff-default", 2, &[], "  sessionAffinity: ClientIP\n");
     let c = counts(&env, 20);
     assert_eq!(c.len(), 1, "{c:?}");
     let affine = c.keys().next().unwrap().clone();
@@ -262,7 +279,10 @@ fn affinity_default_timeout_listing_and_terminating_backend() {
     let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let row = &rows[0];
     assert_eq!(row["backend"], format!("{}:8080", b(i)), "{rows}");
-    assert!(row["client"].as_str().unwrap().starts_with("netns:"), "{rows}");
+    assert!(
+        row["client"].as_str().unwrap().starts_with("netns:"),
+        "{rows}"
+    );
     let exp = row["expires_in_s"].as_f64().unwrap();
     assert!(exp > 10790.0 && exp <= 10800.0, "{rows}");
     let out = Command::new(AGENT)
@@ -271,7 +291,10 @@ fn affinity_default_timeout_listing_and_terminating_backend() {
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     println!("{text}");
-    assert!(text.starts_with("SERVICE") && text.contains("netns:"), "{text}");
+    assert!(
+        text.starts_with("SERVICE") && text.contains("netns:"),
+        "{text}"
+    );
 
     // An established connection to the affine backend, then that backend starts
     // terminating: new connections leave it at once, the established one keeps working.
@@ -306,7 +329,11 @@ fn affinity_default_timeout_listing_and_terminating_backend() {
         );
     });
     let c = counts(&env, 10);
-    assert_eq!(c.keys().collect::<Vec<_>>(), vec![&format!("b{other}")], "{c:?}");
+    assert_eq!(
+        c.keys().collect::<Vec<_>>(),
+        vec![&format!("b{other}")],
+        "{c:?}"
+    );
     writeln!(stdin, "still-there").unwrap();
     line.clear();
     stdout.read_line(&mut line).unwrap();
@@ -354,13 +381,20 @@ fn source_hash_is_consistent_and_removal_moves_only_the_removed_backends_clients
             .map(|p| {
                 assert_eq!(p["ok"], true, "{p}");
                 let local: std::net::SocketAddr = p["local"].as_str().unwrap().parse().unwrap();
-                (local.ip().to_string(), p["name"].as_str().unwrap().to_string())
+                (
+                    local.ip().to_string(),
+                    p["name"].as_str().unwrap().to_string(),
+                )
             })
             .collect()
     };
     let first = probe();
     assert_eq!(first.len(), clients.len());
-    assert_eq!(probe(), first, "the same client always reaches the same backend");
+    assert_eq!(
+        probe(),
+        first,
+        "the same client always reaches the same backend"
+    );
     let per: BTreeMap<&String, usize> = first.values().fold(BTreeMap::new(), |mut m, n| {
         *m.entry(n).or_default() += 1;
         m
@@ -390,5 +424,8 @@ fn source_hash_is_consistent_and_removal_moves_only_the_removed_backends_clients
         100.0 * moved as f64 / clients.len() as f64
     );
     assert!(second.values().all(|n| n != "b1"));
-    assert!(moved_others <= 2, "{moved_others} clients of remaining backends moved");
+    assert!(
+        moved_others <= 2,
+        "{moved_others} clients of remaining backends moved"
+    );
 }

@@ -312,10 +312,6 @@ fn strerror(e: &io::Error) -> String {
     }
 }
 
-fn connect(to: SocketAddr, timeout: Duration) -> io::Result<TcpStream> {
-    connect_from(to, None, timeout)
-}
-
 /// Connects to `to`, from source address `from` when given (bound with port 0 first).
 fn connect_from(
     to: SocketAddr,
