@@ -60,7 +60,7 @@ pub const STALE_SOCKETS: &str = "STALE_SOCKETS";
 pub const SERVICE_NAMES: &str = "SERVICE_NAMES";
 
 /// Every map the agent pins, in the order the data path depends on them.
-pub const ALL_MAPS: [&str; 15] = [
+pub const ALL_MAPS: [&str; 17] = [
     FRONTENDS,
     BACKEND_SLOTS,
     BACKENDS,
@@ -75,6 +75,8 @@ pub const ALL_MAPS: [&str; 15] = [
     AFFINITY,
     CONFIG,
     COUNTERS,
+    SERVICE_STATS,
+    BACKEND_STATS,
     SERVICE_NAMES,
 ];
 
@@ -244,6 +246,24 @@ pub const DEFAULT_MAX_MAGLEV: u32 = 1024;
 /// Most slots least-connections compares per decision: a larger service is compared over a
 /// window of this many consecutive slots starting at a random one.
 pub const LC_SCAN_MAX: u32 = 32;
+
+/// Name of the per-service counter map: service id `u32` -> [`ServiceStats`]
+/// (BPF_MAP_TYPE_LRU_PERCPU_HASH: one value per CPU, summed by readers; entries of ids
+/// that no longer exist age out).
+pub const SERVICE_STATS: &str = "SERVICE_STATS";
+/// Name of the per-backend counter map: backend id `u32` -> connections and flows sent to it
+/// `u64` (BPF_MAP_TYPE_LRU_PERCPU_HASH).
+pub const BACKEND_STATS: &str = "BACKEND_STATS";
+
+/// Per-CPU counters of one service id. 16 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct ServiceStats {
+    /// New connections (connect) and new unconnected-UDP flows translated.
+    pub connections: u64,
+    /// Connections and datagrams refused or dropped for lack of (local) endpoints.
+    pub refused: u64,
+}
 
 /// Affinity key: (Service port group, client). 24 bytes.
 #[repr(C)]
@@ -557,6 +577,7 @@ mod user {
     unsafe impl aya::Pod for AffinityValue {}
     unsafe impl aya::Pod for MemberKey {}
     unsafe impl aya::Pod for MaglevTable {}
+    unsafe impl aya::Pod for ServiceStats {}
 }
 
 // Layout checks: the kernel and user builds must agree byte for byte.

@@ -4,11 +4,12 @@ use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns};
 use proxy_common::{
     AffinityKey, AffinityValue, Algorithm, Backend, BackendSlotKey, Counter,
     FRONTEND_F_VIP_MARKER, Frontend, FrontendKey, LC_SCAN_MAX, MAGLEV_MAX, MemberKey,
+    ServiceStats,
 };
 
 use crate::maps::{
-    AFFINITY, BACKEND_SLOTS, BACKENDS, COUNTERS, FRONTENDS, LC_COUNTS, LC_SOCKETS, MAGLEV,
-    MEMBERS, RR_CURSORS,
+    AFFINITY, BACKEND_SLOTS, BACKEND_STATS, BACKENDS, COUNTERS, FRONTENDS, LC_COUNTS,
+    LC_SOCKETS, MAGLEV, MEMBERS, RR_CURSORS, SERVICE_STATS,
 };
 
 /// Result of looking up a destination.
@@ -19,6 +20,40 @@ pub enum Lookup {
     UndefinedPort,
     /// A frontend.
     Frontend(Frontend),
+}
+
+/// Counts a translated connection or new flow (`refused` 0) or a refusal (`refused` 1) of
+/// service id `service_id`, and, for a translation, one connection to `backend_id`.
+/// Per-CPU values, so plain adds. Not inlined (stack).
+#[inline(never)]
+pub fn count_service(service_id: u32, backend_id: u32, refused: u32) {
+    match SERVICE_STATS.get_ptr_mut(service_id) {
+        // SAFETY: this CPU's value; only this CPU writes it while we run.
+        Some(p) => unsafe {
+            if refused != 0 {
+                (*p).refused += 1;
+            } else {
+                (*p).connections += 1;
+            }
+        },
+        None => {
+            let v = ServiceStats {
+                connections: (refused == 0) as u64,
+                refused: (refused != 0) as u64,
+            };
+            let _ = SERVICE_STATS.insert(service_id, v, 0);
+        }
+    }
+    if refused != 0 {
+        return;
+    }
+    match BACKEND_STATS.get_ptr_mut(backend_id) {
+        // SAFETY: as above.
+        Some(p) => unsafe { *p += 1 },
+        None => {
+            let _ = BACKEND_STATS.insert(backend_id, 1, 0);
+        }
+    }
 }
 
 /// Adds one to a per-CPU counter.

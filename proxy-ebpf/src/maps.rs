@@ -3,14 +3,14 @@
 
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray, PerCpuHashMap},
+    btf_maps::{Array, HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray, PerCpuHashMap},
     macros::btf_map,
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlotKey, COUNTER_MAX, Config,
     DEFAULT_MAX_BACKENDS, DEFAULT_MAX_FRONTENDS, DEFAULT_MAX_MAGLEV, DEFAULT_MAX_SLOTS,
     DEFAULT_MAX_SOCKETS, Frontend, FrontendKey, MaglevTable, MemberKey, RevNatKey, RevNatValue,
-    ServiceName, UdpFlow, UdpFlowKey,
+    ServiceName, ServiceStats, UdpFlow, UdpFlowKey,
 };
 
 /// (VIP, port, protocol) -> frontend; see `proxy_common::FRONTENDS`.
@@ -89,3 +89,13 @@ pub static LC_SOCKETS: LruHashMap<u64, u32, { DEFAULT_MAX_SOCKETS as usize }> =
 #[btf_map]
 pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue, { DEFAULT_MAX_SOCKETS as usize }> =
     LruHashMap::new();
+
+/// Per-CPU counters by service id; see `proxy_common::SERVICE_STATS`.
+#[btf_map]
+pub static SERVICE_STATS: LruPerCpuHashMap<u32, ServiceStats, { DEFAULT_MAX_FRONTENDS as usize }> =
+    LruPerCpuHashMap::new();
+
+/// Per-CPU connections by backend id; see `proxy_common::BACKEND_STATS`.
+#[btf_map]
+pub static BACKEND_STATS: LruPerCpuHashMap<u32, u64, { DEFAULT_MAX_BACKENDS as usize }> =
+    LruPerCpuHashMap::new();

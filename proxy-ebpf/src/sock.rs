@@ -27,8 +27,8 @@ use proxy_common::{
 
 use crate::{
     lb::{
-        Client, Lookup, Request, backend, count, lookup, release_connection, select,
-        track_connection,
+        Client, Lookup, Request, backend, count, count_service, lookup, release_connection,
+        select, track_connection,
     },
     maps::{CONFIG, REVNAT_SK, STALE_SOCKETS, UDP_FLOWS},
 };
@@ -145,6 +145,7 @@ fn refuse(reason: Counter) -> i32 {
 /// Local policy without endpoints on this node.
 #[inline(always)]
 fn no_endpoints(fe: &Frontend) -> i32 {
+    count_service(fe.service_id, 0, 1);
     if fe.flags & FRONTEND_F_LOCAL_ONLY != 0 {
         count(Counter::DroppedNoLocalEndpoints);
         // SAFETY: as in `refuse`.
@@ -256,6 +257,7 @@ fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         let _ = STALE_SOCKETS.remove(cookie);
     }
     remember(cookie, &b, &req, REVNAT_F_CONNECTED, fe.service_id);
+    count_service(fe.service_id, id, 0);
     if fe.algorithm == Algorithm::LeastConnections as u8 {
         track_connection(cookie, id);
     }
@@ -304,7 +306,12 @@ fn on_sendmsg<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         chosen
     } else {
         client_of::<V6>(ctx, &mut req.client);
-        select(&fe, &req)
+        let id = select(&fe, &req);
+        if id != 0 {
+            // A new flow.
+            count_service(fe.service_id, id, 0);
+        }
+        id
     };
     let Some(b) = backend(id).filter(|_| id != 0) else {
         return no_endpoints(&fe);

@@ -271,3 +271,544 @@ pub fn print_affinity(dir: &Path, maps: &PinnedMaps, json: bool) -> Result<()> {
     );
     Ok(())
 }
+
+/// One backend of `ebpf-proxy backends`.
+#[derive(Debug, Serialize)]
+pub struct BackendRow {
+    /// Backend id.
+    pub id: u32,
+    /// address:port.
+    pub backend: String,
+    /// TCP or UDP.
+    pub protocol: &'static str,
+    /// Names of the service ids whose slots hold it.
+    pub services: Vec<String>,
+    /// Connections and new flows sent to it (per-CPU counters summed).
+    pub connections: u64,
+    /// Open connections counted for least-connections (0 when the algorithm is not used).
+    pub active: u32,
+}
+
+/// The backends of the maps with their services and counters.
+pub fn backend_rows(dir: &Path, snap: &Snapshot) -> Result<Vec<BackendRow>> {
+    let stats = crate::datapath::maps::read_backend_stats(dir).unwrap_or_default();
+    let active = read_u32_map(dir, proxy_common::LC_COUNTS).unwrap_or_default();
+    let mut services: std::collections::BTreeMap<u32, std::collections::BTreeSet<String>> =
+        Default::default();
+    for (k, bid) in &snap.slots {
+        if let Some(n) = snap.names.get(&k.service_id) {
+            services.entry(*bid).or_default().insert(n.clone());
+        }
+    }
+    Ok(snap
+        .backends
+        .iter()
+        .map(|(id, b)| BackendRow {
+            id: *id,
+            backend: to_socket_addr(b.addr, b.port).to_string(),
+            protocol: proto_name(b.proto),
+            services: services
+                .get(id)
+                .map(|s| s.iter().cloned().collect())
+                .unwrap_or_default(),
+            connections: stats.get(id).copied().unwrap_or(0),
+            active: active.get(id).copied().unwrap_or(0),
+        })
+        .collect())
+}
+
+/// A pinned `u32 -> u32` hash map as a BTreeMap.
+fn read_u32_map(dir: &Path, name: &str) -> Result<std::collections::BTreeMap<u32, u32>> {
+    let path = dir.join(name);
+    let data = MapData::from_pin(&path).with_context(|| format!("open {}", path.display()))?;
+    let map: HashMap<MapData, u32, u32> =
+        HashMap::try_from(Map::HashMap(data)).with_context(|| format!("open {name}"))?;
+    let mut out = std::collections::BTreeMap::new();
+    for kv in map.iter() {
+        let (k, v) = kv.with_context(|| format!("iterate {name}"))?;
+        out.insert(k, v);
+    }
+    Ok(out)
+}
+
+/// Prints `ebpf-proxy backends`.
+pub fn print_backends(dir: &Path, maps: &PinnedMaps, json: bool) -> Result<()> {
+    let rows = backend_rows(dir, &maps.snapshot()?)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(());
+    }
+    let table: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| {
+            vec![
+                r.id.to_string(),
+                r.backend.clone(),
+                r.protocol.to_string(),
+                r.connections.to_string(),
+                r.active.to_string(),
+                r.services.join(","),
+            ]
+        })
+        .collect();
+    print_table(
+        &[
+            "ID",
+            "BACKEND",
+            "PROTO",
+            "CONNECTIONS",
+            "ACTIVE",
+            "SERVICES",
+        ],
+        &table,
+    );
+    Ok(())
+}
+
+/// One service id of `ebpf-proxy stats`.
+#[derive(Debug, Serialize)]
+pub struct StatsRow {
+    /// Service id.
+    pub service_id: u32,
+    /// Its name.
+    pub service: String,
+    /// Connections and new UDP flows translated.
+    pub connections: u64,
+    /// Refused or dropped for lack of (local) endpoints.
+    pub refused: u64,
+}
+
+/// `ebpf-proxy stats` as data: per-service counters and the per-reason data path counters.
+#[derive(Debug, Serialize)]
+pub struct Stats {
+    /// Per service id.
+    pub services: Vec<StatsRow>,
+    /// Per reason (`proxy_common::Counter` names), summed over CPUs.
+    pub reasons: std::collections::BTreeMap<&'static str, u64>,
+}
+
+/// Reads the counters of the pin directory `dir`.
+pub fn stats(dir: &Path, snap: &Snapshot) -> Result<Stats> {
+    let per = crate::datapath::maps::read_service_stats(dir)?;
+    let services = per
+        .iter()
+        .map(|(id, (c, r))| StatsRow {
+            service_id: *id,
+            service: snap.names.get(id).cloned().unwrap_or_else(|| "?".into()),
+            connections: *c,
+            refused: *r,
+        })
+        .collect();
+    let values = crate::datapath::maps::read_counters(dir)?;
+    let reasons = proxy_common::Counter::ALL
+        .iter()
+        .map(|(c, n)| (*n, values.get(*c as usize).copied().unwrap_or(0)))
+        .collect();
+    Ok(Stats { services, reasons })
+}
+
+/// Prints `ebpf-proxy stats`.
+pub fn print_stats(dir: &Path, maps: &PinnedMaps, json: bool) -> Result<()> {
+    let s = stats(dir, &maps.snapshot()?)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&s)?);
+        return Ok(());
+    }
+    let table: Vec<Vec<String>> = s
+        .services
+        .iter()
+        .map(|r| {
+            vec![
+                r.service.clone(),
+                r.service_id.to_string(),
+                r.connections.to_string(),
+                r.refused.to_string(),
+            ]
+        })
+        .collect();
+    print_table(&["SERVICE", "ID", "CONNECTIONS", "REFUSED"], &table);
+    println!();
+    let table: Vec<Vec<String>> = s
+        .reasons
+        .iter()
+        .map(|(n, v)| vec![n.to_string(), v.to_string()])
+        .collect();
+    print_table(&["REASON", "COUNT"], &table);
+    Ok(())
+}
+
+/// One socket-level translation of `ebpf-proxy conntrack`: a connected socket or an
+/// unconnected UDP flow.
+#[derive(Debug, Serialize)]
+pub struct ConntrackRow {
+    /// `connected` (TCP connection or connected UDP socket, from `REVNAT_SK`) or `udp-flow`
+    /// (from `UDP_FLOWS`).
+    pub kind: &'static str,
+    /// Socket cookie.
+    pub cookie: u64,
+    /// TCP or UDP.
+    pub protocol: &'static str,
+    /// Frontend address:port the socket addressed.
+    pub frontend: String,
+    /// Backend address:port it was translated to.
+    pub backend: String,
+    /// Service id name.
+    pub service: String,
+    /// Seconds since the flow's last datagram (UDP flows only).
+    pub idle_s: Option<f64>,
+    /// Whether the socket's endpoint left and its sends fail until it reconnects.
+    pub stale: bool,
+}
+
+/// The socket-level translations of the pin directory `dir` (the socket programs' equivalent
+/// of a conntrack table).
+pub fn conntrack_rows(dir: &Path, snap: &Snapshot) -> Result<Vec<ConntrackRow>> {
+    use proxy_common::{
+        REVNAT_F_CONNECTED, REVNAT_SK, RevNatKey, RevNatValue, STALE_SOCKETS, UDP_FLOWS, UdpFlow,
+        UdpFlowKey,
+    };
+    let open = |name: &str| -> Result<MapData> {
+        let path = dir.join(name);
+        MapData::from_pin(&path).with_context(|| format!("open {}", path.display()))
+    };
+    let stale: HashMap<MapData, u64, u32> =
+        HashMap::try_from(Map::LruHashMap(open(STALE_SOCKETS)?)).context("open STALE_SOCKETS")?;
+    let is_stale = |c: u64| stale.get(&c, 0).is_ok();
+    let name = |id: u32| snap.names.get(&id).cloned().unwrap_or_else(|| "?".into());
+    let mut rows = Vec::new();
+    let revnat: HashMap<MapData, RevNatKey, RevNatValue> =
+        HashMap::try_from(Map::LruHashMap(open(REVNAT_SK)?)).context("open REVNAT_SK")?;
+    for kv in revnat.iter() {
+        let (k, v) = kv.context("iterate REVNAT_SK")?;
+        if v.flags & REVNAT_F_CONNECTED == 0 {
+            continue;
+        }
+        rows.push(ConntrackRow {
+            kind: "connected",
+            cookie: k.cookie,
+            protocol: proto_name(v.proto),
+            frontend: to_socket_addr(v.addr, v.port).to_string(),
+            backend: to_socket_addr(k.addr, k.port).to_string(),
+            service: name(v.service_id),
+            idle_s: None,
+            stale: is_stale(k.cookie),
+        });
+    }
+    let now = monotonic_ns();
+    let flows: HashMap<MapData, UdpFlowKey, UdpFlow> =
+        HashMap::try_from(Map::LruHashMap(open(UDP_FLOWS)?)).context("open UDP_FLOWS")?;
+    for kv in flows.iter() {
+        let (k, f) = kv.context("iterate UDP_FLOWS")?;
+        let backend = snap
+            .backends
+            .get(&f.backend_id)
+            .map(|b| to_socket_addr(b.addr, b.port).to_string())
+            .unwrap_or_else(|| format!("<backend {} removed>", f.backend_id));
+        rows.push(ConntrackRow {
+            kind: "udp-flow",
+            cookie: k.cookie,
+            protocol: "UDP",
+            frontend: to_socket_addr(k.addr, k.port).to_string(),
+            backend,
+            service: name(f.service_id),
+            idle_s: Some(now.saturating_sub(f.last_seen_ns) as f64 / 1e9),
+            stale: false,
+        });
+    }
+    rows.sort_by(|a, b| (a.kind, a.cookie, &a.frontend).cmp(&(b.kind, b.cookie, &b.frontend)));
+    Ok(rows)
+}
+
+/// Prints `ebpf-proxy conntrack`.
+pub fn print_conntrack(dir: &Path, maps: &PinnedMaps, json: bool) -> Result<()> {
+    let rows = conntrack_rows(dir, &maps.snapshot()?)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(());
+    }
+    let table: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| {
+            vec![
+                r.kind.to_string(),
+                r.cookie.to_string(),
+                r.protocol.to_string(),
+                r.frontend.clone(),
+                r.backend.clone(),
+                r.idle_s
+                    .map(|s| format!("{s:.1}s"))
+                    .unwrap_or_else(|| "-".into()),
+                if r.stale { "stale" } else { "-" }.to_string(),
+                r.service.clone(),
+            ]
+        })
+        .collect();
+    print_table(
+        &[
+            "KIND", "COOKIE", "PROTO", "FRONTEND", "BACKEND", "IDLE", "STATE", "SERVICE",
+        ],
+        &table,
+    );
+    Ok(())
+}
+
+/// One endpoint in `ebpf-proxy explain`.
+#[derive(Debug, Serialize)]
+pub struct ExplainedEndpoint {
+    /// address:port.
+    pub endpoint: String,
+    /// Pod name (`targetRef.name`), "" when unknown.
+    pub pod: String,
+    /// Whether it is on this node.
+    pub local: bool,
+    /// Conditions.
+    pub ready: bool,
+    /// Conditions.
+    pub serving: bool,
+    /// Conditions.
+    pub terminating: bool,
+    /// Zone hints.
+    pub zone_hints: Vec<String>,
+    /// Whether this node's data path uses it for the frontend.
+    pub eligible: bool,
+    /// Why not, when not.
+    pub reason: Option<String>,
+}
+
+/// One matching frontend in `ebpf-proxy explain`.
+#[derive(Debug, Serialize)]
+pub struct ExplainedFrontend {
+    /// The frontend, as in `services`.
+    pub frontend: ServiceRow,
+    /// Connections and new flows translated through its service id.
+    pub connections: u64,
+    /// Refusals of its service id.
+    pub refused: u64,
+    /// Connections sent to each backend (all services together).
+    pub backend_connections: std::collections::BTreeMap<String, u64>,
+    /// The Service's endpoints for this port and family with their eligibility, when a
+    /// source (manifests or the API) was given.
+    pub endpoints: Option<Vec<ExplainedEndpoint>>,
+}
+
+/// `ebpf-proxy explain ADDR:PORT/PROTO` as data.
+#[derive(Debug, Serialize)]
+pub struct Explanation {
+    /// What was asked.
+    pub target: String,
+    /// The frontends of that address, port and protocol (one per scope).
+    pub frontends: Vec<ExplainedFrontend>,
+    /// What happens to a connection from this node, in words.
+    pub verdict: String,
+}
+
+/// Explains `addr`/`proto` from the pinned maps of `dir`, and with `source` (the objects
+/// and this node) also which endpoints are eligible and why the others are not.
+pub fn explain(
+    dir: &Path,
+    snap: &Snapshot,
+    addr: std::net::SocketAddr,
+    proto: u8,
+    source: Option<(&crate::source::ObjectSet, &crate::model::NodeInfo)>,
+) -> Result<Explanation> {
+    use crate::datapath::addr::{ip_to_bytes, port_to_map};
+    let stats = crate::datapath::maps::read_service_stats(dir).unwrap_or_default();
+    let bstats = crate::datapath::maps::read_backend_stats(dir).unwrap_or_default();
+    let key_addr = ip_to_bytes(addr.ip());
+    let key_port = port_to_map(addr.port());
+    let rows = service_rows(snap);
+    let mut frontends = Vec::new();
+    for (k, f) in &snap.frontends {
+        if k.addr != key_addr || k.port != key_port || k.proto != proto {
+            continue;
+        }
+        let Some(row) = rows
+            .iter()
+            .find(|r| r.service_id == f.service_id && r.frontend == addr.to_string())
+        else {
+            continue;
+        };
+        let row = ServiceRow {
+            service: row.service.clone(),
+            frontend: row.frontend.clone(),
+            protocol: row.protocol,
+            scope: row.scope,
+            service_id: row.service_id,
+            algorithm: row.algorithm,
+            affinity_timeout_s: row.affinity_timeout_s,
+            flags: row.flags.clone(),
+            backends: row.backends.clone(),
+        };
+        let backend_connections = snap
+            .slots
+            .iter()
+            .filter(|(sk, _)| sk.service_id == f.service_id)
+            .filter_map(|(_, bid)| {
+                let b = snap.backends.get(bid)?;
+                Some((
+                    to_socket_addr(b.addr, b.port).to_string(),
+                    bstats.get(bid).copied().unwrap_or(0),
+                ))
+            })
+            .collect();
+        let endpoints = source.and_then(|(objects, node)| {
+            let key = crate::sync::parse_service_name(snap.names.get(&f.service_id)?)?;
+            let eps = crate::model::endpoints_of(
+                objects,
+                node,
+                &key.namespace,
+                &key.name,
+                &key.port_name,
+                key.protocol,
+                key.family,
+            );
+            let zone = crate::model::zone_of(objects, &node.name);
+            let sets = crate::model::categorize(&eps, &node.name, &zone);
+            let local_only = f.flags & FRONTEND_F_LOCAL_ONLY != 0;
+            Some(
+                eps.iter()
+                    .map(|(a, e)| {
+                        let reason = crate::model::why_not(a, e, &sets, local_only, &zone);
+                        ExplainedEndpoint {
+                            endpoint: a.to_string(),
+                            pod: e.pod.clone(),
+                            local: e.local,
+                            ready: e.ready,
+                            serving: e.serving,
+                            terminating: e.terminating,
+                            zone_hints: e.zone_hints.iter().cloned().collect(),
+                            eligible: reason.is_none(),
+                            reason,
+                        }
+                    })
+                    .collect(),
+            )
+        });
+        let (connections, refused) = stats.get(&f.service_id).copied().unwrap_or((0, 0));
+        frontends.push(ExplainedFrontend {
+            frontend: row,
+            connections,
+            refused,
+            backend_connections,
+            endpoints,
+        });
+    }
+    let marker = snap
+        .frontends
+        .iter()
+        .any(|(k, f)| k.addr == key_addr && k.proto == 0 && f.flags & FRONTEND_F_VIP_MARKER != 0);
+    let node_scope = frontends.iter().find(|f| f.frontend.scope == "node");
+    let verdict = match node_scope {
+        Some(f) if !f.frontend.backends.is_empty() => format!(
+            "translated to one of {} backend(s) by {}{}",
+            f.frontend.backends.len(),
+            f.frontend.algorithm,
+            if f.frontend.affinity_timeout_s != 0 {
+                format!(
+                    " with ClientIP affinity ({} s)",
+                    f.frontend.affinity_timeout_s
+                )
+            } else {
+                String::new()
+            }
+        ),
+        Some(f) if f.frontend.flags.contains(&"local-only") => {
+            "fails with EHOSTUNREACH: Local traffic policy and no endpoint on this node".into()
+        }
+        Some(_) => "refused (ECONNREFUSED): the Service has no endpoints".into(),
+        None if marker => {
+            "refused (ECONNREFUSED): the cluster IP does not define this port and protocol".into()
+        }
+        None => "not a frontend: left alone by ebpf-proxy".into(),
+    };
+    Ok(Explanation {
+        target: format!("{addr}/{}", proto_name(proto)),
+        frontends,
+        verdict,
+    })
+}
+
+/// Prints an [`Explanation`].
+pub fn print_explanation(e: &Explanation, json: bool) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(e)?);
+        return Ok(());
+    }
+    println!("{}: {}", e.target, e.verdict);
+    for f in &e.frontends {
+        let r = &f.frontend;
+        println!();
+        println!(
+            "frontend {} {} (scope {}) -> {} [id {}]",
+            r.frontend, r.protocol, r.scope, r.service, r.service_id
+        );
+        println!(
+            "  algorithm {}, affinity {}, flags {}",
+            r.algorithm,
+            if r.affinity_timeout_s == 0 {
+                "none".to_string()
+            } else {
+                format!("ClientIP {} s", r.affinity_timeout_s)
+            },
+            if r.flags.is_empty() {
+                "-".to_string()
+            } else {
+                r.flags.join(",")
+            }
+        );
+        println!(
+            "  counters: {} connections, {} refused",
+            f.connections, f.refused
+        );
+        if f.backend_connections.is_empty() {
+            println!("  backends: none");
+        }
+        for (b, n) in &f.backend_connections {
+            println!("  backend {b}: {n} connections");
+        }
+        if let Some(eps) = &f.endpoints {
+            let table: Vec<Vec<String>> = eps
+                .iter()
+                .map(|x| {
+                    vec![
+                        x.endpoint.clone(),
+                        if x.pod.is_empty() {
+                            "-".into()
+                        } else {
+                            x.pod.clone()
+                        },
+                        if x.local { "this" } else { "other" }.to_string(),
+                        format!("{}/{}/{}", x.ready, x.serving, x.terminating),
+                        if x.zone_hints.is_empty() {
+                            "-".into()
+                        } else {
+                            x.zone_hints.join(",")
+                        },
+                        if x.eligible { "yes" } else { "no" }.to_string(),
+                        x.reason.clone().unwrap_or_default(),
+                    ]
+                })
+                .collect();
+            println!();
+            print_table(
+                &[
+                    "  ENDPOINT",
+                    "POD",
+                    "NODE",
+                    "READY/SERVING/TERM",
+                    "ZONE HINTS",
+                    "ELIGIBLE",
+                    "WHY NOT",
+                ],
+                &table
+                    .into_iter()
+                    .map(|mut r| {
+                        r[0] = format!("  {}", r[0]);
+                        r
+                    })
+                    .collect::<Vec<_>>(),
+            );
+        }
+    }
+    Ok(())
+}

@@ -46,6 +46,18 @@ enum Command {
     /// Print the frontends and their backends, read from the pinned maps (works while the
     /// agent is down).
     Services(ServicesArgs),
+    /// List the backends with the services using them and their connection counters.
+    Backends(ServicesArgs),
+    /// Print the per-service counters (connections, refusals) and the per-reason data path
+    /// counters.
+    Stats(ServicesArgs),
+    /// List the socket-level translations: connected sockets and unconnected UDP flows,
+    /// with idle time and staleness.
+    Conntrack(ServicesArgs),
+    /// Explain what happens to a connection from this node to ADDR:PORT[/PROTO]: matching
+    /// frontends, backends and counters; with --manifests or --api also every endpoint of
+    /// the Service and why it is or is not eligible (policy, zone, terminating).
+    Explain(ExplainArgs),
     /// List ClientIP session-affinity entries (service, client, backend, age, expiry), read
     /// from the pinned maps.
     Affinity(ServicesArgs),
@@ -189,6 +201,32 @@ struct CheckArgs {
 }
 
 #[derive(clap::Args, Debug)]
+struct ExplainArgs {
+    /// The destination, e.g. `10.96.0.10:53/UDP` (protocol TCP when left out).
+    target: String,
+    #[command(flatten)]
+    pins: PinArgs,
+    /// Output format.
+    #[arg(short = 'o', long, value_enum, default_value = "table")]
+    output: Output,
+    /// Read the Services, EndpointSlices and Nodes from this manifest directory to explain
+    /// endpoint eligibility.
+    #[arg(long, conflicts_with = "api")]
+    manifests: Option<PathBuf>,
+    /// Read them from the Kubernetes API (--kubeconfig, else $KUBECONFIG, ~/.kube/config or
+    /// the in-cluster service account).
+    #[arg(long)]
+    api: bool,
+    /// Kubeconfig for --api.
+    #[arg(long, requires = "api")]
+    kubeconfig: Option<PathBuf>,
+    /// This node's name, for Local policies and topology [default: $NODE_NAME, else the
+    /// hostname].
+    #[arg(long)]
+    hostname_override: Option<String>,
+}
+
+#[derive(clap::Args, Debug)]
 struct CleanupArgs {
     #[command(flatten)]
     pins: PinArgs,
@@ -325,6 +363,22 @@ fn main() -> ExitCode {
         Command::Affinity(args) => {
             restore_sigpipe();
             affinity(args)
+        }
+        Command::Backends(args) => {
+            restore_sigpipe();
+            inspect_with(args, proxy_userspace::inspect::print_backends)
+        }
+        Command::Stats(args) => {
+            restore_sigpipe();
+            inspect_with(args, proxy_userspace::inspect::print_stats)
+        }
+        Command::Conntrack(args) => {
+            restore_sigpipe();
+            inspect_with(args, proxy_userspace::inspect::print_conntrack)
+        }
+        Command::Explain(args) => {
+            restore_sigpipe();
+            explain(args)
         }
         Command::Cleanup(args) => {
             restore_sigpipe();
@@ -790,6 +844,103 @@ fn affinity(args: ServicesArgs) -> Result<()> {
     let dir = args.pins.dir()?;
     let maps = open_pins(&dir)?;
     proxy_userspace::inspect::print_affinity(&dir, &maps, args.output == Output::Json)
+}
+
+fn inspect_with(
+    args: ServicesArgs,
+    print: fn(&std::path::Path, &PinnedMaps, bool) -> Result<()>,
+) -> Result<()> {
+    let dir = args.pins.dir()?;
+    let maps = open_pins(&dir)?;
+    print(&dir, &maps, args.output == Output::Json)
+}
+
+/// Parses `ADDR:PORT[/PROTO]`.
+fn parse_target(s: &str) -> Result<(SocketAddr, u8)> {
+    let (addr, proto) = match s.rsplit_once('/') {
+        Some((a, p)) => (a, p),
+        None => (s, "TCP"),
+    };
+    let proto = match proto.to_ascii_uppercase().as_str() {
+        "TCP" => proxy_common::PROTO_TCP,
+        "UDP" => proxy_common::PROTO_UDP,
+        other => anyhow::bail!("protocol {other:?} is not TCP or UDP"),
+    };
+    let addr: SocketAddr = addr
+        .parse()
+        .with_context(|| format!("{addr:?} is not ADDR:PORT (IPv6 as [ADDR]:PORT)"))?;
+    Ok((addr, proto))
+}
+
+fn explain(args: ExplainArgs) -> Result<()> {
+    let (addr, proto) = parse_target(&args.target)?;
+    let dir = args.pins.dir()?;
+    let maps = open_pins(&dir)?;
+    let node = NodeInfo {
+        name: node_name(args.hostname_override.clone()),
+        ..Default::default()
+    };
+    let objects = if let Some(m) = &args.manifests {
+        let (objects, errors) = proxy_userspace::source::manifests::load_dir(m);
+        for e in errors {
+            eprintln!("warning: {e}");
+        }
+        Some(objects)
+    } else if args.api {
+        Some(list_from_api(args.kubeconfig.as_deref(), &node.name)?)
+    } else {
+        None
+    };
+    let e = proxy_userspace::inspect::explain(
+        &dir,
+        &maps.snapshot()?,
+        addr,
+        proto,
+        objects.as_ref().map(|o| (o, &node)),
+    )?;
+    proxy_userspace::inspect::print_explanation(&e, args.output == Output::Json)
+}
+
+/// One list of Services, EndpointSlices and this node's Node from the API.
+fn list_from_api(
+    kubeconfig: Option<&std::path::Path>,
+    node: &str,
+) -> Result<proxy_userspace::source::ObjectSet> {
+    use k8s_openapi::api::{core::v1::Node, core::v1::Service, discovery::v1::EndpointSlice};
+    use proxy_userspace::source::{Object, ObjectSet, Sourced};
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let config = match kubeconfig {
+            Some(kc) => {
+                let kc = kube::config::Kubeconfig::read_from(kc)
+                    .with_context(|| format!("read kubeconfig {}", kc.display()))?;
+                kube::Config::from_custom_kubeconfig(
+                    kc,
+                    &kube::config::KubeConfigOptions::default(),
+                )
+                .await?
+            }
+            None => kube::Config::infer().await?,
+        };
+        let client = kube::Client::try_from(config)?;
+        let lp = kube::api::ListParams::default();
+        let mut set = ObjectSet::default();
+        for s in kube::Api::<Service>::all(client.clone()).list(&lp).await? {
+            set.insert(Object::Service(Sourced::new("api", s)));
+        }
+        for s in kube::Api::<EndpointSlice>::all(client.clone())
+            .list(&lp)
+            .await?
+        {
+            set.insert(Object::EndpointSlice(Sourced::new("api", s)));
+        }
+        if let Some(n) = kube::Api::<Node>::all(client).get_opt(node).await? {
+            set.insert(Object::Node(Sourced::new("api", n)));
+        }
+        anyhow::Ok(set)
+    })
 }
 
 fn open_pins(dir: &std::path::Path) -> Result<PinnedMaps> {

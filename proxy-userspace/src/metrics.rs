@@ -66,17 +66,110 @@ impl Collector for DatapathCounters {
         let Ok(values) = read_counters(&self.pin_dir) else {
             return Ok(());
         };
-        let mut family = encoder.encode_descriptor(
+        {
+            let mut family = encoder.encode_descriptor(
             "ebpf_proxy_datapath_events",
             "Socket-level data path events by reason (translated, refused_no_endpoints, ...), summed over CPUs",
             None,
             prometheus_client::metrics::MetricType::Counter,
         )?;
-        for (c, name) in DpCounter::ALL {
-            let v = values.get(c as usize).copied().unwrap_or(0);
-            let labels = [("reason", name)];
+            for (c, name) in DpCounter::ALL {
+                let v = values.get(c as usize).copied().unwrap_or(0);
+                let labels = [("reason", name)];
+                let m = family.encode_family(&labels)?;
+                ConstCounter::new(v).encode(m)?;
+            }
+        }
+        self.encode_per_service(&mut encoder)
+    }
+}
+
+impl DatapathCounters {
+    /// Per service id and per backend counters, labelled from `SERVICE_NAMES` and
+    /// `BACKENDS`. One series per service id (Service port x protocol x family x scope) and
+    /// per backend (address x port x protocol): bounded by the map sizes.
+    fn encode_per_service(&self, encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        use crate::datapath::{
+            Datapath,
+            maps::{PinnedMaps, read_backend_stats, read_service_stats},
+        };
+        let Ok(maps) = PinnedMaps::open(&self.pin_dir) else {
+            return Ok(());
+        };
+        let (Ok(snap), Ok(svc), Ok(be)) = (
+            maps.snapshot(),
+            read_service_stats(&self.pin_dir),
+            read_backend_stats(&self.pin_dir),
+        ) else {
+            return Ok(());
+        };
+        let labels_of = |id: u32| -> Option<Vec<(&'static str, String)>> {
+            let k = crate::sync::parse_service_name(snap.names.get(&id)?)?;
+            Some(vec![
+                ("namespace", k.namespace),
+                ("service", k.name),
+                ("port", k.port_name),
+                ("protocol", k.protocol.as_str().to_string()),
+                ("family", k.family.as_str().to_string()),
+                (
+                    "scope",
+                    match k.scope {
+                        crate::model::Scope::Internal => "cluster-ip",
+                        crate::model::Scope::External => "external",
+                        crate::model::Scope::Ingress => "ingress",
+                    }
+                    .to_string(),
+                ),
+            ])
+        };
+        for (name, help, refused) in [
+            (
+                "ebpf_proxy_service_connections",
+                "New connections and UDP flows translated, per Service port, family and scope (socket-level data path), summed over CPUs",
+                false,
+            ),
+            (
+                "ebpf_proxy_service_refused",
+                "Connections and datagrams refused or dropped for lack of (local) endpoints, per Service port, family and scope",
+                true,
+            ),
+        ] {
+            let mut family = encoder.encode_descriptor(
+                name,
+                help,
+                None,
+                prometheus_client::metrics::MetricType::Counter,
+            )?;
+            for (id, (conns, refusals)) in &svc {
+                let Some(labels) = labels_of(*id) else {
+                    continue;
+                };
+                let m = family.encode_family(&labels)?;
+                ConstCounter::new(if refused { *refusals } else { *conns }).encode(m)?;
+            }
+        }
+        let mut family = encoder.encode_descriptor(
+            "ebpf_proxy_backend_connections",
+            "New connections and UDP flows sent to each backend (address:port, protocol), summed over CPUs",
+            None,
+            prometheus_client::metrics::MetricType::Counter,
+        )?;
+        for (id, n) in &be {
+            let Some(b) = snap.backends.get(id) else {
+                continue;
+            };
+            let labels = [
+                (
+                    "backend",
+                    crate::datapath::addr::to_socket_addr(b.addr, b.port).to_string(),
+                ),
+                (
+                    "protocol",
+                    crate::datapath::addr::proto_name(b.proto).to_string(),
+                ),
+            ];
             let m = family.encode_family(&labels)?;
-            ConstCounter::new(v).encode(m)?;
+            ConstCounter::new(*n).encode(m)?;
         }
         Ok(())
     }

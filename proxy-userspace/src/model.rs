@@ -761,6 +761,109 @@ fn node_addresses(
     ips
 }
 
+/// Every endpoint of one Service port and family as this node reads it (all slices merged,
+/// as [`build`] does), for `ebpf-proxy explain`; slice errors are dropped.
+pub fn endpoints_of(
+    objects: &ObjectSet,
+    node: &NodeInfo,
+    namespace: &str,
+    service: &str,
+    port_name: &str,
+    protocol: Protocol,
+    family: Family,
+) -> PortEndpoints {
+    let mut set = PortEndpoints::new();
+    for ((ns, _), slice) in &objects.endpoint_slices {
+        let label = slice
+            .object
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(SERVICE_NAME_LABEL));
+        if ns != namespace || label.map(String::as_str) != Some(service) {
+            continue;
+        }
+        let Some(info) = read_slice(slice, &mut Vec::new()) else {
+            continue;
+        };
+        if info.family != family {
+            continue;
+        }
+        for (pn, proto, port) in &info.ports {
+            if pn != port_name || *proto != protocol {
+                continue;
+            }
+            for (ip, raw) in &info.endpoints {
+                let local = raw.node_name.as_deref() == Some(node.name.as_str());
+                let addr = SocketAddr::new(*ip, *port);
+                if set.contains_key(&addr) && !local {
+                    continue;
+                }
+                set.insert(
+                    addr,
+                    EndpointInfo {
+                        ready: raw.ready,
+                        serving: raw.serving,
+                        terminating: raw.terminating,
+                        local,
+                        zone_hints: raw.zone_hints.clone(),
+                        node_hints: raw.node_hints.clone(),
+                        pod: raw.pod.clone(),
+                    },
+                );
+            }
+        }
+    }
+    set
+}
+
+/// The zone label of node `name` in `objects`, "" when unknown.
+pub fn zone_of(objects: &ObjectSet, name: &str) -> String {
+    objects
+        .nodes
+        .get(name)
+        .and_then(|n| n.object.metadata.labels.as_ref())
+        .and_then(|l| l.get(ZONE_LABEL))
+        .cloned()
+        .unwrap_or_default()
+}
+
+/// Why endpoint `addr` is not in a backend set built from `sets` (`local_only`: the set is
+/// the Local one), or `None` when it is used. The reasons are the rules of [`categorize`].
+pub fn why_not(
+    addr: &SocketAddr,
+    e: &EndpointInfo,
+    sets: &EndpointSets,
+    local_only: bool,
+    zone: &str,
+) -> Option<String> {
+    let used = if local_only {
+        sets.local.contains(addr)
+    } else {
+        sets.cluster.contains(addr)
+    };
+    if used {
+        return None;
+    }
+    Some(if !(e.ready || e.serving && e.terminating) {
+        if e.terminating {
+            "terminating and not serving".to_string()
+        } else {
+            "not ready".to_string()
+        }
+    } else if !e.ready {
+        "terminating (ready endpoints are preferred)".to_string()
+    } else if local_only && !e.local {
+        "on another node (Local traffic policy)".to_string()
+    } else if sets.topology == "PreferSameNode" {
+        "not hinted for this node (topology hints)".to_string()
+    } else if sets.topology == "PreferSameZone" {
+        format!("not hinted for zone {zone:?} (topology hints)")
+    } else {
+        "not selected".to_string()
+    })
+}
+
 /// The endpoint sets of one Service port for this node (pkg/proxy `CategorizeEndpoints`).
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct EndpointSets {

@@ -17,8 +17,8 @@ use aya::{
     },
 };
 use proxy_common::{
-    AFFINITY, ALL_MAPS, BACKEND_SLOTS, BACKENDS, FRONTENDS, LC_COUNTS, LC_SOCKETS, MEMBERS,
-    REVNAT_SK, RR_CURSORS, SERVICE_NAMES, STALE_SOCKETS, UDP_FLOWS,
+    AFFINITY, ALL_MAPS, BACKEND_SLOTS, BACKEND_STATS, BACKENDS, FRONTENDS, LC_COUNTS, LC_SOCKETS,
+    MEMBERS, REVNAT_SK, RR_CURSORS, SERVICE_NAMES, SERVICE_STATS, STALE_SOCKETS, UDP_FLOWS,
 };
 
 /// The eBPF object embedded at build time (see `build.rs`); empty when the binary was built
@@ -246,7 +246,9 @@ fn object_loader(sizes: MapSizes) -> EbpfLoader<'static> {
         .map_max_entries(AFFINITY, sizes.sockets)
         .map_max_entries(MEMBERS, sizes.slots)
         .map_max_entries(LC_COUNTS, sizes.backends)
-        .map_max_entries(RR_CURSORS, sizes.frontends);
+        .map_max_entries(RR_CURSORS, sizes.frontends)
+        .map_max_entries(SERVICE_STATS, sizes.frontends)
+        .map_max_entries(BACKEND_STATS, sizes.backends);
     loader
 }
 

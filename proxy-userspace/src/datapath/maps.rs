@@ -5,10 +5,10 @@ use std::path::{Path, PathBuf};
 
 use aya::maps::{Array, HashMap, Map, MapData, MapError, MapInfo, PerCpuArray};
 use proxy_common::{
-    BACKEND_SLOTS, BACKENDS, Backend, BackendSlotKey, CONFIG, COUNTERS, Config, FRONTENDS,
-    Frontend, FrontendKey, MAGLEV, MAGLEV_MAX, MEMBERS, MaglevTable, MemberKey, PROTO_UDP,
-    REVNAT_F_CONNECTED, REVNAT_SK, RevNatKey, RevNatValue, SERVICE_NAMES, STALE_SOCKETS,
-    ServiceName, UDP_FLOWS, UdpFlow, UdpFlowKey,
+    BACKEND_SLOTS, BACKEND_STATS, BACKENDS, Backend, BackendSlotKey, CONFIG, COUNTERS, Config,
+    FRONTENDS, Frontend, FrontendKey, MAGLEV, MAGLEV_MAX, MEMBERS, MaglevTable, MemberKey,
+    PROTO_UDP, REVNAT_F_CONNECTED, REVNAT_SK, RevNatKey, RevNatValue, SERVICE_NAMES, SERVICE_STATS,
+    STALE_SOCKETS, ServiceName, ServiceStats, UDP_FLOWS, UdpFlow, UdpFlowKey,
 };
 
 use super::{Capacity, Datapath, DatapathError, Snapshot, decode_name, encode_name};
@@ -107,6 +107,41 @@ pub fn read_counters(dir: &Path) -> Result<Vec<u64>, DatapathError> {
     for i in 0..a.len() {
         let v = a.get(&i, 0).map_err(|e| map_err("lookup", COUNTERS, e))?;
         out.push(v.iter().sum());
+    }
+    Ok(out)
+}
+
+/// Per-service counters of the `SERVICE_STATS` map pinned under `dir`, summed over CPUs:
+/// service id -> (connections and new flows translated, refused or dropped).
+pub fn read_service_stats(
+    dir: &Path,
+) -> Result<std::collections::BTreeMap<u32, (u64, u64)>, DatapathError> {
+    let (map, _) = open_map(dir, SERVICE_STATS)?;
+    let m: aya::maps::PerCpuHashMap<MapData, u32, ServiceStats> =
+        aya::maps::PerCpuHashMap::try_from(map).map_err(|e| map_err("open", SERVICE_STATS, e))?;
+    let mut out = std::collections::BTreeMap::new();
+    for kv in m.iter() {
+        let (k, v) = kv.map_err(|e| map_err("iterate", SERVICE_STATS, e))?;
+        let sum = v
+            .iter()
+            .fold((0, 0), |(c, r), s| (c + s.connections, r + s.refused));
+        out.insert(k, sum);
+    }
+    Ok(out)
+}
+
+/// Per-backend connection counts of the `BACKEND_STATS` map pinned under `dir`, summed over
+/// CPUs: backend id -> connections and new flows sent to it.
+pub fn read_backend_stats(
+    dir: &Path,
+) -> Result<std::collections::BTreeMap<u32, u64>, DatapathError> {
+    let (map, _) = open_map(dir, BACKEND_STATS)?;
+    let m: aya::maps::PerCpuHashMap<MapData, u32, u64> =
+        aya::maps::PerCpuHashMap::try_from(map).map_err(|e| map_err("open", BACKEND_STATS, e))?;
+    let mut out = std::collections::BTreeMap::new();
+    for kv in m.iter() {
+        let (k, v) = kv.map_err(|e| map_err("iterate", BACKEND_STATS, e))?;
+        out.insert(k, v.iter().sum());
     }
     Ok(out)
 }
