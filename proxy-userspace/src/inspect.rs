@@ -44,6 +44,27 @@ pub fn print_table(header: &[&str], rows: &[Vec<String>]) {
     }
 }
 
+/// Prints `rows` as pretty JSON, or as a table of `cells(row)` under `header`.
+fn print_rows<R: Serialize>(
+    rows: &[R],
+    json: bool,
+    header: &[&str],
+    cells: impl Fn(&R) -> Vec<String>,
+) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(rows)?);
+        return Ok(());
+    }
+    let table: Vec<Vec<String>> = rows.iter().map(cells).collect();
+    print_table(header, &table);
+    Ok(())
+}
+
+/// "-" for an empty string.
+fn or_dash(s: String) -> String {
+    if s.is_empty() { "-".into() } else { s }
+}
+
 /// One frontend of `ebpf-proxy services`.
 #[derive(Debug, Serialize)]
 pub struct ServiceRow {
@@ -120,53 +141,38 @@ pub fn service_rows(snap: &Snapshot) -> Vec<ServiceRow> {
 /// Prints `ebpf-proxy services`.
 pub fn print_services(maps: &PinnedMaps, json: bool) -> Result<()> {
     let rows = service_rows(&maps.snapshot()?);
-    if json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
-        return Ok(());
-    }
-    let table: Vec<Vec<String>> = rows
-        .iter()
-        .map(|r| {
-            vec![
-                r.service.clone(),
-                r.frontend.clone(),
-                r.protocol.to_string(),
-                r.scope.to_string(),
-                r.service_id.to_string(),
-                r.algorithm.to_string(),
-                if r.affinity_timeout_s == 0 {
-                    "-".into()
-                } else {
-                    format!("ClientIP/{}s", r.affinity_timeout_s)
-                },
-                if r.flags.is_empty() {
-                    "-".into()
-                } else {
-                    r.flags.join(",")
-                },
-                if r.backends.is_empty() {
-                    "<none>".to_string()
-                } else {
-                    r.backends.join(",")
-                },
-            ]
-        })
-        .collect();
-    print_table(
-        &[
-            "SERVICE",
-            "FRONTEND",
-            "PROTO",
-            "SCOPE",
-            "ID",
-            "ALGORITHM",
-            "AFFINITY",
-            "FLAGS",
-            "BACKENDS",
-        ],
-        &table,
-    );
-    Ok(())
+    let header = [
+        "SERVICE",
+        "FRONTEND",
+        "PROTO",
+        "SCOPE",
+        "ID",
+        "ALGORITHM",
+        "AFFINITY",
+        "FLAGS",
+        "BACKENDS",
+    ];
+    print_rows(&rows, json, &header, |r| {
+        vec![
+            r.service.clone(),
+            r.frontend.clone(),
+            r.protocol.to_string(),
+            r.scope.to_string(),
+            r.service_id.to_string(),
+            r.algorithm.to_string(),
+            if r.affinity_timeout_s == 0 {
+                "-".into()
+            } else {
+                format!("ClientIP/{}s", r.affinity_timeout_s)
+            },
+            or_dash(r.flags.join(",")),
+            if r.backends.is_empty() {
+                "<none>".to_string()
+            } else {
+                r.backends.join(",")
+            },
+        ]
+    })
 }
 
 /// One entry of `ebpf-proxy affinity`.
@@ -241,35 +247,20 @@ pub fn affinity_rows(dir: &Path, snap: &Snapshot) -> Result<Vec<AffinityRow>> {
 /// Prints `ebpf-proxy affinity`.
 pub fn print_affinity(dir: &Path, maps: &PinnedMaps, json: bool) -> Result<()> {
     let rows = affinity_rows(dir, &maps.snapshot()?)?;
-    if json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
-        return Ok(());
-    }
-    let table: Vec<Vec<String>> = rows
-        .iter()
-        .map(|r| {
-            vec![
-                r.service.clone(),
-                r.client.clone(),
-                r.backend.clone(),
-                format!("{:.1}s", r.age_s),
-                r.expires_in_s
-                    .map(|e| {
-                        if e > 0.0 {
-                            format!("{e:.1}s")
-                        } else {
-                            "expired".into()
-                        }
-                    })
-                    .unwrap_or_else(|| "-".into()),
-            ]
-        })
-        .collect();
-    print_table(
-        &["SERVICE", "CLIENT", "BACKEND", "AGE", "EXPIRES IN"],
-        &table,
-    );
-    Ok(())
+    let header = ["SERVICE", "CLIENT", "BACKEND", "AGE", "EXPIRES IN"];
+    print_rows(&rows, json, &header, |r| {
+        vec![
+            r.service.clone(),
+            r.client.clone(),
+            r.backend.clone(),
+            format!("{:.1}s", r.age_s),
+            match r.expires_in_s {
+                Some(e) if e > 0.0 => format!("{e:.1}s"),
+                Some(_) => "expired".into(),
+                None => "-".into(),
+            },
+        ]
+    })
 }
 
 /// One backend of `ebpf-proxy backends`.
@@ -334,35 +325,24 @@ fn read_u32_map(dir: &Path, name: &str) -> Result<std::collections::BTreeMap<u32
 /// Prints `ebpf-proxy backends`.
 pub fn print_backends(dir: &Path, maps: &PinnedMaps, json: bool) -> Result<()> {
     let rows = backend_rows(dir, &maps.snapshot()?)?;
-    if json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
-        return Ok(());
-    }
-    let table: Vec<Vec<String>> = rows
-        .iter()
-        .map(|r| {
-            vec![
-                r.id.to_string(),
-                r.backend.clone(),
-                r.protocol.to_string(),
-                r.connections.to_string(),
-                r.active.to_string(),
-                r.services.join(","),
-            ]
-        })
-        .collect();
-    print_table(
-        &[
-            "ID",
-            "BACKEND",
-            "PROTO",
-            "CONNECTIONS",
-            "ACTIVE",
-            "SERVICES",
-        ],
-        &table,
-    );
-    Ok(())
+    let header = [
+        "ID",
+        "BACKEND",
+        "PROTO",
+        "CONNECTIONS",
+        "ACTIVE",
+        "SERVICES",
+    ];
+    print_rows(&rows, json, &header, |r| {
+        vec![
+            r.id.to_string(),
+            r.backend.clone(),
+            r.protocol.to_string(),
+            r.connections.to_string(),
+            r.active.to_string(),
+            or_dash(r.services.join(",")),
+        ]
+    })
 }
 
 /// One service id of `ebpf-proxy stats`.
@@ -522,34 +502,23 @@ pub fn conntrack_rows(dir: &Path, snap: &Snapshot) -> Result<Vec<ConntrackRow>> 
 /// Prints `ebpf-proxy conntrack`.
 pub fn print_conntrack(dir: &Path, maps: &PinnedMaps, json: bool) -> Result<()> {
     let rows = conntrack_rows(dir, &maps.snapshot()?)?;
-    if json {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
-        return Ok(());
-    }
-    let table: Vec<Vec<String>> = rows
-        .iter()
-        .map(|r| {
-            vec![
-                r.kind.to_string(),
-                r.cookie.to_string(),
-                r.protocol.to_string(),
-                r.frontend.clone(),
-                r.backend.clone(),
-                r.idle_s
-                    .map(|s| format!("{s:.1}s"))
-                    .unwrap_or_else(|| "-".into()),
-                if r.stale { "stale" } else { "-" }.to_string(),
-                r.service.clone(),
-            ]
-        })
-        .collect();
-    print_table(
-        &[
-            "KIND", "COOKIE", "PROTO", "FRONTEND", "BACKEND", "IDLE", "STATE", "SERVICE",
-        ],
-        &table,
-    );
-    Ok(())
+    let header = [
+        "KIND", "COOKIE", "PROTO", "FRONTEND", "BACKEND", "IDLE", "STATE", "SERVICE",
+    ];
+    print_rows(&rows, json, &header, |r| {
+        vec![
+            r.kind.to_string(),
+            r.cookie.to_string(),
+            r.protocol.to_string(),
+            r.frontend.clone(),
+            r.backend.clone(),
+            r.idle_s
+                .map(|s| format!("{s:.1}s"))
+                .unwrap_or_else(|| "-".into()),
+            if r.stale { "stale" } else { "-" }.to_string(),
+            r.service.clone(),
+        ]
+    })
 }
 
 /// One endpoint in `ebpf-proxy explain`.

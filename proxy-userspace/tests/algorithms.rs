@@ -179,18 +179,9 @@ fn holder(env: &Env, hold: Duration) -> Held {
 struct Held(proxy_userspace::testbed::ChildGuard);
 
 impl Held {
-    fn name(mut self) -> String {
-        use std::io::Read;
-        let mut text = String::new();
-        let child = self.0.child_mut();
-        child
-            .stdout
-            .take()
-            .unwrap()
-            .read_to_string(&mut text)
-            .unwrap();
-        let _ = child.wait();
-        let v: Probe = serde_json::from_str(text.trim()).unwrap();
+    fn name(self) -> String {
+        let lines = finish_probe(self.0);
+        let v = &lines[0];
         assert_eq!(v["ok"], true, "{v}");
         v["name"].as_str().unwrap().to_string()
     }

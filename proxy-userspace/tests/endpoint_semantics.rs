@@ -351,20 +351,8 @@ fn udp_stream(env: &Env, cg: &Path, to: &str, count: u32, extra: &[&str]) -> Chi
 struct ChildGuardOut(proxy_userspace::testbed::ChildGuard);
 
 impl ChildGuardOut {
-    fn lines(mut self) -> Vec<Probe> {
-        use std::io::Read;
-        let mut text = String::new();
-        let child = self.0.child_mut();
-        child
-            .stdout
-            .take()
-            .unwrap()
-            .read_to_string(&mut text)
-            .unwrap();
-        let _ = child.wait();
-        text.lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect()
+    fn lines(self) -> Vec<Probe> {
+        finish_probe(self.0)
     }
 }
 

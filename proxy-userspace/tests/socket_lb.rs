@@ -569,7 +569,11 @@ fn open_connection_survives_agent_restart_and_data_path_works_while_agent_is_dow
     let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(text.matches("connect4").count(), 1, "{text}");
     assert_eq!(text.matches("sock_egress").count(), 1, "{text}");
-    assert_eq!(text.matches("cgroup_inet_sock_release").count(), 1, "{text}");
+    assert_eq!(
+        text.matches("cgroup_inet_sock_release").count(),
+        1,
+        "{text}"
+    );
     assert_eq!(text.lines().count(), 11, "header + 10 programs: {text}");
 }
 

@@ -242,21 +242,7 @@ impl Env {
 
     /// Waits (at most 10 s) until the pinned maps satisfy `f`; returns how long it took.
     pub fn wait_maps(&self, f: impl Fn(&Snapshot) -> bool, what: &str) -> Duration {
-        let start = Instant::now();
-        while start.elapsed() < Duration::from_secs(10) {
-            // The maps may not exist yet while the agent starts.
-            let snap = PinnedMaps::open(&self.pin_path())
-                .ok()
-                .and_then(|m| m.snapshot().ok());
-            if snap.is_some_and(|s| f(&s)) {
-                return start.elapsed();
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        panic!(
-            "timed out waiting for the data path: {what}; agent log:\n{}",
-            self.log()
-        );
+        wait_pinned(&self.pin_path(), f, what, || self.log())
     }
 
     /// Runs netprobe in the client pod, inside the test cgroup; returns its JSON lines.
@@ -315,17 +301,7 @@ impl OtherNode {
 
     /// Waits (at most 10 s) until this node's pinned maps satisfy `f`.
     pub fn wait_maps(&self, f: impl Fn(&Snapshot) -> bool, what: &str) -> Duration {
-        let start = Instant::now();
-        while start.elapsed() < Duration::from_secs(10) {
-            let snap = PinnedMaps::open(&self.pin_path())
-                .ok()
-                .and_then(|m| m.snapshot().ok());
-            if snap.is_some_and(|s| f(&s)) {
-                return start.elapsed();
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        panic!("timed out waiting for {what}; agent log:\n{}", self.log());
+        wait_pinned(&self.pin_path(), f, what, || self.log())
     }
 }
 
@@ -419,6 +395,48 @@ impl Drop for Env {
         let _ = loader::cleanup(&self.pin_path());
         let _ = fs::remove_file(&self.agent_log);
     }
+}
+
+/// Waits for a netprobe started with piped stdout to end and returns its JSON lines.
+pub fn finish_probe(mut guard: ChildGuard) -> Vec<Probe> {
+    use std::io::Read;
+    let mut text = String::new();
+    let child = guard.child_mut();
+    child
+        .stdout
+        .take()
+        .expect("stdout piped")
+        .read_to_string(&mut text)
+        .unwrap();
+    let _ = child.wait();
+    text.lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad netprobe line {l:?}: {e}")))
+        .collect()
+}
+
+/// Waits (at most 10 s) until the maps pinned at `pin_path` satisfy `f`; returns how long it
+/// took. `log` gives the agent log for the failure message.
+pub fn wait_pinned(
+    pin_path: &Path,
+    f: impl Fn(&Snapshot) -> bool,
+    what: &str,
+    log: impl Fn() -> String,
+) -> Duration {
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(10) {
+        // The maps may not exist yet while the agent starts.
+        let snap = PinnedMaps::open(pin_path)
+            .ok()
+            .and_then(|m| m.snapshot().ok());
+        if snap.is_some_and(|s| f(&s)) {
+            return start.elapsed();
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    panic!(
+        "timed out waiting for the data path: {what}; agent log:\n{}",
+        log()
+    );
 }
 
 /// Counts of answering backends by name; panics on a failed probe.
