@@ -71,7 +71,7 @@ pub const ALL_MAPS: [&str; 17] = [
     STALE_SOCKETS,
     RR_CURSORS,
     LC_COUNTS,
-    LC_SOCKETS,
+    SOCKETS,
     AFFINITY,
     CONFIG,
     COUNTERS,
@@ -222,14 +222,19 @@ pub const RR_CURSORS: &str = "RR_CURSORS";
 /// (BPF_MAP_TYPE_HASH), maintained by the data path: +1 when a connection is translated to
 /// the backend, -1 when its socket is released.
 pub const LC_COUNTS: &str = "LC_COUNTS";
-/// Name of the map of counted sockets: socket cookie `u64` -> backend id `u32`
-/// (BPF_MAP_TYPE_LRU_HASH), so the release of a socket decrements the right counter.
-pub const LC_SOCKETS: &str = "LC_SOCKETS";
+/// Name of the map of connected sockets: socket cookie `u64` -> backend id `u32`, with
+/// [`SOCKET_F_COUNTED`] set when the connection is counted in [`LC_COUNTS`]
+/// (BPF_MAP_TYPE_LRU_HASH). Written by `connect()` translations; the socket's release
+/// removes its reverse-NAT entry and gives back its least-connections count.
+pub const SOCKETS: &str = "SOCKETS";
+/// [`SOCKETS`] value bit: the connection is counted in [`LC_COUNTS`] (backend ids stay
+/// below it).
+pub const SOCKET_F_COUNTED: u32 = 1 << 31;
 /// Name of the session-affinity map: [`AffinityKey`] -> [`AffinityValue`]
 /// (BPF_MAP_TYPE_LRU_HASH).
 pub const AFFINITY: &str = "AFFINITY";
-/// Name of the membership map: [`MemberKey`] (service id, backend id) -> slot `u32` of one of
-/// the backend's slots (BPF_MAP_TYPE_HASH). Affinity only returns a client to a backend that
+/// Name of the membership map: [`MemberKey`] (service id, backend id) -> `1`
+/// (BPF_MAP_TYPE_HASH, not preallocated). Affinity only returns a client to a backend that
 /// is still a member of the frontend's backend set (not removed, not ready, not
 /// terminating).
 pub const MEMBERS: &str = "MEMBERS";

@@ -4,12 +4,12 @@ use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns};
 use proxy_common::{
     AffinityKey, AffinityValue, Algorithm, Backend, BackendSlotKey, Counter,
     FRONTEND_F_VIP_MARKER, Frontend, FrontendKey, LC_SCAN_MAX, MAGLEV_MAX, MemberKey,
-    ServiceStats,
+    RevNatKey, SOCKET_F_COUNTED, ServiceStats,
 };
 
 use crate::maps::{
-    AFFINITY, BACKEND_SLOTS, BACKEND_STATS, BACKENDS, COUNTERS, FRONTENDS, LC_COUNTS,
-    LC_SOCKETS, MAGLEV, MEMBERS, RR_CURSORS, SERVICE_STATS,
+    AFFINITY, BACKEND_SLOTS, BACKEND_STATS, BACKENDS, COUNTERS, FRONTENDS, LC_COUNTS, MAGLEV,
+    MEMBERS, REVNAT_SK, RR_CURSORS, SERVICE_STATS, SOCKETS,
 };
 
 /// Result of looking up a destination.
@@ -319,12 +319,17 @@ fn least_connections(fe: &Frontend) -> u32 {
     best_id
 }
 
-/// Counts a new connection of a socket (`cookie`) to backend `id` for least-connections;
-/// the socket's release takes it back ([`release_connection`]).
+/// Records the connect()-translated socket `cookie` -> backend `id`, counting the
+/// connection for least-connections when `counted`; the socket's release undoes both
+/// ([`release_socket`]).
 #[inline(always)]
-pub fn track_connection(cookie: u64, id: u32) {
-    if LC_SOCKETS.insert(cookie, id, 0).is_err() {
+pub fn track_socket(cookie: u64, id: u32, counted: bool) {
+    let v = if counted { id | SOCKET_F_COUNTED } else { id };
+    if SOCKETS.insert(cookie, v, 0).is_err() {
         count(Counter::MapUpdateFailed);
+        return;
+    }
+    if !counted {
         return;
     }
     match LC_COUNTS.get_ptr_mut(id) {
@@ -352,17 +357,30 @@ fn atomic_add(p: *mut u32, v: u32) {
     }
 }
 
-/// Takes back the connection a released socket counted, if any.
+/// Forgets a released socket: removes its reverse-NAT entry (so inspection lists only live
+/// sockets) and gives back its least-connections count, if any.
 #[inline(always)]
-pub fn release_connection(cookie: u64) {
+pub fn release_socket(cookie: u64) {
     // SAFETY: copied out at once.
-    let Some(id) = (unsafe { LC_SOCKETS.get(cookie).copied() }) else {
+    let Some(v) = (unsafe { SOCKETS.get(cookie).copied() }) else {
         return;
     };
-    let _ = LC_SOCKETS.remove(cookie);
-    if let Some(p) = LC_COUNTS.get_ptr_mut(id) {
-        // Adding u32::MAX is subtracting one (wrapping), the inverse of `track_connection`.
+    let _ = SOCKETS.remove(cookie);
+    let id = v & !SOCKET_F_COUNTED;
+    if v & SOCKET_F_COUNTED != 0
+        && let Some(p) = LC_COUNTS.get_ptr_mut(id)
+    {
+        // Adding u32::MAX is subtracting one (wrapping), the inverse of `track_socket`.
         atomic_add(p, u32::MAX);
+    }
+    if let Some(b) = backend(id) {
+        let key = RevNatKey {
+            cookie,
+            addr: b.addr,
+            port: b.port,
+            _pad: [0; 6],
+        };
+        let _ = REVNAT_SK.remove(key);
     }
 }
 

@@ -57,9 +57,15 @@ pub static COUNTERS: PerCpuArray<u64, { COUNTER_MAX as usize }> = PerCpuArray::n
 pub static SERVICE_NAMES: HashMap<u32, ServiceName, { DEFAULT_MAX_FRONTENDS as usize }> =
     HashMap::new();
 
-/// (service id, backend id) -> a slot of the backend; see `proxy_common::MEMBERS`.
+/// (service id, backend id) -> present; see `proxy_common::MEMBERS`. Not preallocated (its
+/// size follows the slots actually used).
 #[btf_map]
-pub static MEMBERS: HashMap<MemberKey, u32, { DEFAULT_MAX_SLOTS as usize }> = HashMap::new();
+pub static MEMBERS: HashMap<
+    MemberKey,
+    u32,
+    { DEFAULT_MAX_SLOTS as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
 
 /// service id -> Maglev table; see `proxy_common::MAGLEV`. Not preallocated: a table is
 /// 256 KiB and only hashing services have one.
@@ -73,16 +79,25 @@ pub static MAGLEV: HashMap<
 
 /// Per-CPU round-robin cursors by service id; see `proxy_common::RR_CURSORS`.
 #[btf_map]
-pub static RR_CURSORS: PerCpuHashMap<u32, u32, { DEFAULT_MAX_FRONTENDS as usize }> =
-    PerCpuHashMap::new();
+pub static RR_CURSORS: PerCpuHashMap<
+    u32,
+    u32,
+    { DEFAULT_MAX_FRONTENDS as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = PerCpuHashMap::new();
 
 /// Active connections by backend id; see `proxy_common::LC_COUNTS`.
 #[btf_map]
-pub static LC_COUNTS: HashMap<u32, u32, { DEFAULT_MAX_BACKENDS as usize }> = HashMap::new();
+pub static LC_COUNTS: HashMap<
+    u32,
+    u32,
+    { DEFAULT_MAX_BACKENDS as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
 
-/// Counted sockets: cookie -> backend id; see `proxy_common::LC_SOCKETS`.
+/// Connected sockets: cookie -> backend id (| counted bit); see `proxy_common::SOCKETS`.
 #[btf_map]
-pub static LC_SOCKETS: LruHashMap<u64, u32, { DEFAULT_MAX_SOCKETS as usize }> =
+pub static SOCKETS: LruHashMap<u64, u32, { DEFAULT_MAX_SOCKETS as usize }> =
     LruHashMap::new();
 
 /// ClientIP session affinity; see `proxy_common::AFFINITY`.

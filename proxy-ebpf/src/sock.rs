@@ -27,8 +27,8 @@ use proxy_common::{
 
 use crate::{
     lb::{
-        Client, Lookup, Request, backend, count, count_service, lookup, release_connection,
-        select, track_connection,
+        Client, Lookup, Request, backend, count, count_service, lookup, release_socket, select,
+        track_socket,
     },
     maps::{CONFIG, REVNAT_SK, STALE_SOCKETS, UDP_FLOWS},
 };
@@ -40,12 +40,12 @@ const ALLOW: i32 = 1;
 /// Verdict "fail the syscall" (with the errno set by `bpf_set_retval`).
 const DENY: i32 = 0;
 
-/// Gives back the least-connections count of a released socket.
+/// Forgets a released socket: its reverse-NAT entry and least-connections count.
 #[cgroup_sock(sock_release)]
 pub fn sock_release(ctx: SockContext) -> i32 {
     // SAFETY: helper on our own context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    release_connection(cookie);
+    release_socket(cookie);
     // sock_release programs must return 1.
     1
 }
@@ -188,7 +188,17 @@ fn client_of<const V6: bool>(ctx: &SockAddrContext, out: &mut Client) {
         // SAFETY: helper on our own context.
         None => client_of_netns(unsafe { bpf_get_netns_cookie(ctx.as_ptr()) }),
     };
-    out.port = [0; 2];
+    // The client port for `maglev` hashing: the bound source port, else (the usual
+    // unbound socket, whose port is chosen later) a per-socket value, so one client's
+    // connections spread over backends the way distinct source ports would.
+    // SAFETY: as above.
+    let bound_port = unsafe { (*(*sa).__bindgen_anon_1.sk).src_port } as u16;
+    out.port = if bound_port != 0 {
+        bound_port.to_be_bytes()
+    } else {
+        // SAFETY: helper on our own context.
+        (unsafe { bpf_get_socket_cookie(ctx.as_ptr()) } as u16).to_ne_bytes()
+    };
 }
 
 #[inline(always)]
@@ -258,9 +268,11 @@ fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
     }
     remember(cookie, &b, &req, REVNAT_F_CONNECTED, fe.service_id);
     count_service(fe.service_id, id, 0);
-    if fe.algorithm == Algorithm::LeastConnections as u8 {
-        track_connection(cookie, id);
-    }
+    track_socket(
+        cookie,
+        id,
+        fe.algorithm == Algorithm::LeastConnections as u8,
+    );
     count(Counter::Translated);
     ALLOW
 }

@@ -79,8 +79,7 @@ pub struct CheckResult {
     pub status: Status,
     /// What was found.
     pub detail: String,
-    /// What to do about it (set when the status is not `ok`).
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// What to do about it (set when the status is not `ok`; `null` in JSON otherwise).
     pub remedy: Option<String>,
 }
 
@@ -742,7 +741,7 @@ mod tests {
         assert!(!failed(&rows[..1]));
         let json = serde_json::to_value(&rows).unwrap();
         assert_eq!(json[1]["status"], "fail");
-        assert_eq!(json[0].get("remedy"), None);
+        assert_eq!(json[0]["remedy"], serde_json::Value::Null);
         assert_eq!(
             rows[1].message(),
             "bpffs: /tmp/x is not a BPF file system (remedy: mount it)"

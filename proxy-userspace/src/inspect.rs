@@ -553,7 +553,7 @@ pub struct ExplainedFrontend {
     pub connections: u64,
     /// Refusals of its service id.
     pub refused: u64,
-    /// Connections sent to each backend (all services together).
+    /// Connections sent to each of its backends, from every Service using that backend.
     pub backend_connections: std::collections::BTreeMap<String, u64>,
     /// The Service's endpoints for this port and family with their eligibility, when a
     /// source (manifests or the API) was given.
@@ -591,10 +591,18 @@ pub fn explain(
         if k.addr != key_addr || k.port != key_port || k.proto != proto {
             continue;
         }
-        let Some(row) = rows
-            .iter()
-            .find(|r| r.service_id == f.service_id && r.frontend == addr.to_string())
-        else {
+        // Compared as map keys: an IPv4 frontend asked as ::ffff:a.b.c.d matches too.
+        let shown = to_socket_addr(k.addr, k.port).to_string();
+        let Some(row) = rows.iter().find(|r| {
+            r.service_id == f.service_id
+                && r.frontend == shown
+                && r.scope
+                    == if k.scope == SCOPE_INGRESS {
+                        "ingress"
+                    } else {
+                        "node"
+                    }
+        }) else {
             continue;
         };
         let row = ServiceRow {
@@ -634,10 +642,18 @@ pub fn explain(
             let zone = crate::model::zone_of(objects, &node.name);
             let sets = crate::model::categorize(&eps, &node.name, &zone);
             let local_only = f.flags & FRONTEND_F_LOCAL_ONLY != 0;
+            let in_slots: std::collections::BTreeSet<String> =
+                row.backends.iter().cloned().collect();
             Some(
                 eps.iter()
                     .map(|(a, e)| {
-                        let reason = crate::model::why_not(a, e, &sets, local_only, &zone);
+                        let mut reason = crate::model::why_not(a, e, &sets, local_only, &zone);
+                        if reason.is_none()
+                            && row.algorithm == "weighted-round-robin"
+                            && !in_slots.contains(&a.to_string())
+                        {
+                            reason = Some("weight 0 (ebpf-proxy.io/weights)".into());
+                        }
                         ExplainedEndpoint {
                             endpoint: a.to_string(),
                             pod: e.pod.clone(),
@@ -733,7 +749,7 @@ pub fn print_explanation(e: &Explanation, json: bool) -> Result<()> {
             println!("  backends: none");
         }
         for (b, n) in &f.backend_connections {
-            println!("  backend {b}: {n} connections");
+            println!("  backend {b}: {n} connections (from every Service using it)");
         }
         if let Some(eps) = &f.endpoints {
             let table: Vec<Vec<String>> = eps

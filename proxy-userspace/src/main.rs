@@ -108,7 +108,7 @@ struct RunArgs {
     /// Period of the full resync, which also repairs map entries changed behind the agent's
     /// back (kube-proxy's --sync-period). /healthz fails when an update stays pending for
     /// twice this long.
-    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "30s", value_parser = parse_positive_duration)]
     sync_period: Duration,
     /// Address of the Prometheus metrics server (`/metrics`); port 0 picks a free port.
     #[arg(long, default_value = "127.0.0.1:10249")]
@@ -127,7 +127,7 @@ struct RunArgs {
     /// source-hash or maglev.
     #[arg(long, default_value = "random", value_parser = parse_lb_algorithm)]
     lb_algorithm: proxy_common::Algorithm,
-    /// Size of the Maglev lookup tables of source-hash and maglev Services: a prime up to
+    /// Size of the Maglev lookup tables of source-hash and maglev Services: a prime from 7 to
     /// 65521 (larger tables spread backends more evenly; each costs 4 bytes per entry).
     #[arg(long, default_value_t = proxy_common::MAGLEV_DEFAULT, value_parser = parse_maglev_size)]
     maglev_table_size: u32,
@@ -530,6 +530,15 @@ fn release_stale(maps: &PinnedMaps, released: &[(u32, u32, proxy_common::Backend
         ),
         Err(e) => error!(error = %e, "releasing UDP flows of removed endpoints failed"),
     }
+}
+
+/// A duration greater than zero (humantime syntax).
+fn parse_positive_duration(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    if d.is_zero() {
+        return Err("must be greater than zero".into());
+    }
+    Ok(d)
 }
 
 fn parse_lb_algorithm(s: &str) -> Result<proxy_common::Algorithm, String> {

@@ -1090,10 +1090,15 @@ fn service_frontends(svc: &Sourced<Service>) -> Result<Option<Frontends>, String
         .and_then(|s| s.load_balancer.as_ref())
         .and_then(|lb| lb.ingress.as_ref());
     for ing in ingress.into_iter().flatten() {
-        if let Some(ip) = ing.ip.as_deref().filter(|s| !s.is_empty())
-            && ing.ip_mode.as_deref().unwrap_or("VIP") == "VIP"
-        {
-            candidates.push((ip, "load balancer ingress IP"));
+        let Some(ip) = ing.ip.as_deref().filter(|s| !s.is_empty()) else {
+            continue;
+        };
+        match ing.ip_mode.as_deref().unwrap_or("VIP") {
+            "VIP" => candidates.push((ip, "load balancer ingress IP")),
+            "Proxy" => {}
+            other => warnings.push(format!(
+                "load balancer ingress IP {ip}: ipMode {other:?} is not VIP or Proxy; address skipped"
+            )),
         }
     }
     for (s, what) in candidates {

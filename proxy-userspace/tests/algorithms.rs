@@ -334,6 +334,29 @@ fn affinity_default_timeout_listing_and_terminating_backend() {
 }
 
 #[test]
+fn maglev_spreads_one_clients_connections_and_source_hash_does_not() {
+    let env = started(
+        "alg-maglev",
+        3,
+        &[("ebpf-proxy.io/lb-algorithm", "maglev")],
+        "",
+    );
+    let c = counts(&env, 30);
+    println!("maglev, one client: {c:?}");
+    assert!(c.len() >= 2, "{c:?}");
+    apply(&env, || {
+        web(
+            &env,
+            &[("ebpf-proxy.io/lb-algorithm", "source-hash")],
+            "",
+            &[(0, "pod-0"), (1, "pod-1"), (2, "pod-2")],
+        )
+    });
+    let c = counts(&env, 30);
+    assert_eq!(c.len(), 1, "source-hash, one client: {c:?}");
+}
+
+#[test]
 fn source_hash_is_consistent_and_removal_moves_only_the_removed_backends_clients() {
     let env = started(
         "alg-sh",

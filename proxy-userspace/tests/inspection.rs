@@ -179,10 +179,20 @@ fn conntrack_lists_connected_sockets_and_udp_flows() {
     let mut env = Env::new("insp-ct", 2, false);
     manifests(&env);
     env.start_agent();
-    // A UDP flow (unconnected) and a connected UDP socket; TCP sockets close at once but
-    // their entries stay until the LRU reuses them.
+    // A UDP flow (unconnected socket, already closed: flows stay listed until reused) and a
+    // TCP connection held open.
     env.udp(&format!("{VIP}:53"), 2, false);
-    env.udp(&format!("{VIP}:53"), 1, true);
+    let holder = env
+        .client
+        .spawn(
+            Some(env.cg.path()),
+            Command::new(NETPROBE)
+                .args(["tcp", "--to", &format!("{VIP}:80"), "--hold-ms", "2000"])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::null()),
+        )
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(500));
     let rows = agent_json(&env, &["conntrack"]);
     let rows = rows.as_array().unwrap();
     let flow = rows
@@ -197,12 +207,24 @@ fn conntrack_lists_connected_sockets_and_udp_flows() {
     );
     assert_eq!(flow["service"], "default/web:dns/UDP/v4");
     assert!(flow["idle_s"].as_f64().unwrap() < 30.0);
-    let conn = rows
+    let conn: Vec<_> = rows
         .iter()
-        .find(|r| r["kind"] == "connected" && r["protocol"] == "UDP")
-        .expect("a connected UDP socket");
-    assert_eq!(conn["frontend"], format!("{VIP}:53"));
-    assert_eq!(conn["stale"], false);
+        .filter(|r| r["kind"] == "connected" && r["protocol"] == "TCP")
+        .collect();
+    assert_eq!(conn.len(), 1, "the held connection: {rows:?}");
+    assert_eq!(conn[0]["frontend"], format!("{VIP}:80"));
+    assert_eq!(conn[0]["stale"], false);
+    // Once closed, the connection is gone from the listing (released sockets are forgotten).
+    let done = finish_probe(holder);
+    assert_eq!(done[0]["ok"], true, "{done:?}");
+    let rows = agent_json(&env, &["conntrack"]);
+    let open_tcp: Vec<_> = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["protocol"] == "TCP")
+        .collect();
+    assert!(open_tcp.is_empty(), "closed sockets listed: {open_tcp:?}");
     let out = Command::new(AGENT)
         .args(["conntrack", "--pin-dir", &env.pin_dir])
         .output()

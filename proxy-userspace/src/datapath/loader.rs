@@ -17,8 +17,8 @@ use aya::{
     },
 };
 use proxy_common::{
-    AFFINITY, ALL_MAPS, BACKEND_SLOTS, BACKEND_STATS, BACKENDS, FRONTENDS, LC_COUNTS, LC_SOCKETS,
-    MEMBERS, REVNAT_SK, RR_CURSORS, SERVICE_NAMES, SERVICE_STATS, STALE_SOCKETS, UDP_FLOWS,
+    AFFINITY, ALL_MAPS, BACKEND_SLOTS, BACKEND_STATS, BACKENDS, FRONTENDS, LC_COUNTS, MEMBERS,
+    REVNAT_SK, RR_CURSORS, SERVICE_NAMES, SERVICE_STATS, SOCKETS, STALE_SOCKETS, UDP_FLOWS,
 };
 
 /// The eBPF object embedded at build time (see `build.rs`); empty when the binary was built
@@ -56,7 +56,8 @@ pub struct MapSizes {
     pub slots: u32,
     /// `BACKENDS`.
     pub backends: u32,
-    /// `REVNAT_SK`, `UDP_FLOWS` and `STALE_SOCKETS`.
+    /// `REVNAT_SK`, `UDP_FLOWS` and `SOCKETS`; a quarter of it for `STALE_SOCKETS` and
+    /// `AFFINITY`.
     pub sockets: u32,
 }
 
@@ -241,9 +242,11 @@ fn object_loader(sizes: MapSizes) -> EbpfLoader<'static> {
         .map_max_entries(BACKENDS, sizes.backends)
         .map_max_entries(REVNAT_SK, sizes.sockets)
         .map_max_entries(UDP_FLOWS, sizes.sockets)
-        .map_max_entries(STALE_SOCKETS, sizes.sockets)
-        .map_max_entries(LC_SOCKETS, sizes.sockets)
-        .map_max_entries(AFFINITY, sizes.sockets)
+        .map_max_entries(SOCKETS, sizes.sockets)
+        // Only some sockets need these (stale UDP sockets, clients of affinity Services): a
+        // quarter of --max-sockets, LRU beyond that.
+        .map_max_entries(STALE_SOCKETS, (sizes.sockets / 4).max(1))
+        .map_max_entries(AFFINITY, (sizes.sockets / 4).max(1))
         .map_max_entries(MEMBERS, sizes.slots)
         .map_max_entries(LC_COUNTS, sizes.backends)
         .map_max_entries(RR_CURSORS, sizes.frontends)
