@@ -3,6 +3,7 @@
 
 pub mod datapath;
 pub mod fakeapi;
+pub mod healthcheck;
 pub mod metrics;
 pub mod model;
 pub mod mounts;
