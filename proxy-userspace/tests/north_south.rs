@@ -1,0 +1,549 @@
+//! Privileged integration tests of the north-south data path (issue 4): NodePorts, external
+//! IPs and load balancer IPs served by the tcx programs on the node's external interface to
+//! an external client, with real TCP and UDP.
+//!
+//! Topology (every piece is a namespace created here, removed on drop, also on panic):
+//!
+//! ```text
+//!   client 198.18.100.100 ─┐
+//!   node-a 198.18.100.1 ───┼─ bridge wire0 (namespace "w")
+//!   node-b 198.18.100.2 ───┘
+//!   node-a: br0 198.18.1.1/24 ── pod a0 198.18.1.10
+//!   node-b: br0 198.18.2.1/24 ── pod b0 198.18.2.10
+//! ```
+//!
+//! The client routes 198.19.100.0/24 (external and LB IPs) through node-a; the nodes route
+//! each other's pod subnet. Each node runs its own agent *inside its namespace* (so the
+//! interface auto-selection finds its `eth0` from the Node object's address), with its own
+//! child cgroup and pin directory. Nothing touches the root namespace or root cgroup.
+
+mod common;
+
+use std::{
+    io::{BufRead, BufReader, Write},
+    net::{SocketAddr, TcpStream, UdpSocket},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use common::{AGENT, BPFFS, NETPROBE};
+use proxy_userspace::{
+    datapath::{loader, tc},
+    testbed::{ChildGuard, Netns, TestCgroup, ensure_bpffs, in_netns, is_root},
+};
+
+const NODE_A: &str = "198.18.100.1";
+const NODE_B: &str = "198.18.100.2";
+const CLIENT: &str = "198.18.100.100";
+const POD_A0: &str = "198.18.1.10";
+const POD_B0: &str = "198.18.2.10";
+const EXTERNAL_IP: &str = "198.19.100.7";
+const LB_IP: &str = "198.19.100.8";
+
+/// An agent in a node namespace: killed, then its pins removed, on drop.
+struct Agent {
+    child: Option<ChildGuard>,
+    pin: PathBuf,
+    log: PathBuf,
+    _cg: TestCgroup,
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill();
+        }
+        let _ = loader::cleanup(&self.pin);
+    }
+}
+
+impl Agent {
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn syncs(&self) -> usize {
+        self.log().matches("sync done").count()
+    }
+
+    /// Waits (bounded) until the log has more than `n` syncs.
+    fn wait_sync_after(&self, n: usize) {
+        let start = Instant::now();
+        while self.syncs() <= n {
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "agent did not sync; log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// The lab: namespaces (dropped pods first, the wire last), agents and servers.
+struct Lab {
+    tag: String,
+    // Field order is drop order: processes, then namespaces.
+    agents: Vec<Agent>,
+    servers: Vec<ChildGuard>,
+    manifests: tempfile::TempDir,
+    pods: Vec<Netns>,
+    nodes: Vec<Netns>,
+    client: Netns,
+    _wire: Netns,
+}
+
+fn ns(tag: &str, what: &str) -> Netns {
+    Netns::create(&format!("ns4-{tag}-{what}")).expect("netns")
+}
+
+impl Lab {
+    fn new(tag: &str) -> Lab {
+        assert!(is_root(), "the north-south tests need root");
+        assert!(
+            !loader::OBJECT.is_empty(),
+            "built without the eBPF object: run `cargo xtask test`"
+        );
+        ensure_bpffs().expect("bpffs");
+        let wire = ns(tag, "w");
+        wire.ip(&[
+            "link",
+            "add",
+            "wire0",
+            "type",
+            "bridge",
+            "forward_delay",
+            "0",
+        ])
+        .unwrap();
+        wire.ip(&["link", "set", "wire0", "up"]).unwrap();
+        let client = ns(tag, "c");
+        let a = ns(tag, "a");
+        let b = ns(tag, "b");
+        for (i, (n, addr)) in [(&a, NODE_A), (&b, NODE_B), (&client, CLIENT)]
+            .into_iter()
+            .enumerate()
+        {
+            let port = format!("p{i}");
+            wire.ip(&[
+                "link",
+                "add",
+                &port,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                n.name(),
+            ])
+            .unwrap();
+            wire.ip(&["link", "set", &port, "master", "wire0"]).unwrap();
+            wire.ip(&["link", "set", &port, "up"]).unwrap();
+            n.ip(&["addr", "add", &format!("{addr}/24"), "dev", "eth0"])
+                .unwrap();
+            n.ip(&["link", "set", "eth0", "up"]).unwrap();
+        }
+        for (n, gw, other_subnet, other_node) in [
+            (&a, "198.18.1.1/24", "198.18.2.0/24", NODE_B),
+            (&b, "198.18.2.1/24", "198.18.1.0/24", NODE_A),
+        ] {
+            n.ip(&["link", "add", "br0", "type", "bridge", "forward_delay", "0"])
+                .unwrap();
+            n.ip(&["addr", "add", gw, "dev", "br0"]).unwrap();
+            n.ip(&["link", "set", "br0", "up"]).unwrap();
+            n.ip(&["route", "add", other_subnet, "via", other_node])
+                .unwrap();
+            n.sysctl("net/ipv4/ip_forward", "1").unwrap();
+        }
+        client
+            .ip(&["route", "add", "198.19.100.0/24", "via", NODE_A])
+            .unwrap();
+        let mut lab = Lab {
+            tag: tag.into(),
+            agents: Vec::new(),
+            servers: Vec::new(),
+            manifests: tempfile::tempdir().unwrap(),
+            pods: Vec::new(),
+            nodes: vec![a, b],
+            client,
+            _wire: wire,
+        };
+        lab.add_pod(0, "a0", POD_A0, "198.18.1.1");
+        lab.add_pod(1, "b0", POD_B0, "198.18.2.1");
+        lab.write(
+            "nodes.yaml",
+            &format!(
+                "apiVersion: v1\nkind: Node\nmetadata: {{name: node-a}}\nstatus: {{addresses: [{{type: InternalIP, address: {NODE_A}}}]}}\n---\napiVersion: v1\nkind: Node\nmetadata: {{name: node-b}}\nstatus: {{addresses: [{{type: InternalIP, address: {NODE_B}}}]}}\n"
+            ),
+        );
+        lab
+    }
+
+    /// A pod behind node `node` (0 = a, 1 = b) serving its name on TCP 8080 and UDP 5353.
+    fn add_pod(&mut self, node: usize, name: &str, addr: &str, gw: &str) {
+        let pod = ns(&self.tag, name);
+        let n = &self.nodes[node];
+        let veth = format!("v{name}");
+        n.ip(&[
+            "link",
+            "add",
+            &veth,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            pod.name(),
+        ])
+        .unwrap();
+        n.ip(&["link", "set", &veth, "master", "br0"]).unwrap();
+        n.ip(&["link", "set", &veth, "up"]).unwrap();
+        pod.ip(&["addr", "add", &format!("{addr}/24"), "dev", "eth0"])
+            .unwrap();
+        pod.ip(&["link", "set", "eth0", "up"]).unwrap();
+        pod.ip(&["route", "add", "default", "via", gw]).unwrap();
+        let server = pod
+            .spawn(
+                None,
+                Command::new(NETPROBE)
+                    .args(["serve", "--name", name, "--tcp", ":8080", "--udp", ":5353"])
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null()),
+            )
+            .expect("server");
+        self.servers.push(server);
+        self.pods.push(pod);
+    }
+
+    fn write(&self, file: &str, text: &str) {
+        let tmp = self.manifests.path().join(format!(".{file}.tmp"));
+        std::fs::write(&tmp, text).unwrap();
+        std::fs::rename(&tmp, self.manifests.path().join(file)).unwrap();
+    }
+
+    /// Starts the agent of node `i` (0 = node-a) in its namespace; waits for its first sync
+    /// and for the tc programs on its `eth0`.
+    fn start_agent(&mut self, i: usize, extra: &[&str]) {
+        let node = ["node-a", "node-b"][i];
+        let pin_dir = format!("ebpf-proxy-ns4-{}-{node}", self.tag);
+        let pin = Path::new(BPFFS).join(&pin_dir);
+        let _ = loader::cleanup(&pin);
+        let cg = TestCgroup::create(&format!("ebpf-proxy-ns4-{}-{node}", self.tag)).unwrap();
+        let log = self.manifests.path().with_extension(format!("{node}.log"));
+        let logf = std::fs::File::create(&log).unwrap();
+        let child = self.nodes[i]
+            .spawn(
+                None,
+                Command::new(AGENT)
+                    .args(["run", "--manifests"])
+                    .arg(self.manifests.path())
+                    .arg("--cgroup-path")
+                    .arg(cg.path())
+                    .args(["--pin-dir", &pin_dir, "--hostname-override", node])
+                    .args(["--healthz-bind-address", "127.0.0.1:0"])
+                    .args(["--metrics-bind-address", "127.0.0.1:0"])
+                    .args(extra)
+                    .stdout(Stdio::null())
+                    .stderr(logf),
+            )
+            .expect("agent");
+        let agent = Agent {
+            child: Some(child),
+            pin,
+            log,
+            _cg: cg,
+        };
+        let start = Instant::now();
+        loop {
+            let l = agent.log();
+            if l.contains("sync done") && l.contains("north-south programs attached") {
+                break;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "agent {node} did not start; log:\n{l}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.agents.push(agent);
+    }
+
+    fn client_path(&self) -> PathBuf {
+        self.client.path()
+    }
+}
+
+/// The IP of `peer` as a backend printed it (IPv4-mapped when the server socket is
+/// dual-stack), as plain text.
+fn ip_of(peer: &str) -> String {
+    peer.parse::<SocketAddr>()
+        .map(|a| a.ip().to_canonical().to_string())
+        .unwrap_or_else(|_| panic!("not an address: {peer:?}"))
+}
+
+/// One TCP connection from the client namespace: the backend's name and the client
+/// address the backend saw.
+fn tcp_whoami(client: &Path, to: &str, timeout: Duration) -> Result<(String, String), String> {
+    let to: SocketAddr = to.parse().unwrap();
+    in_netns(client, move || {
+        let s = TcpStream::connect_timeout(&to, timeout).map_err(|e| e.to_string())?;
+        s.set_read_timeout(Some(timeout)).unwrap();
+        let mut w = s.try_clone().unwrap();
+        let mut r = BufReader::new(s);
+        let mut name = String::new();
+        r.read_line(&mut name).map_err(|e| e.to_string())?;
+        w.write_all(b"whoami\n").map_err(|e| e.to_string())?;
+        let mut line = String::new();
+        r.read_line(&mut line).map_err(|e| e.to_string())?;
+        let mut it = line.split_whitespace();
+        let (n, peer) = (it.next().unwrap_or(""), it.next().unwrap_or(""));
+        Ok((n.to_string(), peer.to_string()))
+    })
+    .unwrap()
+}
+
+/// One UDP exchange on a connected socket from the client namespace: the backend's name and
+/// the client address it saw, or the errno (111 for a translated ICMP port unreachable).
+fn udp_whoami(client: &Path, to: &str, timeout: Duration) -> Result<(String, String), i32> {
+    let to: SocketAddr = to.parse().unwrap();
+    in_netns(client, move || {
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.connect(to).unwrap();
+        s.set_read_timeout(Some(timeout)).unwrap();
+        s.send(b"whoami")
+            .map_err(|e| e.raw_os_error().unwrap_or(-1))?;
+        let mut buf = [0u8; 512];
+        let n = s
+            .recv(&mut buf)
+            .map_err(|e| e.raw_os_error().unwrap_or(-1))?;
+        let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+        let mut it = text.split_whitespace();
+        Ok((
+            it.next().unwrap_or("").to_string(),
+            it.next().unwrap_or("").to_string(),
+        ))
+    })
+    .unwrap()
+}
+
+const T: Duration = Duration::from_secs(2);
+const SHORT: Duration = Duration::from_millis(700);
+
+/// Service `default/web`: TCP 80 -> 8080 (NodePort 30080), UDP 53 -> 5353 (NodePort 30053),
+/// an external IP and an LB IP, endpoints a0 (node-a) and b0 (node-b). Extra spec lines go
+/// after `spec:`.
+fn web(lab: &Lab, spec_extra: &str, endpoints: &[(&str, &str)]) {
+    let eps: String = endpoints
+        .iter()
+        .map(|(ip, node)| format!("- addresses: [\"{ip}\"]\n  nodeName: {node}\n"))
+        .collect();
+    lab.write(
+        "web.yaml",
+        &format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: default}}\nspec:\n  type: LoadBalancer\n  clusterIP: 198.19.0.30\n  externalIPs: [{EXTERNAL_IP}]\n{spec_extra}  ports:\n  - {{name: http, port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP}}\n  - {{name: dns, port: 53, targetPort: 5353, nodePort: 30053, protocol: UDP}}\n  - {{name: closed, port: 54, targetPort: 5999, nodePort: 30054, protocol: UDP}}\nstatus:\n  loadBalancer:\n    ingress: [{{ip: {LB_IP}}}]\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-1\n  namespace: default\n  labels: {{kubernetes.io/service-name: web}}\naddressType: IPv4\nports:\n- {{name: http, port: 8080, protocol: TCP}}\n- {{name: dns, port: 5353, protocol: UDP}}\n- {{name: closed, port: 5999, protocol: UDP}}\nendpoints:\n{eps}"
+        ),
+    );
+}
+
+const BOTH: [(&str, &str); 2] = [(POD_A0, "node-a"), (POD_B0, "node-b")];
+
+#[test]
+fn nodeport_external_and_lb_ips_with_snat_to_remote_backends() {
+    let mut lab = Lab::new("np");
+    web(&lab, "", &BOTH);
+    lab.start_agent(0, &[]);
+    lab.start_agent(1, &[]);
+    let c = lab.client_path();
+    for fe in [
+        format!("{NODE_A}:30080"),
+        format!("{NODE_B}:30080"),
+        format!("{EXTERNAL_IP}:80"),
+        format!("{LB_IP}:80"),
+    ] {
+        let mut seen = std::collections::BTreeMap::new();
+        for _ in 0..24 {
+            let (name, peer) =
+                tcp_whoami(&c, &fe, T).unwrap_or_else(|e| panic!("TCP to {fe}: {e}"));
+            // A backend on the node that took the flow sees the client; one on the other
+            // node sees that node's address (SNAT), so its replies come back through it.
+            let entry = if fe.starts_with(NODE_B) {
+                NODE_B
+            } else {
+                NODE_A
+            };
+            let backend_node = if name == "a0" { NODE_A } else { NODE_B };
+            let want = if entry == backend_node { CLIENT } else { entry };
+            assert_eq!(
+                ip_of(&peer),
+                want,
+                "{fe} -> {name}: source seen by the backend"
+            );
+            *seen.entry(name).or_insert(0) += 1;
+        }
+        assert_eq!(seen.len(), 2, "{fe}: both backends used: {seen:?}");
+        for _ in 0..8 {
+            let (name, _) =
+                udp_whoami(&c, &fe.replace(":30080", ":30053").replace(":80", ":53"), T)
+                    .unwrap_or_else(|e| panic!("UDP to {fe}: errno {e}"));
+            assert!(name == "a0" || name == "b0");
+        }
+    }
+    let counters = tc::counters(&lab.agents[0].pin).unwrap();
+    assert!(
+        counters["tc_new_flow"] > 0 && counters["tc_snat"] > 0,
+        "{counters:?}"
+    );
+    assert_eq!(counters["tc_rewrite_failed"], 0, "{counters:?}");
+}
+
+#[test]
+fn long_lived_tcp_stream_and_icmp_port_unreachable() {
+    let mut lab = Lab::new("st");
+    web(&lab, "", &BOTH);
+    lab.start_agent(0, &[]);
+    lab.start_agent(1, &[]);
+    let c = lab.client_path();
+    // One connection, many request/response rounds over a few seconds.
+    let to: SocketAddr = format!("{NODE_A}:30080").parse().unwrap();
+    let rounds = in_netns(&c, move || {
+        let s = TcpStream::connect_timeout(&to, T).unwrap();
+        s.set_read_timeout(Some(T)).unwrap();
+        let mut w = s.try_clone().unwrap();
+        let mut r = BufReader::new(s);
+        let mut name = String::new();
+        r.read_line(&mut name).unwrap();
+        let mut n = 0;
+        for i in 0..200 {
+            w.write_all(format!("line-{i}\n").as_bytes()).unwrap();
+            let mut l = String::new();
+            r.read_line(&mut l).unwrap();
+            assert_eq!(l.trim(), format!("{} line-{i}", name.trim()));
+            n += 1;
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        n
+    })
+    .unwrap();
+    assert_eq!(rounds, 200);
+    // Nothing listens on 5999: the backend's ICMP port unreachable, translated back to the
+    // frontend, fails the client's connected UDP socket with ECONNREFUSED.
+    let mut refused = 0;
+    for _ in 0..6 {
+        match udp_whoami(&c, &format!("{NODE_A}:30054"), SHORT) {
+            Err(111) => refused += 1,
+            other => panic!("expected ECONNREFUSED, got {other:?}"),
+        }
+    }
+    assert_eq!(refused, 6);
+    let counters = tc::counters(&lab.agents[0].pin).unwrap();
+    assert!(counters["tc_icmp_translated"] >= 6, "{counters:?}");
+}
+
+#[test]
+fn local_policy_keeps_client_ip_drops_without_local_endpoint_and_health_checks() {
+    let mut lab = Lab::new("lo");
+    web(
+        &lab,
+        "  externalTrafficPolicy: Local\n  healthCheckNodePort: 31000\n",
+        &[(POD_B0, "node-b")],
+    );
+    lab.start_agent(0, &[]);
+    lab.start_agent(1, &[]);
+    let c = lab.client_path();
+    // node-b has the endpoint: the backend sees the client's own address.
+    for _ in 0..4 {
+        let (name, peer) = tcp_whoami(&c, &format!("{NODE_B}:30080"), T).unwrap();
+        assert_eq!(name, "b0");
+        assert_eq!(ip_of(&peer), CLIENT);
+        let (name, peer) = udp_whoami(&c, &format!("{NODE_B}:30053"), T).unwrap();
+        assert_eq!(name, "b0");
+        assert_eq!(ip_of(&peer), CLIENT);
+    }
+    // node-a has none: dropped (a timeout, not a refusal).
+    let e = tcp_whoami(&c, &format!("{NODE_A}:30080"), SHORT).unwrap_err();
+    assert!(e.contains("timed out") || e.contains("os error 110"), "{e}");
+    let counters = tc::counters(&lab.agents[0].pin).unwrap();
+    assert!(
+        counters["tc_dropped_no_local_endpoints"] > 0,
+        "{counters:?}"
+    );
+    // Health checks as kube-proxy's: 503 with 0 on node-a, 200 with 1 on node-b.
+    let curl = |node: &str| {
+        let out = lab
+            .client
+            .exec(
+                "curl",
+                &[
+                    "-s",
+                    "-m",
+                    "3",
+                    "-w",
+                    "\n%{http_code}",
+                    &format!("http://{node}:31000/"),
+                ],
+            )
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let a = curl(NODE_A);
+    let (body, code) = a.rsplit_once('\n').unwrap();
+    assert_eq!(code, "503", "{a}");
+    let v: serde_json::Value = serde_json::from_str(body).unwrap();
+    assert_eq!(v["service"]["namespace"], "default");
+    assert_eq!(v["service"]["name"], "web");
+    assert_eq!(v["localEndpoints"], 0);
+    let b = curl(NODE_B);
+    let (body, code) = b.rsplit_once('\n').unwrap();
+    assert_eq!(code, "200", "{b}");
+    let v: serde_json::Value = serde_json::from_str(body).unwrap();
+    assert_eq!(v["localEndpoints"], 1);
+}
+
+#[test]
+fn load_balancer_source_ranges_and_their_edits() {
+    let mut lab = Lab::new("sr");
+    web(
+        &lab,
+        &format!("  loadBalancerSourceRanges: [\"{CLIENT}/32\", \"not-a-cidr\"]\n"),
+        &[(POD_A0, "node-a")],
+    );
+    lab.start_agent(0, &[]);
+    let c = lab.client_path();
+    let lb = format!("{LB_IP}:80");
+    assert_eq!(tcp_whoami(&c, &lb, T).unwrap().0, "a0");
+    assert!(
+        lab.agents[0]
+            .log()
+            .contains("Service default/web: loadBalancerSourceRanges: \"not-a-cidr\""),
+        "{}",
+        lab.agents[0].log()
+    );
+    // Edit: the client is no longer listed; the LB IP drops it, the node port and the
+    // external IP still serve it.
+    let n = lab.agents[0].syncs();
+    web(
+        &lab,
+        "  loadBalancerSourceRanges: [\"10.0.0.0/8\"]\n",
+        &[(POD_A0, "node-a")],
+    );
+    lab.agents[0].wait_sync_after(n);
+    assert!(tcp_whoami(&c, &lb, SHORT).is_err());
+    assert_eq!(
+        tcp_whoami(&c, &format!("{NODE_A}:30080"), T).unwrap().0,
+        "a0"
+    );
+    assert_eq!(
+        tcp_whoami(&c, &format!("{EXTERNAL_IP}:80"), T).unwrap().0,
+        "a0"
+    );
+    let counters = tc::counters(&lab.agents[0].pin).unwrap();
+    assert!(counters["tc_source_range_denied"] > 0, "{counters:?}");
+    // Edit: an empty list allows everyone again.
+    let n = lab.agents[0].syncs();
+    web(&lab, "", &[(POD_A0, "node-a")]);
+    lab.agents[0].wait_sync_after(n);
+    assert_eq!(tcp_whoami(&c, &lb, T).unwrap().0, "a0");
+}
