@@ -141,14 +141,24 @@ pub const CT_F_RST: u16 = 1 << 5;
 /// ingress would be dropped by routing as a martian).
 pub const CT_F_EGRESS: u16 = 1 << 6;
 
-/// Node address of an interface (value of [`IFACE_ADDRS`]). 16 bytes.
+/// An interface the tc programs are attached to (value of [`IFACE_ADDRS`]). 24 bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct IfaceAddr {
-    /// IPv4 address, network byte order, IPv4-mapped; all zero when the interface has none
-    /// (SNAT of IPv4 flows arriving there is then impossible: counted and dropped).
+    /// Node IPv4 address, network byte order, IPv4-mapped; all zero when the interface has
+    /// none (SNAT of IPv4 flows arriving there is then impossible: counted and dropped).
     pub v4: [u8; 16],
+    /// `IFACE_F_*` bits.
+    pub flags: u32,
+    /// Reserved; always 0.
+    pub _pad: u32,
 }
+
+/// [`IfaceAddr::flags`]: a pod-facing interface (the route to this node's endpoints),
+/// attached with `--masquerade-all` only so that masqueraded flows to local backends get
+/// their SNAT stage (egress) and their replies (ingress) translated. No new flow starts
+/// there: pods reach Services through the socket programs.
+pub const IFACE_F_POD: u32 = 1 << 0;
 
 /// tc data path configuration, index 0 of [`TC_CONFIG`]. 16 bytes.
 #[repr(C)]
@@ -156,11 +166,19 @@ pub struct IfaceAddr {
 pub struct TcConfig {
     /// `TC_CFG_*` bits.
     pub flags: u32,
+    /// `--cluster-cidr` (IPv4), network byte order; used when
+    /// [`TC_CFG_CLUSTER_CIDR_V4`] is set.
+    pub cluster_cidr_v4: [u8; 4],
+    /// Prefix length of `cluster_cidr_v4`, 0..=32.
+    pub cluster_cidr_v4_len: u8,
     /// Reserved; always 0.
-    pub _pad: u32,
-    /// Reserved; always 0.
-    pub _reserved: u64,
+    pub _pad: [u8; 7],
 }
+
+/// [`TcConfig::flags`]: `--cluster-cidr` has an IPv4 prefix: a flow to a cluster IP from a
+/// client outside it is source-NATed (kube-proxy's "masquerade off-cluster traffic to
+/// cluster IPs").
+pub const TC_CFG_CLUSTER_CIDR_V4: u32 = 1 << 1;
 
 /// [`TcConfig::flags`]: `--masquerade-all`: every Cluster-policy flow is source-NATed,
 /// local backends included.
@@ -251,7 +269,7 @@ mod user {
 const _: () = {
     assert!(core::mem::size_of::<CtKey>() == 40);
     assert!(core::mem::size_of::<CtEntry>() == 56);
-    assert!(core::mem::size_of::<IfaceAddr>() == 16);
+    assert!(core::mem::size_of::<IfaceAddr>() == 24);
     assert!(core::mem::size_of::<TcConfig>() == 16);
     assert!(core::mem::size_of::<SourceRange>() == 32);
 };

@@ -45,14 +45,14 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    FRONTEND_F_LOCAL_ONLY, FRONTEND_F_VIP_MARKER, Frontend, FrontendKey, PROTO_TCP, PROTO_UDP,
-    SCOPE_INGRESS,
+    FRONTEND_F_EXTERNAL, FRONTEND_F_LOCAL_ONLY, FRONTEND_F_VIP_MARKER, Frontend, FrontendKey,
+    PROTO_TCP, PROTO_UDP, SCOPE_INGRESS, SCOPE_NODE,
     nat::{
         CT_F_EGRESS, CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_REPLY, CT_F_RST, CT_F_SEEN_REPLY,
         CT_F_SNAT, CT_TIMEOUT_TCP_CLOSED_NS, CT_TIMEOUT_TCP_ESTABLISHED_NS,
         CT_TIMEOUT_TCP_OPENING_NS, CT_TIMEOUT_UDP_NS, CT_TIMEOUT_UDP_STREAM_NS, CtEntry, CtKey,
-        SNAT_PORT_COUNT, SNAT_PORT_MIN, SNAT_PORT_TRIES, SOURCE_RANGE_RESTRICTED, SourceRange,
-        TC_CFG_MASQUERADE_ALL, TcCounter,
+        IFACE_F_POD, SNAT_PORT_COUNT, SNAT_PORT_MIN, SNAT_PORT_TRIES, SOURCE_RANGE_RESTRICTED,
+        SourceRange, TC_CFG_CLUSTER_CIDR_V4, TC_CFG_MASQUERADE_ALL, TcCounter,
     },
     v4_mapped,
 };
@@ -360,15 +360,33 @@ fn new_flow(ctx: &TcContext, pkt: &Pkt, now: u64) -> i32 {
 #[inline(always)]
 fn try_new_flow(ctx: &TcContext, pkt: &Pkt, now: u64) -> Result<i32, i32> {
     let k = &pkt.key;
-    let fkey = FrontendKey {
+    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    // SAFETY: value of the map, one word read.
+    let iface_flags = TC_IFACE_ADDRS
+        .get_ptr(ifindex)
+        .map(|p| unsafe { (*p).flags })
+        .unwrap_or(0);
+    if iface_flags & IFACE_F_POD != 0 {
+        return Ok(TC_ACT_OK); // pods start flows at the socket, not here
+    }
+    let mut fkey = FrontendKey {
         addr: k.daddr,
         port: k.dport,
         proto: k.proto,
         scope: SCOPE_INGRESS,
     };
+    // External addresses and node ports first; else a cluster IP reached from outside the
+    // node (a router sending the service CIDR to nodes), as kube-proxy serves it too.
     // SAFETY: copied out at once (the agent replaces elements, it never writes into them).
-    let Some(fe) = (unsafe { FRONTENDS.get(fkey).copied() }) else {
-        return Ok(TC_ACT_OK);
+    let (fe, cluster_ip) = match unsafe { FRONTENDS.get(fkey).copied() } {
+        Some(fe) => (fe, false),
+        None => {
+            fkey.scope = SCOPE_NODE;
+            match unsafe { FRONTENDS.get(fkey).copied() } {
+                Some(fe) if fe.flags & FRONTEND_F_EXTERNAL == 0 => (fe, true),
+                _ => return Ok(TC_ACT_OK),
+            }
+        }
     };
     if fe.flags & FRONTEND_F_VIP_MARKER != 0 {
         return Ok(TC_ACT_OK);
@@ -393,7 +411,7 @@ fn try_new_flow(ctx: &TcContext, pkt: &Pkt, now: u64) -> Result<i32, i32> {
     if !proxy_common::is_v4_mapped(&b.addr) {
         return drop_with(TcCounter::RewriteFailed);
     }
-    let snat = needs_snat(&fe, &b.addr);
+    let snat = needs_snat(&fe, &b.addr, &k.saddr, cluster_ip);
     // The two entries live in a per-CPU scratch slot, not on the 512-byte stack.
     let Some(sc) = TC_SCRATCH.get_ptr_mut(0) else {
         return Ok(TC_ACT_SHOT);
@@ -421,7 +439,6 @@ fn try_new_flow(ctx: &TcContext, pkt: &Pkt, now: u64) -> Result<i32, i32> {
         last_seen_ns: now,
     };
     if snat {
-        let ifindex = unsafe { (*ctx.skb.skb).ifindex };
         let Some(node) = TC_IFACE_ADDRS.get_ptr(ifindex) else {
             return drop_with(TcCounter::NoSnatAddress);
         };
@@ -517,19 +534,36 @@ fn try_new_flow(ctx: &TcContext, pkt: &Pkt, now: u64) -> Result<i32, i32> {
     Ok(rewrite(ctx, pkt, &sc.fwd))
 }
 
-/// Whether a new flow of `fe` to backend `addr` is source-NATed: never with a Local policy
-/// (the client address is kept, KEP-1672); with Cluster, when the backend is on another
-/// node (its replies must come back through this node to be translated), or always with
-/// `--masquerade-all`.
+/// Whether a new flow of `fe` from `client` to backend `addr` is source-NATed:
+/// - never with a Local policy (the client address is kept, KEP-1672 / KEP-2086);
+/// - with `--masquerade-all` always (kube-proxy's meaning);
+/// - for a cluster IP, when the client is outside `--cluster-cidr` (kube-proxy masquerades
+///   off-cluster traffic to cluster IPs);
+/// - when the backend is on another node: its replies must come back through this node
+///   to be translated. (kube-proxy masquerades every Cluster-policy external flow; here a
+///   flow to a backend on this node keeps the client address, as Cilium does.)
 #[inline(always)]
-fn needs_snat(fe: &Frontend, addr: &[u8; 16]) -> bool {
+fn needs_snat(fe: &Frontend, addr: &[u8; 16], client: &[u8; 16], cluster_ip: bool) -> bool {
     if fe.flags & FRONTEND_F_LOCAL_ONLY != 0 {
         return false;
     }
-    // SAFETY: copied out at once.
-    let cfg = TC_CONFIG.get(0).map(|c| c.flags).unwrap_or(0);
-    if cfg & TC_CFG_MASQUERADE_ALL != 0 {
-        return true;
+    if let Some(cfg) = TC_CONFIG.get(0) {
+        if cfg.flags & TC_CFG_MASQUERADE_ALL != 0 {
+            return true;
+        }
+        if cluster_ip && cfg.flags & TC_CFG_CLUSTER_CIDR_V4 != 0 {
+            let len = cfg.cluster_cidr_v4_len as u32;
+            let mask = if len == 0 {
+                0
+            } else {
+                u32::MAX << (32 - len.min(32))
+            };
+            let c = u32::from_be_bytes([client[12], client[13], client[14], client[15]]);
+            let n = u32::from_be_bytes(cfg.cluster_cidr_v4);
+            if c & mask != n & mask {
+                return true;
+            }
+        }
     }
     TC_LOCAL_ENDPOINTS.get_ptr(*addr).is_none()
 }

@@ -30,7 +30,7 @@ use std::{
 use common::{AGENT, BPFFS, NETPROBE};
 use proxy_userspace::{
     datapath::{loader, tc},
-    testbed::{ChildGuard, Netns, TestCgroup, ensure_bpffs, in_netns, is_root},
+    testbed::{ChildGuard, Netns, TestCgroup, ensure_bpffs, in_netns, is_root, output_in},
 };
 
 const NODE_A: &str = "198.18.100.1";
@@ -46,7 +46,7 @@ struct Agent {
     child: Option<ChildGuard>,
     pin: PathBuf,
     log: PathBuf,
-    _cg: TestCgroup,
+    cg: TestCgroup,
 }
 
 impl Drop for Agent {
@@ -254,7 +254,7 @@ impl Lab {
             child: Some(child),
             pin,
             log,
-            _cg: cg,
+            cg,
         };
         let start = Instant::now();
         loop {
@@ -301,6 +301,38 @@ fn tcp_whoami(client: &Path, to: &str, timeout: Duration) -> Result<(String, Str
         let mut it = line.split_whitespace();
         let (n, peer) = (it.next().unwrap_or(""), it.next().unwrap_or(""));
         Ok((n.to_string(), peer.to_string()))
+    })
+    .unwrap()
+}
+
+/// One UDP exchange like [`udp_whoami`], sent with a zero UDP checksum (`SO_NO_CHECK`):
+/// the translation must keep it zero (a zero checksum means "none" in IPv4).
+fn udp_whoami_no_csum(client: &Path, to: &str) -> Result<String, i32> {
+    let to: SocketAddr = to.parse().unwrap();
+    in_netns(client, move || {
+        use std::os::fd::AsRawFd;
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        let one: libc::c_int = 1;
+        // SAFETY: setsockopt(SO_NO_CHECK) on our socket with an int.
+        let r = unsafe {
+            libc::setsockopt(
+                s.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_NO_CHECK,
+                &one as *const _ as *const libc::c_void,
+                std::mem::size_of::<libc::c_int>() as u32,
+            )
+        };
+        assert_eq!(r, 0, "SO_NO_CHECK");
+        s.connect(to).unwrap();
+        s.set_read_timeout(Some(T)).unwrap();
+        s.send(b"ping")
+            .map_err(|e| e.raw_os_error().unwrap_or(-1))?;
+        let mut buf = [0u8; 512];
+        let n = s
+            .recv(&mut buf)
+            .map_err(|e| e.raw_os_error().unwrap_or(-1))?;
+        Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
     })
     .unwrap()
 }
@@ -546,4 +578,144 @@ fn load_balancer_source_ranges_and_their_edits() {
     web(&lab, "", &[(POD_A0, "node-a")]);
     lab.agents[0].wait_sync_after(n);
     assert_eq!(tcp_whoami(&c, &lb, T).unwrap().0, "a0");
+}
+
+#[test]
+fn udp_zero_checksum_hairpin_and_bad_input() {
+    let mut lab = Lab::new("hp");
+    web(&lab, "", &BOTH);
+    // Bad input next to it: an IPv4 LB IP on an IPv6-only Service, and a Service whose
+    // source ranges are all invalid. Each is reported, and `web` keeps working.
+    lab.write(
+        "bad.yaml",
+        "apiVersion: v1\nkind: Service\nmetadata: {name: v6only, namespace: default}\nspec:\n  type: LoadBalancer\n  clusterIP: 'fd00:198:19::40'\n  ipFamilies: [IPv6]\n  ports: [{port: 80, nodePort: 30090}]\nstatus: {loadBalancer: {ingress: [{ip: 198.19.100.9}]}}\n---\napiVersion: v1\nkind: Service\nmetadata: {name: badranges, namespace: default}\nspec:\n  type: LoadBalancer\n  clusterIP: 198.19.0.41\n  loadBalancerSourceRanges: ['300.1.2.3/8']\n  ports: [{port: 81, nodePort: 30091}]\nstatus: {loadBalancer: {ingress: [{ip: 198.19.100.10}]}}\n",
+    );
+    lab.start_agent(0, &[]);
+    lab.start_agent(1, &[]);
+    let log = lab.agents[0].log();
+    assert!(
+        log.contains("Service default/v6only") && log.contains("198.19.100.9"),
+        "{log}"
+    );
+    assert!(
+        log.contains("Service default/badranges: loadBalancerSourceRanges"),
+        "{log}"
+    );
+    let c = lab.client_path();
+    // UDP without checksum, through a local backend and through SNAT to the other node.
+    let mut names = std::collections::BTreeSet::new();
+    for _ in 0..16 {
+        let name = udp_whoami_no_csum(&c, &format!("{NODE_A}:30053"))
+            .unwrap_or_else(|e| panic!("UDP without checksum: errno {e}"));
+        names.insert(name);
+    }
+    assert_eq!(names.len(), 2, "{names:?}");
+    assert_eq!(
+        tcp_whoami(&c, &format!("{LB_IP}:80"), T).unwrap().0.len(),
+        2
+    );
+    // Hairpin: pod a0 (in node-a's cgroup, as every pod of a node is) reaches its own
+    // Service through the node port of its node and the LB IP; sometimes itself.
+    let a0 = lab.pods[0].path();
+    let cg = lab.agents[0].cg.path().to_path_buf();
+    let mut seen = std::collections::BTreeSet::new();
+    for to in [format!("{NODE_A}:30080"), format!("{LB_IP}:80")] {
+        let out = output_in(
+            Some(&a0),
+            Some(&cg),
+            Command::new(NETPROBE).args(["tcp", "--to", &to, "--count", "12"]),
+            Duration::from_secs(20),
+        )
+        .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        for line in text.lines() {
+            let v: serde_json::Value = serde_json::from_str(line).unwrap();
+            assert_eq!(v["ok"], true, "hairpin to {to}: {text}");
+            seen.insert(v["name"].as_str().unwrap().to_string());
+        }
+    }
+    assert!(seen.contains("a0"), "a0 reached itself: {seen:?}");
+}
+
+#[test]
+fn conntrack_stays_bounded_under_churn() {
+    let mut lab = Lab::new("ch");
+    web(&lab, "", &BOTH);
+    lab.start_agent(0, &[]);
+    lab.start_agent(1, &[]);
+    let c = lab.client_path();
+    // 300 short TCP connections and 300 UDP flows (new source port each), bounded in time.
+    let to: SocketAddr = format!("{NODE_A}:30080").parse().unwrap();
+    let uto: SocketAddr = format!("{NODE_A}:30053").parse().unwrap();
+    let start = Instant::now();
+    let ok = in_netns(&c, move || {
+        let mut ok = 0;
+        for _ in 0..300 {
+            if start.elapsed() > Duration::from_secs(30) {
+                break;
+            }
+            if let Ok(s) = TcpStream::connect_timeout(&to, T) {
+                s.set_read_timeout(Some(T)).unwrap();
+                let mut l = String::new();
+                if BufReader::new(&s).read_line(&mut l).is_ok() && !l.is_empty() {
+                    ok += 1;
+                }
+            }
+            let u = UdpSocket::bind("0.0.0.0:0").unwrap();
+            u.set_read_timeout(Some(T)).unwrap();
+            u.send_to(b"ping", uto).unwrap();
+            let mut buf = [0u8; 64];
+            if u.recv_from(&mut buf).is_ok() {
+                ok += 1;
+            }
+        }
+        ok
+    })
+    .unwrap();
+    assert_eq!(ok, 600, "every connection and flow answered");
+    // At most three entries per flow (original, SNAT stage, reply): the table holds what is
+    // live and nothing else, and nothing failed.
+    let entries = tc::conntrack_entries(&lab.agents[0].pin).unwrap();
+    assert!(entries <= 3 * 600, "{entries} entries");
+    let counters = tc::counters(&lab.agents[0].pin).unwrap();
+    assert_eq!(counters["tc_conntrack_full"], 0, "{counters:?}");
+    assert_eq!(counters["tc_snat_ports_exhausted"], 0, "{counters:?}");
+    // A UDP source port the client's kernel hands out again within the flow timeout
+    // continues the earlier flow: (almost) every attempt was a new flow.
+    assert!(
+        (580..=600).contains(&counters["tc_new_flow"]),
+        "{counters:?}"
+    );
+}
+
+#[test]
+fn masquerade_all_and_cluster_ips_from_outside_the_cluster_cidr() {
+    let mut lab = Lab::new("mq");
+    web(&lab, "", &BOTH);
+    lab.client
+        .ip(&["route", "add", "198.19.0.0/24", "via", NODE_A])
+        .unwrap();
+    lab.start_agent(0, &["--masquerade-all", "--cluster-cidr", "198.18.0.0/22"]);
+    lab.start_agent(1, &[]);
+    assert!(
+        lab.agents[0].log().contains("interface=br0"),
+        "the pod-facing bridge gets the programs with --masquerade-all: {}",
+        lab.agents[0].log()
+    );
+    let c = lab.client_path();
+    // Every flow is masqueraded, to the local backend too; a cluster IP routed to the node
+    // from outside the cluster CIDR is served and masqueraded as well.
+    for fe in [format!("{NODE_A}:30080"), "198.19.0.30:80".to_string()] {
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..16 {
+            let (name, peer) =
+                tcp_whoami(&c, &fe, T).unwrap_or_else(|e| panic!("TCP to {fe}: {e}"));
+            assert_eq!(ip_of(&peer), NODE_A, "{fe} -> {name}");
+            seen.insert(name);
+        }
+        assert_eq!(seen.len(), 2, "{fe}: {seen:?}");
+        let (name, peer) = udp_whoami(&c, &fe.replace(":30080", ":30053").replace(":80", ":53"), T)
+            .unwrap_or_else(|e| panic!("UDP to {fe}: errno {e}"));
+        assert_eq!(ip_of(&peer), NODE_A, "{fe} -> {name} (UDP)");
+    }
 }

@@ -37,9 +37,10 @@ use aya::{
 use proxy_common::{
     ALL_MAPS,
     nat::{
-        CONNTRACK, CtEntry, CtKey, IFACE_ADDRS, IfaceAddr, LOCAL_ENDPOINTS, SOURCE_RANGE_ALLOW,
-        SOURCE_RANGE_RESTRICTED, SOURCE_RANGES, SourceRange, TC_CFG_MASQUERADE_ALL, TC_CONFIG,
-        TC_COUNTERS, TC_MAPS, TcConfig, TcCounter,
+        CONNTRACK, CtEntry, CtKey, IFACE_ADDRS, IFACE_F_POD, IfaceAddr, LOCAL_ENDPOINTS,
+        SOURCE_RANGE_ALLOW, SOURCE_RANGE_RESTRICTED, SOURCE_RANGES, SourceRange,
+        TC_CFG_CLUSTER_CIDR_V4, TC_CFG_MASQUERADE_ALL, TC_CONFIG, TC_COUNTERS, TC_MAPS, TcConfig,
+        TcCounter,
     },
 };
 use tracing::{error, info};
@@ -62,6 +63,11 @@ pub struct TcArgs {
     /// when the backend runs on this node (kube-proxy's --masquerade-all).
     #[arg(long)]
     pub masquerade_all: bool,
+    /// Pod CIDRs of the cluster, comma-separated: a flow to a cluster IP that reaches the
+    /// node from a client outside them is source-NATed (kube-proxy's --cluster-cidr). Only
+    /// the IPv4 prefix is used by the tc path (IPv4 only for now).
+    #[arg(long, value_delimiter = ',')]
+    pub cluster_cidr: Vec<String>,
 }
 
 /// Name of the ingress program in the object.
@@ -246,6 +252,32 @@ pub fn source_ranges(
     out
 }
 
+/// The IPv4 routes of this network namespace from `/proc/net/route`: (device, network,
+/// prefix length).
+fn ipv4_routes() -> Vec<(String, u32, u8)> {
+    let text = fs::read_to_string("/proc/net/route").unwrap_or_default();
+    text.lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            // Destination and Mask are hex of the address in memory (network) order.
+            let dest = u32::from_str_radix(f.get(1)?, 16).ok()?;
+            let mask = u32::from_str_radix(f.get(7)?, 16).ok()?;
+            let net = u32::from_be_bytes(dest.to_ne_bytes());
+            let len = mask.count_ones() as u8;
+            Some((f[0].to_string(), net, len))
+        })
+        .collect()
+}
+
+fn mask_v4(a: u32, len: u8) -> u32 {
+    if len == 0 {
+        0
+    } else {
+        a & (u32::MAX << (32 - len as u32))
+    }
+}
+
 /// Clears the bits of `a` after the first `bits`.
 fn mask(a: &mut [u8; 16], bits: u32) {
     for (i, b) in a.iter_mut().enumerate() {
@@ -263,21 +295,30 @@ impl TcPath {
     /// `loader::load_and_attach`, which pins the tc maps too) and writes its configuration.
     /// Nothing is attached until [`TcPath::sync`] knows the interfaces.
     pub fn new(dir: &Path, args: TcArgs) -> Result<Self> {
+        let mut config = TcConfig::default();
+        if args.masquerade_all {
+            config.flags |= TC_CFG_MASQUERADE_ALL;
+        }
+        for c in args
+            .cluster_cidr
+            .iter()
+            .map(|c| c.trim())
+            .filter(|c| !c.is_empty())
+        {
+            let cidr: Cidr = c
+                .parse()
+                .map_err(|e| anyhow::anyhow!("--cluster-cidr: {e}"))?;
+            if let IpAddr::V4(a) = cidr.addr {
+                if config.flags & TC_CFG_CLUSTER_CIDR_V4 != 0 {
+                    bail!("--cluster-cidr: give at most one IPv4 prefix");
+                }
+                config.flags |= TC_CFG_CLUSTER_CIDR_V4;
+                config.cluster_cidr_v4 = a.octets();
+                config.cluster_cidr_v4_len = cidr.len;
+            }
+        }
         let mut cfg: Array<MapData, TcConfig> = open(dir, TC_CONFIG)?;
-        let flags = if args.masquerade_all {
-            TC_CFG_MASQUERADE_ALL
-        } else {
-            0
-        };
-        cfg.set(
-            0,
-            TcConfig {
-                flags,
-                ..Default::default()
-            },
-            0,
-        )
-        .context("write TC_CONFIG")?;
+        cfg.set(0, config, 0).context("write TC_CONFIG")?;
         Ok(Self {
             dir: dir.to_path_buf(),
             args,
@@ -339,8 +380,44 @@ impl TcPath {
             .collect())
     }
 
+    /// With `--masquerade-all`, the pod-facing interfaces: those this netns routes this
+    /// node's endpoints through (longest match in `/proc/net/route`, default routes
+    /// excluded), other than the external ones. Masqueraded flows to local backends get their
+    /// SNAT stage and their replies there. Only when external interfaces were found, so an
+    /// agent without node addresses in its netns attaches nothing at all.
+    fn pod_interfaces(
+        &self,
+        objects: &ObjectSet,
+        node: &NodeInfo,
+        external: &BTreeMap<String, Vec<IpAddr>>,
+    ) -> BTreeMap<String, Vec<IpAddr>> {
+        let mut out = BTreeMap::new();
+        if !self.args.masquerade_all || external.is_empty() {
+            return out;
+        }
+        let routes = ipv4_routes();
+        let all = interface_addresses().unwrap_or_default();
+        for ip in local_endpoints(objects, node) {
+            let IpAddr::V4(v4) = ip else { continue };
+            let a = u32::from(v4);
+            let best = routes
+                .iter()
+                .filter(|(_, net, len)| *len > 0 && mask_v4(a, *len) == mask_v4(*net, *len))
+                .max_by_key(|(_, _, len)| *len);
+            if let Some((dev, _, _)) = best
+                && !external.contains_key(dev)
+                && dev != "lo"
+            {
+                out.insert(dev.clone(), all.get(dev).cloned().unwrap_or_default());
+            }
+        }
+        out
+    }
+
     fn sync_interfaces(&mut self, objects: &ObjectSet, node: &NodeInfo) -> Result<()> {
-        let wanted = self.selected(objects, node)?;
+        let mut wanted = self.selected(objects, node)?;
+        let pods = self.pod_interfaces(objects, node, &wanted);
+        wanted.extend(pods.iter().map(|(k, v)| (k.clone(), v.clone())));
         let ips = node_ips(objects, node);
         let mut addrs: HashMap<MapData, u32, IfaceAddr> = open(&self.dir, IFACE_ADDRS)?;
         for (name, a) in &wanted {
@@ -354,6 +431,12 @@ impl TcPath {
                 .or_else(|| a.iter().find(|ip| ip.is_ipv4()));
             let value = IfaceAddr {
                 v4: v4.map(|ip| ip_to_bytes(*ip)).unwrap_or([0; 16]),
+                flags: if pods.contains_key(name) {
+                    IFACE_F_POD
+                } else {
+                    0
+                },
+                _pad: 0,
             };
             if addrs.get(&ifindex, 0).ok() != Some(value) {
                 addrs
