@@ -719,3 +719,37 @@ fn masquerade_all_and_cluster_ips_from_outside_the_cluster_cidr() {
         assert_eq!(ip_of(&peer), NODE_A, "{fe} -> {name} (UDP)");
     }
 }
+
+#[test]
+fn fragmentation_needed_reaches_the_client_for_path_mtu_discovery() {
+    let mut lab = Lab::new("pm");
+    web(&lab, "", &[(POD_B0, "node-b")]);
+    // node-b forwards to its pods over a 1200-byte link: a full-size DF segment from node-a
+    // (SNAT, node-a -> b0) gets "fragmentation needed" back from node-b, which node-a must
+    // translate for the client (quoting client -> node-a:30080), or the flow stalls.
+    lab.nodes[1]
+        .ip(&["link", "set", "br0", "mtu", "1200"])
+        .unwrap();
+    lab.start_agent(0, &[]);
+    lab.start_agent(1, &[]);
+    let c = lab.client_path();
+    let to: SocketAddr = format!("{NODE_A}:30080").parse().unwrap();
+    let echoed = in_netns(&c, move || {
+        let s = TcpStream::connect_timeout(&to, T).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut w = s.try_clone().unwrap();
+        let mut r = BufReader::new(s);
+        let mut name = String::new();
+        r.read_line(&mut name).unwrap();
+        let big = "x".repeat(6000);
+        w.write_all(format!("{big}\n").as_bytes()).unwrap();
+        let mut l = String::new();
+        r.read_line(&mut l)
+            .map(|_| l.trim().len())
+            .map_err(|e| e.to_string())
+    })
+    .unwrap();
+    assert_eq!(echoed, Ok(3 + 6000), "the large line came back");
+    let counters = tc::counters(&lab.agents[0].pin).unwrap();
+    assert!(counters["tc_icmp_translated"] > 0, "{counters:?}");
+}
