@@ -36,7 +36,7 @@
 
 use aya_ebpf::{
     bindings::bpf_fib_lookup,
-    bindings::{BPF_ANY, BPF_NOEXIST, TC_ACT_OK, TC_ACT_SHOT},
+    bindings::{BPF_ANY, BPF_NOEXIST, TC_ACT_SHOT},
     btf_maps::lpm_trie::Key,
     helpers::{
         bpf_fib_lookup, bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_redirect, bpf_redirect_neigh,
@@ -66,6 +66,12 @@ use crate::{
     },
 };
 
+/// Verdict for a packet these programs let through, translated or not: `TCX_NEXT`
+/// (`TC_ACT_UNSPEC`), so programs attached after ours on the same hook (a CNI's) still see
+/// it; at the end of the chain it passes. During an agent restart the old and the new
+/// generation both run: the second finds nothing to do on a packet the first translated
+/// (no entry is keyed by a translated tuple on the same side).
+const PASS: i32 = -1;
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
 const PROTO_ICMP: u8 = 1;
@@ -124,33 +130,33 @@ fn l4_csum_off(proto: u8) -> usize {
 
 #[inline(always)]
 fn on_packet<const INGRESS: bool>(ctx: &TcContext) -> Result<i32, i32> {
-    let ethertype = u16::from_be(ctx.load::<u16>(12).map_err(|_| TC_ACT_OK)?);
+    let ethertype = u16::from_be(ctx.load::<u16>(12).map_err(|_| PASS)?);
     if ethertype != ETH_P_IP {
-        return Ok(TC_ACT_OK);
+        return Ok(PASS);
     }
-    let ver_ihl: u8 = ctx.load(ETH_HLEN).map_err(|_| TC_ACT_OK)?;
+    let ver_ihl: u8 = ctx.load(ETH_HLEN).map_err(|_| PASS)?;
     if ver_ihl >> 4 != 4 {
-        return Ok(TC_ACT_OK);
+        return Ok(PASS);
     }
     let ihl = ((ver_ihl & 0x0f) as usize) * 4;
     if ihl < 20 {
-        return Ok(TC_ACT_OK);
+        return Ok(PASS);
     }
-    let frag: u16 = u16::from_be(ctx.load(ETH_HLEN + 6).map_err(|_| TC_ACT_OK)?);
+    let frag: u16 = u16::from_be(ctx.load(ETH_HLEN + 6).map_err(|_| PASS)?);
     if frag & 0x1fff != 0 {
-        return Ok(TC_ACT_OK); // a later fragment: no ports to translate by
+        return Ok(PASS); // a later fragment: no ports to translate by
     }
-    let proto: u8 = ctx.load(ETH_HLEN + 9).map_err(|_| TC_ACT_OK)?;
+    let proto: u8 = ctx.load(ETH_HLEN + 9).map_err(|_| PASS)?;
     let l4 = ETH_HLEN + ihl;
-    let saddr: [u8; 4] = ctx.load(IP_SRC_OFF).map_err(|_| TC_ACT_OK)?;
-    let daddr: [u8; 4] = ctx.load(IP_DST_OFF).map_err(|_| TC_ACT_OK)?;
+    let saddr: [u8; 4] = ctx.load(IP_SRC_OFF).map_err(|_| PASS)?;
+    let daddr: [u8; 4] = ctx.load(IP_DST_OFF).map_err(|_| PASS)?;
     if proto == PROTO_ICMP {
         let v = on_icmp(ctx, l4, u32::from_ne_bytes(saddr));
         if v == ICMP_TRANSLATED {
             if INGRESS {
                 let (s, d) = (
-                    ctx.load::<[u8; 4]>(IP_SRC_OFF).map_err(|_| TC_ACT_OK)?,
-                    ctx.load::<[u8; 4]>(IP_DST_OFF).map_err(|_| TC_ACT_OK)?,
+                    ctx.load::<[u8; 4]>(IP_SRC_OFF).map_err(|_| PASS)?,
+                    ctx.load::<[u8; 4]>(IP_DST_OFF).map_err(|_| PASS)?,
                 );
                 return Ok(redirect_out(
                     ctx,
@@ -158,16 +164,16 @@ fn on_packet<const INGRESS: bool>(ctx: &TcContext) -> Result<i32, i32> {
                     &v4_mapped(u32::from_ne_bytes(d)),
                 ));
             }
-            return Ok(TC_ACT_OK);
+            return Ok(PASS);
         }
         return Ok(v);
     }
     if proto != PROTO_TCP && proto != PROTO_UDP {
-        return Ok(TC_ACT_OK);
+        return Ok(PASS);
     }
-    let ports: [u8; 4] = ctx.load(l4).map_err(|_| TC_ACT_OK)?;
+    let ports: [u8; 4] = ctx.load(l4).map_err(|_| PASS)?;
     let tcp_flags: u8 = if proto == PROTO_TCP {
-        ctx.load(l4 + 13).map_err(|_| TC_ACT_OK)?
+        ctx.load(l4 + 13).map_err(|_| PASS)?
     } else {
         0
     };
@@ -185,7 +191,7 @@ fn on_packet<const INGRESS: bool>(ctx: &TcContext) -> Result<i32, i32> {
     let now = unsafe { bpf_ktime_get_ns() };
     let v = tracked(ctx, &pkt, tcp_flags, now, INGRESS);
     if v != NOT_TRACKED || !INGRESS {
-        return Ok(if v == NOT_TRACKED { TC_ACT_OK } else { v });
+        return Ok(if v == NOT_TRACKED { PASS } else { v });
     }
     Ok(new_flow(ctx, &pkt, now))
 }
@@ -222,10 +228,7 @@ fn tracked(ctx: &TcContext, pkt: &Pkt, tcp_flags: u8, now: u64, ingress: bool) -
     touch_peer(&entry, proto, flags, now);
     count(TcCounter::Translated);
     let v = rewrite(ctx, pkt, &entry);
-    if v == TC_ACT_OK
-        && ingress
-        && entry.flags & (CT_F_REPLY | CT_F_SNAT) == (CT_F_REPLY | CT_F_SNAT)
-    {
+    if v == PASS && ingress && entry.flags & (CT_F_REPLY | CT_F_SNAT) == (CT_F_REPLY | CT_F_SNAT) {
         return redirect_out(ctx, &entry.saddr, &entry.daddr);
     }
     v
@@ -240,7 +243,7 @@ fn tracked(ctx: &TcContext, pkt: &Pkt, tcp_flags: u8, now: u64, ingress: bool) -
 #[inline(never)]
 fn redirect_out(ctx: &TcContext, src: &[u8; 16], dst: &[u8; 16]) -> i32 {
     let Some(sc) = TC_SCRATCH.get_ptr_mut(0) else {
-        return TC_ACT_OK;
+        return PASS;
     };
     // SAFETY: this CPU's scratch slot; the FIB parameters are plain integers.
     let f = unsafe { &mut (*sc).fib };
@@ -262,7 +265,7 @@ fn redirect_out(ctx: &TcContext, src: &[u8; 16], dst: &[u8; 16]) -> i32 {
         0 => {
             let (smac, dmac, ifindex) = (f.smac, f.dmac, f.ifindex);
             if ctx.store(0, &dmac, 0).is_err() || ctx.store(6, &smac, 0).is_err() {
-                return TC_ACT_OK;
+                return PASS;
             }
             // SAFETY: helper without memory arguments.
             unsafe { bpf_redirect(ifindex, 0) as i32 }
@@ -270,7 +273,7 @@ fn redirect_out(ctx: &TcContext, src: &[u8; 16], dst: &[u8; 16]) -> i32 {
         // BPF_FIB_LKUP_RET_NO_NEIGH: let the kernel resolve the next hop.
         // SAFETY: helper without memory arguments (no explicit next hop).
         7 => unsafe { bpf_redirect_neigh(f.ifindex, core::ptr::null_mut(), 0, 0) as i32 },
-        _ => TC_ACT_OK,
+        _ => PASS,
     }
 }
 
@@ -367,7 +370,7 @@ fn try_new_flow(ctx: &TcContext, pkt: &Pkt, now: u64) -> Result<i32, i32> {
         .map(|p| unsafe { (*p).flags })
         .unwrap_or(0);
     if iface_flags & IFACE_F_POD != 0 {
-        return Ok(TC_ACT_OK); // pods start flows at the socket, not here
+        return Ok(PASS); // pods start flows at the socket, not here
     }
     let mut fkey = FrontendKey {
         addr: k.daddr,
@@ -384,12 +387,12 @@ fn try_new_flow(ctx: &TcContext, pkt: &Pkt, now: u64) -> Result<i32, i32> {
             fkey.scope = SCOPE_NODE;
             match unsafe { FRONTENDS.get(fkey).copied() } {
                 Some(fe) if fe.flags & FRONTEND_F_EXTERNAL == 0 => (fe, true),
-                _ => return Ok(TC_ACT_OK),
+                _ => return Ok(PASS),
             }
         }
     };
     if fe.flags & FRONTEND_F_VIP_MARKER != 0 {
-        return Ok(TC_ACT_OK);
+        return Ok(PASS);
     }
     if denied_by_source_ranges(&k.daddr, &k.saddr) {
         return drop_with(TcCounter::SourceRangeDenied);
@@ -588,7 +591,7 @@ fn denied_by_source_ranges(dst: &[u8; 16], src: &[u8; 16]) -> bool {
 #[inline(never)]
 fn rewrite(ctx: &TcContext, pkt: &Pkt, to: &CtEntry) -> i32 {
     match try_rewrite(ctx, pkt, to) {
-        Ok(()) => TC_ACT_OK,
+        Ok(()) => PASS,
         Err(v) => v,
     }
 }
@@ -656,24 +659,24 @@ fn on_icmp(ctx: &TcContext, l4: usize, outer_src: u32) -> i32 {
 
 #[inline(always)]
 fn try_icmp(ctx: &TcContext, l4: usize, outer_src: u32) -> Result<i32, i32> {
-    let ty: u8 = ctx.load(l4).map_err(|_| TC_ACT_OK)?;
+    let ty: u8 = ctx.load(l4).map_err(|_| PASS)?;
     if ty != ICMP_DEST_UNREACH && ty != ICMP_TIME_EXCEEDED {
-        return Ok(TC_ACT_OK);
+        return Ok(PASS);
     }
     let inner = l4 + 8;
-    let inner_vihl: u8 = ctx.load(inner).map_err(|_| TC_ACT_OK)?;
+    let inner_vihl: u8 = ctx.load(inner).map_err(|_| PASS)?;
     if inner_vihl >> 4 != 4 {
-        return Ok(TC_ACT_OK);
+        return Ok(PASS);
     }
     let inner_l4 = inner + ((inner_vihl & 0x0f) as usize) * 4;
-    let proto: u8 = ctx.load(inner + 9).map_err(|_| TC_ACT_OK)?;
+    let proto: u8 = ctx.load(inner + 9).map_err(|_| PASS)?;
     if proto != PROTO_TCP && proto != PROTO_UDP {
-        return Ok(TC_ACT_OK);
+        return Ok(PASS);
     }
-    let isrc: u32 = ctx.load(inner + 12).map_err(|_| TC_ACT_OK)?;
-    let idst: u32 = ctx.load(inner + 16).map_err(|_| TC_ACT_OK)?;
-    let isport: u16 = ctx.load(inner_l4).map_err(|_| TC_ACT_OK)?;
-    let idport: u16 = ctx.load(inner_l4 + 2).map_err(|_| TC_ACT_OK)?;
+    let isrc: u32 = ctx.load(inner + 12).map_err(|_| PASS)?;
+    let idst: u32 = ctx.load(inner + 16).map_err(|_| PASS)?;
+    let isport: u16 = ctx.load(inner_l4).map_err(|_| PASS)?;
+    let idport: u16 = ctx.load(inner_l4 + 2).map_err(|_| PASS)?;
     // The quoted packet reversed: the key of the direction this error travels.
     let rkey = CtKey {
         saddr: v4_mapped(idst),
@@ -684,7 +687,7 @@ fn try_icmp(ctx: &TcContext, l4: usize, outer_src: u32) -> Result<i32, i32> {
         _pad: [0; 3],
     };
     let Some(e) = TC_CONNTRACK.get_ptr(rkey) else {
-        return Ok(TC_ACT_OK);
+        return Ok(PASS);
     };
     let w = |a: &[u8; 16]| u32::from_ne_bytes([a[12], a[13], a[14], a[15]]);
     // SAFETY: a value of the map, read field by field.
@@ -703,7 +706,7 @@ fn try_icmp(ctx: &TcContext, l4: usize, outer_src: u32) -> Result<i32, i32> {
     let icmp_csum = l4 + 2;
     // Outer header: destination -> the entry's destination; source -> the entry's source
     // when the error comes from the flow's peer itself (not from a router on the way).
-    let outer_dst: u32 = ctx.load(IP_DST_OFF).map_err(|_| TC_ACT_OK)?;
+    let outer_dst: u32 = ctx.load(IP_DST_OFF).map_err(|_| PASS)?;
     if outer_dst != new_dst {
         ctx.store(IP_DST_OFF, &new_dst, 0).map_err(fail)?;
         ctx.l3_csum_replace(IP_CSUM_OFF, outer_dst as u64, new_dst as u64, 4)
@@ -722,11 +725,11 @@ fn try_icmp(ctx: &TcContext, l4: usize, outer_src: u32) -> Result<i32, i32> {
         if old == new {
             continue;
         }
-        let old_ck: u16 = ctx.load(iphdr_csum).map_err(|_| TC_ACT_OK)?;
+        let old_ck: u16 = ctx.load(iphdr_csum).map_err(|_| PASS)?;
         ctx.store(off, &new, 0).map_err(fail)?;
         ctx.l3_csum_replace(iphdr_csum, old as u64, new as u64, 4)
             .map_err(fail)?;
-        let new_ck: u16 = ctx.load(iphdr_csum).map_err(|_| TC_ACT_OK)?;
+        let new_ck: u16 = ctx.load(iphdr_csum).map_err(|_| PASS)?;
         ctx.l4_csum_replace(icmp_csum, old as u64, new as u64, 4)
             .map_err(fail)?;
         ctx.l4_csum_replace(icmp_csum, old_ck as u64, new_ck as u64, 2)

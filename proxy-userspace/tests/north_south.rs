@@ -47,6 +47,9 @@ struct Agent {
     pin: PathBuf,
     log: PathBuf,
     cg: TestCgroup,
+    /// Node index and extra flags, for a restart.
+    node: usize,
+    extra: Vec<String>,
 }
 
 impl Drop for Agent {
@@ -233,8 +236,37 @@ impl Lab {
         let _ = loader::cleanup(&pin);
         let cg = TestCgroup::create(&format!("ebpf-proxy-ns4-{}-{node}", self.tag)).unwrap();
         let log = self.manifests.path().with_extension(format!("{node}.log"));
-        let logf = std::fs::File::create(&log).unwrap();
-        let child = self.nodes[i]
+        let child = self.spawn_agent(i, &cg, &log, extra);
+        let agent = Agent {
+            child: Some(child),
+            pin,
+            log,
+            cg,
+            node: i,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+        };
+        wait_started(&agent);
+        self.agents.push(agent);
+    }
+
+    /// Kills agent `a` (SIGKILL, as a crash: the pinned data path stays) and starts it again
+    /// on the same pin directory, which it adopts.
+    fn restart_agent(&mut self, a: usize) {
+        if let Some(mut c) = self.agents[a].child.take() {
+            c.kill();
+        }
+        let (i, extra) = (self.agents[a].node, self.agents[a].extra.clone());
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        let child = self.spawn_agent(i, &self.agents[a].cg, &self.agents[a].log, &extra);
+        self.agents[a].child = Some(child);
+        wait_started(&self.agents[a]);
+    }
+
+    fn spawn_agent(&self, i: usize, cg: &TestCgroup, log: &Path, extra: &[&str]) -> ChildGuard {
+        let node = ["node-a", "node-b"][i];
+        let pin_dir = format!("ebpf-proxy-ns4-{}-{node}", self.tag);
+        let logf = std::fs::File::create(log).unwrap();
+        self.nodes[i]
             .spawn(
                 None,
                 Command::new(AGENT)
@@ -249,30 +281,27 @@ impl Lab {
                     .stdout(Stdio::null())
                     .stderr(logf),
             )
-            .expect("agent");
-        let agent = Agent {
-            child: Some(child),
-            pin,
-            log,
-            cg,
-        };
-        let start = Instant::now();
-        loop {
-            let l = agent.log();
-            if l.contains("sync done") && l.contains("north-south programs attached") {
-                break;
-            }
-            assert!(
-                start.elapsed() < Duration::from_secs(20),
-                "agent {node} did not start; log:\n{l}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        self.agents.push(agent);
+            .expect("agent")
     }
 
     fn client_path(&self) -> PathBuf {
         self.client.path()
+    }
+}
+
+/// Waits (at most 20 s) until the agent synced and attached its tc programs.
+fn wait_started(agent: &Agent) {
+    let start = Instant::now();
+    loop {
+        let l = agent.log();
+        if l.contains("sync done") && l.contains("north-south programs attached") {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "agent did not start; log:\n{l}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
@@ -438,28 +467,44 @@ fn long_lived_tcp_stream_and_icmp_port_unreachable() {
     lab.start_agent(0, &[]);
     lab.start_agent(1, &[]);
     let c = lab.client_path();
-    // One connection, many request/response rounds over a few seconds.
+    // One connection, many request/response rounds over a few seconds, while node-a's agent
+    // crashes and restarts: the pinned links and conntrack keep the stream going.
     let to: SocketAddr = format!("{NODE_A}:30080").parse().unwrap();
-    let rounds = in_netns(&c, move || {
-        let s = TcpStream::connect_timeout(&to, T).unwrap();
-        s.set_read_timeout(Some(T)).unwrap();
-        let mut w = s.try_clone().unwrap();
-        let mut r = BufReader::new(s);
-        let mut name = String::new();
-        r.read_line(&mut name).unwrap();
-        let mut n = 0;
-        for i in 0..200 {
-            w.write_all(format!("line-{i}\n").as_bytes()).unwrap();
-            let mut l = String::new();
-            r.read_line(&mut l).unwrap();
-            assert_eq!(l.trim(), format!("{} line-{i}", name.trim()));
-            n += 1;
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        n
-    })
-    .unwrap();
+    let c2 = c.clone();
+    let stream = std::thread::spawn(move || {
+        in_netns(&c2, move || {
+            let s = TcpStream::connect_timeout(&to, T).unwrap();
+            s.set_read_timeout(Some(T)).unwrap();
+            let mut w = s.try_clone().unwrap();
+            let mut r = BufReader::new(s);
+            let mut name = String::new();
+            r.read_line(&mut name).unwrap();
+            let mut n = 0;
+            for i in 0..200 {
+                w.write_all(format!("line-{i}\n").as_bytes()).unwrap();
+                let mut l = String::new();
+                r.read_line(&mut l).unwrap();
+                assert_eq!(l.trim(), format!("{} line-{i}", name.trim()));
+                n += 1;
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            n
+        })
+        .unwrap()
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    lab.restart_agent(0);
+    let rounds = stream
+        .join()
+        .expect("the stream survived the agent restart");
     assert_eq!(rounds, 200);
+    // The new agent replaced the links: one tcx program per hook and interface again.
+    let links = std::fs::read_dir(&lab.agents[0].pin)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("link_tc_"))
+        .count();
+    assert_eq!(links, 2, "link_tc_ingress_eth0 and link_tc_egress_eth0");
     // Nothing listens on 5999: the backend's ICMP port unreachable, translated back to the
     // frontend, fails the client's connected UDP socket with ECONNREFUSED.
     let mut refused = 0;
