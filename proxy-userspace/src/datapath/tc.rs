@@ -599,3 +599,108 @@ pub fn counters(dir: &Path) -> Result<BTreeMap<&'static str, u64>> {
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{model::build, source::manifests::parse_documents};
+
+    fn objects(yaml: &str) -> ObjectSet {
+        let (objs, errors) = parse_documents("test.yaml", yaml);
+        assert!(errors.is_empty(), "fixture errors: {errors:?}");
+        let mut set = ObjectSet::default();
+        for o in objs {
+            set.insert(o);
+        }
+        set
+    }
+
+    const LB: &str = "apiVersion: v1\nkind: Service\nmetadata: {name: lb, namespace: default}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.10\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 31000\n  loadBalancerSourceRanges: ['192.0.2.0/24', ' 198.51.100.7/32', 'bogus', '2001:db8::/32']\n  ports: [{port: 80, nodePort: 30080}]\nstatus: {loadBalancer: {ingress: [{ip: 203.0.113.9}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: lb-1, namespace: default, labels: {kubernetes.io/service-name: lb}}\naddressType: IPv4\nports: [{port: 80}]\nendpoints:\n- {addresses: [10.0.1.5], nodeName: node-1}\n- {addresses: [10.0.2.5], nodeName: node-2}\n---\napiVersion: v1\nkind: Node\nmetadata: {name: node-1}\nstatus: {addresses: [{type: InternalIP, address: 192.0.2.50}, {type: Hostname, address: n1}]}\n";
+
+    fn node() -> NodeInfo {
+        NodeInfo {
+            name: "node-1".into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn source_ranges_restrict_lb_ips_with_valid_ranges_of_their_family() {
+        let objs = objects(LB);
+        let (state, _) = build(&objs, &node());
+        let mut errors = Vec::new();
+        let r = source_ranges(&objs, &state, &mut errors);
+        assert_eq!(
+            errors,
+            [
+                "test.yaml: Service default/lb: loadBalancerSourceRanges: \"bogus\" is not a CIDR (ADDR/LEN); range ignored"
+            ]
+        );
+        let lb = ip_to_bytes("203.0.113.9".parse().unwrap());
+        let marker = SourceRange {
+            lb_addr: lb,
+            client: [0; 16],
+        };
+        assert_eq!(r.get(&(128, marker)), Some(&SOURCE_RANGE_RESTRICTED));
+        let net = SourceRange {
+            lb_addr: lb,
+            client: ip_to_bytes("192.0.2.0".parse().unwrap()),
+        };
+        assert_eq!(r.get(&(128 + 96 + 24, net)), Some(&SOURCE_RANGE_ALLOW));
+        // The IPv6 range does not apply to an IPv4 LB IP: marker + two ranges.
+        assert_eq!(r.len(), 3, "{r:?}");
+    }
+
+    #[test]
+    fn all_invalid_ranges_allow_everyone() {
+        let yaml = LB.replace(
+            "['192.0.2.0/24', ' 198.51.100.7/32', 'bogus', '2001:db8::/32']",
+            "['bogus']",
+        );
+        let objs = objects(&yaml);
+        let (state, _) = build(&objs, &node());
+        let mut errors = Vec::new();
+        assert!(source_ranges(&objs, &state, &mut errors).is_empty());
+        assert_eq!(errors.len(), 1);
+    }
+
+    #[test]
+    fn local_endpoints_node_ips_and_health_checks() {
+        let objs = objects(LB);
+        let n = node();
+        assert_eq!(
+            local_endpoints(&objs, &n),
+            BTreeSet::from(["10.0.1.5".parse().unwrap()])
+        );
+        assert_eq!(
+            node_ips(&objs, &n),
+            BTreeSet::from(["192.0.2.50".parse().unwrap()])
+        );
+        let (state, _) = build(&objs, &n);
+        let want = crate::healthcheck::wanted(&objs, &state);
+        let c = &want[&31000];
+        assert_eq!((c.namespace.as_str(), c.name.as_str()), ("default", "lb"));
+        assert_eq!(c.local_endpoints, 1);
+        // Another node has no local endpoint: 0 (the server answers 503 there).
+        let (state, _) = build(
+            &objs,
+            &NodeInfo {
+                name: "node-3".into(),
+                ..Default::default()
+            },
+        );
+        assert_eq!(
+            crate::healthcheck::wanted(&objs, &state)[&31000].local_endpoints,
+            0
+        );
+    }
+
+    #[test]
+    fn masks_and_routes() {
+        let mut a = [0xff; 16];
+        mask(&mut a, 96 + 20);
+        assert_eq!(&a[12..], &[0xff, 0xff, 0xf0, 0]);
+        assert_eq!(mask_v4(0xc612_0105, 24), 0xc612_0100);
+        assert_eq!(mask_v4(0xc612_0105, 0), 0);
+    }
+}
