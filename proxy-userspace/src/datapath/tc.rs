@@ -66,8 +66,38 @@ pub struct TcArgs {
     /// Pod CIDRs of the cluster, comma-separated: a flow to a cluster IP that reaches the
     /// node from a client outside them is source-NATed (kube-proxy's --cluster-cidr). Only
     /// the IPv4 prefix is used by the tc path (IPv4 only for now).
-    #[arg(long, value_delimiter = ',')]
-    pub cluster_cidr: Vec<String>,
+    ///
+    /// Checked when the flags are parsed, before anything is attached: each item a CIDR,
+    /// at most one per family.
+    #[arg(long, value_parser = parse_cluster_cidrs)]
+    pub cluster_cidr: Option<ClusterCidrs>,
+}
+
+/// `--cluster-cidr`: the cluster's pod CIDRs, at most one per family.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ClusterCidrs {
+    /// The IPv4 prefix.
+    pub v4: Option<Cidr>,
+    /// The IPv6 prefix (not used by the tc path yet).
+    pub v6: Option<Cidr>,
+}
+
+/// Parses `--cluster-cidr`: comma-separated CIDRs, at most one per family; errors name the
+/// bad item.
+pub fn parse_cluster_cidrs(s: &str) -> Result<ClusterCidrs, String> {
+    let mut out = ClusterCidrs::default();
+    for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let c: Cidr = item.parse()?;
+        let slot = if c.addr.is_ipv4() {
+            &mut out.v4
+        } else {
+            &mut out.v6
+        };
+        if slot.replace(c).is_some() {
+            return Err(format!("{item:?}: at most one CIDR per IP family"));
+        }
+    }
+    Ok(out)
 }
 
 /// Name of the ingress program in the object.
@@ -299,23 +329,20 @@ impl TcPath {
         if args.masquerade_all {
             config.flags |= TC_CFG_MASQUERADE_ALL;
         }
-        for c in args
+        if let Some(IpAddr::V4(a)) = args
             .cluster_cidr
-            .iter()
-            .map(|c| c.trim())
-            .filter(|c| !c.is_empty())
+            .as_ref()
+            .and_then(|c| c.v4)
+            .map(|c| c.addr)
         {
-            let cidr: Cidr = c
-                .parse()
-                .map_err(|e| anyhow::anyhow!("--cluster-cidr: {e}"))?;
-            if let IpAddr::V4(a) = cidr.addr {
-                if config.flags & TC_CFG_CLUSTER_CIDR_V4 != 0 {
-                    bail!("--cluster-cidr: give at most one IPv4 prefix");
-                }
-                config.flags |= TC_CFG_CLUSTER_CIDR_V4;
-                config.cluster_cidr_v4 = a.octets();
-                config.cluster_cidr_v4_len = cidr.len;
-            }
+            config.flags |= TC_CFG_CLUSTER_CIDR_V4;
+            config.cluster_cidr_v4 = a.octets();
+            config.cluster_cidr_v4_len = args
+                .cluster_cidr
+                .as_ref()
+                .and_then(|c| c.v4)
+                .map(|c| c.len)
+                .unwrap_or(0);
         }
         let mut cfg: Array<MapData, TcConfig> = open(dir, TC_CONFIG)?;
         cfg.set(0, config, 0).context("write TC_CONFIG")?;
@@ -693,6 +720,15 @@ mod tests {
             crate::healthcheck::wanted(&objs, &state)[&31000].local_endpoints,
             0
         );
+    }
+
+    #[test]
+    fn cluster_cidr_flag_one_per_family() {
+        let c = parse_cluster_cidrs("10.244.0.0/16, fd00:10:244::/56").unwrap();
+        assert_eq!(c.v4.unwrap().to_string(), "10.244.0.0/16");
+        assert_eq!(c.v6.unwrap().to_string(), "fd00:10:244::/56");
+        assert!(parse_cluster_cidrs("10.0.0.0/8,10.1.0.0/16").is_err());
+        assert!(parse_cluster_cidrs("10.0.0/8").is_err());
     }
 
     #[test]
