@@ -24,6 +24,8 @@
 
 #![no_std]
 
+pub mod nat;
+
 /// IANA protocol number of TCP.
 pub const PROTO_TCP: u8 = 6;
 /// IANA protocol number of UDP.

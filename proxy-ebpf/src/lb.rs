@@ -141,6 +141,8 @@ pub struct Request {
     pub port: [u8; 2],
     /// IANA protocol.
     pub proto: u8,
+    /// `FrontendKey::scope` the frontend was found under (a retry looks it up again there).
+    pub scope: u8,
     /// Who connects.
     pub client: Client,
 }
@@ -184,7 +186,7 @@ pub fn select(fe: &Frontend, req: &Request) -> u32 {
         _ => 0,
     };
     if id == 0 {
-        id = choose(fe, &req.addr, req.port, req.proto);
+        id = choose(fe, req);
     }
     if fe.affinity_timeout_s != 0 && id != 0 {
         remember_affinity(fe.affinity_group, &client.addr, id, now);
@@ -440,7 +442,7 @@ fn by_maglev(fe: &Frontend, hash: u32) -> u32 {
 /// value when a slot vanished under us (the agent shrank the service concurrently); 0 when
 /// there is none. Not inlined (stack).
 #[inline(never)]
-pub fn choose(fe: &Frontend, addr: &[u8; 16], port: [u8; 2], proto: u8) -> u32 {
+pub fn choose(fe: &Frontend, req: &Request) -> u32 {
     if fe.backend_count == 0 {
         return 0;
     }
@@ -448,7 +450,16 @@ pub fn choose(fe: &Frontend, addr: &[u8; 16], port: [u8; 2], proto: u8) -> u32 {
         return id;
     }
     count(Counter::SlotMiss);
-    if let Lookup::Frontend(fe2) = lookup(addr, port, proto)
+    // Again under the same scope: an ingress frontend must not fall back to the node set.
+    let key = FrontendKey {
+        addr: req.addr,
+        port: req.port,
+        proto: req.proto,
+        scope: req.scope,
+    };
+    // SAFETY: copied out at once.
+    if let Some(fe2) = unsafe { FRONTENDS.get(key).copied() }
+        && fe2.flags & FRONTEND_F_VIP_MARKER == 0
         && let Some((id, _)) = pick(&fe2)
     {
         return id;

@@ -13,6 +13,8 @@ mod lb;
 mod maps;
 mod skb;
 mod sock;
+mod tc;
+mod tc_maps;
 
 #[cfg(not(test))]
 #[panic_handler]

@@ -5,6 +5,7 @@ pub mod check;
 pub mod config;
 pub mod datapath;
 pub mod fakeapi;
+pub mod healthcheck;
 pub mod inspect;
 pub mod maglev;
 pub mod metrics;

@@ -167,6 +167,8 @@ struct RunArgs {
     /// nf_conntrack_udp_timeout (e.g. 30s, 2m).
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     udp_flow_timeout: Duration,
+    #[command(flatten)]
+    tc: proxy_userspace::datapath::tc::TcArgs,
 }
 
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -600,7 +602,7 @@ fn run(args: RunArgs) -> Result<()> {
         None => loader::cgroup2_root()?,
     };
     if let Some(c) = &args.cluster_cidr {
-        info!(cluster_cidr = %c, "cluster CIDR (kept for the packet path, no effect yet)");
+        info!(cluster_cidr = %c, "cluster CIDR");
     }
     if let Some(n) = &args.nodeport_addresses {
         info!(nodeport_addresses = %n, "NodePort addresses");
@@ -642,14 +644,16 @@ fn run(args: RunArgs) -> Result<()> {
             if cap.frontends != args.max_frontends || cap.slots != args.max_backend_slots || cap.backends != args.max_backends {
                 warn!(?cap, "adopted pinned maps keep the sizes they were created with; run `ebpf-proxy cleanup` to resize");
             }
+            let cluster_cidrs = args.cluster_cidr.as_ref().map(|c| c.0.clone()).unwrap_or_default();
+            let tc = proxy_userspace::datapath::tc::TcPath::new(&dir, args.tc.clone(), &cluster_cidrs)?;
             let mut syncer = Syncer::adopt(&maps).context("read the pinned maps")?;
             syncer.set_maglev_size(args.maglev_table_size);
             info!(services = syncer.bound_services(), "adopted state from pinned maps");
             let rx = start_source(&args, &node, config).await?;
-            anyhow::Ok((maps, syncer, rx))
+            anyhow::Ok((maps, syncer, rx, tc))
         }
         .await;
-        let (mut maps, mut syncer, mut rx) = match started {
+        let (mut maps, mut syncer, mut rx, mut tc) = match started {
             Ok(v) => v,
             Err(e) => {
                 if fresh {
@@ -767,6 +771,7 @@ fn run(args: RunArgs) -> Result<()> {
                         model_us,
                         "sync done"
                     );
+                    tc.sync(&snap.objects, &node, &d);
                     desired = Some(d);
                 }
                 Err(e) => {

@@ -17,7 +17,12 @@ const BPF_LINKER_VERSION: &str = "0.13.0";
 /// Target of the eBPF crate.
 const BPF_TARGET: &str = "bpfel-unknown-none";
 /// Commands the tests and the demo need, and the Debian packages that provide them.
-const APT_TOOLS: [(&str, &str); 3] = [("bpftool", "bpftool"), ("ip", "iproute2"), ("curl", "curl")];
+const APT_TOOLS: [(&str, &str); 4] = [
+    ("bpftool", "bpftool"),
+    ("ip", "iproute2"),
+    ("curl", "curl"),
+    ("tcpdump", "tcpdump"),
+];
 const BPFFS: &str = "/sys/fs/bpf";
 
 #[derive(Parser)]
@@ -320,7 +325,7 @@ fn setup() -> Result<()> {
 
     let missing = missing_tools();
     if missing.is_empty() {
-        done("bpftool, ip, curl");
+        done("bpftool, ip, curl, tcpdump");
     } else {
         let names: Vec<&str> = missing.iter().map(|(t, _)| *t).collect();
         doing(&format!("apt packages for {}", names.join(", ")));

@@ -241,9 +241,15 @@ fn serve(name: String, http: Vec<String>, tcp: Vec<String>, udp: Vec<String>) ->
             tasks.spawn(async move {
                 let mut buf = vec![0u8; 65536];
                 loop {
-                    let (_, from) = sock.recv_from(&mut buf).await?;
+                    let (n, from) = sock.recv_from(&mut buf).await?;
+                    // `whoami` gets `NAME PEER`: the client address this server sees.
+                    let reply = if &buf[..n] == b"whoami" {
+                        format!("{name} {from}")
+                    } else {
+                        name.clone()
+                    };
                     // A failed reply (e.g. the client is gone) is not fatal for the server.
-                    let _ = sock.send_to(name.as_bytes(), from).await;
+                    let _ = sock.send_to(reply.as_bytes(), from).await;
                 }
             });
         }
@@ -267,12 +273,19 @@ fn bind_tcp_std(spec: &str) -> Result<std::net::TcpListener> {
     Err(anyhow!("binding TCP {spec}: {:?}", last))
 }
 
-/// Sends `NAME\n`, then answers each line `L` with `NAME L\n` until the client closes.
+/// Sends `NAME\n`, then answers each line `L` with `NAME L\n` until the client closes; the
+/// line `whoami` is answered with `NAME PEER\n`, the client address this server sees (so a
+/// test can check whether a proxy kept the client's source address).
 fn tcp_conn(sock: TcpStream, name: &str) -> io::Result<()> {
     let mut w = sock.try_clone()?;
+    let peer = sock.peer_addr().map(|a| a.to_string()).unwrap_or_default();
     w.write_all(format!("{name}\n").as_bytes())?;
     for line in BufReader::new(sock).lines() {
         let line = line?;
+        if line == "whoami" {
+            w.write_all(format!("{name} {peer}\n").as_bytes())?;
+            continue;
+        }
         w.write_all(format!("{name} {line}\n").as_bytes())?;
     }
     Ok(())

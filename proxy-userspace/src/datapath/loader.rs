@@ -321,7 +321,9 @@ pub fn load_and_attach(dir: &Path, cgroup: &Path, sizes: MapSizes) -> Result<()>
     }
     fs::create_dir_all(dir)
         .with_context(|| format!("pin: create pin directory {}", dir.display()))?;
-    let pins: Vec<(&str, PathBuf)> = ALL_MAPS.iter().map(|m| (*m, dir.join(m))).collect();
+    let pins: Vec<(&str, PathBuf)> = (ALL_MAPS.iter().chain(proxy_common::nat::TC_MAPS.iter()))
+        .map(|m| (*m, dir.join(m)))
+        .collect();
     let mut loader = object_loader(sizes);
     for (name, path) in &pins {
         loader.map_pin_path(name, path.as_path());
@@ -453,7 +455,11 @@ pub fn cleanup(dir: &Path) -> Result<CleanupReport> {
                 Err(_) => drop(fs::remove_file(&path)),
             }
             r.links.push(path);
-        } else if ALL_MAPS.contains(&name.as_str()) {
+        } else if ALL_MAPS
+            .iter()
+            .chain(proxy_common::nat::TC_MAPS.iter())
+            .any(|m| *m == name)
+        {
             fs::remove_file(&path).with_context(|| format!("remove {}", path.display()))?;
             r.maps.push(path);
         }

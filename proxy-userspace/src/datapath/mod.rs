@@ -6,6 +6,7 @@ pub mod addr;
 pub mod fake;
 pub mod loader;
 pub mod maps;
+pub mod tc;
 
 use std::collections::{BTreeMap, BTreeSet};
 

@@ -1,0 +1,275 @@
+//! Layouts of the north-south data path: the tc (tcx) programs on the node's external
+//! interfaces that serve NodePorts, external IPs and load balancer IPs to traffic from
+//! outside the node (issue 4). Same conventions as the crate root: `#[repr(C)]`, explicit
+//! padding, addresses `[u8; 16]` in network byte order (IPv4 stored IPv4-mapped), ports
+//! `[u8; 2]` in network byte order.
+//!
+//! Connection tracking: one LRU map, [`CONNTRACK`], holds two entries per translated flow
+//! (three with SNAT), each of the form "a packet with this tuple is rewritten to that
+//! tuple":
+//! - the *original* entry, keyed by the packet the client sends (client -> frontend), says
+//!   client -> backend (DNAT, at ingress);
+//! - with SNAT, the *SNAT stage* ([`CT_F_EGRESS`]), keyed client -> backend, says
+//!   node address:port -> backend (at egress, after routing);
+//! - the *reply* entry, keyed by the packet the backend sends back (backend -> node
+//!   address:port, or backend -> client), says frontend -> client.
+//!
+//! Reversing an entry's rewritten tuple gives the key of the other entry, so either
+//! direction can update the other (TCP state, liveness). A reply entry with SNAT is also the
+//! SNAT binding (node address, node port) -> flow: the port is free when no live reply entry
+//! uses it.
+
+/// Name of the conntrack map: [`CtKey`] -> [`CtEntry`] (BPF_MAP_TYPE_LRU_HASH).
+pub const CONNTRACK: &str = "TC_CONNTRACK";
+/// Name of the node-local endpoint map: endpoint address `[u8; 16]` -> `u32` (1)
+/// (BPF_MAP_TYPE_HASH). Written by the agent from the EndpointSlices' `nodeName`: a backend
+/// listed here runs on this node and is reached without SNAT.
+pub const LOCAL_ENDPOINTS: &str = "TC_LOCAL_ENDPOINTS";
+/// Name of the SNAT address map: ifindex `u32` -> [`IfaceAddr`] (BPF_MAP_TYPE_HASH): the
+/// node address that a flow arriving on that interface is masqueraded to.
+pub const IFACE_ADDRS: &str = "TC_IFACE_ADDRS";
+/// Name of the tc configuration map: index 0 -> [`TcConfig`] (BPF_MAP_TYPE_ARRAY).
+pub const TC_CONFIG: &str = "TC_CONFIG";
+/// Name of the per-CPU tc counter map: [`TcCounter`] as `u32` index -> `u64`
+/// (BPF_MAP_TYPE_PERCPU_ARRAY, [`TC_COUNTER_MAX`] entries).
+pub const TC_COUNTERS: &str = "TC_COUNTERS";
+/// Name of the source range map: `Key<`[`SourceRange`]`>` -> `u32` (BPF_MAP_TYPE_LPM_TRIE).
+pub const SOURCE_RANGES: &str = "TC_SOURCE_RANGES";
+
+/// Every map of the tc data path, pinned next to the maps of [`crate::ALL_MAPS`].
+pub const TC_MAPS: [&str; 6] = [
+    CONNTRACK,
+    LOCAL_ENDPOINTS,
+    IFACE_ADDRS,
+    TC_CONFIG,
+    TC_COUNTERS,
+    SOURCE_RANGES,
+];
+
+/// Default `max_entries` of [`CONNTRACK`] (two entries per flow).
+pub const DEFAULT_MAX_CONNTRACK: u32 = 131072;
+/// `max_entries` of [`LOCAL_ENDPOINTS`].
+pub const MAX_LOCAL_ENDPOINTS: u32 = 65536;
+/// `max_entries` of [`IFACE_ADDRS`].
+pub const MAX_IFACES: u32 = 64;
+/// `max_entries` of [`SOURCE_RANGES`].
+pub const MAX_SOURCE_RANGES: u32 = 16384;
+/// Number of entries in [`TC_COUNTERS`].
+pub const TC_COUNTER_MAX: u32 = 16;
+
+/// Lowest SNAT source port (the kernel's default `ip_local_port_range` starts at 32768).
+pub const SNAT_PORT_MIN: u16 = 32768;
+/// Number of SNAT source ports, `SNAT_PORT_MIN..SNAT_PORT_MIN + SNAT_PORT_COUNT` (up to
+/// 60999, the end of the kernel's default range).
+pub const SNAT_PORT_COUNT: u16 = 28232;
+/// Random SNAT ports tried for a new flow before it is dropped and counted as
+/// [`TcCounter::SnatPortsExhausted`].
+pub const SNAT_PORT_TRIES: u32 = 16;
+
+/// Conntrack timeouts (nanoseconds). TCP: an opening flow (no reply yet) as the kernel's
+/// `nf_conntrack_tcp_timeout_syn_sent` (120 s); an established one as kube-proxy's
+/// `--conntrack-tcp-timeout-established` default (24 h); a closing one (RST, or FIN seen in
+/// both directions) as kube-proxy's `--conntrack-tcp-timeout-close-wait` (1 h is the
+/// kernel's close-wait, kube-proxy sets 1 h; closed flows here use 10 s, the kernel's
+/// `nf_conntrack_tcp_timeout_close`, so a closed port is reusable quickly). UDP: 30 s
+/// unreplied and 120 s once replied, the kernel's `nf_conntrack_udp_timeout(_stream)`.
+pub const CT_TIMEOUT_TCP_OPENING_NS: u64 = 120_000_000_000;
+/// See [`CT_TIMEOUT_TCP_OPENING_NS`].
+pub const CT_TIMEOUT_TCP_ESTABLISHED_NS: u64 = 86_400_000_000_000;
+/// See [`CT_TIMEOUT_TCP_OPENING_NS`].
+pub const CT_TIMEOUT_TCP_CLOSED_NS: u64 = 10_000_000_000;
+/// See [`CT_TIMEOUT_TCP_OPENING_NS`].
+pub const CT_TIMEOUT_UDP_NS: u64 = 30_000_000_000;
+/// See [`CT_TIMEOUT_TCP_OPENING_NS`].
+pub const CT_TIMEOUT_UDP_STREAM_NS: u64 = 120_000_000_000;
+
+/// Conntrack key: a packet's tuple. 40 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct CtKey {
+    /// Source address, network byte order, IPv4-mapped for IPv4.
+    pub saddr: [u8; 16],
+    /// Destination address, network byte order, IPv4-mapped for IPv4.
+    pub daddr: [u8; 16],
+    /// Source port, network byte order.
+    pub sport: [u8; 2],
+    /// Destination port, network byte order.
+    pub dport: [u8; 2],
+    /// IANA protocol number.
+    pub proto: u8,
+    /// Reserved; always 0.
+    pub _pad: [u8; 3],
+}
+
+/// Conntrack value: what a packet of the key's tuple is rewritten to. 56 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct CtEntry {
+    /// New source address (network byte order, IPv4-mapped).
+    pub saddr: [u8; 16],
+    /// New destination address.
+    pub daddr: [u8; 16],
+    /// New source port, network byte order.
+    pub sport: [u8; 2],
+    /// New destination port, network byte order.
+    pub dport: [u8; 2],
+    /// `CT_F_*` bits.
+    pub flags: u16,
+    /// Reserved; always 0.
+    pub _pad: u16,
+    /// [`crate::Frontend::service_id`] of the flow.
+    pub service_id: u32,
+    /// `bpf_ktime_get_ns()` of the last packet in this entry's direction.
+    pub last_seen_ns: u64,
+}
+
+/// [`CtEntry::flags`]: this entry is the reply direction (backend -> client).
+pub const CT_F_REPLY: u16 = 1 << 0;
+/// [`CtEntry::flags`]: the flow is source-NATed to a node address.
+pub const CT_F_SNAT: u16 = 1 << 1;
+/// [`CtEntry::flags`]: a packet was seen in the reply direction (TCP established, UDP
+/// stream).
+pub const CT_F_SEEN_REPLY: u16 = 1 << 2;
+/// [`CtEntry::flags`]: a FIN was seen from the client.
+pub const CT_F_FIN_ORIG: u16 = 1 << 3;
+/// [`CtEntry::flags`]: a FIN was seen from the backend.
+pub const CT_F_FIN_REPLY: u16 = 1 << 4;
+/// [`CtEntry::flags`]: a RST was seen.
+pub const CT_F_RST: u16 = 1 << 5;
+/// [`CtEntry::flags`]: the SNAT stage of a flow, keyed (client -> backend) and applied on
+/// egress only, after the kernel routed the DNATed packet (a node address as source at
+/// ingress would be dropped by routing as a martian).
+pub const CT_F_EGRESS: u16 = 1 << 6;
+
+/// An interface the tc programs are attached to (value of [`IFACE_ADDRS`]). 24 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct IfaceAddr {
+    /// Node IPv4 address, network byte order, IPv4-mapped; all zero when the interface has
+    /// none (SNAT of IPv4 flows arriving there is then impossible: counted and dropped).
+    pub v4: [u8; 16],
+    /// `IFACE_F_*` bits.
+    pub flags: u32,
+    /// Reserved; always 0.
+    pub _pad: u32,
+}
+
+/// [`IfaceAddr::flags`]: a pod-facing interface (the route to this node's endpoints),
+/// attached with `--masquerade-all` only so that masqueraded flows to local backends get
+/// their SNAT stage (egress) and their replies (ingress) translated. No new flow starts
+/// there: pods reach Services through the socket programs.
+pub const IFACE_F_POD: u32 = 1 << 0;
+
+/// tc data path configuration, index 0 of [`TC_CONFIG`]. 16 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct TcConfig {
+    /// `TC_CFG_*` bits.
+    pub flags: u32,
+    /// `--cluster-cidr` (IPv4), network byte order; used when
+    /// [`TC_CFG_CLUSTER_CIDR_V4`] is set.
+    pub cluster_cidr_v4: [u8; 4],
+    /// Prefix length of `cluster_cidr_v4`, 0..=32.
+    pub cluster_cidr_v4_len: u8,
+    /// Reserved; always 0.
+    pub _pad: [u8; 7],
+}
+
+/// [`TcConfig::flags`]: `--cluster-cidr` has an IPv4 prefix: a flow to a cluster IP from a
+/// client outside it is source-NATed (kube-proxy's "masquerade off-cluster traffic to
+/// cluster IPs").
+pub const TC_CFG_CLUSTER_CIDR_V4: u32 = 1 << 1;
+
+/// [`TcConfig::flags`]: `--masquerade-all`: every Cluster-policy flow is source-NATed,
+/// local backends included.
+pub const TC_CFG_MASQUERADE_ALL: u32 = 1 << 0;
+
+/// Data of a source range key (LPM trie key `Key<SourceRange>`, whose `u32` prefix length
+/// comes first, as the kernel's `bpf_lpm_trie_key`): (load balancer IP, client address).
+/// The prefix length counts bits from the start of `lb_addr`: 128 for the LB IP alone (the "restricted" marker), and
+/// 128 + the range's length in the mapped 128-bit form for an allowed range (IPv4 /n is
+/// 96 + n there). Lookups use 256. Keyed by the LB IP rather than the Service because
+/// `spec.loadBalancerSourceRanges` applies to the load balancer IPs only, not to node
+/// ports or external IPs (kube-proxy's firewall chain); two Services sharing an LB IP share
+/// the union of their ranges. 32 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct SourceRange {
+    /// Load balancer IP, network byte order, IPv4-mapped.
+    pub lb_addr: [u8; 16],
+    /// Client address (range network), network byte order, IPv4-mapped.
+    pub client: [u8; 16],
+}
+
+/// Value in [`SOURCE_RANGES`] of the marker (prefix 128, the LB IP alone): this LB IP only
+/// admits the listed ranges. A lookup that ends at the marker is denied.
+pub const SOURCE_RANGE_RESTRICTED: u32 = 2;
+/// Value of an allowed range in [`SOURCE_RANGES`].
+pub const SOURCE_RANGE_ALLOW: u32 = 1;
+
+/// Indices of [`TC_COUNTERS`] (per-CPU `u64`): what the tc programs did.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TcCounter {
+    /// A new flow to a frontend was DNATed to a backend.
+    NewFlow = 0,
+    /// A new flow was also source-NATed to a node address.
+    Snat = 1,
+    /// A packet of a tracked flow was translated (either direction).
+    Translated = 2,
+    /// Dropped: `externalTrafficPolicy: Local` and no endpoint on this node.
+    DroppedNoLocalEndpoints = 3,
+    /// Dropped: the frontend has no endpoints at all.
+    DroppedNoEndpoints = 4,
+    /// Dropped: no free SNAT port after [`SNAT_PORT_TRIES`] tries.
+    SnatPortsExhausted = 5,
+    /// Dropped: a conntrack entry could not be written (nothing was half-applied).
+    ConntrackFull = 6,
+    /// Dropped: the client is outside `spec.loadBalancerSourceRanges`.
+    SourceRangeDenied = 7,
+    /// Dropped: a rewrite or checksum helper failed.
+    RewriteFailed = 8,
+    /// Dropped: SNAT needed but the interface has no node address of the family.
+    NoSnatAddress = 9,
+    /// An ICMP error about a translated flow was translated back.
+    IcmpTranslated = 10,
+}
+
+impl TcCounter {
+    /// Every counter, in index order, with its Prometheus-style name.
+    pub const ALL: [(TcCounter, &'static str); 11] = [
+        (TcCounter::NewFlow, "tc_new_flow"),
+        (TcCounter::Snat, "tc_snat"),
+        (TcCounter::Translated, "tc_translated"),
+        (
+            TcCounter::DroppedNoLocalEndpoints,
+            "tc_dropped_no_local_endpoints",
+        ),
+        (TcCounter::DroppedNoEndpoints, "tc_dropped_no_endpoints"),
+        (TcCounter::SnatPortsExhausted, "tc_snat_ports_exhausted"),
+        (TcCounter::ConntrackFull, "tc_conntrack_full"),
+        (TcCounter::SourceRangeDenied, "tc_source_range_denied"),
+        (TcCounter::RewriteFailed, "tc_rewrite_failed"),
+        (TcCounter::NoSnatAddress, "tc_no_snat_address"),
+        (TcCounter::IcmpTranslated, "tc_icmp_translated"),
+    ];
+}
+
+#[cfg(feature = "user")]
+mod user {
+    use super::*;
+    // SAFETY: #[repr(C)], integers and explicit padding only, valid for every bit pattern.
+    unsafe impl aya::Pod for CtKey {}
+    unsafe impl aya::Pod for CtEntry {}
+    unsafe impl aya::Pod for IfaceAddr {}
+    unsafe impl aya::Pod for TcConfig {}
+    unsafe impl aya::Pod for SourceRange {}
+}
+
+const _: () = {
+    assert!(core::mem::size_of::<CtKey>() == 40);
+    assert!(core::mem::size_of::<CtEntry>() == 56);
+    assert!(core::mem::size_of::<IfaceAddr>() == 24);
+    assert!(core::mem::size_of::<TcConfig>() == 16);
+    assert!(core::mem::size_of::<SourceRange>() == 32);
+};

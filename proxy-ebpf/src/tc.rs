@@ -1,0 +1,760 @@
+//! tcx entry points on the node's external interfaces: NodePorts, external IPs and load
+//! balancer IPs for traffic that enters the node from outside (issue 4). IPv4 only for now
+//! (IPv6 packets pass untouched).
+//!
+//! Where what happens (one-NIC node: the external interface also leads to the other nodes):
+//! - `tc_ingress` (tcx ingress of each external interface):
+//!   - a packet of a tracked flow is rewritten as its conntrack entry says: client ->
+//!     frontend becomes (client or node address) -> backend; the replies of source-NATed
+//!     flows (backend on another node -> node address) become frontend -> client;
+//!   - a new packet to a `SCOPE_INGRESS` frontend (node IP:NodePort, external IP, LB IP)
+//!     passes `spec.loadBalancerSourceRanges`, gets a backend from `lb::select` (the client
+//!     is the packet's source), is source-NATed to the interface's node address when the
+//!     policy is Cluster and the backend is not on this node (or always with
+//!     `--masquerade-all`), and two conntrack entries are written (reply first; nothing is
+//!     rewritten when a write fails);
+//!   - the kernel then routes the rewritten packet (`net.ipv4.ip_forward` must be 1, as for
+//!     kube-proxy).
+//! - `tc_egress` (tcx egress of each external interface): replies of flows that were not
+//!   source-NATed (backend on this node) leave through here with the backend as source and
+//!   become frontend -> client.
+//! - ICMP errors (destination unreachable, including fragmentation needed, and time
+//!   exceeded) quoting a translated packet are translated like the reply they stand for: the
+//!   outer destination, the quoted header, and the outer source when it is the backend.
+//!
+//! Drops (each counted in `TC_COUNTERS`): Local policy without a local endpoint (kube-proxy
+//! drops, KEP-1672 `externalTrafficPolicy`), a frontend without endpoints (kube-proxy
+//! rejects; a tc program cannot answer cheaply, so it drops), a client outside the source
+//! ranges of an LB IP, no free SNAT port, a conntrack write failure.
+//!
+//! Not handled: IPv4 fragments after the first (no ports: they pass untranslated), IP
+//! options are supported (the header length is read), SCTP.
+
+// Map keys and values are passed by reference on purpose: by value, each 40- or 56-byte
+// struct would be copied onto the 512-byte BPF stack first.
+#![allow(clippy::needless_borrows_for_generic_args)]
+
+use aya_ebpf::{
+    bindings::bpf_fib_lookup,
+    bindings::{BPF_ANY, BPF_NOEXIST, TC_ACT_SHOT},
+    btf_maps::lpm_trie::Key,
+    helpers::{
+        bpf_fib_lookup, bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_redirect, bpf_redirect_neigh,
+    },
+    macros::classifier,
+    programs::TcContext,
+};
+use proxy_common::{
+    FRONTEND_F_EXTERNAL, FRONTEND_F_LOCAL_ONLY, FRONTEND_F_VIP_MARKER, Frontend, FrontendKey,
+    PROTO_TCP, PROTO_UDP, SCOPE_INGRESS, SCOPE_NODE,
+    nat::{
+        CT_F_EGRESS, CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_REPLY, CT_F_RST, CT_F_SEEN_REPLY,
+        CT_F_SNAT, CT_TIMEOUT_TCP_CLOSED_NS, CT_TIMEOUT_TCP_ESTABLISHED_NS,
+        CT_TIMEOUT_TCP_OPENING_NS, CT_TIMEOUT_UDP_NS, CT_TIMEOUT_UDP_STREAM_NS, CtEntry, CtKey,
+        IFACE_F_POD, SNAT_PORT_COUNT, SNAT_PORT_MIN, SNAT_PORT_TRIES, SOURCE_RANGE_RESTRICTED,
+        SourceRange, TC_CFG_CLUSTER_CIDR_V4, TC_CFG_MASQUERADE_ALL, TcCounter,
+    },
+    v4_mapped,
+};
+
+use crate::{
+    lb::{Client, Request, backend, count_service, select},
+    maps::FRONTENDS,
+    tc_maps::{
+        TC_CONFIG, TC_CONNTRACK, TC_COUNTERS, TC_IFACE_ADDRS, TC_LOCAL_ENDPOINTS, TC_SCRATCH,
+        TC_SOURCE_RANGES,
+    },
+};
+
+/// Verdict for a packet these programs let through, translated or not: `TCX_NEXT`
+/// (`TC_ACT_UNSPEC`), so programs attached after ours on the same hook (a CNI's) still see
+/// it; at the end of the chain it passes. During an agent restart the old and the new
+/// generation both run: the second finds nothing to do on a packet the first translated
+/// (no entry is keyed by a translated tuple on the same side).
+const PASS: i32 = -1;
+const ETH_HLEN: usize = 14;
+const ETH_P_IP: u16 = 0x0800;
+const PROTO_ICMP: u8 = 1;
+const IP_CSUM_OFF: usize = ETH_HLEN + 10;
+const IP_SRC_OFF: usize = ETH_HLEN + 12;
+const IP_DST_OFF: usize = ETH_HLEN + 16;
+const BPF_F_PSEUDO_HDR: u64 = 1 << 4;
+const BPF_F_MARK_MANGLED_0: u64 = 1 << 5;
+const TCP_FIN: u8 = 0x01;
+const TCP_SYN: u8 = 0x02;
+const TCP_RST: u8 = 0x04;
+const TCP_ACK: u8 = 0x10;
+const ICMP_DEST_UNREACH: u8 = 3;
+const ICMP_TIME_EXCEEDED: u8 = 11;
+
+#[classifier]
+pub fn tc_ingress(ctx: TcContext) -> i32 {
+    match on_packet::<true>(&ctx) {
+        Ok(v) | Err(v) => v,
+    }
+}
+
+#[classifier]
+pub fn tc_egress(ctx: TcContext) -> i32 {
+    match on_packet::<false>(&ctx) {
+        Ok(v) | Err(v) => v,
+    }
+}
+
+#[inline(always)]
+fn count(c: TcCounter) {
+    if let Some(p) = TC_COUNTERS.get_ptr_mut(c as u32) {
+        // SAFETY: per-CPU slot, only this CPU writes it while we run.
+        unsafe { *p += 1 };
+    }
+}
+
+#[inline(always)]
+fn drop_with(c: TcCounter) -> Result<i32, i32> {
+    count(c);
+    Ok(TC_ACT_SHOT)
+}
+
+/// A parsed IPv4 packet with TCP or UDP: its tuple and where its fields are.
+struct Pkt {
+    key: CtKey,
+    /// Offset of the L4 header.
+    l4: usize,
+}
+
+/// Offset of the L4 checksum of `proto` relative to the L4 header.
+#[inline(always)]
+fn l4_csum_off(proto: u8) -> usize {
+    if proto == PROTO_TCP { 16 } else { 6 }
+}
+
+#[inline(always)]
+fn on_packet<const INGRESS: bool>(ctx: &TcContext) -> Result<i32, i32> {
+    let ethertype = u16::from_be(ctx.load::<u16>(12).map_err(|_| PASS)?);
+    if ethertype != ETH_P_IP {
+        return Ok(PASS);
+    }
+    let ver_ihl: u8 = ctx.load(ETH_HLEN).map_err(|_| PASS)?;
+    if ver_ihl >> 4 != 4 {
+        return Ok(PASS);
+    }
+    let ihl = ((ver_ihl & 0x0f) as usize) * 4;
+    if ihl < 20 {
+        return Ok(PASS);
+    }
+    let frag: u16 = u16::from_be(ctx.load(ETH_HLEN + 6).map_err(|_| PASS)?);
+    if frag & 0x1fff != 0 {
+        return Ok(PASS); // a later fragment: no ports to translate by
+    }
+    let proto: u8 = ctx.load(ETH_HLEN + 9).map_err(|_| PASS)?;
+    let l4 = ETH_HLEN + ihl;
+    let saddr: [u8; 4] = ctx.load(IP_SRC_OFF).map_err(|_| PASS)?;
+    let daddr: [u8; 4] = ctx.load(IP_DST_OFF).map_err(|_| PASS)?;
+    if proto == PROTO_ICMP {
+        let v = on_icmp(ctx, l4, u32::from_ne_bytes(saddr));
+        if v == ICMP_TRANSLATED {
+            if INGRESS {
+                let (s, d) = (
+                    ctx.load::<[u8; 4]>(IP_SRC_OFF).map_err(|_| PASS)?,
+                    ctx.load::<[u8; 4]>(IP_DST_OFF).map_err(|_| PASS)?,
+                );
+                return Ok(redirect_out(
+                    ctx,
+                    &v4_mapped(u32::from_ne_bytes(s)),
+                    &v4_mapped(u32::from_ne_bytes(d)),
+                ));
+            }
+            return Ok(PASS);
+        }
+        return Ok(v);
+    }
+    if proto != PROTO_TCP && proto != PROTO_UDP {
+        return Ok(PASS);
+    }
+    let ports: [u8; 4] = ctx.load(l4).map_err(|_| PASS)?;
+    let tcp_flags: u8 = if proto == PROTO_TCP {
+        ctx.load(l4 + 13).map_err(|_| PASS)?
+    } else {
+        0
+    };
+    let pkt = Pkt {
+        key: CtKey {
+            saddr: v4_mapped(u32::from_ne_bytes(saddr)),
+            daddr: v4_mapped(u32::from_ne_bytes(daddr)),
+            sport: [ports[0], ports[1]],
+            dport: [ports[2], ports[3]],
+            proto,
+            _pad: [0; 3],
+        },
+        l4,
+    };
+    let now = unsafe { bpf_ktime_get_ns() };
+    let v = tracked(ctx, &pkt, tcp_flags, now, INGRESS);
+    if v != NOT_TRACKED || !INGRESS {
+        return Ok(if v == NOT_TRACKED { PASS } else { v });
+    }
+    Ok(new_flow(ctx, &pkt, now))
+}
+
+/// Verdict of [`tracked`] for a packet without a live conntrack entry.
+const NOT_TRACKED: i32 = -2;
+
+/// A packet of a tracked flow: refreshes its entry (and the other direction's), follows
+/// the TCP state, and rewrites the packet. [`NOT_TRACKED`] when there is no live entry, or
+/// when a TCP SYN reopens a closed flow's tuple. Its own BPF function (stack frame).
+#[inline(never)]
+fn tracked(ctx: &TcContext, pkt: &Pkt, tcp_flags: u8, now: u64, ingress: bool) -> i32 {
+    let proto = pkt.key.proto;
+    let Some(e) = TC_CONNTRACK.get_ptr_mut(pkt.key) else {
+        return NOT_TRACKED;
+    };
+    // SAFETY: a value of the map; concurrent writers only touch the flags/time words.
+    let entry = unsafe { *e };
+    let live = now.saturating_sub(entry.last_seen_ns) <= timeout(&entry, proto);
+    let reopened = entry.flags & (CT_F_REPLY | CT_F_EGRESS) == 0
+        && tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+        && is_closed(entry.flags);
+    // The SNAT stage of a flow is for its packets on their way out only.
+    let wrong_side = ingress && entry.flags & CT_F_EGRESS != 0;
+    if !live || reopened || wrong_side {
+        return NOT_TRACKED;
+    }
+    let flags = track(&entry, tcp_flags);
+    // SAFETY: as above; word-sized stores.
+    unsafe {
+        (*e).last_seen_ns = now;
+        (*e).flags = flags;
+    }
+    touch_peer(&entry, proto, flags, now);
+    count(TcCounter::Translated);
+    let v = rewrite(ctx, pkt, &entry);
+    if v == PASS && ingress && entry.flags & (CT_F_REPLY | CT_F_SNAT) == (CT_F_REPLY | CT_F_SNAT) {
+        return redirect_out(ctx, &entry.saddr, &entry.daddr);
+    }
+    v
+}
+
+/// Sends a packet translated at ingress whose source is now one of this node's addresses
+/// (a reply of a source-NATed flow, frontend -> client) straight to its next hop. Routing
+/// it would drop it as a martian (a local source address arriving from the wire), so the
+/// route and the next hop come from `bpf_fib_lookup`, and `bpf_redirect_neigh` resolves a
+/// neighbour the node has not talked to yet. When the lookup fails the packet goes to the
+/// stack unchanged in course.
+#[inline(never)]
+fn redirect_out(ctx: &TcContext, src: &[u8; 16], dst: &[u8; 16]) -> i32 {
+    let Some(sc) = TC_SCRATCH.get_ptr_mut(0) else {
+        return PASS;
+    };
+    // SAFETY: this CPU's scratch slot; the FIB parameters are plain integers.
+    let f = unsafe { &mut (*sc).fib };
+    *f = unsafe { core::mem::zeroed() };
+    f.family = 2; // AF_INET
+    f.ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    f.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes([src[12], src[13], src[14], src[15]]);
+    f.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes([dst[12], dst[13], dst[14], dst[15]]);
+    // SAFETY: helper with our context and a buffer of the right size.
+    let r = unsafe {
+        bpf_fib_lookup(
+            ctx.skb.skb as *mut _,
+            f,
+            core::mem::size_of::<bpf_fib_lookup>() as i32,
+            0,
+        )
+    };
+    match r {
+        0 => {
+            let (smac, dmac, ifindex) = (f.smac, f.dmac, f.ifindex);
+            if ctx.store(0, &dmac, 0).is_err() || ctx.store(6, &smac, 0).is_err() {
+                return PASS;
+            }
+            // SAFETY: helper without memory arguments.
+            unsafe { bpf_redirect(ifindex, 0) as i32 }
+        }
+        // BPF_FIB_LKUP_RET_NO_NEIGH: let the kernel resolve the next hop.
+        // SAFETY: helper without memory arguments (no explicit next hop).
+        7 => unsafe { bpf_redirect_neigh(f.ifindex, core::ptr::null_mut(), 0, 0) as i32 },
+        _ => PASS,
+    }
+}
+
+/// Flags of `entry` after a packet with `tcp_flags` in its direction.
+#[inline(always)]
+fn track(entry: &CtEntry, tcp_flags: u8) -> u16 {
+    let mut f = entry.flags;
+    let reply = f & CT_F_REPLY != 0;
+    if reply {
+        f |= CT_F_SEEN_REPLY;
+    }
+    if tcp_flags & TCP_RST != 0 {
+        f |= CT_F_RST;
+    }
+    if tcp_flags & TCP_FIN != 0 {
+        f |= if reply { CT_F_FIN_REPLY } else { CT_F_FIN_ORIG };
+    }
+    f
+}
+
+#[inline(always)]
+fn is_closed(flags: u16) -> bool {
+    flags & CT_F_RST != 0
+        || flags & (CT_F_FIN_ORIG | CT_F_FIN_REPLY) == (CT_F_FIN_ORIG | CT_F_FIN_REPLY)
+}
+
+/// Idle time after which an entry is dead (see `proxy_common::nat::CT_TIMEOUT_*`).
+#[inline(always)]
+fn timeout(entry: &CtEntry, proto: u8) -> u64 {
+    timeout_of(entry.flags, proto)
+}
+
+/// [`timeout`] from an entry's flags.
+#[inline(always)]
+fn timeout_of(flags: u16, proto: u8) -> u64 {
+    if proto == PROTO_TCP {
+        if is_closed(flags) {
+            CT_TIMEOUT_TCP_CLOSED_NS
+        } else if flags & CT_F_SEEN_REPLY != 0 {
+            CT_TIMEOUT_TCP_ESTABLISHED_NS
+        } else {
+            CT_TIMEOUT_TCP_OPENING_NS
+        }
+    } else if flags & CT_F_SEEN_REPLY != 0 {
+        CT_TIMEOUT_UDP_STREAM_NS
+    } else {
+        CT_TIMEOUT_UDP_NS
+    }
+}
+
+/// The key of the other direction of the flow `entry` belongs to: its rewritten tuple,
+/// reversed.
+#[inline(always)]
+fn peer_key(entry: &CtEntry, proto: u8) -> CtKey {
+    CtKey {
+        saddr: entry.daddr,
+        daddr: entry.saddr,
+        sport: entry.dport,
+        dport: entry.sport,
+        proto,
+        _pad: [0; 3],
+    }
+}
+
+/// Shares the state bits and liveness with the other direction.
+#[inline(always)]
+fn touch_peer(entry: &CtEntry, proto: u8, flags: u16, now: u64) {
+    let shared = flags & (CT_F_SEEN_REPLY | CT_F_FIN_ORIG | CT_F_FIN_REPLY | CT_F_RST);
+    if let Some(p) = TC_CONNTRACK.get_ptr_mut(peer_key(entry, proto)) {
+        // SAFETY: value of the map, word-sized stores.
+        unsafe {
+            (*p).flags |= shared;
+            (*p).last_seen_ns = now;
+        }
+    }
+}
+
+/// A first packet towards an ingress frontend: select, maybe SNAT, track, rewrite. Its own
+/// BPF function (a stack frame of its own) to stay within the 512-byte stack.
+#[inline(never)]
+fn new_flow(ctx: &TcContext, pkt: &Pkt, now: u64) -> i32 {
+    match try_new_flow(ctx, pkt, now) {
+        Ok(v) | Err(v) => v,
+    }
+}
+
+#[inline(always)]
+fn try_new_flow(ctx: &TcContext, pkt: &Pkt, now: u64) -> Result<i32, i32> {
+    let k = &pkt.key;
+    let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    // SAFETY: value of the map, one word read.
+    let iface_flags = TC_IFACE_ADDRS
+        .get_ptr(ifindex)
+        .map(|p| unsafe { (*p).flags })
+        .unwrap_or(0);
+    if iface_flags & IFACE_F_POD != 0 {
+        return Ok(PASS); // pods start flows at the socket, not here
+    }
+    let mut fkey = FrontendKey {
+        addr: k.daddr,
+        port: k.dport,
+        proto: k.proto,
+        scope: SCOPE_INGRESS,
+    };
+    // External addresses and node ports first; else a cluster IP reached from outside the
+    // node (a router sending the service CIDR to nodes), as kube-proxy serves it too.
+    // SAFETY: copied out at once (the agent replaces elements, it never writes into them).
+    let (fe, cluster_ip) = match unsafe { FRONTENDS.get(fkey).copied() } {
+        Some(fe) => (fe, false),
+        None => {
+            fkey.scope = SCOPE_NODE;
+            match unsafe { FRONTENDS.get(fkey).copied() } {
+                Some(fe) if fe.flags & FRONTEND_F_EXTERNAL == 0 => (fe, true),
+                _ => return Ok(PASS),
+            }
+        }
+    };
+    if fe.flags & FRONTEND_F_VIP_MARKER != 0 {
+        return Ok(PASS);
+    }
+    if denied_by_source_ranges(&k.daddr, &k.saddr) {
+        return drop_with(TcCounter::SourceRangeDenied);
+    }
+    let req = Request {
+        addr: k.daddr,
+        port: k.dport,
+        proto: k.proto,
+        scope: fkey.scope,
+        client: Client {
+            addr: k.saddr,
+            port: k.sport,
+        },
+    };
+    let id = select(&fe, &req);
+    let Some(b) = backend(id).filter(|_| id != 0) else {
+        count_service(fe.service_id, 0, 1);
+        return drop_with(if fe.flags & FRONTEND_F_LOCAL_ONLY != 0 {
+            TcCounter::DroppedNoLocalEndpoints
+        } else {
+            TcCounter::DroppedNoEndpoints
+        });
+    };
+    count_service(fe.service_id, id, 0);
+    if !proxy_common::is_v4_mapped(&b.addr) {
+        return drop_with(TcCounter::RewriteFailed);
+    }
+    let snat = needs_snat(&fe, &b.addr, &k.saddr, cluster_ip);
+    // The two entries live in a per-CPU scratch slot, not on the 512-byte stack.
+    let Some(sc) = TC_SCRATCH.get_ptr_mut(0) else {
+        return Ok(TC_ACT_SHOT);
+    };
+    // SAFETY: this CPU's slot, used only while this program runs.
+    let sc = unsafe { &mut *sc };
+    sc.fwd = CtEntry {
+        saddr: k.saddr,
+        daddr: b.addr,
+        sport: k.sport,
+        dport: b.port,
+        flags: 0,
+        _pad: 0,
+        service_id: fe.service_id,
+        last_seen_ns: now,
+    };
+    sc.rev = CtEntry {
+        saddr: k.daddr,
+        daddr: k.saddr,
+        sport: k.dport,
+        dport: k.sport,
+        flags: CT_F_REPLY,
+        _pad: 0,
+        service_id: fe.service_id,
+        last_seen_ns: now,
+    };
+    if snat {
+        let Some(node) = TC_IFACE_ADDRS.get_ptr(ifindex) else {
+            return drop_with(TcCounter::NoSnatAddress);
+        };
+        // SAFETY: value of the map, copied.
+        let node = unsafe { (*node).v4 };
+        if !proxy_common::is_v4_mapped(&node) {
+            return drop_with(TcCounter::NoSnatAddress);
+        }
+        sc.fwd.flags = CT_F_SNAT;
+        sc.rev.flags = CT_F_REPLY | CT_F_SNAT;
+        sc.rkey = CtKey {
+            saddr: b.addr,
+            daddr: node,
+            sport: b.port,
+            dport: [0; 2],
+            proto: k.proto,
+            _pad: [0; 3],
+        };
+        let mut bound = false;
+        for _ in 0..SNAT_PORT_TRIES {
+            let r = unsafe { bpf_get_prandom_u32() } % SNAT_PORT_COUNT as u32;
+            sc.rkey.dport = (SNAT_PORT_MIN + r as u16).to_be_bytes();
+            // A port is free when no live reply entry holds it; a dead one is replaced.
+            let flag = match TC_CONNTRACK.get_ptr(sc.rkey) {
+                // SAFETY: value of the map, read field by field.
+                Some(old) => {
+                    let (seen, flags) = unsafe { ((*old).last_seen_ns, (*old).flags) };
+                    if now.saturating_sub(seen) <= timeout_of(flags, k.proto) {
+                        continue;
+                    }
+                    BPF_ANY
+                }
+                None => BPF_NOEXIST,
+            };
+            if TC_CONNTRACK.insert(&sc.rkey, &sc.rev, flag as u64).is_ok() {
+                bound = true;
+                break;
+            }
+        }
+        if !bound {
+            return drop_with(TcCounter::SnatPortsExhausted);
+        }
+        // The source is rewritten on the way out (egress), after the kernel routed the
+        // packet: with a node address as source already at ingress, routing would drop it
+        // as a martian (a local source address arriving from the wire).
+        sc.ekey = CtKey {
+            saddr: k.saddr,
+            daddr: b.addr,
+            sport: k.sport,
+            dport: b.port,
+            proto: k.proto,
+            _pad: [0; 3],
+        };
+        sc.eg = CtEntry {
+            saddr: node,
+            sport: sc.rkey.dport,
+            flags: CT_F_SNAT | CT_F_EGRESS,
+            ..sc.fwd
+        };
+        if TC_CONNTRACK
+            .insert(&sc.ekey, &sc.eg, BPF_ANY as u64)
+            .is_err()
+        {
+            let _ = TC_CONNTRACK.remove(&sc.rkey);
+            return drop_with(TcCounter::ConntrackFull);
+        }
+        if TC_CONNTRACK
+            .insert(&pkt.key, &sc.fwd, BPF_ANY as u64)
+            .is_err()
+        {
+            let _ = TC_CONNTRACK.remove(&sc.rkey);
+            let _ = TC_CONNTRACK.remove(&sc.ekey);
+            return drop_with(TcCounter::ConntrackFull);
+        }
+        count(TcCounter::Snat);
+    } else {
+        sc.rkey = peer_key(&sc.fwd, k.proto);
+        if TC_CONNTRACK
+            .insert(&sc.rkey, &sc.rev, BPF_ANY as u64)
+            .is_err()
+        {
+            return drop_with(TcCounter::ConntrackFull);
+        }
+        if TC_CONNTRACK
+            .insert(&pkt.key, &sc.fwd, BPF_ANY as u64)
+            .is_err()
+        {
+            let _ = TC_CONNTRACK.remove(&sc.rkey);
+            return drop_with(TcCounter::ConntrackFull);
+        }
+    }
+    count(TcCounter::NewFlow);
+    Ok(rewrite(ctx, pkt, &sc.fwd))
+}
+
+/// Whether a new flow of `fe` from `client` to backend `addr` is source-NATed:
+/// - never with a Local policy (the client address is kept, KEP-1672 / KEP-2086);
+/// - with `--masquerade-all` always (kube-proxy's meaning);
+/// - for a cluster IP, when the client is outside `--cluster-cidr` (kube-proxy masquerades
+///   off-cluster traffic to cluster IPs);
+/// - when the backend is on another node: its replies must come back through this node
+///   to be translated. (kube-proxy masquerades every Cluster-policy external flow; here a
+///   flow to a backend on this node keeps the client address, as Cilium does.)
+#[inline(always)]
+fn needs_snat(fe: &Frontend, addr: &[u8; 16], client: &[u8; 16], cluster_ip: bool) -> bool {
+    if fe.flags & FRONTEND_F_LOCAL_ONLY != 0 {
+        return false;
+    }
+    if let Some(cfg) = TC_CONFIG.get(0) {
+        if cfg.flags & TC_CFG_MASQUERADE_ALL != 0 {
+            return true;
+        }
+        if cluster_ip && cfg.flags & TC_CFG_CLUSTER_CIDR_V4 != 0 {
+            let len = cfg.cluster_cidr_v4_len as u32;
+            let mask = if len == 0 {
+                0
+            } else {
+                u32::MAX << (32 - len.min(32))
+            };
+            let c = u32::from_be_bytes([client[12], client[13], client[14], client[15]]);
+            let n = u32::from_be_bytes(cfg.cluster_cidr_v4);
+            if c & mask != n & mask {
+                return true;
+            }
+        }
+    }
+    TC_LOCAL_ENDPOINTS.get_ptr(*addr).is_none()
+}
+
+/// `spec.loadBalancerSourceRanges`: true when `dst` is a restricted LB IP and `src` is in
+/// none of its ranges.
+#[inline(always)]
+fn denied_by_source_ranges(dst: &[u8; 16], src: &[u8; 16]) -> bool {
+    let key = Key::new(
+        256,
+        SourceRange {
+            lb_addr: *dst,
+            client: *src,
+        },
+    );
+    matches!(TC_SOURCE_RANGES.get(&key), Some(v) if *v == SOURCE_RANGE_RESTRICTED)
+}
+
+/// Rewrites the packet's tuple to `to`'s, fixing the IPv4 and L4 checksums (a UDP checksum
+/// of zero stays zero: BPF_F_MARK_MANGLED_0). Returns the verdict: OK, or SHOT (counted)
+/// when a helper failed.
+#[inline(never)]
+fn rewrite(ctx: &TcContext, pkt: &Pkt, to: &CtEntry) -> i32 {
+    match try_rewrite(ctx, pkt, to) {
+        Ok(()) => PASS,
+        Err(v) => v,
+    }
+}
+
+#[inline(always)]
+fn try_rewrite(ctx: &TcContext, pkt: &Pkt, to: &CtEntry) -> Result<(), i32> {
+    let k = &pkt.key;
+    let csum = pkt.l4 + l4_csum_off(k.proto);
+    let mangled = if k.proto == PROTO_UDP {
+        BPF_F_MARK_MANGLED_0
+    } else {
+        0
+    };
+    let fail = |_| {
+        count(TcCounter::RewriteFailed);
+        TC_ACT_SHOT
+    };
+    let addr = |a: &[u8; 16]| u32::from_ne_bytes([a[12], a[13], a[14], a[15]]);
+    let port = |p: [u8; 2]| u16::from_ne_bytes(p);
+    if k.saddr != to.saddr {
+        let (old, new) = (addr(&k.saddr), addr(&to.saddr));
+        ctx.store(IP_SRC_OFF, &new, 0).map_err(fail)?;
+        ctx.l3_csum_replace(IP_CSUM_OFF, old as u64, new as u64, 4)
+            .map_err(fail)?;
+        ctx.l4_csum_replace(csum, old as u64, new as u64, BPF_F_PSEUDO_HDR | mangled | 4)
+            .map_err(fail)?;
+    }
+    if k.daddr != to.daddr {
+        let (old, new) = (addr(&k.daddr), addr(&to.daddr));
+        ctx.store(IP_DST_OFF, &new, 0).map_err(fail)?;
+        ctx.l3_csum_replace(IP_CSUM_OFF, old as u64, new as u64, 4)
+            .map_err(fail)?;
+        ctx.l4_csum_replace(csum, old as u64, new as u64, BPF_F_PSEUDO_HDR | mangled | 4)
+            .map_err(fail)?;
+    }
+    if k.sport != to.sport {
+        let (old, new) = (port(k.sport), port(to.sport));
+        ctx.store(pkt.l4, &new, 0).map_err(fail)?;
+        ctx.l4_csum_replace(csum, old as u64, new as u64, mangled | 2)
+            .map_err(fail)?;
+    }
+    if k.dport != to.dport {
+        let (old, new) = (port(k.dport), port(to.dport));
+        ctx.store(pkt.l4 + 2, &new, 0).map_err(fail)?;
+        ctx.l4_csum_replace(csum, old as u64, new as u64, mangled | 2)
+            .map_err(fail)?;
+    }
+    Ok(())
+}
+
+/// An ICMP error quoting a packet of a translated flow (destination unreachable, which
+/// includes "fragmentation needed" for path-MTU discovery, and time exceeded). The quoted
+/// packet went the other way, so its tuple reversed is the key of the entry of the
+/// direction the error travels (the reply entry for an error from the backend's side, the
+/// original entry for one from the client's side). That entry's rewrite gives the new
+/// outer destination, the new outer source (when the error comes from the flow's peer
+/// itself), and the quoted packet as its sender saw it (the reverse of the rewrite), as
+/// the kernel's NAT does (RFC 5508).
+#[inline(never)]
+fn on_icmp(ctx: &TcContext, l4: usize, outer_src: u32) -> i32 {
+    match try_icmp(ctx, l4, outer_src) {
+        Ok(v) | Err(v) => v,
+    }
+}
+
+#[inline(always)]
+fn try_icmp(ctx: &TcContext, l4: usize, outer_src: u32) -> Result<i32, i32> {
+    let ty: u8 = ctx.load(l4).map_err(|_| PASS)?;
+    if ty != ICMP_DEST_UNREACH && ty != ICMP_TIME_EXCEEDED {
+        return Ok(PASS);
+    }
+    let inner = l4 + 8;
+    let inner_vihl: u8 = ctx.load(inner).map_err(|_| PASS)?;
+    if inner_vihl >> 4 != 4 {
+        return Ok(PASS);
+    }
+    let inner_l4 = inner + ((inner_vihl & 0x0f) as usize) * 4;
+    let proto: u8 = ctx.load(inner + 9).map_err(|_| PASS)?;
+    if proto != PROTO_TCP && proto != PROTO_UDP {
+        return Ok(PASS);
+    }
+    let isrc: u32 = ctx.load(inner + 12).map_err(|_| PASS)?;
+    let idst: u32 = ctx.load(inner + 16).map_err(|_| PASS)?;
+    let isport: u16 = ctx.load(inner_l4).map_err(|_| PASS)?;
+    let idport: u16 = ctx.load(inner_l4 + 2).map_err(|_| PASS)?;
+    // The quoted packet reversed: the key of the direction this error travels.
+    let rkey = CtKey {
+        saddr: v4_mapped(idst),
+        daddr: v4_mapped(isrc),
+        sport: idport.to_ne_bytes(),
+        dport: isport.to_ne_bytes(),
+        proto,
+        _pad: [0; 3],
+    };
+    let Some(e) = TC_CONNTRACK.get_ptr(rkey) else {
+        return Ok(PASS);
+    };
+    let w = |a: &[u8; 16]| u32::from_ne_bytes([a[12], a[13], a[14], a[15]]);
+    // SAFETY: a value of the map, read field by field.
+    let (new_src, new_dst, new_sport, new_dport) = unsafe {
+        (
+            w(&(*e).saddr),
+            w(&(*e).daddr),
+            u16::from_ne_bytes((*e).sport),
+            u16::from_ne_bytes((*e).dport),
+        )
+    };
+    let fail = |_| {
+        count(TcCounter::RewriteFailed);
+        TC_ACT_SHOT
+    };
+    let icmp_csum = l4 + 2;
+    // Outer header: destination -> the entry's destination; source -> the entry's source
+    // when the error comes from the flow's peer itself (not from a router on the way).
+    let outer_dst: u32 = ctx.load(IP_DST_OFF).map_err(|_| PASS)?;
+    if outer_dst != new_dst {
+        ctx.store(IP_DST_OFF, &new_dst, 0).map_err(fail)?;
+        ctx.l3_csum_replace(IP_CSUM_OFF, outer_dst as u64, new_dst as u64, 4)
+            .map_err(fail)?;
+    }
+    if outer_src == idst && outer_src != new_src {
+        ctx.store(IP_SRC_OFF, &new_src, 0).map_err(fail)?;
+        ctx.l3_csum_replace(IP_CSUM_OFF, outer_src as u64, new_src as u64, 4)
+            .map_err(fail)?;
+    }
+    // Quoted header: source -> the entry's destination, destination -> the entry's source.
+    // The ICMP checksum covers the quoted bytes (no pseudo header), including the quoted
+    // IP checksum, which changes too.
+    let iphdr_csum = inner + 10;
+    for (off, old, new) in [(inner + 12, isrc, new_dst), (inner + 16, idst, new_src)] {
+        if old == new {
+            continue;
+        }
+        let old_ck: u16 = ctx.load(iphdr_csum).map_err(|_| PASS)?;
+        ctx.store(off, &new, 0).map_err(fail)?;
+        ctx.l3_csum_replace(iphdr_csum, old as u64, new as u64, 4)
+            .map_err(fail)?;
+        let new_ck: u16 = ctx.load(iphdr_csum).map_err(|_| PASS)?;
+        ctx.l4_csum_replace(icmp_csum, old as u64, new as u64, 4)
+            .map_err(fail)?;
+        ctx.l4_csum_replace(icmp_csum, old_ck as u64, new_ck as u64, 2)
+            .map_err(fail)?;
+    }
+    for (off, old, new) in [
+        (inner_l4, isport, new_dport),
+        (inner_l4 + 2, idport, new_sport),
+    ] {
+        if old == new {
+            continue;
+        }
+        ctx.store(off, &new, 0).map_err(fail)?;
+        ctx.l4_csum_replace(icmp_csum, old as u64, new as u64, 2)
+            .map_err(fail)?;
+    }
+    count(TcCounter::IcmpTranslated);
+    Ok(ICMP_TRANSLATED)
+}
+
+/// Verdict of `on_icmp` for a translated error (then passed on, or redirected at ingress).
+const ICMP_TRANSLATED: i32 = -3;

@@ -1,0 +1,693 @@
+//! The north-south data path seen from the agent (issue 4): attaching the tcx programs
+//! `tc_ingress`/`tc_egress` (`proxy-ebpf/src/tc.rs`) to the node's external interfaces
+//! through pinned links, and keeping the tc maps (`proxy_common::nat`) in line with the
+//! objects: node-local endpoints, the SNAT address of each interface, the configuration,
+//! and `spec.loadBalancerSourceRanges`. Health-check servers for `healthCheckNodePort` are
+//! in [`crate::healthcheck`].
+//!
+//! Interfaces: `--interfaces` names them; by default they are the interfaces *of the
+//! agent's network namespace* that carry one of this node's addresses (the `InternalIP`
+//! and `ExternalIP` entries of its Node object). Selection follows every sync: a new
+//! interface gets the programs, one no longer selected loses them.
+//!
+//! Links are pinned as `link_tc_ingress_<ifname>` and `link_tc_egress_<ifname>` in the pin
+//! directory, so they survive agent restarts and `ebpf-proxy cleanup` detaches them (it
+//! removes every `link_*` pin). A restarted agent attaches its own links before it removes
+//! the old pins; tcx runs both meanwhile, and the second program finds nothing to do on a
+//! packet the first one translated.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    ffi::CStr,
+    fs,
+    net::IpAddr,
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context, Result, bail};
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{Array, HashMap, LpmTrie, MapData, PerCpuArray, lpm_trie::Key},
+    programs::{
+        LinkOrder, SchedClassifier, TcAttachType,
+        links::{FdLink, PinnedLink},
+        tc::TcAttachOptions,
+    },
+};
+use ipnet::IpNet;
+use proxy_common::{
+    ALL_MAPS,
+    nat::{
+        CONNTRACK, CtEntry, CtKey, IFACE_ADDRS, IFACE_F_POD, IfaceAddr, LOCAL_ENDPOINTS,
+        SOURCE_RANGE_ALLOW, SOURCE_RANGE_RESTRICTED, SOURCE_RANGES, SourceRange,
+        TC_CFG_CLUSTER_CIDR_V4, TC_CFG_MASQUERADE_ALL, TC_CONFIG, TC_COUNTERS, TC_MAPS, TcConfig,
+        TcCounter,
+    },
+};
+use tracing::{error, info};
+
+use crate::{
+    datapath::{addr::ip_to_bytes, loader::OBJECT},
+    model::{DesiredState, NodeInfo, Scope},
+    source::ObjectSet,
+};
+
+/// Command-line flags of the north-south data path (flattened into `ebpf-proxy run`).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct TcArgs {
+    /// Interfaces that serve NodePorts, external IPs and LB IPs to traffic from outside the
+    /// node, comma-separated [default: the interfaces of the agent's network namespace that
+    /// carry one of this node's InternalIP/ExternalIP addresses from its Node object].
+    #[arg(long, value_delimiter = ',')]
+    pub interfaces: Vec<String>,
+    /// Source-NAT every external flow of a Cluster-policy Service to the node address, also
+    /// when the backend runs on this node (kube-proxy's --masquerade-all).
+    #[arg(long)]
+    pub masquerade_all: bool,
+}
+
+/// Name of the ingress program in the object.
+pub const INGRESS_PROGRAM: &str = "tc_ingress";
+/// Name of the egress program in the object.
+pub const EGRESS_PROGRAM: &str = "tc_egress";
+
+fn link_name(prog: &str, ifname: &str) -> String {
+    format!("link_{prog}_{ifname}")
+}
+
+/// The north-south data path of one agent.
+pub struct TcPath {
+    dir: PathBuf,
+    args: TcArgs,
+    ebpf: Option<Ebpf>,
+    attached: BTreeSet<String>,
+    local: BTreeSet<[u8; 16]>,
+    ranges: BTreeMap<(u32, SourceRange), u32>,
+    logged: BTreeSet<String>,
+    /// Health-check servers of `healthCheckNodePort`s.
+    pub health: crate::healthcheck::HealthChecks,
+}
+
+/// Interface names and their IPv4 addresses in this network namespace (`getifaddrs`).
+pub fn interface_addresses() -> Result<BTreeMap<String, Vec<IpAddr>>> {
+    let mut out: BTreeMap<String, Vec<IpAddr>> = BTreeMap::new();
+    let mut ifap: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs(3) fills a list we free below.
+    if unsafe { libc::getifaddrs(&mut ifap) } != 0 {
+        return Err(std::io::Error::last_os_error()).context("getifaddrs");
+    }
+    let mut p = ifap;
+    while !p.is_null() {
+        // SAFETY: nodes of the list getifaddrs returned.
+        let ifa = unsafe { &*p };
+        let name = unsafe { CStr::from_ptr(ifa.ifa_name) }
+            .to_string_lossy()
+            .into_owned();
+        let entry = out.entry(name).or_default();
+        if !ifa.ifa_addr.is_null() {
+            // SAFETY: the family says which sockaddr it is.
+            unsafe {
+                match (*ifa.ifa_addr).sa_family as i32 {
+                    libc::AF_INET => {
+                        let sa = &*(ifa.ifa_addr as *const libc::sockaddr_in);
+                        entry.push(IpAddr::from(u32::from_be(sa.sin_addr.s_addr).to_be_bytes()));
+                    }
+                    libc::AF_INET6 => {
+                        let sa = &*(ifa.ifa_addr as *const libc::sockaddr_in6);
+                        entry.push(IpAddr::from(sa.sin6_addr.s6_addr));
+                    }
+                    _ => {}
+                }
+            }
+        }
+        p = ifa.ifa_next;
+    }
+    // SAFETY: the list from getifaddrs.
+    unsafe { libc::freeifaddrs(ifap) };
+    Ok(out)
+}
+
+fn if_index(name: &str) -> Option<u32> {
+    let c = std::ffi::CString::new(name).ok()?;
+    // SAFETY: if_nametoindex(3) on a NUL-terminated string.
+    let i = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    (i != 0).then_some(i)
+}
+
+/// This node's `InternalIP`/`ExternalIP` addresses from its Node object.
+pub fn node_ips(objects: &ObjectSet, node: &NodeInfo) -> BTreeSet<IpAddr> {
+    objects
+        .nodes
+        .get(&node.name)
+        .and_then(|n| n.object.status.as_ref())
+        .and_then(|s| s.addresses.as_ref())
+        .into_iter()
+        .flatten()
+        .filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP")
+        .filter_map(|a| a.address.parse().ok())
+        .collect()
+}
+
+/// Addresses of the endpoints whose `nodeName` is this node (any slice, any condition):
+/// a backend among them is reached without leaving the node.
+pub fn local_endpoints(objects: &ObjectSet, node: &NodeInfo) -> BTreeSet<IpAddr> {
+    let mut out = BTreeSet::new();
+    for s in objects.endpoint_slices.values() {
+        for ep in &s.object.endpoints {
+            if ep.node_name.as_deref() != Some(node.name.as_str()) {
+                continue;
+            }
+            out.extend(ep.addresses.iter().filter_map(|a| a.parse::<IpAddr>().ok()));
+        }
+    }
+    out
+}
+
+/// The source range entries for every Service with `spec.loadBalancerSourceRanges`: a
+/// restriction marker per LB IP that is an ingress frontend, and one allowed prefix per
+/// valid range of the LB IP's family. Invalid ranges are reported (naming the Service) and
+/// ignored; a list with no valid range of the family allows everyone, as kube-proxy, which
+/// filters the list before deciding whether the Service has a firewall.
+pub fn source_ranges(
+    objects: &ObjectSet,
+    state: &DesiredState,
+    errors: &mut Vec<String>,
+) -> BTreeMap<(u32, SourceRange), u32> {
+    let ingress: BTreeSet<IpAddr> = state
+        .services
+        .iter()
+        .filter(|(k, _)| k.scope == Scope::Ingress)
+        .flat_map(|(_, s)| s.frontends.iter().map(|f| f.ip()))
+        .collect();
+    let mut out = BTreeMap::new();
+    for ((ns, name), svc) in &objects.services {
+        let Some(spec) = svc.object.spec.as_ref() else {
+            continue;
+        };
+        let Some(ranges) = spec.load_balancer_source_ranges.as_ref() else {
+            continue;
+        };
+        if ranges.is_empty() {
+            continue;
+        }
+        let mut cidrs = Vec::new();
+        for r in ranges {
+            match r.trim().parse::<IpNet>() {
+                Ok(c) => cidrs.push(c),
+                Err(_) => errors.push(format!(
+                    "{}: Service {ns}/{name}: loadBalancerSourceRanges: {:?} is not a CIDR; range ignored",
+                    svc.origin,
+                    r.trim()
+                )),
+            }
+        }
+        let lb_ips = svc
+            .object
+            .status
+            .as_ref()
+            .and_then(|s| s.load_balancer.as_ref())
+            .and_then(|l| l.ingress.as_ref())
+            .into_iter()
+            .flatten()
+            .filter_map(|i| i.ip.as_deref())
+            .filter_map(|ip| ip.parse::<IpAddr>().ok())
+            .filter(|ip| ingress.contains(ip));
+        for lb in lb_ips {
+            let fam: Vec<&IpNet> = cidrs
+                .iter()
+                .filter(|c| c.addr().is_ipv4() == lb.is_ipv4())
+                .collect();
+            if fam.is_empty() {
+                continue;
+            }
+            let lb_addr = ip_to_bytes(lb);
+            out.insert(
+                (
+                    128,
+                    SourceRange {
+                        lb_addr,
+                        client: [0; 16],
+                    },
+                ),
+                SOURCE_RANGE_RESTRICTED,
+            );
+            for c in fam {
+                let bits = if c.addr().is_ipv4() {
+                    96 + c.prefix_len() as u32
+                } else {
+                    c.prefix_len() as u32
+                };
+                let mut client = ip_to_bytes(c.addr());
+                mask(&mut client, bits);
+                out.insert(
+                    (128 + bits, SourceRange { lb_addr, client }),
+                    SOURCE_RANGE_ALLOW,
+                );
+            }
+        }
+    }
+    out
+}
+
+/// The IPv4 routes of this network namespace from `/proc/net/route`: (device, network,
+/// prefix length).
+fn ipv4_routes() -> Vec<(String, u32, u8)> {
+    let text = fs::read_to_string("/proc/net/route").unwrap_or_default();
+    text.lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            // Destination and Mask are hex of the address in memory (network) order.
+            let dest = u32::from_str_radix(f.get(1)?, 16).ok()?;
+            let mask = u32::from_str_radix(f.get(7)?, 16).ok()?;
+            let net = u32::from_be_bytes(dest.to_ne_bytes());
+            let len = mask.count_ones() as u8;
+            Some((f[0].to_string(), net, len))
+        })
+        .collect()
+}
+
+fn mask_v4(a: u32, len: u8) -> u32 {
+    if len == 0 {
+        0
+    } else {
+        a & (u32::MAX << (32 - len as u32))
+    }
+}
+
+/// Clears the bits of `a` after the first `bits`.
+fn mask(a: &mut [u8; 16], bits: u32) {
+    for (i, b) in a.iter_mut().enumerate() {
+        let start = i as u32 * 8;
+        if start >= bits {
+            *b = 0;
+        } else if start + 8 > bits {
+            *b &= 0xffu8 << (8 - (bits - start));
+        }
+    }
+}
+
+impl TcPath {
+    /// Prepares the tc data path of the pin directory `dir` (loaded by
+    /// `loader::load_and_attach`, which pins the tc maps too) and writes its configuration.
+    /// Nothing is attached until [`TcPath::sync`] knows the interfaces.
+    ///
+    /// `cluster_cidrs` is `--cluster-cidr` (kube-proxy's meaning); only its IPv4 prefix is
+    /// used (the tc path is IPv4 only for now).
+    pub fn new(dir: &Path, args: TcArgs, cluster_cidrs: &[IpNet]) -> Result<Self> {
+        let mut config = TcConfig::default();
+        if args.masquerade_all {
+            config.flags |= TC_CFG_MASQUERADE_ALL;
+        }
+        if let Some(IpNet::V4(c)) = cluster_cidrs.iter().find(|c| c.addr().is_ipv4()) {
+            config.flags |= TC_CFG_CLUSTER_CIDR_V4;
+            config.cluster_cidr_v4 = c.network().octets();
+            config.cluster_cidr_v4_len = c.prefix_len();
+        }
+        let mut cfg: Array<MapData, TcConfig> = open(dir, TC_CONFIG)?;
+        cfg.set(0, config, 0).context("write TC_CONFIG")?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            args,
+            ebpf: None,
+            attached: BTreeSet::new(),
+            local: BTreeSet::new(),
+            ranges: BTreeMap::new(),
+            logged: BTreeSet::new(),
+            health: crate::healthcheck::HealthChecks::default(),
+        })
+    }
+
+    /// Follows one sync: interfaces, SNAT addresses, local endpoints, source ranges and
+    /// health-check servers. Errors are logged (once while they last), never fatal: the
+    /// ClusterIP data path must keep syncing.
+    pub fn sync(&mut self, objects: &ObjectSet, node: &NodeInfo, state: &DesiredState) {
+        let mut errors = Vec::new();
+        if let Err(e) = self.sync_interfaces(objects, node) {
+            errors.push(format!("tc: interfaces: {e:#}"));
+        }
+        if let Err(e) = self.sync_local(objects, node) {
+            errors.push(format!("tc: {e:#}"));
+        }
+        let ranges = source_ranges(objects, state, &mut errors);
+        if let Err(e) = self.sync_ranges(ranges) {
+            errors.push(format!("tc: {e:#}"));
+        }
+        self.health
+            .sync(crate::healthcheck::wanted(objects, state), &mut errors);
+        let now: BTreeSet<String> = errors.into_iter().collect();
+        for e in now.difference(&self.logged) {
+            error!("{e}");
+        }
+        self.logged = now;
+    }
+
+    fn selected(
+        &self,
+        objects: &ObjectSet,
+        node: &NodeInfo,
+    ) -> Result<BTreeMap<String, Vec<IpAddr>>> {
+        let all = interface_addresses()?;
+        if !self.args.interfaces.is_empty() {
+            let mut out = BTreeMap::new();
+            for i in &self.args.interfaces {
+                match all.get(i) {
+                    Some(a) => {
+                        out.insert(i.clone(), a.clone());
+                    }
+                    None => bail!("--interfaces: no interface {i:?} in this network namespace"),
+                }
+            }
+            return Ok(out);
+        }
+        let ips = node_ips(objects, node);
+        Ok(all
+            .into_iter()
+            .filter(|(name, a)| name != "lo" && a.iter().any(|ip| ips.contains(ip)))
+            .collect())
+    }
+
+    /// With `--masquerade-all`, the pod-facing interfaces: those this netns routes this
+    /// node's endpoints through (longest match in `/proc/net/route`, default routes
+    /// excluded), other than the external ones. Masqueraded flows to local backends get their
+    /// SNAT stage and their replies there. Only when external interfaces were found, so an
+    /// agent without node addresses in its netns attaches nothing at all.
+    fn pod_interfaces(
+        &self,
+        objects: &ObjectSet,
+        node: &NodeInfo,
+        external: &BTreeMap<String, Vec<IpAddr>>,
+    ) -> BTreeMap<String, Vec<IpAddr>> {
+        let mut out = BTreeMap::new();
+        if !self.args.masquerade_all || external.is_empty() {
+            return out;
+        }
+        let routes = ipv4_routes();
+        let all = interface_addresses().unwrap_or_default();
+        for ip in local_endpoints(objects, node) {
+            let IpAddr::V4(v4) = ip else { continue };
+            let a = u32::from(v4);
+            let best = routes
+                .iter()
+                .filter(|(_, net, len)| *len > 0 && mask_v4(a, *len) == mask_v4(*net, *len))
+                .max_by_key(|(_, _, len)| *len);
+            if let Some((dev, _, _)) = best
+                && !external.contains_key(dev)
+                && dev != "lo"
+            {
+                out.insert(dev.clone(), all.get(dev).cloned().unwrap_or_default());
+            }
+        }
+        out
+    }
+
+    fn sync_interfaces(&mut self, objects: &ObjectSet, node: &NodeInfo) -> Result<()> {
+        let mut wanted = self.selected(objects, node)?;
+        let pods = self.pod_interfaces(objects, node, &wanted);
+        wanted.extend(pods.iter().map(|(k, v)| (k.clone(), v.clone())));
+        let ips = node_ips(objects, node);
+        let mut addrs: HashMap<MapData, u32, IfaceAddr> = open(&self.dir, IFACE_ADDRS)?;
+        for (name, a) in &wanted {
+            let Some(ifindex) = if_index(name) else {
+                continue;
+            };
+            // The node address on the interface, else its first IPv4 address.
+            let v4 = a
+                .iter()
+                .find(|ip| ip.is_ipv4() && ips.contains(ip))
+                .or_else(|| a.iter().find(|ip| ip.is_ipv4()));
+            let value = IfaceAddr {
+                v4: v4.map(|ip| ip_to_bytes(*ip)).unwrap_or([0; 16]),
+                flags: if pods.contains_key(name) {
+                    IFACE_F_POD
+                } else {
+                    0
+                },
+                _pad: 0,
+            };
+            if addrs.get(&ifindex, 0).ok() != Some(value) {
+                addrs
+                    .insert(ifindex, value, 0)
+                    .context("write TC_IFACE_ADDRS")?;
+            }
+            if !self.attached.contains(name) {
+                self.attach(name)?;
+                info!(interface = %name, address = ?v4, "north-south programs attached (tcx ingress and egress)");
+                self.attached.insert(name.clone());
+            }
+        }
+        let gone: Vec<String> = self
+            .attached
+            .iter()
+            .filter(|n| !wanted.contains_key(*n))
+            .cloned()
+            .collect();
+        for name in gone {
+            for prog in [INGRESS_PROGRAM, EGRESS_PROGRAM] {
+                let pin = self.dir.join(link_name(prog, &name));
+                if let Ok(l) = PinnedLink::from_pin(&pin) {
+                    drop(l.unpin());
+                }
+                let _ = fs::remove_file(&pin);
+            }
+            if let Some(i) = if_index(&name) {
+                let _ = addrs.remove(&i);
+            }
+            info!(interface = %name, "north-south programs detached");
+            self.attached.remove(&name);
+        }
+        Ok(())
+    }
+
+    /// Loads the tc programs once (maps adopted from the pins).
+    fn ebpf(&mut self) -> Result<&mut Ebpf> {
+        if self.ebpf.is_none() {
+            let mut loader = EbpfLoader::new();
+            for name in ALL_MAPS.iter().chain(TC_MAPS.iter()) {
+                loader.map_pin_path(name, self.dir.join(name));
+            }
+            let mut ebpf = loader.load(OBJECT).context("load the tc programs")?;
+            for prog in [INGRESS_PROGRAM, EGRESS_PROGRAM] {
+                let p: &mut SchedClassifier = ebpf
+                    .program_mut(prog)
+                    .with_context(|| format!("program {prog} missing from the object"))?
+                    .try_into()?;
+                p.load()
+                    .map_err(|e| anyhow::anyhow!("verify: program {prog} was rejected: {e:#}"))?;
+            }
+            self.ebpf = Some(ebpf);
+        }
+        Ok(self.ebpf.as_mut().expect("loaded above"))
+    }
+
+    fn attach(&mut self, ifname: &str) -> Result<()> {
+        let dir = self.dir.clone();
+        let ebpf = self.ebpf()?;
+        for (prog, ty) in [
+            (INGRESS_PROGRAM, TcAttachType::Ingress),
+            (EGRESS_PROGRAM, TcAttachType::Egress),
+        ] {
+            let p: &mut SchedClassifier = ebpf
+                .program_mut(prog)
+                .context("program missing")?
+                .try_into()?;
+            let id = p
+                .attach_with_options(ifname, ty, TcAttachOptions::TcxOrder(LinkOrder::default()))
+                .with_context(|| format!("attach {prog} to {ifname} (tcx needs Linux >= 6.6)"))?;
+            let link: FdLink = p.take_link(id)?.try_into()?;
+            let pin = dir.join(link_name(prog, ifname));
+            let next = dir.join(format!("next_{prog}_{ifname}"));
+            let _ = fs::remove_file(&next);
+            link.pin(&next)
+                .with_context(|| format!("pin {}", next.display()))?;
+            if pin.exists() {
+                match PinnedLink::from_pin(&pin) {
+                    Ok(old) => drop(old.unpin()),
+                    Err(_) => drop(fs::remove_file(&pin)),
+                }
+            }
+            fs::rename(&next, &pin).with_context(|| format!("pin {}", pin.display()))?;
+        }
+        Ok(())
+    }
+
+    fn sync_local(&mut self, objects: &ObjectSet, node: &NodeInfo) -> Result<()> {
+        let want: BTreeSet<[u8; 16]> = local_endpoints(objects, node)
+            .iter()
+            .map(|ip| ip_to_bytes(*ip))
+            .collect();
+        if want == self.local {
+            return Ok(());
+        }
+        let mut m: HashMap<MapData, [u8; 16], u32> = open(&self.dir, LOCAL_ENDPOINTS)?;
+        for a in want.difference(&self.local) {
+            m.insert(a, 1, 0).context("write TC_LOCAL_ENDPOINTS")?;
+        }
+        for a in self.local.difference(&want) {
+            let _ = m.remove(a);
+        }
+        self.local = want;
+        Ok(())
+    }
+
+    fn sync_ranges(&mut self, want: BTreeMap<(u32, SourceRange), u32>) -> Result<()> {
+        if want == self.ranges {
+            return Ok(());
+        }
+        let mut m: LpmTrie<MapData, SourceRange, u32> = open(&self.dir, SOURCE_RANGES)?;
+        // Allowed ranges first, markers last; removals in the opposite order, so an edit
+        // never denies a client that both the old and the new list allow.
+        let mut adds: Vec<(&(u32, SourceRange), &u32)> = want
+            .iter()
+            .filter(|(k, v)| self.ranges.get(*k) != Some(*v))
+            .collect();
+        adds.sort_by_key(|(_, v)| **v);
+        for ((len, data), v) in adds {
+            m.insert(&Key::new(*len, *data), *v, 0)
+                .context("write TC_SOURCE_RANGES")?;
+        }
+        let mut dels: Vec<(&(u32, SourceRange), &u32)> = self
+            .ranges
+            .iter()
+            .filter(|(k, _)| !want.contains_key(*k))
+            .collect();
+        dels.sort_by_key(|(_, v)| std::cmp::Reverse(**v));
+        for ((len, data), _) in dels {
+            let _ = m.remove(&Key::new(*len, *data));
+        }
+        self.ranges = want;
+        Ok(())
+    }
+}
+
+fn open<T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>>(
+    dir: &Path,
+    name: &str,
+) -> Result<T> {
+    let path = dir.join(name);
+    let data = MapData::from_pin(&path).with_context(|| format!("open {}", path.display()))?;
+    let map = aya::maps::Map::from_map_data(data)?;
+    T::try_from(map).with_context(|| format!("open {name}"))
+}
+
+/// Number of live entries of the conntrack map pinned under `dir` (both directions).
+pub fn conntrack_entries(dir: &Path) -> Result<usize> {
+    let m: HashMap<MapData, CtKey, CtEntry> = open(dir, CONNTRACK)?;
+    Ok(m.keys().filter(|k| k.is_ok()).count())
+}
+
+/// Sums of the per-CPU tc counters pinned under `dir`, by name.
+pub fn counters(dir: &Path) -> Result<BTreeMap<&'static str, u64>> {
+    let m: PerCpuArray<MapData, u64> = open(dir, TC_COUNTERS)?;
+    let mut out = BTreeMap::new();
+    for (c, name) in TcCounter::ALL {
+        let v = m.get(&(c as u32), 0)?;
+        out.insert(name, v.iter().sum());
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{model::build, source::manifests::parse_documents};
+
+    fn objects(yaml: &str) -> ObjectSet {
+        let (objs, errors) = parse_documents("test.yaml", yaml);
+        assert!(errors.is_empty(), "fixture errors: {errors:?}");
+        let mut set = ObjectSet::default();
+        for o in objs {
+            set.insert(o);
+        }
+        set
+    }
+
+    const LB: &str = "apiVersion: v1\nkind: Service\nmetadata: {name: lb, namespace: default}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.10\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 31000\n  loadBalancerSourceRanges: ['192.0.2.0/24', ' 198.51.100.7/32', 'bogus', '2001:db8::/32']\n  ports: [{port: 80, nodePort: 30080}]\nstatus: {loadBalancer: {ingress: [{ip: 203.0.113.9}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: lb-1, namespace: default, labels: {kubernetes.io/service-name: lb}}\naddressType: IPv4\nports: [{port: 80}]\nendpoints:\n- {addresses: [10.0.1.5], nodeName: node-1}\n- {addresses: [10.0.2.5], nodeName: node-2}\n---\napiVersion: v1\nkind: Node\nmetadata: {name: node-1}\nstatus: {addresses: [{type: InternalIP, address: 192.0.2.50}, {type: Hostname, address: n1}]}\n";
+
+    fn node() -> NodeInfo {
+        NodeInfo {
+            name: "node-1".into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn source_ranges_restrict_lb_ips_with_valid_ranges_of_their_family() {
+        let objs = objects(LB);
+        let (state, _) = build(&objs, &node());
+        let mut errors = Vec::new();
+        let r = source_ranges(&objs, &state, &mut errors);
+        assert_eq!(
+            errors,
+            [
+                "test.yaml: Service default/lb: loadBalancerSourceRanges: \"bogus\" is not a CIDR (ADDR/LEN); range ignored"
+            ]
+        );
+        let lb = ip_to_bytes("203.0.113.9".parse().unwrap());
+        let marker = SourceRange {
+            lb_addr: lb,
+            client: [0; 16],
+        };
+        assert_eq!(r.get(&(128, marker)), Some(&SOURCE_RANGE_RESTRICTED));
+        let net = SourceRange {
+            lb_addr: lb,
+            client: ip_to_bytes("192.0.2.0".parse().unwrap()),
+        };
+        assert_eq!(r.get(&(128 + 96 + 24, net)), Some(&SOURCE_RANGE_ALLOW));
+        // The IPv6 range does not apply to an IPv4 LB IP: marker + two ranges.
+        assert_eq!(r.len(), 3, "{r:?}");
+    }
+
+    #[test]
+    fn all_invalid_ranges_allow_everyone() {
+        let yaml = LB.replace(
+            "['192.0.2.0/24', ' 198.51.100.7/32', 'bogus', '2001:db8::/32']",
+            "['bogus']",
+        );
+        let objs = objects(&yaml);
+        let (state, _) = build(&objs, &node());
+        let mut errors = Vec::new();
+        assert!(source_ranges(&objs, &state, &mut errors).is_empty());
+        assert_eq!(errors.len(), 1);
+    }
+
+    #[test]
+    fn local_endpoints_node_ips_and_health_checks() {
+        let objs = objects(LB);
+        let n = node();
+        assert_eq!(
+            local_endpoints(&objs, &n),
+            BTreeSet::from(["10.0.1.5".parse().unwrap()])
+        );
+        assert_eq!(
+            node_ips(&objs, &n),
+            BTreeSet::from(["192.0.2.50".parse().unwrap()])
+        );
+        let (state, _) = build(&objs, &n);
+        let want = crate::healthcheck::wanted(&objs, &state);
+        let c = &want[&31000];
+        assert_eq!((c.namespace.as_str(), c.name.as_str()), ("default", "lb"));
+        assert_eq!(c.local_endpoints, 1);
+        // Another node has no local endpoint: 0 (the server answers 503 there).
+        let (state, _) = build(
+            &objs,
+            &NodeInfo {
+                name: "node-3".into(),
+                ..Default::default()
+            },
+        );
+        assert_eq!(
+            crate::healthcheck::wanted(&objs, &state)[&31000].local_endpoints,
+            0
+        );
+    }
+
+    #[test]
+    fn masks_and_routes() {
+        let mut a = [0xff; 16];
+        mask(&mut a, 96 + 20);
+        assert_eq!(&a[12..], &[0xff, 0xff, 0xf0, 0]);
+        assert_eq!(mask_v4(0xc612_0105, 24), 0xc612_0100);
+        assert_eq!(mask_v4(0xc612_0105, 0), 0);
+    }
+}

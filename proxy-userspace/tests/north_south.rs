@@ -1,0 +1,800 @@
+//! Privileged integration tests of the north-south data path (issue 4): NodePorts, external
+//! IPs and load balancer IPs served by the tcx programs on the node's external interface to
+//! an external client, with real TCP and UDP.
+//!
+//! Topology (every piece is a namespace created here, removed on drop, also on panic):
+//!
+//! ```text
+//!   client 198.18.100.100 ─┐
+//!   node-a 198.18.100.1 ───┼─ bridge wire0 (namespace "w")
+//!   node-b 198.18.100.2 ───┘
+//!   node-a: br0 198.18.1.1/24 ── pod a0 198.18.1.10
+//!   node-b: br0 198.18.2.1/24 ── pod b0 198.18.2.10
+//! ```
+//!
+//! The client routes 198.19.100.0/24 (external and LB IPs) through node-a; the nodes route
+//! each other's pod subnet. Each node runs its own agent *inside its namespace* (so the
+//! interface auto-selection finds its `eth0` from the Node object's address), with its own
+//! child cgroup and pin directory. Nothing touches the root namespace or root cgroup.
+
+mod common;
+
+use std::{
+    io::{BufRead, BufReader, Write},
+    net::{SocketAddr, TcpStream, UdpSocket},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use common::{AGENT, BPFFS, NETPROBE};
+use proxy_userspace::{
+    datapath::{loader, tc},
+    testbed::{ChildGuard, Netns, TestCgroup, ensure_bpffs, in_netns, is_root, output_in},
+};
+
+const NODE_A: &str = "198.18.100.1";
+const NODE_B: &str = "198.18.100.2";
+const CLIENT: &str = "198.18.100.100";
+const POD_A0: &str = "198.18.1.10";
+const POD_B0: &str = "198.18.2.10";
+const EXTERNAL_IP: &str = "198.19.100.7";
+const LB_IP: &str = "198.19.100.8";
+
+/// An agent in a node namespace: killed, then its pins removed, on drop.
+struct Agent {
+    child: Option<ChildGuard>,
+    pin: PathBuf,
+    log: PathBuf,
+    cg: TestCgroup,
+    /// Node index and extra flags, for a restart.
+    node: usize,
+    extra: Vec<String>,
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill();
+        }
+        let _ = loader::cleanup(&self.pin);
+    }
+}
+
+impl Agent {
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn syncs(&self) -> usize {
+        self.log().matches("sync done").count()
+    }
+
+    /// Waits (bounded) until the log has more than `n` syncs.
+    fn wait_sync_after(&self, n: usize) {
+        let start = Instant::now();
+        while self.syncs() <= n {
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "agent did not sync; log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// The lab: namespaces (dropped pods first, the wire last), agents and servers.
+struct Lab {
+    tag: String,
+    // Field order is drop order: processes, then namespaces.
+    agents: Vec<Agent>,
+    servers: Vec<ChildGuard>,
+    manifests: tempfile::TempDir,
+    pods: Vec<Netns>,
+    nodes: Vec<Netns>,
+    client: Netns,
+    _wire: Netns,
+}
+
+fn ns(tag: &str, what: &str) -> Netns {
+    Netns::create(&format!("ns4-{tag}-{what}")).expect("netns")
+}
+
+impl Lab {
+    fn new(tag: &str) -> Lab {
+        assert!(is_root(), "the north-south tests need root");
+        assert!(
+            !loader::OBJECT.is_empty(),
+            "built without the eBPF object: run `cargo xtask test`"
+        );
+        ensure_bpffs().expect("bpffs");
+        let wire = ns(tag, "w");
+        wire.ip(&[
+            "link",
+            "add",
+            "wire0",
+            "type",
+            "bridge",
+            "forward_delay",
+            "0",
+        ])
+        .unwrap();
+        wire.ip(&["link", "set", "wire0", "up"]).unwrap();
+        let client = ns(tag, "c");
+        let a = ns(tag, "a");
+        let b = ns(tag, "b");
+        for (i, (n, addr)) in [(&a, NODE_A), (&b, NODE_B), (&client, CLIENT)]
+            .into_iter()
+            .enumerate()
+        {
+            let port = format!("p{i}");
+            wire.ip(&[
+                "link",
+                "add",
+                &port,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                n.name(),
+            ])
+            .unwrap();
+            wire.ip(&["link", "set", &port, "master", "wire0"]).unwrap();
+            wire.ip(&["link", "set", &port, "up"]).unwrap();
+            n.ip(&["addr", "add", &format!("{addr}/24"), "dev", "eth0"])
+                .unwrap();
+            n.ip(&["link", "set", "eth0", "up"]).unwrap();
+        }
+        for (n, gw, other_subnet, other_node) in [
+            (&a, "198.18.1.1/24", "198.18.2.0/24", NODE_B),
+            (&b, "198.18.2.1/24", "198.18.1.0/24", NODE_A),
+        ] {
+            n.ip(&["link", "add", "br0", "type", "bridge", "forward_delay", "0"])
+                .unwrap();
+            n.ip(&["addr", "add", gw, "dev", "br0"]).unwrap();
+            n.ip(&["link", "set", "br0", "up"]).unwrap();
+            n.ip(&["route", "add", other_subnet, "via", other_node])
+                .unwrap();
+            n.sysctl("net/ipv4/ip_forward", "1").unwrap();
+        }
+        client
+            .ip(&["route", "add", "198.19.100.0/24", "via", NODE_A])
+            .unwrap();
+        let mut lab = Lab {
+            tag: tag.into(),
+            agents: Vec::new(),
+            servers: Vec::new(),
+            manifests: tempfile::tempdir().unwrap(),
+            pods: Vec::new(),
+            nodes: vec![a, b],
+            client,
+            _wire: wire,
+        };
+        lab.add_pod(0, "a0", POD_A0, "198.18.1.1");
+        lab.add_pod(1, "b0", POD_B0, "198.18.2.1");
+        lab.write(
+            "nodes.yaml",
+            &format!(
+                "apiVersion: v1\nkind: Node\nmetadata: {{name: node-a}}\nstatus: {{addresses: [{{type: InternalIP, address: {NODE_A}}}]}}\n---\napiVersion: v1\nkind: Node\nmetadata: {{name: node-b}}\nstatus: {{addresses: [{{type: InternalIP, address: {NODE_B}}}]}}\n"
+            ),
+        );
+        lab
+    }
+
+    /// A pod behind node `node` (0 = a, 1 = b) serving its name on TCP 8080 and UDP 5353.
+    fn add_pod(&mut self, node: usize, name: &str, addr: &str, gw: &str) {
+        let pod = ns(&self.tag, name);
+        let n = &self.nodes[node];
+        let veth = format!("v{name}");
+        n.ip(&[
+            "link",
+            "add",
+            &veth,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            pod.name(),
+        ])
+        .unwrap();
+        n.ip(&["link", "set", &veth, "master", "br0"]).unwrap();
+        n.ip(&["link", "set", &veth, "up"]).unwrap();
+        pod.ip(&["addr", "add", &format!("{addr}/24"), "dev", "eth0"])
+            .unwrap();
+        pod.ip(&["link", "set", "eth0", "up"]).unwrap();
+        pod.ip(&["route", "add", "default", "via", gw]).unwrap();
+        let server = pod
+            .spawn(
+                None,
+                Command::new(NETPROBE)
+                    .args(["serve", "--name", name, "--tcp", ":8080", "--udp", ":5353"])
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null()),
+            )
+            .expect("server");
+        self.servers.push(server);
+        self.pods.push(pod);
+    }
+
+    fn write(&self, file: &str, text: &str) {
+        let tmp = self.manifests.path().join(format!(".{file}.tmp"));
+        std::fs::write(&tmp, text).unwrap();
+        std::fs::rename(&tmp, self.manifests.path().join(file)).unwrap();
+    }
+
+    /// Starts the agent of node `i` (0 = node-a) in its namespace; waits for its first sync
+    /// and for the tc programs on its `eth0`.
+    fn start_agent(&mut self, i: usize, extra: &[&str]) {
+        let node = ["node-a", "node-b"][i];
+        let pin_dir = format!("ebpf-proxy-ns4-{}-{node}", self.tag);
+        let pin = Path::new(BPFFS).join(&pin_dir);
+        let _ = loader::cleanup(&pin);
+        let cg = TestCgroup::create(&format!("ebpf-proxy-ns4-{}-{node}", self.tag)).unwrap();
+        let log = self.manifests.path().with_extension(format!("{node}.log"));
+        let child = self.spawn_agent(i, &cg, &log, extra);
+        let agent = Agent {
+            child: Some(child),
+            pin,
+            log,
+            cg,
+            node: i,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+        };
+        wait_started(&agent);
+        self.agents.push(agent);
+    }
+
+    /// Kills agent `a` (SIGKILL, as a crash: the pinned data path stays) and starts it again
+    /// on the same pin directory, which it adopts.
+    fn restart_agent(&mut self, a: usize) {
+        if let Some(mut c) = self.agents[a].child.take() {
+            c.kill();
+        }
+        let (i, extra) = (self.agents[a].node, self.agents[a].extra.clone());
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        let child = self.spawn_agent(i, &self.agents[a].cg, &self.agents[a].log, &extra);
+        self.agents[a].child = Some(child);
+        wait_started(&self.agents[a]);
+    }
+
+    fn spawn_agent(&self, i: usize, cg: &TestCgroup, log: &Path, extra: &[&str]) -> ChildGuard {
+        let node = ["node-a", "node-b"][i];
+        let pin_dir = format!("ebpf-proxy-ns4-{}-{node}", self.tag);
+        let logf = std::fs::File::create(log).unwrap();
+        self.nodes[i]
+            .spawn(
+                None,
+                Command::new(AGENT)
+                    .args(["run", "--manifests"])
+                    .arg(self.manifests.path())
+                    .arg("--cgroup-path")
+                    .arg(cg.path())
+                    .args(["--pin-dir", &pin_dir, "--hostname-override", node])
+                    .args(["--healthz-bind-address", "127.0.0.1:0"])
+                    .args(["--metrics-bind-address", "127.0.0.1:0"])
+                    .args(extra)
+                    .stdout(Stdio::null())
+                    .stderr(logf),
+            )
+            .expect("agent")
+    }
+
+    fn client_path(&self) -> PathBuf {
+        self.client.path()
+    }
+}
+
+/// Waits (at most 20 s) until the agent synced and attached its tc programs.
+fn wait_started(agent: &Agent) {
+    let start = Instant::now();
+    loop {
+        let l = agent.log();
+        if l.contains("sync done") && l.contains("north-south programs attached") {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "agent did not start; log:\n{l}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The IP of `peer` as a backend printed it (IPv4-mapped when the server socket is
+/// dual-stack), as plain text.
+fn ip_of(peer: &str) -> String {
+    peer.parse::<SocketAddr>()
+        .map(|a| a.ip().to_canonical().to_string())
+        .unwrap_or_else(|_| panic!("not an address: {peer:?}"))
+}
+
+/// One TCP connection from the client namespace: the backend's name and the client
+/// address the backend saw.
+fn tcp_whoami(client: &Path, to: &str, timeout: Duration) -> Result<(String, String), String> {
+    let to: SocketAddr = to.parse().unwrap();
+    in_netns(client, move || {
+        let s = TcpStream::connect_timeout(&to, timeout).map_err(|e| e.to_string())?;
+        s.set_read_timeout(Some(timeout)).unwrap();
+        let mut w = s.try_clone().unwrap();
+        let mut r = BufReader::new(s);
+        let mut name = String::new();
+        r.read_line(&mut name).map_err(|e| e.to_string())?;
+        w.write_all(b"whoami\n").map_err(|e| e.to_string())?;
+        let mut line = String::new();
+        r.read_line(&mut line).map_err(|e| e.to_string())?;
+        let mut it = line.split_whitespace();
+        let (n, peer) = (it.next().unwrap_or(""), it.next().unwrap_or(""));
+        Ok((n.to_string(), peer.to_string()))
+    })
+    .unwrap()
+}
+
+/// One UDP exchange like [`udp_whoami`], sent with a zero UDP checksum (`SO_NO_CHECK`):
+/// the translation must keep it zero (a zero checksum means "none" in IPv4).
+fn udp_whoami_no_csum(client: &Path, to: &str) -> Result<String, i32> {
+    let to: SocketAddr = to.parse().unwrap();
+    in_netns(client, move || {
+        use std::os::fd::AsRawFd;
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        let one: libc::c_int = 1;
+        // SAFETY: setsockopt(SO_NO_CHECK) on our socket with an int.
+        let r = unsafe {
+            libc::setsockopt(
+                s.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_NO_CHECK,
+                &one as *const _ as *const libc::c_void,
+                std::mem::size_of::<libc::c_int>() as u32,
+            )
+        };
+        assert_eq!(r, 0, "SO_NO_CHECK");
+        s.connect(to).unwrap();
+        s.set_read_timeout(Some(T)).unwrap();
+        s.send(b"ping")
+            .map_err(|e| e.raw_os_error().unwrap_or(-1))?;
+        let mut buf = [0u8; 512];
+        let n = s
+            .recv(&mut buf)
+            .map_err(|e| e.raw_os_error().unwrap_or(-1))?;
+        Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
+    })
+    .unwrap()
+}
+
+/// One UDP exchange on a connected socket from the client namespace: the backend's name and
+/// the client address it saw, or the errno (111 for a translated ICMP port unreachable).
+fn udp_whoami(client: &Path, to: &str, timeout: Duration) -> Result<(String, String), i32> {
+    let to: SocketAddr = to.parse().unwrap();
+    in_netns(client, move || {
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        s.connect(to).unwrap();
+        s.set_read_timeout(Some(timeout)).unwrap();
+        s.send(b"whoami")
+            .map_err(|e| e.raw_os_error().unwrap_or(-1))?;
+        let mut buf = [0u8; 512];
+        let n = s
+            .recv(&mut buf)
+            .map_err(|e| e.raw_os_error().unwrap_or(-1))?;
+        let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+        let mut it = text.split_whitespace();
+        Ok((
+            it.next().unwrap_or("").to_string(),
+            it.next().unwrap_or("").to_string(),
+        ))
+    })
+    .unwrap()
+}
+
+const T: Duration = Duration::from_secs(2);
+const SHORT: Duration = Duration::from_millis(700);
+
+/// Service `default/web`: TCP 80 -> 8080 (NodePort 30080), UDP 53 -> 5353 (NodePort 30053),
+/// an external IP and an LB IP, endpoints a0 (node-a) and b0 (node-b). Extra spec lines go
+/// after `spec:`.
+fn web(lab: &Lab, spec_extra: &str, endpoints: &[(&str, &str)]) {
+    let eps: String = endpoints
+        .iter()
+        .map(|(ip, node)| format!("- addresses: [\"{ip}\"]\n  nodeName: {node}\n"))
+        .collect();
+    lab.write(
+        "web.yaml",
+        &format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: default}}\nspec:\n  type: LoadBalancer\n  clusterIP: 198.19.0.30\n  externalIPs: [{EXTERNAL_IP}]\n{spec_extra}  ports:\n  - {{name: http, port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP}}\n  - {{name: dns, port: 53, targetPort: 5353, nodePort: 30053, protocol: UDP}}\n  - {{name: closed, port: 54, targetPort: 5999, nodePort: 30054, protocol: UDP}}\nstatus:\n  loadBalancer:\n    ingress: [{{ip: {LB_IP}}}]\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-1\n  namespace: default\n  labels: {{kubernetes.io/service-name: web}}\naddressType: IPv4\nports:\n- {{name: http, port: 8080, protocol: TCP}}\n- {{name: dns, port: 5353, protocol: UDP}}\n- {{name: closed, port: 5999, protocol: UDP}}\nendpoints:\n{eps}"
+        ),
+    );
+}
+
+const BOTH: [(&str, &str); 2] = [(POD_A0, "node-a"), (POD_B0, "node-b")];
+
+#[test]
+fn nodeport_external_and_lb_ips_with_snat_to_remote_backends() {
+    let mut lab = Lab::new("np");
+    web(&lab, "", &BOTH);
+    lab.start_agent(0, &[]);
+    lab.start_agent(1, &[]);
+    let c = lab.client_path();
+    for fe in [
+        format!("{NODE_A}:30080"),
+        format!("{NODE_B}:30080"),
+        format!("{EXTERNAL_IP}:80"),
+        format!("{LB_IP}:80"),
+    ] {
+        let mut seen = std::collections::BTreeMap::new();
+        for _ in 0..24 {
+            let (name, peer) =
+                tcp_whoami(&c, &fe, T).unwrap_or_else(|e| panic!("TCP to {fe}: {e}"));
+            // A backend on the node that took the flow sees the client; one on the other
+            // node sees that node's address (SNAT), so its replies come back through it.
+            let entry = if fe.starts_with(NODE_B) {
+                NODE_B
+            } else {
+                NODE_A
+            };
+            let backend_node = if name == "a0" { NODE_A } else { NODE_B };
+            let want = if entry == backend_node { CLIENT } else { entry };
+            assert_eq!(
+                ip_of(&peer),
+                want,
+                "{fe} -> {name}: source seen by the backend"
+            );
+            *seen.entry(name).or_insert(0) += 1;
+        }
+        assert_eq!(seen.len(), 2, "{fe}: both backends used: {seen:?}");
+        for _ in 0..8 {
+            let (name, _) =
+                udp_whoami(&c, &fe.replace(":30080", ":30053").replace(":80", ":53"), T)
+                    .unwrap_or_else(|e| panic!("UDP to {fe}: errno {e}"));
+            assert!(name == "a0" || name == "b0");
+        }
+    }
+    let counters = tc::counters(&lab.agents[0].pin).unwrap();
+    assert!(
+        counters["tc_new_flow"] > 0 && counters["tc_snat"] > 0,
+        "{counters:?}"
+    );
+    assert_eq!(counters["tc_rewrite_failed"], 0, "{counters:?}");
+}
+
+#[test]
+fn long_lived_tcp_stream_and_icmp_port_unreachable() {
+    let mut lab = Lab::new("st");
+    web(&lab, "", &BOTH);
+    lab.start_agent(0, &[]);
+    lab.start_agent(1, &[]);
+    let c = lab.client_path();
+    // One connection, many request/response rounds over a few seconds, while node-a's agent
+    // crashes and restarts: the pinned links and conntrack keep the stream going.
+    let to: SocketAddr = format!("{NODE_A}:30080").parse().unwrap();
+    let c2 = c.clone();
+    let stream = std::thread::spawn(move || {
+        in_netns(&c2, move || {
+            let s = TcpStream::connect_timeout(&to, T).unwrap();
+            s.set_read_timeout(Some(T)).unwrap();
+            let mut w = s.try_clone().unwrap();
+            let mut r = BufReader::new(s);
+            let mut name = String::new();
+            r.read_line(&mut name).unwrap();
+            let mut n = 0;
+            for i in 0..200 {
+                w.write_all(format!("line-{i}\n").as_bytes()).unwrap();
+                let mut l = String::new();
+                r.read_line(&mut l).unwrap();
+                assert_eq!(l.trim(), format!("{} line-{i}", name.trim()));
+                n += 1;
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            n
+        })
+        .unwrap()
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    lab.restart_agent(0);
+    let rounds = stream
+        .join()
+        .expect("the stream survived the agent restart");
+    assert_eq!(rounds, 200);
+    // The new agent replaced the links: one tcx program per hook and interface again.
+    let links = std::fs::read_dir(&lab.agents[0].pin)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("link_tc_"))
+        .count();
+    assert_eq!(links, 2, "link_tc_ingress_eth0 and link_tc_egress_eth0");
+    // Nothing listens on 5999: the backend's ICMP port unreachable, translated back to the
+    // frontend, fails the client's connected UDP socket with ECONNREFUSED.
+    let mut refused = 0;
+    for _ in 0..6 {
+        match udp_whoami(&c, &format!("{NODE_A}:30054"), SHORT) {
+            Err(111) => refused += 1,
+            other => panic!("expected ECONNREFUSED, got {other:?}"),
+        }
+    }
+    assert_eq!(refused, 6);
+    let counters = tc::counters(&lab.agents[0].pin).unwrap();
+    assert!(counters["tc_icmp_translated"] >= 6, "{counters:?}");
+}
+
+#[test]
+fn local_policy_keeps_client_ip_drops_without_local_endpoint_and_health_checks() {
+    let mut lab = Lab::new("lo");
+    web(
+        &lab,
+        "  externalTrafficPolicy: Local\n  healthCheckNodePort: 31000\n",
+        &[(POD_B0, "node-b")],
+    );
+    lab.start_agent(0, &[]);
+    lab.start_agent(1, &[]);
+    let c = lab.client_path();
+    // node-b has the endpoint: the backend sees the client's own address.
+    for _ in 0..4 {
+        let (name, peer) = tcp_whoami(&c, &format!("{NODE_B}:30080"), T).unwrap();
+        assert_eq!(name, "b0");
+        assert_eq!(ip_of(&peer), CLIENT);
+        let (name, peer) = udp_whoami(&c, &format!("{NODE_B}:30053"), T).unwrap();
+        assert_eq!(name, "b0");
+        assert_eq!(ip_of(&peer), CLIENT);
+    }
+    // node-a has none: dropped (a timeout, not a refusal).
+    let e = tcp_whoami(&c, &format!("{NODE_A}:30080"), SHORT).unwrap_err();
+    assert!(e.contains("timed out") || e.contains("os error 110"), "{e}");
+    let counters = tc::counters(&lab.agents[0].pin).unwrap();
+    assert!(
+        counters["tc_dropped_no_local_endpoints"] > 0,
+        "{counters:?}"
+    );
+    // Health checks as kube-proxy's: 503 with 0 on node-a, 200 with 1 on node-b.
+    let curl = |node: &str| {
+        let out = lab
+            .client
+            .exec(
+                "curl",
+                &[
+                    "-s",
+                    "-m",
+                    "3",
+                    "-w",
+                    "\n%{http_code}",
+                    &format!("http://{node}:31000/"),
+                ],
+            )
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let a = curl(NODE_A);
+    let (body, code) = a.rsplit_once('\n').unwrap();
+    assert_eq!(code, "503", "{a}");
+    let v: serde_json::Value = serde_json::from_str(body).unwrap();
+    assert_eq!(v["service"]["namespace"], "default");
+    assert_eq!(v["service"]["name"], "web");
+    assert_eq!(v["localEndpoints"], 0);
+    let b = curl(NODE_B);
+    let (body, code) = b.rsplit_once('\n').unwrap();
+    assert_eq!(code, "200", "{b}");
+    let v: serde_json::Value = serde_json::from_str(body).unwrap();
+    assert_eq!(v["localEndpoints"], 1);
+}
+
+#[test]
+fn load_balancer_source_ranges_and_their_edits() {
+    let mut lab = Lab::new("sr");
+    web(
+        &lab,
+        &format!("  loadBalancerSourceRanges: [\"{CLIENT}/32\", \"not-a-cidr\"]\n"),
+        &[(POD_A0, "node-a")],
+    );
+    lab.start_agent(0, &[]);
+    let c = lab.client_path();
+    let lb = format!("{LB_IP}:80");
+    assert_eq!(tcp_whoami(&c, &lb, T).unwrap().0, "a0");
+    assert!(
+        lab.agents[0]
+            .log()
+            .contains("Service default/web: loadBalancerSourceRanges: \"not-a-cidr\""),
+        "{}",
+        lab.agents[0].log()
+    );
+    // Edit: the client is no longer listed; the LB IP drops it, the node port and the
+    // external IP still serve it.
+    let n = lab.agents[0].syncs();
+    web(
+        &lab,
+        "  loadBalancerSourceRanges: [\"10.0.0.0/8\"]\n",
+        &[(POD_A0, "node-a")],
+    );
+    lab.agents[0].wait_sync_after(n);
+    assert!(tcp_whoami(&c, &lb, SHORT).is_err());
+    assert_eq!(
+        tcp_whoami(&c, &format!("{NODE_A}:30080"), T).unwrap().0,
+        "a0"
+    );
+    assert_eq!(
+        tcp_whoami(&c, &format!("{EXTERNAL_IP}:80"), T).unwrap().0,
+        "a0"
+    );
+    let counters = tc::counters(&lab.agents[0].pin).unwrap();
+    assert!(counters["tc_source_range_denied"] > 0, "{counters:?}");
+    // Edit: an empty list allows everyone again.
+    let n = lab.agents[0].syncs();
+    web(&lab, "", &[(POD_A0, "node-a")]);
+    lab.agents[0].wait_sync_after(n);
+    assert_eq!(tcp_whoami(&c, &lb, T).unwrap().0, "a0");
+}
+
+#[test]
+fn udp_zero_checksum_hairpin_and_bad_input() {
+    let mut lab = Lab::new("hp");
+    web(&lab, "", &BOTH);
+    // Bad input next to it: an IPv4 LB IP on an IPv6-only Service, and a Service whose
+    // source ranges are all invalid. Each is reported, and `web` keeps working.
+    lab.write(
+        "bad.yaml",
+        "apiVersion: v1\nkind: Service\nmetadata: {name: v6only, namespace: default}\nspec:\n  type: LoadBalancer\n  clusterIP: 'fd00:198:19::40'\n  ipFamilies: [IPv6]\n  ports: [{port: 80, nodePort: 30090}]\nstatus: {loadBalancer: {ingress: [{ip: 198.19.100.9}]}}\n---\napiVersion: v1\nkind: Service\nmetadata: {name: badranges, namespace: default}\nspec:\n  type: LoadBalancer\n  clusterIP: 198.19.0.41\n  loadBalancerSourceRanges: ['300.1.2.3/8']\n  ports: [{port: 81, nodePort: 30091}]\nstatus: {loadBalancer: {ingress: [{ip: 198.19.100.10}]}}\n",
+    );
+    lab.start_agent(0, &[]);
+    lab.start_agent(1, &[]);
+    let log = lab.agents[0].log();
+    assert!(
+        log.contains("Service default/v6only") && log.contains("198.19.100.9"),
+        "{log}"
+    );
+    assert!(
+        log.contains("Service default/badranges: loadBalancerSourceRanges"),
+        "{log}"
+    );
+    let c = lab.client_path();
+    // UDP without checksum, through a local backend and through SNAT to the other node.
+    let mut names = std::collections::BTreeSet::new();
+    for _ in 0..16 {
+        let name = udp_whoami_no_csum(&c, &format!("{NODE_A}:30053"))
+            .unwrap_or_else(|e| panic!("UDP without checksum: errno {e}"));
+        names.insert(name);
+    }
+    assert_eq!(names.len(), 2, "{names:?}");
+    assert_eq!(
+        tcp_whoami(&c, &format!("{LB_IP}:80"), T).unwrap().0.len(),
+        2
+    );
+    // Hairpin: pod a0 (in node-a's cgroup, as every pod of a node is) reaches its own
+    // Service through the node port of its node and the LB IP; sometimes itself.
+    let a0 = lab.pods[0].path();
+    let cg = lab.agents[0].cg.path().to_path_buf();
+    let mut seen = std::collections::BTreeSet::new();
+    for to in [format!("{NODE_A}:30080"), format!("{LB_IP}:80")] {
+        let out = output_in(
+            Some(&a0),
+            Some(&cg),
+            Command::new(NETPROBE).args(["tcp", "--to", &to, "--count", "12"]),
+            Duration::from_secs(20),
+        )
+        .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        for line in text.lines() {
+            let v: serde_json::Value = serde_json::from_str(line).unwrap();
+            assert_eq!(v["ok"], true, "hairpin to {to}: {text}");
+            seen.insert(v["name"].as_str().unwrap().to_string());
+        }
+    }
+    assert!(seen.contains("a0"), "a0 reached itself: {seen:?}");
+}
+
+#[test]
+fn conntrack_stays_bounded_under_churn() {
+    let mut lab = Lab::new("ch");
+    web(&lab, "", &BOTH);
+    lab.start_agent(0, &[]);
+    lab.start_agent(1, &[]);
+    let c = lab.client_path();
+    // 300 short TCP connections and 300 UDP flows (new source port each), bounded in time.
+    let to: SocketAddr = format!("{NODE_A}:30080").parse().unwrap();
+    let uto: SocketAddr = format!("{NODE_A}:30053").parse().unwrap();
+    let start = Instant::now();
+    let ok = in_netns(&c, move || {
+        let mut ok = 0;
+        for _ in 0..300 {
+            if start.elapsed() > Duration::from_secs(30) {
+                break;
+            }
+            if let Ok(s) = TcpStream::connect_timeout(&to, T) {
+                s.set_read_timeout(Some(T)).unwrap();
+                let mut l = String::new();
+                if BufReader::new(&s).read_line(&mut l).is_ok() && !l.is_empty() {
+                    ok += 1;
+                }
+            }
+            let u = UdpSocket::bind("0.0.0.0:0").unwrap();
+            u.set_read_timeout(Some(T)).unwrap();
+            u.send_to(b"ping", uto).unwrap();
+            let mut buf = [0u8; 64];
+            if u.recv_from(&mut buf).is_ok() {
+                ok += 1;
+            }
+        }
+        ok
+    })
+    .unwrap();
+    assert_eq!(ok, 600, "every connection and flow answered");
+    // At most three entries per flow (original, SNAT stage, reply): the table holds what is
+    // live and nothing else, and nothing failed.
+    let entries = tc::conntrack_entries(&lab.agents[0].pin).unwrap();
+    assert!(entries <= 3 * 600, "{entries} entries");
+    let counters = tc::counters(&lab.agents[0].pin).unwrap();
+    assert_eq!(counters["tc_conntrack_full"], 0, "{counters:?}");
+    assert_eq!(counters["tc_snat_ports_exhausted"], 0, "{counters:?}");
+    // A UDP source port the client's kernel hands out again within the flow timeout
+    // continues the earlier flow: (almost) every attempt was a new flow.
+    assert!(
+        (580..=600).contains(&counters["tc_new_flow"]),
+        "{counters:?}"
+    );
+}
+
+#[test]
+fn masquerade_all_and_cluster_ips_from_outside_the_cluster_cidr() {
+    let mut lab = Lab::new("mq");
+    web(&lab, "", &BOTH);
+    lab.client
+        .ip(&["route", "add", "198.19.0.0/24", "via", NODE_A])
+        .unwrap();
+    lab.start_agent(0, &["--masquerade-all", "--cluster-cidr", "198.18.0.0/22"]);
+    lab.start_agent(1, &[]);
+    assert!(
+        lab.agents[0].log().contains("interface=br0"),
+        "the pod-facing bridge gets the programs with --masquerade-all: {}",
+        lab.agents[0].log()
+    );
+    let c = lab.client_path();
+    // Every flow is masqueraded, to the local backend too; a cluster IP routed to the node
+    // from outside the cluster CIDR is served and masqueraded as well.
+    for fe in [format!("{NODE_A}:30080"), "198.19.0.30:80".to_string()] {
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..16 {
+            let (name, peer) =
+                tcp_whoami(&c, &fe, T).unwrap_or_else(|e| panic!("TCP to {fe}: {e}"));
+            assert_eq!(ip_of(&peer), NODE_A, "{fe} -> {name}");
+            seen.insert(name);
+        }
+        assert_eq!(seen.len(), 2, "{fe}: {seen:?}");
+        let (name, peer) = udp_whoami(&c, &fe.replace(":30080", ":30053").replace(":80", ":53"), T)
+            .unwrap_or_else(|e| panic!("UDP to {fe}: errno {e}"));
+        assert_eq!(ip_of(&peer), NODE_A, "{fe} -> {name} (UDP)");
+    }
+}
+
+#[test]
+fn fragmentation_needed_reaches_the_client_for_path_mtu_discovery() {
+    let mut lab = Lab::new("pm");
+    web(&lab, "", &[(POD_B0, "node-b")]);
+    // node-b forwards to its pods over a 1200-byte link: a full-size DF segment from node-a
+    // (SNAT, node-a -> b0) gets "fragmentation needed" back from node-b, which node-a must
+    // translate for the client (quoting client -> node-a:30080), or the flow stalls.
+    lab.nodes[1]
+        .ip(&["link", "set", "br0", "mtu", "1200"])
+        .unwrap();
+    lab.start_agent(0, &[]);
+    lab.start_agent(1, &[]);
+    let c = lab.client_path();
+    let to: SocketAddr = format!("{NODE_A}:30080").parse().unwrap();
+    let echoed = in_netns(&c, move || {
+        let s = TcpStream::connect_timeout(&to, T).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut w = s.try_clone().unwrap();
+        let mut r = BufReader::new(s);
+        let mut name = String::new();
+        r.read_line(&mut name).unwrap();
+        let big = "x".repeat(6000);
+        w.write_all(format!("{big}\n").as_bytes()).unwrap();
+        let mut l = String::new();
+        r.read_line(&mut l)
+            .map(|_| l.trim().len())
+            .map_err(|e| e.to_string())
+    })
+    .unwrap();
+    assert_eq!(echoed, Ok(3 + 6000), "the large line came back");
+    let counters = tc::counters(&lab.agents[0].pin).unwrap();
+    assert!(counters["tc_icmp_translated"] > 0, "{counters:?}");
+}
