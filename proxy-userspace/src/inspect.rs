@@ -365,6 +365,8 @@ pub struct Stats {
     pub services: Vec<StatsRow>,
     /// Per reason (`proxy_common::Counter` names), summed over CPUs.
     pub reasons: std::collections::BTreeMap<&'static str, u64>,
+    /// Per reason of the tc path (`proxy_common::nat::TcCounter` names).
+    pub tc_reasons: std::collections::BTreeMap<&'static str, u64>,
 }
 
 /// Reads the counters of the pin directory `dir`.
@@ -384,7 +386,16 @@ pub fn stats(dir: &Path, snap: &Snapshot) -> Result<Stats> {
         .iter()
         .map(|(c, n)| (*n, values.get(*c as usize).copied().unwrap_or(0)))
         .collect();
-    Ok(Stats { services, reasons })
+    let tc = crate::datapath::maps::read_tc_counters(dir).unwrap_or_default();
+    let tc_reasons = proxy_common::nat::TcCounter::ALL
+        .iter()
+        .map(|(c, n)| (*n, tc.get(*c as usize).copied().unwrap_or(0)))
+        .collect();
+    Ok(Stats {
+        services,
+        reasons,
+        tc_reasons,
+    })
 }
 
 /// Prints `ebpf-proxy stats`.
@@ -414,6 +425,13 @@ pub fn print_stats(dir: &Path, maps: &PinnedMaps, json: bool) -> Result<()> {
         .map(|(n, v)| vec![n.to_string(), v.to_string()])
         .collect();
     print_table(&["REASON", "COUNT"], &table);
+    println!();
+    let table: Vec<Vec<String>> = s
+        .tc_reasons
+        .iter()
+        .map(|(n, v)| vec![n.to_string(), v.to_string()])
+        .collect();
+    print_table(&["TC REASON", "COUNT"], &table);
     Ok(())
 }
 

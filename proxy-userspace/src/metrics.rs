@@ -80,6 +80,20 @@ impl Collector for DatapathCounters {
                 ConstCounter::new(v).encode(m)?;
             }
         }
+        if let Ok(values) = crate::datapath::maps::read_tc_counters(&self.pin_dir) {
+            let mut family = encoder.encode_descriptor(
+                "ebpf_proxy_tc_events",
+                "North-south (tc) data path events by reason (tc_new_flow, tc_snat, tc_dropped_no_local_endpoints, tc_conntrack_full, tc_source_range_denied, ...), summed over CPUs",
+                None,
+                prometheus_client::metrics::MetricType::Counter,
+            )?;
+            for (c, name) in proxy_common::nat::TcCounter::ALL {
+                let v = values.get(c as usize).copied().unwrap_or(0);
+                let labels = [("reason", name)];
+                let m = family.encode_family(&labels)?;
+                ConstCounter::new(v).encode(m)?;
+            }
+        }
         self.encode_per_service(&mut encoder)
     }
 }

@@ -171,6 +171,11 @@ fn counters_are_exact_after_known_traffic_and_metrics_parse() {
         ),
         2.0
     );
+    // The tc path's reasons are exported too (no tc program runs here: all zero).
+    assert_eq!(
+        value("ebpf_proxy_tc_events_total", &[("reason", "tc_new_flow")]),
+        0.0
+    );
     env.stop_agent();
 }
 

@@ -100,12 +100,23 @@ impl PinnedMaps {
 /// Sums the per-CPU counters of the `COUNTERS` map pinned under `dir`, in
 /// `proxy_common::Counter` index order.
 pub fn read_counters(dir: &Path) -> Result<Vec<u64>, DatapathError> {
-    let (map, _) = open_map(dir, COUNTERS)?;
+    read_percpu_counters(dir, COUNTERS)
+}
+
+/// Sums the per-CPU counters of the tc path's `TC_COUNTERS` map pinned under `dir`, in
+/// `proxy_common::nat::TcCounter` index order.
+pub fn read_tc_counters(dir: &Path) -> Result<Vec<u64>, DatapathError> {
+    read_percpu_counters(dir, proxy_common::nat::TC_COUNTERS)
+}
+
+/// Sums every entry of the per-CPU `u64` array `name` pinned under `dir` over the CPUs.
+fn read_percpu_counters(dir: &Path, name: &'static str) -> Result<Vec<u64>, DatapathError> {
+    let (map, _) = open_map(dir, name)?;
     let a: PerCpuArray<MapData, u64> =
-        PerCpuArray::try_from(map).map_err(|e| map_err("open", COUNTERS, e))?;
+        PerCpuArray::try_from(map).map_err(|e| map_err("open", name, e))?;
     let mut out = Vec::new();
     for i in 0..a.len() {
-        let v = a.get(&i, 0).map_err(|e| map_err("lookup", COUNTERS, e))?;
+        let v = a.get(&i, 0).map_err(|e| map_err("lookup", name, e))?;
         out.push(v.iter().sum());
     }
     Ok(out)

@@ -195,7 +195,7 @@ pub fn source_ranges(
             match r.trim().parse::<IpNet>() {
                 Ok(c) => cidrs.push(c),
                 Err(_) => errors.push(format!(
-                    "{}: Service {ns}/{name}: loadBalancerSourceRanges: {:?} is not a CIDR; range ignored",
+                    "{}: Service {ns}/{name}: loadBalancerSourceRanges: {:?} is not a CIDR (ADDR/LEN); range ignored",
                     svc.origin,
                     r.trim()
                 )),
