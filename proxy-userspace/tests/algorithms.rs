@@ -225,7 +225,8 @@ fn client_ip_affinity_sticks_expires_on_time_and_beats_the_algorithm() {
         &[("ebpf-proxy.io/lb-algorithm", "least-connections")],
         "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 2}}\n",
     );
-    let h = holder(&env, Duration::from_secs(8));
+    // Held past the last check below (about 9 s from here).
+    let h = holder(&env, Duration::from_secs(12));
     std::thread::sleep(Duration::from_millis(300));
     // Within the timeout every new connection goes to the loaded backend.
     let c = counts(&env, 20);
