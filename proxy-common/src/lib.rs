@@ -262,7 +262,7 @@ pub const SERVICE_STATS: &str = "SERVICE_STATS";
 /// `u64` (BPF_MAP_TYPE_LRU_PERCPU_HASH).
 pub const BACKEND_STATS: &str = "BACKEND_STATS";
 
-/// Per-CPU counters of one service id. 16 bytes.
+/// Per-CPU counters of one service id. 32 bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct ServiceStats {
@@ -270,6 +270,12 @@ pub struct ServiceStats {
     pub connections: u64,
     /// Connections and datagrams refused or dropped for lack of (local) endpoints.
     pub refused: u64,
+    /// Packets translated by the tc path through a conntrack entry (both directions; a flow's
+    /// first packet, translated while the entry is created, is not counted: the socket path
+    /// sees no packets).
+    pub packets: u64,
+    /// Bytes of those packets (IP length as the tc hook sees it).
+    pub bytes: u64,
 }
 
 /// Affinity key: (Service port group, client). 24 bytes.

@@ -2,9 +2,9 @@
 
 use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns};
 use proxy_common::{
-    AffinityKey, AffinityValue, Algorithm, Backend, BackendSlotKey, Counter,
-    FRONTEND_F_VIP_MARKER, Frontend, FrontendKey, LC_SCAN_MAX, MAGLEV_MAX, MemberKey,
-    RevNatKey, SOCKET_F_COUNTED, ServiceStats,
+    AffinityKey, AffinityValue, Algorithm, Backend, BackendSlotKey, Counter, FRONTEND_F_VIP_MARKER,
+    Frontend, FrontendKey, LC_SCAN_MAX, MAGLEV_MAX, MemberKey, RevNatKey, SOCKET_F_COUNTED,
+    ServiceStats,
 };
 
 use crate::maps::{
@@ -40,6 +40,8 @@ pub fn count_service(service_id: u32, backend_id: u32, refused: u32) {
             let v = ServiceStats {
                 connections: (refused == 0) as u64,
                 refused: (refused != 0) as u64,
+                packets: 0,
+                bytes: 0,
             };
             let _ = SERVICE_STATS.insert(service_id, v, 0);
         }
@@ -53,6 +55,39 @@ pub fn count_service(service_id: u32, backend_id: u32, refused: u32) {
         None => {
             let _ = BACKEND_STATS.insert(backend_id, 1, 0);
         }
+    }
+}
+
+/// A zeroed value to create a [`SERVICE_STATS`] entry from (read-only global data, so no
+/// stack space is used for it).
+static ZERO_STATS: ServiceStats = ServiceStats {
+    connections: 0,
+    refused: 0,
+    packets: 0,
+    bytes: 0,
+};
+
+/// Counts one packet of `bytes` translated by the tc path for service id `service_id`.
+/// Inlined and without a value on the stack: it runs deep in the tc programs' call chain,
+/// which shares the 512-byte stack.
+#[inline(always)]
+pub fn count_packet(service_id: u32, bytes: u32) {
+    let p = match SERVICE_STATS.get_ptr_mut(service_id) {
+        Some(p) => p,
+        None => {
+            // By reference to the static: a by-value copy would land on the stack.
+            #[allow(clippy::needless_borrows_for_generic_args)]
+            let _ = SERVICE_STATS.insert(service_id, &ZERO_STATS, 0);
+            match SERVICE_STATS.get_ptr_mut(service_id) {
+                Some(p) => p,
+                None => return,
+            }
+        }
+    };
+    // SAFETY: this CPU's value; only this CPU writes it while we run.
+    unsafe {
+        (*p).packets += 1;
+        (*p).bytes += bytes as u64;
     }
 }
 
@@ -141,8 +176,6 @@ pub struct Request {
     pub port: [u8; 2],
     /// IANA protocol.
     pub proto: u8,
-    /// `FrontendKey::scope` the frontend was found under (a retry looks it up again there).
-    pub scope: u8,
     /// Who connects.
     pub client: Client,
 }
@@ -167,6 +200,8 @@ pub fn select(fe: &Frontend, req: &Request) -> u32 {
     if fe.affinity_timeout_s != 0 {
         let id = affine(fe, &client.addr, now);
         if id != 0 {
+            // Refreshed here rather than inside `affine`: one call level less on the stack.
+            remember_affinity(fe.affinity_group, &client.addr, id, now);
             return id;
         }
     }
@@ -186,7 +221,7 @@ pub fn select(fe: &Frontend, req: &Request) -> u32 {
         _ => 0,
     };
     if id == 0 {
-        id = choose(fe, req);
+        id = choose(fe);
     }
     if fe.affinity_timeout_s != 0 && id != 0 {
         remember_affinity(fe.affinity_group, &client.addr, id, now);
@@ -195,7 +230,7 @@ pub fn select(fe: &Frontend, req: &Request) -> u32 {
 }
 
 /// The backend of `client`'s affinity entry in `fe`'s group when the entry is fresh and the
-/// backend still a member of `fe`'s set; refreshes the entry. Not inlined (stack).
+/// backend still a member of `fe`'s set (the caller refreshes it). Not inlined (stack).
 #[inline(never)]
 fn affine(fe: &Frontend, client: &[u8; 16], now: u64) -> u32 {
     let key = AffinityKey {
@@ -213,7 +248,6 @@ fn affine(fe: &Frontend, client: &[u8; 16], now: u64) -> u32 {
     {
         return 0;
     }
-    remember_affinity(fe.affinity_group, client, a.backend_id, now);
     a.backend_id
 }
 
@@ -288,7 +322,9 @@ fn next_cursor(service_id: u32) -> u32 {
 fn least_connections(fe: &Frontend) -> u32 {
     let count = fe.backend_count;
     // SAFETY: helper without side effects.
-    let start = unsafe { bpf_get_prandom_u32() }.checked_rem(count).unwrap_or(0);
+    let start = unsafe { bpf_get_prandom_u32() }
+        .checked_rem(count)
+        .unwrap_or(0);
     let mut best_rank = u64::MAX;
     let mut best_id = 0u32;
     for i in 0..LC_SCAN_MAX {
@@ -438,11 +474,13 @@ fn by_maglev(fe: &Frontend, hash: u32) -> u32 {
     id
 }
 
-/// Picks a backend id of `fe` uniformly at random, retrying once with a fresh frontend
-/// value when a slot vanished under us (the agent shrank the service concurrently); 0 when
-/// there is none. Not inlined (stack).
+/// Picks a backend id of `fe` uniformly at random; when the chosen slot vanished under us
+/// (the agent shrank the service concurrently: it removes slots past the new count last),
+/// falls back to slot 0, which exists while the service has any backend. 0 when there is
+/// none. Not inlined, and without keys of its own on the stack: it is the deepest call of
+/// the tc programs' chain, which shares the 512-byte stack.
 #[inline(never)]
-pub fn choose(fe: &Frontend, req: &Request) -> u32 {
+pub fn choose(fe: &Frontend) -> u32 {
     if fe.backend_count == 0 {
         return 0;
     }
@@ -450,19 +488,5 @@ pub fn choose(fe: &Frontend, req: &Request) -> u32 {
         return id;
     }
     count(Counter::SlotMiss);
-    // Again under the same scope: an ingress frontend must not fall back to the node set.
-    let key = FrontendKey {
-        addr: req.addr,
-        port: req.port,
-        proto: req.proto,
-        scope: req.scope,
-    };
-    // SAFETY: copied out at once.
-    if let Some(fe2) = unsafe { FRONTENDS.get(key).copied() }
-        && fe2.flags & FRONTEND_F_VIP_MARKER == 0
-        && let Some((id, _)) = pick(&fe2)
-    {
-        return id;
-    }
-    0
+    by_slot(fe, 0)
 }

@@ -7,10 +7,10 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlotKey, COUNTER_MAX, Config,
-    DEFAULT_MAX_BACKENDS, DEFAULT_MAX_FRONTENDS, DEFAULT_MAX_MAGLEV, DEFAULT_MAX_SLOTS,
-    DEFAULT_MAX_SOCKETS, Frontend, FrontendKey, MaglevTable, MemberKey, RevNatKey, RevNatValue,
-    ServiceName, ServiceStats, UdpFlow, UdpFlowKey,
+    AffinityKey, AffinityValue, Backend, BackendSlotKey, COUNTER_MAX, Config, DEFAULT_MAX_BACKENDS,
+    DEFAULT_MAX_FRONTENDS, DEFAULT_MAX_MAGLEV, DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCKETS, Frontend,
+    FrontendKey, MaglevTable, MemberKey, RevNatKey, RevNatValue, ServiceName, ServiceStats,
+    UdpFlow, UdpFlowKey,
 };
 
 /// (VIP, port, protocol) -> frontend; see `proxy_common::FRONTENDS`.
@@ -97,8 +97,7 @@ pub static LC_COUNTS: HashMap<
 
 /// Connected sockets: cookie -> backend id (| counted bit); see `proxy_common::SOCKETS`.
 #[btf_map]
-pub static SOCKETS: LruHashMap<u64, u32, { DEFAULT_MAX_SOCKETS as usize }> =
-    LruHashMap::new();
+pub static SOCKETS: LruHashMap<u64, u32, { DEFAULT_MAX_SOCKETS as usize }> = LruHashMap::new();
 
 /// ClientIP session affinity; see `proxy_common::AFFINITY`.
 #[btf_map]

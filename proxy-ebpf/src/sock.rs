@@ -21,7 +21,7 @@ use aya_ebpf::{
 };
 use proxy_common::{
     Algorithm, Backend, Counter, DEFAULT_UDP_FLOW_TIMEOUT_NS, FRONTEND_F_LOCAL_ONLY, Frontend,
-    PROTO_TCP, PROTO_UDP, REVNAT_F_CONNECTED, SCOPE_NODE, RevNatKey, RevNatValue, UdpFlow, UdpFlowKey,
+    PROTO_TCP, PROTO_UDP, REVNAT_F_CONNECTED, RevNatKey, RevNatValue, UdpFlow, UdpFlowKey,
     bytes_of, client_of_netns, is_v4_mapped, v4_mapped, v4_of_mapped, words_of,
 };
 
@@ -248,7 +248,6 @@ fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         addr,
         port,
         proto,
-        scope: SCOPE_NODE,
         client: Client {
             addr: [0; 16],
             port: [0; 2],
@@ -310,7 +309,6 @@ fn on_sendmsg<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         addr,
         port,
         proto: PROTO_UDP,
-        scope: SCOPE_NODE,
         client: Client {
             addr: [0; 16],
             port: [0; 2],

@@ -58,7 +58,7 @@ use proxy_common::{
 };
 
 use crate::{
-    lb::{Client, Request, backend, count_service, select},
+    lb::{Client, Request, backend, count_packet, count_service, select},
     maps::FRONTENDS,
     tc_maps::{
         TC_CONFIG, TC_CONNTRACK, TC_COUNTERS, TC_IFACE_ADDRS, TC_LOCAL_ENDPOINTS, TC_SCRATCH,
@@ -193,7 +193,17 @@ fn on_packet<const INGRESS: bool>(ctx: &TcContext) -> Result<i32, i32> {
     if v != NOT_TRACKED || !INGRESS {
         return Ok(if v == NOT_TRACKED { PASS } else { v });
     }
-    Ok(new_flow(ctx, &pkt, now))
+    let v = new_flow(ctx, &pkt, now);
+    // Per-service counting happens here, outside new_flow's deep frame (stack limit).
+    if let Some(sc) = TC_SCRATCH.get_ptr_mut(0) {
+        // SAFETY: this CPU's slot, used only while this program runs.
+        let sc = unsafe { &mut *sc };
+        if sc.count_sid != 0 {
+            count_service(sc.count_sid, sc.count_bid, sc.count_refused);
+            sc.count_sid = 0;
+        }
+    }
+    Ok(v)
 }
 
 /// Verdict of [`tracked`] for a packet without a live conntrack entry.
@@ -227,6 +237,10 @@ fn tracked(ctx: &TcContext, pkt: &Pkt, tcp_flags: u8, now: u64, ingress: bool) -
     }
     touch_peer(&entry, proto, flags, now);
     count(TcCounter::Translated);
+    // The SNAT stage is a second rewrite of a packet already counted at its DNAT.
+    if entry.flags & CT_F_EGRESS == 0 {
+        count_packet(entry.service_id, ctx.len());
+    }
     let v = rewrite(ctx, pkt, &entry);
     if v == PASS && ingress && entry.flags & (CT_F_REPLY | CT_F_SNAT) == (CT_F_REPLY | CT_F_SNAT) {
         return redirect_out(ctx, &entry.saddr, &entry.daddr);
@@ -397,36 +411,38 @@ fn try_new_flow(ctx: &TcContext, pkt: &Pkt, now: u64) -> Result<i32, i32> {
     if denied_by_source_ranges(&k.daddr, &k.saddr) {
         return drop_with(TcCounter::SourceRangeDenied);
     }
-    let req = Request {
+    // The request, and below the two entries, live in a per-CPU scratch slot, not on the
+    // 512-byte stack.
+    let Some(sc) = TC_SCRATCH.get_ptr_mut(0) else {
+        return Ok(TC_ACT_SHOT);
+    };
+    // SAFETY: this CPU's slot, used only while this program runs.
+    let sc = unsafe { &mut *sc };
+    sc.req = Request {
         addr: k.daddr,
         port: k.dport,
         proto: k.proto,
-        scope: fkey.scope,
         client: Client {
             addr: k.saddr,
             port: k.sport,
         },
     };
-    let id = select(&fe, &req);
+    let id = select(&fe, &sc.req);
+    // Counted by the caller (see `on_packet`).
+    sc.count_sid = fe.service_id;
+    sc.count_bid = id;
+    sc.count_refused = (id == 0) as u32;
     let Some(b) = backend(id).filter(|_| id != 0) else {
-        count_service(fe.service_id, 0, 1);
         return drop_with(if fe.flags & FRONTEND_F_LOCAL_ONLY != 0 {
             TcCounter::DroppedNoLocalEndpoints
         } else {
             TcCounter::DroppedNoEndpoints
         });
     };
-    count_service(fe.service_id, id, 0);
     if !proxy_common::is_v4_mapped(&b.addr) {
         return drop_with(TcCounter::RewriteFailed);
     }
     let snat = needs_snat(&fe, &b.addr, &k.saddr, cluster_ip);
-    // The two entries live in a per-CPU scratch slot, not on the 512-byte stack.
-    let Some(sc) = TC_SCRATCH.get_ptr_mut(0) else {
-        return Ok(TC_ACT_SHOT);
-    };
-    // SAFETY: this CPU's slot, used only while this program runs.
-    let sc = unsafe { &mut *sc };
     sc.fwd = CtEntry {
         saddr: k.saddr,
         daddr: b.addr,

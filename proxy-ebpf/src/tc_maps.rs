@@ -54,6 +54,14 @@ pub struct Scratch {
     pub eg: CtEntry,
     /// FIB lookup of a reply sent out directly.
     pub fib: aya_ebpf::bindings::bpf_fib_lookup,
+    /// The selection request of a new flow.
+    pub req: crate::lb::Request,
+    /// Service id whose counters the new flow's caller updates (0: none).
+    pub count_sid: u32,
+    /// Backend id chosen for it (0 when refused).
+    pub count_bid: u32,
+    /// 1 when the flow found no endpoint.
+    pub count_refused: u32,
 }
 
 /// One [`Scratch`] per CPU.

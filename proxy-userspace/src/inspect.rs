@@ -356,6 +356,10 @@ pub struct StatsRow {
     pub connections: u64,
     /// Refused or dropped for lack of (local) endpoints.
     pub refused: u64,
+    /// Packets translated by the tc path.
+    pub packets: u64,
+    /// Bytes of those packets.
+    pub bytes: u64,
 }
 
 /// `ebpf-proxy stats` as data: per-service counters and the per-reason data path counters.
@@ -374,11 +378,13 @@ pub fn stats(dir: &Path, snap: &Snapshot) -> Result<Stats> {
     let per = crate::datapath::maps::read_service_stats(dir)?;
     let services = per
         .iter()
-        .map(|(id, (c, r))| StatsRow {
+        .map(|(id, st)| StatsRow {
             service_id: *id,
             service: snap.names.get(id).cloned().unwrap_or_else(|| "?".into()),
-            connections: *c,
-            refused: *r,
+            connections: st.connections,
+            refused: st.refused,
+            packets: st.packets,
+            bytes: st.bytes,
         })
         .collect();
     let values = crate::datapath::maps::read_counters(dir)?;
@@ -414,10 +420,22 @@ pub fn print_stats(dir: &Path, maps: &PinnedMaps, json: bool) -> Result<()> {
                 r.service_id.to_string(),
                 r.connections.to_string(),
                 r.refused.to_string(),
+                r.packets.to_string(),
+                r.bytes.to_string(),
             ]
         })
         .collect();
-    print_table(&["SERVICE", "ID", "CONNECTIONS", "REFUSED"], &table);
+    print_table(
+        &[
+            "SERVICE",
+            "ID",
+            "CONNECTIONS",
+            "REFUSED",
+            "PACKETS",
+            "BYTES",
+        ],
+        &table,
+    );
     println!();
     let table: Vec<Vec<String>> = s
         .reasons
@@ -687,7 +705,8 @@ pub fn explain(
                     .collect(),
             )
         });
-        let (connections, refused) = stats.get(&f.service_id).copied().unwrap_or((0, 0));
+        let st = stats.get(&f.service_id).copied().unwrap_or_default();
+        let (connections, refused) = (st.connections, st.refused);
         frontends.push(ExplainedFrontend {
             frontend: row,
             connections,

@@ -136,30 +136,42 @@ impl DatapathCounters {
                 ),
             ])
         };
-        for (name, help, refused) in [
+        type Field = fn(&proxy_common::ServiceStats) -> u64;
+        let families: [(&str, &str, Field); 4] = [
             (
                 "ebpf_proxy_service_connections",
-                "New connections and UDP flows translated, per Service port, family and scope (socket-level data path), summed over CPUs",
-                false,
+                "New connections and UDP flows translated, per Service port, family and scope, summed over CPUs",
+                |s| s.connections,
             ),
             (
                 "ebpf_proxy_service_refused",
                 "Connections and datagrams refused or dropped for lack of (local) endpoints, per Service port, family and scope",
-                true,
+                |s| s.refused,
             ),
-        ] {
+            (
+                "ebpf_proxy_service_packets",
+                "Packets translated by the tc path, per Service port, family and scope",
+                |s| s.packets,
+            ),
+            (
+                "ebpf_proxy_service_bytes",
+                "Bytes of the packets translated by the tc path, per Service port, family and scope",
+                |s| s.bytes,
+            ),
+        ];
+        for (name, help, field) in families {
             let mut family = encoder.encode_descriptor(
                 name,
                 help,
                 None,
                 prometheus_client::metrics::MetricType::Counter,
             )?;
-            for (id, (conns, refusals)) in &svc {
+            for (id, st) in &svc {
                 let Some(labels) = labels_of(*id) else {
                     continue;
                 };
                 let m = family.encode_family(&labels)?;
-                ConstCounter::new(if refused { *refusals } else { *conns }).encode(m)?;
+                ConstCounter::new(field(st)).encode(m)?;
             }
         }
         let mut family = encoder.encode_descriptor(

@@ -458,6 +458,28 @@ fn nodeport_external_and_lb_ips_with_snat_to_remote_backends() {
         "{counters:?}"
     );
     assert_eq!(counters["tc_rewrite_failed"], 0, "{counters:?}");
+    // Per-frontend connections, packets and bytes of the ingress sets.
+    let per = proxy_userspace::datapath::maps::read_service_stats(&lab.agents[0].pin).unwrap();
+    let names = proxy_userspace::datapath::maps::PinnedMaps::open(&lab.agents[0].pin)
+        .and_then(|m| {
+            use proxy_userspace::datapath::Datapath;
+            m.snapshot()
+        })
+        .unwrap()
+        .names;
+    let ingress: Vec<_> = per
+        .iter()
+        .filter(|(id, _)| names.get(id).is_some_and(|n| n.ends_with("/ingress")))
+        .map(|(_, s)| *s)
+        .collect();
+    assert!(!ingress.is_empty(), "{per:?} {names:?}");
+    let (c, p, b) = ingress.iter().fold((0, 0, 0), |(c, p, b), s| {
+        (c + s.connections, p + s.packets, b + s.bytes)
+    });
+    assert!(
+        c > 0 && p >= c && b > p * 20,
+        "connections {c}, packets {p}, bytes {b}"
+    );
 }
 
 #[test]

@@ -122,20 +122,22 @@ fn read_percpu_counters(dir: &Path, name: &'static str) -> Result<Vec<u64>, Data
     Ok(out)
 }
 
-/// Per-service counters of the `SERVICE_STATS` map pinned under `dir`, summed over CPUs:
-/// service id -> (connections and new flows translated, refused or dropped).
+/// Per-service counters of the `SERVICE_STATS` map pinned under `dir`, summed over CPUs.
 pub fn read_service_stats(
     dir: &Path,
-) -> Result<std::collections::BTreeMap<u32, (u64, u64)>, DatapathError> {
+) -> Result<std::collections::BTreeMap<u32, ServiceStats>, DatapathError> {
     let (map, _) = open_map(dir, SERVICE_STATS)?;
     let m: aya::maps::PerCpuHashMap<MapData, u32, ServiceStats> =
         aya::maps::PerCpuHashMap::try_from(map).map_err(|e| map_err("open", SERVICE_STATS, e))?;
     let mut out = std::collections::BTreeMap::new();
     for kv in m.iter() {
         let (k, v) = kv.map_err(|e| map_err("iterate", SERVICE_STATS, e))?;
-        let sum = v
-            .iter()
-            .fold((0, 0), |(c, r), s| (c + s.connections, r + s.refused));
+        let sum = v.iter().fold(ServiceStats::default(), |a, s| ServiceStats {
+            connections: a.connections + s.connections,
+            refused: a.refused + s.refused,
+            packets: a.packets + s.packets,
+            bytes: a.bytes + s.bytes,
+        });
         out.insert(k, sum);
     }
     Ok(out)
