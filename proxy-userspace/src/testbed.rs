@@ -356,6 +356,27 @@ impl Netns {
         Path::new(NETNS_RUN_DIR).join(&self.name)
     }
 
+    /// Creates a veth pair inside this namespace: `port` here, enslaved to `bridge` and up,
+    /// and its peer as `eth0` directly in `peer` (so no interface ever exists in the root
+    /// namespace). The peer is left for the caller to address and bring up.
+    pub fn add_bridge_port(&self, port: &str, bridge: &str, peer: &Netns) -> Result<()> {
+        self.ip(&[
+            "link",
+            "add",
+            port,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            peer.name(),
+        ])?;
+        self.ip(&["link", "set", port, "master", bridge])?;
+        self.ip(&["link", "set", port, "up"])?;
+        Ok(())
+    }
+
     /// Runs `ip -n NAME ARGS...` and returns its stdout; fails on a non-zero exit.
     pub fn ip(&self, args: &[&str]) -> Result<String> {
         run_checked(
@@ -536,23 +557,7 @@ impl Lab {
         }
         let veth = format!("veth{}", self.next_veth);
         self.next_veth += 1;
-        // Created inside the node namespace, peer directly in the pod namespace: no
-        // interface ever exists in the root namespace.
-        self.node.ip(&[
-            "link",
-            "add",
-            &veth,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            ns.name(),
-        ])?;
-        self.node
-            .ip(&["link", "set", &veth, "master", LAB_BRIDGE])?;
-        self.node.ip(&["link", "set", &veth, "up"])?;
+        self.node.add_bridge_port(&veth, LAB_BRIDGE, &ns)?;
         ns.ip(&[
             "addr",
             "add",

@@ -129,21 +129,7 @@ impl Lab {
             .enumerate()
         {
             let port = format!("p{i}");
-            wire.ip(&[
-                "link",
-                "add",
-                &port,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                "eth0",
-                "netns",
-                n.name(),
-            ])
-            .unwrap();
-            wire.ip(&["link", "set", &port, "master", "wire0"]).unwrap();
-            wire.ip(&["link", "set", &port, "up"]).unwrap();
+            wire.add_bridge_port(&port, "wire0", n).unwrap();
             n.ip(&["addr", "add", &format!("{addr}/24"), "dev", "eth0"])
                 .unwrap();
             n.ip(&["link", "set", "eth0", "up"]).unwrap();
@@ -189,21 +175,7 @@ impl Lab {
         let pod = ns(&self.tag, name);
         let n = &self.nodes[node];
         let veth = format!("v{name}");
-        n.ip(&[
-            "link",
-            "add",
-            &veth,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            pod.name(),
-        ])
-        .unwrap();
-        n.ip(&["link", "set", &veth, "master", "br0"]).unwrap();
-        n.ip(&["link", "set", &veth, "up"]).unwrap();
+        n.add_bridge_port(&veth, "br0", &pod).unwrap();
         pod.ip(&["addr", "add", &format!("{addr}/24"), "dev", "eth0"])
             .unwrap();
         pod.ip(&["link", "set", "eth0", "up"]).unwrap();

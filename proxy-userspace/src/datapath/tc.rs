@@ -27,7 +27,7 @@ use std::{
 use anyhow::{Context, Result, bail};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap, LpmTrie, MapData, PerCpuArray, lpm_trie::Key},
+    maps::{Array, HashMap, LpmTrie, MapData, lpm_trie::Key},
     programs::{
         LinkOrder, SchedClassifier, TcAttachType,
         links::{FdLink, PinnedLink},
@@ -40,8 +40,7 @@ use proxy_common::{
     nat::{
         CONNTRACK, CtEntry, CtKey, IFACE_ADDRS, IFACE_F_POD, IfaceAddr, LOCAL_ENDPOINTS,
         SOURCE_RANGE_ALLOW, SOURCE_RANGE_RESTRICTED, SOURCE_RANGES, SourceRange,
-        TC_CFG_CLUSTER_CIDR_V4, TC_CFG_MASQUERADE_ALL, TC_CONFIG, TC_COUNTERS, TC_MAPS, TcConfig,
-        TcCounter,
+        TC_CFG_CLUSTER_CIDR_V4, TC_CFG_MASQUERADE_ALL, TC_CONFIG, TC_MAPS, TcConfig, TcCounter,
     },
 };
 use tracing::{error, info};
@@ -578,13 +577,11 @@ pub fn conntrack_entries(dir: &Path) -> Result<usize> {
 
 /// Sums of the per-CPU tc counters pinned under `dir`, by name.
 pub fn counters(dir: &Path) -> Result<BTreeMap<&'static str, u64>> {
-    let m: PerCpuArray<MapData, u64> = open(dir, TC_COUNTERS)?;
-    let mut out = BTreeMap::new();
-    for (c, name) in TcCounter::ALL {
-        let v = m.get(&(c as u32), 0)?;
-        out.insert(name, v.iter().sum());
-    }
-    Ok(out)
+    let values = super::maps::read_tc_counters(dir)?;
+    Ok(TcCounter::ALL
+        .iter()
+        .map(|(c, name)| (*name, values.get(*c as usize).copied().unwrap_or(0)))
+        .collect())
 }
 
 #[cfg(test)]
