@@ -31,7 +31,8 @@ use proxy_userspace::{
 };
 use tracing::{error, info, warn};
 
-/// A kube-proxy replacement on eBPF: Kubernetes Services load-balanced at the socket level.
+/// A kube-proxy replacement on eBPF: Kubernetes Services load-balanced at the socket level
+/// for clients on the node, and by tc programs for traffic entering it.
 #[derive(Parser, Debug)]
 #[command(name = "ebpf-proxy", version)]
 struct Cli {
