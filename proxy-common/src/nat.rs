@@ -164,8 +164,9 @@ pub struct IfaceAddr {
 }
 
 /// [`IfaceAddr::flags`]: a pod-facing interface (the route to this node's endpoints),
-/// attached with `--masquerade-all` only so that masqueraded flows to local backends get
-/// their SNAT stage (egress) and their replies (ingress) translated. No new flow starts
+/// attached with `--masquerade-all` or `--cluster-cidr` only (both masquerade some flows to
+/// local backends) so that masqueraded flows to local backends get their SNAT stage
+/// (egress) and their replies (ingress) translated. No new flow starts
 /// there: pods reach Services through the socket programs.
 pub const IFACE_F_POD: u32 = 1 << 0;
 

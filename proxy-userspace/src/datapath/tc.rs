@@ -79,6 +79,10 @@ fn link_name(prog: &str, ifname: &str) -> String {
 pub struct TcPath {
     dir: PathBuf,
     args: TcArgs,
+    /// Some flows to local backends are source-NATed (`--masquerade-all`, or a cluster IP
+    /// reached from outside `--cluster-cidr`): their SNAT stage and replies need the
+    /// programs on the pod-facing interfaces too.
+    snat_local: bool,
     ebpf: Option<Ebpf>,
     attached: BTreeSet<String>,
     local: BTreeSet<[u8; 16]>,
@@ -359,11 +363,15 @@ impl TcPath {
     /// family is used for the clients of that family.
     pub fn new(dir: &Path, args: TcArgs, cluster_cidrs: &[IpNet]) -> Result<Self> {
         let config = tc_config(&args, cluster_cidrs);
+        let snat_local = config.flags
+            & (TC_CFG_MASQUERADE_ALL | TC_CFG_CLUSTER_CIDR_V4 | TC_CFG_CLUSTER_CIDR_V6)
+            != 0;
         let mut cfg: Array<MapData, TcConfig> = open(dir, TC_CONFIG)?;
         cfg.set(0, config, 0).context("write TC_CONFIG")?;
         Ok(Self {
             dir: dir.to_path_buf(),
             args,
+            snat_local,
             ebpf: None,
             attached: BTreeSet::new(),
             local: BTreeSet::new(),
@@ -422,11 +430,12 @@ impl TcPath {
             .collect())
     }
 
-    /// With `--masquerade-all`, the pod-facing interfaces: those this netns routes this
-    /// node's endpoints through (longest match in `/proc/net/route` or
-    /// `/proc/net/ipv6_route`, default routes excluded), other than the external ones. Masqueraded flows to local backends get their
-    /// SNAT stage and their replies there. Only when external interfaces were found, so an
-    /// agent without node addresses in its netns attaches nothing at all.
+    /// With `--masquerade-all` or `--cluster-cidr` (both source-NAT some flows to local
+    /// backends), the pod-facing interfaces: those this netns routes this node's endpoints
+    /// through (longest match in `/proc/net/route` or `/proc/net/ipv6_route`, default
+    /// routes excluded), other than the external ones. Masqueraded flows to local backends
+    /// get their SNAT stage and their replies there. Only when external interfaces were
+    /// found, so an agent without node addresses in its netns attaches nothing at all.
     fn pod_interfaces(
         &self,
         objects: &ObjectSet,
@@ -434,7 +443,7 @@ impl TcPath {
         external: &BTreeMap<String, Vec<IpAddr>>,
     ) -> BTreeMap<String, Vec<IpAddr>> {
         let mut out = BTreeMap::new();
-        if !self.args.masquerade_all || external.is_empty() {
+        if !self.snat_local || external.is_empty() {
             return out;
         }
         let routes = ipv4_routes();
