@@ -13,7 +13,8 @@
 //! ```
 //!
 //! The client routes 198.19.100.0/24 (external and LB IPs) through node-a; the nodes route
-//! each other's pod subnet. Each node runs its own agent *inside its namespace* (so the
+//! each other's pod subnet. The `ipv6_*` tests add IPv6 to the same topology
+//! (`Lab::add_ipv6`, at the end of this file). Each node runs its own agent *inside its namespace* (so the
 //! interface auto-selection finds its `eth0` from the Node object's address), with its own
 //! child cgroup and pin directory. Nothing touches the root namespace or root cgroup.
 
