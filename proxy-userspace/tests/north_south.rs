@@ -1161,3 +1161,45 @@ fn ipv6_cluster_cidr_and_masquerade_all() {
     let (_, peer) = udp_whoami_any(&c, &v6(CLUSTER_IP6, 53), T).unwrap();
     assert_eq!(ip_of(&peer), NODE_A6);
 }
+
+#[test]
+fn ipv6_without_a_node_ipv6_address_snat_drops_and_local_backends_work() {
+    let mut lab = Lab::new("x6");
+    lab.add_ipv6();
+    // node-a's wire interface loses its IPv6 address and keeps a link-local one only (no
+    // SNAT address of the family there); the client reaches the IPv6 LB IP through that
+    // link-local address, and node-a the client through an on-link route.
+    let a = &lab.nodes[0];
+    a.ip(&["-6", "addr", "del", &format!("{NODE_A6}/64"), "dev", "eth0"])
+        .unwrap();
+    a.ip(&["-6", "addr", "add", "fe80::a/64", "dev", "eth0", "nodad"])
+        .unwrap();
+    a.ip(&["-6", "route", "replace", "fd00:100::/64", "dev", "eth0"])
+        .unwrap();
+    lab.client
+        .ip(&[
+            "-6",
+            "route",
+            "replace",
+            "fd00:199::/64",
+            "via",
+            "fe80::a",
+            "dev",
+            "eth0",
+        ])
+        .unwrap();
+    let lb6 = v6(LB_IP6, 80);
+    // A remote backend needs SNAT: dropped and counted.
+    web_dual(&lab, "", &BOTH4, &[(POD_B06, "node-b")]);
+    lab.start_agent(0, &[]);
+    let c = lab.client_path();
+    assert!(tcp_whoami(&c, &lb6, SHORT).is_err());
+    let counters = tc::counters(&lab.agents[0].pin).unwrap();
+    assert!(counters["tc_no_snat_address"] > 0, "{counters:?}");
+    // A local backend keeps the client address: no SNAT address needed.
+    let n = lab.agents[0].syncs();
+    web_dual(&lab, "", &BOTH4, &[(POD_A06, "node-a")]);
+    lab.agents[0].wait_sync_after(n);
+    let (name, peer) = tcp_whoami(&c, &lb6, T).unwrap();
+    assert_eq!((name.as_str(), ip_of(&peer).as_str()), ("a0", CLIENT6));
+}
