@@ -169,49 +169,6 @@ fn l4_csum_off(proto: u8) -> usize {
     if proto == PROTO_TCP { 16 } else { 6 }
 }
 
-#[inline(always)]
-fn on_packet<const INGRESS: bool>(ctx: &TcContext) -> Result<i32, i32> {
-    let ethertype = u16::from_be(ctx.load::<u16>(12).map_err(|_| PASS)?);
-    // One `Pkt` for both families (stack); anything but PARSED is the packet's verdict
-    // already (not TCP/UDP, or an ICMP error handled).
-    let mut pkt = Pkt {
-        key: CtKey::default(),
-        l4: 0,
-        v6: false,
-    };
-    let v = if ethertype == ETH_P_IP {
-        parse_v4::<INGRESS>(ctx, &mut pkt)
-    } else if ethertype == ETH_P_IPV6 {
-        parse_v6(ctx, &mut pkt, INGRESS)
-    } else {
-        PASS
-    };
-    if v != PARSED {
-        return Ok(v);
-    }
-    let tcp_flags: u8 = if pkt.key.proto == PROTO_TCP {
-        ctx.load(pkt.l4 + 13).map_err(|_| PASS)?
-    } else {
-        0
-    };
-    let now = unsafe { bpf_ktime_get_ns() };
-    let v = tracked(ctx, &pkt, tcp_flags, now, INGRESS);
-    if v != NOT_TRACKED || !INGRESS {
-        return Ok(if v == NOT_TRACKED { PASS } else { v });
-    }
-    let v = new_flow(ctx, &pkt, now);
-    // Per-service counting happens here, outside new_flow's deep frame (stack limit).
-    if let Some(sc) = TC_SCRATCH.get_ptr_mut(0) {
-        // SAFETY: this CPU's slot, used only while this program runs.
-        let sc = unsafe { &mut *sc };
-        if sc.count_sid != 0 {
-            count_service(sc.count_sid, sc.count_bid, sc.count_refused);
-            sc.count_sid = 0;
-        }
-    }
-    Ok(v)
-}
-
 /// Fills `pkt` from an IPv4 packet with TCP or UDP and returns [`PARSED`]; else returns
 /// the verdict (passed, or an ICMP error translated by [`on_icmp`]).
 #[inline(always)]
@@ -275,6 +232,49 @@ fn try_parse_v4<const INGRESS: bool>(ctx: &TcContext, pkt: &mut Pkt) -> Result<(
         v6: false,
     };
     Ok(())
+}
+
+#[inline(always)]
+fn on_packet<const INGRESS: bool>(ctx: &TcContext) -> Result<i32, i32> {
+    let ethertype = u16::from_be(ctx.load::<u16>(12).map_err(|_| PASS)?);
+    // One `Pkt` for both families (stack); anything but PARSED is the packet's verdict
+    // already (not TCP/UDP, or an ICMP error handled).
+    let mut pkt = Pkt {
+        key: CtKey::default(),
+        l4: 0,
+        v6: false,
+    };
+    let v = if ethertype == ETH_P_IP {
+        parse_v4::<INGRESS>(ctx, &mut pkt)
+    } else if ethertype == ETH_P_IPV6 {
+        parse_v6(ctx, &mut pkt, INGRESS)
+    } else {
+        PASS
+    };
+    if v != PARSED {
+        return Ok(v);
+    }
+    let tcp_flags: u8 = if pkt.key.proto == PROTO_TCP {
+        ctx.load(pkt.l4 + 13).map_err(|_| PASS)?
+    } else {
+        0
+    };
+    let now = unsafe { bpf_ktime_get_ns() };
+    let v = tracked(ctx, &pkt, tcp_flags, now, INGRESS);
+    if v != NOT_TRACKED || !INGRESS {
+        return Ok(if v == NOT_TRACKED { PASS } else { v });
+    }
+    let v = new_flow(ctx, &pkt, now);
+    // Per-service counting happens here, outside new_flow's deep frame (stack limit).
+    if let Some(sc) = TC_SCRATCH.get_ptr_mut(0) {
+        // SAFETY: this CPU's slot, used only while this program runs.
+        let sc = unsafe { &mut *sc };
+        if sc.count_sid != 0 {
+            count_service(sc.count_sid, sc.count_bid, sc.count_refused);
+            sc.count_sid = 0;
+        }
+    }
+    Ok(v)
 }
 
 /// Verdict of [`parse_v4`] and [`parse_v6`] for a TCP/UDP packet they parsed.
