@@ -29,7 +29,7 @@ use proxy_userspace::{
     source::{KubeSource, ManifestSource, Source},
     sync::Syncer,
 };
-use tracing::{error, info, warn};
+use tracing::{debug, error, info, warn};
 
 /// A kube-proxy replacement on eBPF: Kubernetes Services load-balanced at the socket level
 /// for clients on the node, and by tc programs for traffic entering it.
@@ -319,6 +319,26 @@ fn apply_config(args: &mut RunArgs, m: &clap::ArgMatches, file: config::FileSett
         &mut args.udp_flow_timeout,
         given(m, "udp_flow_timeout"),
         file.udp_flow_timeout,
+    );
+    fill(
+        &mut args.tc.conntrack_max_per_core,
+        given(m, "conntrack_max_per_core"),
+        file.conntrack_max_per_core,
+    );
+    fill(
+        &mut args.tc.conntrack_min,
+        given(m, "conntrack_min"),
+        file.conntrack_min,
+    );
+    fill(
+        &mut args.tc.conntrack_tcp_timeout_established,
+        given(m, "conntrack_tcp_timeout_established"),
+        file.conntrack_tcp_timeout_established,
+    );
+    fill(
+        &mut args.tc.conntrack_udp_timeout_stream,
+        given(m, "conntrack_udp_timeout_stream"),
+        file.conntrack_udp_timeout_stream,
     );
     fill(
         &mut args.log_format,
@@ -621,6 +641,7 @@ fn run(args: RunArgs) -> Result<()> {
         slots: args.max_backend_slots,
         backends: args.max_backends,
         sockets: args.max_sockets,
+        conntrack_flows: args.tc.conntrack_flows(),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -646,7 +667,7 @@ fn run(args: RunArgs) -> Result<()> {
                 warn!(?cap, "adopted pinned maps keep the sizes they were created with; run `ebpf-proxy cleanup` to resize");
             }
             let cluster_cidrs = args.cluster_cidr.as_ref().map(|c| c.0.clone()).unwrap_or_default();
-            let tc = proxy_userspace::datapath::tc::TcPath::new(&dir, args.tc.clone(), &cluster_cidrs)?;
+            let tc = proxy_userspace::datapath::tc::TcPath::new(&dir, args.tc.clone(), &cluster_cidrs, args.udp_flow_timeout)?;
             let mut syncer = Syncer::adopt(&maps).context("read the pinned maps")?;
             syncer.set_maglev_size(args.maglev_table_size);
             info!(services = syncer.bound_services(), "adopted state from pinned maps");
@@ -678,6 +699,11 @@ fn run(args: RunArgs) -> Result<()> {
         let mut resync = tokio::time::interval(args.sync_period);
         resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         resync.tick().await;
+        // Least-connections counts of tc flows that timed out or were evicted (no FIN/RST
+        // for the data path to see) are given back by a periodic collection.
+        let mut collect = tokio::time::interval(proxy_userspace::datapath::tc::lc_collect_interval(args.udp_flow_timeout));
+        collect.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut collect_failed = false;
         let mut logged: BTreeSet<String> = BTreeSet::new();
         let mut previous = proxy_userspace::source::ObjectSet::default();
         let mut desired: Option<model::DesiredState> = None;
@@ -689,6 +715,24 @@ fn run(args: RunArgs) -> Result<()> {
                     None => anyhow::bail!("the object source stopped"),
                 },
                 _ = resync.tick() => None,
+                _ = collect.tick() => {
+                    match tc.collect_lc_flows() {
+                        Ok(n) => {
+                            if n > 0 {
+                                debug!(flows = n, "least-connections counts of ended tc flows given back");
+                            }
+                            collect_failed = false;
+                        }
+                        // Logged once while it lasts; the counts of ended flows stay until it works.
+                        Err(e) => {
+                            if !collect_failed {
+                                error!(error = %format!("{e:#}"), "collecting ended least-connections tc flows failed");
+                            }
+                            collect_failed = true;
+                        }
+                    }
+                    continue;
+                }
                 _ = term.recv() => break,
                 _ = tokio::signal::ctrl_c() => break,
             };
