@@ -824,7 +824,7 @@ winkernel:
     fn conntrack_size_and_timeouts_are_read_and_checked() {
         let l = parse(
             "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n\
-             conntrack:\n  maxPerCore: 0\n  min: 4096\n  tcpEstablishedTimeout: 1h\n  udpStreamTimeout: 3m\n",
+             conntrack:\n  maxPerCore: 0\n  min: 4096\n  tcpEstablishedTimeout: 1h\n  udpStreamTimeout: 2.5m\n",
         )
         .unwrap();
         assert!(l.warnings.is_empty(), "{:?}", l.warnings);
@@ -836,7 +836,7 @@ winkernel:
         );
         assert_eq!(
             l.settings.conntrack_udp_timeout_stream,
-            Some(Duration::from_secs(180))
+            Some(Duration::from_secs(150))
         );
         for (bad, field) in [
             ("min: 0", "conntrack.min"),

@@ -355,11 +355,25 @@ fn start_run(mut args: RunArgs, m: Option<&clap::ArgMatches>) -> Result<()> {
         apply_config(&mut args, m, loaded.settings);
         warnings = loaded.warnings;
     }
+    check_periods(&args)?;
     init_logs(log_filter(&args.log_level)?, args.log_format);
     for w in &warnings {
         warn!("{w}");
     }
     run(args)
+}
+
+/// kube-proxy's validation: `--min-sync-period` may not exceed `--sync-period`, whether
+/// they come from flags or the configuration file.
+fn check_periods(args: &RunArgs) -> Result<()> {
+    if args.min_sync_period > args.sync_period {
+        anyhow::bail!(
+            "--min-sync-period ({}) is longer than --sync-period ({})",
+            humantime::format_duration(args.min_sync_period),
+            humantime::format_duration(args.sync_period)
+        );
+    }
+    Ok(())
 }
 
 /// Lets `ebpf-proxy services | head` end quietly, as other CLI tools do (Rust ignores
@@ -1023,6 +1037,12 @@ fn cleanup(args: CleanupArgs) -> Result<()> {
     if r.dir_removed {
         println!("removed {}", dir.display());
     } else if r.links.is_empty() && r.maps.is_empty() {
+        if dir.exists() && !loader::is_on_bpffs(&dir) {
+            anyhow::bail!(
+                "{} is not on a BPF file system: nothing ebpf-proxy pinned can be there (check --bpffs)",
+                dir.display()
+            );
+        }
         println!("nothing to clean up at {}", dir.display());
     }
     let _ = args.cgroup_path;
@@ -1074,6 +1094,18 @@ logging: {format: json}
         assert_eq!(a.min_sync_period, Duration::from_secs(5));
         assert_eq!(a.udp_flow_timeout, Duration::from_secs(60));
         assert_eq!(a.log_format, LogFormat::Json);
+    }
+
+    #[test]
+    fn min_sync_period_longer_than_sync_period_is_refused() {
+        let (a, _) = run_args(&["--sync-period", "30s", "--min-sync-period", "1m"]);
+        let e = check_periods(&a).unwrap_err().to_string();
+        assert!(
+            e.contains("--min-sync-period (1m) is longer than --sync-period (30s)"),
+            "{e}"
+        );
+        let (a, _) = run_args(&["--sync-period", "30s", "--min-sync-period", "30s"]);
+        check_periods(&a).unwrap();
     }
 
     #[test]
