@@ -812,26 +812,25 @@ fn hold(client: &Path, to: &str) -> (TcpStream, String) {
     .unwrap()
 }
 
-/// `ebpf-proxy backends -o json` of agent `a`: "address:port/PROTO" -> least-connections
-/// count (`active`).
-fn active(lab: &Lab, a: usize) -> std::collections::BTreeMap<String, u64> {
-    let dir = lab.agents[a]
-        .pin
-        .file_name()
-        .unwrap()
-        .to_str()
-        .unwrap()
-        .to_string();
+/// `ebpf-proxy <command> --pin-dir <agent a's> -o json`, parsed.
+fn agent_json(lab: &Lab, a: usize, command: &str) -> serde_json::Value {
+    let dir = lab.agents[a].pin.file_name().unwrap().to_str().unwrap();
     let out = Command::new(AGENT)
-        .args(["backends", "--pin-dir", &dir, "-o", "json"])
+        .args([command, "--pin-dir", dir, "-o", "json"])
         .output()
         .unwrap();
     assert!(
         out.status.success(),
-        "{}",
+        "{command}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// `ebpf-proxy backends -o json` of agent `a`: "address:port/PROTO" -> least-connections
+/// count (`active`).
+fn active(lab: &Lab, a: usize) -> std::collections::BTreeMap<String, u64> {
+    let rows = agent_json(lab, a, "backends");
     rows.as_array()
         .unwrap()
         .iter()
@@ -1015,18 +1014,7 @@ fn affinity_and_algorithms_apply_to_node_ports_and_lb_ips() {
         fourth.1, other,
         "affinity expired: least-connections picks the idle backend"
     );
-    let dir = lab.agents[0]
-        .pin
-        .file_name()
-        .unwrap()
-        .to_str()
-        .unwrap()
-        .to_string();
-    let out = Command::new(AGENT)
-        .args(["affinity", "--pin-dir", &dir, "-o", "json"])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
+    let text = agent_json(&lab, 0, "affinity").to_string();
     assert!(
         text.contains(CLIENT),
         "affinity keyed by the external client's address: {text}"
@@ -1082,17 +1070,6 @@ fn exchange(s: &UdpSocket) -> Option<(String, String)> {
     let text = String::from_utf8_lossy(&buf[..n]).into_owned();
     let mut it = text.split_whitespace();
     Some((it.next()?.to_string(), it.next()?.to_string()))
-}
-
-/// `CLOCK_MONOTONIC` in ns, the clock of the conntrack entries' `last_seen_ns`.
-fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime(2) into a timespec we own.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 fn mapped(ip: &str) -> [u8; 16] {
@@ -1158,7 +1135,7 @@ fn snat_bindings_survive_eviction_and_a_taken_port_is_never_shared() {
         flags: CT_F_REPLY | CT_F_SNAT,
         _pad: 0,
         service_id: 0,
-        last_seen_ns: monotonic_ns(),
+        last_seen_ns: tc::monotonic_ns(),
     };
     ct().insert(reply_key, other, 0).unwrap();
     assert!(

@@ -128,8 +128,9 @@ pub fn lc_collect_interval(udp_timeout: std::time::Duration) -> std::time::Durat
     )
 }
 
-/// `CLOCK_MONOTONIC` in nanoseconds: the clock of `bpf_ktime_get_ns`.
-fn monotonic_ns() -> u64 {
+/// `CLOCK_MONOTONIC` in nanoseconds: the clock of `bpf_ktime_get_ns`, so of the conntrack
+/// entries' `last_seen_ns`.
+pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
