@@ -41,17 +41,28 @@ pub const TC_COUNTERS: &str = "TC_COUNTERS";
 /// Name of the source range map: `Key<`[`SourceRange`]`>` -> `u32` (BPF_MAP_TYPE_LPM_TRIE).
 pub const SOURCE_RANGES: &str = "TC_SOURCE_RANGES";
 
+/// Name of the least-connections flow map: original-direction [`CtKey`] -> backend id `u32`
+/// (BPF_MAP_TYPE_HASH, [`CONNTRACK`]'s size / 2 entries). One entry per tc flow of a
+/// least-connections Service that is counted in [`crate::LC_COUNTS`]; removing the entry is
+/// what gives the count back, so each flow is released exactly once (a map delete succeeds
+/// once): by the tc program when the flow closes (FIN both ways or RST) or its tuple starts a
+/// new flow, or by the agent's periodic collection (the `tc_lc_gc` program run through
+/// `BPF_PROG_TEST_RUN`) when its conntrack entry timed out or was evicted.
+pub const LC_FLOWS: &str = "TC_LC_FLOWS";
+
 /// Every map of the tc data path, pinned next to the maps of [`crate::ALL_MAPS`].
-pub const TC_MAPS: [&str; 6] = [
+pub const TC_MAPS: [&str; 7] = [
     CONNTRACK,
     LOCAL_ENDPOINTS,
     IFACE_ADDRS,
     TC_CONFIG,
     TC_COUNTERS,
     SOURCE_RANGES,
+    LC_FLOWS,
 ];
 
-/// Default `max_entries` of [`CONNTRACK`] (two entries per flow).
+/// Default `max_entries` of [`CONNTRACK`] (two entries per flow, three with SNAT). The agent
+/// sizes it from `--conntrack-min` / `--conntrack-max-per-core` at creation.
 pub const DEFAULT_MAX_CONNTRACK: u32 = 131072;
 /// `max_entries` of [`LOCAL_ENDPOINTS`].
 pub const MAX_LOCAL_ENDPOINTS: u32 = 65536;
@@ -87,6 +98,42 @@ pub const CT_TIMEOUT_TCP_CLOSED_NS: u64 = 10_000_000_000;
 pub const CT_TIMEOUT_UDP_NS: u64 = 30_000_000_000;
 /// See [`CT_TIMEOUT_TCP_OPENING_NS`].
 pub const CT_TIMEOUT_UDP_STREAM_NS: u64 = 120_000_000_000;
+
+/// Whether a TCP flow with conntrack `flags` is closed: a RST seen, or a FIN in each
+/// direction.
+#[inline(always)]
+pub const fn ct_closed(flags: u16) -> bool {
+    flags & CT_F_RST != 0
+        || flags & (CT_F_FIN_ORIG | CT_F_FIN_REPLY) == (CT_F_FIN_ORIG | CT_F_FIN_REPLY)
+}
+
+/// Idle time in nanoseconds after which a conntrack entry of protocol `proto` with `flags`
+/// is dead, given the configured timeouts of [`TcConfig`] (`tcp_established_ns`, `udp_ns`,
+/// `udp_stream_ns`; 0 = the `CT_TIMEOUT_*` default). One definition for the tc programs and
+/// the agent's collection of least-connections flows.
+#[inline(always)]
+pub const fn ct_timeout_ns(
+    flags: u16,
+    proto: u8,
+    tcp_established_ns: u64,
+    udp_ns: u64,
+    udp_stream_ns: u64,
+) -> u64 {
+    let (configured, default) = if proto == crate::PROTO_TCP {
+        if ct_closed(flags) {
+            (0, CT_TIMEOUT_TCP_CLOSED_NS)
+        } else if flags & CT_F_SEEN_REPLY != 0 {
+            (tcp_established_ns, CT_TIMEOUT_TCP_ESTABLISHED_NS)
+        } else {
+            (0, CT_TIMEOUT_TCP_OPENING_NS)
+        }
+    } else if flags & CT_F_SEEN_REPLY != 0 {
+        (udp_stream_ns, CT_TIMEOUT_UDP_STREAM_NS)
+    } else {
+        (udp_ns, CT_TIMEOUT_UDP_NS)
+    };
+    if configured != 0 { configured } else { default }
+}
 
 /// Conntrack key: a packet's tuple. 40 bytes.
 #[repr(C)]
@@ -170,7 +217,7 @@ pub struct IfaceAddr {
 /// there: pods reach Services through the socket programs.
 pub const IFACE_F_POD: u32 = 1 << 0;
 
-/// tc data path configuration, index 0 of [`TC_CONFIG`]. 32 bytes.
+/// tc data path configuration, index 0 of [`TC_CONFIG`]. 56 bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct TcConfig {
@@ -185,6 +232,15 @@ pub struct TcConfig {
     pub cluster_cidr_v6_len: u8,
     /// Reserved; always 0.
     pub _pad: [u8; 6],
+    /// Idle timeout of an established TCP flow, nanoseconds
+    /// (`--conntrack-tcp-timeout-established`); 0 = [`CT_TIMEOUT_TCP_ESTABLISHED_NS`].
+    pub tcp_established_ns: u64,
+    /// Idle timeout of a UDP flow without a reply yet, nanoseconds (`--udp-flow-timeout`,
+    /// the kernel's `nf_conntrack_udp_timeout`); 0 = [`CT_TIMEOUT_UDP_NS`].
+    pub udp_ns: u64,
+    /// Idle timeout of a UDP flow that saw a reply, nanoseconds
+    /// (`--conntrack-udp-timeout-stream`); 0 = [`CT_TIMEOUT_UDP_STREAM_NS`].
+    pub udp_stream_ns: u64,
     /// `--cluster-cidr` (IPv6), network byte order; used when
     /// [`TC_CFG_CLUSTER_CIDR_V6`] is set.
     pub cluster_cidr_v6: [u8; 16],
@@ -252,11 +308,16 @@ pub enum TcCounter {
     NoSnatAddress = 9,
     /// An ICMP error about a translated flow was translated back.
     IcmpTranslated = 10,
+    /// Dropped: a packet of a source-NATed flow whose SNAT binding is gone (its SNAT stage
+    /// evicted from the LRU table, or its node port taken by another flow after its reply
+    /// entry was evicted). The flow's entries are removed, so the client's next packet
+    /// starts a new flow on a free port instead of mixing with another flow's.
+    SnatBindingLost = 11,
 }
 
 impl TcCounter {
     /// Every counter, in index order, with its Prometheus-style name.
-    pub const ALL: [(TcCounter, &'static str); 11] = [
+    pub const ALL: [(TcCounter, &'static str); 12] = [
         (TcCounter::NewFlow, "tc_new_flow"),
         (TcCounter::Snat, "tc_snat"),
         (TcCounter::Translated, "tc_translated"),
@@ -271,6 +332,7 @@ impl TcCounter {
         (TcCounter::RewriteFailed, "tc_rewrite_failed"),
         (TcCounter::NoSnatAddress, "tc_no_snat_address"),
         (TcCounter::IcmpTranslated, "tc_icmp_translated"),
+        (TcCounter::SnatBindingLost, "tc_snat_binding_lost"),
     ];
 }
 
@@ -289,6 +351,6 @@ const _: () = {
     assert!(core::mem::size_of::<CtKey>() == 40);
     assert!(core::mem::size_of::<CtEntry>() == 56);
     assert!(core::mem::size_of::<IfaceAddr>() == 40);
-    assert!(core::mem::size_of::<TcConfig>() == 32);
+    assert!(core::mem::size_of::<TcConfig>() == 56);
     assert!(core::mem::size_of::<SourceRange>() == 32);
 };

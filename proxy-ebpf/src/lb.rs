@@ -367,9 +367,14 @@ pub fn track_socket(cookie: u64, id: u32, counted: bool) {
         count(Counter::MapUpdateFailed);
         return;
     }
-    if !counted {
-        return;
+    if counted {
+        lc_acquire(id);
     }
+}
+
+/// One more active connection (or tc flow) to backend `id` in [`LC_COUNTS`], atomically.
+#[inline(always)]
+pub fn lc_acquire(id: u32) {
     match LC_COUNTS.get_ptr_mut(id) {
         Some(p) => atomic_add(p, 1),
         None => {
@@ -380,6 +385,16 @@ pub fn track_socket(cookie: u64, id: u32, counted: bool) {
                 atomic_add(p, 1);
             }
         }
+    }
+}
+
+/// One active connection (or tc flow) to backend `id` less, the inverse of
+/// [`lc_acquire`]; callers make sure each acquired count is released once.
+#[inline(always)]
+pub fn lc_release(id: u32) {
+    if let Some(p) = LC_COUNTS.get_ptr_mut(id) {
+        // Adding u32::MAX is subtracting one (wrapping).
+        atomic_add(p, u32::MAX);
     }
 }
 
@@ -405,11 +420,8 @@ pub fn release_socket(cookie: u64) {
     };
     let _ = SOCKETS.remove(cookie);
     let id = v & !SOCKET_F_COUNTED;
-    if v & SOCKET_F_COUNTED != 0
-        && let Some(p) = LC_COUNTS.get_ptr_mut(id)
-    {
-        // Adding u32::MAX is subtracting one (wrapping), the inverse of `track_socket`.
-        atomic_add(p, u32::MAX);
+    if v & SOCKET_F_COUNTED != 0 {
+        lc_release(id);
     }
     if let Some(b) = backend(id) {
         let key = RevNatKey {

@@ -65,12 +65,11 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    FRONTEND_F_EXTERNAL, FRONTEND_F_LOCAL_ONLY, FRONTEND_F_VIP_MARKER, Frontend, FrontendKey,
+    Algorithm, FRONTEND_F_EXTERNAL, FRONTEND_F_LOCAL_ONLY, FRONTEND_F_VIP_MARKER, Frontend, FrontendKey,
     PROTO_TCP, PROTO_UDP, SCOPE_INGRESS, SCOPE_NODE,
     nat::{
         CT_F_EGRESS, CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_REPLY, CT_F_RST, CT_F_SEEN_REPLY,
-        CT_F_SNAT, CT_TIMEOUT_TCP_CLOSED_NS, CT_TIMEOUT_TCP_ESTABLISHED_NS,
-        CT_TIMEOUT_TCP_OPENING_NS, CT_TIMEOUT_UDP_NS, CT_TIMEOUT_UDP_STREAM_NS, CtEntry, CtKey,
+        CT_F_SNAT, CtEntry, CtKey, ct_closed, ct_timeout_ns,
         IFACE_F_POD, SNAT_PORT_COUNT, SNAT_PORT_MIN, SNAT_PORT_TRIES, SOURCE_RANGE_RESTRICTED,
         SourceRange, TC_CFG_CLUSTER_CIDR_V4, TC_CFG_CLUSTER_CIDR_V6, TC_CFG_MASQUERADE_ALL,
         TcCounter,
@@ -79,11 +78,13 @@ use proxy_common::{
 };
 
 use crate::{
-    lb::{Client, Request, backend, count_packet, count_service, select},
+    lb::{
+        Client, Request, backend, count_packet, count_service, lc_acquire, lc_release, select,
+    },
     maps::FRONTENDS,
     tc_maps::{
-        TC_CONFIG, TC_CONNTRACK, TC_COUNTERS, TC_IFACE_ADDRS, TC_LOCAL_ENDPOINTS, TC_SCRATCH,
-        TC_SOURCE_RANGES,
+        TC_CONFIG, TC_CONNTRACK, TC_COUNTERS, TC_IFACE_ADDRS, TC_LC_FLOWS, TC_LOCAL_ENDPOINTS,
+        TC_SCRATCH, TC_SOURCE_RANGES,
     },
 };
 
@@ -271,7 +272,11 @@ fn on_packet<const INGRESS: bool>(ctx: &TcContext) -> Result<i32, i32> {
         let sc = unsafe { &mut *sc };
         if sc.count_sid != 0 {
             count_service(sc.count_sid, sc.count_bid, sc.count_refused);
+            // A new flow on this tuple: an earlier flow's count is given back, and this
+            // one is counted when its Service uses least-connections.
+            lc_flow_started(&pkt.key, if sc.count_lc != 0 { sc.count_bid } else { 0 });
             sc.count_sid = 0;
+            sc.count_lc = 0;
         }
     }
     Ok(v)
@@ -322,6 +327,72 @@ fn try_parse_v6(ctx: &TcContext, pkt: &mut Pkt, ingress: bool) -> Result<(), i32
     Ok(())
 }
 
+/// Least-connections accounting of a new tc flow keyed `key` (original direction): gives
+/// back the count of an earlier (dead) flow of the same tuple, then counts this one for
+/// backend `id` (0: not counted). A map delete succeeds once, so each count is given back
+/// once whoever (tc program or agent collection) removes the entry.
+#[inline(never)]
+fn lc_flow_started(key: &CtKey, id: u32) {
+    lc_flow_release(key);
+    if id != 0 && TC_LC_FLOWS.insert(key, &id, BPF_NOEXIST as u64).is_ok() {
+        lc_acquire(id);
+    }
+}
+
+/// A tracked flow closed (FIN both ways or RST) as seen through the entry keyed `key`:
+/// gives back its least-connections count. The original-direction key is `key` itself for
+/// the original entry and the reverse of the rewrite for the reply entry.
+#[inline(never)]
+fn lc_flow_closed(key: &CtKey, entry: &CtEntry) {
+    if entry.flags & CT_F_REPLY != 0 {
+        lc_flow_release(&peer_key(entry, key.proto));
+    } else {
+        lc_flow_release(key);
+    }
+}
+
+/// Removes `key` from `TC_LC_FLOWS` and, when this call removed it, gives its count back.
+#[inline(always)]
+fn lc_flow_release(key: &CtKey) {
+    // SAFETY: copied out at once.
+    if let Some(old) = unsafe { TC_LC_FLOWS.get(key).copied() }
+        && TC_LC_FLOWS.remove(key).is_ok()
+    {
+        lc_release(old);
+    }
+}
+
+/// Least-connections collection, run by the agent through `BPF_PROG_TEST_RUN` (never
+/// attached) for each `TC_LC_FLOWS` key whose flow looks dead from userspace. The packet is
+/// 14 bytes of (ignored) Ethernet header followed by the 40-byte [`CtKey`]. Checked again
+/// here, atomically with the release: a flow whose original entry is live and open is kept
+/// (returns 0); otherwise its count is given back (returns 1; 2 when someone else already
+/// released it).
+#[classifier]
+pub fn tc_lc_gc(ctx: TcContext) -> i32 {
+    let Ok(key) = ctx.load::<CtKey>(ETH_HLEN) else {
+        return 2;
+    };
+    // SAFETY: helper without side effects.
+    let now = unsafe { bpf_ktime_get_ns() };
+    if let Some(e) = TC_CONNTRACK.get_ptr(&key) {
+        // SAFETY: value of the map, read field by field.
+        let (seen, flags) = unsafe { ((*e).last_seen_ns, (*e).flags) };
+        if now.saturating_sub(seen) <= timeout_of(flags, key.proto) && !is_closed(flags) {
+            return 0;
+        }
+    }
+    // SAFETY: copied out at once.
+    let Some(id) = (unsafe { TC_LC_FLOWS.get(&key).copied() }) else {
+        return 2;
+    };
+    if TC_LC_FLOWS.remove(&key).is_err() {
+        return 2;
+    }
+    lc_release(id);
+    1
+}
+
 /// Verdict of [`tracked`] for a packet without a live conntrack entry.
 const NOT_TRACKED: i32 = -2;
 
@@ -345,6 +416,13 @@ fn tracked(ctx: &TcContext, pkt: &Pkt, tcp_flags: u8, now: u64, ingress: bool) -
     if !live || reopened || wrong_side {
         return NOT_TRACKED;
     }
+    if ingress
+        && entry.flags & (CT_F_SNAT | CT_F_REPLY | CT_F_EGRESS) == CT_F_SNAT
+        && !snat_binding_held(&pkt.key, &entry, now)
+    {
+        count(TcCounter::SnatBindingLost);
+        return TC_ACT_SHOT;
+    }
     let flags = track(&entry, tcp_flags);
     // SAFETY: as above; word-sized stores.
     unsafe {
@@ -352,6 +430,10 @@ fn tracked(ctx: &TcContext, pkt: &Pkt, tcp_flags: u8, now: u64, ingress: bool) -
         (*e).flags = flags;
     }
     touch_peer(&entry, proto, flags, now);
+    if entry.flags & CT_F_EGRESS == 0 && is_closed(flags) && !is_closed(entry.flags) {
+        // The flow closed: its least-connections count, if any, is given back now.
+        lc_flow_closed(&pkt.key, &entry);
+    }
     count(TcCounter::Translated);
     // The SNAT stage is a second rewrite of a packet already counted at its DNAT.
     if entry.flags & CT_F_EGRESS == 0 {
@@ -362,6 +444,86 @@ fn tracked(ctx: &TcContext, pkt: &Pkt, tcp_flags: u8, now: u64, ingress: bool) -
         return redirect_out(ctx, &entry.saddr, &entry.daddr);
     }
     v
+}
+
+/// For a packet in the original direction of a source-NATed flow (`entry` is its original
+/// entry, `key` the packet's tuple): whether the flow still holds its SNAT binding. The SNAT
+/// stage is keyed by the original entry's rewritten tuple and names the node address and
+/// port; the reply entry keyed (backend -> node address:port) must lead back to this client.
+/// - reply entry evicted from the LRU table: written again (only if the port is still free),
+///   so a later flow cannot take the port while this one lives;
+/// - reply entry of another live flow (the port was taken after an eviction), or SNAT stage
+///   evicted: the binding is lost; the flow's entries are removed (and its
+///   least-connections count given back) so the client's next packet starts a new flow,
+///   and this packet is dropped rather than mixed into the other flow.
+///
+/// Its own BPF function; keys and entries are built in the per-CPU scratch slot (stack).
+#[inline(never)]
+fn snat_binding_held(key: &CtKey, entry: &CtEntry, now: u64) -> bool {
+    let Some(sc) = TC_SCRATCH.get_ptr_mut(0) else {
+        return true;
+    };
+    // SAFETY: this CPU's slot; `new_flow` does not run for a tracked packet. Fields are
+    // written in place and map values read through their pointers: this function's frame
+    // adds to `tracked`'s and `on_packet`'s within the 512-byte stack.
+    let sc = unsafe { &mut *sc };
+    sc.ekey.saddr = entry.saddr;
+    sc.ekey.daddr = entry.daddr;
+    sc.ekey.sport = entry.sport;
+    sc.ekey.dport = entry.dport;
+    sc.ekey.proto = key.proto;
+    sc.ekey._pad = [0; 3];
+    let held = match TC_CONNTRACK.get_ptr(&sc.ekey) {
+        None => false,
+        Some(eg) => {
+            sc.rkey.saddr = entry.daddr;
+            sc.rkey.sport = entry.dport;
+            // SAFETY: value of the map, fields copied.
+            unsafe {
+                sc.rkey.daddr = (*eg).saddr;
+                sc.rkey.dport = (*eg).sport;
+            }
+            sc.rkey.proto = key.proto;
+            sc.rkey._pad = [0; 3];
+            sc.rev.saddr = key.daddr;
+            sc.rev.daddr = key.saddr;
+            sc.rev.sport = key.dport;
+            sc.rev.dport = key.sport;
+            sc.rev.flags = CT_F_REPLY
+                | CT_F_SNAT
+                | (entry.flags & (CT_F_SEEN_REPLY | CT_F_FIN_ORIG | CT_F_FIN_REPLY | CT_F_RST));
+            sc.rev._pad = 0;
+            sc.rev.service_id = entry.service_id;
+            sc.rev.last_seen_ns = now;
+            match TC_CONNTRACK.get_ptr(&sc.rkey) {
+                // SAFETY: value of the map, read in place.
+                Some(r) => unsafe {
+                    if (*r).daddr == key.saddr && (*r).dport == key.sport {
+                        true
+                    } else if now.saturating_sub((*r).last_seen_ns)
+                        > timeout_of((*r).flags, key.proto)
+                    {
+                        // The other flow is dead: the port is free, take it back.
+                        TC_CONNTRACK
+                            .insert(&sc.rkey, &sc.rev, BPF_ANY as u64)
+                            .is_ok()
+                    } else {
+                        false
+                    }
+                },
+                // Only if still free: a new flow that took it meanwhile keeps it.
+                None => TC_CONNTRACK
+                    .insert(&sc.rkey, &sc.rev, BPF_NOEXIST as u64)
+                    .is_ok(),
+            }
+        }
+    };
+    if !held {
+        let _ = TC_CONNTRACK.remove(&sc.ekey);
+        let _ = TC_CONNTRACK.remove(key);
+        lc_flow_release(key);
+    }
+    held
 }
 
 /// Sends a packet translated at ingress whose source is now one of this node's addresses
@@ -444,31 +606,27 @@ fn track(entry: &CtEntry, tcp_flags: u8) -> u16 {
 
 #[inline(always)]
 fn is_closed(flags: u16) -> bool {
-    flags & CT_F_RST != 0
-        || flags & (CT_F_FIN_ORIG | CT_F_FIN_REPLY) == (CT_F_FIN_ORIG | CT_F_FIN_REPLY)
+    ct_closed(flags)
 }
 
-/// Idle time after which an entry is dead (see `proxy_common::nat::CT_TIMEOUT_*`).
+/// Idle time after which an entry is dead (see `proxy_common::nat::ct_timeout_ns`).
 #[inline(always)]
 fn timeout(entry: &CtEntry, proto: u8) -> u64 {
     timeout_of(entry.flags, proto)
 }
 
-/// [`timeout`] from an entry's flags.
+/// [`timeout`] from an entry's flags, with the configured timeouts (`TcConfig`).
 #[inline(always)]
 fn timeout_of(flags: u16, proto: u8) -> u64 {
-    if proto == PROTO_TCP {
-        if is_closed(flags) {
-            CT_TIMEOUT_TCP_CLOSED_NS
-        } else if flags & CT_F_SEEN_REPLY != 0 {
-            CT_TIMEOUT_TCP_ESTABLISHED_NS
-        } else {
-            CT_TIMEOUT_TCP_OPENING_NS
-        }
-    } else if flags & CT_F_SEEN_REPLY != 0 {
-        CT_TIMEOUT_UDP_STREAM_NS
-    } else {
-        CT_TIMEOUT_UDP_NS
+    match TC_CONFIG.get(0) {
+        Some(c) => ct_timeout_ns(
+            flags,
+            proto,
+            c.tcp_established_ns,
+            c.udp_ns,
+            c.udp_stream_ns,
+        ),
+        None => ct_timeout_ns(flags, proto, 0, 0, 0),
     }
 }
 
@@ -698,6 +856,7 @@ fn try_new_flow(ctx: &TcContext, pkt: &Pkt, now: u64) -> Result<i32, i32> {
         }
     }
     count(TcCounter::NewFlow);
+    sc.count_lc = (fe.algorithm == Algorithm::LeastConnections as u8) as u32;
     Ok(rewrite(ctx, pkt, &sc.fwd))
 }
 

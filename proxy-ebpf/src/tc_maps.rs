@@ -2,6 +2,7 @@
 //! `proxy_common::nat`; the agent may override `TC_CONNTRACK`'s size at load time.
 
 use aya_ebpf::{
+    bindings::BPF_F_NO_PREALLOC,
     btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
     macros::btf_map,
 };
@@ -38,6 +39,16 @@ pub static TC_COUNTERS: PerCpuArray<u64, { TC_COUNTER_MAX as usize }> = PerCpuAr
 pub static TC_SOURCE_RANGES: LpmTrie<SourceRange, u32, { MAX_SOURCE_RANGES as usize }> =
     LpmTrie::new();
 
+/// Original-direction key -> backend id of the tc flows counted for least-connections; see
+/// `proxy_common::nat::LC_FLOWS`.
+#[btf_map]
+pub static TC_LC_FLOWS: HashMap<
+    CtKey,
+    u32,
+    { DEFAULT_MAX_CONNTRACK as usize / 2 },
+    { BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
+
 /// Per-CPU scratch space of a new flow (the two entries and the reply key do not fit the
 /// 512-byte BPF stack next to everything else). Never read by the agent.
 #[repr(C)]
@@ -62,6 +73,8 @@ pub struct Scratch {
     pub count_bid: u32,
     /// 1 when the flow found no endpoint.
     pub count_refused: u32,
+    /// 1 when the new flow is counted for least-connections (`TC_LC_FLOWS`).
+    pub count_lc: u32,
 }
 
 /// One [`Scratch`] per CPU.

@@ -45,14 +45,7 @@ const NO_EFFECT: &[&str] = &[
     "portRange",
     "windowsRunAsService",
 ];
-const NO_EFFECT_CONNTRACK: &[&str] = &[
-    "maxPerCore",
-    "min",
-    "tcpEstablishedTimeout",
-    "tcpCloseWaitTimeout",
-    "tcpBeLiberal",
-    "udpStreamTimeout",
-];
+const NO_EFFECT_CONNTRACK: &[&str] = &["tcpCloseWaitTimeout", "tcpBeLiberal"];
 const NO_EFFECT_IPTABLES: &[&str] = &["masqueradeBit", "masqueradeAll", "localhostNodePorts"];
 const NO_EFFECT_IPVS: &[&str] = &[
     "scheduler",
@@ -275,6 +268,14 @@ pub struct FileSettings {
     pub min_sync_period: Option<Duration>,
     /// `conntrack.udpTimeout`.
     pub udp_flow_timeout: Option<Duration>,
+    /// `conntrack.maxPerCore` (`--conntrack-max-per-core`).
+    pub conntrack_max_per_core: Option<u32>,
+    /// `conntrack.min` (`--conntrack-min`).
+    pub conntrack_min: Option<u32>,
+    /// `conntrack.tcpEstablishedTimeout` (`--conntrack-tcp-timeout-established`).
+    pub conntrack_tcp_timeout_established: Option<Duration>,
+    /// `conntrack.udpStreamTimeout` (`--conntrack-udp-timeout-stream`).
+    pub conntrack_udp_timeout_stream: Option<Duration>,
     /// `logging.format`.
     pub log_format: Option<LogFormat>,
 }
@@ -334,6 +335,18 @@ fn duration(field: &str, v: &Option<String>) -> Result<Option<Duration>> {
     Ok((!d.is_zero()).then_some(d))
 }
 
+/// A non-negative integer field of at least `least` (kube-proxy's `*int32`); null or absent
+/// is `None`.
+fn count(field: &str, v: Option<&Value>, least: u64) -> Result<Option<u32>> {
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(n) if n >= least && n <= u32::MAX as u64 => Ok(Some(n as u32)),
+            _ => bail!("{field}: {v:?} is not an integer in {least}..={}", u32::MAX),
+        },
+    }
+}
+
 /// An `ip:port` field.
 fn host_port(field: &str, v: &Option<String>) -> Result<Option<SocketAddr>> {
     let Some(s) = text(v) else { return Ok(None) };
@@ -357,12 +370,9 @@ fn warn_other(
                 "--config: unknown field {path:?} (not in {API_VERSION} {KIND}): ignored"
             ));
         } else if !is_unset(value) {
-            let why = if prefix == "conntrack." {
-                "not applicable: the data path translates at the socket and makes no conntrack entries"
-            } else {
-                "has no effect in ebpf-proxy"
-            };
-            warnings.push(format!("--config: field {path:?} {why}: ignored"));
+            warnings.push(format!(
+                "--config: field {path:?} has no effect in ebpf-proxy: ignored"
+            ));
         }
     }
 }
@@ -468,7 +478,24 @@ pub fn validate(file: &KubeProxyConfiguration) -> Result<Loaded> {
 
     if let Some(c) = &file.conntrack {
         s.udp_flow_timeout = duration("conntrack.udpTimeout", &c.udp_timeout)?;
-        let other = section_rest(c, &["udpTimeout"]);
+        s.conntrack_max_per_core = count("conntrack.maxPerCore", c.other.get("maxPerCore"), 0)?;
+        s.conntrack_min = count("conntrack.min", c.other.get("min"), 1)?;
+        let text_of = |name: &str| c.other.get(name).and_then(|v| v.as_str()).map(String::from);
+        s.conntrack_tcp_timeout_established = duration(
+            "conntrack.tcpEstablishedTimeout",
+            &text_of("tcpEstablishedTimeout"),
+        )?;
+        s.conntrack_udp_timeout_stream =
+            duration("conntrack.udpStreamTimeout", &text_of("udpStreamTimeout"))?;
+        let mut other = section_rest(c, &["udpTimeout"]);
+        for read in [
+            "maxPerCore",
+            "min",
+            "tcpEstablishedTimeout",
+            "udpStreamTimeout",
+        ] {
+            other.remove(read);
+        }
         warn_other(&mut warnings, "conntrack.", &other, NO_EFFECT_CONNTRACK);
     }
     if let Some(c) = &file.client_connection {
@@ -767,7 +794,7 @@ winkernel:
              enableProfiling: true\n\
              oomScoreAdj: -999\n\
              featureGates: {SomeGate: true}\n\
-             conntrack:\n  maxPerCore: 32768\n  udpTimeout: 30s\n  colour: red\n\
+             conntrack:\n  maxPerCore: 32768\n  tcpBeLiberal: true\n  udpTimeout: 30s\n  colour: red\n\
              iptables:\n  masqueradeAll: true\n  udpTimeout: 5s\n\
              ipvs:\n  scheduler: rr\n\
              clientConnection:\n  qps: 50\n\
@@ -780,7 +807,7 @@ winkernel:
             "--config: unknown field \"iptables.udpTimeout\" (not in kubeproxy.config.k8s.io/v1alpha1 KubeProxyConfiguration): ignored",
             "--config: field \"ipvs.scheduler\" has no effect in ebpf-proxy: ignored",
             "--config: unknown field \"conntrack.colour\" (not in kubeproxy.config.k8s.io/v1alpha1 KubeProxyConfiguration): ignored",
-            "--config: field \"conntrack.maxPerCore\" not applicable: the data path translates at the socket and makes no conntrack entries: ignored",
+            "--config: field \"conntrack.tcpBeLiberal\" has no effect in ebpf-proxy: ignored",
             "--config: field \"clientConnection.qps\" has no effect in ebpf-proxy: ignored",
             "--config: field \"logging.verbosity\" has no effect in ebpf-proxy: ignored",
             "--config: field \"enableProfiling\" has no effect in ebpf-proxy: ignored",
@@ -790,6 +817,42 @@ winkernel:
         ];
         assert_eq!(loaded_sorted(&l.warnings), loaded_sorted(&expected));
         assert_eq!(l.settings.udp_flow_timeout, Some(Duration::from_secs(30)));
+        assert_eq!(l.settings.conntrack_max_per_core, Some(32768));
+    }
+
+    #[test]
+    fn conntrack_size_and_timeouts_are_read_and_checked() {
+        let l = parse(
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n\
+             conntrack:\n  maxPerCore: 0\n  min: 4096\n  tcpEstablishedTimeout: 1h\n  udpStreamTimeout: 2.5m\n",
+        )
+        .unwrap();
+        assert!(l.warnings.is_empty(), "{:?}", l.warnings);
+        assert_eq!(l.settings.conntrack_max_per_core, Some(0));
+        assert_eq!(l.settings.conntrack_min, Some(4096));
+        assert_eq!(
+            l.settings.conntrack_tcp_timeout_established,
+            Some(Duration::from_secs(3600))
+        );
+        assert_eq!(
+            l.settings.conntrack_udp_timeout_stream,
+            Some(Duration::from_secs(150))
+        );
+        for (bad, field) in [
+            ("min: 0", "conntrack.min"),
+            ("maxPerCore: -1", "conntrack.maxPerCore"),
+            ("min: many", "conntrack.min"),
+            (
+                "tcpEstablishedTimeout: soon",
+                "conntrack.tcpEstablishedTimeout",
+            ),
+        ] {
+            let e = parse(&format!(
+                "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nconntrack:\n  {bad}\n"
+            ))
+            .unwrap_err();
+            assert!(format!("{e:#}").contains(field), "{bad}: {e:#}");
+        }
     }
 
     fn loaded_sorted<S: AsRef<str>>(v: &[S]) -> Vec<String> {

@@ -29,7 +29,7 @@ use proxy_userspace::{
     source::{KubeSource, ManifestSource, Source},
     sync::Syncer,
 };
-use tracing::{error, info, warn};
+use tracing::{debug, error, info, warn};
 
 /// A kube-proxy replacement on eBPF: Kubernetes Services load-balanced at the socket level
 /// for clients on the node, and by tc programs for traffic entering it.
@@ -322,6 +322,26 @@ fn apply_config(args: &mut RunArgs, m: &clap::ArgMatches, file: config::FileSett
         file.udp_flow_timeout,
     );
     fill(
+        &mut args.tc.conntrack_max_per_core,
+        given(m, "conntrack_max_per_core"),
+        file.conntrack_max_per_core,
+    );
+    fill(
+        &mut args.tc.conntrack_min,
+        given(m, "conntrack_min"),
+        file.conntrack_min,
+    );
+    fill(
+        &mut args.tc.conntrack_tcp_timeout_established,
+        given(m, "conntrack_tcp_timeout_established"),
+        file.conntrack_tcp_timeout_established,
+    );
+    fill(
+        &mut args.tc.conntrack_udp_timeout_stream,
+        given(m, "conntrack_udp_timeout_stream"),
+        file.conntrack_udp_timeout_stream,
+    );
+    fill(
         &mut args.log_format,
         given(m, "log_format"),
         file.log_format,
@@ -336,11 +356,25 @@ fn start_run(mut args: RunArgs, m: Option<&clap::ArgMatches>) -> Result<()> {
         apply_config(&mut args, m, loaded.settings);
         warnings = loaded.warnings;
     }
+    check_periods(&args)?;
     init_logs(log_filter(&args.log_level)?, args.log_format);
     for w in &warnings {
         warn!("{w}");
     }
     run(args)
+}
+
+/// kube-proxy's validation: `--min-sync-period` may not exceed `--sync-period`, whether
+/// they come from flags or the configuration file.
+fn check_periods(args: &RunArgs) -> Result<()> {
+    if args.min_sync_period > args.sync_period {
+        anyhow::bail!(
+            "--min-sync-period ({}) is longer than --sync-period ({})",
+            humantime::format_duration(args.min_sync_period),
+            humantime::format_duration(args.sync_period)
+        );
+    }
+    Ok(())
 }
 
 /// Lets `ebpf-proxy services | head` end quietly, as other CLI tools do (Rust ignores
@@ -622,6 +656,7 @@ fn run(args: RunArgs) -> Result<()> {
         slots: args.max_backend_slots,
         backends: args.max_backends,
         sockets: args.max_sockets,
+        conntrack_flows: args.tc.conntrack_flows(),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -647,7 +682,7 @@ fn run(args: RunArgs) -> Result<()> {
                 warn!(?cap, "adopted pinned maps keep the sizes they were created with; run `ebpf-proxy cleanup` to resize");
             }
             let cluster_cidrs = args.cluster_cidr.as_ref().map(|c| c.0.clone()).unwrap_or_default();
-            let tc = proxy_userspace::datapath::tc::TcPath::new(&dir, args.tc.clone(), &cluster_cidrs)?;
+            let tc = proxy_userspace::datapath::tc::TcPath::new(&dir, args.tc.clone(), &cluster_cidrs, args.udp_flow_timeout)?;
             let mut syncer = Syncer::adopt(&maps).context("read the pinned maps")?;
             syncer.set_maglev_size(args.maglev_table_size);
             info!(services = syncer.bound_services(), "adopted state from pinned maps");
@@ -679,6 +714,11 @@ fn run(args: RunArgs) -> Result<()> {
         let mut resync = tokio::time::interval(args.sync_period);
         resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         resync.tick().await;
+        // Least-connections counts of tc flows that timed out or were evicted (no FIN/RST
+        // for the data path to see) are given back by a periodic collection.
+        let mut collect = tokio::time::interval(proxy_userspace::datapath::tc::lc_collect_interval(args.udp_flow_timeout));
+        collect.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut collect_failed = false;
         let mut logged: BTreeSet<String> = BTreeSet::new();
         let mut previous = proxy_userspace::source::ObjectSet::default();
         let mut desired: Option<model::DesiredState> = None;
@@ -690,6 +730,24 @@ fn run(args: RunArgs) -> Result<()> {
                     None => anyhow::bail!("the object source stopped"),
                 },
                 _ = resync.tick() => None,
+                _ = collect.tick() => {
+                    match tc.collect_lc_flows() {
+                        Ok(n) => {
+                            if n > 0 {
+                                debug!(flows = n, "least-connections counts of ended tc flows given back");
+                            }
+                            collect_failed = false;
+                        }
+                        // Logged once while it lasts; the counts of ended flows stay until it works.
+                        Err(e) => {
+                            if !collect_failed {
+                                error!(error = %format!("{e:#}"), "collecting ended least-connections tc flows failed");
+                            }
+                            collect_failed = true;
+                        }
+                    }
+                    continue;
+                }
                 _ = term.recv() => break,
                 _ = tokio::signal::ctrl_c() => break,
             };
@@ -980,6 +1038,12 @@ fn cleanup(args: CleanupArgs) -> Result<()> {
     if r.dir_removed {
         println!("removed {}", dir.display());
     } else if r.links.is_empty() && r.maps.is_empty() {
+        if dir.exists() && !loader::is_on_bpffs(&dir) {
+            anyhow::bail!(
+                "{} is not on a BPF file system: nothing ebpf-proxy pinned can be there (check --bpffs)",
+                dir.display()
+            );
+        }
         println!("nothing to clean up at {}", dir.display());
     }
     let _ = args.cgroup_path;
@@ -1031,6 +1095,18 @@ logging: {format: json}
         assert_eq!(a.min_sync_period, Duration::from_secs(5));
         assert_eq!(a.udp_flow_timeout, Duration::from_secs(60));
         assert_eq!(a.log_format, LogFormat::Json);
+    }
+
+    #[test]
+    fn min_sync_period_longer_than_sync_period_is_refused() {
+        let (a, _) = run_args(&["--sync-period", "30s", "--min-sync-period", "1m"]);
+        let e = check_periods(&a).unwrap_err().to_string();
+        assert!(
+            e.contains("--min-sync-period (1m) is longer than --sync-period (30s)"),
+            "{e}"
+        );
+        let (a, _) = run_args(&["--sync-period", "30s", "--min-sync-period", "30s"]);
+        check_periods(&a).unwrap();
     }
 
     #[test]

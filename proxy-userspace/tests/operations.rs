@@ -214,7 +214,7 @@ fn configuration_file_is_applied_flags_override_it_and_logs_are_json() {
          healthzBindAddress: 192.0.2.1:10256\n\
          clusterCIDR: 198.18.0.0/24\n\
          enableProfiling: true\n\
-         conntrack:\n  udpTimeout: 7s\n  maxPerCore: 32768\n\
+         conntrack:\n  udpTimeout: 7s\n  maxPerCore: 0\n  min: 4096\n  udpStreamTimeout: 9s\n  tcpBeLiberal: true\n\
          logging:\n  format: json\n",
     )
     .unwrap();
@@ -233,7 +233,7 @@ fn configuration_file_is_applied_flags_override_it_and_logs_are_json() {
         .filter(|v| v["level"] == "WARN")
         .map(message)
         .collect();
-    for field in ["enableProfiling", "conntrack.maxPerCore"] {
+    for field in ["enableProfiling", "conntrack.tcpBeLiberal"] {
         assert_eq!(
             warnings
                 .iter()
@@ -269,6 +269,18 @@ fn configuration_file_is_applied_flags_override_it_and_logs_are_json() {
         a.get(&0, 0).unwrap().udp_flow_timeout_ns,
         Duration::from_secs(7).as_nanos() as u64
     );
+    // conntrack.maxPerCore 0 and min 4096: a north-south conntrack of 4096 flows (two
+    // entries each); udpTimeout and udpStreamTimeout are its UDP timeouts.
+    let ct =
+        aya::maps::MapData::from_pin(env.pin_path().join(proxy_common::nat::CONNTRACK)).unwrap();
+    assert_eq!(ct.info().unwrap().max_entries(), 8192);
+    let map =
+        aya::maps::MapData::from_pin(env.pin_path().join(proxy_common::nat::TC_CONFIG)).unwrap();
+    let tc: aya::maps::Array<_, proxy_common::nat::TcConfig> =
+        aya::maps::Array::try_from(aya::maps::Map::Array(map)).unwrap();
+    let tc = tc.get(&0, 0).unwrap();
+    assert_eq!(tc.udp_ns, Duration::from_secs(7).as_nanos() as u64);
+    assert_eq!(tc.udp_stream_ns, Duration::from_secs(9).as_nanos() as u64);
 }
 
 /// Removes a file on drop.

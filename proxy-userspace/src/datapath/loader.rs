@@ -19,6 +19,7 @@ use aya::{
 use proxy_common::{
     AFFINITY, ALL_MAPS, BACKEND_SLOTS, BACKEND_STATS, BACKENDS, FRONTENDS, LC_COUNTS, MEMBERS,
     REVNAT_SK, RR_CURSORS, SERVICE_NAMES, SERVICE_STATS, SOCKETS, STALE_SOCKETS, UDP_FLOWS,
+    nat::{CONNTRACK, LC_FLOWS},
 };
 
 /// The eBPF object embedded at build time (see `build.rs`); empty when the binary was built
@@ -59,6 +60,17 @@ pub struct MapSizes {
     /// `REVNAT_SK`, `UDP_FLOWS` and `SOCKETS`; a quarter of it for `STALE_SOCKETS` and
     /// `AFFINITY`.
     pub sockets: u32,
+    /// Flows of the tc path's conntrack (`--conntrack-min`, `--conntrack-max-per-core`):
+    /// `TC_CONNTRACK` gets twice as many entries (one per direction; a source-NATed flow
+    /// takes a third), `TC_LC_FLOWS` as many.
+    pub conntrack_flows: u32,
+}
+
+impl MapSizes {
+    /// `max_entries` of `TC_CONNTRACK` for [`MapSizes::conntrack_flows`].
+    pub fn conntrack_entries(&self) -> u32 {
+        self.conntrack_flows.saturating_mul(2).max(2)
+    }
 }
 
 /// Where the pins live: `<bpffs>/<pin_dir>` (see [`check_pin_dir_name`]).
@@ -251,7 +263,9 @@ fn object_loader(sizes: MapSizes) -> EbpfLoader<'static> {
         .map_max_entries(LC_COUNTS, sizes.backends)
         .map_max_entries(RR_CURSORS, sizes.frontends)
         .map_max_entries(SERVICE_STATS, sizes.frontends)
-        .map_max_entries(BACKEND_STATS, sizes.backends);
+        .map_max_entries(BACKEND_STATS, sizes.backends)
+        .map_max_entries(CONNTRACK, sizes.conntrack_entries())
+        .map_max_entries(LC_FLOWS, sizes.conntrack_flows.max(1));
     loader
 }
 
@@ -271,6 +285,7 @@ pub fn verify_programs() -> Result<Vec<String>> {
         slots: 64,
         backends: 64,
         sockets: 64,
+        conntrack_flows: 64,
     };
     let mut ebpf = object_loader(small)
         .load(OBJECT)

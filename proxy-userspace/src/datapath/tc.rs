@@ -29,7 +29,7 @@ use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap, LpmTrie, MapData, lpm_trie::Key},
     programs::{
-        LinkOrder, SchedClassifier, TcAttachType,
+        LinkOrder, SchedClassifier, TcAttachType, TestRun, TestRunOptions,
         links::{FdLink, PinnedLink},
         tc::TcAttachOptions,
     },
@@ -38,10 +38,10 @@ use ipnet::IpNet;
 use proxy_common::{
     ALL_MAPS,
     nat::{
-        CONNTRACK, CtEntry, CtKey, IFACE_ADDRS, IFACE_F_POD, IfaceAddr, LOCAL_ENDPOINTS,
+        CONNTRACK, CtEntry, CtKey, IFACE_ADDRS, IFACE_F_POD, IfaceAddr, LC_FLOWS, LOCAL_ENDPOINTS,
         SOURCE_RANGE_ALLOW, SOURCE_RANGE_RESTRICTED, SOURCE_RANGES, SourceRange,
         TC_CFG_CLUSTER_CIDR_V4, TC_CFG_CLUSTER_CIDR_V6, TC_CFG_MASQUERADE_ALL, TC_CONFIG, TC_MAPS,
-        TcConfig, TcCounter,
+        TcConfig, TcCounter, ct_closed, ct_timeout_ns,
     },
 };
 use tracing::{error, info};
@@ -64,12 +64,81 @@ pub struct TcArgs {
     /// when the backend runs on this node (kube-proxy's --masquerade-all).
     #[arg(long)]
     pub masquerade_all: bool,
+    /// Flows tracked per CPU by the north-south conntrack table (kube-proxy's
+    /// --conntrack-max-per-core); the table holds max(this x CPUs, --conntrack-min) flows,
+    /// 0 = --conntrack-min alone. Fixed when the pinned table is created.
+    #[arg(long, default_value_t = DEFAULT_CONNTRACK_MAX_PER_CORE)]
+    pub conntrack_max_per_core: u32,
+    /// Least number of flows of the north-south conntrack table (kube-proxy's
+    /// --conntrack-min).
+    #[arg(long, default_value_t = DEFAULT_CONNTRACK_MIN, value_parser = clap::value_parser!(u32).range(1..))]
+    pub conntrack_min: u32,
+    /// Idle timeout of an established TCP flow in the north-south conntrack (kube-proxy's
+    /// --conntrack-tcp-timeout-established), e.g. 24h.
+    #[arg(long, default_value = "24h", value_parser = positive_duration)]
+    pub conntrack_tcp_timeout_established: std::time::Duration,
+    /// Idle timeout of a UDP flow that saw replies in the north-south conntrack (kube-proxy's
+    /// --conntrack-udp-timeout-stream, the kernel's nf_conntrack_udp_timeout_stream), e.g.
+    /// 2m. Unreplied UDP flows use --udp-flow-timeout.
+    #[arg(long, default_value = "2m", value_parser = positive_duration)]
+    pub conntrack_udp_timeout_stream: std::time::Duration,
+}
+
+/// Default of `--conntrack-max-per-core` (kube-proxy's).
+pub const DEFAULT_CONNTRACK_MAX_PER_CORE: u32 = 32768;
+/// Default of `--conntrack-min` (kube-proxy's).
+pub const DEFAULT_CONNTRACK_MIN: u32 = 131072;
+
+/// A duration flag that must be at least 1 ms (humantime syntax: 30s, 2m, 24h).
+fn positive_duration(s: &str) -> std::result::Result<std::time::Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    if d < std::time::Duration::from_millis(1) {
+        return Err(format!("{s:?} is too short (at least 1ms)"));
+    }
+    Ok(d)
+}
+
+impl TcArgs {
+    /// Flows of the conntrack table: max(per-core x CPUs, min), kube-proxy's rule for
+    /// `nf_conntrack_max` (pkg/proxy/conntrack: `getConntrackMax`), capped so the table
+    /// (two entries per flow) stays within `u32`.
+    pub fn conntrack_flows(&self) -> u32 {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
+        let per_core = self.conntrack_max_per_core as u64 * cpus;
+        per_core
+            .max(self.conntrack_min as u64)
+            .min(u32::MAX as u64 / 2) as u32
+    }
 }
 
 /// Name of the ingress program in the object.
 pub const INGRESS_PROGRAM: &str = "tc_ingress";
 /// Name of the egress program in the object.
 pub const EGRESS_PROGRAM: &str = "tc_egress";
+/// Name of the least-connections collection program in the object (never attached; run by
+/// [`TcPath::collect_lc_flows`] through `BPF_PROG_TEST_RUN`).
+pub const LC_GC_PROGRAM: &str = "tc_lc_gc";
+
+/// How often the agent looks for timed-out or evicted least-connections flows: half the
+/// shortest conntrack timeout (unreplied UDP), within 1..=10 s.
+pub fn lc_collect_interval(udp_timeout: std::time::Duration) -> std::time::Duration {
+    (udp_timeout / 2).clamp(
+        std::time::Duration::from_secs(1),
+        std::time::Duration::from_secs(10),
+    )
+}
+
+/// `CLOCK_MONOTONIC` in nanoseconds: the clock of `bpf_ktime_get_ns`, so of the conntrack
+/// entries' `last_seen_ns`.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime(2) into a timespec we own.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
 
 fn link_name(prog: &str, ifname: &str) -> String {
     format!("link_{prog}_{ifname}")
@@ -83,6 +152,8 @@ pub struct TcPath {
     /// reached from outside `--cluster-cidr`): their SNAT stage and replies need the
     /// programs on the pod-facing interfaces too.
     snat_local: bool,
+    /// What was written to `TC_CONFIG` (timeouts for the collection of flows).
+    config: TcConfig,
     ebpf: Option<Ebpf>,
     attached: BTreeSet<String>,
     local: BTreeSet<[u8; 16]>,
@@ -335,7 +406,8 @@ fn mask(a: &mut [u8; 16], bits: u32) {
     }
 }
 
-/// The tc configuration ([`TC_CONFIG`]) of these flags.
+/// The flags and cluster CIDRs of the tc configuration ([`TC_CONFIG`]) for these flags
+/// (the timeouts are left 0: the defaults).
 pub fn tc_config(args: &TcArgs, cluster_cidrs: &[IpNet]) -> TcConfig {
     let mut config = TcConfig::default();
     if args.masquerade_all {
@@ -360,15 +432,28 @@ impl TcPath {
     /// Nothing is attached until [`TcPath::sync`] knows the interfaces.
     ///
     /// `cluster_cidrs` is `--cluster-cidr` (kube-proxy's meaning): its first prefix of each
-    /// family is used for the clients of that family.
-    pub fn new(dir: &Path, args: TcArgs, cluster_cidrs: &[IpNet]) -> Result<Self> {
-        let config = tc_config(&args, cluster_cidrs);
+    /// family is used for the clients of that family. `udp_timeout` (`--udp-flow-timeout`)
+    /// is the idle timeout of unreplied UDP flows.
+    pub fn new(
+        dir: &Path,
+        args: TcArgs,
+        cluster_cidrs: &[IpNet],
+        udp_timeout: std::time::Duration,
+    ) -> Result<Self> {
+        let ns = |d: std::time::Duration| d.as_nanos().min(u64::MAX as u128) as u64;
+        let config = TcConfig {
+            tcp_established_ns: ns(args.conntrack_tcp_timeout_established),
+            udp_ns: ns(udp_timeout),
+            udp_stream_ns: ns(args.conntrack_udp_timeout_stream),
+            ..tc_config(&args, cluster_cidrs)
+        };
         let snat_local = config.flags
             & (TC_CFG_MASQUERADE_ALL | TC_CFG_CLUSTER_CIDR_V4 | TC_CFG_CLUSTER_CIDR_V6)
             != 0;
         let mut cfg: Array<MapData, TcConfig> = open(dir, TC_CONFIG)?;
         cfg.set(0, config, 0).context("write TC_CONFIG")?;
         Ok(Self {
+            config,
             dir: dir.to_path_buf(),
             args,
             snat_local,
@@ -547,7 +632,7 @@ impl TcPath {
                 loader.map_pin_path(name, self.dir.join(name));
             }
             let mut ebpf = loader.load(OBJECT).context("load the tc programs")?;
-            for prog in [INGRESS_PROGRAM, EGRESS_PROGRAM] {
+            for prog in [INGRESS_PROGRAM, EGRESS_PROGRAM, LC_GC_PROGRAM] {
                 let p: &mut SchedClassifier = ebpf
                     .program_mut(prog)
                     .with_context(|| format!("program {prog} missing from the object"))?
@@ -558,6 +643,67 @@ impl TcPath {
             self.ebpf = Some(ebpf);
         }
         Ok(self.ebpf.as_mut().expect("loaded above"))
+    }
+
+    /// Gives back the least-connections counts of tc flows that ended without a FIN or RST
+    /// seen by the data path: timed out (UDP, idle TCP) or evicted from the LRU conntrack.
+    /// Every `TC_LC_FLOWS` key whose original-direction entry is missing, closed or idle
+    /// beyond its timeout goes through `tc_lc_gc`, which checks again and releases the count
+    /// atomically with the data path. Returns how many flows were released. Cheap when no
+    /// least-connections Service has tc flows (the map is empty).
+    pub fn collect_lc_flows(&mut self) -> Result<usize> {
+        let flows: HashMap<MapData, CtKey, u32> = open(&self.dir, LC_FLOWS)?;
+        let ct: HashMap<MapData, CtKey, CtEntry> = open(&self.dir, CONNTRACK)?;
+        let now = monotonic_ns();
+        let c = self.config;
+        let dead: Vec<CtKey> = flows
+            .keys()
+            .filter_map(|k| k.ok())
+            .filter(|k| match ct.get(k, 0) {
+                Ok(e) => {
+                    let timeout = ct_timeout_ns(
+                        e.flags,
+                        k.proto,
+                        c.tcp_established_ns,
+                        c.udp_ns,
+                        c.udp_stream_ns,
+                    );
+                    ct_closed(e.flags) || now.saturating_sub(e.last_seen_ns) > timeout
+                }
+                Err(_) => true,
+            })
+            .collect();
+        if dead.is_empty() {
+            return Ok(0);
+        }
+        let ebpf = self.ebpf()?;
+        let p: &mut SchedClassifier = ebpf
+            .program_mut(LC_GC_PROGRAM)
+            .with_context(|| format!("program {LC_GC_PROGRAM} missing from the object"))?
+            .try_into()?;
+        let mut released = 0;
+        for k in dead {
+            // 14 bytes standing for an Ethernet header (the kernel wants one), then the key.
+            let mut data = [0u8; 14 + std::mem::size_of::<CtKey>()];
+            // SAFETY: CtKey is plain old data (#[repr(C)], no padding holes left unset).
+            let bytes = unsafe {
+                std::slice::from_raw_parts(
+                    (&k as *const CtKey).cast::<u8>(),
+                    std::mem::size_of::<CtKey>(),
+                )
+            };
+            data[14..].copy_from_slice(bytes);
+            let r = p
+                .test_run(TestRunOptions {
+                    data_in: Some(&data),
+                    ..TestRunOptions::new()
+                })
+                .with_context(|| format!("run {LC_GC_PROGRAM}"))?;
+            if r.return_value == 1 {
+                released += 1;
+            }
+        }
+        Ok(released)
     }
 
     fn attach(&mut self, ifname: &str) -> Result<()> {
