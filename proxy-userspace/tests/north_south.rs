@@ -1603,3 +1603,48 @@ fn ipv6_without_a_node_ipv6_address_snat_drops_and_local_backends_work() {
     let (name, peer) = tcp_whoami(&c, &lb6, T).unwrap();
     assert_eq!((name.as_str(), ip_of(&peer).as_str()), ("a0", CLIENT6));
 }
+
+#[test]
+fn ipv6_time_exceeded_reaches_the_client() {
+    let mut lab = Lab::new("t6");
+    lab.add_ipv6();
+    web_dual(&lab, "", &[(POD_B0, "node-b")], &[(POD_B06, "node-b")]);
+    lab.start_agent(0, &[]);
+    lab.start_agent(1, &[]);
+    let c = lab.client_path();
+    // Hop limit 2: node-a forwards the (DNATed, SNATed) datagram with 1 left, node-b cannot
+    // forward it to b0 and sends ICMPv6 time exceeded to node-a's address, which node-a
+    // translates for the client (quoting client -> node-a:30053). A connected socket with
+    // IPV6_RECVERR reports it as EHOSTUNREACH.
+    let to: SocketAddr = v6(NODE_A6, 30053).parse().unwrap();
+    let r = in_netns(&c, move || {
+        use std::os::fd::AsRawFd;
+        let s = UdpSocket::bind("[::]:0").unwrap();
+        let fd = s.as_raw_fd();
+        for (opt, v) in [(libc::IPV6_UNICAST_HOPS, 2), (libc::IPV6_RECVERR, 1)] {
+            let v: libc::c_int = v;
+            // SAFETY: setsockopt on our socket with an int.
+            let r = unsafe {
+                libc::setsockopt(
+                    fd,
+                    libc::IPPROTO_IPV6,
+                    opt,
+                    &v as *const _ as *const libc::c_void,
+                    std::mem::size_of::<libc::c_int>() as u32,
+                )
+            };
+            assert_eq!(r, 0, "setsockopt {opt}");
+        }
+        s.connect(to).unwrap();
+        s.set_read_timeout(Some(T)).unwrap();
+        s.send(b"whoami").unwrap();
+        let mut buf = [0u8; 512];
+        s.recv(&mut buf).map_err(|e| e.raw_os_error().unwrap_or(-1))
+    })
+    .unwrap();
+    assert_eq!(r.map(|_| ()), Err(libc::EHOSTUNREACH), "time exceeded");
+    let counters = tc::counters(&lab.agents[0].pin).unwrap();
+    assert!(counters["tc_icmp_translated"] > 0, "{counters:?}");
+    // With the default hop limit the same frontend answers.
+    assert_eq!(udp_whoami_any(&c, &v6(NODE_A6, 30053), T).unwrap().0, "b0");
+}
