@@ -1648,3 +1648,26 @@ fn ipv6_time_exceeded_reaches_the_client() {
     // With the default hop limit the same frontend answers.
     assert_eq!(udp_whoami_any(&c, &v6(NODE_A6, 30053), T).unwrap().0, "b0");
 }
+
+#[test]
+fn ipv6_only_local_endpoints_get_the_pod_facing_interface_with_masquerade_all() {
+    let mut lab = Lab::new("o6");
+    lab.add_ipv6();
+    // No IPv4 endpoint at all: node-b finds its pod-facing bridge from the IPv6 routes
+    // (/proc/net/ipv6_route), where the masqueraded flows to b0 get their SNAT stage and
+    // their replies.
+    web_dual(&lab, "", &[], &[(POD_B06, "node-b")]);
+    lab.start_agent(1, &["--masquerade-all"]);
+    assert!(
+        lab.agents[0].log().contains("interface=br0"),
+        "{}",
+        lab.agents[0].log()
+    );
+    let c = lab.client_path();
+    for _ in 0..4 {
+        let (name, peer) = tcp_whoami(&c, &v6(NODE_B6, 30080), T).unwrap();
+        assert_eq!((name.as_str(), ip_of(&peer).as_str()), ("b0", NODE_B6));
+        let (name, peer) = udp_whoami_any(&c, &v6(NODE_B6, 30053), T).unwrap();
+        assert_eq!((name.as_str(), ip_of(&peer).as_str()), ("b0", NODE_B6));
+    }
+}
