@@ -4,6 +4,11 @@
 //! padding, addresses `[u8; 16]` in network byte order (IPv4 stored IPv4-mapped), ports
 //! `[u8; 2]` in network byte order.
 //!
+//! IPv4 and IPv6 flows share every map: an IPv6 flow's keys and entries hold plain IPv6
+//! addresses, an IPv4 flow's IPv4-mapped ones, and the two never meet (the programs pass
+//! IPv6 packets that carry an IPv4-mapped address untouched: such addresses must not
+//! appear on the wire, RFC 4291 section 2.5.5.2, and the kernel drops them).
+//!
 //! Connection tracking: one LRU map, [`CONNTRACK`], holds two entries per translated flow
 //! (three with SNAT), each of the form "a packet with this tuple is rewritten to that
 //! tuple":
@@ -26,7 +31,7 @@ pub const CONNTRACK: &str = "TC_CONNTRACK";
 /// listed here runs on this node and is reached without SNAT.
 pub const LOCAL_ENDPOINTS: &str = "TC_LOCAL_ENDPOINTS";
 /// Name of the SNAT address map: ifindex `u32` -> [`IfaceAddr`] (BPF_MAP_TYPE_HASH): the
-/// node address that a flow arriving on that interface is masqueraded to.
+/// node addresses (one per family) that a flow arriving on that interface is masqueraded to.
 pub const IFACE_ADDRS: &str = "TC_IFACE_ADDRS";
 /// Name of the tc configuration map: index 0 -> [`TcConfig`] (BPF_MAP_TYPE_ARRAY).
 pub const TC_CONFIG: &str = "TC_CONFIG";
@@ -188,13 +193,17 @@ pub const CT_F_RST: u16 = 1 << 5;
 /// ingress would be dropped by routing as a martian).
 pub const CT_F_EGRESS: u16 = 1 << 6;
 
-/// An interface the tc programs are attached to (value of [`IFACE_ADDRS`]). 24 bytes.
+/// An interface the tc programs are attached to (value of [`IFACE_ADDRS`]). 40 bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct IfaceAddr {
     /// Node IPv4 address, network byte order, IPv4-mapped; all zero when the interface has
     /// none (SNAT of IPv4 flows arriving there is then impossible: counted and dropped).
     pub v4: [u8; 16],
+    /// Node IPv6 address (global or unique-local scope, never link-local), network byte
+    /// order; all zero when the interface has none (SNAT of IPv6 flows arriving there is
+    /// then impossible: counted as [`TcCounter::NoSnatAddress`] and dropped).
+    pub v6: [u8; 16],
     /// `IFACE_F_*` bits.
     pub flags: u32,
     /// Reserved; always 0.
@@ -202,12 +211,13 @@ pub struct IfaceAddr {
 }
 
 /// [`IfaceAddr::flags`]: a pod-facing interface (the route to this node's endpoints),
-/// attached with `--masquerade-all` only so that masqueraded flows to local backends get
-/// their SNAT stage (egress) and their replies (ingress) translated. No new flow starts
+/// attached with `--masquerade-all` or `--cluster-cidr` only (both masquerade some flows to
+/// local backends) so that masqueraded flows to local backends get their SNAT stage
+/// (egress) and their replies (ingress) translated. No new flow starts
 /// there: pods reach Services through the socket programs.
 pub const IFACE_F_POD: u32 = 1 << 0;
 
-/// tc data path configuration, index 0 of [`TC_CONFIG`]. 40 bytes.
+/// tc data path configuration, index 0 of [`TC_CONFIG`]. 56 bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct TcConfig {
@@ -218,8 +228,10 @@ pub struct TcConfig {
     pub cluster_cidr_v4: [u8; 4],
     /// Prefix length of `cluster_cidr_v4`, 0..=32.
     pub cluster_cidr_v4_len: u8,
+    /// Prefix length of `cluster_cidr_v6`, 0..=128.
+    pub cluster_cidr_v6_len: u8,
     /// Reserved; always 0.
-    pub _pad: [u8; 7],
+    pub _pad: [u8; 6],
     /// Idle timeout of an established TCP flow, nanoseconds
     /// (`--conntrack-tcp-timeout-established`); 0 = [`CT_TIMEOUT_TCP_ESTABLISHED_NS`].
     pub tcp_established_ns: u64,
@@ -229,12 +241,19 @@ pub struct TcConfig {
     /// Idle timeout of a UDP flow that saw a reply, nanoseconds
     /// (`--conntrack-udp-timeout-stream`); 0 = [`CT_TIMEOUT_UDP_STREAM_NS`].
     pub udp_stream_ns: u64,
+    /// `--cluster-cidr` (IPv6), network byte order; used when
+    /// [`TC_CFG_CLUSTER_CIDR_V6`] is set.
+    pub cluster_cidr_v6: [u8; 16],
 }
 
 /// [`TcConfig::flags`]: `--cluster-cidr` has an IPv4 prefix: a flow to a cluster IP from a
 /// client outside it is source-NATed (kube-proxy's "masquerade off-cluster traffic to
 /// cluster IPs").
 pub const TC_CFG_CLUSTER_CIDR_V4: u32 = 1 << 1;
+
+/// [`TcConfig::flags`]: `--cluster-cidr` has an IPv6 prefix; as
+/// [`TC_CFG_CLUSTER_CIDR_V4`] for IPv6 clients.
+pub const TC_CFG_CLUSTER_CIDR_V6: u32 = 1 << 2;
 
 /// [`TcConfig::flags`]: `--masquerade-all`: every Cluster-policy flow is source-NATed,
 /// local backends included.
@@ -331,7 +350,7 @@ mod user {
 const _: () = {
     assert!(core::mem::size_of::<CtKey>() == 40);
     assert!(core::mem::size_of::<CtEntry>() == 56);
-    assert!(core::mem::size_of::<IfaceAddr>() == 24);
-    assert!(core::mem::size_of::<TcConfig>() == 40);
+    assert!(core::mem::size_of::<IfaceAddr>() == 40);
+    assert!(core::mem::size_of::<TcConfig>() == 56);
     assert!(core::mem::size_of::<SourceRange>() == 32);
 };

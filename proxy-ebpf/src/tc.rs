@@ -1,6 +1,6 @@
 //! tcx entry points on the node's external interfaces: NodePorts, external IPs and load
-//! balancer IPs for traffic that enters the node from outside (issue 4). IPv4 only for now
-//! (IPv6 packets pass untouched).
+//! balancer IPs for traffic that enters the node from outside (issue 4), IPv4 and IPv6
+//! alike (same maps, same conntrack, same rules; see "IPv6" below).
 //!
 //! Where what happens (one-NIC node: the external interface also leads to the other nodes):
 //! - `tc_ingress` (tcx ingress of each external interface):
@@ -27,8 +27,27 @@
 //! rejects; a tc program cannot answer cheaply, so it drops), a client outside the source
 //! ranges of an LB IP, no free SNAT port, a conntrack write failure.
 //!
+//! IPv6 (ethertype 0x86DD): the same, with 16-byte addresses. There is no IPv6 header
+//! checksum; the TCP/UDP checksum covers a pseudo-header with both addresses (RFC 8200
+//! section 8.1), so an address rewrite feeds `bpf_csum_diff` of the 16-byte addresses to
+//! `bpf_l4_csum_replace` (size 0: the difference form) with `BPF_F_PSEUDO_HDR` and
+//! `BPF_F_IPV6` (see the kernel's `bpf_l4_csum_replace` documentation). A computed UDP
+//! checksum of zero becomes 0xffff (`BPF_F_MARK_MANGLED_0`, as RFC 8200 wants; a zero UDP
+//! checksum is invalid in IPv6 and the receiver drops it anyway). ICMPv6 errors quoting a
+//! translated packet (RFC 4443: destination unreachable, packet too big, which path-MTU
+//! discovery depends on since IPv6 routers never fragment, and time exceeded) are
+//! translated as the IPv4 ones; the ICMPv6 checksum also covers a pseudo-header (unlike
+//! ICMPv4), so outer address changes update it too. Replies sent on from ingress use
+//! `bpf_fib_lookup` with AF_INET6 (`net.ipv6.conf.all.forwarding` must be 1). Everything else
+//! passes untouched: neighbour discovery and other ICMPv6, link-local traffic, anything not
+//! addressed to a frontend or a tracked tuple.
+//!
 //! Not handled: IPv4 fragments after the first (no ports: they pass untranslated), IP
-//! options are supported (the header length is read), SCTP.
+//! options are supported (the header length is read), SCTP. IPv6 packets with extension
+//! headers (hop-by-hop, routing, fragment, destination options, ...: any next header other
+//! than TCP, UDP or ICMPv6 right after the fixed header) pass untranslated, as do IPv6
+//! packets with an IPv4-mapped source or destination (not valid on the wire, RFC 4291
+//! section 2.5.5.2).
 
 // Map keys and values are passed by reference on purpose: by value, each 40- or 56-byte
 // struct would be copied onto the 512-byte BPF stack first.
@@ -39,7 +58,8 @@ use aya_ebpf::{
     bindings::{BPF_ANY, BPF_NOEXIST, TC_ACT_SHOT},
     btf_maps::lpm_trie::Key,
     helpers::{
-        bpf_fib_lookup, bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_redirect, bpf_redirect_neigh,
+        bpf_csum_diff, bpf_fib_lookup, bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_redirect,
+        bpf_redirect_neigh, bpf_skb_load_bytes,
     },
     macros::classifier,
     programs::TcContext,
@@ -51,9 +71,10 @@ use proxy_common::{
         CT_F_EGRESS, CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_REPLY, CT_F_RST, CT_F_SEEN_REPLY,
         CT_F_SNAT, CtEntry, CtKey, ct_closed, ct_timeout_ns,
         IFACE_F_POD, SNAT_PORT_COUNT, SNAT_PORT_MIN, SNAT_PORT_TRIES, SOURCE_RANGE_RESTRICTED,
-        SourceRange, TC_CFG_CLUSTER_CIDR_V4, TC_CFG_MASQUERADE_ALL, TcCounter,
+        SourceRange, TC_CFG_CLUSTER_CIDR_V4, TC_CFG_CLUSTER_CIDR_V6, TC_CFG_MASQUERADE_ALL,
+        TcCounter,
     },
-    v4_mapped,
+    is_v4_mapped, v4_mapped,
 };
 
 use crate::{
@@ -75,7 +96,18 @@ use crate::{
 const PASS: i32 = -1;
 const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86DD;
 const PROTO_ICMP: u8 = 1;
+const PROTO_ICMPV6: u8 = 58;
+/// Length of the fixed IPv6 header (RFC 8200 section 3).
+const IP6_HLEN: usize = 40;
+const IP6_NEXT_OFF: usize = ETH_HLEN + 6;
+const IP6_SRC_OFF: usize = ETH_HLEN + 8;
+const IP6_DST_OFF: usize = ETH_HLEN + 24;
+/// `bpf_l4_csum_replace`: the packet is IPv6 (Linux >= 6.16; with CHECKSUM_COMPLETE the
+/// pseudo-header is then not folded into `skb->csum`). Older kernels refuse the flag
+/// (-EINVAL, nothing changed) and the call is repeated without it.
+const BPF_F_IPV6: u64 = 1 << 7;
 const IP_CSUM_OFF: usize = ETH_HLEN + 10;
 const IP_SRC_OFF: usize = ETH_HLEN + 12;
 const IP_DST_OFF: usize = ETH_HLEN + 16;
@@ -87,6 +119,13 @@ const TCP_RST: u8 = 0x04;
 const TCP_ACK: u8 = 0x10;
 const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_TIME_EXCEEDED: u8 = 11;
+/// ICMPv6 error types (RFC 4443 section 3).
+const ICMP6_DEST_UNREACH: u8 = 1;
+const ICMP6_PACKET_TOO_BIG: u8 = 2;
+const ICMP6_TIME_EXCEEDED: u8 = 3;
+/// `AF_INET` / `AF_INET6` for `bpf_fib_lookup`.
+const AF_INET: u8 = 2;
+const AF_INET6: u8 = 10;
 
 #[classifier]
 pub fn tc_ingress(ctx: TcContext) -> i32 {
@@ -116,11 +155,13 @@ fn drop_with(c: TcCounter) -> Result<i32, i32> {
     Ok(TC_ACT_SHOT)
 }
 
-/// A parsed IPv4 packet with TCP or UDP: its tuple and where its fields are.
+/// A parsed IPv4 or IPv6 packet with TCP or UDP: its tuple and where its fields are.
 struct Pkt {
     key: CtKey,
     /// Offset of the L4 header.
     l4: usize,
+    /// An IPv6 packet (plain IPv6 addresses in `key`), else IPv4 (IPv4-mapped).
+    v6: bool,
 }
 
 /// Offset of the L4 checksum of `proto` relative to the L4 header.
@@ -129,23 +170,29 @@ fn l4_csum_off(proto: u8) -> usize {
     if proto == PROTO_TCP { 16 } else { 6 }
 }
 
+/// Fills `pkt` from an IPv4 packet with TCP or UDP and returns [`PARSED`]; else returns
+/// the verdict (passed, or an ICMP error translated by [`on_icmp`]).
 #[inline(always)]
-fn on_packet<const INGRESS: bool>(ctx: &TcContext) -> Result<i32, i32> {
-    let ethertype = u16::from_be(ctx.load::<u16>(12).map_err(|_| PASS)?);
-    if ethertype != ETH_P_IP {
-        return Ok(PASS);
+fn parse_v4<const INGRESS: bool>(ctx: &TcContext, pkt: &mut Pkt) -> i32 {
+    match try_parse_v4::<INGRESS>(ctx, pkt) {
+        Ok(()) => PARSED,
+        Err(v) => v,
     }
+}
+
+#[inline(always)]
+fn try_parse_v4<const INGRESS: bool>(ctx: &TcContext, pkt: &mut Pkt) -> Result<(), i32> {
     let ver_ihl: u8 = ctx.load(ETH_HLEN).map_err(|_| PASS)?;
     if ver_ihl >> 4 != 4 {
-        return Ok(PASS);
+        return Err(PASS);
     }
     let ihl = ((ver_ihl & 0x0f) as usize) * 4;
     if ihl < 20 {
-        return Ok(PASS);
+        return Err(PASS);
     }
     let frag: u16 = u16::from_be(ctx.load(ETH_HLEN + 6).map_err(|_| PASS)?);
     if frag & 0x1fff != 0 {
-        return Ok(PASS); // a later fragment: no ports to translate by
+        return Err(PASS); // a later fragment: no ports to translate by
     }
     let proto: u8 = ctx.load(ETH_HLEN + 9).map_err(|_| PASS)?;
     let l4 = ETH_HLEN + ihl;
@@ -159,26 +206,21 @@ fn on_packet<const INGRESS: bool>(ctx: &TcContext) -> Result<i32, i32> {
                     ctx.load::<[u8; 4]>(IP_SRC_OFF).map_err(|_| PASS)?,
                     ctx.load::<[u8; 4]>(IP_DST_OFF).map_err(|_| PASS)?,
                 );
-                return Ok(redirect_out(
+                return Err(redirect_out(
                     ctx,
                     &v4_mapped(u32::from_ne_bytes(s)),
                     &v4_mapped(u32::from_ne_bytes(d)),
                 ));
             }
-            return Ok(PASS);
+            return Err(PASS);
         }
-        return Ok(v);
+        return Err(v);
     }
     if proto != PROTO_TCP && proto != PROTO_UDP {
-        return Ok(PASS);
+        return Err(PASS);
     }
     let ports: [u8; 4] = ctx.load(l4).map_err(|_| PASS)?;
-    let tcp_flags: u8 = if proto == PROTO_TCP {
-        ctx.load(l4 + 13).map_err(|_| PASS)?
-    } else {
-        0
-    };
-    let pkt = Pkt {
+    *pkt = Pkt {
         key: CtKey {
             saddr: v4_mapped(u32::from_ne_bytes(saddr)),
             daddr: v4_mapped(u32::from_ne_bytes(daddr)),
@@ -188,6 +230,35 @@ fn on_packet<const INGRESS: bool>(ctx: &TcContext) -> Result<i32, i32> {
             _pad: [0; 3],
         },
         l4,
+        v6: false,
+    };
+    Ok(())
+}
+
+#[inline(always)]
+fn on_packet<const INGRESS: bool>(ctx: &TcContext) -> Result<i32, i32> {
+    let ethertype = u16::from_be(ctx.load::<u16>(12).map_err(|_| PASS)?);
+    // One `Pkt` for both families (stack); anything but PARSED is the packet's verdict
+    // already (not TCP/UDP, or an ICMP error handled).
+    let mut pkt = Pkt {
+        key: CtKey::default(),
+        l4: 0,
+        v6: false,
+    };
+    let v = if ethertype == ETH_P_IP {
+        parse_v4::<INGRESS>(ctx, &mut pkt)
+    } else if ethertype == ETH_P_IPV6 {
+        parse_v6(ctx, &mut pkt, INGRESS)
+    } else {
+        PASS
+    };
+    if v != PARSED {
+        return Ok(v);
+    }
+    let tcp_flags: u8 = if pkt.key.proto == PROTO_TCP {
+        ctx.load(pkt.l4 + 13).map_err(|_| PASS)?
+    } else {
+        0
     };
     let now = unsafe { bpf_ktime_get_ns() };
     let v = tracked(ctx, &pkt, tcp_flags, now, INGRESS);
@@ -209,6 +280,51 @@ fn on_packet<const INGRESS: bool>(ctx: &TcContext) -> Result<i32, i32> {
         }
     }
     Ok(v)
+}
+
+/// Verdict of [`parse_v4`] and [`parse_v6`] for a TCP/UDP packet they parsed.
+const PARSED: i32 = -4;
+
+/// Fills `pkt` from an IPv6 packet whose fixed header is directly followed by TCP or UDP
+/// and returns [`PARSED`]; else returns the verdict: passed untouched (extension headers,
+/// NDP and other ICMPv6, IPv4-mapped addresses), or an ICMPv6 error translated by
+/// [`on_icmp6`] (redirected at ingress). Its own BPF function, so the IPv4 path's stack
+/// does not grow; `pkt` is in the caller's frame.
+#[inline(never)]
+fn parse_v6(ctx: &TcContext, pkt: &mut Pkt, ingress: bool) -> i32 {
+    match try_parse_v6(ctx, pkt, ingress) {
+        Ok(()) => PARSED,
+        Err(v) => v,
+    }
+}
+
+#[inline(always)]
+fn try_parse_v6(ctx: &TcContext, pkt: &mut Pkt, ingress: bool) -> Result<(), i32> {
+    let ver: u8 = ctx.load(ETH_HLEN).map_err(|_| PASS)?;
+    if ver >> 4 != 6 {
+        return Err(PASS);
+    }
+    let proto: u8 = ctx.load(IP6_NEXT_OFF).map_err(|_| PASS)?;
+    if proto == PROTO_ICMPV6 {
+        return Err(on_icmp6(ctx, ingress));
+    }
+    if proto != PROTO_TCP && proto != PROTO_UDP {
+        return Err(PASS);
+    }
+    let l4 = ETH_HLEN + IP6_HLEN;
+    let ports: [u8; 4] = ctx.load(l4).map_err(|_| PASS)?;
+    load16(ctx, IP6_SRC_OFF, &mut pkt.key.saddr)?;
+    load16(ctx, IP6_DST_OFF, &mut pkt.key.daddr)?;
+    pkt.key.sport = [ports[0], ports[1]];
+    pkt.key.dport = [ports[2], ports[3]];
+    pkt.key.proto = proto;
+    pkt.l4 = l4;
+    pkt.v6 = true;
+    // Never on the wire; would alias the IPv4 flows' IPv4-mapped tuples.
+    if is_v4_mapped(&pkt.key.saddr) || is_v4_mapped(&pkt.key.daddr) {
+        return Err(PASS);
+    }
+    Ok(())
 }
 
 /// Least-connections accounting of a new tc flow keyed `key` (original direction): gives
@@ -415,7 +531,8 @@ fn snat_binding_held(key: &CtKey, entry: &CtEntry, now: u64) -> bool {
 /// it would drop it as a martian (a local source address arriving from the wire), so the
 /// route and the next hop come from `bpf_fib_lookup`, and `bpf_redirect_neigh` resolves a
 /// neighbour the node has not talked to yet. When the lookup fails the packet goes to the
-/// stack unchanged in course.
+/// stack unchanged in course. The family follows `dst`: IPv4-mapped is IPv4 (AF_INET),
+/// anything else IPv6 (AF_INET6).
 #[inline(never)]
 fn redirect_out(ctx: &TcContext, src: &[u8; 16], dst: &[u8; 16]) -> i32 {
     let Some(sc) = TC_SCRATCH.get_ptr_mut(0) else {
@@ -424,10 +541,27 @@ fn redirect_out(ctx: &TcContext, src: &[u8; 16], dst: &[u8; 16]) -> i32 {
     // SAFETY: this CPU's scratch slot; the FIB parameters are plain integers.
     let f = unsafe { &mut (*sc).fib };
     *f = unsafe { core::mem::zeroed() };
-    f.family = 2; // AF_INET
     f.ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    f.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes([src[12], src[13], src[14], src[15]]);
-    f.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes([dst[12], dst[13], dst[14], dst[15]]);
+    if is_v4_mapped(dst) {
+        f.family = AF_INET;
+        f.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes([src[12], src[13], src[14], src[15]]);
+        f.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes([dst[12], dst[13], dst[14], dst[15]]);
+    } else {
+        f.family = AF_INET6;
+        // SAFETY: 16 bytes each way; the union fields are 16 bytes.
+        unsafe {
+            core::ptr::copy_nonoverlapping(
+                src.as_ptr(),
+                f.__bindgen_anon_3.ipv6_src.as_mut_ptr() as *mut u8,
+                16,
+            );
+            core::ptr::copy_nonoverlapping(
+                dst.as_ptr(),
+                f.__bindgen_anon_4.ipv6_dst.as_mut_ptr() as *mut u8,
+                16,
+            );
+        }
+    }
     // SAFETY: helper with our context and a buffer of the right size.
     let r = unsafe {
         bpf_fib_lookup(
@@ -597,7 +731,9 @@ fn try_new_flow(ctx: &TcContext, pkt: &Pkt, now: u64) -> Result<i32, i32> {
             TcCounter::DroppedNoEndpoints
         });
     };
-    if !proxy_common::is_v4_mapped(&b.addr) {
+    // A backend of the other family (the model never pairs them; a packet cannot change
+    // family here).
+    if other_family(&b.addr, pkt.v6) {
         return drop_with(TcCounter::RewriteFailed);
     }
     let snat = needs_snat(&fe, &b.addr, &k.saddr, cluster_ip);
@@ -625,16 +761,22 @@ fn try_new_flow(ctx: &TcContext, pkt: &Pkt, now: u64) -> Result<i32, i32> {
         let Some(node) = TC_IFACE_ADDRS.get_ptr(ifindex) else {
             return drop_with(TcCounter::NoSnatAddress);
         };
-        // SAFETY: value of the map, copied.
-        let node = unsafe { (*node).v4 };
-        if !proxy_common::is_v4_mapped(&node) {
+        // SAFETY: value of the map, read in place.
+        let node = unsafe {
+            if pkt.v6 {
+                &(*node).v6
+            } else {
+                &(*node).v4
+            }
+        };
+        if !snat_addr_usable(node, pkt.v6) {
             return drop_with(TcCounter::NoSnatAddress);
         }
         sc.fwd.flags = CT_F_SNAT;
         sc.rev.flags = CT_F_REPLY | CT_F_SNAT;
         sc.rkey = CtKey {
             saddr: b.addr,
-            daddr: node,
+            daddr: *node,
             sport: b.port,
             dport: [0; 2],
             proto: k.proto,
@@ -676,7 +818,7 @@ fn try_new_flow(ctx: &TcContext, pkt: &Pkt, now: u64) -> Result<i32, i32> {
             _pad: [0; 3],
         };
         sc.eg = CtEntry {
-            saddr: node,
+            saddr: *node,
             sport: sc.rkey.dport,
             flags: CT_F_SNAT | CT_F_EGRESS,
             ..sc.fwd
@@ -718,11 +860,31 @@ fn try_new_flow(ctx: &TcContext, pkt: &Pkt, now: u64) -> Result<i32, i32> {
     Ok(rewrite(ctx, pkt, &sc.fwd))
 }
 
+/// Whether backend address `a` is not of the packet's family. Its own BPF function: inline,
+/// the comparison costs `new_flow` about 100 bytes of stack.
+#[inline(never)]
+fn other_family(a: &[u8; 16], v6: bool) -> bool {
+    is_v4_mapped(a) == v6
+}
+
+/// Whether `a`, read from `IfaceAddr`, is a node address of the family (all zero: none).
+/// For IPv6, the agent writes global or unique-local addresses only, none of them in
+/// `::/8` (reserved: the unspecified, loopback and IPv4-mapped addresses live there), so
+/// the first byte tells.
+#[inline(always)]
+fn snat_addr_usable(a: &[u8; 16], v6: bool) -> bool {
+    if v6 {
+        a[0] != 0
+    } else {
+        is_v4_mapped(a)
+    }
+}
+
 /// Whether a new flow of `fe` from `client` to backend `addr` is source-NATed:
 /// - never with a Local policy (the client address is kept, KEP-1672 / KEP-2086);
 /// - with `--masquerade-all` always (kube-proxy's meaning);
-/// - for a cluster IP, when the client is outside `--cluster-cidr` (kube-proxy masquerades
-///   off-cluster traffic to cluster IPs);
+/// - for a cluster IP, when the client is outside `--cluster-cidr`'s prefix of its family
+///   (kube-proxy masquerades off-cluster traffic to cluster IPs);
 /// - when the backend is on another node: its replies must come back through this node
 ///   to be translated. (kube-proxy masquerades every Cluster-policy external flow; here a
 ///   flow to a backend on this node keeps the client address, as Cilium does.)
@@ -735,7 +897,12 @@ fn needs_snat(fe: &Frontend, addr: &[u8; 16], client: &[u8; 16], cluster_ip: boo
         if cfg.flags & TC_CFG_MASQUERADE_ALL != 0 {
             return true;
         }
-        if cluster_ip && cfg.flags & TC_CFG_CLUSTER_CIDR_V4 != 0 {
+        let v4 = is_v4_mapped(client);
+        if cluster_ip && !v4 && cfg.flags & TC_CFG_CLUSTER_CIDR_V6 != 0 && outside_cidr6(client)
+        {
+            return true;
+        }
+        if cluster_ip && v4 && cfg.flags & TC_CFG_CLUSTER_CIDR_V4 != 0 {
             let len = cfg.cluster_cidr_v4_len as u32;
             let mask = if len == 0 {
                 0
@@ -750,6 +917,47 @@ fn needs_snat(fe: &Frontend, addr: &[u8; 16], client: &[u8; 16], cluster_ip: boo
         }
     }
     TC_LOCAL_ENDPOINTS.get_ptr(*addr).is_none()
+}
+
+/// Whether IPv6 client `a` is outside the IPv6 `--cluster-cidr` (`TC_CONFIG`). Its own BPF
+/// function: the 64-bit halves would otherwise take `new_flow`'s stack.
+#[inline(never)]
+fn outside_cidr6(a: &[u8; 16]) -> bool {
+    match TC_CONFIG.get(0) {
+        Some(cfg) => !in_prefix6(a, &cfg.cluster_cidr_v6, cfg.cluster_cidr_v6_len),
+        None => false,
+    }
+}
+
+/// Whether IPv6 address `a` is in `net`/`len` (both network byte order).
+#[inline(always)]
+fn in_prefix6(a: &[u8; 16], net: &[u8; 16], len: u8) -> bool {
+    let len = len.min(128) as u32;
+    let (mh, ml) = (mask64(len), mask64(len.saturating_sub(64)));
+    let (ah, al) = halves(a);
+    let (nh, nl) = halves(net);
+    ah & mh == nh & mh && al & ml == nl & ml
+}
+
+/// The first `len` (0..=64; more counts as 64) bits set.
+#[inline(always)]
+fn mask64(len: u32) -> u64 {
+    if len == 0 {
+        0
+    } else if len >= 64 {
+        u64::MAX
+    } else {
+        u64::MAX << (64 - len)
+    }
+}
+
+/// An address as two big-endian 64-bit halves.
+#[inline(always)]
+fn halves(a: &[u8; 16]) -> (u64, u64) {
+    (
+        u64::from_be_bytes([a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]]),
+        u64::from_be_bytes([a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]]),
+    )
 }
 
 /// `spec.loadBalancerSourceRanges`: true when `dst` is a restricted LB IP and `src` is in
@@ -767,14 +975,148 @@ fn denied_by_source_ranges(dst: &[u8; 16], src: &[u8; 16]) -> bool {
 }
 
 /// Rewrites the packet's tuple to `to`'s, fixing the IPv4 and L4 checksums (a UDP checksum
-/// of zero stays zero: BPF_F_MARK_MANGLED_0). Returns the verdict: OK, or SHOT (counted)
-/// when a helper failed.
+/// of zero stays zero in IPv4: BPF_F_MARK_MANGLED_0), or for IPv6 the L4 checksum (see
+/// [`try_rewrite6`]). Returns the verdict: OK, or SHOT (counted) when a helper failed.
 #[inline(never)]
 fn rewrite(ctx: &TcContext, pkt: &Pkt, to: &CtEntry) -> i32 {
-    match try_rewrite(ctx, pkt, to) {
+    let r = if pkt.v6 {
+        try_rewrite6(ctx, pkt, to)
+    } else {
+        try_rewrite(ctx, pkt, to)
+    };
+    match r {
         Ok(()) => PASS,
         Err(v) => v,
     }
+}
+
+/// Counts a failed rewrite helper; the packet is dropped.
+#[inline(always)]
+fn rewrite_failed<E>(_: E) -> i32 {
+    count(TcCounter::RewriteFailed);
+    TC_ACT_SHOT
+}
+
+/// `bpf_l4_csum_replace` of an IPv6 packet: with `BPF_F_IPV6`, and again without it on a
+/// kernel that does not know the flag (before 6.16; it then changed nothing).
+#[inline(always)]
+fn l4_csum6(ctx: &TcContext, off: usize, from: u64, to: u64, flags: u64) -> Result<(), i32> {
+    if ctx
+        .l4_csum_replace(off, from, to, flags | BPF_F_IPV6)
+        .is_ok()
+    {
+        return Ok(());
+    }
+    ctx.l4_csum_replace(off, from, to, flags)
+        .map_err(rewrite_failed)
+}
+
+/// Writes IPv6 address `new` over `old` at `off` and folds the difference into the
+/// checksum at `csum` (`bpf_csum_diff` of the 16-byte addresses, then the difference form
+/// of `bpf_l4_csum_replace`: size 0 and `from` 0). `flags`: `BPF_F_PSEUDO_HDR` when the
+/// address is part of the checksum's pseudo-header, plus `BPF_F_MARK_MANGLED_0` for UDP.
+#[inline(always)]
+fn store_addr6(
+    ctx: &TcContext,
+    off: usize,
+    old: &[u8; 16],
+    new: &[u8; 16],
+    csum: usize,
+    flags: u64,
+) -> Result<(), i32> {
+    match store_addr6_at(ctx, off, old, new, ((csum as u64) << 32) | flags) {
+        0 => Ok(()),
+        v => Err(v),
+    }
+}
+
+/// [`store_addr6`] as its own BPF function (small stack frames for its callers, at most
+/// five arguments: the checksum offset travels in the upper half of `csum_flags`, the
+/// flags in the lower). Returns 0, or the verdict of a failure (counted).
+#[inline(never)]
+fn store_addr6_at(
+    ctx: &TcContext,
+    off: usize,
+    old: &[u8; 16],
+    new: &[u8; 16],
+    csum_flags: u64,
+) -> i32 {
+    match try_store_addr6(ctx, off, old, new, csum_flags) {
+        Ok(()) => 0,
+        Err(v) => v,
+    }
+}
+
+#[inline(always)]
+fn try_store_addr6(
+    ctx: &TcContext,
+    off: usize,
+    old: &[u8; 16],
+    new: &[u8; 16],
+    csum_flags: u64,
+) -> Result<(), i32> {
+    let csum = (csum_flags >> 32) as usize;
+    let flags = csum_flags & 0xffff_ffff;
+    // SAFETY: both buffers are 16 readable bytes (a multiple of 4, as the helper needs); it
+    // only reads them.
+    let diff = unsafe {
+        bpf_csum_diff(
+            old.as_ptr() as *mut u32,
+            16,
+            new.as_ptr() as *mut u32,
+            16,
+            0,
+        )
+    };
+    if diff < 0 {
+        return Err(rewrite_failed(diff));
+    }
+    ctx.store(off, new, 0).map_err(rewrite_failed)?;
+    l4_csum6(ctx, csum, 0, diff as u64, flags)
+}
+
+/// [`rewrite`] of an IPv6 packet: addresses as [`store_addr6`] does (part of the TCP/UDP
+/// pseudo-header; inlined here, a call deeper would exceed the combined stack limit under
+/// `new_flow`), ports as for IPv4; there is no IP header checksum.
+#[inline(always)]
+fn try_rewrite6(ctx: &TcContext, pkt: &Pkt, to: &CtEntry) -> Result<(), i32> {
+    let k = &pkt.key;
+    let csum = pkt.l4 + l4_csum_off(k.proto);
+    let mangled = if k.proto == PROTO_UDP {
+        BPF_F_MARK_MANGLED_0
+    } else {
+        0
+    };
+    if k.saddr != to.saddr {
+        try_store_addr6(
+            ctx,
+            IP6_SRC_OFF,
+            &k.saddr,
+            &to.saddr,
+            ((csum as u64) << 32) | BPF_F_PSEUDO_HDR | mangled,
+        )?;
+    }
+    if k.daddr != to.daddr {
+        try_store_addr6(
+            ctx,
+            IP6_DST_OFF,
+            &k.daddr,
+            &to.daddr,
+            ((csum as u64) << 32) | BPF_F_PSEUDO_HDR | mangled,
+        )?;
+    }
+    let port = |p: [u8; 2]| u16::from_ne_bytes(p);
+    if k.sport != to.sport {
+        let (old, new) = (port(k.sport), port(to.sport));
+        ctx.store(pkt.l4, &new, 0).map_err(rewrite_failed)?;
+        l4_csum6(ctx, csum, old as u64, new as u64, mangled | 2)?;
+    }
+    if k.dport != to.dport {
+        let (old, new) = (port(k.dport), port(to.dport));
+        ctx.store(pkt.l4 + 2, &new, 0).map_err(rewrite_failed)?;
+        l4_csum6(ctx, csum, old as u64, new as u64, mangled | 2)?;
+    }
+    Ok(())
 }
 
 #[inline(always)]
@@ -929,6 +1271,116 @@ fn try_icmp(ctx: &TcContext, l4: usize, outer_src: u32) -> Result<i32, i32> {
     }
     count(TcCounter::IcmpTranslated);
     Ok(ICMP_TRANSLATED)
+}
+
+/// An ICMPv6 error (RFC 4443: destination unreachable, packet too big, time exceeded)
+/// directly after the fixed IPv6 header, quoting an IPv6 TCP/UDP packet of a translated
+/// flow without extension headers: translated as [`on_icmp`] does for IPv4. The ICMPv6
+/// checksum covers a pseudo-header with the outer addresses (RFC 4443 section 2.3), so
+/// outer address changes update it (`BPF_F_PSEUDO_HDR`) as well as the quoted bytes do.
+/// The quoted TCP/UDP checksum is left as it was, as for IPv4 (the quote may be truncated,
+/// and receivers match errors by addresses and ports). Returns the verdict: a translated
+/// error is passed on at egress and sent on with [`redirect_out`] at ingress.
+#[inline(never)]
+fn on_icmp6(ctx: &TcContext, ingress: bool) -> i32 {
+    match try_icmp6(ctx, ingress) {
+        Ok(v) | Err(v) => v,
+    }
+}
+
+#[inline(always)]
+fn try_icmp6(ctx: &TcContext, ingress: bool) -> Result<i32, i32> {
+    let l4 = ETH_HLEN + IP6_HLEN;
+    let ty: u8 = ctx.load(l4).map_err(|_| PASS)?;
+    if ty != ICMP6_DEST_UNREACH && ty != ICMP6_PACKET_TOO_BIG && ty != ICMP6_TIME_EXCEEDED {
+        return Ok(PASS); // NDP, echo, MLD, ...: never touched
+    }
+    let inner = l4 + 8;
+    let inner_ver: u8 = ctx.load(inner).map_err(|_| PASS)?;
+    if inner_ver >> 4 != 6 {
+        return Ok(PASS);
+    }
+    let proto: u8 = ctx.load(inner + 6).map_err(|_| PASS)?;
+    if proto != PROTO_TCP && proto != PROTO_UDP {
+        return Ok(PASS);
+    }
+    let inner_l4 = inner + IP6_HLEN;
+    let isport: u16 = ctx.load(inner_l4).map_err(|_| PASS)?;
+    let idport: u16 = ctx.load(inner_l4 + 2).map_err(|_| PASS)?;
+    // The addresses live in the scratch slot, not on the stack (16-byte arrays are copied
+    // byte by byte there): `rkey`, the quoted packet reversed, is the key of the direction
+    // this error travels (its saddr is the quoted destination, its daddr the quoted
+    // source); `ekey` holds the outer addresses. (Both belong to new flows otherwise, which
+    // never run during an ICMP error.)
+    let Some(sc) = TC_SCRATCH.get_ptr_mut(0) else {
+        return Ok(PASS);
+    };
+    // SAFETY: this CPU's slot, used only while this program runs.
+    let sc = unsafe { &mut *sc };
+    load16(ctx, inner + 8, &mut sc.rkey.daddr)?;
+    load16(ctx, inner + 24, &mut sc.rkey.saddr)?;
+    sc.rkey.sport = idport.to_ne_bytes();
+    sc.rkey.dport = isport.to_ne_bytes();
+    sc.rkey.proto = proto;
+    sc.rkey._pad = [0; 3];
+    let Some(e) = TC_CONNTRACK.get_ptr(&sc.rkey) else {
+        return Ok(PASS);
+    };
+    // SAFETY: a value of the map, valid while this program runs; the addresses of an entry
+    // are never written in place.
+    let e = unsafe { &*e };
+    let (new_sport, new_dport) = (u16::from_ne_bytes(e.sport), u16::from_ne_bytes(e.dport));
+    let csum = l4 + 2;
+    // Outer header (in the ICMPv6 pseudo-header): destination -> the entry's destination;
+    // source -> the entry's source when the error comes from the flow's peer itself.
+    load16(ctx, IP6_DST_OFF, &mut sc.ekey.daddr)?;
+    load16(ctx, IP6_SRC_OFF, &mut sc.ekey.saddr)?;
+    if sc.ekey.daddr != e.daddr {
+        store_addr6(ctx, IP6_DST_OFF, &sc.ekey.daddr, &e.daddr, csum, BPF_F_PSEUDO_HDR)?;
+        sc.ekey.daddr = e.daddr;
+    }
+    if sc.ekey.saddr == sc.rkey.saddr && sc.ekey.saddr != e.saddr {
+        store_addr6(ctx, IP6_SRC_OFF, &sc.ekey.saddr, &e.saddr, csum, BPF_F_PSEUDO_HDR)?;
+        sc.ekey.saddr = e.saddr;
+    }
+    // Quoted header (ICMPv6 payload): source -> the entry's destination, destination -> the
+    // entry's source; then the ports.
+    if sc.rkey.daddr != e.daddr {
+        store_addr6(ctx, inner + 8, &sc.rkey.daddr, &e.daddr, csum, 0)?;
+    }
+    if sc.rkey.saddr != e.saddr {
+        store_addr6(ctx, inner + 24, &sc.rkey.saddr, &e.saddr, csum, 0)?;
+    }
+    if isport != new_dport {
+        ctx.store(inner_l4, &new_dport, 0).map_err(rewrite_failed)?;
+        l4_csum6(ctx, csum, isport as u64, new_dport as u64, 2)?;
+    }
+    if idport != new_sport {
+        ctx.store(inner_l4 + 2, &new_sport, 0)
+            .map_err(rewrite_failed)?;
+        l4_csum6(ctx, csum, idport as u64, new_sport as u64, 2)?;
+    }
+    count(TcCounter::IcmpTranslated);
+    if ingress {
+        return Ok(redirect_out(ctx, &sc.ekey.saddr, &sc.ekey.daddr));
+    }
+    Ok(PASS)
+}
+
+/// Loads the 16 bytes at `off` straight into `dst` (no stack temporary); `Err(PASS)` when
+/// the packet is shorter.
+#[inline(always)]
+fn load16(ctx: &TcContext, off: usize, dst: &mut [u8; 16]) -> Result<(), i32> {
+    // SAFETY: the helper writes exactly 16 bytes into `dst`.
+    let r = unsafe {
+        bpf_skb_load_bytes(
+            ctx.skb.skb as *const _,
+            off as u32,
+            dst.as_mut_ptr() as *mut _,
+            16,
+        )
+    };
+    if r == 0 { Ok(()) } else { Err(PASS) }
 }
 
 /// Verdict of `on_icmp` for a translated error (then passed on, or redirected at ingress).

@@ -143,7 +143,8 @@ struct RunArgs {
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
     /// CIDR of the cluster's pods, or an IPv4 and an IPv6 CIDR separated by a comma
-    /// (kube-proxy's --cluster-cidr). Checked and kept for the packet path; no effect yet.
+    /// (kube-proxy's --cluster-cidr): traffic entering the node to a cluster IP from a
+    /// client outside the prefix of its family is masqueraded (tc path).
     #[arg(long)]
     cluster_cidr: Option<ClusterCidrs>,
     /// Node addresses that serve NodePorts: comma-separated CIDRs, or `primary` (the

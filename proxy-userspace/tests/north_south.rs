@@ -16,6 +16,9 @@
 //! each other's pod subnet. Each node runs its own agent *inside its namespace* (so the
 //! interface auto-selection finds its `eth0` from the Node object's address), with its own
 //! child cgroup and pin directory. Nothing touches the root namespace or root cgroup.
+//!
+//! The `ipv6_*` tests add IPv6 to the same topology (`Lab::add_ipv6`, at the end of this
+//! file).
 
 mod common;
 
@@ -1189,4 +1192,482 @@ fn snat_bindings_survive_eviction_and_a_taken_port_is_never_shared() {
     assert!(entries <= 2048, "{entries} entries in a 2048-entry table");
     let counters = tc::counters(&pin).unwrap();
     assert_eq!(counters["tc_conntrack_full"], 0, "{counters:?}");
+}
+
+// ---------------------------------------------------------------------------------------
+// IPv6 (issue 4): the same lab made dual-stack by `Lab::add_ipv6`.
+// ---------------------------------------------------------------------------------------
+
+const NODE_A6: &str = "fd00:100::1";
+const NODE_B6: &str = "fd00:100::2";
+const CLIENT6: &str = "fd00:100::100";
+const POD_A06: &str = "fd00:1::10";
+const POD_B06: &str = "fd00:2::10";
+const EXTERNAL_IP6: &str = "fd00:199::7";
+const LB_IP6: &str = "fd00:199::8";
+const CLUSTER_IP6: &str = "fd00:198:19::30";
+
+impl Lab {
+    /// Makes the lab dual-stack, before any agent starts: ULA addresses on the wire
+    /// (`fd00:100::/64`: node-a ::1, node-b ::2, client ::100) and the pod bridges
+    /// (`fd00:1::/64` on node-a, `fd00:2::/64` on node-b, pods ::10 behind gateway ::1),
+    /// IPv6 forwarding in the nodes, routes between the pod subnets, the client's route
+    /// to the IPv6 external and LB IPs (`fd00:199::/64`) through node-a, and Node objects
+    /// with both InternalIPs. Every address is added `nodad` (usable at once). The pods do
+    /// not rate-limit ICMPv6 errors (port unreachable is asserted per datagram). The
+    /// servers already listen on dual-stack sockets.
+    fn add_ipv6(&mut self) {
+        let addr = |n: &Netns, a: &str, dev: &str| {
+            n.ip(&["-6", "addr", "add", a, "dev", dev, "nodad"])
+                .unwrap();
+        };
+        for (n, a) in [
+            (&self.nodes[0], NODE_A6),
+            (&self.nodes[1], NODE_B6),
+            (&self.client, CLIENT6),
+        ] {
+            addr(n, &format!("{a}/64"), "eth0");
+        }
+        for (i, gw, other, via) in [
+            (0, "fd00:1::1/64", "fd00:2::/64", NODE_B6),
+            (1, "fd00:2::1/64", "fd00:1::/64", NODE_A6),
+        ] {
+            let n = &self.nodes[i];
+            n.sysctl("net/ipv6/conf/all/forwarding", "1").unwrap();
+            addr(n, gw, "br0");
+            n.ip(&["-6", "route", "add", other, "via", via]).unwrap();
+        }
+        for (i, (a, gw)) in [(POD_A06, "fd00:1::1"), (POD_B06, "fd00:2::1")]
+            .into_iter()
+            .enumerate()
+        {
+            let p = &self.pods[i];
+            addr(p, &format!("{a}/64"), "eth0");
+            p.ip(&["-6", "route", "add", "default", "via", gw]).unwrap();
+            p.sysctl("net/ipv6/icmp/ratelimit", "0").unwrap();
+        }
+        self.client
+            .ip(&["-6", "route", "add", "fd00:199::/64", "via", NODE_A6])
+            .unwrap();
+        self.write(
+            "nodes.yaml",
+            &format!(
+                "apiVersion: v1\nkind: Node\nmetadata: {{name: node-a}}\nstatus: {{addresses: [{{type: InternalIP, address: {NODE_A}}}, {{type: InternalIP, address: '{NODE_A6}'}}]}}\n---\napiVersion: v1\nkind: Node\nmetadata: {{name: node-b}}\nstatus: {{addresses: [{{type: InternalIP, address: {NODE_B}}}, {{type: InternalIP, address: '{NODE_B6}'}}]}}\n"
+            ),
+        );
+    }
+}
+
+/// Dual-stack `default/web`: the ports of [`web`], cluster IPs, external IPs and LB IPs of
+/// both families; IPv4 endpoints `v4` and IPv6 endpoints `v6` as (address, node).
+fn web_dual(lab: &Lab, spec_extra: &str, v4: &[(&str, &str)], v6: &[(&str, &str)]) {
+    let eps = |e: &[(&str, &str)]| -> String {
+        e.iter()
+            .map(|(ip, node)| format!("- addresses: [\"{ip}\"]\n  nodeName: {node}\n"))
+            .collect()
+    };
+    let slice = |name: &str, fam: &str, e: &[(&str, &str)]| {
+        format!(
+            "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}\n  namespace: default\n  labels: {{kubernetes.io/service-name: web}}\naddressType: {fam}\nports:\n- {{name: http, port: 8080, protocol: TCP}}\n- {{name: dns, port: 5353, protocol: UDP}}\n- {{name: closed, port: 5999, protocol: UDP}}\nendpoints:\n{}",
+            eps(e)
+        )
+    };
+    lab.write(
+        "web.yaml",
+        &format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: default}}\nspec:\n  type: LoadBalancer\n  ipFamilyPolicy: RequireDualStack\n  ipFamilies: [IPv4, IPv6]\n  clusterIP: 198.19.0.30\n  clusterIPs: [198.19.0.30, '{CLUSTER_IP6}']\n  externalIPs: [{EXTERNAL_IP}, '{EXTERNAL_IP6}']\n{spec_extra}  ports:\n  - {{name: http, port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP}}\n  - {{name: dns, port: 53, targetPort: 5353, nodePort: 30053, protocol: UDP}}\n  - {{name: closed, port: 54, targetPort: 5999, nodePort: 30054, protocol: UDP}}\nstatus:\n  loadBalancer:\n    ingress: [{{ip: {LB_IP}}}, {{ip: '{LB_IP6}'}}]\n{}{}",
+            slice("web-1", "IPv4", v4),
+            slice("web-2", "IPv6", v6)
+        ),
+    );
+}
+
+const BOTH4: [(&str, &str); 2] = [(POD_A0, "node-a"), (POD_B0, "node-b")];
+const BOTH6: [(&str, &str); 2] = [(POD_A06, "node-a"), (POD_B06, "node-b")];
+
+/// `[addr]:port`.
+fn v6(addr: &str, port: u16) -> String {
+    format!("[{addr}]:{port}")
+}
+
+/// [`udp_whoami`] for either family (the socket is bound to the wildcard of `to`'s).
+fn udp_whoami_any(client: &Path, to: &str, timeout: Duration) -> Result<(String, String), i32> {
+    let to: SocketAddr = to.parse().unwrap();
+    in_netns(client, move || {
+        let s = UdpSocket::bind(if to.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" }).unwrap();
+        s.connect(to).unwrap();
+        s.set_read_timeout(Some(timeout)).unwrap();
+        s.send(b"whoami")
+            .map_err(|e| e.raw_os_error().unwrap_or(-1))?;
+        let mut buf = [0u8; 512];
+        let n = s
+            .recv(&mut buf)
+            .map_err(|e| e.raw_os_error().unwrap_or(-1))?;
+        let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+        let mut it = text.split_whitespace();
+        Ok((
+            it.next().unwrap_or("").to_string(),
+            it.next().unwrap_or("").to_string(),
+        ))
+    })
+    .unwrap()
+}
+
+#[test]
+fn ipv6_nodeport_external_and_lb_ips_with_snat_to_remote_backends() {
+    let mut lab = Lab::new("n6");
+    lab.add_ipv6();
+    web_dual(&lab, "", &BOTH4, &BOTH6);
+    lab.start_agent(0, &[]);
+    lab.start_agent(1, &[]);
+    let c = lab.client_path();
+    // Every exchange below also needs neighbour discovery through the programs on eth0.
+    // A connected TCP or UDP socket only accepts replies from the address it connected to:
+    // each success shows the client saw the frontend as the source.
+    for fe in [
+        v6(NODE_A6, 30080),
+        v6(NODE_B6, 30080),
+        v6(EXTERNAL_IP6, 80),
+        v6(LB_IP6, 80),
+    ] {
+        let mut seen = std::collections::BTreeMap::new();
+        for _ in 0..24 {
+            let (name, peer) =
+                tcp_whoami(&c, &fe, T).unwrap_or_else(|e| panic!("TCP to {fe}: {e}"));
+            // A local backend sees the client; a remote one the entry node's IPv6 address.
+            let entry = if fe.contains(NODE_B6) {
+                NODE_B6
+            } else {
+                NODE_A6
+            };
+            let backend_node = if name == "a0" { NODE_A6 } else { NODE_B6 };
+            let want = if entry == backend_node {
+                CLIENT6
+            } else {
+                entry
+            };
+            assert_eq!(
+                ip_of(&peer),
+                want,
+                "{fe} -> {name}: source seen by the backend"
+            );
+            *seen.entry(name).or_insert(0) += 1;
+        }
+        assert_eq!(seen.len(), 2, "{fe}: both backends used: {seen:?}");
+        let ufe = fe.replace(":30080", ":30053").replace("]:80", "]:53");
+        let mut useen = std::collections::BTreeSet::new();
+        for _ in 0..12 {
+            let (name, peer) =
+                udp_whoami_any(&c, &ufe, T).unwrap_or_else(|e| panic!("UDP to {ufe}: errno {e}"));
+            let backend_node = if name == "a0" { NODE_A6 } else { NODE_B6 };
+            let entry = if ufe.contains(NODE_B6) {
+                NODE_B6
+            } else {
+                NODE_A6
+            };
+            let want = if entry == backend_node {
+                CLIENT6
+            } else {
+                entry
+            };
+            assert_eq!(ip_of(&peer), want, "{ufe} -> {name} (UDP)");
+            useen.insert(name);
+        }
+        assert_eq!(useen.len(), 2, "{ufe}: {useen:?}");
+    }
+    // IPv4 next to it, in the same dual-stack lab.
+    for _ in 0..8 {
+        let (name, _) = tcp_whoami(&c, &format!("{NODE_A}:30080"), T).unwrap();
+        assert!(name == "a0" || name == "b0");
+    }
+    // Hairpin over IPv6: pod a0 (in node-a's cgroup) reaches the node port and the LB IP
+    // through the socket programs.
+    let a0 = lab.pods[0].path();
+    let cg = lab.agents[0].cg.path().to_path_buf();
+    for to in [v6(NODE_A6, 30080), v6(LB_IP6, 80)] {
+        let out = output_in(
+            Some(&a0),
+            Some(&cg),
+            Command::new(NETPROBE).args(["tcp", "--to", &to, "--count", "6"]),
+            Duration::from_secs(20),
+        )
+        .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        for line in text.lines() {
+            let v: serde_json::Value = serde_json::from_str(line).unwrap();
+            assert_eq!(v["ok"], true, "hairpin to {to}: {text}");
+        }
+        assert_eq!(text.lines().count(), 6, "{text}");
+    }
+    let counters = tc::counters(&lab.agents[0].pin).unwrap();
+    assert!(
+        counters["tc_new_flow"] > 0 && counters["tc_snat"] > 0,
+        "{counters:?}"
+    );
+    for k in [
+        "tc_rewrite_failed",
+        "tc_no_snat_address",
+        "tc_conntrack_full",
+    ] {
+        assert_eq!(counters[k], 0, "{k}: {counters:?}");
+    }
+}
+
+#[test]
+fn ipv6_local_policy_keeps_the_client_address_and_drops_without_local_endpoint() {
+    let mut lab = Lab::new("l6");
+    lab.add_ipv6();
+    web_dual(
+        &lab,
+        "  externalTrafficPolicy: Local\n",
+        &[(POD_B0, "node-b")],
+        &[(POD_B06, "node-b")],
+    );
+    lab.start_agent(0, &[]);
+    lab.start_agent(1, &[]);
+    let c = lab.client_path();
+    for _ in 0..4 {
+        let (name, peer) = tcp_whoami(&c, &v6(NODE_B6, 30080), T).unwrap();
+        assert_eq!((name.as_str(), ip_of(&peer).as_str()), ("b0", CLIENT6));
+        let (name, peer) = udp_whoami_any(&c, &v6(NODE_B6, 30053), T).unwrap();
+        assert_eq!((name.as_str(), ip_of(&peer).as_str()), ("b0", CLIENT6));
+    }
+    let e = tcp_whoami(&c, &v6(NODE_A6, 30080), SHORT).unwrap_err();
+    assert!(e.contains("timed out") || e.contains("os error 110"), "{e}");
+    let counters = tc::counters(&lab.agents[0].pin).unwrap();
+    assert!(
+        counters["tc_dropped_no_local_endpoints"] > 0,
+        "{counters:?}"
+    );
+}
+
+#[test]
+fn ipv6_load_balancer_source_ranges() {
+    let mut lab = Lab::new("s6");
+    lab.add_ipv6();
+    web_dual(
+        &lab,
+        &format!("  loadBalancerSourceRanges: ['{CLIENT6}/128', '198.51.100.0/24']\n"),
+        &[(POD_A0, "node-a")],
+        &[(POD_A06, "node-a")],
+    );
+    lab.start_agent(0, &[]);
+    let c = lab.client_path();
+    let lb6 = v6(LB_IP6, 80);
+    assert_eq!(tcp_whoami(&c, &lb6, T).unwrap().0, "a0");
+    // The IPv4 LB IP admits only its IPv4 range, which the client is not in.
+    assert!(tcp_whoami(&c, &format!("{LB_IP}:80"), SHORT).is_err());
+    // Edit: an IPv6 range without the client. The IPv6 LB IP drops it; the node port and
+    // the external IP (not subject to source ranges) still serve it.
+    let n = lab.agents[0].syncs();
+    web_dual(
+        &lab,
+        "  loadBalancerSourceRanges: ['fd00:dead::/64']\n",
+        &[(POD_A0, "node-a")],
+        &[(POD_A06, "node-a")],
+    );
+    lab.agents[0].wait_sync_after(n);
+    assert!(tcp_whoami(&c, &lb6, SHORT).is_err());
+    assert_eq!(tcp_whoami(&c, &v6(NODE_A6, 30080), T).unwrap().0, "a0");
+    assert_eq!(tcp_whoami(&c, &v6(EXTERNAL_IP6, 80), T).unwrap().0, "a0");
+    // The IPv4 LB IP has no range of its family left: open again.
+    assert_eq!(tcp_whoami(&c, &format!("{LB_IP}:80"), T).unwrap().0, "a0");
+    let counters = tc::counters(&lab.agents[0].pin).unwrap();
+    assert!(counters["tc_source_range_denied"] >= 2, "{counters:?}");
+}
+
+#[test]
+fn ipv6_packet_too_big_and_port_unreachable_reach_the_client() {
+    let mut lab = Lab::new("p6");
+    lab.add_ipv6();
+    web_dual(&lab, "", &[(POD_B0, "node-b")], &[(POD_B06, "node-b")]);
+    // node-b forwards to its pods over a 1280-byte link (the IPv6 minimum): a full-size
+    // segment from node-a (SNAT, node-a -> b0) gets ICMPv6 packet too big back from
+    // node-b, which node-a must translate for the client (quoting client -> node-a:30080);
+    // IPv6 routers never fragment, so without it the flow stalls.
+    lab.nodes[1]
+        .ip(&["link", "set", "br0", "mtu", "1280"])
+        .unwrap();
+    lab.start_agent(0, &[]);
+    lab.start_agent(1, &[]);
+    let c = lab.client_path();
+    let to: SocketAddr = v6(NODE_A6, 30080).parse().unwrap();
+    let echoed = in_netns(&c, move || {
+        let s = TcpStream::connect_timeout(&to, T).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut w = s.try_clone().unwrap();
+        let mut r = BufReader::new(s);
+        let mut name = String::new();
+        r.read_line(&mut name).unwrap();
+        let big = "x".repeat(6000);
+        w.write_all(format!("{big}\n").as_bytes()).unwrap();
+        let mut l = String::new();
+        r.read_line(&mut l)
+            .map(|_| l.trim().len())
+            .map_err(|e| e.to_string())
+    })
+    .unwrap();
+    assert_eq!(echoed, Ok(3 + 6000), "the large line came back");
+    let counters = tc::counters(&lab.agents[0].pin).unwrap();
+    assert!(counters["tc_icmp_translated"] > 0, "{counters:?}");
+    // Nothing listens on 5999: b0's ICMPv6 port unreachable, translated back to the
+    // frontend, fails the client's connected UDP socket with ECONNREFUSED. Through node-a
+    // (SNAT: translated at node-a's ingress) and node-b (local backend: at its egress).
+    for (node, agent) in [(NODE_A6, 0), (NODE_B6, 1)] {
+        let before = tc::counters(&lab.agents[agent].pin).unwrap()["tc_icmp_translated"];
+        for _ in 0..4 {
+            match udp_whoami_any(&c, &v6(node, 30054), SHORT) {
+                Err(111) => {}
+                other => panic!("{node}: expected ECONNREFUSED, got {other:?}"),
+            }
+        }
+        let after = tc::counters(&lab.agents[agent].pin).unwrap()["tc_icmp_translated"];
+        assert!(after >= before + 4, "{node}: {before} -> {after}");
+    }
+}
+
+#[test]
+fn ipv6_cluster_cidr_and_masquerade_all() {
+    let mut lab = Lab::new("m6");
+    lab.add_ipv6();
+    web_dual(&lab, "", &BOTH4, &BOTH6);
+    lab.client
+        .ip(&["-6", "route", "add", "fd00:198:19::/64", "via", NODE_A6])
+        .unwrap();
+    // node-a: a dual-stack cluster CIDR holding both pod subnets but not the client
+    // (fd00:100::/64 is outside fd00::/24); node-b: --masquerade-all.
+    lab.start_agent(0, &["--cluster-cidr", "198.18.0.0/22,fd00::/24"]);
+    lab.start_agent(1, &["--masquerade-all"]);
+    let c = lab.client_path();
+    let mut cases = Vec::new();
+    for _ in 0..16 {
+        // The cluster IP from outside the cluster CIDR: masqueraded, local backend too.
+        let (name, peer) = tcp_whoami(&c, &v6(CLUSTER_IP6, 80), T).unwrap();
+        assert_eq!(ip_of(&peer), NODE_A6, "cluster IP -> {name}");
+        cases.push(name);
+        // A node port on node-a: no masquerade for the local backend.
+        let (name, peer) = tcp_whoami(&c, &v6(NODE_A6, 30080), T).unwrap();
+        let want = if name == "a0" { CLIENT6 } else { NODE_A6 };
+        assert_eq!(ip_of(&peer), want, "node-a node port -> {name}");
+        // node-b masquerades everything, its local backend too.
+        let (name, peer) = tcp_whoami(&c, &v6(NODE_B6, 30080), T).unwrap();
+        assert_eq!(ip_of(&peer), NODE_B6, "node-b node port -> {name}");
+        cases.push(name);
+    }
+    assert!(
+        cases.iter().any(|n| n == "a0") && cases.iter().any(|n| n == "b0"),
+        "{cases:?}"
+    );
+    let (_, peer) = udp_whoami_any(&c, &v6(CLUSTER_IP6, 53), T).unwrap();
+    assert_eq!(ip_of(&peer), NODE_A6);
+}
+
+#[test]
+fn ipv6_without_a_node_ipv6_address_snat_drops_and_local_backends_work() {
+    let mut lab = Lab::new("x6");
+    lab.add_ipv6();
+    // node-a's wire interface loses its IPv6 address and keeps a link-local one only (no
+    // SNAT address of the family there); the client reaches the IPv6 LB IP through that
+    // link-local address, and node-a the client through an on-link route.
+    let a = &lab.nodes[0];
+    a.ip(&["-6", "addr", "del", &format!("{NODE_A6}/64"), "dev", "eth0"])
+        .unwrap();
+    a.ip(&["-6", "addr", "add", "fe80::a/64", "dev", "eth0", "nodad"])
+        .unwrap();
+    a.ip(&["-6", "route", "replace", "fd00:100::/64", "dev", "eth0"])
+        .unwrap();
+    lab.client
+        .ip(&[
+            "-6",
+            "route",
+            "replace",
+            "fd00:199::/64",
+            "via",
+            "fe80::a",
+            "dev",
+            "eth0",
+        ])
+        .unwrap();
+    let lb6 = v6(LB_IP6, 80);
+    // A remote backend needs SNAT: dropped and counted.
+    web_dual(&lab, "", &BOTH4, &[(POD_B06, "node-b")]);
+    lab.start_agent(0, &[]);
+    let c = lab.client_path();
+    assert!(tcp_whoami(&c, &lb6, SHORT).is_err());
+    let counters = tc::counters(&lab.agents[0].pin).unwrap();
+    assert!(counters["tc_no_snat_address"] > 0, "{counters:?}");
+    // A local backend keeps the client address: no SNAT address needed.
+    let n = lab.agents[0].syncs();
+    web_dual(&lab, "", &BOTH4, &[(POD_A06, "node-a")]);
+    lab.agents[0].wait_sync_after(n);
+    let (name, peer) = tcp_whoami(&c, &lb6, T).unwrap();
+    assert_eq!((name.as_str(), ip_of(&peer).as_str()), ("a0", CLIENT6));
+}
+
+#[test]
+fn ipv6_time_exceeded_reaches_the_client() {
+    let mut lab = Lab::new("t6");
+    lab.add_ipv6();
+    web_dual(&lab, "", &[(POD_B0, "node-b")], &[(POD_B06, "node-b")]);
+    lab.start_agent(0, &[]);
+    lab.start_agent(1, &[]);
+    let c = lab.client_path();
+    // Hop limit 2: node-a forwards the (DNATed, SNATed) datagram with 1 left, node-b cannot
+    // forward it to b0 and sends ICMPv6 time exceeded to node-a's address, which node-a
+    // translates for the client (quoting client -> node-a:30053). A connected socket with
+    // IPV6_RECVERR reports it as EHOSTUNREACH.
+    let to: SocketAddr = v6(NODE_A6, 30053).parse().unwrap();
+    let r = in_netns(&c, move || {
+        use std::os::fd::AsRawFd;
+        let s = UdpSocket::bind("[::]:0").unwrap();
+        let fd = s.as_raw_fd();
+        for (opt, v) in [(libc::IPV6_UNICAST_HOPS, 2), (libc::IPV6_RECVERR, 1)] {
+            let v: libc::c_int = v;
+            // SAFETY: setsockopt on our socket with an int.
+            let r = unsafe {
+                libc::setsockopt(
+                    fd,
+                    libc::IPPROTO_IPV6,
+                    opt,
+                    &v as *const _ as *const libc::c_void,
+                    std::mem::size_of::<libc::c_int>() as u32,
+                )
+            };
+            assert_eq!(r, 0, "setsockopt {opt}");
+        }
+        s.connect(to).unwrap();
+        s.set_read_timeout(Some(T)).unwrap();
+        s.send(b"whoami").unwrap();
+        let mut buf = [0u8; 512];
+        s.recv(&mut buf).map_err(|e| e.raw_os_error().unwrap_or(-1))
+    })
+    .unwrap();
+    assert_eq!(r.map(|_| ()), Err(libc::EHOSTUNREACH), "time exceeded");
+    let counters = tc::counters(&lab.agents[0].pin).unwrap();
+    assert!(counters["tc_icmp_translated"] > 0, "{counters:?}");
+    // With the default hop limit the same frontend answers.
+    assert_eq!(udp_whoami_any(&c, &v6(NODE_A6, 30053), T).unwrap().0, "b0");
+}
+
+#[test]
+fn ipv6_only_local_endpoints_get_the_pod_facing_interface_with_masquerade_all() {
+    let mut lab = Lab::new("o6");
+    lab.add_ipv6();
+    // No IPv4 endpoint at all: node-b finds its pod-facing bridge from the IPv6 routes
+    // (/proc/net/ipv6_route), where the masqueraded flows to b0 get their SNAT stage and
+    // their replies.
+    web_dual(&lab, "", &[], &[(POD_B06, "node-b")]);
+    lab.start_agent(1, &["--masquerade-all"]);
+    assert!(
+        lab.agents[0].log().contains("interface=br0"),
+        "{}",
+        lab.agents[0].log()
+    );
+    let c = lab.client_path();
+    for _ in 0..4 {
+        let (name, peer) = tcp_whoami(&c, &v6(NODE_B6, 30080), T).unwrap();
+        assert_eq!((name.as_str(), ip_of(&peer).as_str()), ("b0", NODE_B6));
+        let (name, peer) = udp_whoami_any(&c, &v6(NODE_B6, 30053), T).unwrap();
+        assert_eq!((name.as_str(), ip_of(&peer).as_str()), ("b0", NODE_B6));
+    }
 }

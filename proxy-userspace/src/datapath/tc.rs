@@ -20,7 +20,7 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     ffi::CStr,
     fs,
-    net::IpAddr,
+    net::{IpAddr, Ipv6Addr},
     path::{Path, PathBuf},
 };
 
@@ -40,8 +40,8 @@ use proxy_common::{
     nat::{
         CONNTRACK, CtEntry, CtKey, IFACE_ADDRS, IFACE_F_POD, IfaceAddr, LC_FLOWS, LOCAL_ENDPOINTS,
         SOURCE_RANGE_ALLOW, SOURCE_RANGE_RESTRICTED, SOURCE_RANGES, SourceRange,
-        TC_CFG_CLUSTER_CIDR_V4, TC_CFG_MASQUERADE_ALL, TC_CONFIG, TC_MAPS, TcConfig, TcCounter,
-        ct_closed, ct_timeout_ns,
+        TC_CFG_CLUSTER_CIDR_V4, TC_CFG_CLUSTER_CIDR_V6, TC_CFG_MASQUERADE_ALL, TC_CONFIG, TC_MAPS,
+        TcConfig, TcCounter, ct_closed, ct_timeout_ns,
     },
 };
 use tracing::{error, info};
@@ -148,6 +148,10 @@ fn link_name(prog: &str, ifname: &str) -> String {
 pub struct TcPath {
     dir: PathBuf,
     args: TcArgs,
+    /// Some flows to local backends are source-NATed (`--masquerade-all`, or a cluster IP
+    /// reached from outside `--cluster-cidr`): their SNAT stage and replies need the
+    /// programs on the pod-facing interfaces too.
+    snat_local: bool,
     /// What was written to `TC_CONFIG` (timeouts for the collection of flows).
     config: TcConfig,
     ebpf: Option<Ebpf>,
@@ -159,7 +163,8 @@ pub struct TcPath {
     pub health: crate::healthcheck::HealthChecks,
 }
 
-/// Interface names and their IPv4 addresses in this network namespace (`getifaddrs`).
+/// Interface names and their IPv4 and IPv6 addresses in this network namespace
+/// (`getifaddrs`).
 pub fn interface_addresses() -> Result<BTreeMap<String, Vec<IpAddr>>> {
     let mut out: BTreeMap<String, Vec<IpAddr>> = BTreeMap::new();
     let mut ifap: *mut libc::ifaddrs = std::ptr::null_mut();
@@ -338,6 +343,49 @@ fn ipv4_routes() -> Vec<(String, u32, u8)> {
         .collect()
 }
 
+/// The IPv6 routes of this network namespace from `/proc/net/ipv6_route`: (device,
+/// network, prefix length). Each line is `DEST PLEN SRC SPLEN NEXTHOP METRIC REFCNT USE
+/// FLAGS DEVICE`, addresses as 32 hex digits in network order.
+fn ipv6_routes() -> Vec<(String, Ipv6Addr, u8)> {
+    let text = fs::read_to_string("/proc/net/ipv6_route").unwrap_or_default();
+    parse_ipv6_routes(&text)
+}
+
+fn parse_ipv6_routes(text: &str) -> Vec<(String, Ipv6Addr, u8)> {
+    text.lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let net = u128::from_str_radix(f.first()?, 16).ok()?;
+            let len = u8::from_str_radix(f.get(1)?, 16).ok()?;
+            Some((f.get(9)?.to_string(), Ipv6Addr::from(net), len))
+        })
+        .collect()
+}
+
+/// An IPv6 address that can be a SNAT source towards other nodes: not link-local
+/// (fe80::/10, valid on one link only), loopback, unspecified, multicast or IPv4-mapped.
+fn snat_v6(ip: &IpAddr) -> bool {
+    match ip {
+        IpAddr::V6(a) => {
+            !(a.is_unicast_link_local()
+                || a.is_loopback()
+                || a.is_unspecified()
+                || a.is_multicast()
+                || a.to_ipv4_mapped().is_some())
+        }
+        IpAddr::V4(_) => false,
+    }
+}
+
+fn mask_v6(a: Ipv6Addr, len: u8) -> u128 {
+    let a = u128::from(a);
+    if len == 0 {
+        0
+    } else {
+        a & (u128::MAX << (128 - len.min(128) as u32))
+    }
+}
+
 fn mask_v4(a: u32, len: u8) -> u32 {
     if len == 0 {
         0
@@ -358,14 +406,34 @@ fn mask(a: &mut [u8; 16], bits: u32) {
     }
 }
 
+/// The flags and cluster CIDRs of the tc configuration ([`TC_CONFIG`]) for these flags
+/// (the timeouts are left 0: the defaults).
+pub fn tc_config(args: &TcArgs, cluster_cidrs: &[IpNet]) -> TcConfig {
+    let mut config = TcConfig::default();
+    if args.masquerade_all {
+        config.flags |= TC_CFG_MASQUERADE_ALL;
+    }
+    if let Some(IpNet::V4(c)) = cluster_cidrs.iter().find(|c| c.addr().is_ipv4()) {
+        config.flags |= TC_CFG_CLUSTER_CIDR_V4;
+        config.cluster_cidr_v4 = c.network().octets();
+        config.cluster_cidr_v4_len = c.prefix_len();
+    }
+    if let Some(IpNet::V6(c)) = cluster_cidrs.iter().find(|c| c.addr().is_ipv6()) {
+        config.flags |= TC_CFG_CLUSTER_CIDR_V6;
+        config.cluster_cidr_v6 = c.network().octets();
+        config.cluster_cidr_v6_len = c.prefix_len();
+    }
+    config
+}
+
 impl TcPath {
     /// Prepares the tc data path of the pin directory `dir` (loaded by
     /// `loader::load_and_attach`, which pins the tc maps too) and writes its configuration.
     /// Nothing is attached until [`TcPath::sync`] knows the interfaces.
     ///
-    /// `cluster_cidrs` is `--cluster-cidr` (kube-proxy's meaning); only its IPv4 prefix is
-    /// used (the tc path is IPv4 only for now). `udp_timeout` (`--udp-flow-timeout`) is the
-    /// idle timeout of unreplied UDP flows.
+    /// `cluster_cidrs` is `--cluster-cidr` (kube-proxy's meaning): its first prefix of each
+    /// family is used for the clients of that family. `udp_timeout` (`--udp-flow-timeout`)
+    /// is the idle timeout of unreplied UDP flows.
     pub fn new(
         dir: &Path,
         args: TcArgs,
@@ -373,26 +441,22 @@ impl TcPath {
         udp_timeout: std::time::Duration,
     ) -> Result<Self> {
         let ns = |d: std::time::Duration| d.as_nanos().min(u64::MAX as u128) as u64;
-        let mut config = TcConfig {
+        let config = TcConfig {
             tcp_established_ns: ns(args.conntrack_tcp_timeout_established),
             udp_ns: ns(udp_timeout),
             udp_stream_ns: ns(args.conntrack_udp_timeout_stream),
-            ..TcConfig::default()
+            ..tc_config(&args, cluster_cidrs)
         };
-        if args.masquerade_all {
-            config.flags |= TC_CFG_MASQUERADE_ALL;
-        }
-        if let Some(IpNet::V4(c)) = cluster_cidrs.iter().find(|c| c.addr().is_ipv4()) {
-            config.flags |= TC_CFG_CLUSTER_CIDR_V4;
-            config.cluster_cidr_v4 = c.network().octets();
-            config.cluster_cidr_v4_len = c.prefix_len();
-        }
+        let snat_local = config.flags
+            & (TC_CFG_MASQUERADE_ALL | TC_CFG_CLUSTER_CIDR_V4 | TC_CFG_CLUSTER_CIDR_V6)
+            != 0;
         let mut cfg: Array<MapData, TcConfig> = open(dir, TC_CONFIG)?;
         cfg.set(0, config, 0).context("write TC_CONFIG")?;
         Ok(Self {
             config,
             dir: dir.to_path_buf(),
             args,
+            snat_local,
             ebpf: None,
             attached: BTreeSet::new(),
             local: BTreeSet::new(),
@@ -451,11 +515,12 @@ impl TcPath {
             .collect())
     }
 
-    /// With `--masquerade-all`, the pod-facing interfaces: those this netns routes this
-    /// node's endpoints through (longest match in `/proc/net/route`, default routes
-    /// excluded), other than the external ones. Masqueraded flows to local backends get their
-    /// SNAT stage and their replies there. Only when external interfaces were found, so an
-    /// agent without node addresses in its netns attaches nothing at all.
+    /// With `--masquerade-all` or `--cluster-cidr` (both source-NAT some flows to local
+    /// backends), the pod-facing interfaces: those this netns routes this node's endpoints
+    /// through (longest match in `/proc/net/route` or `/proc/net/ipv6_route`, default
+    /// routes excluded), other than the external ones. Masqueraded flows to local backends
+    /// get their SNAT stage and their replies there. Only when external interfaces were
+    /// found, so an agent without node addresses in its netns attaches nothing at all.
     fn pod_interfaces(
         &self,
         objects: &ObjectSet,
@@ -463,19 +528,29 @@ impl TcPath {
         external: &BTreeMap<String, Vec<IpAddr>>,
     ) -> BTreeMap<String, Vec<IpAddr>> {
         let mut out = BTreeMap::new();
-        if !self.args.masquerade_all || external.is_empty() {
+        if !self.snat_local || external.is_empty() {
             return out;
         }
         let routes = ipv4_routes();
+        let routes6 = ipv6_routes();
         let all = interface_addresses().unwrap_or_default();
         for ip in local_endpoints(objects, node) {
-            let IpAddr::V4(v4) = ip else { continue };
-            let a = u32::from(v4);
-            let best = routes
-                .iter()
-                .filter(|(_, net, len)| *len > 0 && mask_v4(a, *len) == mask_v4(*net, *len))
-                .max_by_key(|(_, _, len)| *len);
-            if let Some((dev, _, _)) = best
+            let best = match ip {
+                IpAddr::V4(v4) => {
+                    let a = u32::from(v4);
+                    routes
+                        .iter()
+                        .filter(|(_, net, len)| *len > 0 && mask_v4(a, *len) == mask_v4(*net, *len))
+                        .max_by_key(|(_, _, len)| *len)
+                        .map(|(dev, _, _)| dev)
+                }
+                IpAddr::V6(v6) => routes6
+                    .iter()
+                    .filter(|(_, net, len)| *len > 0 && mask_v6(v6, *len) == mask_v6(*net, *len))
+                    .max_by_key(|(_, _, len)| *len)
+                    .map(|(dev, _, _)| dev),
+            };
+            if let Some(dev) = best
                 && !external.contains_key(dev)
                 && dev != "lo"
             {
@@ -495,13 +570,19 @@ impl TcPath {
             let Some(ifindex) = if_index(name) else {
                 continue;
             };
-            // The node address on the interface, else its first IPv4 address.
+            // Per family: the node address on the interface, else its first address of the
+            // family (for IPv6 one usable beyond the link: not link-local).
             let v4 = a
                 .iter()
                 .find(|ip| ip.is_ipv4() && ips.contains(ip))
                 .or_else(|| a.iter().find(|ip| ip.is_ipv4()));
+            let v6 = a
+                .iter()
+                .find(|ip| snat_v6(ip) && ips.contains(ip))
+                .or_else(|| a.iter().find(|ip| snat_v6(ip)));
             let value = IfaceAddr {
                 v4: v4.map(|ip| ip_to_bytes(*ip)).unwrap_or([0; 16]),
+                v6: v6.map(|ip| ip_to_bytes(*ip)).unwrap_or([0; 16]),
                 flags: if pods.contains_key(name) {
                     IFACE_F_POD
                 } else {
@@ -516,7 +597,7 @@ impl TcPath {
             }
             if !self.attached.contains(name) {
                 self.attach(name)?;
-                info!(interface = %name, address = ?v4, "north-south programs attached (tcx ingress and egress)");
+                info!(interface = %name, address = ?v4, address_v6 = ?v6, "north-south programs attached (tcx ingress and egress)");
                 self.attached.insert(name.clone());
             }
         }
@@ -823,6 +904,43 @@ mod tests {
             crate::healthcheck::wanted(&objs, &state)[&31000].local_endpoints,
             0
         );
+    }
+
+    #[test]
+    fn ipv6_routes_snat_addresses_and_dual_stack_cluster_cidr() {
+        let text = "fd000002000000000000000000000000 40 00000000000000000000000000000000 00 fd000100000000000000000000000002 00000400 00000001 00000000 00000003     eth0\n\
+                    fe800000000000000000000000000000 40 00000000000000000000000000000000 00 00000000000000000000000000000000 00000100 00000001 00000000 00000001      br0\n";
+        let r = parse_ipv6_routes(text);
+        assert_eq!(
+            r,
+            vec![
+                ("eth0".to_string(), "fd00:2::".parse().unwrap(), 64),
+                ("br0".to_string(), "fe80::".parse().unwrap(), 64),
+            ]
+        );
+        assert_eq!(
+            mask_v6("fd00:2::10".parse().unwrap(), 64),
+            mask_v6("fd00:2::".parse().unwrap(), 64)
+        );
+        assert_ne!(
+            mask_v6("fd00:3::10".parse().unwrap(), 64),
+            mask_v6("fd00:2::".parse().unwrap(), 64)
+        );
+        assert!(snat_v6(&"fd00:100::1".parse().unwrap()));
+        assert!(!snat_v6(&"fe80::1".parse().unwrap()));
+        assert!(!snat_v6(&"::ffff:192.0.2.1".parse().unwrap()));
+        assert!(!snat_v6(&"192.0.2.1".parse().unwrap()));
+        let cidrs: Vec<IpNet> = vec!["10.0.0.0/8".parse().unwrap(), "fd00::/48".parse().unwrap()];
+        let c = tc_config(&TcArgs::default(), &cidrs);
+        assert_eq!(c.flags, TC_CFG_CLUSTER_CIDR_V4 | TC_CFG_CLUSTER_CIDR_V6);
+        assert_eq!(
+            (c.cluster_cidr_v4, c.cluster_cidr_v4_len),
+            ([10, 0, 0, 0], 8)
+        );
+        assert_eq!(c.cluster_cidr_v6_len, 48);
+        assert_eq!(&c.cluster_cidr_v6[..2], &[0xfd, 0]);
+        let c = tc_config(&TcArgs::default(), &cidrs[1..]);
+        assert_eq!(c.flags, TC_CFG_CLUSTER_CIDR_V6);
     }
 
     #[test]
