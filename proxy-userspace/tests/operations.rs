@@ -338,7 +338,49 @@ fn sigterm_keeps_the_pinned_data_path_and_the_next_agent_adopts_it() {
         sync.contains("writes=0") && sync.contains("deletes=0"),
         "{sync}"
     );
+    assert!(
+        !log.contains("another layout"),
+        "a restart of the same version replaces no map: {log}"
+    );
     assert_eq!(by_name(&env.tcp(&format!("{VIP}:80"), 20)).len(), 2);
+}
+
+#[test]
+fn an_upgrade_recreates_pinned_maps_whose_layout_changed() {
+    let mut env = Env::new("ops-upgrade", 1, false);
+    web(&env, &[0]);
+    // What an older version pinned: TC_CONFIG with a 16-byte value (this version's is
+    // larger) and CONFIG as it is now.
+    let dir = env.pin_path();
+    std::fs::create_dir_all(&dir).unwrap();
+    let old = dir.join(proxy_common::nat::TC_CONFIG);
+    let out = Command::new("bpftool")
+        .args(["map", "create"])
+        .arg(&old)
+        .args(["type", "array", "key", "4", "value", "16", "entries", "1"])
+        .args(["name", "TC_CONFIG"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "bpftool: {}", text(&out.stderr));
+    env.start_agent();
+    let log = env.log();
+    let warned: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("another layout"))
+        .collect();
+    assert_eq!(warned.len(), 1, "{log}");
+    assert!(
+        warned[0].contains("map=\"TC_CONFIG\"") && warned[0].contains("value size 16 pinned"),
+        "{}",
+        warned[0]
+    );
+    let info = aya::maps::MapInfo::from_pin(&old).unwrap();
+    assert_eq!(
+        info.value_size() as usize,
+        std::mem::size_of::<proxy_common::nat::TcConfig>(),
+        "recreated with this version's layout"
+    );
+    assert_eq!(by_name(&env.tcp(&format!("{VIP}:80"), 10)).len(), 1);
 }
 
 /// Metric names (`kubeproxy_*`, `ebpf_proxy_*`) in a PromQL expression.

@@ -201,6 +201,41 @@ fn denied(e: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
+/// Removes the pins of maps whose layout differs from this binary's object: map type, key
+/// size, value size or creation flags (an agent upgrade across a layout change). The load
+/// that follows creates them anew; adopting them instead would make the programs fail
+/// verification or misread their values. `max_entries` is not a layout: a map keeps the size
+/// it was created with (see [`MapSizes`]). Returns each replaced map's name and why. A pin
+/// that cannot be read is left for the load to report.
+pub fn replace_incompatible_pins(dir: &Path) -> Result<Vec<(&'static str, String)>> {
+    let obj = aya_obj::Object::parse(OBJECT).context("load: parse the embedded object")?;
+    let mut replaced = Vec::new();
+    for name in ALL_MAPS.iter().chain(proxy_common::nat::TC_MAPS.iter()) {
+        let path = dir.join(name);
+        let (Some(want), Ok(have)) = (obj.maps.get(*name), aya::maps::MapInfo::from_pin(&path))
+        else {
+            continue;
+        };
+        let have_type = have.map_type().map(|t| t as u32).unwrap_or(u32::MAX);
+        let diffs: Vec<String> = [
+            ("type", have_type, want.map_type()),
+            ("key size", have.key_size(), want.key_size()),
+            ("value size", have.value_size(), want.value_size()),
+            ("flags", have.map_flags(), want.map_flags()),
+        ]
+        .iter()
+        .filter(|(_, h, w)| h != w)
+        .map(|(what, h, w)| format!("{what} {h} pinned, {w} now"))
+        .collect();
+        if !diffs.is_empty() {
+            fs::remove_file(&path)
+                .with_context(|| format!("pin: remove incompatible {}", path.display()))?;
+            replaced.push((*name, diffs.join(", ")));
+        }
+    }
+    Ok(replaced)
+}
+
 /// The error of the object load (maps created, adopted and pinned), naming the step.
 fn load_error(e: EbpfError, pinned: bool) -> anyhow::Error {
     let remedy = if denied(&e) {
@@ -339,6 +374,9 @@ pub fn load_and_attach(dir: &Path, cgroup: &Path, sizes: MapSizes) -> Result<()>
     let pins: Vec<(&str, PathBuf)> = (ALL_MAPS.iter().chain(proxy_common::nat::TC_MAPS.iter()))
         .map(|m| (*m, dir.join(m)))
         .collect();
+    for (name, why) in replace_incompatible_pins(dir)? {
+        tracing::warn!(map = name, %why, "a pinned map has another layout than this version's (an upgrade): it is created anew and its entries are lost; the old programs keep the old map until their links are replaced");
+    }
     let mut loader = object_loader(sizes);
     for (name, path) in &pins {
         loader.map_pin_path(name, path.as_path());
