@@ -309,7 +309,7 @@ pub fn backend_rows(dir: &Path, snap: &Snapshot) -> Result<Vec<BackendRow>> {
 }
 
 /// A pinned `u32 -> u32` hash map as a BTreeMap.
-fn read_u32_map(dir: &Path, name: &str) -> Result<std::collections::BTreeMap<u32, u32>> {
+pub(crate) fn read_u32_map(dir: &Path, name: &str) -> Result<std::collections::BTreeMap<u32, u32>> {
     let path = dir.join(name);
     let data = MapData::from_pin(&path).with_context(|| format!("open {}", path.display()))?;
     let map: HashMap<MapData, u32, u32> =

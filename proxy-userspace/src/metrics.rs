@@ -174,17 +174,9 @@ impl DatapathCounters {
                 ConstCounter::new(field(st)).encode(m)?;
             }
         }
-        let mut family = encoder.encode_descriptor(
-            "ebpf_proxy_backend_connections",
-            "New connections and UDP flows sent to each backend (address:port, protocol), summed over CPUs",
-            None,
-            prometheus_client::metrics::MetricType::Counter,
-        )?;
-        for (id, n) in &be {
-            let Some(b) = snap.backends.get(id) else {
-                continue;
-            };
-            let labels = [
+        let backend_labels = |id: u32| {
+            let b = snap.backends.get(&id)?;
+            Some([
                 (
                     "backend",
                     crate::datapath::addr::to_socket_addr(b.addr, b.port).to_string(),
@@ -193,9 +185,36 @@ impl DatapathCounters {
                     "protocol",
                     crate::datapath::addr::proto_name(b.proto).to_string(),
                 ),
-            ];
+            ])
+        };
+        let mut family = encoder.encode_descriptor(
+            "ebpf_proxy_backend_connections",
+            "New connections and UDP flows sent to each backend (address:port, protocol), summed over CPUs",
+            None,
+            prometheus_client::metrics::MetricType::Counter,
+        )?;
+        for (id, n) in &be {
+            let Some(labels) = backend_labels(*id) else {
+                continue;
+            };
             let m = family.encode_family(&labels)?;
             ConstCounter::new(*n).encode(m)?;
+        }
+        // The data path's own least-connections counts (connections and tc flows open now).
+        let active = crate::inspect::read_u32_map(&self.pin_dir, proxy_common::LC_COUNTS)
+            .unwrap_or_default();
+        let mut family = encoder.encode_descriptor(
+            "ebpf_proxy_backend_active_connections",
+            "Open connections and live tc flows counted for least-connections per backend (address:port, protocol); 0 unless a Service using it has that algorithm",
+            None,
+            prometheus_client::metrics::MetricType::Gauge,
+        )?;
+        for (id, n) in &active {
+            let Some(labels) = backend_labels(*id) else {
+                continue;
+            };
+            let m = family.encode_family(&labels)?;
+            prometheus_client::metrics::gauge::ConstGauge::new(*n as i64).encode(m)?;
         }
         Ok(())
     }

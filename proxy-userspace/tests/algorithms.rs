@@ -200,6 +200,25 @@ fn least_connections_avoids_backends_with_open_connections() {
     std::thread::sleep(Duration::from_millis(300));
     let h2 = holder(&env, Duration::from_secs(4));
     std::thread::sleep(Duration::from_millis(300));
+    // The data path's counts are on /metrics: two open connections.
+    let addr = env.logged_addr("metrics");
+    let out = Command::new("curl")
+        .args(["-sf", &format!("http://{addr}/metrics")])
+        .output()
+        .unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    let scrape = prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_string())))
+        .expect("valid Prometheus text");
+    let active: f64 = scrape
+        .samples
+        .iter()
+        .filter(|s| s.metric == "ebpf_proxy_backend_active_connections")
+        .map(|s| match s.value {
+            prometheus_parse::Value::Gauge(v) => v,
+            ref other => panic!("{other:?}"),
+        })
+        .sum();
+    assert_eq!(active, 2.0, "{text}");
     // Short connections now all go to the third backend: it has 0 open, the others 1 (a
     // short connection's count is given back when its socket is released).
     let short = counts(&env, 20);
