@@ -167,7 +167,7 @@ struct RunArgs {
     max_sockets: u32,
     /// Idle time after which an unconnected UDP flow picks a backend anew, like conntrack's
     /// nf_conntrack_udp_timeout (e.g. 30s, 2m).
-    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    #[arg(long, default_value = "30s", value_parser = parse_positive_duration)]
     udp_flow_timeout: Duration,
     #[command(flatten)]
     tc: proxy_userspace::datapath::tc::TcArgs,
@@ -367,6 +367,9 @@ fn start_run(mut args: RunArgs, m: Option<&clap::ArgMatches>) -> Result<()> {
 /// kube-proxy's validation: `--min-sync-period` may not exceed `--sync-period`, whether
 /// they come from flags or the configuration file.
 fn check_periods(args: &RunArgs) -> Result<()> {
+    if args.sync_period > MAX_PERIOD {
+        anyhow::bail!("--sync-period must be at most 8760h (a year)");
+    }
     if args.min_sync_period > args.sync_period {
         anyhow::bail!(
             "--min-sync-period ({}) is longer than --sync-period ({})",
@@ -576,8 +579,14 @@ fn parse_positive_duration(s: &str) -> Result<Duration, String> {
     if d.is_zero() {
         return Err("must be greater than zero".into());
     }
+    if d > MAX_PERIOD {
+        return Err("must be at most 8760h (a year)".into());
+    }
     Ok(d)
 }
+
+/// Longest period or timeout accepted (timer arithmetic stays far from overflow).
+const MAX_PERIOD: Duration = Duration::from_secs(365 * 24 * 3600);
 
 fn parse_lb_algorithm(s: &str) -> Result<proxy_common::Algorithm, String> {
     model::parse_algorithm(s).ok_or_else(|| {
@@ -699,7 +708,7 @@ fn run(args: RunArgs) -> Result<()> {
                 return Err(e);
             }
         };
-        let health = Arc::new(Mutex::new(Health { last_updated: None, queued: None, timeout: args.sync_period * 2 }));
+        let health = Arc::new(Mutex::new(Health { last_updated: None, queued: None, timeout: args.sync_period.saturating_mul(2) }));
         let metrics = Arc::new(Metrics::new(dir.clone()));
         let health_app = axum::Router::new()
             .route("/healthz", axum::routing::get(healthz))
@@ -1038,12 +1047,6 @@ fn cleanup(args: CleanupArgs) -> Result<()> {
     if r.dir_removed {
         println!("removed {}", dir.display());
     } else if r.links.is_empty() && r.maps.is_empty() {
-        if dir.exists() && !loader::is_on_bpffs(&dir) {
-            anyhow::bail!(
-                "{} is not on a BPF file system: nothing ebpf-proxy pinned can be there (check --bpffs)",
-                dir.display()
-            );
-        }
         println!("nothing to clean up at {}", dir.display());
     }
     let _ = args.cgroup_path;
@@ -1107,6 +1110,9 @@ logging: {format: json}
         );
         let (a, _) = run_args(&["--sync-period", "30s", "--min-sync-period", "30s"]);
         check_periods(&a).unwrap();
+        let huge =
+            Cli::command().try_get_matches_from(["ebpf-proxy", "run", "--sync-period", "9999999999999s"]);
+        assert!(huge.is_err(), "a sync period beyond a year is refused");
     }
 
     #[test]

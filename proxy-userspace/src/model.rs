@@ -952,13 +952,37 @@ struct Frontends {
     warnings: Vec<String>,
 }
 
-/// Checks that an address may be a frontend: not unspecified, loopback, multicast or
-/// broadcast (a frontend there would hijack node traffic).
+/// Checks that an address may be a frontend or an endpoint: not unspecified, loopback,
+/// link-local (169.254.0.0/16, fe80::/10: a cloud's metadata address among them),
+/// multicast or broadcast. A frontend there would hijack node traffic; the API server's
+/// validation rejects the same for endpoints and external IPs.
 fn usable_vip(ip: &IpAddr) -> bool {
     !(ip.is_unspecified()
         || ip.is_loopback()
         || ip.is_multicast()
-        || matches!(ip, IpAddr::V4(v4) if v4.is_broadcast()))
+        || matches!(ip, IpAddr::V4(v4) if v4.is_broadcast() || v4.is_link_local())
+        || matches!(ip, IpAddr::V6(v6) if v6.is_unicast_link_local()))
+}
+
+/// What [`usable_vip`] refuses, for messages.
+const UNUSABLE: &str = "unspecified, loopback, link-local, multicast or broadcast";
+
+/// Parses an address field. IPv4-mapped IPv6 addresses (`::ffff:a.b.c.d`) are refused, as
+/// the API server's stricter IP validation does (KEP-4858): the data path stores IPv4
+/// addresses in that very form, so one would silently become an IPv4 address of an IPv6
+/// object.
+fn parse_ip(s: &str) -> Result<IpAddr, String> {
+    let ip: IpAddr = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not a valid IP address"))?;
+    if let IpAddr::V6(v6) = ip
+        && v6.to_ipv4_mapped().is_some()
+    {
+        return Err(format!(
+            "{s:?} is an IPv4-mapped IPv6 address (write the IPv4 address itself)"
+        ));
+    }
+    Ok(ip)
 }
 
 /// A Service's [`Frontends`]. `Ok(None)` for a Service that has no frontends by design
@@ -990,11 +1014,9 @@ fn service_frontends(svc: &Sourced<Service>) -> Result<Option<Frontends>, String
     }
     let mut vips: Vec<IpAddr> = Vec::new();
     for s in ip_strings {
-        let ip: IpAddr = s.parse().map_err(|_| format!("invalid cluster IP {s:?}"))?;
+        let ip: IpAddr = parse_ip(s).map_err(|e| format!("invalid cluster IP: {e}"))?;
         if !usable_vip(&ip) {
-            return Err(format!(
-                "cluster IP {ip} is not usable (unspecified, loopback, multicast or broadcast)"
-            ));
+            return Err(format!("cluster IP {ip} is not usable ({UNUSABLE})"));
         }
         if let Some(other) = vips.iter().find(|v| Family::of(v) == Family::of(&ip)) {
             return Err(format!(
@@ -1102,14 +1124,12 @@ fn service_frontends(svc: &Sourced<Service>) -> Result<Option<Frontends>, String
         }
     }
     for (s, what) in candidates {
-        match s.parse::<IpAddr>() {
+        match parse_ip(s) {
             Ok(ip) if usable_vip(&ip) => external.push((ip, what)),
             Ok(ip) => warnings.push(format!(
-                "{what} {ip} is not usable (unspecified, loopback, multicast or broadcast); address skipped"
+                "{what} {ip} is not usable ({UNUSABLE}); address skipped"
             )),
-            Err(_) => warnings.push(format!(
-                "{what} {s:?} is not a valid IP address; address skipped"
-            )),
+            Err(e) => warnings.push(format!("{what} {e}; address skipped")),
         }
     }
     let affinity = match spec.session_affinity.as_deref() {
@@ -1230,16 +1250,17 @@ fn read_slice(slice: &Sourced<EndpointSlice>, errors: &mut Vec<ModelError>) -> O
             err(format!("endpoint {i} has no addresses; endpoint skipped"));
             continue;
         };
-        match first.parse::<IpAddr>() {
-            Ok(ip) if Family::of(&ip) == family => endpoints.push((ip, raw)),
-            Ok(ip) => err(format!(
+        match parse_ip(first) {
+            Ok(ip) if Family::of(&ip) != family => err(format!(
                 "endpoint address {ip} is not an {} address (addressType {}); endpoint skipped",
                 family.as_str(),
                 family.as_str()
             )),
-            Err(_) => err(format!(
-                "endpoint address {first:?} is not a valid IP address; endpoint skipped"
+            Ok(ip) if !usable_vip(&ip) => err(format!(
+                "endpoint address {ip} is not usable ({UNUSABLE}); endpoint skipped"
             )),
+            Ok(ip) => endpoints.push((ip, raw)),
+            Err(e) => err(format!("endpoint address {e}; endpoint skipped")),
         }
     }
     Some(SliceInfo {
@@ -1553,19 +1574,24 @@ mod tests {
     fn invalid_cluster_ip_skips_the_service() {
         assert_rejected(
             "  clusterIP: 10.96.0.300\n  ports: [{port: 80}]\n",
-            "invalid cluster IP \"10.96.0.300\"",
+            "invalid cluster IP: \"10.96.0.300\" is not a valid IP address",
         );
         assert_rejected(
             "  clusterIPs: [10.96.0.3, nonsense]\n  ports: [{port: 80}]\n",
-            "invalid cluster IP \"nonsense\"",
+            "invalid cluster IP: \"nonsense\" is not a valid IP address",
         );
         assert_rejected(
             "  clusterIP: 127.0.0.1\n  ports: [{port: 80}]\n",
-            "cluster IP 127.0.0.1 is not usable (unspecified, loopback, multicast or broadcast)",
+            "cluster IP 127.0.0.1 is not usable (unspecified, loopback, link-local, multicast or broadcast)",
         );
         assert_rejected(
             "  clusterIP: 0.0.0.0\n  ports: [{port: 80}]\n",
-            "cluster IP 0.0.0.0 is not usable (unspecified, loopback, multicast or broadcast)",
+            "cluster IP 0.0.0.0 is not usable (unspecified, loopback, link-local, multicast or broadcast)",
+        );
+        // An IPv4-mapped IPv6 address would turn an IPv6 Service into an IPv4 frontend.
+        assert_rejected(
+            "  ipFamilies: [IPv6]\n  clusterIP: '::ffff:198.19.200.90'\n  ports: [{port: 80}]\n",
+            "invalid cluster IP: \"::ffff:198.19.200.90\" is an IPv4-mapped IPv6 address (write the IPv4 address itself)",
         );
     }
 
@@ -1814,15 +1840,26 @@ mod tests {
             "default",
             "web-v6",
             "web",
-            "addressType: IPv6\nendpoints: [{addresses: [10.0.0.2]}, {addresses: ['fd01::2']}]\nports: [{port: 8080}]\n",
+            "addressType: IPv6\nendpoints: [{addresses: [10.0.0.2]}, {addresses: ['fd01::2']}, {addresses: ['::ffff:10.0.0.4']}, {addresses: ['fe80::1']}]\nports: [{port: 8080}]\n",
+        ) + &slice(
+            "default",
+            "web-special",
+            "web",
+            "addressType: IPv4\nendpoints: [{addresses: [127.0.0.1]}, {addresses: [169.254.169.254]}, {addresses: [224.0.0.1]}, {addresses: [0.0.0.0]}]\nports: [{port: 8080}]\n",
         );
         let (s, e) = build_yaml(&yaml);
         assert_eq!(
             e,
             vec![
+                "test.yaml: EndpointSlice default/web-special: endpoint address 127.0.0.1 is not usable (unspecified, loopback, link-local, multicast or broadcast); endpoint skipped",
+                "test.yaml: EndpointSlice default/web-special: endpoint address 169.254.169.254 is not usable (unspecified, loopback, link-local, multicast or broadcast); endpoint skipped",
+                "test.yaml: EndpointSlice default/web-special: endpoint address 224.0.0.1 is not usable (unspecified, loopback, link-local, multicast or broadcast); endpoint skipped",
+                "test.yaml: EndpointSlice default/web-special: endpoint address 0.0.0.0 is not usable (unspecified, loopback, link-local, multicast or broadcast); endpoint skipped",
                 "test.yaml: EndpointSlice default/web-v4: endpoint address \"10.0.0.999\" is not a valid IP address; endpoint skipped",
                 "test.yaml: EndpointSlice default/web-v4: endpoint address fd01::1 is not an IPv4 address (addressType IPv4); endpoint skipped",
                 "test.yaml: EndpointSlice default/web-v6: endpoint address 10.0.0.2 is not an IPv6 address (addressType IPv6); endpoint skipped",
+                "test.yaml: EndpointSlice default/web-v6: endpoint address \"::ffff:10.0.0.4\" is an IPv4-mapped IPv6 address (write the IPv4 address itself); endpoint skipped",
+                "test.yaml: EndpointSlice default/web-v6: endpoint address fe80::1 is not usable (unspecified, loopback, link-local, multicast or broadcast); endpoint skipped",
             ]
         );
         assert_eq!(
@@ -2357,7 +2394,7 @@ mod tests {
         let yaml = svc(
             "default",
             "lb",
-            "  type: LoadBalancer\n  clusterIPs: [10.96.0.10, 'fd00::10']\n  ports: [{port: 80}]\n  externalTrafficPolicy: Local\n  internalTrafficPolicy: Local\n  externalIPs: [192.0.2.7, 'not-an-ip', 127.0.0.1]\n",
+            "  type: LoadBalancer\n  clusterIPs: [10.96.0.10, 'fd00::10']\n  ports: [{port: 80}]\n  externalTrafficPolicy: Local\n  internalTrafficPolicy: Local\n  externalIPs: [192.0.2.7, 'not-an-ip', 127.0.0.1, '::ffff:192.0.2.9', 169.254.169.254]\n",
         ) + "status:\n  loadBalancer:\n    ingress:\n    - {ip: 192.0.2.8}\n    - {ip: 192.0.2.9, ipMode: Proxy}\n    - {ip: '2001:db8::8'}\n    - {hostname: lb.example.com}\n"
             + &slice(
                 "default",
@@ -2414,7 +2451,9 @@ mod tests {
             e,
             vec![
                 "test.yaml: Service default/lb: externalIP \"not-an-ip\" is not a valid IP address; address skipped",
-                "test.yaml: Service default/lb: externalIP 127.0.0.1 is not usable (unspecified, loopback, multicast or broadcast); address skipped",
+                "test.yaml: Service default/lb: externalIP 127.0.0.1 is not usable (unspecified, loopback, link-local, multicast or broadcast); address skipped",
+                "test.yaml: Service default/lb: externalIP \"::ffff:192.0.2.9\" is an IPv4-mapped IPv6 address (write the IPv4 address itself); address skipped",
+                "test.yaml: Service default/lb: externalIP 169.254.169.254 is not usable (unspecified, loopback, link-local, multicast or broadcast); address skipped",
                 "test.yaml: Service default/single: externalIP 2001:db8::1 is IPv6 but the Service has no IPv6 cluster IP; address skipped",
                 "test.yaml: Service default/single: externalIP 192.0.2.7: frontend 192.0.2.7:80/TCP is already used by Service default/lb; address skipped",
             ]

@@ -494,6 +494,13 @@ pub fn cleanup(dir: &Path) -> Result<CleanupReport> {
     let Ok(entries) = fs::read_dir(dir) else {
         return Ok(r);
     };
+    // Only pins are removed: a directory elsewhere (a mistyped --bpffs) is left alone.
+    if !is_on_bpffs(dir) {
+        bail!(
+            "{} is not on a BPF file system: nothing ebpf-proxy pinned can be there, nothing removed (check --bpffs)",
+            dir.display()
+        );
+    }
     let mut files: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
     files.sort();
     for path in files {
