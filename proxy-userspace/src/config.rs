@@ -335,16 +335,46 @@ fn duration(field: &str, v: &Option<String>) -> Result<Option<Duration>> {
     Ok((!d.is_zero()).then_some(d))
 }
 
-/// A non-negative integer field of at least `least` (kube-proxy's `*int32`); null or absent
-/// is `None`.
-fn count(field: &str, v: Option<&Value>, least: u64) -> Result<Option<u32>> {
+/// An integer field in `least..=most` (kube-proxy's `*int32`); null or absent is `None`.
+fn count(field: &str, v: Option<&Value>, least: u32, most: u32) -> Result<Option<u32>> {
     match v {
         None | Some(Value::Null) => Ok(None),
         Some(v) => match v.as_u64() {
-            Some(n) if n >= least && n <= u32::MAX as u64 => Ok(Some(n as u32)),
-            _ => bail!("{field}: {v:?} is not an integer in {least}..={}", u32::MAX),
+            Some(n) if n >= least as u64 && n <= most as u64 => Ok(Some(n as u32)),
+            _ => bail!("{field}: {} is not an integer in {least}..={most}", show(v)),
         },
     }
+}
+
+/// A duration field given as a YAML value (Go notation in a string); null, absent, empty or
+/// zero is `None`. Anything else that is not a duration of at least 1 ms is an error naming
+/// the field.
+fn duration_value(field: &str, v: Option<&Value>) -> Result<Option<Duration>> {
+    let text = match v {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(other) => bail!(
+            "{field}: {} is not a duration; write a string such as \"24h\" or \"1m30s\"",
+            show(other)
+        ),
+    };
+    let d = duration(field, &text)?;
+    if let Some(d) = d
+        && d < Duration::from_millis(1)
+    {
+        bail!(
+            "{field}: {} is too short (at least 1ms)",
+            humantime::format_duration(d)
+        );
+    }
+    Ok(d)
+}
+
+/// A YAML value as written (for messages), not its Rust debug form.
+fn show(v: &Value) -> String {
+    serde_yaml_ng::to_string(v)
+        .map(|s| s.trim_end().to_string())
+        .unwrap_or_else(|_| format!("{v:?}"))
 }
 
 /// An `ip:port` field.
@@ -478,15 +508,26 @@ pub fn validate(file: &KubeProxyConfiguration) -> Result<Loaded> {
 
     if let Some(c) = &file.conntrack {
         s.udp_flow_timeout = duration("conntrack.udpTimeout", &c.udp_timeout)?;
-        s.conntrack_max_per_core = count("conntrack.maxPerCore", c.other.get("maxPerCore"), 0)?;
-        s.conntrack_min = count("conntrack.min", c.other.get("min"), 1)?;
-        let text_of = |name: &str| c.other.get(name).and_then(|v| v.as_str()).map(String::from);
-        s.conntrack_tcp_timeout_established = duration(
-            "conntrack.tcpEstablishedTimeout",
-            &text_of("tcpEstablishedTimeout"),
+        use crate::datapath::tc::{MAX_CONNTRACK_FLOWS, MIN_CONNTRACK_FLOWS};
+        s.conntrack_max_per_core = count(
+            "conntrack.maxPerCore",
+            c.other.get("maxPerCore"),
+            0,
+            MAX_CONNTRACK_FLOWS,
         )?;
-        s.conntrack_udp_timeout_stream =
-            duration("conntrack.udpStreamTimeout", &text_of("udpStreamTimeout"))?;
+        // 0 is kube-proxy's "leave it as is": the default here.
+        s.conntrack_min = match c.other.get("min") {
+            Some(v) if v.as_u64() == Some(0) => None,
+            v => count("conntrack.min", v, MIN_CONNTRACK_FLOWS, MAX_CONNTRACK_FLOWS)?,
+        };
+        s.conntrack_tcp_timeout_established = duration_value(
+            "conntrack.tcpEstablishedTimeout",
+            c.other.get("tcpEstablishedTimeout"),
+        )?;
+        s.conntrack_udp_timeout_stream = duration_value(
+            "conntrack.udpStreamTimeout",
+            c.other.get("udpStreamTimeout"),
+        )?;
         let mut other = section_rest(c, &["udpTimeout"]);
         for read in [
             "maxPerCore",
@@ -838,13 +879,38 @@ winkernel:
             l.settings.conntrack_udp_timeout_stream,
             Some(Duration::from_secs(150))
         );
+        // kube-proxy's 0 = leave as is: the default here.
+        let l = parse(
+            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n\
+             conntrack:\n  maxPerCore: 0\n  min: 0\n",
+        )
+        .unwrap();
+        assert_eq!(l.settings.conntrack_min, None);
         for (bad, field) in [
-            ("min: 0", "conntrack.min"),
-            ("maxPerCore: -1", "conntrack.maxPerCore"),
-            ("min: many", "conntrack.min"),
+            (
+                "min: 10",
+                "conntrack.min: 10 is not an integer in 1024..=16777216",
+            ),
+            (
+                "maxPerCore: -1",
+                "conntrack.maxPerCore: -1 is not an integer",
+            ),
+            ("min: many", "conntrack.min: many is not an integer"),
             (
                 "tcpEstablishedTimeout: soon",
                 "conntrack.tcpEstablishedTimeout",
+            ),
+            (
+                "udpStreamTimeout: 10",
+                "conntrack.udpStreamTimeout: 10 is not a duration",
+            ),
+            (
+                "tcpEstablishedTimeout: [1, 2]",
+                "conntrack.tcpEstablishedTimeout: - 1",
+            ),
+            (
+                "tcpEstablishedTimeout: 500us",
+                "conntrack.tcpEstablishedTimeout: 500us is too short",
             ),
         ] {
             let e = parse(&format!(

@@ -690,6 +690,15 @@ fn run(args: RunArgs) -> Result<()> {
             if cap.frontends != args.max_frontends || cap.slots != args.max_backend_slots || cap.backends != args.max_backends {
                 warn!(?cap, "adopted pinned maps keep the sizes they were created with; run `ebpf-proxy cleanup` to resize");
             }
+            if let Ok(ct) = aya::maps::MapInfo::from_pin(dir.join(proxy_common::nat::CONNTRACK))
+                && ct.max_entries() != sizes.conntrack_entries()
+            {
+                warn!(
+                    pinned_entries = ct.max_entries(),
+                    wanted_entries = sizes.conntrack_entries(),
+                    "the adopted north-south conntrack keeps the size it was created with; run `ebpf-proxy cleanup` to resize"
+                );
+            }
             let cluster_cidrs = args.cluster_cidr.as_ref().map(|c| c.0.clone()).unwrap_or_default();
             let tc = proxy_userspace::datapath::tc::TcPath::new(&dir, args.tc.clone(), &cluster_cidrs, args.udp_flow_timeout)?;
             let mut syncer = Syncer::adopt(&maps).context("read the pinned maps")?;
@@ -1110,8 +1119,12 @@ logging: {format: json}
         );
         let (a, _) = run_args(&["--sync-period", "30s", "--min-sync-period", "30s"]);
         check_periods(&a).unwrap();
-        let huge =
-            Cli::command().try_get_matches_from(["ebpf-proxy", "run", "--sync-period", "9999999999999s"]);
+        let huge = Cli::command().try_get_matches_from([
+            "ebpf-proxy",
+            "run",
+            "--sync-period",
+            "9999999999999s",
+        ]);
         assert!(huge.is_err(), "a sync period beyond a year is refused");
     }
 

@@ -238,8 +238,13 @@ pub fn replace_incompatible_pins(dir: &Path) -> Result<Vec<(&'static str, String
 
 /// The error of the object load (maps created, adopted and pinned), naming the step.
 fn load_error(e: EbpfError, pinned: bool) -> anyhow::Error {
+    let text = format!("{e:#}");
     let remedy = if denied(&e) {
         REMEDY_PRIVILEGES
+    } else if text.contains(proxy_common::nat::CONNTRACK)
+        || text.contains(proxy_common::nat::LC_FLOWS)
+    {
+        "the north-south conntrack is too large for this kernel or its memory: lower --conntrack-min / --conntrack-max-per-core"
     } else if pinned {
         "if the map layout changed since the maps were pinned, run `ebpf-proxy cleanup` first"
     } else {

@@ -65,13 +65,16 @@ pub struct TcArgs {
     #[arg(long)]
     pub masquerade_all: bool,
     /// Flows tracked per CPU by the north-south conntrack table (kube-proxy's
-    /// --conntrack-max-per-core); the table holds max(this x CPUs, --conntrack-min) flows,
-    /// 0 = --conntrack-min alone. Fixed when the pinned table is created.
-    #[arg(long, default_value_t = DEFAULT_CONNTRACK_MAX_PER_CORE)]
+    /// --conntrack-max-per-core); the table holds max(this x CPUs, --conntrack-min) flows.
+    /// The table is preallocated (about 320 bytes per flow), unlike the kernel's conntrack
+    /// limit kube-proxy sets, so the default is 0: --conntrack-min alone, whatever the core
+    /// count. Fixed when the pinned table is created.
+    #[arg(long, default_value_t = DEFAULT_CONNTRACK_MAX_PER_CORE, value_parser = clap::value_parser!(u32).range(..=MAX_CONNTRACK_FLOWS as i64))]
     pub conntrack_max_per_core: u32,
     /// Least number of flows of the north-south conntrack table (kube-proxy's
-    /// --conntrack-min).
-    #[arg(long, default_value_t = DEFAULT_CONNTRACK_MIN, value_parser = clap::value_parser!(u32).range(1..))]
+    /// --conntrack-min), from 1024 (smaller LRU tables lose live flows to the kernel's batch
+    /// eviction) to 16777216.
+    #[arg(long, default_value_t = DEFAULT_CONNTRACK_MIN, value_parser = clap::value_parser!(u32).range(MIN_CONNTRACK_FLOWS as i64..=MAX_CONNTRACK_FLOWS as i64))]
     pub conntrack_min: u32,
     /// Idle timeout of an established TCP flow in the north-south conntrack (kube-proxy's
     /// --conntrack-tcp-timeout-established), e.g. 24h.
@@ -84,10 +87,16 @@ pub struct TcArgs {
     pub conntrack_udp_timeout_stream: std::time::Duration,
 }
 
-/// Default of `--conntrack-max-per-core` (kube-proxy's).
-pub const DEFAULT_CONNTRACK_MAX_PER_CORE: u32 = 32768;
-/// Default of `--conntrack-min` (kube-proxy's).
+/// Default of `--conntrack-max-per-core`: 0, not kube-proxy's 32768, because the table is
+/// preallocated (a 64-core node would get 2M flows, about 670 MiB).
+pub const DEFAULT_CONNTRACK_MAX_PER_CORE: u32 = 0;
+/// Default of `--conntrack-min` (kube-proxy's): 131072 flows, about 42 MiB.
 pub const DEFAULT_CONNTRACK_MIN: u32 = 131072;
+/// Smallest conntrack table in flows: the kernel's LRU maps evict in per-CPU batches, and
+/// much smaller tables lose flows that are in use.
+pub const MIN_CONNTRACK_FLOWS: u32 = 1024;
+/// Largest conntrack table in flows (about 5 GiB preallocated).
+pub const MAX_CONNTRACK_FLOWS: u32 = 16 * 1024 * 1024;
 
 /// A duration flag that must be at least 1 ms (humantime syntax: 30s, 2m, 24h).
 fn positive_duration(s: &str) -> std::result::Result<std::time::Duration, String> {
@@ -100,14 +109,14 @@ fn positive_duration(s: &str) -> std::result::Result<std::time::Duration, String
 
 impl TcArgs {
     /// Flows of the conntrack table: max(per-core x CPUs, min), kube-proxy's rule for
-    /// `nf_conntrack_max` (pkg/proxy/conntrack: `getConntrackMax`), capped so the table
-    /// (two entries per flow) stays within `u32`.
+    /// `nf_conntrack_max` (pkg/proxy/conntrack: `getConntrackMax`), within
+    /// [`MIN_CONNTRACK_FLOWS`]..=[`MAX_CONNTRACK_FLOWS`].
     pub fn conntrack_flows(&self) -> u32 {
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
         let per_core = self.conntrack_max_per_core as u64 * cpus;
         per_core
             .max(self.conntrack_min as u64)
-            .min(u32::MAX as u64 / 2) as u32
+            .clamp(MIN_CONNTRACK_FLOWS as u64, MAX_CONNTRACK_FLOWS as u64) as u32
     }
 }
 
