@@ -437,7 +437,15 @@ pub fn build_cached(
     let mut state = DesiredState::default();
     // Owner of every frontend, to refuse a second Service on the same (VIP, port, protocol).
     let mut owners: BTreeMap<(SocketAddr, Protocol), (&str, &str)> = BTreeMap::new();
-    for ((ns, name), svc) in &objects.services {
+    // A contested address (two Services claiming one external IP, LB IP or node port) goes
+    // to the oldest Service by creationTimestamp, so a newcomer cannot take over an address
+    // in use (CVE-2020-8554's shape); without timestamps (manifests), namespace/name order.
+    let mut order: Vec<_> = objects.services.iter().collect();
+    order.sort_by(|(ka, a), (kb, b)| {
+        let created = |s: &Sourced<Service>| s.object.metadata.creation_timestamp.clone();
+        (created(a).is_none(), created(a), *ka).cmp(&(created(b).is_none(), created(b), *kb))
+    });
+    for ((ns, name), svc) in order {
         let mk_err = |reason: String| {
             ModelError::object(
                 svc.origin.clone(),
@@ -2173,6 +2181,26 @@ mod tests {
             e1,
             vec![
                 "test.yaml: Service b/web: frontend 10.96.0.3:80/TCP is already used by Service a/web; Service skipped"
+            ]
+        );
+    }
+
+    #[test]
+    fn the_oldest_service_keeps_a_contested_external_ip() {
+        let with_time = |name: &str, t: &str| {
+            format!(
+                "---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: default, creationTimestamp: '{t}'}}\nspec:\n  clusterIP: 10.96.0.{}\n  externalIPs: [192.0.2.7]\n  ports: [{{port: 80}}]\n",
+                if name == "web" { 3 } else { 4 }
+            )
+        };
+        // "dup" sorts before "web" but was created later: "web" keeps the address.
+        let yaml =
+            with_time("web", "2026-01-01T00:00:00Z") + &with_time("dup", "2026-06-01T00:00:00Z");
+        let (_, e) = build_yaml(&yaml);
+        assert_eq!(
+            e,
+            vec![
+                "test.yaml: Service default/dup: externalIP 192.0.2.7: frontend 192.0.2.7:80/TCP is already used by Service default/web; address skipped"
             ]
         );
     }
