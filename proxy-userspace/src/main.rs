@@ -641,6 +641,7 @@ fn run(args: RunArgs) -> Result<()> {
     if let Some(k) = &args.kubeconfig {
         std::fs::metadata(k).with_context(|| format!("--kubeconfig {}", k.display()))?;
     }
+    proxy_userspace::datapath::tc::check_interfaces(&args.tc.interfaces)?;
     preflight(&args)?;
     let cgroup = match &args.cgroup_path {
         Some(p) => p.clone(),

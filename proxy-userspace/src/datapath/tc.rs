@@ -212,6 +212,32 @@ pub fn interface_addresses() -> Result<BTreeMap<String, Vec<IpAddr>>> {
     Ok(out)
 }
 
+/// Checks `--interfaces` before anything is attached: every name must be an interface of
+/// this network namespace (a typo would otherwise leave NodePorts unserved while the agent
+/// reports healthy).
+///
+/// Errors: an empty name, or a name without an interface, with the interfaces there are.
+pub fn check_interfaces(names: &[String]) -> Result<()> {
+    for n in names {
+        if n.is_empty() {
+            bail!("--interfaces: an empty interface name");
+        }
+        if if_index(n).is_none() {
+            let known: Vec<String> = std::fs::read_dir("/sys/class/net")
+                .map(|d| {
+                    d.filter_map(|e| e.ok()?.file_name().into_string().ok())
+                        .collect()
+                })
+                .unwrap_or_default();
+            bail!(
+                "--interfaces: no interface {n:?} in this network namespace (there are: {})",
+                known.join(", ")
+            );
+        }
+    }
+    Ok(())
+}
+
 fn if_index(name: &str) -> Option<u32> {
     let c = std::ffi::CString::new(name).ok()?;
     // SAFETY: if_nametoindex(3) on a NUL-terminated string.
