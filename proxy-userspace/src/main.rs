@@ -771,6 +771,8 @@ fn run(args: RunArgs) -> Result<()> {
                 _ = tokio::signal::ctrl_c() => break,
             };
             let Some(mut snap) = snap else {
+                // Health-check ports whose bind failed are retried at every resync.
+                tc.retry_health();
                 // Full resync: compare with what the kernel holds, not with our copy.
                 if let Some(d) = &desired {
                     let adopted = Syncer::adopt(&maps).map(|mut s| {

@@ -1671,3 +1671,83 @@ fn ipv6_only_local_endpoints_get_the_pod_facing_interface_with_masquerade_all() 
         assert_eq!((name.as_str(), ip_of(&peer).as_str()), ("b0", NODE_B6));
     }
 }
+
+/// `healthCheckNodePort` answers on the node's IPv6 address too (the server listens on
+/// `[::]` dual-stack), and a port busy at start-up is served once freed, by the periodic
+/// resync alone (no object changes meanwhile).
+#[test]
+fn health_check_node_port_answers_on_ipv6_and_is_retried_after_a_busy_port() {
+    let mut lab = Lab::new("h6");
+    lab.add_ipv6();
+    web_dual(
+        &lab,
+        "  externalTrafficPolicy: Local\n  healthCheckNodePort: 31000\n",
+        &[(POD_B0, "node-b")],
+        &[(POD_B06, "node-b")],
+    );
+    // Something else holds 31000 on node-b when its agent starts.
+    let blocker = in_netns(&lab.nodes[1].path(), || {
+        std::net::TcpListener::bind("0.0.0.0:31000")
+    })
+    .unwrap()
+    .unwrap();
+    lab.start_agent(0, &[]);
+    lab.start_agent(1, &["--sync-period", "1s"]);
+    let busy = "Service default/web: healthCheckNodePort 31000: cannot listen";
+    let start = Instant::now();
+    while !lab.agents[1].log().contains(busy) {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "busy port not reported; log:\n{}",
+            lab.agents[1].log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Status code and body of one health check from the client (curl bounded by -m).
+    let check = |url: &str| -> (String, serde_json::Value) {
+        let out = lab
+            .client
+            .exec(
+                "curl",
+                &["-s", "-g", "-m", "3", "-w", "\n%{http_code}", url],
+            )
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let (body, code) = text.rsplit_once('\n').unwrap_or(("", &text));
+        (
+            code.to_string(),
+            serde_json::from_str(body).unwrap_or(serde_json::Value::Null),
+        )
+    };
+    // node-a (no local endpoint): 503 with 0 over IPv6 and IPv4.
+    for url in [
+        format!("http://[{NODE_A6}]:31000/"),
+        format!("http://{NODE_A}:31000/healthz"),
+    ] {
+        let (code, v) = check(&url);
+        assert_eq!(code, "503", "{url}: {v}");
+        assert_eq!(v["service"]["name"], "web", "{url}");
+        assert_eq!(v["localEndpoints"], 0, "{url}");
+    }
+    // node-b: the port is freed; the next resyncs (every 1 s) bind it.
+    drop(blocker);
+    let start = Instant::now();
+    loop {
+        let (code, v) = check(&format!("http://[{NODE_B6}]:31000/"));
+        if code == "200" {
+            assert_eq!(v["localEndpoints"], 2, "{v}");
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(15),
+            "node-b's health check not served after the port was freed ({code}); log:\n{}",
+            lab.agents[1].log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (code, v) = check(&format!("http://{NODE_B}:31000/"));
+    assert_eq!(code, "200", "{v}");
+    let log = lab.agents[1].log();
+    assert_eq!(log.matches(busy).count(), 1, "reported once:\n{log}");
+    assert!(log.contains("health-check server listening"), "{log}");
+}

@@ -516,13 +516,26 @@ impl TcPath {
         if let Err(e) = self.sync_ranges(ranges) {
             errors.push(format!("tc: {e:#}"));
         }
-        self.health
-            .sync(crate::healthcheck::wanted(objects, state), &mut errors);
+        let want = crate::healthcheck::wanted_checked(objects, state, &mut errors);
+        self.health.sync(want, &mut errors);
         let now: BTreeSet<String> = errors.into_iter().collect();
         for e in now.difference(&self.logged) {
             error!("{e}");
         }
         self.logged = now;
+    }
+
+    /// Retries the health-check ports of the last sync that could not be bound (called at
+    /// the periodic resync, so a freed port is served without waiting for an object change).
+    /// New errors are logged; the next sync logs the full set again as usual.
+    pub fn retry_health(&mut self) {
+        let mut errors = Vec::new();
+        self.health.retry(&mut errors);
+        for e in errors {
+            if self.logged.insert(e.clone()) {
+                error!("{e}");
+            }
+        }
     }
 
     fn selected(

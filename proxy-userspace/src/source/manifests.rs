@@ -25,8 +25,14 @@
 //! - An object that does not deserialize into its k8s-openapi type (e.g. `port: abc`) is
 //!   skipped with an error naming its kind, namespace and name (when they can be read) and
 //!   the serde error; the rest of the file is still read.
-//! - A syntax error skips the rest of the file with one error; the documents before it are
-//!   kept. An unreadable or non-UTF-8 file is skipped with one error.
+//! - A YAML syntax error skips only its document, with one error naming the file and the
+//!   document number: the file is then cut before every line starting with the document
+//!   marker `---` (at column 0, which YAML forbids inside content) and each piece is parsed
+//!   alone, so the documents before and after the broken one are kept. The broken
+//!   document's objects are gone until it is fixed, as if it were deleted: what it held
+//!   cannot be told for sure (its name may be the typo), so no earlier version is kept in
+//!   its place. A syntax error in a JSON stream (which has no separators) skips the rest of
+//!   the file. An unreadable or non-UTF-8 file is skipped with one error.
 //! - The same kind/namespace/name twice (in two files, or twice in one file): the later one
 //!   (in file order, then document order) wins, with an error naming both origins.
 
@@ -72,65 +78,158 @@ pub fn parse_documents(origin: &str, text: &str) -> (Vec<Object>, Vec<SourceErro
             }
         }
     } else {
-        for (i, doc) in serde_yaml_ng::Deserializer::from_str(text).enumerate() {
-            // Through a YAML value first: a document that is valid YAML but not valid JSON
-            // (a number out of range, a non-string key) is skipped alone, not the rest of
-            // the file.
-            match serde_yaml_ng::Value::deserialize(doc) {
-                Ok(yaml) => match serde_json::to_value(&yaml) {
-                    Ok(value) => dispatch(origin, value, None, &mut objects, &mut errors),
-                    Err(e) => {
-                        let get = |f: &str| {
-                            yaml.get(f)
-                                .and_then(|v| v.as_str())
-                                .unwrap_or("")
-                                .to_string()
-                        };
-                        let meta = |f: &str| {
-                            yaml.get("metadata")
-                                .and_then(|m| m.get(f))
-                                .and_then(|v| v.as_str())
-                                .unwrap_or("")
-                                .to_string()
-                        };
-                        let ns = if meta("namespace").is_empty() {
-                            "default".to_string()
-                        } else {
-                            meta("namespace")
-                        };
-                        errors.push(SourceError::object(
-                            origin,
-                            get("kind"),
-                            ns,
-                            meta("name"),
-                            format!("document {} cannot be read: {e}; object skipped", i + 1),
-                        ));
-                    }
-                },
-                Err(e) => {
-                    let msg = e.to_string();
-                    // A value YAML cannot represent (an integer beyond 64 bits) spoils only
-                    // its document; a syntax error ends the stream.
-                    if msg.contains("invalid type") || msg.contains("invalid value") {
-                        errors.push(SourceError::file(
-                            origin,
-                            format!("document {} cannot be read: {msg}; document skipped", i + 1),
-                        ));
-                        continue;
-                    }
-                    errors.push(SourceError::file(
-                        origin,
-                        format!(
-                            "invalid YAML in document {}: {msg}; rest of the file skipped",
-                            i + 1
-                        ),
-                    ));
-                    break;
-                }
-            }
-        }
+        parse_yaml(origin, text, &mut objects, &mut errors);
     }
     (objects, errors)
+}
+
+/// Parses multi-document YAML. The whole text is read as one stream first; serde_yaml's
+/// stream ends at a syntax error, so when it hits one, the text is parsed again piece by
+/// piece, cut before every line that starts a document (`---` at column 0, see
+/// [`document_pieces`]): a broken document then loses only itself.
+fn parse_yaml(origin: &str, text: &str, objects: &mut Vec<Object>, errors: &mut Vec<SourceError>) {
+    let mut whole = (Vec::new(), Vec::new());
+    if parse_yaml_stream(origin, text, 0, 1, &mut whole.0, &mut whole.1).is_ok() {
+        objects.append(&mut whole.0);
+        errors.append(&mut whole.1);
+        return;
+    }
+    let mut documents = 0;
+    for (line, piece) in document_pieces(text) {
+        // Comments before the first `---` are no document (the parser would see an empty one).
+        let prelude = !piece.starts_with("---")
+            && piece.lines().all(|l| {
+                let l = l.trim();
+                l.is_empty() || l.starts_with('#') || l.starts_with('%')
+            });
+        if prelude {
+            continue;
+        }
+        match parse_yaml_stream(origin, piece, documents, line, objects, errors) {
+            Ok(n) => documents += n,
+            Err(n) => documents += n + 1,
+        }
+    }
+}
+
+/// Cuts YAML text before every line that starts with the document marker `---` followed by
+/// the end of the line, a space or a tab. YAML forbids such a line inside any content (block
+/// scalars are indented, quoted scalars may not hold it at column 0), so each piece holds at
+/// most one document; the first may hold none (only comments or directives). Returns the
+/// 1-based line number where each piece starts, and the piece.
+fn document_pieces(text: &str) -> Vec<(usize, &str)> {
+    let mut out = Vec::new();
+    let (mut start, mut start_line, mut pos) = (0, 1, 0);
+    for (i, line) in text.split_inclusive('\n').enumerate() {
+        let rest = line.strip_prefix("---");
+        let marker = rest.is_some_and(|r| {
+            r.is_empty() || r.starts_with([' ', '\t', '\n']) || r == "\r\n" || r == "\r"
+        });
+        if marker && pos > start {
+            out.push((start_line, &text[start..pos]));
+            start = pos;
+            start_line = i + 1;
+        }
+        pos += line.len();
+    }
+    if pos > start || out.is_empty() {
+        out.push((start_line, &text[start..]));
+    }
+    out
+}
+
+/// Reads the documents of `text`, numbering them from `before + 1` in errors (`first_line`
+/// is where `text` starts in the file, named in syntax errors of a piece). Returns the number
+/// of documents read, or at a syntax error the number read before it (the error is pushed).
+fn parse_yaml_stream(
+    origin: &str,
+    text: &str,
+    before: usize,
+    first_line: usize,
+    objects: &mut Vec<Object>,
+    errors: &mut Vec<SourceError>,
+) -> Result<usize, usize> {
+    let mut read = 0;
+    for doc in serde_yaml_ng::Deserializer::from_str(text) {
+        let number = before + read + 1;
+        // Through a YAML value first: a document that is valid YAML but not valid JSON
+        // (a number out of range, a non-string key) is skipped alone.
+        match serde_yaml_ng::Value::deserialize(doc) {
+            Ok(yaml) => match serde_json::to_value(&yaml) {
+                Ok(value) => dispatch(origin, value, None, objects, errors),
+                Err(e) => {
+                    let get = |f: &str| {
+                        yaml.get(f)
+                            .and_then(|v| v.as_str())
+                            .unwrap_or("")
+                            .to_string()
+                    };
+                    let meta = |f: &str| {
+                        yaml.get("metadata")
+                            .and_then(|m| m.get(f))
+                            .and_then(|v| v.as_str())
+                            .unwrap_or("")
+                            .to_string()
+                    };
+                    let ns = if meta("namespace").is_empty() {
+                        "default".to_string()
+                    } else {
+                        meta("namespace")
+                    };
+                    errors.push(SourceError::object(
+                        origin,
+                        get("kind"),
+                        ns,
+                        meta("name"),
+                        format!("document {number} cannot be read: {e}; object skipped"),
+                    ));
+                }
+            },
+            Err(e) => {
+                let msg = e.to_string();
+                // A value YAML cannot represent (an integer beyond 64 bits) spoils only
+                // its document; a syntax error ends the stream.
+                if msg.contains("invalid type") || msg.contains("invalid value") {
+                    errors.push(SourceError::file(
+                        origin,
+                        format!("document {number} cannot be read: {msg}; document skipped"),
+                    ));
+                    read += 1;
+                    continue;
+                }
+                let msg = shift_lines(&msg, first_line - 1);
+                errors.push(SourceError::file(
+                    origin,
+                    format!("invalid YAML in document {number}: {msg}; document skipped"),
+                ));
+                return Err(read);
+            }
+        }
+        read += 1;
+    }
+    Ok(read)
+}
+
+/// Adds `offset` to every "line N" of a YAML error message, so that positions in a piece
+/// of a file name lines of the file.
+fn shift_lines(msg: &str, offset: usize) -> String {
+    if offset == 0 {
+        return msg.to_string();
+    }
+    let mut out = String::with_capacity(msg.len() + 8);
+    let mut rest = msg;
+    while let Some(i) = rest.find("line ") {
+        out.push_str(&rest[..i + 5]);
+        rest = &rest[i + 5..];
+        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+        match rest[..digits].parse::<usize>() {
+            Ok(n) => out.push_str(&(n + offset).to_string()),
+            Err(_) => out.push_str(&rest[..digits]),
+        }
+        rest = &rest[digits..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// A string field of a JSON object, when present and a string.
@@ -827,13 +926,32 @@ items: []
         );
     }
 
+    fn svc(name: &str) -> String {
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: shop}}\nspec: {{clusterIP: 10.96.0.1, ports: [{{port: 80}}]}}\n"
+        )
+    }
+
+    fn slice(name: &str, service: &str) -> String {
+        format!(
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}, namespace: shop, labels: {{kubernetes.io/service-name: {service}}}}}\naddressType: IPv4\nendpoints: [{{addresses: [10.0.0.1]}}]\nports: [{{port: 8080}}]\n"
+        )
+    }
+
+    fn names(objects: &[Object]) -> Vec<String> {
+        objects.iter().map(|o| o.key().1).collect()
+    }
+
     #[test]
     fn yaml_syntax_error_mid_stream_keeps_earlier_documents() {
         let text = format!("{SVC}---\nkind: [unclosed\n---\n{SLICE}");
         let (objects, errors) = parse_documents("m.yaml", &text);
         assert_eq!(
             keys(&objects),
-            vec![("Service", "shop".into(), "web".into())]
+            vec![
+                ("Service", "shop".into(), "web".into()),
+                ("EndpointSlice", "shop".into(), "web-abc".into())
+            ]
         );
         assert_eq!(errors.len(), 1, "{errors:?}");
         let line = errors[0].to_string();
@@ -841,8 +959,115 @@ items: []
             line.starts_with("m.yaml: invalid YAML in document 2: "),
             "{line}"
         );
-        assert!(line.ends_with("rest of the file skipped"), "{line}");
+        assert!(line.ends_with("document skipped"), "{line}");
         assert_eq!(errors[0].kind, "");
+    }
+
+    /// The review's case: Service `two` broken by a deleted `}` must not take Service
+    /// `one`'s slice (a later document) with it.
+    #[test]
+    fn yaml_broken_middle_document_keeps_the_others() {
+        let two = svc("two").replacen("80}]}", "80}]", 1);
+        let text = format!(
+            "{}---\n{two}---\n{}---\n{}",
+            svc("one"),
+            slice("one-1", "one"),
+            slice("two-1", "two")
+        );
+        let (objects, errors) = parse_documents("m.yaml", &text);
+        assert_eq!(names(&objects), ["one", "one-1", "two-1"], "{errors:?}");
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        let line = errors[0].to_string();
+        assert!(
+            line.starts_with("m.yaml: invalid YAML in document 2: "),
+            "{line}"
+        );
+        // Positions are lines of the file, not of the piece: the broken `spec` is line 9.
+        assert!(line.contains("at line 9 column"), "{line}");
+    }
+
+    #[test]
+    fn yaml_broken_first_or_last_document_keeps_the_others() {
+        let bad = "apiVersion: v1\nkind: Service\nmetadata: {name: bad\n";
+        let first = format!("{bad}---\n{}---\n{}", svc("one"), slice("one-1", "one"));
+        let (objects, errors) = parse_documents("f.yaml", &first);
+        assert_eq!(names(&objects), ["one", "one-1"], "{errors:?}");
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(
+            errors[0]
+                .to_string()
+                .starts_with("f.yaml: invalid YAML in document 1: "),
+            "{}",
+            errors[0]
+        );
+
+        // A leading `---` and a comment-only prelude do not count as documents.
+        let last = format!(
+            "# shop\n---\n{}---\n{}--- # the broken one\n{bad}",
+            svc("one"),
+            slice("one-1", "one")
+        );
+        let (objects, errors) = parse_documents("l.yaml", &last);
+        assert_eq!(names(&objects), ["one", "one-1"], "{errors:?}");
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(
+            errors[0]
+                .to_string()
+                .starts_with("l.yaml: invalid YAML in document 3: "),
+            "{}",
+            errors[0]
+        );
+    }
+
+    #[test]
+    fn yaml_several_broken_documents_each_reported() {
+        let text = format!(
+            "a: [\n---\n{}---\nb: {{\n---\n{}",
+            svc("one"),
+            slice("one-1", "one")
+        );
+        let (objects, errors) = parse_documents("s.yaml", &text);
+        assert_eq!(names(&objects), ["one", "one-1"], "{errors:?}");
+        let lines = lines(&errors);
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert!(lines[0].starts_with("s.yaml: invalid YAML in document 1: "));
+        assert!(lines[1].starts_with("s.yaml: invalid YAML in document 3: "));
+    }
+
+    #[test]
+    fn yaml_entirely_garbage_file() {
+        for text in ["{{{ ]]] :::\n\t- ][\n", "a: [\nb: }\n---\n: : {\n"] {
+            let (objects, errors) = parse_documents("g.yaml", text);
+            assert!(objects.is_empty(), "{text:?}");
+            assert!(!errors.is_empty(), "{text:?}");
+            for e in &errors {
+                let line = e.to_string();
+                assert!(
+                    line.starts_with("g.yaml: invalid YAML in document "),
+                    "{line}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn document_pieces_cut_at_markers_only() {
+        let text = "a: 1\n---\nb: |\n  ---\n---x: 2\n--- # c\nd: 3\n---";
+        let pieces = document_pieces(text);
+        assert_eq!(
+            pieces,
+            vec![
+                (1, "a: 1\n"),
+                (2, "---\nb: |\n  ---\n---x: 2\n"),
+                (6, "--- # c\nd: 3\n"),
+                (8, "---"),
+            ]
+        );
+        assert_eq!(document_pieces(""), vec![(1, "")]);
+        assert_eq!(
+            shift_lines("x at line 3 column 1, while parsing at line 1", 4),
+            "x at line 7 column 1, while parsing at line 5"
+        );
     }
 
     #[test]
