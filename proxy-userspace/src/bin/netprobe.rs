@@ -731,7 +731,7 @@ mod demo {
         let f = fs::File::create(&log)?;
         cmd.stdout(f.try_clone()?).stderr(f);
         println!(
-            "{} run --manifests {} --cgroup-path {} --pin-dir {PIN_DIR} --healthz-bind-address 127.0.0.1:{port}",
+            "{} run --manifests {} --cgroup-path {} --pin-dir {PIN_DIR} --healthz-bind-address 127.0.0.1:{port} --metrics-bind-address 127.0.0.1:0",
             agent_bin.display(),
             mdir.display(),
             cg.path().display()
