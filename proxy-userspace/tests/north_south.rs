@@ -341,12 +341,13 @@ fn udp_whoami_no_csum(client: &Path, to: &str) -> Result<String, i32> {
     .unwrap()
 }
 
-/// One UDP exchange on a connected socket from the client namespace: the backend's name and
-/// the client address it saw, or the errno (111 for a translated ICMP port unreachable).
+/// One UDP exchange on a connected socket from the client namespace (either family: the
+/// socket is bound to the wildcard of `to`'s): the backend's name and the client address it
+/// saw, or the errno (111 for a translated ICMP port unreachable).
 fn udp_whoami(client: &Path, to: &str, timeout: Duration) -> Result<(String, String), i32> {
     let to: SocketAddr = to.parse().unwrap();
     in_netns(client, move || {
-        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        let s = UdpSocket::bind(if to.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" }).unwrap();
         s.connect(to).unwrap();
         s.set_read_timeout(Some(timeout)).unwrap();
         s.send(b"whoami")
@@ -363,6 +364,55 @@ fn udp_whoami(client: &Path, to: &str, timeout: Duration) -> Result<(String, Str
         ))
     })
     .unwrap()
+}
+
+/// TCP and UDP from the client to each frontend of `fes` (TCP port 30080 or 80, UDP 30053
+/// or 53 of the same address) reach both backends a0 (on node-a) and b0 (on node-b); a
+/// backend on the node that took the flow sees `client`, one on the other node sees that
+/// node's address (SNAT, so its replies come back through it). `nodes`: node-a's and
+/// node-b's addresses of the family. A connected socket only accepts replies from the
+/// address it connected to: each success also shows the client saw the frontend as source.
+fn both_backends_with_snat_to_remote_ones(
+    c: &Path,
+    fes: &[String],
+    nodes: [&str; 2],
+    client: &str,
+) {
+    let want = |fe: &str, name: &str| {
+        let entry = if fe.contains(nodes[1]) {
+            nodes[1]
+        } else {
+            nodes[0]
+        };
+        let backend_node = if name == "a0" { nodes[0] } else { nodes[1] };
+        if entry == backend_node {
+            client.to_string()
+        } else {
+            entry.to_string()
+        }
+    };
+    for fe in fes {
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..24 {
+            let (name, peer) = tcp_whoami(c, fe, T).unwrap_or_else(|e| panic!("TCP to {fe}: {e}"));
+            assert_eq!(
+                ip_of(&peer),
+                want(fe, &name),
+                "{fe} -> {name}: source seen by the backend"
+            );
+            seen.insert(name);
+        }
+        assert_eq!(seen.len(), 2, "{fe}: both backends used: {seen:?}");
+        let ufe = fe.replace(":30080", ":30053").replace(":80", ":53");
+        let mut useen = std::collections::BTreeSet::new();
+        for _ in 0..12 {
+            let (name, peer) =
+                udp_whoami(c, &ufe, T).unwrap_or_else(|e| panic!("UDP to {ufe}: errno {e}"));
+            assert_eq!(ip_of(&peer), want(&ufe, &name), "{ufe} -> {name} (UDP)");
+            useen.insert(name);
+        }
+        assert_eq!(useen.len(), 2, "{ufe}: {useen:?}");
+    }
 }
 
 const T: Duration = Duration::from_secs(2);
@@ -398,40 +448,13 @@ fn nodeport_external_and_lb_ips_with_snat_to_remote_backends() {
     lab.start_agent(0, &[]);
     lab.start_agent(1, &[]);
     let c = lab.client_path();
-    for fe in [
+    let fes = [
         format!("{NODE_A}:30080"),
         format!("{NODE_B}:30080"),
         format!("{EXTERNAL_IP}:80"),
         format!("{LB_IP}:80"),
-    ] {
-        let mut seen = std::collections::BTreeMap::new();
-        for _ in 0..24 {
-            let (name, peer) =
-                tcp_whoami(&c, &fe, T).unwrap_or_else(|e| panic!("TCP to {fe}: {e}"));
-            // A backend on the node that took the flow sees the client; one on the other
-            // node sees that node's address (SNAT), so its replies come back through it.
-            let entry = if fe.starts_with(NODE_B) {
-                NODE_B
-            } else {
-                NODE_A
-            };
-            let backend_node = if name == "a0" { NODE_A } else { NODE_B };
-            let want = if entry == backend_node { CLIENT } else { entry };
-            assert_eq!(
-                ip_of(&peer),
-                want,
-                "{fe} -> {name}: source seen by the backend"
-            );
-            *seen.entry(name).or_insert(0) += 1;
-        }
-        assert_eq!(seen.len(), 2, "{fe}: both backends used: {seen:?}");
-        for _ in 0..8 {
-            let (name, _) =
-                udp_whoami(&c, &fe.replace(":30080", ":30053").replace(":80", ":53"), T)
-                    .unwrap_or_else(|e| panic!("UDP to {fe}: errno {e}"));
-            assert!(name == "a0" || name == "b0");
-        }
-    }
+    ];
+    both_backends_with_snat_to_remote_ones(&c, &fes, [NODE_A, NODE_B], CLIENT);
     let counters = tc::counters(&lab.agents[0].pin).unwrap();
     assert!(
         counters["tc_new_flow"] > 0 && counters["tc_snat"] > 0,
@@ -781,7 +804,15 @@ fn fragmentation_needed_reaches_the_client_for_path_mtu_discovery() {
     lab.start_agent(1, &[]);
     let c = lab.client_path();
     let to: SocketAddr = format!("{NODE_A}:30080").parse().unwrap();
-    let echoed = in_netns(&c, move || {
+    large_line_comes_back(&lab, &c, to);
+}
+
+/// Sends a 6000-byte line over one TCP connection from the client namespace to `to` and
+/// checks it comes back whole: full-size segments crossed a smaller MTU on the way to the
+/// backend, so this works only when the ICMP error about it (fragmentation needed, packet
+/// too big) reached the client translated, which node-a's counter confirms.
+fn large_line_comes_back(lab: &Lab, client: &Path, to: SocketAddr) {
+    let echoed = in_netns(client, move || {
         let s = TcpStream::connect_timeout(&to, T).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         let mut w = s.try_clone().unwrap();
@@ -1290,29 +1321,6 @@ fn v6(addr: &str, port: u16) -> String {
     format!("[{addr}]:{port}")
 }
 
-/// [`udp_whoami`] for either family (the socket is bound to the wildcard of `to`'s).
-fn udp_whoami_any(client: &Path, to: &str, timeout: Duration) -> Result<(String, String), i32> {
-    let to: SocketAddr = to.parse().unwrap();
-    in_netns(client, move || {
-        let s = UdpSocket::bind(if to.is_ipv6() { "[::]:0" } else { "0.0.0.0:0" }).unwrap();
-        s.connect(to).unwrap();
-        s.set_read_timeout(Some(timeout)).unwrap();
-        s.send(b"whoami")
-            .map_err(|e| e.raw_os_error().unwrap_or(-1))?;
-        let mut buf = [0u8; 512];
-        let n = s
-            .recv(&mut buf)
-            .map_err(|e| e.raw_os_error().unwrap_or(-1))?;
-        let text = String::from_utf8_lossy(&buf[..n]).into_owned();
-        let mut it = text.split_whitespace();
-        Ok((
-            it.next().unwrap_or("").to_string(),
-            it.next().unwrap_or("").to_string(),
-        ))
-    })
-    .unwrap()
-}
-
 #[test]
 fn ipv6_nodeport_external_and_lb_ips_with_snat_to_remote_backends() {
     let mut lab = Lab::new("n6");
@@ -1324,57 +1332,13 @@ fn ipv6_nodeport_external_and_lb_ips_with_snat_to_remote_backends() {
     // Every exchange below also needs neighbour discovery through the programs on eth0.
     // A connected TCP or UDP socket only accepts replies from the address it connected to:
     // each success shows the client saw the frontend as the source.
-    for fe in [
+    let fes = [
         v6(NODE_A6, 30080),
         v6(NODE_B6, 30080),
         v6(EXTERNAL_IP6, 80),
         v6(LB_IP6, 80),
-    ] {
-        let mut seen = std::collections::BTreeMap::new();
-        for _ in 0..24 {
-            let (name, peer) =
-                tcp_whoami(&c, &fe, T).unwrap_or_else(|e| panic!("TCP to {fe}: {e}"));
-            // A local backend sees the client; a remote one the entry node's IPv6 address.
-            let entry = if fe.contains(NODE_B6) {
-                NODE_B6
-            } else {
-                NODE_A6
-            };
-            let backend_node = if name == "a0" { NODE_A6 } else { NODE_B6 };
-            let want = if entry == backend_node {
-                CLIENT6
-            } else {
-                entry
-            };
-            assert_eq!(
-                ip_of(&peer),
-                want,
-                "{fe} -> {name}: source seen by the backend"
-            );
-            *seen.entry(name).or_insert(0) += 1;
-        }
-        assert_eq!(seen.len(), 2, "{fe}: both backends used: {seen:?}");
-        let ufe = fe.replace(":30080", ":30053").replace("]:80", "]:53");
-        let mut useen = std::collections::BTreeSet::new();
-        for _ in 0..12 {
-            let (name, peer) =
-                udp_whoami_any(&c, &ufe, T).unwrap_or_else(|e| panic!("UDP to {ufe}: errno {e}"));
-            let backend_node = if name == "a0" { NODE_A6 } else { NODE_B6 };
-            let entry = if ufe.contains(NODE_B6) {
-                NODE_B6
-            } else {
-                NODE_A6
-            };
-            let want = if entry == backend_node {
-                CLIENT6
-            } else {
-                entry
-            };
-            assert_eq!(ip_of(&peer), want, "{ufe} -> {name} (UDP)");
-            useen.insert(name);
-        }
-        assert_eq!(useen.len(), 2, "{ufe}: {useen:?}");
-    }
+    ];
+    both_backends_with_snat_to_remote_ones(&c, &fes, [NODE_A6, NODE_B6], CLIENT6);
     // IPv4 next to it, in the same dual-stack lab.
     for _ in 0..8 {
         let (name, _) = tcp_whoami(&c, &format!("{NODE_A}:30080"), T).unwrap();
@@ -1429,7 +1393,7 @@ fn ipv6_local_policy_keeps_the_client_address_and_drops_without_local_endpoint()
     for _ in 0..4 {
         let (name, peer) = tcp_whoami(&c, &v6(NODE_B6, 30080), T).unwrap();
         assert_eq!((name.as_str(), ip_of(&peer).as_str()), ("b0", CLIENT6));
-        let (name, peer) = udp_whoami_any(&c, &v6(NODE_B6, 30053), T).unwrap();
+        let (name, peer) = udp_whoami(&c, &v6(NODE_B6, 30053), T).unwrap();
         assert_eq!((name.as_str(), ip_of(&peer).as_str()), ("b0", CLIENT6));
     }
     let e = tcp_whoami(&c, &v6(NODE_A6, 30080), SHORT).unwrap_err();
@@ -1492,31 +1456,14 @@ fn ipv6_packet_too_big_and_port_unreachable_reach_the_client() {
     lab.start_agent(1, &[]);
     let c = lab.client_path();
     let to: SocketAddr = v6(NODE_A6, 30080).parse().unwrap();
-    let echoed = in_netns(&c, move || {
-        let s = TcpStream::connect_timeout(&to, T).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        let mut w = s.try_clone().unwrap();
-        let mut r = BufReader::new(s);
-        let mut name = String::new();
-        r.read_line(&mut name).unwrap();
-        let big = "x".repeat(6000);
-        w.write_all(format!("{big}\n").as_bytes()).unwrap();
-        let mut l = String::new();
-        r.read_line(&mut l)
-            .map(|_| l.trim().len())
-            .map_err(|e| e.to_string())
-    })
-    .unwrap();
-    assert_eq!(echoed, Ok(3 + 6000), "the large line came back");
-    let counters = tc::counters(&lab.agents[0].pin).unwrap();
-    assert!(counters["tc_icmp_translated"] > 0, "{counters:?}");
+    large_line_comes_back(&lab, &c, to);
     // Nothing listens on 5999: b0's ICMPv6 port unreachable, translated back to the
     // frontend, fails the client's connected UDP socket with ECONNREFUSED. Through node-a
     // (SNAT: translated at node-a's ingress) and node-b (local backend: at its egress).
     for (node, agent) in [(NODE_A6, 0), (NODE_B6, 1)] {
         let before = tc::counters(&lab.agents[agent].pin).unwrap()["tc_icmp_translated"];
         for _ in 0..4 {
-            match udp_whoami_any(&c, &v6(node, 30054), SHORT) {
+            match udp_whoami(&c, &v6(node, 30054), SHORT) {
                 Err(111) => {}
                 other => panic!("{node}: expected ECONNREFUSED, got {other:?}"),
             }
@@ -1558,7 +1505,7 @@ fn ipv6_cluster_cidr_and_masquerade_all() {
         cases.iter().any(|n| n == "a0") && cases.iter().any(|n| n == "b0"),
         "{cases:?}"
     );
-    let (_, peer) = udp_whoami_any(&c, &v6(CLUSTER_IP6, 53), T).unwrap();
+    let (_, peer) = udp_whoami(&c, &v6(CLUSTER_IP6, 53), T).unwrap();
     assert_eq!(ip_of(&peer), NODE_A6);
 }
 
@@ -1646,7 +1593,7 @@ fn ipv6_time_exceeded_reaches_the_client() {
     let counters = tc::counters(&lab.agents[0].pin).unwrap();
     assert!(counters["tc_icmp_translated"] > 0, "{counters:?}");
     // With the default hop limit the same frontend answers.
-    assert_eq!(udp_whoami_any(&c, &v6(NODE_A6, 30053), T).unwrap().0, "b0");
+    assert_eq!(udp_whoami(&c, &v6(NODE_A6, 30053), T).unwrap().0, "b0");
 }
 
 #[test]
@@ -1667,7 +1614,7 @@ fn ipv6_only_local_endpoints_get_the_pod_facing_interface_with_masquerade_all() 
     for _ in 0..4 {
         let (name, peer) = tcp_whoami(&c, &v6(NODE_B6, 30080), T).unwrap();
         assert_eq!((name.as_str(), ip_of(&peer).as_str()), ("b0", NODE_B6));
-        let (name, peer) = udp_whoami_any(&c, &v6(NODE_B6, 30053), T).unwrap();
+        let (name, peer) = udp_whoami(&c, &v6(NODE_B6, 30053), T).unwrap();
         assert_eq!((name.as_str(), ip_of(&peer).as_str()), ("b0", NODE_B6));
     }
 }
