@@ -340,6 +340,21 @@ struct RawEndpoint {
     pod: String,
 }
 
+impl RawEndpoint {
+    /// This endpoint as `node` sees it: local when the slice names `node` as its node.
+    fn judged(&self, node: &NodeInfo) -> EndpointInfo {
+        EndpointInfo {
+            ready: self.ready,
+            serving: self.serving,
+            terminating: self.terminating,
+            local: self.node_name.as_deref() == Some(node.name.as_str()),
+            zone_hints: self.zone_hints.clone(),
+            node_hints: self.node_hints.clone(),
+            pod: self.pod.clone(),
+        }
+    }
+}
+
 /// What [`build_cached`] remembers between calls: what was read from each EndpointSlice,
 /// reused while the slice is the same object (same `Arc`), so one changed slice among
 /// thousands costs one parse of its endpoints.
@@ -411,16 +426,8 @@ pub fn build_cached(
                 .entry((port_name.clone(), *protocol, info.family))
                 .or_default();
             for (ip, raw) in &info.endpoints {
-                let local = raw.node_name.as_deref() == Some(node.name.as_str());
-                let ep = EndpointInfo {
-                    ready: raw.ready,
-                    serving: raw.serving,
-                    terminating: raw.terminating,
-                    local,
-                    zone_hints: raw.zone_hints.clone(),
-                    node_hints: raw.node_hints.clone(),
-                    pod: raw.pod.clone(),
-                };
+                let ep = raw.judged(node);
+                let local = ep.local;
                 // An endpoint in two slices (during a move between slices): the first one
                 // read wins, unless a later one is local (kube-proxy favours local).
                 let addr = SocketAddr::new(*ip, *port);
@@ -802,23 +809,12 @@ pub fn endpoints_of(
                 continue;
             }
             for (ip, raw) in &info.endpoints {
-                let local = raw.node_name.as_deref() == Some(node.name.as_str());
+                let ep = raw.judged(node);
                 let addr = SocketAddr::new(*ip, *port);
-                if set.contains_key(&addr) && !local {
+                if set.contains_key(&addr) && !ep.local {
                     continue;
                 }
-                set.insert(
-                    addr,
-                    EndpointInfo {
-                        ready: raw.ready,
-                        serving: raw.serving,
-                        terminating: raw.terminating,
-                        local,
-                        zone_hints: raw.zone_hints.clone(),
-                        node_hints: raw.node_hints.clone(),
-                        pod: raw.pod.clone(),
-                    },
-                );
+                set.insert(addr, ep);
             }
         }
     }
@@ -1279,12 +1275,12 @@ fn read_slice(slice: &Sourced<EndpointSlice>, errors: &mut Vec<ModelError>) -> O
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::source::manifests::parse_documents;
 
     /// Objects from YAML documents (origin "test.yaml"); the YAML must be valid.
-    fn objects(yaml: &str) -> ObjectSet {
+    pub(crate) fn objects(yaml: &str) -> ObjectSet {
         let (objs, errors) = parse_documents("test.yaml", yaml);
         assert!(errors.is_empty(), "fixture errors: {errors:?}");
         let mut set = ObjectSet::default();

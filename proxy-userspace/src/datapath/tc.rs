@@ -862,17 +862,7 @@ pub fn counters(dir: &Path) -> Result<BTreeMap<&'static str, u64>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{model::build, source::manifests::parse_documents};
-
-    fn objects(yaml: &str) -> ObjectSet {
-        let (objs, errors) = parse_documents("test.yaml", yaml);
-        assert!(errors.is_empty(), "fixture errors: {errors:?}");
-        let mut set = ObjectSet::default();
-        for o in objs {
-            set.insert(o);
-        }
-        set
-    }
+    use crate::model::{build, tests::objects};
 
     const LB: &str = "apiVersion: v1\nkind: Service\nmetadata: {name: lb, namespace: default}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.10\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 31000\n  loadBalancerSourceRanges: ['192.0.2.0/24', ' 198.51.100.7/32', 'bogus', '2001:db8::/32']\n  ports: [{port: 80, nodePort: 30080}]\nstatus: {loadBalancer: {ingress: [{ip: 203.0.113.9}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: lb-1, namespace: default, labels: {kubernetes.io/service-name: lb}}\naddressType: IPv4\nports: [{port: 80}]\nendpoints:\n- {addresses: [10.0.1.5], nodeName: node-1}\n- {addresses: [10.0.2.5], nodeName: node-2}\n---\napiVersion: v1\nkind: Node\nmetadata: {name: node-1}\nstatus: {addresses: [{type: InternalIP, address: 192.0.2.50}, {type: Hostname, address: n1}]}\n";
 
