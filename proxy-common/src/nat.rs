@@ -1,6 +1,6 @@
 //! Layouts of the north-south data path: the tc (tcx) programs on the node's external
 //! interfaces that serve NodePorts, external IPs and load balancer IPs to traffic from
-//! outside the node (issue 4). Same conventions as the crate root: `#[repr(C)]`, explicit
+//! outside the node. Same conventions as the crate root: `#[repr(C)]`, explicit
 //! padding, addresses `[u8; 16]` in network byte order (IPv4 stored IPv4-mapped), ports
 //! `[u8; 2]` in network byte order.
 //!

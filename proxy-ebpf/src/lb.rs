@@ -1,130 +1,119 @@
-//! Frontend lookup and backend selection, shared by every hook.
+//! Frontends and backend selection, shared by every hook (Cilium's `lb.h` is the model):
+//! - [`lookup`]: the one frontend lookup, with a [`Scope`] policy saying which frontends a
+//!   hook serves;
+//! - [`Refusal`]: the one classification of a frontend or connection that gets no backend,
+//!   which each hook maps to its own outcome (an errno at the socket, a counted drop for a
+//!   packet);
+//! - [`select`]: the one selection entry point (ClientIP affinity, then the frontend's
+//!   algorithm).
 
 use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns};
 use proxy_common::{
-    AffinityKey, AffinityValue, Algorithm, Backend, BackendSlotKey, Counter, FRONTEND_F_VIP_MARKER,
-    Frontend, FrontendKey, LC_SCAN_MAX, MAGLEV_MAX, MemberKey, RevNatKey, SOCKET_F_COUNTED,
-    ServiceStats,
+    AffinityKey, AffinityValue, Algorithm, Backend, BackendSlotKey, Counter, FRONTEND_F_EXTERNAL,
+    FRONTEND_F_LOCAL_ONLY, FRONTEND_F_VIP_MARKER, Frontend, FrontendKey, LC_SCAN_MAX, MAGLEV_MAX,
+    MemberKey, SCOPE_INGRESS, SCOPE_NODE,
 };
 
-use crate::maps::{
-    AFFINITY, BACKEND_SLOTS, BACKEND_STATS, BACKENDS, COUNTERS, FRONTENDS, LC_COUNTS, MAGLEV,
-    MEMBERS, REVNAT_SK, RR_CURSORS, SERVICE_STATS, SOCKETS,
+use crate::{
+    addr::L4Addr,
+    maps::{AFFINITY, BACKEND_SLOTS, BACKENDS, FRONTENDS, LC_COUNTS, MAGLEV, MEMBERS, RR_CURSORS},
+    stats::count,
 };
 
-/// Result of looking up a destination.
+/// Which frontends a hook serves.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// Connections and flows that start on this node (the socket hooks): `SCOPE_NODE`
+    /// frontends (cluster IPs, and external addresses and node ports with the Cluster
+    /// endpoints, kube-proxy's short-circuit). A cluster IP's undefined port is refused.
+    Node,
+    /// Packets entering the node from outside (tc, XDP): `SCOPE_INGRESS` frontends (node
+    /// ports, external and LB IPs with the `externalTrafficPolicy` endpoints), else a
+    /// cluster IP routed to the node (kube-proxy serves those too). Undefined ports pass.
+    Ingress,
+}
+
+/// What a destination is.
 pub enum Lookup {
-    /// Not a VIP: leave the socket alone.
+    /// Not a frontend: leave it alone.
     NotService,
-    /// A VIP, but this port/protocol is not one of its frontends.
+    /// Refused before any endpoint is considered (a cluster IP's undefined port).
+    Refused(Refusal),
+    /// A frontend; `cluster_ip` when an [`Scope::Ingress`] lookup found a cluster IP (its
+    /// masquerading rule differs, see `nat::needs_snat`).
+    Frontend { fe: Frontend, cluster_ip: bool },
+}
+
+/// Why a connection, flow or packet gets no backend. Counted and answered per hook: the
+/// socket hooks fail the syscall (ECONNREFUSED, or EHOSTUNREACH for
+/// [`Refusal::NoLocalEndpoints`]: a connect() cannot be dropped silently), the packet hooks
+/// drop.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// The port or protocol is not defined on this cluster IP (kube-proxy's nftables mode
+    /// rejects it).
     UndefinedPort,
-    /// A frontend.
-    Frontend(Frontend),
+    /// The Service has no endpoints (kube-proxy rejects).
+    NoEndpoints,
+    /// A `Local` traffic policy and no endpoint on this node (kube-proxy drops; KEP-2086 for
+    /// `internalTrafficPolicy`, KEP-1672 for `externalTrafficPolicy`).
+    NoLocalEndpoints,
 }
 
-/// Counts a translated connection or new flow (`refused` 0) or a refusal (`refused` 1) of
-/// service id `service_id`, and, for a translation, one connection to `backend_id`.
-/// Per-CPU values, so plain adds. Not inlined (stack).
-#[inline(never)]
-pub fn count_service(service_id: u32, backend_id: u32, refused: u32) {
-    match SERVICE_STATS.get_ptr_mut(service_id) {
-        // SAFETY: this CPU's value; only this CPU writes it while we run.
-        Some(p) => unsafe {
-            if refused != 0 {
-                (*p).refused += 1;
-            } else {
-                (*p).connections += 1;
-            }
+impl Refusal {
+    /// Why frontend `fe` has no backend to give.
+    #[inline(always)]
+    pub fn no_backend(fe: &Frontend) -> Refusal {
+        if fe.flags & FRONTEND_F_LOCAL_ONLY != 0 {
+            Refusal::NoLocalEndpoints
+        } else {
+            Refusal::NoEndpoints
+        }
+    }
+}
+
+/// Looks `dst` up in `FRONTENDS` for a hook of `scope`.
+#[inline(always)]
+pub fn lookup(dst: &L4Addr, scope: Scope) -> Lookup {
+    let mut key = FrontendKey {
+        addr: dst.addr,
+        port: dst.port,
+        proto: dst.proto,
+        scope: if scope == Scope::Ingress {
+            SCOPE_INGRESS
+        } else {
+            SCOPE_NODE
         },
-        None => {
-            let v = ServiceStats {
-                connections: (refused == 0) as u64,
-                refused: (refused != 0) as u64,
-                packets: 0,
-                bytes: 0,
-            };
-            let _ = SERVICE_STATS.insert(service_id, v, 0);
-        }
-    }
-    if refused != 0 {
-        return;
-    }
-    match BACKEND_STATS.get_ptr_mut(backend_id) {
-        // SAFETY: as above.
-        Some(p) => unsafe { *p += 1 },
-        None => {
-            let _ = BACKEND_STATS.insert(backend_id, 1, 0);
-        }
-    }
-}
-
-/// A zeroed value to create a [`SERVICE_STATS`] entry from (read-only global data, so no
-/// stack space is used for it).
-static ZERO_STATS: ServiceStats = ServiceStats {
-    connections: 0,
-    refused: 0,
-    packets: 0,
-    bytes: 0,
-};
-
-/// Counts one packet of `bytes` translated by the tc path for service id `service_id`.
-/// Inlined and without a value on the stack: it runs deep in the tc programs' call chain,
-/// which shares the 512-byte stack.
-#[inline(always)]
-pub fn count_packet(service_id: u32, bytes: u32) {
-    let p = match SERVICE_STATS.get_ptr_mut(service_id) {
-        Some(p) => p,
-        None => {
-            // By reference to the static: a by-value copy would land on the stack.
-            #[allow(clippy::needless_borrows_for_generic_args)]
-            let _ = SERVICE_STATS.insert(service_id, &ZERO_STATS, 0);
-            match SERVICE_STATS.get_ptr_mut(service_id) {
-                Some(p) => p,
-                None => return,
-            }
-        }
-    };
-    // SAFETY: this CPU's value; only this CPU writes it while we run.
-    unsafe {
-        (*p).packets += 1;
-        (*p).bytes += bytes as u64;
-    }
-}
-
-/// Adds one to a per-CPU counter.
-#[inline(always)]
-pub fn count(c: Counter) {
-    if let Some(p) = COUNTERS.get_ptr_mut(c as u32) {
-        // SAFETY: per-CPU slot, only this CPU writes it while we run.
-        unsafe { *p += 1 };
-    }
-}
-
-/// Looks up (addr, port, proto); address and port bytes in network order.
-#[inline(always)]
-pub fn lookup(addr: &[u8; 16], port: [u8; 2], proto: u8) -> Lookup {
-    let key = FrontendKey {
-        addr: *addr,
-        port,
-        proto,
-        scope: 0,
     };
     // SAFETY: the value is copied out at once; a concurrent update replaces the element
     // (RCU) rather than writing into it.
-    if let Some(fe) = unsafe { FRONTENDS.get(key) } {
-        let fe = *fe;
-        if fe.flags & FRONTEND_F_VIP_MARKER == 0 {
-            return Lookup::Frontend(fe);
+    if let Some(fe) = unsafe { FRONTENDS.get(key).copied() } {
+        if fe.flags & FRONTEND_F_VIP_MARKER != 0 {
+            return Lookup::NotService;
         }
+        return Lookup::Frontend {
+            fe,
+            cluster_ip: false,
+        };
     }
-    let marker = FrontendKey {
-        addr: *addr,
-        port: [0; 2],
-        proto: 0,
-        scope: 0,
-    };
-    if FRONTENDS.get_ptr(marker).is_some() {
-        return Lookup::UndefinedPort;
+    if scope == Scope::Ingress {
+        key.scope = SCOPE_NODE;
+        // SAFETY: as above.
+        return match unsafe { FRONTENDS.get(key).copied() } {
+            Some(fe) if fe.flags & (FRONTEND_F_EXTERNAL | FRONTEND_F_VIP_MARKER) == 0 => {
+                Lookup::Frontend {
+                    fe,
+                    cluster_ip: true,
+                }
+            }
+            _ => Lookup::NotService,
+        };
+    }
+    // The VIP marker (port 0, protocol 0) of a cluster IP: a port it does not define.
+    key.port = [0; 2];
+    key.proto = 0;
+    if FRONTENDS.get_ptr(key).is_some() {
+        return Lookup::Refused(Refusal::UndefinedPort);
     }
     Lookup::NotService
 }
@@ -157,27 +146,15 @@ pub fn pick(fe: &Frontend) -> Option<(u32, Backend)> {
     Some((id, b))
 }
 
-/// Who opens a flow, for the selection policies that depend on the client (source hashing,
-/// ClientIP session affinity). The tc path fills it from the packet; the socket path from
-/// the socket (its bound source address, else its network namespace).
-pub struct Client {
-    /// Client address, network byte order, IPv4-mapped for IPv4 (or
-    /// `proxy_common::client_of_netns`).
-    pub addr: [u8; 16],
-    /// Client port, network byte order (zero when unknown).
-    pub port: [u8; 2],
-}
-
-/// A new connection or flow: the frontend it addressed and its client.
+/// A new connection or flow: the frontend it addressed and who opens it.
 pub struct Request {
-    /// Frontend address, network byte order, IPv4-mapped.
-    pub addr: [u8; 16],
-    /// Frontend port, network byte order.
-    pub port: [u8; 2],
-    /// IANA protocol.
-    pub proto: u8,
-    /// Who connects.
-    pub client: Client,
+    /// The frontend (address IPv4-mapped, port, protocol).
+    pub frontend: L4Addr,
+    /// The client, for the selection policies that depend on it (source hashing, ClientIP
+    /// affinity): the packet's source on the packet path; on the socket path the socket's
+    /// bound source address, else its network namespace
+    /// (`proxy_common::client_of_netns`), with the port zero when unknown.
+    pub client: L4Addr,
 }
 
 /// Chooses the backend of a new connection or flow (`req`) to frontend `fe`: the one entry point every hook (socket and tc) uses, so every data path applies
@@ -355,83 +332,6 @@ fn least_connections(fe: &Frontend) -> u32 {
         return 0;
     }
     best_id
-}
-
-/// Records the connect()-translated socket `cookie` -> backend `id`, counting the
-/// connection for least-connections when `counted`; the socket's release undoes both
-/// ([`release_socket`]).
-#[inline(always)]
-pub fn track_socket(cookie: u64, id: u32, counted: bool) {
-    let v = if counted { id | SOCKET_F_COUNTED } else { id };
-    if SOCKETS.insert(cookie, v, 0).is_err() {
-        count(Counter::MapUpdateFailed);
-        return;
-    }
-    if counted {
-        lc_acquire(id);
-    }
-}
-
-/// One more active connection (or tc flow) to backend `id` in [`LC_COUNTS`], atomically.
-#[inline(always)]
-pub fn lc_acquire(id: u32) {
-    match LC_COUNTS.get_ptr_mut(id) {
-        Some(p) => atomic_add(p, 1),
-        None => {
-            // BPF_NOEXIST: a concurrent first insert wins and we add to it.
-            if LC_COUNTS.insert(id, 1, 1).is_err()
-                && let Some(p) = LC_COUNTS.get_ptr_mut(id)
-            {
-                atomic_add(p, 1);
-            }
-        }
-    }
-}
-
-/// One active connection (or tc flow) to backend `id` less, the inverse of
-/// [`lc_acquire`]; callers make sure each acquired count is released once.
-#[inline(always)]
-pub fn lc_release(id: u32) {
-    if let Some(p) = LC_COUNTS.get_ptr_mut(id) {
-        // Adding u32::MAX is subtracting one (wrapping).
-        atomic_add(p, u32::MAX);
-    }
-}
-
-/// `*p += v` atomically (one BPF_ATOMIC | BPF_ADD instruction; the result is unused so no
-/// fetch variant is needed).
-#[inline(always)]
-fn atomic_add(p: *mut u32, v: u32) {
-    // SAFETY: `p` points into a map value that lives while the program runs.
-    unsafe {
-        core::intrinsics::atomic_xadd::<u32, u32, { core::intrinsics::AtomicOrdering::Relaxed }>(
-            p, v,
-        );
-    }
-}
-
-/// Forgets a released socket: removes its reverse-NAT entry (so inspection lists only live
-/// sockets) and gives back its least-connections count, if any.
-#[inline(always)]
-pub fn release_socket(cookie: u64) {
-    // SAFETY: copied out at once.
-    let Some(v) = (unsafe { SOCKETS.get(cookie).copied() }) else {
-        return;
-    };
-    let _ = SOCKETS.remove(cookie);
-    let id = v & !SOCKET_F_COUNTED;
-    if v & SOCKET_F_COUNTED != 0 {
-        lc_release(id);
-    }
-    if let Some(b) = backend(id) {
-        let key = RevNatKey {
-            cookie,
-            addr: b.addr,
-            port: b.port,
-            _pad: [0; 6],
-        };
-        let _ = REVNAT_SK.remove(key);
-    }
 }
 
 /// A 32-bit hash of a client address (and port): murmur3's finalizer over its words, so

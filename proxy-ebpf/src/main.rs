@@ -1,6 +1,32 @@
-//! ebpf-proxy kernel programs. Entry points live per hook (`sock.rs` for the cgroup
-//! socket hooks, `skb.rs` for the cgroup egress hook); shared logic in `lb.rs` (frontend lookup, backend selection) and the map
-//! definitions in `maps.rs`. Layouts come from `proxy-common` only.
+//! ebpf-proxy kernel programs: Kubernetes Service load balancing at the socket (cgroup hooks)
+//! and for packets entering the node (tcx), built for `bpfel-unknown-none`.
+//!
+//! Entry points, one module per kind of hook, each thin (parse the context, call the shared
+//! logic, map its outcome to the hook's return code):
+//! - [`sock`]: cgroup `sock_addr` hooks (`connect4/6`, `sendmsg4/6`, `recvmsg4/6`,
+//!   `getpeername4/6`) and cgroup `sock_release`;
+//! - [`skb`]: the cgroup `skb` egress hook (stale connected UDP sockets);
+//! - [`tc`]: the tcx hooks of the node's interfaces (`tc_ingress`, `tc_egress`) and the
+//!   least-connections collection program `tc_lc_gc` run by the agent.
+//!
+//! Shared logic, one module per concern, written against [`packet::Buf`] (the packet
+//! operations a hook offers) rather than a tc context, so another packet hook (XDP) reuses it
+//! unchanged:
+//! - [`addr`]: the L4 address (address, port, protocol) every module passes around;
+//! - [`verdict`]: what happens to a packet ([`verdict::Verdict`]), hook-neutral;
+//! - [`lb`]: the frontend lookup with its scope policy, the classification of refusals, and
+//!   backend selection (algorithms, affinity);
+//! - [`lc`]: least-connections accounting, one protocol for sockets and packet flows;
+//! - [`packet`]: parsing of Ethernet, IPv4 (options, fragments) and IPv6 (extension headers);
+//! - [`csum`]: rewriting addresses and ports with their checksums;
+//! - [`ct`]: the conntrack entries of packet flows (state, timeouts, both directions);
+//! - [`nat`]: DNAT and SNAT of packet flows (new flows, SNAT ports and bindings, tracked
+//!   packets);
+//! - [`icmp`]: translation of ICMP and ICMPv6 errors quoting a translated packet;
+//! - [`fib`]: sending a packet on to its next hop with a FIB lookup;
+//! - [`stats`]: per-CPU counters; [`maps`]: every map.
+//!
+//! Layouts of map keys and values come from `proxy-common` only.
 
 #![no_std]
 #![no_main]
@@ -9,12 +35,21 @@
 #![allow(internal_features)]
 #![feature(core_intrinsics)]
 
+mod addr;
+mod csum;
+mod ct;
+mod fib;
+mod icmp;
 mod lb;
+mod lc;
 mod maps;
+mod nat;
+mod packet;
 mod skb;
 mod sock;
+mod stats;
 mod tc;
-mod tc_maps;
+mod verdict;
 
 #[cfg(not(test))]
 #[panic_handler]
@@ -23,7 +58,9 @@ fn panic(_info: &core::panic::PanicInfo) -> ! {
     loop {}
 }
 
-/// License of the object: GPL-compatible so GPL-only helpers are available.
+/// License of the object, as the kernel reads it (`license_is_gpl_compatible`): the crate is
+/// `GPL-2.0-only OR Apache-2.0`, which the kernel's vocabulary calls "GPL and additional
+/// rights" (GPL v2 rights and more). GPL-compatible, so GPL-only helpers are available.
 #[unsafe(link_section = "license")]
 #[unsafe(no_mangle)]
-static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";
+static LICENSE: [u8; 26] = *b"GPL and additional rights\0";

@@ -1,9 +1,11 @@
-//! Map definitions. Names, key and value types come from `proxy_common`; the sizes here are
-//! the defaults and the agent overrides them at load time (`EbpfLoader::map_max_entries`).
+//! Every map of the object. Names, key and value types come from `proxy_common` (the
+//! service and socket maps from its root, the packet path's from `proxy_common::nat`); the
+//! sizes here are the defaults and the agent overrides them at load time
+//! (`EbpfLoader::map_max_entries`).
 
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    btf_maps::{Array, HashMap, LruHashMap, LruPerCpuHashMap, PerCpuArray, PerCpuHashMap},
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, LruPerCpuHashMap, PerCpuArray, PerCpuHashMap},
     macros::btf_map,
 };
 use proxy_common::{
@@ -11,7 +13,15 @@ use proxy_common::{
     DEFAULT_MAX_FRONTENDS, DEFAULT_MAX_MAGLEV, DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCKETS, Frontend,
     FrontendKey, MaglevTable, MemberKey, RevNatKey, RevNatValue, ServiceName, ServiceStats,
     UdpFlow, UdpFlowKey,
+    nat::{
+        CtEntry, CtKey, DEFAULT_MAX_CONNTRACK, IfaceAddr, MAX_IFACES, MAX_LOCAL_ENDPOINTS,
+        MAX_SOURCE_RANGES, SourceRange, TC_COUNTER_MAX, TcConfig,
+    },
 };
+
+// ---------------------------------------------------------------------------------------
+// Services and the socket path
+// ---------------------------------------------------------------------------------------
 
 /// (VIP, port, protocol) -> frontend; see `proxy_common::FRONTENDS`.
 #[btf_map]
@@ -113,3 +123,77 @@ pub static SERVICE_STATS: LruPerCpuHashMap<u32, ServiceStats, { DEFAULT_MAX_FRON
 #[btf_map]
 pub static BACKEND_STATS: LruPerCpuHashMap<u32, u64, { DEFAULT_MAX_BACKENDS as usize }> =
     LruPerCpuHashMap::new();
+
+// ---------------------------------------------------------------------------------------
+// The packet path (tc today): conntrack, SNAT, source ranges
+// ---------------------------------------------------------------------------------------
+
+/// Packet tuple -> rewritten tuple, both directions of every translated flow; see
+/// `proxy_common::nat::CONNTRACK`.
+#[btf_map]
+pub static TC_CONNTRACK: LruHashMap<CtKey, CtEntry, { DEFAULT_MAX_CONNTRACK as usize }> =
+    LruHashMap::new();
+
+/// Endpoint address -> 1 for the endpoints running on this node.
+#[btf_map]
+pub static TC_LOCAL_ENDPOINTS: HashMap<[u8; 16], u32, { MAX_LOCAL_ENDPOINTS as usize }> =
+    HashMap::new();
+
+/// ifindex -> node address used to masquerade flows that arrived on it.
+#[btf_map]
+pub static TC_IFACE_ADDRS: HashMap<u32, IfaceAddr, { MAX_IFACES as usize }> = HashMap::new();
+
+/// tc configuration (index 0).
+#[btf_map]
+pub static TC_CONFIG: Array<TcConfig, 1> = Array::new();
+
+/// Per-CPU counters indexed by `proxy_common::nat::TcCounter`.
+#[btf_map]
+pub static TC_COUNTERS: PerCpuArray<u64, { TC_COUNTER_MAX as usize }> = PerCpuArray::new();
+
+/// (LB IP, client) prefixes of `spec.loadBalancerSourceRanges`.
+#[btf_map]
+pub static TC_SOURCE_RANGES: LpmTrie<SourceRange, u32, { MAX_SOURCE_RANGES as usize }> =
+    LpmTrie::new();
+
+/// Original-direction key -> backend id of the tc flows counted for least-connections; see
+/// `proxy_common::nat::LC_FLOWS`.
+#[btf_map]
+pub static TC_LC_FLOWS: HashMap<
+    CtKey,
+    u32,
+    { DEFAULT_MAX_CONNTRACK as usize / 2 },
+    { BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
+
+/// Per-CPU scratch space of a new flow (the two entries and the reply key do not fit the
+/// 512-byte BPF stack next to everything else). Never read by the agent.
+#[repr(C)]
+pub struct Scratch {
+    /// Original-direction entry being built.
+    pub fwd: CtEntry,
+    /// Reply-direction entry being built.
+    pub rev: CtEntry,
+    /// Reply key (the SNAT binding being tried).
+    pub rkey: CtKey,
+    /// Key of the SNAT stage (client -> backend, on egress).
+    pub ekey: CtKey,
+    /// Entry of the SNAT stage.
+    pub eg: CtEntry,
+    /// FIB lookup of a reply sent out directly.
+    pub fib: aya_ebpf::bindings::bpf_fib_lookup,
+    /// The selection request of a new flow.
+    pub req: crate::lb::Request,
+    /// Service id whose counters the new flow's caller updates (0: none).
+    pub count_sid: u32,
+    /// Backend id chosen for it (0 when refused).
+    pub count_bid: u32,
+    /// 1 when the flow found no endpoint.
+    pub count_refused: u32,
+    /// 1 when the new flow is counted for least-connections (`TC_LC_FLOWS`).
+    pub count_lc: u32,
+}
+
+/// One [`Scratch`] per CPU.
+#[btf_map]
+pub static TC_SCRATCH: PerCpuArray<Scratch, 1> = PerCpuArray::new();

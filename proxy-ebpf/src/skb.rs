@@ -13,7 +13,7 @@
 use aya_ebpf::{helpers::bpf_get_socket_cookie, macros::cgroup_skb, programs::SkBuffContext};
 use proxy_common::Counter;
 
-use crate::{lb::count, maps::STALE_SOCKETS};
+use crate::{maps::STALE_SOCKETS, stats::count};
 
 /// Verdict "pass" of a cgroup skb program.
 const PASS: i32 = 1;

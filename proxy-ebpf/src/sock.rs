@@ -7,10 +7,13 @@
 //! - `recvmsg4/6`, `getpeername4/6`: the peer a socket reached through a VIP is shown as the
 //!   VIP again; peers the socket addressed directly are never touched.
 //!
-//! Refusals (no endpoints, undefined port on a VIP) fail the syscall with ECONNREFUSED via
-//! `bpf_set_retval` (kernel >= 5.18), as kube-proxy's nftables mode rejects them. A frontend
-//! whose `Local` traffic policy leaves it without endpoints on this node (kube-proxy drops
-//! those packets) fails with EHOSTUNREACH: a connect() cannot be dropped silently here.
+//! - `sock_release`: a released socket's reverse-NAT entry and least-connections count go.
+//!
+//! Refusals (`lb::Refusal`: no endpoints, undefined port on a VIP) fail the syscall with
+//! ECONNREFUSED via `bpf_set_retval` (kernel >= 5.18), as kube-proxy's nftables mode rejects
+//! them. A frontend whose `Local` traffic policy leaves it without endpoints on this node
+//! (kube-proxy drops those packets) fails with EHOSTUNREACH: a connect() cannot be dropped
+//! silently here.
 
 use aya_ebpf::{
     EbpfContext,
@@ -20,17 +23,17 @@ use aya_ebpf::{
     programs::{SockAddrContext, SockContext},
 };
 use proxy_common::{
-    Algorithm, Backend, Counter, DEFAULT_UDP_FLOW_TIMEOUT_NS, FRONTEND_F_LOCAL_ONLY, Frontend,
-    PROTO_TCP, PROTO_UDP, REVNAT_F_CONNECTED, RevNatKey, RevNatValue, UdpFlow, UdpFlowKey,
-    bytes_of, client_of_netns, is_v4_mapped, v4_mapped, v4_of_mapped, words_of,
+    Algorithm, Backend, Counter, DEFAULT_UDP_FLOW_TIMEOUT_NS, Frontend, PROTO_TCP, PROTO_UDP,
+    REVNAT_F_CONNECTED, RevNatKey, RevNatValue, UdpFlow, UdpFlowKey, bytes_of, client_of_netns,
+    is_v4_mapped, v4_mapped, v4_of_mapped, words_of,
 };
 
 use crate::{
-    lb::{
-        Client, Lookup, Request, backend, count, count_service, lookup, release_socket, select,
-        track_socket,
-    },
+    addr::L4Addr,
+    lb::{Lookup, Refusal, Request, Scope, backend, lookup, select},
+    lc,
     maps::{CONFIG, REVNAT_SK, STALE_SOCKETS, UDP_FLOWS},
+    stats::{count, count_service},
 };
 
 const ECONNREFUSED: i32 = 111;
@@ -45,7 +48,18 @@ const DENY: i32 = 0;
 pub fn sock_release(ctx: SockContext) -> i32 {
     // SAFETY: helper on our own context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    release_socket(cookie);
+    let id = lc::socket_released(cookie);
+    if id != 0
+        && let Some(b) = backend(id)
+    {
+        let key = RevNatKey {
+            cookie,
+            addr: b.addr,
+            port: b.port,
+            _pad: [0; 6],
+        };
+        let _ = REVNAT_SK.remove(key);
+    }
     // sock_release programs must return 1.
     1
 }
@@ -133,33 +147,33 @@ fn write_addr<const V6: bool>(sa: *mut bpf_sock_addr, addr: &[u8; 16], port: [u8
     true
 }
 
+/// The socket hooks' answer to a [`Refusal`]: the syscall fails with ECONNREFUSED, or
+/// EHOSTUNREACH for a Local policy without local endpoints; counted by reason.
 #[inline(always)]
-fn refuse(reason: Counter) -> i32 {
-    count(reason);
+fn deny(r: Refusal) -> i32 {
+    let (counter, errno) = match r {
+        Refusal::UndefinedPort => (Counter::RefusedUndefinedPort, ECONNREFUSED),
+        Refusal::NoEndpoints => (Counter::RefusedNoEndpoints, ECONNREFUSED),
+        Refusal::NoLocalEndpoints => (Counter::DroppedNoLocalEndpoints, EHOSTUNREACH),
+    };
+    count(counter);
     // SAFETY: helper; sets the errno the syscall returns when we deny it.
-    unsafe { bpf_set_retval(-ECONNREFUSED) };
+    unsafe { bpf_set_retval(-errno) };
     DENY
 }
 
-/// No endpoint to choose: ECONNREFUSED for a Service without endpoints, EHOSTUNREACH for a
-/// Local policy without endpoints on this node.
+/// No endpoint to choose for frontend `fe`: counted for its service and refused.
 #[inline(always)]
 fn no_endpoints(fe: &Frontend) -> i32 {
     count_service(fe.service_id, 0, 1);
-    if fe.flags & FRONTEND_F_LOCAL_ONLY != 0 {
-        count(Counter::DroppedNoLocalEndpoints);
-        // SAFETY: as in `refuse`.
-        unsafe { bpf_set_retval(-EHOSTUNREACH) };
-        return DENY;
-    }
-    refuse(Counter::RefusedNoEndpoints)
+    deny(Refusal::no_backend(fe))
 }
 
 /// The client as the Service sees it: the socket's bound source address when it has one,
 /// else its network namespace (one per pod; see `proxy_common::client_of_netns`). Not
 /// inlined, for the stack (see `remember`).
 #[inline(never)]
-fn client_of<const V6: bool>(ctx: &SockAddrContext, out: &mut Client) {
+fn client_of<const V6: bool>(ctx: &SockAddrContext, out: &mut L4Addr) {
     let sa = ctx.sock_addr;
     // SAFETY: `sk` of a sock_addr context is a valid socket pointer; src_ip4/src_ip6 are
     // readable fields of `struct bpf_sock`.
@@ -219,9 +233,9 @@ fn remember(cookie: u64, b: &Backend, req: &Request, flags: u8, service_id: u32)
         _pad: [0; 6],
     };
     let val = RevNatValue {
-        addr: req.addr,
-        port: req.port,
-        proto: req.proto,
+        addr: req.frontend.addr,
+        port: req.frontend.port,
+        proto: req.frontend.proto,
         flags,
         service_id,
     };
@@ -239,19 +253,14 @@ fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         return ALLOW;
     }
     let (addr, port) = read_addr::<V6>(sa);
-    let fe = match lookup(&addr, port, proto) {
-        Lookup::NotService => return ALLOW,
-        Lookup::UndefinedPort => return refuse(Counter::RefusedUndefinedPort),
-        Lookup::Frontend(fe) => fe,
-    };
     let mut req = Request {
-        addr,
-        port,
-        proto,
-        client: Client {
-            addr: [0; 16],
-            port: [0; 2],
-        },
+        frontend: L4Addr::new(addr, port, proto),
+        client: L4Addr::zero(),
+    };
+    let fe = match lookup(&req.frontend, Scope::Node) {
+        Lookup::NotService => return ALLOW,
+        Lookup::Refused(r) => return deny(r),
+        Lookup::Frontend { fe, .. } => fe,
     };
     client_of::<V6>(ctx, &mut req.client);
     let id = select(&fe, &req);
@@ -259,7 +268,7 @@ fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         return no_endpoints(&fe);
     };
     if !write_addr::<V6>(sa, &b.addr, b.port) {
-        return refuse(Counter::RefusedNoEndpoints);
+        return deny(Refusal::NoEndpoints);
     }
     let cookie = cookie(ctx);
     if proto == PROTO_UDP {
@@ -268,7 +277,7 @@ fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
     }
     remember(cookie, &b, &req, REVNAT_F_CONNECTED, fe.service_id);
     count_service(fe.service_id, id, 0);
-    track_socket(
+    lc::socket_connected(
         cookie,
         id,
         fe.algorithm == Algorithm::LeastConnections as u8,
@@ -289,10 +298,14 @@ fn flow_timeout_ns() -> u64 {
 fn on_sendmsg<const V6: bool>(ctx: &SockAddrContext) -> i32 {
     let sa = ctx.sock_addr;
     let (addr, port) = read_addr::<V6>(sa);
-    let fe = match lookup(&addr, port, PROTO_UDP) {
+    let mut req = Request {
+        frontend: L4Addr::new(addr, port, PROTO_UDP),
+        client: L4Addr::zero(),
+    };
+    let fe = match lookup(&req.frontend, Scope::Node) {
         Lookup::NotService => return ALLOW,
-        Lookup::UndefinedPort => return refuse(Counter::RefusedUndefinedPort),
-        Lookup::Frontend(fe) => fe,
+        Lookup::Refused(r) => return deny(r),
+        Lookup::Frontend { fe, .. } => fe,
     };
     let cookie = cookie(ctx);
     // SAFETY: helper without side effects.
@@ -305,15 +318,6 @@ fn on_sendmsg<const V6: bool>(ctx: &SockAddrContext) -> i32 {
     };
 
     let chosen = flow_backend(&fkey, &fe, now);
-    let mut req = Request {
-        addr,
-        port,
-        proto: PROTO_UDP,
-        client: Client {
-            addr: [0; 16],
-            port: [0; 2],
-        },
-    };
     let id = if chosen != 0 {
         chosen
     } else {
@@ -329,7 +333,7 @@ fn on_sendmsg<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         return no_endpoints(&fe);
     };
     if !write_addr::<V6>(sa, &b.addr, b.port) {
-        return refuse(Counter::RefusedNoEndpoints);
+        return deny(Refusal::NoEndpoints);
     }
     save_flow(&fkey, id, fe.service_id, now, &b);
     remember(cookie, &b, &req, 0, fe.service_id);

@@ -9,7 +9,7 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 use aya::{
-    EbpfError, EbpfLoader,
+    Ebpf, EbpfError, EbpfLoader,
     maps::MapError,
     programs::{
         CgroupAttachMode, CgroupSkb, CgroupSkbAttachType, CgroupSock, CgroupSockAddr, Program,
@@ -363,14 +363,13 @@ pub fn verify_programs() -> Result<Vec<String>> {
     Ok(loaded)
 }
 
-/// Loads the object with its maps pinned under `dir` (adopting maps pinned by an earlier
-/// run), then attaches every program to `cgroup` and pins the links. Links of an earlier run
-/// are replaced only after the new ones are attached, so there is no moment without a data
-/// path (the two generations agree, see `proxy-ebpf/src/sock.rs`).
+/// Loads the embedded object with its maps pinned under `dir`: maps pinned by an earlier run
+/// are adopted (those whose layout differs from this build's are created anew, with a
+/// warning), the others created with `sizes` and pinned. No program is loaded into the
+/// kernel or attached; the caller picks them from the returned object.
 ///
-/// Errors name the step that failed (load, verify, attach, pin) and a remedy; a verifier
-/// rejection carries the end of the verifier log.
-pub fn load_and_attach(dir: &Path, cgroup: &Path, sizes: MapSizes) -> Result<()> {
+/// Errors name the step (load, pin) and a remedy.
+pub fn load_pinned(dir: &Path, sizes: MapSizes) -> Result<Ebpf> {
     if OBJECT.is_empty() {
         bail!("this binary was built without the eBPF object; build it with `cargo xtask build`");
     }
@@ -386,7 +385,18 @@ pub fn load_and_attach(dir: &Path, cgroup: &Path, sizes: MapSizes) -> Result<()>
     for (name, path) in &pins {
         loader.map_pin_path(name, path.as_path());
     }
-    let mut ebpf = loader.load(OBJECT).map_err(|e| load_error(e, true))?;
+    loader.load(OBJECT).map_err(|e| load_error(e, true))
+}
+
+/// Loads the object with its maps pinned under `dir` (adopting maps pinned by an earlier
+/// run, see [`load_pinned`]), then attaches every program to `cgroup` and pins the links. Links of an earlier run
+/// are replaced only after the new ones are attached, so there is no moment without a data
+/// path (the two generations agree, see `proxy-ebpf/src/sock.rs`).
+///
+/// Errors name the step that failed (load, verify, attach, pin) and a remedy; a verifier
+/// rejection carries the end of the verifier log.
+pub fn load_and_attach(dir: &Path, cgroup: &Path, sizes: MapSizes) -> Result<()> {
+    let mut ebpf = load_pinned(dir, sizes)?;
     let cg = File::open(cgroup).with_context(|| {
         format!(
             "attach: open cgroup {} (remedy: pass an existing cgroup v2 directory as --cgroup-path)",

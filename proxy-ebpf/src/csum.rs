@@ -1,0 +1,261 @@
+//! Rewriting a packet's addresses and ports with their checksums.
+//!
+//! IPv4: the header checksum and the TCP/UDP checksum (whose pseudo-header holds both
+//! addresses) are updated incrementally (`bpf_l3_csum_replace`, `bpf_l4_csum_replace` with
+//! `BPF_F_PSEUDO_HDR`); a UDP checksum of zero ("none") stays zero (`BPF_F_MARK_MANGLED_0`).
+//!
+//! IPv6 has no header checksum; the TCP/UDP checksum covers a pseudo-header with both
+//! addresses (RFC 8200 section 8.1), so an address rewrite feeds `bpf_csum_diff` of the
+//! 16-byte addresses to `bpf_l4_csum_replace` (size 0: the difference form) with
+//! `BPF_F_PSEUDO_HDR` and `BPF_F_IPV6` (see the kernel's `bpf_l4_csum_replace`
+//! documentation). A computed UDP checksum of zero becomes 0xffff (`BPF_F_MARK_MANGLED_0`,
+//! as RFC 8200 wants; a zero UDP checksum is invalid in IPv6).
+//!
+//! Every failure is counted (`tc_rewrite_failed`) and makes the packet's verdict a drop.
+
+use aya_ebpf::helpers::bpf_csum_diff;
+use proxy_common::{
+    PROTO_UDP,
+    nat::{CtEntry, TcCounter},
+};
+
+use crate::{
+    packet::{
+        Buf, IP_CSUM_OFF, IP_DST_OFF, IP_SRC_OFF, IP6_DST_OFF, IP6_SRC_OFF, Pkt, l4_csum_off,
+    },
+    stats::count_tc,
+    verdict::Verdict,
+};
+
+/// `bpf_l4_csum_replace` flag: the change is part of the pseudo-header.
+pub const BPF_F_PSEUDO_HDR: u64 = 1 << 4;
+/// `bpf_l4_csum_replace` flag: a UDP checksum of zero stays zero (IPv4) / a computed zero
+/// becomes 0xffff.
+pub const BPF_F_MARK_MANGLED_0: u64 = 1 << 5;
+/// `bpf_l4_csum_replace` flag: the packet is IPv6 (Linux >= 6.16; with CHECKSUM_COMPLETE the
+/// pseudo-header is then not folded into `skb->csum`). Older kernels refuse the flag
+/// (-EINVAL, nothing changed) and the call is repeated without it.
+const BPF_F_IPV6: u64 = 1 << 7;
+
+/// Counts a failed rewrite helper: the packet is dropped.
+#[inline(always)]
+pub fn failed() -> Verdict {
+    count_tc(TcCounter::RewriteFailed);
+    Verdict::Drop
+}
+
+/// `Ok` when a helper succeeded, else the counted drop.
+#[inline(always)]
+pub fn ok(done: bool) -> Result<(), Verdict> {
+    if done { Ok(()) } else { Err(failed()) }
+}
+
+/// Rewrites the packet's tuple to `to`'s (both addresses and ports), fixing the checksums
+/// of its family. Its own BPF function (stack).
+#[inline(never)]
+pub fn rewrite<B: Buf>(b: &B, pkt: &Pkt, to: &CtEntry) -> Verdict {
+    let r = if pkt.v6 {
+        rewrite6(b, pkt, to)
+    } else {
+        rewrite4(b, pkt, to)
+    };
+    match r {
+        Ok(()) => Verdict::Pass,
+        Err(v) => v,
+    }
+}
+
+/// The UDP flag of [`BPF_F_MARK_MANGLED_0`] for `proto`.
+#[inline(always)]
+fn mangled(proto: u8) -> u64 {
+    if proto == PROTO_UDP {
+        BPF_F_MARK_MANGLED_0
+    } else {
+        0
+    }
+}
+
+/// Writes IPv4 address `new` (network order in a `u32`) over `old` at `off`, updating the
+/// IP header checksum and, with `l4_csum` set, the L4 checksum there (pseudo-header).
+#[inline(always)]
+pub fn store_addr4<B: Buf>(
+    b: &B,
+    off: usize,
+    old: u32,
+    new: u32,
+    l4_csum: Option<usize>,
+    flags: u64,
+) -> Result<(), Verdict> {
+    ok(b.store(off, &new))?;
+    ok(b.l3_csum_replace(IP_CSUM_OFF, old as u64, new as u64, 4))?;
+    if let Some(c) = l4_csum {
+        ok(b.l4_csum_replace(c, old as u64, new as u64, BPF_F_PSEUDO_HDR | flags | 4))?;
+    }
+    Ok(())
+}
+
+/// Writes port `new` over `old` at `off`, updating the L4 checksum at `csum` (for IPv6 with
+/// [`l4_csum6`]).
+#[inline(always)]
+pub fn store_port<B: Buf>(
+    b: &B,
+    off: usize,
+    old: u16,
+    new: u16,
+    csum: usize,
+    flags: u64,
+    v6: bool,
+) -> Result<(), Verdict> {
+    ok(b.store(off, &new))?;
+    if v6 {
+        l4_csum6(b, csum, old as u64, new as u64, flags | 2)
+    } else {
+        ok(b.l4_csum_replace(csum, old as u64, new as u64, flags | 2))
+    }
+}
+
+#[inline(always)]
+fn rewrite4<B: Buf>(b: &B, pkt: &Pkt, to: &CtEntry) -> Result<(), Verdict> {
+    let k = &pkt.key;
+    let csum = pkt.l4 + l4_csum_off(k.proto);
+    let m = mangled(k.proto);
+    let addr = |a: &[u8; 16]| u32::from_ne_bytes([a[12], a[13], a[14], a[15]]);
+    let port = |p: [u8; 2]| u16::from_ne_bytes(p);
+    if k.saddr != to.saddr {
+        store_addr4(
+            b,
+            IP_SRC_OFF,
+            addr(&k.saddr),
+            addr(&to.saddr),
+            Some(csum),
+            m,
+        )?;
+    }
+    if k.daddr != to.daddr {
+        store_addr4(
+            b,
+            IP_DST_OFF,
+            addr(&k.daddr),
+            addr(&to.daddr),
+            Some(csum),
+            m,
+        )?;
+    }
+    if k.sport != to.sport {
+        store_port(b, pkt.l4, port(k.sport), port(to.sport), csum, m, false)?;
+    }
+    if k.dport != to.dport {
+        store_port(b, pkt.l4 + 2, port(k.dport), port(to.dport), csum, m, false)?;
+    }
+    Ok(())
+}
+
+/// [`rewrite`] of an IPv6 packet: addresses as [`store_addr6`] does (part of the TCP/UDP
+/// pseudo-header; inlined here, a call deeper would exceed the combined stack limit under a
+/// new flow), ports as for IPv4.
+#[inline(always)]
+fn rewrite6<B: Buf>(b: &B, pkt: &Pkt, to: &CtEntry) -> Result<(), Verdict> {
+    let k = &pkt.key;
+    let csum = pkt.l4 + l4_csum_off(k.proto);
+    let m = mangled(k.proto);
+    let port = |p: [u8; 2]| u16::from_ne_bytes(p);
+    if k.saddr != to.saddr {
+        try_store_addr6(
+            b,
+            IP6_SRC_OFF,
+            &k.saddr,
+            &to.saddr,
+            ((csum as u64) << 32) | BPF_F_PSEUDO_HDR | m,
+        )?;
+    }
+    if k.daddr != to.daddr {
+        try_store_addr6(
+            b,
+            IP6_DST_OFF,
+            &k.daddr,
+            &to.daddr,
+            ((csum as u64) << 32) | BPF_F_PSEUDO_HDR | m,
+        )?;
+    }
+    if k.sport != to.sport {
+        store_port(b, pkt.l4, port(k.sport), port(to.sport), csum, m, true)?;
+    }
+    if k.dport != to.dport {
+        store_port(b, pkt.l4 + 2, port(k.dport), port(to.dport), csum, m, true)?;
+    }
+    Ok(())
+}
+
+/// `bpf_l4_csum_replace` of an IPv6 packet: with `BPF_F_IPV6`, and again without it on a
+/// kernel that does not know the flag (before 6.16; it then changed nothing).
+#[inline(always)]
+pub fn l4_csum6<B: Buf>(b: &B, off: usize, from: u64, to: u64, flags: u64) -> Result<(), Verdict> {
+    if b.l4_csum_replace(off, from, to, flags | BPF_F_IPV6) {
+        return Ok(());
+    }
+    ok(b.l4_csum_replace(off, from, to, flags))
+}
+
+/// Writes IPv6 address `new` over `old` at `off` and folds the difference into the
+/// checksum at `csum` (`bpf_csum_diff` of the 16-byte addresses, then the difference form
+/// of `bpf_l4_csum_replace`: size 0 and `from` 0). `flags`: `BPF_F_PSEUDO_HDR` when the
+/// address is part of the checksum's pseudo-header, plus `BPF_F_MARK_MANGLED_0` for UDP.
+#[inline(always)]
+pub fn store_addr6<B: Buf>(
+    b: &B,
+    off: usize,
+    old: &[u8; 16],
+    new: &[u8; 16],
+    csum: usize,
+    flags: u64,
+) -> Result<(), Verdict> {
+    match store_addr6_at(b, off, old, new, ((csum as u64) << 32) | flags) {
+        Verdict::Pass => Ok(()),
+        v => Err(v),
+    }
+}
+
+/// [`store_addr6`] as its own BPF function (small stack frames for its callers, at most
+/// five arguments: the checksum offset travels in the upper half of `csum_flags`, the
+/// flags in the lower).
+#[inline(never)]
+fn store_addr6_at<B: Buf>(
+    b: &B,
+    off: usize,
+    old: &[u8; 16],
+    new: &[u8; 16],
+    csum_flags: u64,
+) -> Verdict {
+    match try_store_addr6(b, off, old, new, csum_flags) {
+        Ok(()) => Verdict::Pass,
+        Err(v) => v,
+    }
+}
+
+#[inline(always)]
+fn try_store_addr6<B: Buf>(
+    b: &B,
+    off: usize,
+    old: &[u8; 16],
+    new: &[u8; 16],
+    csum_flags: u64,
+) -> Result<(), Verdict> {
+    let csum = (csum_flags >> 32) as usize;
+    let flags = csum_flags & 0xffff_ffff;
+    // SAFETY: both buffers are 16 readable bytes (a multiple of 4, as the helper needs); it
+    // only reads them.
+    let diff = unsafe {
+        bpf_csum_diff(
+            old.as_ptr() as *mut u32,
+            16,
+            new.as_ptr() as *mut u32,
+            16,
+            0,
+        )
+    };
+    if diff < 0 {
+        return Err(failed());
+    }
+    ok(b.store(off, new))?;
+    l4_csum6(b, csum, 0, diff as u64, flags)
+}

@@ -1,0 +1,90 @@
+//! Conntrack of packet flows: the entries of `TC_CONNTRACK` (layouts and the meaning of each
+//! direction in `proxy_common::nat`), their TCP state, liveness and timeouts.
+//!
+//! Each entry says "a packet with this tuple is rewritten to that tuple"; reversing an
+//! entry's rewritten tuple gives the key of the other direction's entry ([`peer_key`]), so
+//! either direction updates the other (state bits, last seen).
+
+use proxy_common::nat::{
+    CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_REPLY, CT_F_RST, CT_F_SEEN_REPLY, CtEntry, CtKey,
+    ct_closed, ct_timeout_ns,
+};
+
+use crate::{
+    maps::{TC_CONFIG, TC_CONNTRACK},
+    packet::{TCP_FIN, TCP_RST},
+};
+
+/// The state bits both directions of a flow share.
+pub const SHARED_FLAGS: u16 = CT_F_SEEN_REPLY | CT_F_FIN_ORIG | CT_F_FIN_REPLY | CT_F_RST;
+
+/// Whether a TCP flow with `flags` is closed (RST, or FIN both ways).
+#[inline(always)]
+pub fn is_closed(flags: u16) -> bool {
+    ct_closed(flags)
+}
+
+/// Idle time in nanoseconds after which an entry with `flags` of protocol `proto` is dead,
+/// with the configured timeouts (`TcConfig`; see `proxy_common::nat::ct_timeout_ns`).
+#[inline(always)]
+pub fn timeout_of(flags: u16, proto: u8) -> u64 {
+    match TC_CONFIG.get(0) {
+        Some(c) => ct_timeout_ns(
+            flags,
+            proto,
+            c.tcp_established_ns,
+            c.udp_ns,
+            c.udp_stream_ns,
+        ),
+        None => ct_timeout_ns(flags, proto, 0, 0, 0),
+    }
+}
+
+/// Whether an entry with `flags`, last seen at `seen`, is still alive at `now`.
+#[inline(always)]
+pub fn alive(flags: u16, seen: u64, proto: u8, now: u64) -> bool {
+    now.saturating_sub(seen) <= timeout_of(flags, proto)
+}
+
+/// Flags of `entry` after a packet with `tcp_flags` in its direction.
+#[inline(always)]
+pub fn track(entry: &CtEntry, tcp_flags: u8) -> u16 {
+    let mut f = entry.flags;
+    let reply = f & CT_F_REPLY != 0;
+    if reply {
+        f |= CT_F_SEEN_REPLY;
+    }
+    if tcp_flags & TCP_RST != 0 {
+        f |= CT_F_RST;
+    }
+    if tcp_flags & TCP_FIN != 0 {
+        f |= if reply { CT_F_FIN_REPLY } else { CT_F_FIN_ORIG };
+    }
+    f
+}
+
+/// The key of the other direction of the flow `entry` belongs to: its rewritten tuple,
+/// reversed.
+#[inline(always)]
+pub fn peer_key(entry: &CtEntry, proto: u8) -> CtKey {
+    CtKey {
+        saddr: entry.daddr,
+        daddr: entry.saddr,
+        sport: entry.dport,
+        dport: entry.sport,
+        proto,
+        _pad: [0; 3],
+    }
+}
+
+/// Shares the state bits and liveness with the other direction.
+#[inline(always)]
+pub fn touch_peer(entry: &CtEntry, proto: u8, flags: u16, now: u64) {
+    if let Some(p) = TC_CONNTRACK.get_ptr_mut(peer_key(entry, proto)) {
+        // SAFETY: value of the map, word-sized stores.
+        unsafe {
+            (*p).flags |= flags & SHARED_FLAGS;
+            (*p).last_seen_ns = now;
+        }
+    }
+}

@@ -1,0 +1,249 @@
+//! ICMP and ICMPv6 errors quoting a packet of a translated flow, translated like the
+//! direction they travel, as the kernel's NAT does (RFC 5508).
+//!
+//! IPv4: destination unreachable (which includes "fragmentation needed" for path-MTU
+//! discovery) and time exceeded. IPv6 (RFC 4443): destination unreachable, packet too big
+//! (what IPv6 path-MTU discovery depends on, since IPv6 routers never fragment) and time
+//! exceeded. Anything else (echo, neighbour discovery, MLD, ...) is never touched.
+//!
+//! The quoted packet went the other way, so its tuple reversed is the key of the entry of
+//! the direction the error travels (the reply entry for an error from the backend's side,
+//! the original entry for one from the client's side). That entry's rewrite gives the new
+//! outer destination, the new outer source (when the error comes from the flow's peer
+//! itself, not from a router on the way), and the quoted packet as its sender saw it (the
+//! reverse of the rewrite). The ICMP checksum covers the quoted bytes (ICMPv4 has no
+//! pseudo-header; ICMPv6's covers the outer addresses too, RFC 4443 section 2.3). The quoted
+//! TCP/UDP checksum is left as it was (the quote may be truncated, and receivers match
+//! errors by addresses and ports). A translated error is passed on at egress and sent on
+//! with `fib::redirect_out` at ingress (its source may now be a node address).
+
+// Map keys and values are passed by reference on purpose (a by-value key is copied onto the
+// 512-byte BPF stack first).
+#![allow(clippy::needless_borrows_for_generic_args)]
+
+use proxy_common::{
+    PROTO_TCP, PROTO_UDP,
+    nat::{CtKey, TcCounter},
+    v4_mapped,
+};
+
+use crate::{
+    csum::{BPF_F_PSEUDO_HDR, failed, l4_csum6, ok, store_addr4, store_addr6},
+    fib::redirect_out,
+    maps::{TC_CONNTRACK, TC_SCRATCH},
+    packet::{Buf, IP_DST_OFF, IP_SRC_OFF, IP6_DST_OFF, IP6_HLEN, IP6_SRC_OFF, Pkt},
+    stats::count_tc,
+    verdict::Verdict,
+};
+
+const ICMP_DEST_UNREACH: u8 = 3;
+const ICMP_TIME_EXCEEDED: u8 = 11;
+/// ICMPv6 error types (RFC 4443 section 3).
+const ICMP6_DEST_UNREACH: u8 = 1;
+const ICMP6_PACKET_TOO_BIG: u8 = 2;
+const ICMP6_TIME_EXCEEDED: u8 = 3;
+
+/// An ICMP packet (`pkt.l4` is its header).
+#[inline(never)]
+pub fn on_icmp<B: Buf>(b: &B, pkt: &Pkt, ingress: bool) -> Verdict {
+    match translate4(b, pkt.l4) {
+        Ok(true) if ingress => {
+            let (Some(s), Some(d)) = (b.load::<u32>(IP_SRC_OFF), b.load::<u32>(IP_DST_OFF)) else {
+                return Verdict::Pass;
+            };
+            redirect_out(b, &v4_mapped(s), &v4_mapped(d))
+        }
+        Ok(_) => Verdict::Pass,
+        Err(v) => v,
+    }
+}
+
+/// Translates an ICMP error at `l4` quoting a translated packet; `Ok(true)` when it did.
+#[inline(always)]
+fn translate4<B: Buf>(b: &B, l4: usize) -> Result<bool, Verdict> {
+    let pass = Verdict::Pass;
+    let ty: u8 = b.load(l4).ok_or(pass)?;
+    if ty != ICMP_DEST_UNREACH && ty != ICMP_TIME_EXCEEDED {
+        return Ok(false);
+    }
+    let inner = l4 + 8;
+    let inner_vihl: u8 = b.load(inner).ok_or(pass)?;
+    if inner_vihl >> 4 != 4 || inner_vihl & 0x0f < 5 {
+        return Ok(false);
+    }
+    let inner_l4 = inner + ((inner_vihl & 0x0f) as usize) * 4;
+    let proto: u8 = b.load(inner + 9).ok_or(pass)?;
+    if proto != PROTO_TCP && proto != PROTO_UDP {
+        return Ok(false);
+    }
+    let isrc: u32 = b.load(inner + 12).ok_or(pass)?;
+    let idst: u32 = b.load(inner + 16).ok_or(pass)?;
+    let isport: u16 = b.load(inner_l4).ok_or(pass)?;
+    let idport: u16 = b.load(inner_l4 + 2).ok_or(pass)?;
+    // The quoted packet reversed: the key of the direction this error travels.
+    let rkey = CtKey {
+        saddr: v4_mapped(idst),
+        daddr: v4_mapped(isrc),
+        sport: idport.to_ne_bytes(),
+        dport: isport.to_ne_bytes(),
+        proto,
+        _pad: [0; 3],
+    };
+    let Some(e) = TC_CONNTRACK.get_ptr(rkey) else {
+        return Ok(false);
+    };
+    let w = |a: &[u8; 16]| u32::from_ne_bytes([a[12], a[13], a[14], a[15]]);
+    // SAFETY: a value of the map, read field by field.
+    let (new_src, new_dst, new_sport, new_dport) = unsafe {
+        (
+            w(&(*e).saddr),
+            w(&(*e).daddr),
+            u16::from_ne_bytes((*e).sport),
+            u16::from_ne_bytes((*e).dport),
+        )
+    };
+    let icmp_csum = l4 + 2;
+    // Outer header: destination -> the entry's destination; source -> the entry's source
+    // when the error comes from the flow's peer itself.
+    let outer_src: u32 = b.load(IP_SRC_OFF).ok_or(pass)?;
+    let outer_dst: u32 = b.load(IP_DST_OFF).ok_or(pass)?;
+    if outer_dst != new_dst {
+        store_addr4(b, IP_DST_OFF, outer_dst, new_dst, None, 0)?;
+    }
+    if outer_src == idst && outer_src != new_src {
+        store_addr4(b, IP_SRC_OFF, outer_src, new_src, None, 0)?;
+    }
+    // Quoted header: source -> the entry's destination, destination -> the entry's source.
+    // The ICMP checksum covers the quoted bytes, including the quoted IP checksum, which
+    // changes too.
+    let iphdr_csum = inner + 10;
+    for (off, old, new) in [(inner + 12, isrc, new_dst), (inner + 16, idst, new_src)] {
+        if old == new {
+            continue;
+        }
+        let old_ck: u16 = b.load(iphdr_csum).ok_or(pass)?;
+        ok(b.store(off, &new))?;
+        ok(b.l3_csum_replace(iphdr_csum, old as u64, new as u64, 4))?;
+        let new_ck: u16 = b.load(iphdr_csum).ok_or(pass)?;
+        ok(b.l4_csum_replace(icmp_csum, old as u64, new as u64, 4))?;
+        ok(b.l4_csum_replace(icmp_csum, old_ck as u64, new_ck as u64, 2))?;
+    }
+    for (off, old, new) in [
+        (inner_l4, isport, new_dport),
+        (inner_l4 + 2, idport, new_sport),
+    ] {
+        if old == new {
+            continue;
+        }
+        ok(b.store(off, &new))?;
+        ok(b.l4_csum_replace(icmp_csum, old as u64, new as u64, 2))?;
+    }
+    count_tc(TcCounter::IcmpTranslated);
+    Ok(true)
+}
+
+/// An ICMPv6 packet (`pkt.l4` is its header, after any extension headers).
+#[inline(never)]
+pub fn on_icmp6<B: Buf>(b: &B, pkt: &Pkt, ingress: bool) -> Verdict {
+    match translate6(b, pkt.l4, ingress) {
+        Ok(v) | Err(v) => v,
+    }
+}
+
+#[inline(always)]
+fn translate6<B: Buf>(b: &B, l4: usize, ingress: bool) -> Result<Verdict, Verdict> {
+    let pass = Verdict::Pass;
+    let ty: u8 = b.load(l4).ok_or(pass)?;
+    if ty != ICMP6_DEST_UNREACH && ty != ICMP6_PACKET_TOO_BIG && ty != ICMP6_TIME_EXCEEDED {
+        return Ok(pass);
+    }
+    let inner = l4 + 8;
+    let inner_ver: u8 = b.load(inner).ok_or(pass)?;
+    if inner_ver >> 4 != 6 {
+        return Ok(pass);
+    }
+    let proto: u8 = b.load(inner + 6).ok_or(pass)?;
+    if proto != PROTO_TCP && proto != PROTO_UDP {
+        return Ok(pass);
+    }
+    let inner_l4 = inner + IP6_HLEN;
+    let isport: u16 = b.load(inner_l4).ok_or(pass)?;
+    let idport: u16 = b.load(inner_l4 + 2).ok_or(pass)?;
+    // The addresses live in the scratch slot, not on the stack (16-byte arrays are copied
+    // byte by byte there): `rkey`, the quoted packet reversed, is the key of the direction
+    // this error travels (its saddr is the quoted destination, its daddr the quoted
+    // source); `ekey` holds the outer addresses. (Both belong to new flows otherwise, which
+    // never run during an ICMP error.)
+    let Some(sc) = TC_SCRATCH.get_ptr_mut(0) else {
+        return Ok(pass);
+    };
+    // SAFETY: this CPU's slot, used only while this program runs.
+    let sc = unsafe { &mut *sc };
+    if !b.load16(inner + 8, &mut sc.rkey.daddr) || !b.load16(inner + 24, &mut sc.rkey.saddr) {
+        return Ok(pass);
+    }
+    sc.rkey.sport = idport.to_ne_bytes();
+    sc.rkey.dport = isport.to_ne_bytes();
+    sc.rkey.proto = proto;
+    sc.rkey._pad = [0; 3];
+    let Some(e) = TC_CONNTRACK.get_ptr(&sc.rkey) else {
+        return Ok(pass);
+    };
+    // SAFETY: a value of the map, valid while this program runs; the addresses of an entry
+    // are never written in place.
+    let e = unsafe { &*e };
+    let (new_sport, new_dport) = (u16::from_ne_bytes(e.sport), u16::from_ne_bytes(e.dport));
+    let csum = l4 + 2;
+    // Outer header (in the ICMPv6 pseudo-header): destination -> the entry's destination;
+    // source -> the entry's source when the error comes from the flow's peer itself.
+    if !b.load16(IP6_DST_OFF, &mut sc.ekey.daddr) || !b.load16(IP6_SRC_OFF, &mut sc.ekey.saddr) {
+        return Ok(pass);
+    }
+    if sc.ekey.daddr != e.daddr {
+        store_addr6(
+            b,
+            IP6_DST_OFF,
+            &sc.ekey.daddr,
+            &e.daddr,
+            csum,
+            BPF_F_PSEUDO_HDR,
+        )?;
+        sc.ekey.daddr = e.daddr;
+    }
+    if sc.ekey.saddr == sc.rkey.saddr && sc.ekey.saddr != e.saddr {
+        store_addr6(
+            b,
+            IP6_SRC_OFF,
+            &sc.ekey.saddr,
+            &e.saddr,
+            csum,
+            BPF_F_PSEUDO_HDR,
+        )?;
+        sc.ekey.saddr = e.saddr;
+    }
+    // Quoted header (ICMPv6 payload): source -> the entry's destination, destination -> the
+    // entry's source; then the ports.
+    if sc.rkey.daddr != e.daddr {
+        store_addr6(b, inner + 8, &sc.rkey.daddr, &e.daddr, csum, 0)?;
+    }
+    if sc.rkey.saddr != e.saddr {
+        store_addr6(b, inner + 24, &sc.rkey.saddr, &e.saddr, csum, 0)?;
+    }
+    if isport != new_dport {
+        if !b.store(inner_l4, &new_dport) {
+            return Err(failed());
+        }
+        l4_csum6(b, csum, isport as u64, new_dport as u64, 2)?;
+    }
+    if idport != new_sport {
+        if !b.store(inner_l4 + 2, &new_sport) {
+            return Err(failed());
+        }
+        l4_csum6(b, csum, idport as u64, new_sport as u64, 2)?;
+    }
+    count_tc(TcCounter::IcmpTranslated);
+    if ingress {
+        return Ok(redirect_out(b, &sc.ekey.saddr, &sc.ekey.daddr));
+    }
+    Ok(pass)
+}

@@ -1,0 +1,530 @@
+//! DNAT and SNAT of packet flows to `Scope::Ingress` frontends (node ports, external and LB
+//! IPs, cluster IPs routed to the node), for any packet hook.
+//!
+//! - [`tracked`]: a packet of a flow with a live conntrack entry is rewritten as the entry
+//!   says, its TCP state followed, its least-connections count given back when it closes;
+//! - [`new_flow`]: a first packet towards a frontend passes the LB IP's source ranges, gets
+//!   a backend from `lb::select` (the client is the packet's source), is source-NATed when
+//!   [`needs_snat`] says so, and its conntrack entries are written (the reply entry first;
+//!   nothing is rewritten when a write fails).
+//!
+//! SNAT: the source becomes the node address of the interface the flow arrived on
+//! (`TC_IFACE_ADDRS`), the port a random free one of `SNAT_PORT_MIN..+SNAT_PORT_COUNT` (free:
+//! no live reply entry holds it; [`SNAT_PORT_TRIES`] tries). The source is rewritten at
+//! egress, after the kernel routed the DNATed packet: with a node address as source already
+//! at ingress, routing would drop it as a martian. Replies of source-NATed flows are sent
+//! on from ingress with `fib::redirect_out` for the same reason.
+//!
+//! Drops, each counted in `TC_COUNTERS`: a refusal of `lb` (`Refusal::NoLocalEndpoints`,
+//! `Refusal::NoEndpoints`), a client outside the source ranges of an LB IP, no SNAT address
+//! on the interface, no free SNAT port, a conntrack write failure, a lost SNAT binding.
+
+// Map keys and values are passed by reference on purpose: by value, each 40- or 56-byte
+// struct would be copied onto the 512-byte BPF stack first.
+#![allow(clippy::needless_borrows_for_generic_args)]
+
+use aya_ebpf::{
+    bindings::{BPF_ANY, BPF_NOEXIST},
+    btf_maps::lpm_trie::Key,
+    helpers::bpf_get_prandom_u32,
+};
+use proxy_common::{
+    Algorithm, FRONTEND_F_LOCAL_ONLY, Frontend, is_v4_mapped,
+    nat::{
+        CT_F_EGRESS, CT_F_REPLY, CT_F_SNAT, CtEntry, CtKey, IFACE_F_POD, SNAT_PORT_COUNT,
+        SNAT_PORT_MIN, SNAT_PORT_TRIES, SOURCE_RANGE_RESTRICTED, SourceRange,
+        TC_CFG_CLUSTER_CIDR_V4, TC_CFG_CLUSTER_CIDR_V6, TC_CFG_MASQUERADE_ALL, TcCounter,
+    },
+};
+
+use crate::{
+    addr::L4Addr,
+    csum::rewrite,
+    ct::{SHARED_FLAGS, alive, is_closed, peer_key, timeout_of, touch_peer, track},
+    fib::redirect_out,
+    lb::{self, Lookup, Refusal, Request, Scope, backend, select},
+    lc,
+    maps::{
+        TC_CONFIG, TC_CONNTRACK, TC_IFACE_ADDRS, TC_LOCAL_ENDPOINTS, TC_SCRATCH, TC_SOURCE_RANGES,
+    },
+    packet::{Buf, Pkt, TCP_ACK, TCP_SYN},
+    stats::{count_packet, count_service, count_tc},
+    verdict::Verdict,
+};
+
+/// A counted drop.
+#[inline(always)]
+pub fn drop_with(c: TcCounter) -> Verdict {
+    count_tc(c);
+    Verdict::Drop
+}
+
+/// The packet hooks' answer to a [`Refusal`]: a drop counted by reason (kube-proxy drops a
+/// Local policy without local endpoints and rejects the rest; a packet program cannot
+/// answer cheaply, so it drops).
+#[inline(always)]
+fn refused(r: Refusal) -> Verdict {
+    drop_with(match r {
+        Refusal::NoLocalEndpoints => TcCounter::DroppedNoLocalEndpoints,
+        Refusal::NoEndpoints | Refusal::UndefinedPort => TcCounter::DroppedNoEndpoints,
+    })
+}
+
+/// A packet of a tracked flow: refreshes its entry (and the other direction's), follows
+/// the TCP state, and rewrites the packet. `None` when there is no live entry for it (a new
+/// flow, if anything), or when a TCP SYN reopens a closed flow's tuple. Its own BPF function
+/// (stack frame).
+#[inline(never)]
+pub fn tracked<B: Buf>(
+    b: &B,
+    pkt: &Pkt,
+    tcp_flags: u8,
+    now: u64,
+    ingress: bool,
+) -> Option<Verdict> {
+    let proto = pkt.key.proto;
+    let e = TC_CONNTRACK.get_ptr_mut(pkt.key)?;
+    // SAFETY: a value of the map; concurrent writers only touch the flags/time words.
+    let entry = unsafe { *e };
+    let live = alive(entry.flags, entry.last_seen_ns, proto, now);
+    let reopened = entry.flags & (CT_F_REPLY | CT_F_EGRESS) == 0
+        && tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+        && is_closed(entry.flags);
+    // The SNAT stage of a flow is for its packets on their way out only.
+    let wrong_side = ingress && entry.flags & CT_F_EGRESS != 0;
+    if !live || reopened || wrong_side {
+        return None;
+    }
+    if ingress
+        && entry.flags & (CT_F_SNAT | CT_F_REPLY | CT_F_EGRESS) == CT_F_SNAT
+        && !snat_binding_held(&pkt.key, &entry, now)
+    {
+        return Some(drop_with(TcCounter::SnatBindingLost));
+    }
+    let flags = track(&entry, tcp_flags);
+    // SAFETY: as above; word-sized stores.
+    unsafe {
+        (*e).last_seen_ns = now;
+        (*e).flags = flags;
+    }
+    touch_peer(&entry, proto, flags, now);
+    if entry.flags & CT_F_EGRESS == 0 && is_closed(flags) && !is_closed(entry.flags) {
+        // The flow closed: its least-connections count, if any, is given back now.
+        flow_closed(&pkt.key, &entry);
+    }
+    count_tc(TcCounter::Translated);
+    // The SNAT stage is a second rewrite of a packet already counted at its DNAT.
+    if entry.flags & CT_F_EGRESS == 0 {
+        count_packet(entry.service_id, b.len());
+    }
+    let v = rewrite(b, pkt, &entry);
+    if v == Verdict::Pass
+        && ingress
+        && entry.flags & (CT_F_REPLY | CT_F_SNAT) == (CT_F_REPLY | CT_F_SNAT)
+    {
+        return Some(redirect_out(b, &entry.saddr, &entry.daddr));
+    }
+    Some(v)
+}
+
+/// A tracked flow closed (FIN both ways or RST) as seen through the entry keyed `key`:
+/// gives back its least-connections count. The original-direction key is `key` itself for
+/// the original entry and the reverse of the rewrite for the reply entry.
+#[inline(never)]
+fn flow_closed(key: &CtKey, entry: &CtEntry) {
+    if entry.flags & CT_F_REPLY != 0 {
+        lc::flow_released(&peer_key(entry, key.proto));
+    } else {
+        lc::flow_released(key);
+    }
+}
+
+/// For a packet in the original direction of a source-NATed flow (`entry` is its original
+/// entry, `key` the packet's tuple): whether the flow still holds its SNAT binding. The SNAT
+/// stage is keyed by the original entry's rewritten tuple and names the node address and
+/// port; the reply entry keyed (backend -> node address:port) must lead back to this client.
+/// - reply entry evicted from the LRU table: written again (only if the port is still free),
+///   so a later flow cannot take the port while this one lives;
+/// - reply entry of another live flow (the port was taken after an eviction), or SNAT stage
+///   evicted: the binding is lost; the flow's entries are removed (and its
+///   least-connections count given back) so the client's next packet starts a new flow,
+///   and this packet is dropped rather than mixed into the other flow.
+///
+/// Its own BPF function; keys and entries are built in the per-CPU scratch slot (stack).
+#[inline(never)]
+fn snat_binding_held(key: &CtKey, entry: &CtEntry, now: u64) -> bool {
+    let Some(sc) = TC_SCRATCH.get_ptr_mut(0) else {
+        return true;
+    };
+    // SAFETY: this CPU's slot; `new_flow` does not run for a tracked packet. Fields are
+    // written in place and map values read through their pointers: this function's frame
+    // adds to `tracked`'s and the entry point's within the 512-byte stack.
+    let sc = unsafe { &mut *sc };
+    sc.ekey.saddr = entry.saddr;
+    sc.ekey.daddr = entry.daddr;
+    sc.ekey.sport = entry.sport;
+    sc.ekey.dport = entry.dport;
+    sc.ekey.proto = key.proto;
+    sc.ekey._pad = [0; 3];
+    let held = match TC_CONNTRACK.get_ptr(&sc.ekey) {
+        None => false,
+        Some(eg) => {
+            sc.rkey.saddr = entry.daddr;
+            sc.rkey.sport = entry.dport;
+            // SAFETY: value of the map, fields copied.
+            unsafe {
+                sc.rkey.daddr = (*eg).saddr;
+                sc.rkey.dport = (*eg).sport;
+            }
+            sc.rkey.proto = key.proto;
+            sc.rkey._pad = [0; 3];
+            sc.rev.saddr = key.daddr;
+            sc.rev.daddr = key.saddr;
+            sc.rev.sport = key.dport;
+            sc.rev.dport = key.sport;
+            sc.rev.flags = CT_F_REPLY | CT_F_SNAT | (entry.flags & SHARED_FLAGS);
+            sc.rev._pad = 0;
+            sc.rev.service_id = entry.service_id;
+            sc.rev.last_seen_ns = now;
+            match TC_CONNTRACK.get_ptr(&sc.rkey) {
+                // SAFETY: value of the map, read in place.
+                Some(r) => unsafe {
+                    if (*r).daddr == key.saddr && (*r).dport == key.sport {
+                        true
+                    } else if !alive((*r).flags, (*r).last_seen_ns, key.proto, now) {
+                        // The other flow is dead: the port is free, take it back.
+                        TC_CONNTRACK
+                            .insert(&sc.rkey, &sc.rev, BPF_ANY as u64)
+                            .is_ok()
+                    } else {
+                        false
+                    }
+                },
+                // Only if still free: a new flow that took it meanwhile keeps it.
+                None => TC_CONNTRACK
+                    .insert(&sc.rkey, &sc.rev, BPF_NOEXIST as u64)
+                    .is_ok(),
+            }
+        }
+    };
+    if !held {
+        let _ = TC_CONNTRACK.remove(&sc.ekey);
+        let _ = TC_CONNTRACK.remove(key);
+        lc::flow_released(key);
+    }
+    held
+}
+
+/// A first packet from outside: select, maybe SNAT, track, rewrite. Its own BPF function
+/// (a stack frame of its own) to stay within the 512-byte stack. The per-service counting
+/// is left to [`count_new_flow`], outside this deep frame.
+#[inline(never)]
+pub fn new_flow<B: Buf>(b: &B, pkt: &Pkt, now: u64) -> Verdict {
+    match try_new_flow(b, pkt, now) {
+        Ok(v) | Err(v) => v,
+    }
+}
+
+#[inline(always)]
+fn try_new_flow<B: Buf>(b: &B, pkt: &Pkt, now: u64) -> Result<Verdict, Verdict> {
+    let k = &pkt.key;
+    let ifindex = b.ifindex();
+    // SAFETY: value of the map, one word read.
+    let iface_flags = TC_IFACE_ADDRS
+        .get_ptr(ifindex)
+        .map(|p| unsafe { (*p).flags })
+        .unwrap_or(0);
+    if iface_flags & IFACE_F_POD != 0 {
+        return Ok(Verdict::Pass); // pods start flows at the socket, not here
+    }
+    // The request, and below the entries, live in a per-CPU scratch slot, not on the
+    // 512-byte stack.
+    let Some(sc) = TC_SCRATCH.get_ptr_mut(0) else {
+        return Ok(Verdict::Drop);
+    };
+    // SAFETY: this CPU's slot, used only while this program runs.
+    let sc = unsafe { &mut *sc };
+    sc.req = Request {
+        frontend: L4Addr::new(k.daddr, k.dport, k.proto),
+        client: L4Addr::new(k.saddr, k.sport, k.proto),
+    };
+    let (fe, cluster_ip) = match lb::lookup(&sc.req.frontend, Scope::Ingress) {
+        Lookup::Frontend { fe, cluster_ip } => (fe, cluster_ip),
+        // Undefined ports of cluster IPs reached from outside are left alone.
+        Lookup::NotService | Lookup::Refused(_) => return Ok(Verdict::Pass),
+    };
+    if denied_by_source_ranges(&k.daddr, &k.saddr) {
+        return Err(drop_with(TcCounter::SourceRangeDenied));
+    }
+    let id = select(&fe, &sc.req);
+    // Counted by the caller (see `count_new_flow`).
+    sc.count_sid = fe.service_id;
+    sc.count_bid = id;
+    sc.count_refused = (id == 0) as u32;
+    let Some(bk) = backend(id).filter(|_| id != 0) else {
+        return Err(refused(Refusal::no_backend(&fe)));
+    };
+    // A backend of the other family (the model never pairs them; a packet cannot change
+    // family here).
+    if other_family(&bk.addr, pkt.v6) {
+        return Err(drop_with(TcCounter::RewriteFailed));
+    }
+    let snat = needs_snat(&fe, &bk.addr, &k.saddr, cluster_ip);
+    sc.fwd = CtEntry {
+        saddr: k.saddr,
+        daddr: bk.addr,
+        sport: k.sport,
+        dport: bk.port,
+        flags: 0,
+        _pad: 0,
+        service_id: fe.service_id,
+        last_seen_ns: now,
+    };
+    sc.rev = CtEntry {
+        saddr: k.daddr,
+        daddr: k.saddr,
+        sport: k.dport,
+        dport: k.sport,
+        flags: CT_F_REPLY,
+        _pad: 0,
+        service_id: fe.service_id,
+        last_seen_ns: now,
+    };
+    if snat {
+        let Some(node) = TC_IFACE_ADDRS.get_ptr(ifindex) else {
+            return Err(drop_with(TcCounter::NoSnatAddress));
+        };
+        // SAFETY: value of the map, read in place.
+        let node = unsafe { if pkt.v6 { &(*node).v6 } else { &(*node).v4 } };
+        if !snat_addr_usable(node, pkt.v6) {
+            return Err(drop_with(TcCounter::NoSnatAddress));
+        }
+        sc.fwd.flags = CT_F_SNAT;
+        sc.rev.flags = CT_F_REPLY | CT_F_SNAT;
+        sc.rkey = CtKey {
+            saddr: bk.addr,
+            daddr: *node,
+            sport: bk.port,
+            dport: [0; 2],
+            proto: k.proto,
+            _pad: [0; 3],
+        };
+        let mut bound = false;
+        for _ in 0..SNAT_PORT_TRIES {
+            // SAFETY: helper without side effects.
+            let r = unsafe { bpf_get_prandom_u32() } % SNAT_PORT_COUNT as u32;
+            sc.rkey.dport = (SNAT_PORT_MIN + r as u16).to_be_bytes();
+            // A port is free when no live reply entry holds it; a dead one is replaced.
+            let flag = match TC_CONNTRACK.get_ptr(sc.rkey) {
+                // SAFETY: value of the map, read field by field.
+                Some(old) => {
+                    let (seen, flags) = unsafe { ((*old).last_seen_ns, (*old).flags) };
+                    if now.saturating_sub(seen) <= timeout_of(flags, k.proto) {
+                        continue;
+                    }
+                    BPF_ANY
+                }
+                None => BPF_NOEXIST,
+            };
+            if TC_CONNTRACK.insert(&sc.rkey, &sc.rev, flag as u64).is_ok() {
+                bound = true;
+                break;
+            }
+        }
+        if !bound {
+            return Err(drop_with(TcCounter::SnatPortsExhausted));
+        }
+        // The SNAT stage, applied at egress (see the module documentation).
+        sc.ekey = CtKey {
+            saddr: k.saddr,
+            daddr: bk.addr,
+            sport: k.sport,
+            dport: bk.port,
+            proto: k.proto,
+            _pad: [0; 3],
+        };
+        sc.eg = CtEntry {
+            saddr: *node,
+            sport: sc.rkey.dport,
+            flags: CT_F_SNAT | CT_F_EGRESS,
+            ..sc.fwd
+        };
+        if TC_CONNTRACK
+            .insert(&sc.ekey, &sc.eg, BPF_ANY as u64)
+            .is_err()
+        {
+            let _ = TC_CONNTRACK.remove(&sc.rkey);
+            return Err(drop_with(TcCounter::ConntrackFull));
+        }
+        if TC_CONNTRACK
+            .insert(&pkt.key, &sc.fwd, BPF_ANY as u64)
+            .is_err()
+        {
+            let _ = TC_CONNTRACK.remove(&sc.rkey);
+            let _ = TC_CONNTRACK.remove(&sc.ekey);
+            return Err(drop_with(TcCounter::ConntrackFull));
+        }
+        count_tc(TcCounter::Snat);
+    } else {
+        sc.rkey = peer_key(&sc.fwd, k.proto);
+        if TC_CONNTRACK
+            .insert(&sc.rkey, &sc.rev, BPF_ANY as u64)
+            .is_err()
+        {
+            return Err(drop_with(TcCounter::ConntrackFull));
+        }
+        if TC_CONNTRACK
+            .insert(&pkt.key, &sc.fwd, BPF_ANY as u64)
+            .is_err()
+        {
+            let _ = TC_CONNTRACK.remove(&sc.rkey);
+            return Err(drop_with(TcCounter::ConntrackFull));
+        }
+    }
+    count_tc(TcCounter::NewFlow);
+    sc.count_lc = (fe.algorithm == Algorithm::LeastConnections as u8) as u32;
+    Ok(rewrite(b, pkt, &sc.fwd))
+}
+
+/// The counting of a new flow [`new_flow`] decided on (per service and backend, and its
+/// least-connections record), done by the entry point outside `new_flow`'s deep frame.
+#[inline(always)]
+pub fn count_new_flow(pkt: &Pkt) {
+    let Some(sc) = TC_SCRATCH.get_ptr_mut(0) else {
+        return;
+    };
+    // SAFETY: this CPU's slot, used only while this program runs.
+    let sc = unsafe { &mut *sc };
+    if sc.count_sid == 0 {
+        return;
+    }
+    count_service(sc.count_sid, sc.count_bid, sc.count_refused);
+    // A new flow on this tuple: an earlier flow's count is given back, and this one is
+    // counted when its Service uses least-connections.
+    lc::flow_started(&pkt.key, if sc.count_lc != 0 { sc.count_bid } else { 0 });
+    sc.count_sid = 0;
+    sc.count_lc = 0;
+}
+
+/// Whether backend address `a` is not of the packet's family. Its own BPF function: inline,
+/// the comparison costs `new_flow` about 100 bytes of stack.
+#[inline(never)]
+fn other_family(a: &[u8; 16], v6: bool) -> bool {
+    is_v4_mapped(a) == v6
+}
+
+/// Whether `a`, read from `IfaceAddr`, is a node address of the family (all zero: none).
+/// For IPv6, the agent writes global or unique-local addresses only, none of them in
+/// `::/8` (reserved: the unspecified, loopback and IPv4-mapped addresses live there), so
+/// the first byte tells.
+#[inline(always)]
+fn snat_addr_usable(a: &[u8; 16], v6: bool) -> bool {
+    if v6 { a[0] != 0 } else { is_v4_mapped(a) }
+}
+
+/// Whether a new flow of `fe` from `client` to backend `addr` is source-NATed:
+/// - never with a Local policy (the client address is kept, KEP-1672 / KEP-2086);
+/// - with `--masquerade-all` always (kube-proxy's meaning);
+/// - for a cluster IP, when the client is outside `--cluster-cidr`'s prefix of its family
+///   (kube-proxy masquerades off-cluster traffic to cluster IPs);
+/// - when the backend is on another node: its replies must come back through this node
+///   to be translated. (kube-proxy masquerades every Cluster-policy external flow; here a
+///   flow to a backend on this node keeps the client address, as Cilium does.)
+#[inline(always)]
+fn needs_snat(fe: &Frontend, addr: &[u8; 16], client: &[u8; 16], cluster_ip: bool) -> bool {
+    if fe.flags & FRONTEND_F_LOCAL_ONLY != 0 {
+        return false;
+    }
+    if let Some(cfg) = TC_CONFIG.get(0) {
+        if cfg.flags & TC_CFG_MASQUERADE_ALL != 0 {
+            return true;
+        }
+        let v4 = is_v4_mapped(client);
+        if cluster_ip && !v4 && cfg.flags & TC_CFG_CLUSTER_CIDR_V6 != 0 && outside_cidr6(client) {
+            return true;
+        }
+        if cluster_ip && v4 && cfg.flags & TC_CFG_CLUSTER_CIDR_V4 != 0 {
+            let len = cfg.cluster_cidr_v4_len as u32;
+            let mask = if len == 0 {
+                0
+            } else {
+                u32::MAX << (32 - len.min(32))
+            };
+            let c = u32::from_be_bytes([client[12], client[13], client[14], client[15]]);
+            let n = u32::from_be_bytes(cfg.cluster_cidr_v4);
+            if c & mask != n & mask {
+                return true;
+            }
+        }
+    }
+    TC_LOCAL_ENDPOINTS.get_ptr(*addr).is_none()
+}
+
+/// Whether IPv6 client `a` is outside the IPv6 `--cluster-cidr` (`TC_CONFIG`). Its own BPF
+/// function: the 64-bit halves would otherwise take `new_flow`'s stack.
+#[inline(never)]
+fn outside_cidr6(a: &[u8; 16]) -> bool {
+    match TC_CONFIG.get(0) {
+        Some(cfg) => !in_prefix6(a, &cfg.cluster_cidr_v6, cfg.cluster_cidr_v6_len),
+        None => false,
+    }
+}
+
+/// Whether IPv6 address `a` is in `net`/`len` (both network byte order).
+#[inline(always)]
+fn in_prefix6(a: &[u8; 16], net: &[u8; 16], len: u8) -> bool {
+    let len = len.min(128) as u32;
+    let (mh, ml) = (mask64(len), mask64(len.saturating_sub(64)));
+    let (ah, al) = halves(a);
+    let (nh, nl) = halves(net);
+    ah & mh == nh & mh && al & ml == nl & ml
+}
+
+/// The first `len` (0..=64; more counts as 64) bits set.
+#[inline(always)]
+fn mask64(len: u32) -> u64 {
+    if len == 0 {
+        0
+    } else if len >= 64 {
+        u64::MAX
+    } else {
+        u64::MAX << (64 - len)
+    }
+}
+
+/// An address as two big-endian 64-bit halves.
+#[inline(always)]
+fn halves(a: &[u8; 16]) -> (u64, u64) {
+    (
+        u64::from_be_bytes([a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]]),
+        u64::from_be_bytes([a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]]),
+    )
+}
+
+/// `spec.loadBalancerSourceRanges`: true when `dst` is a restricted LB IP and `src` is in
+/// none of its ranges.
+#[inline(always)]
+fn denied_by_source_ranges(dst: &[u8; 16], src: &[u8; 16]) -> bool {
+    let key = Key::new(
+        256,
+        SourceRange {
+            lb_addr: *dst,
+            client: *src,
+        },
+    );
+    matches!(TC_SOURCE_RANGES.get(&key), Some(v) if *v == SOURCE_RANGE_RESTRICTED)
+}
+
+/// Whether the original entry of the flow keyed `key` is alive and open, as the
+/// least-connections collection checks before it gives a count back.
+#[inline(always)]
+pub fn flow_open(key: &CtKey, now: u64) -> bool {
+    match TC_CONNTRACK.get_ptr(key) {
+        // SAFETY: value of the map, read field by field.
+        Some(e) => unsafe {
+            let (seen, flags) = ((*e).last_seen_ns, (*e).flags);
+            alive(flags, seen, key.proto, now) && !is_closed(flags)
+        },
+        None => false,
+    }
+}

@@ -1,0 +1,357 @@
+//! Packet access and parsing, for every packet hook.
+//!
+//! [`Buf`] is what a hook offers to read and change a packet (the tc context implements it
+//! with the skb helpers; an XDP context would with direct packet access and
+//! `bpf_csum_diff`). [`parse`] finds the tuple of an Ethernet frame carrying IPv4 or IPv6:
+//! - IPv4: version 4, a header length of at least 20 bytes (options are skipped, never
+//!   read), a total length that fits the frame; a fragment other than the first has no ports
+//!   and is left alone (its verdict is "other");
+//! - IPv6: the fixed header, then up to [`MAX_EXT_HEADERS`] extension headers (hop-by-hop,
+//!   destination options, routing without segments left, fragment); a fragment other than
+//!   the first, a routing header with segments left (the destination is then not the final
+//!   one, which the L4 checksum covers), AH, ESP and unknown headers are "other";
+//!   IPv4-mapped addresses are "other" too (never valid on the wire, RFC 4291 2.5.5.2, and
+//!   they would alias the IPv4 flows' IPv4-mapped tuples).
+//!
+//! Anything malformed (truncated, bad lengths) is "other": the hook lets it through
+//! untouched and the kernel's own checks drop it.
+
+use aya_ebpf::{
+    bindings::bpf_fib_lookup as FibParams,
+    helpers::{bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh, bpf_skb_load_bytes},
+    programs::TcContext,
+};
+use proxy_common::{PROTO_TCP, PROTO_UDP, is_v4_mapped, nat::CtKey, v4_mapped};
+
+use crate::verdict::Verdict;
+
+/// Length of an Ethernet header.
+pub const ETH_HLEN: usize = 14;
+const ETH_P_IP: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86DD;
+/// IANA protocol number of ICMP.
+pub const PROTO_ICMP: u8 = 1;
+/// IANA protocol number of ICMPv6.
+pub const PROTO_ICMPV6: u8 = 58;
+/// Length of the fixed IPv6 header (RFC 8200 section 3).
+pub const IP6_HLEN: usize = 40;
+/// Offset of the IPv6 source address in the frame.
+pub const IP6_SRC_OFF: usize = ETH_HLEN + 8;
+/// Offset of the IPv6 destination address in the frame.
+pub const IP6_DST_OFF: usize = ETH_HLEN + 24;
+/// Offset of the IPv4 header checksum in the frame.
+pub const IP_CSUM_OFF: usize = ETH_HLEN + 10;
+/// Offset of the IPv4 source address in the frame.
+pub const IP_SRC_OFF: usize = ETH_HLEN + 12;
+/// Offset of the IPv4 destination address in the frame.
+pub const IP_DST_OFF: usize = ETH_HLEN + 16;
+/// Most IPv6 extension headers walked before giving up ("other").
+pub const MAX_EXT_HEADERS: u32 = 4;
+/// IPv6 extension header numbers (RFC 8200 section 4).
+const IP6_HOPOPTS: u8 = 0;
+const IP6_ROUTING: u8 = 43;
+const IP6_FRAGMENT: u8 = 44;
+const IP6_DSTOPTS: u8 = 60;
+/// TCP flag bits (byte 13 of the header).
+pub const TCP_FIN: u8 = 0x01;
+/// See [`TCP_FIN`].
+pub const TCP_SYN: u8 = 0x02;
+/// See [`TCP_FIN`].
+pub const TCP_RST: u8 = 0x04;
+/// See [`TCP_FIN`].
+pub const TCP_ACK: u8 = 0x10;
+
+/// The packet operations the shared modules need from a hook. Offsets count from the start
+/// of the frame; multi-byte values are in the packet's (network) byte order.
+pub trait Buf {
+    /// Reads a `T` at `off`; `None` past the end.
+    fn load<T>(&self, off: usize) -> Option<T>;
+    /// Reads 16 bytes at `off` straight into `dst` (no stack temporary).
+    fn load16(&self, off: usize, dst: &mut [u8; 16]) -> bool;
+    /// Writes `v` at `off`.
+    fn store<T>(&self, off: usize, v: &T) -> bool;
+    /// `bpf_l3_csum_replace`: updates the checksum at `off` for a `size`-byte change.
+    fn l3_csum_replace(&self, off: usize, from: u64, to: u64, size: u64) -> bool;
+    /// `bpf_l4_csum_replace`: as `l3_csum_replace`, with the `BPF_F_*` flags in `flags`.
+    fn l4_csum_replace(&self, off: usize, from: u64, to: u64, flags: u64) -> bool;
+    /// Length of the frame in bytes.
+    fn len(&self) -> u32;
+    /// Index of the interface the packet is on.
+    fn ifindex(&self) -> u32;
+    /// `bpf_fib_lookup` with `params`; the helper's return value.
+    fn fib_lookup(&self, params: &mut FibParams) -> i64;
+    /// Sends the packet out of `ifindex` as it is.
+    fn redirect(&self, ifindex: u32) -> Verdict;
+    /// Sends the packet out of `ifindex`, the kernel resolving the next hop's address.
+    fn redirect_neigh(&self, ifindex: u32) -> Verdict;
+}
+
+impl Buf for TcContext {
+    #[inline(always)]
+    fn load<T>(&self, off: usize) -> Option<T> {
+        TcContext::load(self, off).ok()
+    }
+
+    #[inline(always)]
+    fn load16(&self, off: usize, dst: &mut [u8; 16]) -> bool {
+        // SAFETY: the helper writes exactly 16 bytes into `dst`.
+        unsafe {
+            bpf_skb_load_bytes(
+                self.skb.skb as *const _,
+                off as u32,
+                dst.as_mut_ptr() as *mut _,
+                16,
+            ) == 0
+        }
+    }
+
+    #[inline(always)]
+    fn store<T>(&self, off: usize, v: &T) -> bool {
+        TcContext::store(self, off, v, 0).is_ok()
+    }
+
+    #[inline(always)]
+    fn l3_csum_replace(&self, off: usize, from: u64, to: u64, size: u64) -> bool {
+        TcContext::l3_csum_replace(self, off, from, to, size).is_ok()
+    }
+
+    #[inline(always)]
+    fn l4_csum_replace(&self, off: usize, from: u64, to: u64, flags: u64) -> bool {
+        TcContext::l4_csum_replace(self, off, from, to, flags).is_ok()
+    }
+
+    #[inline(always)]
+    fn len(&self) -> u32 {
+        TcContext::len(self)
+    }
+
+    #[inline(always)]
+    fn ifindex(&self) -> u32 {
+        // SAFETY: a field of our own context.
+        unsafe { (*self.skb.skb).ifindex }
+    }
+
+    #[inline(always)]
+    fn fib_lookup(&self, params: &mut FibParams) -> i64 {
+        // SAFETY: helper with our context and a buffer of the right size.
+        unsafe {
+            bpf_fib_lookup(
+                self.skb.skb as *mut _,
+                params,
+                core::mem::size_of::<FibParams>() as i32,
+                0,
+            )
+        }
+    }
+
+    #[inline(always)]
+    fn redirect(&self, ifindex: u32) -> Verdict {
+        // SAFETY: helper without memory arguments.
+        Verdict::of_redirect(unsafe { bpf_redirect(ifindex, 0) })
+    }
+
+    #[inline(always)]
+    fn redirect_neigh(&self, ifindex: u32) -> Verdict {
+        // SAFETY: helper without memory arguments (no explicit next hop).
+        Verdict::of_redirect(unsafe { bpf_redirect_neigh(ifindex, core::ptr::null_mut(), 0, 0) })
+    }
+}
+
+/// A parsed IPv4 or IPv6 packet: its tuple (for TCP and UDP) and where its fields are.
+pub struct Pkt {
+    /// The packet's tuple, also the conntrack key of its direction (TCP and UDP only).
+    pub key: CtKey,
+    /// Offset of the L4 header in the frame.
+    pub l4: usize,
+    /// An IPv6 packet (plain IPv6 addresses in `key`), else IPv4 (IPv4-mapped).
+    pub v6: bool,
+}
+
+impl Pkt {
+    /// An empty packet to parse into (one per program, in its frame).
+    #[inline(always)]
+    pub fn new() -> Pkt {
+        Pkt {
+            key: CtKey::default(),
+            l4: 0,
+            v6: false,
+        }
+    }
+}
+
+/// What [`parse`] found.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// TCP or UDP: `key`, `l4` and `v6` are set.
+    Flow,
+    /// ICMP over IPv4: `l4` is set.
+    Icmp,
+    /// ICMPv6: `l4` and `v6` are set.
+    Icmp6,
+    /// Anything else, malformed input included: left alone.
+    Other,
+}
+
+/// Offset of the L4 checksum of `proto` relative to the L4 header.
+#[inline(always)]
+pub fn l4_csum_off(proto: u8) -> usize {
+    if proto == PROTO_TCP { 16 } else { 6 }
+}
+
+/// Parses the frame into `pkt` (see the module documentation).
+#[inline(always)]
+pub fn parse<B: Buf>(b: &B, pkt: &mut Pkt) -> Kind {
+    let Some(ethertype) = b.load::<u16>(12) else {
+        return Kind::Other;
+    };
+    match u16::from_be(ethertype) {
+        ETH_P_IP => parse_v4(b, pkt).unwrap_or(Kind::Other),
+        ETH_P_IPV6 => parse_v6(b, pkt),
+        _ => Kind::Other,
+    }
+}
+
+#[inline(always)]
+fn parse_v4<B: Buf>(b: &B, pkt: &mut Pkt) -> Option<Kind> {
+    // Version, header length, total length.
+    let w0: [u8; 4] = b.load(ETH_HLEN)?;
+    if w0[0] >> 4 != 4 {
+        return None;
+    }
+    let ihl = ((w0[0] & 0x0f) as usize) * 4;
+    if ihl < 20 {
+        return None;
+    }
+    // Flags and fragment offset, then TTL and protocol.
+    let w1: [u8; 4] = b.load(ETH_HLEN + 4)?;
+    if u16::from_be_bytes([w1[2], w1[3]]) & 0x1fff != 0 {
+        return None; // a later fragment: no ports to translate by
+    }
+    let w2: [u8; 2] = b.load(ETH_HLEN + 8)?;
+    let proto = w2[1];
+    let l4 = ETH_HLEN + ihl;
+    let total = u16::from_be_bytes([w0[2], w0[3]]) as usize;
+    if !fits(b, total, ihl + min_l4_len(proto)) {
+        return None;
+    }
+    pkt.l4 = l4;
+    pkt.v6 = false;
+    if proto == PROTO_ICMP {
+        return Some(Kind::Icmp);
+    }
+    if proto != PROTO_TCP && proto != PROTO_UDP {
+        return None;
+    }
+    let saddr: u32 = b.load(IP_SRC_OFF)?;
+    let daddr: u32 = b.load(IP_DST_OFF)?;
+    let ports: [u8; 4] = b.load(l4)?;
+    pkt.key = CtKey {
+        saddr: v4_mapped(saddr),
+        daddr: v4_mapped(daddr),
+        sport: [ports[0], ports[1]],
+        dport: [ports[2], ports[3]],
+        proto,
+        _pad: [0; 3],
+    };
+    Some(Kind::Flow)
+}
+
+/// The IPv6 parse. Its own BPF function, so the IPv4 path's stack does not grow; `pkt` is in
+/// the caller's frame.
+#[inline(never)]
+fn parse_v6<B: Buf>(b: &B, pkt: &mut Pkt) -> Kind {
+    try_parse_v6(b, pkt).unwrap_or(Kind::Other)
+}
+
+#[inline(always)]
+fn try_parse_v6<B: Buf>(b: &B, pkt: &mut Pkt) -> Option<Kind> {
+    // Version ... payload length, next header.
+    let w: [u8; 8] = b.load(ETH_HLEN)?;
+    if w[0] >> 4 != 6 {
+        return None;
+    }
+    let payload = u16::from_be_bytes([w[4], w[5]]) as usize;
+    let mut next = w[6];
+    let mut off = ETH_HLEN + IP6_HLEN;
+    for _ in 0..MAX_EXT_HEADERS {
+        match next {
+            PROTO_TCP | PROTO_UDP | PROTO_ICMPV6 => break,
+            IP6_HOPOPTS | IP6_DSTOPTS | IP6_ROUTING => {
+                // Next header, length in 8-octet units after the first 8; for routing, the
+                // type and the segments left.
+                let h: [u8; 4] = b.load(off)?;
+                if next == IP6_ROUTING && h[3] != 0 {
+                    return None;
+                }
+                next = h[0];
+                off += (h[1] as usize + 1) * 8;
+            }
+            IP6_FRAGMENT => {
+                let h: [u8; 4] = b.load(off)?;
+                if u16::from_be_bytes([h[2], h[3]]) & 0xfff8 != 0 {
+                    return None; // a later fragment: no ports
+                }
+                next = h[0];
+                off += 8;
+            }
+            _ => return None,
+        }
+    }
+    // The IP length as the IPv4 one: payload plus the fixed header.
+    let total = if payload == 0 { 0 } else { IP6_HLEN + payload };
+    if !fits(b, total, off - ETH_HLEN + min_l4_len(next)) {
+        return None;
+    }
+    pkt.l4 = off;
+    pkt.v6 = true;
+    if next == PROTO_ICMPV6 {
+        return Some(Kind::Icmp6);
+    }
+    if next != PROTO_TCP && next != PROTO_UDP {
+        return None;
+    }
+    let ports: [u8; 4] = b.load(off)?;
+    if !b.load16(IP6_SRC_OFF, &mut pkt.key.saddr) || !b.load16(IP6_DST_OFF, &mut pkt.key.daddr) {
+        return None;
+    }
+    pkt.key.sport = [ports[0], ports[1]];
+    pkt.key.dport = [ports[2], ports[3]];
+    pkt.key.proto = next;
+    pkt.key._pad = [0; 3];
+    if is_v4_mapped(&pkt.key.saddr) || is_v4_mapped(&pkt.key.daddr) {
+        return None;
+    }
+    Some(Kind::Flow)
+}
+
+/// Smallest header of `proto` (TCP 20, UDP and ICMP 8 bytes; others 0).
+#[inline(always)]
+fn min_l4_len(proto: u8) -> usize {
+    match proto {
+        PROTO_TCP => 20,
+        PROTO_UDP | PROTO_ICMP | PROTO_ICMPV6 => 8,
+        _ => 0,
+    }
+}
+
+/// Whether an IP packet whose length field says `total` bytes (from the start of the IP
+/// header) is consistent with the frame and holds at least `need` bytes. A length of 0 is
+/// what the kernel writes into GSO packets beyond 64 KiB (BIG TCP): accepted only for frames
+/// that large.
+#[inline(always)]
+fn fits<B: Buf>(b: &B, total: usize, need: usize) -> bool {
+    let frame = (b.len() as usize).saturating_sub(ETH_HLEN);
+    if total == 0 {
+        return frame > 0xffff && need <= frame;
+    }
+    need <= total && total <= frame
+}
+
+/// The TCP flags of a parsed TCP packet (0 for UDP, or when unreadable).
+#[inline(always)]
+pub fn tcp_flags<B: Buf>(b: &B, pkt: &Pkt) -> u8 {
+    if pkt.key.proto != PROTO_TCP {
+        return 0;
+    }
+    b.load::<u8>(pkt.l4 + 13).unwrap_or(0)
+}
