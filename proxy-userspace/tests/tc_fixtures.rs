@@ -1,0 +1,1070 @@
+//! Packet-by-packet fixtures of the tc programs (after Katran's: description, maps, input
+//! packet, expected verdict, expected output packet), run through `BPF_PROG_TEST_RUN` on the
+//! real object without namespaces of a lab, links or interfaces, plus a property test with
+//! random and mutated packets. Needs root (BPF); runs in milliseconds.
+//!
+//! The maps are seeded from the Kubernetes objects in [`OBJECTS`] by
+//! `tcfix::Harness::seed`, the agent's own model and sync. Expected outputs are built from
+//! scratch (checksums computed in userspace), so comparing bytes also checks the programs'
+//! incremental checksum updates.
+
+mod tcfix;
+
+use tcfix::{
+    ACK, DROP, FIN, Harness, PASS, Packet, RST, SYN, TCP, TcOptions, UDP, diff, ether,
+    in_private_netns, requote, show, sock, verify,
+};
+
+/// Node `node-1` (this node) and `node-2`; Services with one endpoint per family so every
+/// choice is deterministic:
+/// - `local`: endpoint on this node (no SNAT): node ports 30080/TCP, 30053/UDP, an external
+///   IP and an LB IP per family;
+/// - `remote`: endpoint on node-2 (SNAT): node ports 30081/TCP, 30054/UDP;
+/// - `keep`: `externalTrafficPolicy: Local`, endpoints on both nodes (only this node's is
+///   used, client kept): node port 30082;
+/// - `gone`: `externalTrafficPolicy: Local`, endpoint on node-2 only: node port 30086;
+/// - `ranges`: LB IP 203.0.113.30 admitting 198.51.100.0/24 only;
+/// - `empty`: no endpoints: node port 30085.
+const OBJECTS: &str = r#"
+apiVersion: v1
+kind: Node
+metadata: {name: node-1}
+status: {addresses: [{type: InternalIP, address: 192.0.2.50}, {type: InternalIP, address: "fd00:100::50"}]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: local, namespace: default}
+spec:
+  type: LoadBalancer
+  ipFamilyPolicy: RequireDualStack
+  ipFamilies: [IPv4, IPv6]
+  clusterIP: 10.96.0.10
+  clusterIPs: [10.96.0.10, "fd00:96::10"]
+  externalIPs: [203.0.113.10, "2001:db8:e::10"]
+  ports: [{name: http, port: 80, protocol: TCP, nodePort: 30080}, {name: dns, port: 53, protocol: UDP, nodePort: 30053}]
+status: {loadBalancer: {ingress: [{ip: 203.0.113.20}, {ip: "2001:db8:f::20"}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: local-v4, namespace: default, labels: {kubernetes.io/service-name: local}}
+addressType: IPv4
+ports: [{name: http, port: 8080, protocol: TCP}, {name: dns, port: 5353, protocol: UDP}]
+endpoints: [{addresses: [10.0.1.5], nodeName: node-1}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: local-v6, namespace: default, labels: {kubernetes.io/service-name: local}}
+addressType: IPv6
+ports: [{name: http, port: 8080, protocol: TCP}, {name: dns, port: 5353, protocol: UDP}]
+endpoints: [{addresses: ["fd00:1::5"], nodeName: node-1}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: remote, namespace: default}
+spec:
+  type: NodePort
+  ipFamilyPolicy: RequireDualStack
+  ipFamilies: [IPv4, IPv6]
+  clusterIP: 10.96.0.11
+  clusterIPs: [10.96.0.11, "fd00:96::11"]
+  ports: [{name: http, port: 80, protocol: TCP, nodePort: 30081}, {name: dns, port: 53, protocol: UDP, nodePort: 30054}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: remote-v4, namespace: default, labels: {kubernetes.io/service-name: remote}}
+addressType: IPv4
+ports: [{name: http, port: 8080, protocol: TCP}, {name: dns, port: 5353, protocol: UDP}]
+endpoints: [{addresses: [10.0.2.7], nodeName: node-2}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: remote-v6, namespace: default, labels: {kubernetes.io/service-name: remote}}
+addressType: IPv6
+ports: [{name: http, port: 8080, protocol: TCP}, {name: dns, port: 5353, protocol: UDP}]
+endpoints: [{addresses: ["fd00:2::7"], nodeName: node-2}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: keep, namespace: default}
+spec:
+  type: NodePort
+  externalTrafficPolicy: Local
+  clusterIP: 10.96.0.12
+  ports: [{port: 80, nodePort: 30082}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: keep, namespace: default, labels: {kubernetes.io/service-name: keep}}
+addressType: IPv4
+ports: [{port: 8080}]
+endpoints: [{addresses: [10.0.1.9], nodeName: node-1}, {addresses: [10.0.2.8], nodeName: node-2}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: gone, namespace: default}
+spec:
+  type: NodePort
+  externalTrafficPolicy: Local
+  clusterIP: 10.96.0.16
+  ports: [{port: 80, nodePort: 30086}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: gone, namespace: default, labels: {kubernetes.io/service-name: gone}}
+addressType: IPv4
+ports: [{port: 8080}]
+endpoints: [{addresses: [10.0.2.10], nodeName: node-2}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: ranges, namespace: default}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.0.14
+  loadBalancerSourceRanges: [198.51.100.0/24]
+  ports: [{port: 80, nodePort: 30084}]
+status: {loadBalancer: {ingress: [{ip: 203.0.113.30}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: ranges, namespace: default, labels: {kubernetes.io/service-name: ranges}}
+addressType: IPv4
+ports: [{port: 8080}]
+endpoints: [{addresses: [10.0.1.10], nodeName: node-1}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: empty, namespace: default}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.15
+  ports: [{port: 80, nodePort: 30085}]
+"#;
+
+const INGRESS: &str = "tc_ingress";
+const EGRESS: &str = "tc_egress";
+
+/// The addresses of one family in [`OBJECTS`].
+#[derive(Clone, Copy)]
+struct Fam {
+    node: &'static str,
+    client: &'static str,
+    local: &'static str,
+    remote: &'static str,
+    external: &'static str,
+    lb: &'static str,
+    /// A router on the way (source of ICMP errors).
+    router: &'static str,
+}
+
+const V4: Fam = Fam {
+    node: "192.0.2.50",
+    client: "198.51.100.7",
+    local: "10.0.1.5",
+    remote: "10.0.2.7",
+    external: "203.0.113.10",
+    lb: "203.0.113.20",
+    router: "192.0.2.1",
+};
+
+const V6: Fam = Fam {
+    node: "fd00:100::50",
+    client: "2001:db8:c::7",
+    local: "fd00:1::5",
+    remote: "fd00:2::7",
+    external: "2001:db8:e::10",
+    lb: "2001:db8:f::20",
+    router: "fd00:100::1",
+};
+
+/// A harness seeded with [`OBJECTS`] on node-1.
+fn seeded(name: &str) -> Harness {
+    let h = Harness::new(name);
+    h.seed(OBJECTS, "node-1", &TcOptions::default());
+    h
+}
+
+/// One fixture: runs `prog` on `input` and checks the verdict, the output frame
+/// (`want`, or the input unchanged when `None`), valid checksums of a translated frame,
+/// and that counter `counter` grew by one.
+fn step(
+    h: &Harness,
+    what: &str,
+    prog: &str,
+    input: &[u8],
+    verdict: i32,
+    want: Option<&[u8]>,
+    counter: Option<&str>,
+) -> Vec<u8> {
+    let before = h.counters();
+    let (v, out) = h.run(prog, input);
+    assert_eq!(v, verdict, "{what}: verdict (output {})", show(&out));
+    let want = want.unwrap_or(input);
+    assert!(
+        out == want,
+        "{what}: output {} differs from the expected {}: {}",
+        show(&out),
+        show(want),
+        diff(&out, want)
+    );
+    if out != input {
+        verify(&out).unwrap_or_else(|e| panic!("{what}: {e} wrong in {}", show(&out)));
+    }
+    if let Some(c) = counter {
+        let after = h.counters();
+        assert_eq!(
+            after[c],
+            before[c] + 1,
+            "{what}: counter {c} (before {before:?}, after {after:?})"
+        );
+    }
+    out
+}
+
+/// DNAT of TCP and UDP to node ports, an external IP and an LB IP, then the replies, for
+/// one family: no SNAT (the backend is on this node), client address kept.
+fn dnat_and_replies(h: &Harness, f: Fam) {
+    let client = |port| sock(f.client, port);
+    let cases = [
+        ("node port", f.node, 30080, 30053),
+        ("external IP", f.external, 80, 53),
+        ("LB IP", f.lb, 80, 53),
+    ];
+    for (i, (what, addr, tcp_port, udp_port)) in cases.into_iter().enumerate() {
+        let cport = 40000 + i as u16;
+        let syn = Packet::tcp(&client(cport), &sock(addr, tcp_port), SYN);
+        let want = Packet {
+            dst: sock(f.local, 8080).parse().unwrap(),
+            ..syn.clone()
+        };
+        step(
+            h,
+            &format!("TCP SYN to the {what}"),
+            INGRESS,
+            &syn.frame(),
+            PASS,
+            Some(&want.frame()),
+            Some("tc_new_flow"),
+        );
+        let synack = Packet::tcp(&sock(f.local, 8080), &client(cport), SYN | ACK);
+        let want = Packet {
+            src: sock(addr, tcp_port).parse().unwrap(),
+            ..synack.clone()
+        };
+        step(
+            h,
+            &format!("TCP SYN-ACK from the backend of the {what}"),
+            EGRESS,
+            &synack.frame(),
+            PASS,
+            Some(&want.frame()),
+            Some("tc_translated"),
+        );
+        let ack = Packet::tcp(&client(cport), &sock(addr, tcp_port), ACK);
+        let want = Packet {
+            dst: sock(f.local, 8080).parse().unwrap(),
+            ..ack.clone()
+        };
+        step(
+            h,
+            &format!("TCP ACK of a tracked flow to the {what}"),
+            INGRESS,
+            &ack.frame(),
+            PASS,
+            Some(&want.frame()),
+            Some("tc_translated"),
+        );
+        let dgram = Packet::udp(&client(cport), &sock(addr, udp_port));
+        let want = Packet {
+            dst: sock(f.local, 5353).parse().unwrap(),
+            ..dgram.clone()
+        };
+        step(
+            h,
+            &format!("UDP to the {what}"),
+            INGRESS,
+            &dgram.frame(),
+            PASS,
+            Some(&want.frame()),
+            Some("tc_new_flow"),
+        );
+        let reply = Packet::udp(&sock(f.local, 5353), &client(cport));
+        let want = Packet {
+            src: sock(addr, udp_port).parse().unwrap(),
+            ..reply.clone()
+        };
+        step(
+            h,
+            &format!("UDP reply from the backend of the {what}"),
+            EGRESS,
+            &reply.frame(),
+            PASS,
+            Some(&want.frame()),
+            Some("tc_translated"),
+        );
+    }
+    // Not a frontend, and an untracked reply: untouched.
+    let other = Packet::tcp(&client(41000), &sock(f.node, 22), SYN);
+    step(
+        h,
+        "TCP to a node port that is no frontend",
+        INGRESS,
+        &other.frame(),
+        PASS,
+        None,
+        None,
+    );
+    let stray = Packet::udp(&sock(f.local, 5353), &client(41001));
+    step(
+        h,
+        "UDP from a backend without a flow",
+        EGRESS,
+        &stray.frame(),
+        PASS,
+        None,
+        None,
+    );
+    // A flow never starts at egress.
+    let out = Packet::tcp(&client(41002), &sock(f.node, 30080), SYN);
+    step(
+        h,
+        "TCP SYN to a node port at egress",
+        EGRESS,
+        &out.frame(),
+        PASS,
+        None,
+        None,
+    );
+}
+
+#[test]
+fn ipv4_dnat_of_node_ports_external_and_lb_ips_and_their_replies() {
+    in_private_netns(|| dnat_and_replies(&seeded("dnat4"), V4));
+}
+
+#[test]
+fn ipv6_dnat_of_node_ports_external_and_lb_ips_and_their_replies() {
+    in_private_netns(|| dnat_and_replies(&seeded("dnat6"), V6));
+}
+
+/// A flow to a backend on another node: DNAT at ingress, SNAT to the node address at
+/// egress, its replies translated back at ingress (and sent on directly, which in this
+/// namespace without routes falls back to passing them), then closed by FIN both ways.
+fn snat_and_replies(h: &Harness, f: Fam) {
+    for (proto, nport, bport) in [(TCP, 30081u16, 8080u16), (UDP, 30054, 5353)] {
+        let client = sock(f.client, 42000);
+        let first = match proto {
+            TCP => Packet::tcp(&client, &sock(f.node, nport), SYN),
+            _ => Packet::udp(&client, &sock(f.node, nport)),
+        };
+        let backend = sock(f.remote, bport);
+        let dnat = Packet {
+            dst: backend.parse().unwrap(),
+            ..first.clone()
+        };
+        step(
+            h,
+            "first packet to a remote backend (DNAT)",
+            INGRESS,
+            &first.frame(),
+            PASS,
+            Some(&dnat.frame()),
+            Some("tc_snat"),
+        );
+        let port = h
+            .snat_port(client.parse().unwrap(), backend.parse().unwrap(), proto)
+            .expect("the SNAT stage of the flow");
+        assert!((32768..=60999).contains(&port), "SNAT port {port}");
+        let snat = Packet {
+            src: sock(f.node, port).parse().unwrap(),
+            ..dnat.clone()
+        };
+        step(
+            h,
+            "the DNATed packet leaving (SNAT)",
+            EGRESS,
+            &dnat.frame(),
+            PASS,
+            Some(&snat.frame()),
+            Some("tc_translated"),
+        );
+        let reply = match proto {
+            TCP => Packet::tcp(&backend, &sock(f.node, port), SYN | ACK),
+            _ => Packet::udp(&backend, &sock(f.node, port)),
+        };
+        let back = Packet {
+            src: sock(f.node, nport).parse().unwrap(),
+            dst: client.parse().unwrap(),
+            ..reply.clone()
+        };
+        step(
+            h,
+            "the backend's reply (reverse SNAT and DNAT)",
+            INGRESS,
+            &reply.frame(),
+            PASS,
+            Some(&back.frame()),
+            Some("tc_translated"),
+        );
+        if proto == TCP {
+            let fin = Packet::tcp(&client, &sock(f.node, nport), FIN | ACK);
+            let want = Packet {
+                dst: backend.parse().unwrap(),
+                ..fin.clone()
+            };
+            step(
+                h,
+                "the client's FIN",
+                INGRESS,
+                &fin.frame(),
+                PASS,
+                Some(&want.frame()),
+                None,
+            );
+            let fin = Packet::tcp(&backend, &sock(f.node, port), FIN | ACK);
+            let want = Packet {
+                src: sock(f.node, nport).parse().unwrap(),
+                dst: client.parse().unwrap(),
+                ..fin.clone()
+            };
+            step(
+                h,
+                "the backend's FIN",
+                INGRESS,
+                &fin.frame(),
+                PASS,
+                Some(&want.frame()),
+                None,
+            );
+            // Closed: a new SYN on the same tuple starts a new flow.
+            let syn = Packet::tcp(&client, &sock(f.node, nport), SYN);
+            step(
+                h,
+                "a SYN reopening the closed tuple",
+                INGRESS,
+                &syn.frame(),
+                PASS,
+                Some(&dnat.frame()),
+                Some("tc_new_flow"),
+            );
+            let rst = Packet::tcp(&client, &sock(f.node, nport), RST);
+            let want = Packet {
+                dst: backend.parse().unwrap(),
+                ..rst.clone()
+            };
+            step(
+                h,
+                "a RST",
+                INGRESS,
+                &rst.frame(),
+                PASS,
+                Some(&want.frame()),
+                Some("tc_translated"),
+            );
+        }
+    }
+}
+
+#[test]
+fn ipv4_snat_to_a_remote_backend_and_its_replies() {
+    in_private_netns(|| snat_and_replies(&seeded("snat4"), V4));
+}
+
+#[test]
+fn ipv6_snat_to_a_remote_backend_and_its_replies() {
+    in_private_netns(|| snat_and_replies(&seeded("snat6"), V6));
+}
+
+#[test]
+fn masquerade_all_source_nats_local_backends_too() {
+    in_private_netns(|| {
+        let h = Harness::new("masq");
+        h.seed(
+            OBJECTS,
+            "node-1",
+            &TcOptions {
+                masquerade_all: true,
+                ..Default::default()
+            },
+        );
+        let syn = Packet::tcp("198.51.100.7:43000", "192.0.2.50:30080", SYN);
+        let want = Packet {
+            dst: "10.0.1.5:8080".parse().unwrap(),
+            ..syn.clone()
+        };
+        step(
+            &h,
+            "SYN to a local backend with --masquerade-all",
+            INGRESS,
+            &syn.frame(),
+            PASS,
+            Some(&want.frame()),
+            Some("tc_snat"),
+        );
+    });
+}
+
+#[test]
+fn policies_source_ranges_and_services_without_endpoints() {
+    in_private_netns(|| {
+        let h = seeded("policy");
+        let c = "198.51.100.7";
+        let syn = Packet::tcp(&sock(c, 44000), "192.0.2.50:30082", SYN);
+        let want = Packet {
+            dst: "10.0.1.9:8080".parse().unwrap(),
+            ..syn.clone()
+        };
+        step(
+            &h,
+            "eTP Local: this node's endpoint, client kept",
+            INGRESS,
+            &syn.frame(),
+            PASS,
+            Some(&want.frame()),
+            Some("tc_new_flow"),
+        );
+        assert!(
+            h.snat_port(
+                sock(c, 44000).parse().unwrap(),
+                "10.0.1.9:8080".parse().unwrap(),
+                TCP
+            )
+            .is_none(),
+            "eTP Local must not source-NAT"
+        );
+        let syn = Packet::tcp(&sock(c, 44001), "192.0.2.50:30086", SYN);
+        step(
+            &h,
+            "eTP Local without a local endpoint",
+            INGRESS,
+            &syn.frame(),
+            DROP,
+            None,
+            Some("tc_dropped_no_local_endpoints"),
+        );
+        let syn = Packet::tcp(&sock(c, 44002), "192.0.2.50:30085", SYN);
+        step(
+            &h,
+            "a Service without endpoints",
+            INGRESS,
+            &syn.frame(),
+            DROP,
+            None,
+            Some("tc_dropped_no_endpoints"),
+        );
+        let syn = Packet::tcp(&sock(c, 44003), "203.0.113.30:80", SYN);
+        let want = Packet {
+            dst: "10.0.1.10:8080".parse().unwrap(),
+            ..syn.clone()
+        };
+        step(
+            &h,
+            "LB IP from an allowed source range",
+            INGRESS,
+            &syn.frame(),
+            PASS,
+            Some(&want.frame()),
+            Some("tc_new_flow"),
+        );
+        let syn = Packet::tcp("192.0.2.99:44004", "203.0.113.30:80", SYN);
+        step(
+            &h,
+            "LB IP from outside its source ranges",
+            INGRESS,
+            &syn.frame(),
+            DROP,
+            None,
+            Some("tc_source_range_denied"),
+        );
+        // Source ranges restrict the LB IP only, not the node port of the same Service.
+        let syn = Packet::tcp("192.0.2.99:44005", "192.0.2.50:30084", SYN);
+        let want = Packet {
+            dst: "10.0.1.10:8080".parse().unwrap(),
+            ..syn.clone()
+        };
+        step(
+            &h,
+            "node port of a Service with source ranges",
+            INGRESS,
+            &syn.frame(),
+            PASS,
+            Some(&want.frame()),
+            Some("tc_new_flow"),
+        );
+    });
+}
+
+/// ICMP errors about translated flows, for one family: `big` is "fragmentation needed" or
+/// "packet too big", `unreach` port unreachable, `ttl` time exceeded (type, code).
+fn icmp_errors(h: &Harness, f: Fam, big: (u8, u8), unreach: (u8, u8), ttl: (u8, u8)) {
+    // A flow to the local backend (no SNAT).
+    let client = sock(f.client, 45000);
+    let front = sock(f.node, 30053);
+    let dgram = Packet::udp(&client, &front);
+    let dnat = Packet {
+        dst: sock(f.local, 5353).parse().unwrap(),
+        ..dgram.clone()
+    };
+    step(
+        h,
+        "UDP flow for the ICMP errors",
+        INGRESS,
+        &dgram.frame(),
+        PASS,
+        Some(&dnat.frame()),
+        Some("tc_new_flow"),
+    );
+    // The backend answers port unreachable, quoting the DNATed datagram: at egress the
+    // outer source (the backend) and the quoted destination become the frontend.
+    let err = Packet::icmp_error(f.local, f.client, unreach.0, unreach.1, &dnat.ip(), 64);
+    let want = Packet::icmp_error(
+        f.node,
+        f.client,
+        unreach.0,
+        unreach.1,
+        &requote(&dgram, &dnat.ip()),
+        64,
+    );
+    step(
+        h,
+        "port unreachable from the backend",
+        EGRESS,
+        &err.frame(),
+        PASS,
+        Some(&want.frame()),
+        Some("tc_icmp_translated"),
+    );
+    // A router between the node and the backend quotes the DNATed packet: only the quote
+    // changes (the outer source is the router).
+    let err = Packet::icmp_error(f.router, f.client, ttl.0, ttl.1, &dnat.ip(), 48);
+    let want = Packet::icmp_error(
+        f.router,
+        f.client,
+        ttl.0,
+        ttl.1,
+        &requote(&dgram, &dnat.ip()),
+        48,
+    );
+    step(
+        h,
+        "time exceeded from a router",
+        EGRESS,
+        &err.frame(),
+        PASS,
+        Some(&want.frame()),
+        Some("tc_icmp_translated"),
+    );
+
+    // A source-NATed flow: a router on the backend's side reports "too big" to the node
+    // address, quoting the SNATed packet; at ingress it becomes an error from the frontend
+    // to the client quoting the client's own packet.
+    let client = sock(f.client, 45001);
+    let syn = Packet::tcp(&client, &sock(f.node, 30081), SYN);
+    let backend = sock(f.remote, 8080);
+    let dnat = Packet {
+        dst: backend.parse().unwrap(),
+        ..syn.clone()
+    };
+    step(
+        h,
+        "TCP flow to a remote backend",
+        INGRESS,
+        &syn.frame(),
+        PASS,
+        Some(&dnat.frame()),
+        Some("tc_snat"),
+    );
+    let port = h
+        .snat_port(client.parse().unwrap(), backend.parse().unwrap(), TCP)
+        .expect("SNAT stage");
+    let snat = Packet {
+        src: sock(f.node, port).parse().unwrap(),
+        ..dnat.clone()
+    };
+    step(
+        h,
+        "SNAT at egress",
+        EGRESS,
+        &snat_input(&dnat),
+        PASS,
+        Some(&snat.frame()),
+        Some("tc_translated"),
+    );
+    let mut err = Packet::icmp_error(f.router, f.node, big.0, big.1, &snat.ip(), 68);
+    err.icmp_rest = [0, 0, 0x05, 0x00]; // MTU 1280
+    let mut want = Packet::icmp_error(
+        f.router,
+        f.client,
+        big.0,
+        big.1,
+        &requote(&syn, &snat.ip()),
+        68,
+    );
+    want.icmp_rest = err.icmp_rest;
+    step(
+        h,
+        "too big from a router on the backend's side",
+        INGRESS,
+        &err.frame(),
+        PASS,
+        Some(&want.frame()),
+        Some("tc_icmp_translated"),
+    );
+    // Other ICMP (echo) is never touched.
+    let mut echo = Packet::icmp_error(
+        f.client,
+        f.node,
+        if f.node.contains(':') { 128 } else { 8 },
+        0,
+        &[],
+        0,
+    );
+    echo.payload = b"ping".to_vec();
+    step(h, "echo request", INGRESS, &echo.frame(), PASS, None, None);
+}
+
+/// The frame of an already DNATed packet as it reaches egress.
+fn snat_input(dnat: &Packet) -> Vec<u8> {
+    dnat.frame()
+}
+
+#[test]
+fn ipv4_icmp_errors_quoting_translated_packets() {
+    in_private_netns(|| icmp_errors(&seeded("icmp4"), V4, (3, 4), (3, 3), (11, 0)));
+}
+
+#[test]
+fn ipv6_icmp_errors_quoting_translated_packets() {
+    in_private_netns(|| icmp_errors(&seeded("icmp6"), V6, (2, 0), (1, 4), (3, 0)));
+}
+
+#[test]
+fn options_fragments_zero_udp_checksum_and_extension_headers() {
+    in_private_netns(|| {
+        let h = seeded("shapes");
+        // IPv4 options (router alert, then end of list): the L4 header is found after them.
+        let mut syn = Packet::tcp("198.51.100.7:46000", "192.0.2.50:30080", SYN);
+        syn.ip_options = vec![0x94, 0x04, 0x00, 0x00, 0x01, 0x01, 0x01, 0x00];
+        let want = Packet {
+            dst: "10.0.1.5:8080".parse().unwrap(),
+            ..syn.clone()
+        };
+        step(
+            &h,
+            "IPv4 with options",
+            INGRESS,
+            &syn.frame(),
+            PASS,
+            Some(&want.frame()),
+            Some("tc_new_flow"),
+        );
+        // A UDP checksum of zero (none) stays zero.
+        let mut d = Packet::udp("198.51.100.7:46001", "192.0.2.50:30053");
+        d.udp_no_csum = true;
+        let want = Packet {
+            dst: "10.0.1.5:5353".parse().unwrap(),
+            ..d.clone()
+        };
+        let out = step(
+            &h,
+            "UDP without a checksum",
+            INGRESS,
+            &d.frame(),
+            PASS,
+            Some(&want.frame()),
+            Some("tc_new_flow"),
+        );
+        assert_eq!(&out[14 + 20 + 6..14 + 20 + 8], &[0, 0]);
+        // The first fragment carries the ports and is translated; later ones pass.
+        let mut first = Packet::udp("198.51.100.7:46002", "192.0.2.50:30053");
+        first.frag = 0x2000; // more fragments, offset 0
+        let want = Packet {
+            dst: "10.0.1.5:5353".parse().unwrap(),
+            ..first.clone()
+        };
+        step(
+            &h,
+            "first IPv4 fragment",
+            INGRESS,
+            &first.frame(),
+            PASS,
+            Some(&want.frame()),
+            Some("tc_new_flow"),
+        );
+        let mut later = first.clone();
+        later.frag = 185; // offset 1480
+        step(
+            &h,
+            "later IPv4 fragment",
+            INGRESS,
+            &later.frame(),
+            PASS,
+            None,
+            None,
+        );
+        // IPv6: hop-by-hop and destination options are walked; the first fragment is
+        // translated, a later one, a routing header with segments left and AH pass.
+        let pad6 = vec![1, 4, 0, 0, 0, 0]; // PadN filling an 8-byte header
+        let mut syn6 = Packet::tcp("[2001:db8:c::7]:46003", "[fd00:100::50]:30080", SYN);
+        syn6.ext = vec![(0, pad6.clone()), (60, pad6.clone())];
+        let want = Packet {
+            dst: "[fd00:1::5]:8080".parse().unwrap(),
+            ..syn6.clone()
+        };
+        step(
+            &h,
+            "IPv6 with hop-by-hop and destination options",
+            INGRESS,
+            &syn6.frame(),
+            PASS,
+            Some(&want.frame()),
+            Some("tc_new_flow"),
+        );
+        let mut frag6 = Packet::udp("[2001:db8:c::7]:46004", "[fd00:100::50]:30053");
+        frag6.ext = vec![(44, vec![0x00, 0x01, 0, 0, 0, 7])]; // offset 0, more fragments
+        let want = Packet {
+            dst: "[fd00:1::5]:5353".parse().unwrap(),
+            ..frag6.clone()
+        };
+        step(
+            &h,
+            "first IPv6 fragment",
+            INGRESS,
+            &frag6.frame(),
+            PASS,
+            Some(&want.frame()),
+            Some("tc_new_flow"),
+        );
+        let mut later6 = frag6.clone();
+        later6.ext = vec![(44, vec![0x05, 0xc8, 0, 0, 0, 7])]; // offset 1480
+        step(
+            &h,
+            "later IPv6 fragment",
+            INGRESS,
+            &later6.frame(),
+            PASS,
+            None,
+            None,
+        );
+        let mut routed = Packet::tcp("[2001:db8:c::7]:46005", "[fd00:100::50]:30080", SYN);
+        routed.ext = vec![(43, vec![4, 1, 0, 0, 0, 0])]; // segments left 1
+        step(
+            &h,
+            "IPv6 routing header with segments left",
+            INGRESS,
+            &routed.frame(),
+            PASS,
+            None,
+            None,
+        );
+        let mut ah = Packet::tcp("[2001:db8:c::7]:46006", "[fd00:100::50]:30080", SYN);
+        ah.ext = vec![(51, vec![0; 14])];
+        // AH's length field counts 4-octet units minus 2; the builder writes 8-octet units,
+        // so fix it: 16 bytes -> 2.
+        let mut f = ah.frame();
+        f[14 + 40 + 1] = 2;
+        step(&h, "IPv6 with AH", INGRESS, &f, PASS, None, None);
+    });
+}
+
+#[test]
+fn malformed_input_passes_untouched() {
+    in_private_netns(|| {
+        let h = seeded("malformed");
+        let syn = Packet::tcp("198.51.100.7:47000", "192.0.2.50:30080", SYN).frame();
+        let syn6 = Packet::tcp("[2001:db8:c::7]:47001", "[fd00:100::50]:30080", SYN).frame();
+        let mut cases: Vec<(&str, Vec<u8>)> = vec![
+            ("Ethernet header only", syn[..14].to_vec()),
+            ("IPv4 header cut", syn[..14 + 12].to_vec()),
+            ("TCP header cut", syn[..14 + 20 + 10].to_vec()),
+            ("IPv6 header cut", syn6[..14 + 30].to_vec()),
+            ("TCP over IPv6 cut", syn6[..14 + 40 + 12].to_vec()),
+        ];
+        let mut bad = syn.clone();
+        bad[14] = 0x44; // IHL 4 (16 bytes)
+        cases.push(("IHL below 5", bad));
+        let mut bad = syn.clone();
+        bad[14] = 0x4f; // IHL 15 (60 bytes): past the TCP header's end
+        cases.push(("IHL beyond the packet", bad));
+        let mut bad = syn.clone();
+        bad[16..18].copy_from_slice(&2000u16.to_be_bytes());
+        cases.push(("IPv4 total length beyond the frame", bad));
+        let mut bad = syn.clone();
+        bad[16..18].copy_from_slice(&24u16.to_be_bytes());
+        cases.push(("IPv4 total length shorter than the TCP header", bad));
+        let mut bad = syn.clone();
+        bad[14] = 0x65; // version 6 in an IPv4 frame
+        cases.push(("wrong IP version", bad));
+        let mut bad = syn6.clone();
+        bad[18..20].copy_from_slice(&4000u16.to_be_bytes());
+        cases.push(("IPv6 payload length beyond the frame", bad));
+        let mut bad = syn6.clone();
+        bad[14 + 8..14 + 24].copy_from_slice(
+            &"::ffff:198.51.100.7"
+                .parse::<std::net::Ipv6Addr>()
+                .unwrap()
+                .octets(),
+        );
+        cases.push(("IPv6 with an IPv4-mapped source", bad));
+        let arp = ether(&[0u8; 28], false);
+        let mut arp = arp;
+        arp[12..14].copy_from_slice(&[0x08, 0x06]);
+        cases.push(("ARP", arp));
+        for (what, input) in cases {
+            for prog in [INGRESS, EGRESS] {
+                step(
+                    &h,
+                    &format!("{what} ({prog})"),
+                    prog,
+                    &input,
+                    PASS,
+                    None,
+                    None,
+                );
+            }
+        }
+        assert!(
+            h.conntrack().is_empty(),
+            "no flow from malformed input: {:?}",
+            h.conntrack()
+        );
+    });
+}
+
+// ---------------------------------------------------------------------------------------
+// property test
+// ---------------------------------------------------------------------------------------
+
+/// splitmix64: a small deterministic generator (the seed is printed on failure).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
+        xs[self.below(xs.len())]
+    }
+}
+
+/// A random well-formed packet towards or from the addresses of [`OBJECTS`].
+fn random_packet(r: &mut Rng) -> Packet {
+    let v6 = r.below(2) == 1;
+    let f = if v6 { V6 } else { V4 };
+    let peers = [
+        f.node, f.client, f.local, f.remote, f.external, f.lb, f.router,
+    ];
+    let ports = [
+        30080u16, 30053, 30081, 30054, 30082, 30084, 30085, 30086, 80, 53, 8080, 5353, 40000, 45000,
+    ];
+    let src = sock(r.pick(&peers), r.pick(&ports));
+    let dst = sock(r.pick(&peers), r.pick(&ports));
+    let mut p = match r.below(5) {
+        0 | 1 => Packet::tcp(
+            &src,
+            &dst,
+            r.pick(&[SYN, ACK, SYN | ACK, FIN | ACK, RST, 0]),
+        ),
+        2 | 3 => Packet::udp(&src, &dst),
+        _ => {
+            // An ICMP error quoting a random TCP/UDP packet of the family.
+            let q = Packet::udp(
+                &sock(r.pick(&peers), r.pick(&ports)),
+                &sock(r.pick(&peers), r.pick(&ports)),
+            );
+            let (ty, code) = if v6 {
+                r.pick(&[(1, 4), (2, 0), (3, 0), (128, 0)])
+            } else {
+                r.pick(&[(3, 3), (3, 4), (11, 0), (8, 0)])
+            };
+            Packet::icmp_error(
+                r.pick(&peers),
+                r.pick(&peers),
+                ty,
+                code,
+                &q.ip(),
+                28 + r.below(40),
+            )
+        }
+    };
+    p.payload = (0..r.below(64)).map(|_| r.next() as u8).collect();
+    if !v6 && r.below(4) == 0 {
+        p.ip_options = vec![1; 4 * (1 + r.below(3))];
+    }
+    if v6 && r.below(4) == 0 {
+        p.ext = vec![(r.pick(&[0u8, 60]), vec![1, 4, 0, 0, 0, 0])];
+    }
+    if !v6 && p.proto == UDP && r.below(4) == 0 {
+        p.udp_no_csum = true;
+    }
+    p
+}
+
+#[test]
+fn random_and_mutated_packets_always_get_a_verdict_and_rewrites_keep_checksums() {
+    in_private_netns(|| {
+        let h = seeded("property");
+        let seed = 0x5eed_0015_u64;
+        let mut r = Rng(seed);
+        let (mut translated, mut dropped) = (0, 0);
+        for i in 0..4000 {
+            let p = random_packet(&mut r);
+            let valid = p.frame();
+            // Half as built (valid checksums), half mutated: bytes flipped, then maybe
+            // truncated or extended.
+            let input = if i % 2 == 0 {
+                valid
+            } else {
+                let mut f = valid;
+                for _ in 0..1 + r.below(4) {
+                    let at = 12 + r.below(f.len() - 12);
+                    f[at] ^= 1 << r.below(8);
+                }
+                match r.below(4) {
+                    0 => f.truncate(14 + r.below(f.len() - 14)),
+                    1 => f.extend((0..r.below(16)).map(|_| r.next() as u8)),
+                    _ => {}
+                }
+                f
+            };
+            for prog in [INGRESS, EGRESS] {
+                let (v, out) = h.run(prog, &input);
+                assert!(
+                    matches!(v, PASS | DROP | tcfix::REDIRECT),
+                    "seed {seed:#x} packet {i}: {prog} returned {v} for {}",
+                    show(&input)
+                );
+                if v == DROP {
+                    dropped += 1;
+                }
+                if out != input {
+                    translated += 1;
+                    assert_eq!(
+                        out.len(),
+                        input.len(),
+                        "seed {seed:#x} packet {i}: length changed"
+                    );
+                    if verify(&input).is_ok() {
+                        verify(&out).unwrap_or_else(|e| {
+                            panic!(
+                                "seed {seed:#x} packet {i} ({prog}): {e} wrong after the rewrite of {} into {}",
+                                show(&input),
+                                show(&out)
+                            )
+                        });
+                    }
+                }
+            }
+        }
+        // The generator reaches the translating paths and the drops, not only passes.
+        assert!(translated > 200, "only {translated} packets were rewritten");
+        assert!(dropped > 10, "only {dropped} packets were dropped");
+    });
+}
