@@ -224,10 +224,10 @@ pub const RR_CURSORS: &str = "RR_CURSORS";
 /// (BPF_MAP_TYPE_HASH), maintained by the data path: +1 when a connection is translated to
 /// the backend, -1 when its socket is released.
 pub const LC_COUNTS: &str = "LC_COUNTS";
-/// Name of the map of connected sockets: socket cookie `u64` -> backend id `u32`, with
-/// [`SOCKET_F_COUNTED`] set when the connection is counted in [`LC_COUNTS`]
-/// (BPF_MAP_TYPE_LRU_HASH). Written by `connect()` translations; the socket's release
-/// removes its reverse-NAT entry and gives back its least-connections count.
+/// Name of the map of least-connections sockets: socket cookie `u64` -> backend id `u32`
+/// with [`SOCKET_F_COUNTED`] set (BPF_MAP_TYPE_LRU_HASH). Written by `connect()`
+/// translations of least-connections frontends only (other sockets need no state beyond
+/// their reverse-NAT entry); the socket's release gives the count back.
 pub const SOCKETS: &str = "SOCKETS";
 /// [`SOCKETS`] value bit: the connection is counted in [`LC_COUNTS`] (backend ids stay
 /// below it).
@@ -402,6 +402,9 @@ pub struct RevNatValue {
 /// [`RevNatValue::flags`] bit: translated by `connect()` (a TCP connection or a connected UDP
 /// socket), as opposed to a `sendmsg()` of an unconnected UDP socket.
 pub const REVNAT_F_CONNECTED: u8 = 1 << 0;
+/// [`RevNatValue::flags`] bit: the connection is counted for least-connections; the
+/// socket's [`SOCKETS`] record names the backend whose count its release gives back.
+pub const REVNAT_F_COUNTED: u8 = 1 << 1;
 
 /// Unconnected-UDP flow key: (socket cookie, frontend). 32 bytes.
 #[repr(C)]

@@ -59,34 +59,28 @@ fn atomic_add(p: *mut u32, v: u32) {
     }
 }
 
-/// Records socket `cookie`, translated by `connect()` to backend `id`, in `SOCKETS`; with
-/// `counted` (a least-connections frontend) the record carries `SOCKET_F_COUNTED` and the
-/// backend's count grows by one. Undone by [`socket_released`].
+/// A socket translated by `connect()` to backend `id` of a least-connections frontend: its
+/// ownership record in `SOCKETS`, then the count. Given back by [`socket_released`].
 #[inline(always)]
-pub fn socket_connected(cookie: u64, id: u32, counted: bool) {
-    let v = if counted { id | SOCKET_F_COUNTED } else { id };
-    if SOCKETS.insert(cookie, v, 0).is_err() {
+pub fn socket_counted(cookie: u64, id: u32) {
+    if SOCKETS.insert(cookie, id | SOCKET_F_COUNTED, 0).is_err() {
         count(Counter::MapUpdateFailed);
         return;
     }
-    if counted {
-        acquire(id);
-    }
+    acquire(id);
 }
 
-/// The socket `cookie` is released: removes its record and, when it was counted and this
-/// call removed it, gives its count back. Returns the record's backend id (0: none).
+/// The counted socket `cookie` is released: gives back its count when this call removed
+/// its record.
 #[inline(always)]
-pub fn socket_released(cookie: u64) -> u32 {
+pub fn socket_released(cookie: u64) {
     // SAFETY: copied out at once.
     let Some(v) = (unsafe { SOCKETS.get(cookie).copied() }) else {
-        return 0;
+        return;
     };
-    let id = v & !SOCKET_F_COUNTED;
     if SOCKETS.remove(cookie).is_ok() && v & SOCKET_F_COUNTED != 0 {
-        release(id);
+        release(v & !SOCKET_F_COUNTED);
     }
-    id
 }
 
 /// A new packet flow keyed `key` (original direction): gives back the count of an earlier

@@ -11,7 +11,7 @@
 //! connections to a removed endpoint end on their own.
 
 use aya_ebpf::{helpers::bpf_get_socket_cookie, macros::cgroup_skb, programs::SkBuffContext};
-use proxy_common::Counter;
+use proxy_common::{Counter, PROTO_TCP};
 
 use crate::{maps::STALE_SOCKETS, stats::count};
 
@@ -20,8 +20,24 @@ const PASS: i32 = 1;
 /// Verdict "drop" (the sending syscall fails with EPERM).
 const DROP: i32 = 0;
 
+/// `ETH_P_IP` / `ETH_P_IPV6` as `__sk_buff.protocol` holds them (network byte order).
+const ETH_P_IP_BE: u32 = 0x0800u16.to_be() as u32;
+const ETH_P_IPV6_BE: u32 = 0x86DDu16.to_be() as u32;
+
 #[cgroup_skb(egress)]
 pub fn sock_egress(ctx: SkBuffContext) -> i32 {
+    // This runs for every packet of every socket of the cgroup; only connected UDP sockets
+    // are ever listed, so a TCP packet leaves at once, before the cookie and the map lookup.
+    // The data starts at the IP header here; its protocol byte (IPv4) or next header
+    // (IPv6; a UDP packet behind extension headers is still checked).
+    let proto_off = match ctx.skb.protocol() {
+        ETH_P_IP_BE => 9,
+        ETH_P_IPV6_BE => 6,
+        _ => return PASS,
+    };
+    if ctx.load::<u8>(proto_off).is_ok_and(|p| p == PROTO_TCP) {
+        return PASS;
+    }
     // SAFETY: helper on our own context; 0 when the packet has no socket.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.skb.skb as *mut _) };
     if cookie != 0 && STALE_SOCKETS.get_ptr(cookie).is_some() {

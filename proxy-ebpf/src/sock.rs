@@ -24,8 +24,8 @@ use aya_ebpf::{
 };
 use proxy_common::{
     Algorithm, Backend, Counter, DEFAULT_UDP_FLOW_TIMEOUT_NS, Frontend, PROTO_TCP, PROTO_UDP,
-    REVNAT_F_CONNECTED, RevNatKey, RevNatValue, UdpFlow, UdpFlowKey, bytes_of, client_of_netns,
-    is_v4_mapped, v4_mapped, v4_of_mapped, words_of,
+    REVNAT_F_CONNECTED, REVNAT_F_COUNTED, RevNatKey, RevNatValue, UdpFlow, UdpFlowKey, bytes_of,
+    client_of_netns, is_v4_mapped, v4_mapped, v4_of_mapped, words_of,
 };
 
 use crate::{
@@ -36,6 +36,7 @@ use crate::{
     stats::{count, count_service},
 };
 
+const AF_INET6: u32 = 10;
 const ECONNREFUSED: i32 = 111;
 const EHOSTUNREACH: i32 = 113;
 /// Verdict "let the syscall go on" of a sock_addr program.
@@ -43,22 +44,51 @@ const ALLOW: i32 = 1;
 /// Verdict "fail the syscall" (with the errno set by `bpf_set_retval`).
 const DENY: i32 = 0;
 
-/// Forgets a released socket: its reverse-NAT entry and least-connections count.
+/// Forgets a released socket: its reverse-NAT entry and least-connections count. Runs for
+/// every socket of the cgroup, so it touches no map for a socket that was never connected;
+/// a connected one finds its entry by its own peer (the backend `connect()` wrote).
 #[cgroup_sock(sock_release)]
 pub fn sock_release(ctx: SockContext) -> i32 {
+    let sk = ctx.sock;
+    // SAFETY: readable fields of our context (`struct bpf_sock`).
+    let (family, dst_port) = unsafe { ((*sk).family, (*sk).dst_port) };
+    if dst_port == 0 {
+        return 1; // never connected: nothing was translated for it
+    }
+    // SAFETY: as above. Both forms are read unconditionally, each field at its constant
+    // offset: loads in two branches get merged into one through a computed pointer, a
+    // context access the verifier refuses.
+    let (ip6, ip4) = unsafe {
+        use core::ptr::read_volatile as rd;
+        (
+            [
+                rd(&(*sk).dst_ip6[0]),
+                rd(&(*sk).dst_ip6[1]),
+                rd(&(*sk).dst_ip6[2]),
+                rd(&(*sk).dst_ip6[3]),
+            ],
+            rd(&(*sk).dst_ip4),
+        )
+    };
+    let addr = if family == AF_INET6 {
+        bytes_of(&ip6)
+    } else {
+        v4_mapped(ip4)
+    };
     // SAFETY: helper on our own context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let id = lc::socket_released(cookie);
-    if id != 0
-        && let Some(b) = backend(id)
-    {
-        let key = RevNatKey {
-            cookie,
-            addr: b.addr,
-            port: b.port,
-            _pad: [0; 6],
-        };
+    let key = RevNatKey {
+        cookie,
+        addr,
+        port: dst_port.to_ne_bytes(),
+        _pad: [0; 6],
+    };
+    // SAFETY: copied out at once.
+    if let Some(flags) = unsafe { REVNAT_SK.get(key).map(|v| v.flags) } {
         let _ = REVNAT_SK.remove(key);
+        if flags & REVNAT_F_COUNTED != 0 {
+            lc::socket_released(cookie);
+        }
     }
     // sock_release programs must return 1.
     1
@@ -275,13 +305,17 @@ fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         // Connecting again is how an application recovers a socket whose endpoint left.
         let _ = STALE_SOCKETS.remove(cookie);
     }
-    remember(cookie, &b, &req, REVNAT_F_CONNECTED, fe.service_id);
+    let counted = fe.algorithm == Algorithm::LeastConnections as u8;
+    let flags = if counted {
+        REVNAT_F_CONNECTED | REVNAT_F_COUNTED
+    } else {
+        REVNAT_F_CONNECTED
+    };
+    remember(cookie, &b, &req, flags, fe.service_id);
     count_service(fe.service_id, id, 0);
-    lc::socket_connected(
-        cookie,
-        id,
-        fe.algorithm == Algorithm::LeastConnections as u8,
-    );
+    if counted {
+        lc::socket_counted(cookie, id);
+    }
     count(Counter::Translated);
     ALLOW
 }
