@@ -16,6 +16,8 @@
 //! spawn); traffic goes only to lab addresses (198.18.0.0/15); every loop is bounded in count
 //! and time. The agent's pins live in `/sys/fs/bpf/ebpf-proxy-bench` and are removed.
 
+#[path = "bench/progstats.rs"]
+mod progstats;
 #[path = "bench/report.rs"]
 mod report;
 #[path = "bench/rules.rs"]
@@ -306,6 +308,14 @@ fn bench(mut o: Opts) -> Result<()> {
         !loader::OBJECT.is_empty(),
         "built without the eBPF object: use `cargo xtask bench`"
     );
+    // The kernel's program statistics, on while this descriptor lives (off again at exit).
+    let _stats = match progstats::enable() {
+        Ok(fd) => Some(fd),
+        Err(e) => {
+            eprintln!("warning: no per-program statistics: {e:#}");
+            None
+        }
+    };
     if o.quick {
         o.services = vec![100, 1000];
         o.runs = 1;
@@ -547,7 +557,45 @@ fn data_path(
     run: usize,
 ) -> Result<()> {
     check_stop()?;
-    let r = run_client(env, case, to, o.conn_count, o.conn_secs, 200)?;
+    let warmup = 200;
+    // The kernel's statistics of ebpf-proxy's programs over the client's run.
+    let progs = (case == Case::Ebpf).then(|| progstats::attached(&env.pins.0));
+    let before = progs.as_ref().map(progstats::snapshot);
+    let r = run_client(env, case, to, o.conn_count, o.conn_secs, warmup)?;
+    if let (Some(ids), Some(before)) = (&progs, &before) {
+        let conns = (warmup + r.ok + r.errors) as f64;
+        let mut total = 0.0;
+        let mut line = String::new();
+        for (name, c) in progstats::delta(before, &progstats::snapshot(ids)) {
+            if c.runs == 0 {
+                continue;
+            }
+            let per_run = c.ns as f64 / c.runs as f64;
+            let runs = c.runs as f64 / conns;
+            total += c.ns as f64 / conns;
+            line.push_str(&format!(" {name} {per_run:.0} ns x {runs:.2};"));
+            results.add(
+                case,
+                n,
+                run,
+                Sample::Prog(format!("ns_per_run:{name}"), per_run),
+            );
+            results.add(
+                case,
+                n,
+                run,
+                Sample::Prog(format!("runs_per_conn:{name}"), runs),
+            );
+            results.add(
+                case,
+                n,
+                run,
+                Sample::Prog(format!("ns_per_conn:{name}"), c.ns as f64 / conns),
+            );
+        }
+        results.add(case, n, run, Sample::BpfNsPerConn(total));
+        eprintln!("  {case:?} BPF per connection: {total:.0} ns ({line} )");
+    }
     eprintln!(
         "  {case:?} data path: {:.0} conn/s, p50 {:.0} us, p99 {:.0} us, {} ok, {} errors, {} backends{}",
         r.cps,

@@ -90,11 +90,17 @@ pub enum Sample {
     PeakRssMiB(f64),
     MapMiB(f64),
     ServiceMapMiB(f64),
+    /// A named metric of one program (`<what>:<program>`), e.g. `ns_per_run:connect4`.
+    Prog(String, f64),
+    /// BPF time of every measured program together per connection, nanoseconds.
+    BpfNsPerConn(f64),
 }
 
 impl Sample {
-    fn split(&self) -> (&'static str, f64) {
+    fn split(&self) -> (&str, f64) {
         match *self {
+            Sample::Prog(ref m, v) => (m.as_str(), v),
+            Sample::BpfNsPerConn(v) => ("bpf_ns_per_conn", v),
             Sample::ColdMs(v) => ("cold_ms", v),
             Sample::ColdWallMs(v) => ("cold_wall_ms", v),
             Sample::RuleLines(v) => ("rule_lines", v),
@@ -391,6 +397,60 @@ impl Results {
         o
     }
 
+    /// The kernel's statistics of ebpf-proxy's programs during the data-path runs: time per
+    /// invocation, invocations per connection, time per connection (median over runs).
+    pub fn program_costs(&self) -> String {
+        let mut o = String::new();
+        let any = self
+            .services
+            .iter()
+            .any(|&n| self.get(Case::Ebpf, n, "bpf_ns_per_conn").is_some());
+        if !any {
+            return o;
+        }
+        let _ = writeln!(
+            o,
+            "\n### Data path: BPF time per TCP connection (kernel program statistics)\n"
+        );
+        let _ = writeln!(
+            o,
+            "Per program: ns per invocation x invocations per connection = ns per connection (`BPF_ENABLE_STATS`, over the whole client run; programs that did not run are left out).\n"
+        );
+        let mut head = String::from("| program |");
+        let mut rule = String::from("| --- |");
+        for &n in &self.services {
+            let _ = write!(head, " N = {n} |");
+            rule.push_str(" ---: |");
+        }
+        let _ = writeln!(o, "{head}\n{rule}");
+        for (prog, _) in super::progstats::PROGRAMS {
+            let cells: Vec<String> = self
+                .services
+                .iter()
+                .map(|&n| {
+                    let g = |m: &str| self.get(Case::Ebpf, n, &format!("{m}:{prog}"));
+                    match (g("ns_per_run"), g("runs_per_conn"), g("ns_per_conn")) {
+                        (Some(a), Some(b), Some(c)) if b.med > 0.0 => {
+                            format!("{:.0} x {:.2} = {:.0}", a.med, b.med, c.med)
+                        }
+                        _ => String::new(),
+                    }
+                })
+                .collect();
+            if cells.iter().all(|c| c.is_empty()) {
+                continue;
+            }
+            let _ = writeln!(o, "| {prog} | {} |", cells.join(" | "));
+        }
+        let total: Vec<String> = self
+            .services
+            .iter()
+            .map(|&n| self.cell(Case::Ebpf, n, "bpf_ns_per_conn", 0))
+            .collect();
+        let _ = writeln!(o, "| **all programs** | {} |", total.join(" | "));
+        o
+    }
+
     /// The tables that go into the README.
     pub fn headline(&self) -> String {
         let mut o = String::new();
@@ -484,6 +544,7 @@ impl Results {
                 c(Case::Nftables)
             );
         }
+        o.push_str(&self.program_costs());
         let _ = writeln!(o, "\n### Memory of ebpf-proxy (MiB)\n");
         let _ = writeln!(
             o,
