@@ -199,7 +199,12 @@ impl Harness {
                 data_out: Some(&mut out),
                 ..TestRunOptions::new()
             })
-            .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN of {prog} on {} bytes: {e:?}", frame.len()));
+            .unwrap_or_else(|e| {
+                panic!(
+                    "BPF_PROG_TEST_RUN of {prog} on {} bytes: {e:?}",
+                    frame.len()
+                )
+            });
         out.truncate(r.data_size_out as usize);
         (r.return_value as i32, out)
     }
