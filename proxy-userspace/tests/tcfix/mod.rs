@@ -184,8 +184,15 @@ impl Harness {
         T::try_from(aya::maps::Map::from_map_data(data).expect("map")).expect("map type")
     }
 
-    /// Runs program `prog` on `frame`: its return code and the frame it left.
+    /// Runs program `prog` on `frame`: its return code and the frame it left. Panics when
+    /// the kernel refuses to run it (see [`runnable`]).
     pub fn run(&self, prog: &str, frame: &[u8]) -> (i32, Vec<u8>) {
+        self.try_run(prog, frame)
+            .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN of {prog} on {} bytes: {e}", frame.len()))
+    }
+
+    /// [`Harness::run`], with the kernel's refusal as an error.
+    pub fn try_run(&self, prog: &str, frame: &[u8]) -> std::io::Result<(i32, Vec<u8>)> {
         let p: &SchedClassifier = self
             .ebpf
             .program(prog)
@@ -199,14 +206,12 @@ impl Harness {
                 data_out: Some(&mut out),
                 ..TestRunOptions::new()
             })
-            .unwrap_or_else(|e| {
-                panic!(
-                    "BPF_PROG_TEST_RUN of {prog} on {} bytes: {e:?}",
-                    frame.len()
-                )
-            });
+            .map_err(|e| match e {
+                aya::programs::ProgramError::SyscallError(s) => s.io_error,
+                e => std::io::Error::other(e.to_string()),
+            })?;
         out.truncate(r.data_size_out as usize);
-        (r.return_value as i32, out)
+        Ok((r.return_value as i32, out))
     }
 
     /// The tc counters, by name.
@@ -435,6 +440,18 @@ impl Packet {
     pub fn frame(&self) -> Vec<u8> {
         ether(&self.ip(), self.v6())
     }
+}
+
+/// Whether `BPF_PROG_TEST_RUN` runs a tc program on `frame`: the kernel refuses (EINVAL)
+/// frames with nothing after the Ethernet header and IPv4 or IPv6 frames shorter than the
+/// fixed IP header, so such frames cannot be tested this way.
+pub fn runnable(frame: &[u8]) -> bool {
+    let min = match frame.get(12..14) {
+        Some([0x08, 0x00]) => 14 + 20,
+        Some([0x86, 0xdd]) => 14 + 40,
+        _ => 15,
+    };
+    frame.len() >= min
 }
 
 /// An Ethernet frame around IP packet `ip`.
