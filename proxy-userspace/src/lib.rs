@@ -1,6 +1,8 @@
-//! ebpf-proxy agent library: sources of Service and EndpointSlice objects, the pure
-//! desired-state model, the map sync, and the aya data path behind a trait.
+//! ebpf-proxy agent library: sources of Service, EndpointSlice and Node changes, the
+//! desired-state model (the one reader of Kubernetes objects), the reconciler that programs
+//! the data path from it, the aya data path behind a trait, and the agent that runs them.
 
+pub mod agent;
 pub mod check;
 pub mod config;
 pub mod datapath;
@@ -11,6 +13,6 @@ pub mod maglev;
 pub mod metrics;
 pub mod model;
 pub mod mounts;
+pub mod reconcile;
 pub mod source;
-pub mod sync;
 pub mod testbed;

@@ -1,8 +1,16 @@
-//! In-memory data path for tests of the sync: same operations as the BPF maps, with
-//! capacities, and a log of every write in order.
+//! An in-memory data path: the same operations as the BPF maps (with capacities), the
+//! node's interfaces, the tc programs and the health-check servers, with a log of every write
+//! in order, so the whole control plane can be tested without root.
 
-use super::{Capacity, Datapath, DatapathError, Snapshot};
-use proxy_common::{Backend, BackendSlotKey, Frontend, FrontendKey, MemberKey};
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+
+use super::{
+    Capacity, DatapathError, HealthServers, Interface, Interfaces, NodeMaps, NodeSnapshot,
+    Released, ServiceMaps, Snapshot, SourceRangeKey,
+};
+use crate::model::HealthCheck;
+use proxy_common::{Backend, BackendSlotKey, Frontend, FrontendKey, MemberKey, nat::IfaceAddr};
 
 /// One write, as logged by [`FakeDatapath`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -19,29 +27,60 @@ pub enum Op {
     DeleteMember(MemberKey),
     PutMaglev(u32, Vec<u32>),
     DeleteMaglev(u32),
+    Release(Vec<(u32, u32, Backend)>),
+    PutLocalEndpoint([u8; 16]),
+    DeleteLocalEndpoint([u8; 16]),
+    PutSourceRange(SourceRangeKey, u32),
+    DeleteSourceRange(SourceRangeKey),
+    PutIfaceAddr(u32, IfaceAddr),
+    DeleteIfaceAddr(u32),
+    Attach(String),
+    Detach(String),
+    ServeHealth(u16, HealthCheck),
+    UpdateHealth(u16, HealthCheck),
+    StopHealth(u16),
 }
 
-/// Maps in memory. Writes beyond the capacity fail like a full BPF hash map (E2BIG).
+/// Maps, interfaces and servers in memory. Writes beyond the capacity fail like a full BPF
+/// hash map (E2BIG).
 #[derive(Debug)]
 pub struct FakeDatapath {
-    /// Current contents.
+    /// Current contents of the service maps.
     pub state: Snapshot,
+    /// Current contents of the north-south maps.
+    pub node: NodeSnapshot,
     /// Limits.
     pub cap: Capacity,
     /// Every successful write, in order.
     pub log: Vec<Op>,
     /// Maglev tables by service id (their ids are in `state.maglev`).
-    pub tables: std::collections::BTreeMap<u32, Vec<u32>>,
+    pub tables: BTreeMap<u32, Vec<u32>>,
+    /// The interfaces of the (pretend) network namespace.
+    pub interfaces: BTreeMap<String, Interface>,
+    /// Routes: (network, prefix length, device), longest prefix wins.
+    pub routes: Vec<(IpAddr, u8, String)>,
+    /// Interfaces with the programs attached.
+    pub attached: BTreeSet<String>,
+    /// Health-check servers running.
+    pub health: BTreeMap<u16, HealthCheck>,
+    /// Ports a server cannot bind (in use by another process).
+    pub busy_ports: BTreeSet<u16>,
 }
 
 impl FakeDatapath {
-    /// Empty maps with the given limits.
+    /// Empty maps with the given limits, no interfaces.
     pub fn new(cap: Capacity) -> Self {
         Self {
             state: Snapshot::default(),
+            node: NodeSnapshot::default(),
             cap,
             log: Vec::new(),
             tables: Default::default(),
+            interfaces: BTreeMap::new(),
+            routes: Vec::new(),
+            attached: BTreeSet::new(),
+            health: BTreeMap::new(),
+            busy_ports: BTreeSet::new(),
         }
     }
 }
@@ -54,7 +93,7 @@ fn full(map: &'static str) -> DatapathError {
     }
 }
 
-impl Datapath for FakeDatapath {
+impl ServiceMaps for FakeDatapath {
     fn capacity(&self) -> Capacity {
         self.cap
     }
@@ -145,5 +184,99 @@ impl Datapath for FakeDatapath {
         self.state.maglev.remove(&service_id);
         self.log.push(Op::DeleteMaglev(service_id));
         Ok(())
+    }
+    fn release_stale(
+        &mut self,
+        released: &[(u32, u32, Backend)],
+    ) -> Result<Released, DatapathError> {
+        self.log.push(Op::Release(released.to_vec()));
+        Ok(Released::default())
+    }
+}
+
+impl NodeMaps for FakeDatapath {
+    fn node_snapshot(&self) -> Result<NodeSnapshot, DatapathError> {
+        Ok(self.node.clone())
+    }
+    fn put_local_endpoint(&mut self, addr: &[u8; 16]) -> Result<(), DatapathError> {
+        self.node.local_endpoints.insert(*addr);
+        self.log.push(Op::PutLocalEndpoint(*addr));
+        Ok(())
+    }
+    fn delete_local_endpoint(&mut self, addr: &[u8; 16]) -> Result<(), DatapathError> {
+        self.node.local_endpoints.remove(addr);
+        self.log.push(Op::DeleteLocalEndpoint(*addr));
+        Ok(())
+    }
+    fn put_source_range(&mut self, key: &SourceRangeKey, value: u32) -> Result<(), DatapathError> {
+        self.node.source_ranges.insert(*key, value);
+        self.log.push(Op::PutSourceRange(*key, value));
+        Ok(())
+    }
+    fn delete_source_range(&mut self, key: &SourceRangeKey) -> Result<(), DatapathError> {
+        self.node.source_ranges.remove(key);
+        self.log.push(Op::DeleteSourceRange(*key));
+        Ok(())
+    }
+    fn put_iface_addr(&mut self, ifindex: u32, value: &IfaceAddr) -> Result<(), DatapathError> {
+        self.node.iface_addrs.insert(ifindex, *value);
+        self.log.push(Op::PutIfaceAddr(ifindex, *value));
+        Ok(())
+    }
+    fn delete_iface_addr(&mut self, ifindex: u32) -> Result<(), DatapathError> {
+        self.node.iface_addrs.remove(&ifindex);
+        self.log.push(Op::DeleteIfaceAddr(ifindex));
+        Ok(())
+    }
+}
+
+impl Interfaces for FakeDatapath {
+    fn interfaces(&self) -> anyhow::Result<BTreeMap<String, Interface>> {
+        Ok(self.interfaces.clone())
+    }
+    fn route_device(&self, ip: &IpAddr) -> Option<String> {
+        self.routes
+            .iter()
+            .filter(|(net, len, _)| {
+                *len > 0
+                    && ipnet::IpNet::new(*net, *len)
+                        .map(|n| n.contains(ip))
+                        .unwrap_or(false)
+            })
+            .max_by_key(|(_, len, _)| *len)
+            .map(|(_, _, dev)| dev.clone())
+    }
+    fn attached(&self) -> BTreeSet<String> {
+        self.attached.clone()
+    }
+    fn attach(&mut self, name: &str) -> anyhow::Result<()> {
+        anyhow::ensure!(self.interfaces.contains_key(name), "no interface {name}");
+        self.attached.insert(name.to_string());
+        self.log.push(Op::Attach(name.to_string()));
+        Ok(())
+    }
+    fn detach(&mut self, name: &str) -> anyhow::Result<()> {
+        self.attached.remove(name);
+        self.log.push(Op::Detach(name.to_string()));
+        Ok(())
+    }
+}
+
+impl HealthServers for FakeDatapath {
+    fn serve_health(&mut self, port: u16, check: &HealthCheck) -> std::io::Result<()> {
+        if self.busy_ports.contains(&port) {
+            return Err(std::io::Error::from(std::io::ErrorKind::AddrInUse));
+        }
+        self.health.insert(port, check.clone());
+        self.log.push(Op::ServeHealth(port, check.clone()));
+        Ok(())
+    }
+    fn update_health(&mut self, port: u16, check: &HealthCheck) {
+        self.health.insert(port, check.clone());
+        self.log.push(Op::UpdateHealth(port, check.clone()));
+    }
+    fn stop_health(&mut self, port: u16) {
+        self.health.remove(&port);
+        self.log.push(Op::StopHealth(port));
     }
 }
