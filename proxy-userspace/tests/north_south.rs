@@ -465,7 +465,7 @@ fn nodeport_external_and_lb_ips_with_snat_to_remote_backends() {
     let per = proxy_userspace::datapath::maps::read_service_stats(&lab.agents[0].pin).unwrap();
     let names = proxy_userspace::datapath::maps::PinnedMaps::open(&lab.agents[0].pin)
         .and_then(|m| {
-            use proxy_userspace::datapath::Datapath;
+            use proxy_userspace::datapath::ServiceMaps;
             m.snapshot()
         })
         .unwrap()

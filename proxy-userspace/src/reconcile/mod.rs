@@ -19,6 +19,8 @@
 //!   key holds from the pinned maps, so the first full pass ([`Reconciler::apply_all`])
 //!   rewrites nothing that did not change.
 
+#[cfg(test)]
+mod equivalence;
 pub mod node;
 pub mod services;
 

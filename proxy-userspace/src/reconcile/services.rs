@@ -341,6 +341,11 @@ impl Report {
 #[derive(Debug, Default)]
 pub struct ServiceReconciler {
     applied: HashMap<ServicePortKey, Applied>,
+    /// The key bound to each service id.
+    keys_by_id: HashMap<u32, ServicePortKey>,
+    /// The service id whose key holds each frontend: a frontend moving between Services in
+    /// one batch is removed from the key that lost it only if no other key took it over.
+    fe_owner: HashMap<FrontendKey, u32>,
     ids_in_use: HashSet<u32>,
     /// Backend id -> (value, number of slots referring to it).
     backends: HashMap<u32, (Backend, u32)>,
@@ -405,6 +410,10 @@ impl ServiceReconciler {
             };
             s.account(&applied, 1);
             s.ids_in_use.insert(*id);
+            for (k, _) in &applied.frontends {
+                s.fe_owner.insert(*k, *id);
+            }
+            s.keys_by_id.insert(*id, key.clone());
             s.applied.insert(key, applied);
         }
         for a in s.applied.values() {
@@ -770,7 +779,14 @@ impl ServiceReconciler {
             members: false,
             maglev: None,
         };
-        let old = p.old.clone().unwrap_or(empty);
+        // What the key holds now: a frontend of it may have been taken over by a key written
+        // earlier in this batch.
+        let old = self
+            .applied
+            .get(&p.key)
+            .cloned()
+            .or_else(|| p.old.clone())
+            .unwrap_or(empty);
         let old_set: BTreeSet<u32> = old.slots.iter().copied().collect();
         let (new_slots, new_fe, new_members, new_table) = match &p.new {
             Some(t) => (
@@ -835,8 +851,10 @@ impl ServiceReconciler {
             .iter()
             .filter(|(k, _)| !new_keys.contains_key(k))
         {
-            dp.delete_frontend(k)?;
-            report.deletes += 1;
+            if self.fe_owner.get(k) == Some(&id) {
+                dp.delete_frontend(k)?;
+                report.deletes += 1;
+            }
         }
         for a in &marker_del {
             dp.delete_frontend(&marker_key(*a))?;
@@ -906,6 +924,7 @@ impl ServiceReconciler {
                 if old_keys.get(k) != Some(v) {
                     dp.put_frontend(k, v)?;
                     report.writes += 1;
+                    self.take_over(k, id);
                 }
             }
 
@@ -948,11 +967,20 @@ impl ServiceReconciler {
                 report.released.push((id, *bid, *b));
             }
         }
-        if let Some(a) = p.old.as_ref() {
-            self.account(a, -1);
+        if let Some(a) = self.applied.get(&p.key).cloned() {
+            self.account(&a, -1);
+            for (k, _) in &a.frontends {
+                if self.fe_owner.get(k) == Some(&id) {
+                    self.fe_owner.remove(k);
+                }
+            }
         }
         match p.new {
             Some(t) => {
+                for (k, _) in &t.frontends {
+                    self.fe_owner.insert(*k, id);
+                }
+                self.keys_by_id.insert(id, p.key.clone());
                 let a = Applied {
                     id,
                     slots: t.slots,
@@ -966,10 +994,44 @@ impl ServiceReconciler {
             }
             None => {
                 self.ids_in_use.remove(&id);
+                self.keys_by_id.remove(&id);
                 self.applied.remove(&p.key);
             }
         }
         Ok(())
+    }
+
+    /// Frontend `k` was just written for service id `id`: when another key held it (it moves
+    /// between Services in one batch), that key no longer does, so its later removal of the
+    /// frontend does not undo this write.
+    fn take_over(&mut self, k: &FrontendKey, id: u32) {
+        let Some(&other) = self.fe_owner.get(k) else {
+            return;
+        };
+        if other == id {
+            return;
+        }
+        self.fe_owner.insert(*k, id);
+        let Some(okey) = self.keys_by_id.get(&other).cloned() else {
+            return;
+        };
+        let Some(a) = self.applied.get_mut(&okey) else {
+            return;
+        };
+        let Some(pos) = a.frontends.iter().position(|(fk, _)| fk == k) else {
+            return;
+        };
+        let (_, v) = a.frontends.remove(pos);
+        let removed = Applied {
+            id: other,
+            slots: Vec::new(),
+            frontends: vec![(*k, v)],
+            members: false,
+            maglev: None,
+        };
+        // Its frontend (and a VIP reference) leave the other key's count; its name stays.
+        self.account(&removed, -1);
+        self.counts.names += 1;
     }
 
     /// The service maps as they should be, from what was applied.

@@ -18,7 +18,7 @@ use std::{
 };
 
 use proxy_userspace::{
-    datapath::{Datapath, Snapshot, loader, maps::PinnedMaps},
+    datapath::{ServiceMaps, Snapshot, loader, maps::PinnedMaps},
     testbed::{ChildGuard, Lab, Pod, TestCgroup, ensure_bpffs, is_root, spawn_in},
 };
 
