@@ -34,7 +34,7 @@ use tracing::{debug, error, info, warn};
 use crate::{
     config::{AgentConfig, NodePortAddresses, SourceChoice},
     datapath::{
-        ServiceMaps,
+        Datapath, FlowCollection, ServiceMaps,
         kernel::KernelDatapath,
         loader::{self, MapSizes},
         maps::PinnedMaps,
@@ -334,27 +334,21 @@ pub fn run(config: AgentConfig) -> Result<()> {
             SourceChoice::Manifests(_) => Duration::ZERO,
             SourceChoice::Api(_) => config.min_sync_period,
         };
-        let mut agent = Agent {
-            model: Model::new(node),
-            reconciler,
-            dp,
-            metrics,
-            health,
-            source_label,
-            min_period,
-            synced: false,
-            first_done: false,
-            reconcile_at: None,
-            last_sync: None,
-            first_received: None,
-            source_errors: Vec::new(),
-            logged_node_errors: BTreeSet::new(),
-            collect_failed: false,
-            pending_services: 0,
-            pending_endpoints: 0,
+        let mut agent = Agent::new(Model::new(node), reconciler, dp, metrics, health, source_label, min_period);
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let stop = async move {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
         };
         agent
-            .run(rx, config.sync_period, config.udp_flow_timeout)
+            .run(
+                rx,
+                config.sync_period,
+                crate::datapath::tc::lc_collect_interval(config.udp_flow_timeout),
+                stop,
+            )
             .await?;
         info!("stopping; the data path stays attached and pinned for the next agent (use `ebpf-proxy cleanup` to remove it)");
         Ok(())
@@ -405,11 +399,15 @@ fn open_datapath(
     })
 }
 
-/// The running agent's state.
-struct Agent {
-    model: Model,
-    reconciler: Reconciler,
-    dp: KernelDatapath,
+/// The running agent's state, over any data path (the kernel's, or the in-memory fake in
+/// tests).
+pub struct Agent<D> {
+    /// The model.
+    pub model: Model,
+    /// The reconciler.
+    pub reconciler: Reconciler,
+    /// The data path.
+    pub dp: D,
     metrics: Arc<Metrics>,
     health: Arc<Mutex<Health>>,
     source_label: &'static str,
@@ -430,6 +428,12 @@ struct Agent {
     pending_endpoints: i64,
 }
 
+/// Now, on tokio's clock (paused in tests) as a std `Instant`, so the reconciler's retry
+/// times and the loop's timers agree.
+fn clock() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
 /// Sleeps until `at`, or forever without one.
 async fn sleep_until_opt(at: Option<tokio::time::Instant>) {
     match at {
@@ -438,25 +442,60 @@ async fn sleep_until_opt(at: Option<tokio::time::Instant>) {
     }
 }
 
-impl Agent {
-    async fn run(
+impl<D: Datapath + FlowCollection> Agent<D> {
+    /// An agent over `dp`, starting from what `reconciler` adopted. `min_period` paces the
+    /// syncs (`--min-sync-period` for the API source, 0 for manifests); `source_label`
+    /// names the source in metrics.
+    pub fn new(
+        model: Model,
+        reconciler: Reconciler,
+        dp: D,
+        metrics: Arc<Metrics>,
+        health: Arc<Mutex<Health>>,
+        source_label: &'static str,
+        min_period: Duration,
+    ) -> Self {
+        Agent {
+            model,
+            reconciler,
+            dp,
+            metrics,
+            health,
+            source_label,
+            min_period,
+            synced: false,
+            first_done: false,
+            reconcile_at: None,
+            last_sync: None,
+            first_received: None,
+            source_errors: Vec::new(),
+            logged_node_errors: BTreeSet::new(),
+            collect_failed: false,
+            pending_services: 0,
+            pending_endpoints: 0,
+        }
+    }
+
+    /// Runs the event loop until `stop` completes; verifies every `sync_period`, collects
+    /// ended least-connections flows every `collect_every`.
+    pub async fn run(
         &mut self,
         mut rx: mpsc::Receiver<Batch>,
         sync_period: Duration,
-        udp_flow_timeout: Duration,
+        collect_every: Duration,
+        stop: impl std::future::Future<Output = ()>,
     ) -> Result<()> {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         let mut verify = tokio::time::interval(sync_period);
         verify.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         verify.tick().await;
-        let mut collect =
-            tokio::time::interval(crate::datapath::tc::lc_collect_interval(udp_flow_timeout));
+        let mut collect = tokio::time::interval(collect_every);
         collect.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tokio::pin!(stop);
         loop {
             let retry_at = self
                 .reconciler
                 .next_retry()
-                .map(|t| tokio::time::Instant::from_std(t));
+                .map(tokio::time::Instant::from_std);
             let event = tokio::select! {
                 b = rx.recv() => match b {
                     Some(b) => Event::Batch(b),
@@ -466,8 +505,7 @@ impl Agent {
                 _ = verify.tick() => Event::Verify,
                 _ = sleep_until_opt(retry_at.filter(|_| self.first_done)) => Event::Retry,
                 _ = collect.tick() => Event::Collect,
-                _ = term.recv() => Event::Stop,
-                _ = tokio::signal::ctrl_c() => Event::Stop,
+                _ = &mut stop => Event::Stop,
             };
             match event {
                 Event::Batch(b) => {
@@ -478,20 +516,39 @@ impl Agent {
                     }
                     self.schedule();
                 }
-                Event::SourceClosed => anyhow::bail!("the object source stopped"),
-                Event::Reconcile => self.reconcile(),
-                Event::Verify => self.verify(),
-                Event::Retry => {
-                    let out = self
-                        .reconciler
-                        .retry(&mut self.dp, &self.model, Instant::now());
-                    self.report(&out);
-                    self.after_sync(&out);
+                other => {
+                    if let Some(end) = self.handle(other) {
+                        return end;
+                    }
                 }
-                Event::Collect => self.collect(),
-                Event::Stop => return Ok(()),
             }
         }
+    }
+
+    /// Handles one event other than a batch; `Some` ends the loop.
+    pub fn handle(&mut self, event: Event) -> Option<Result<()>> {
+        match event {
+            Event::Batch(b) => {
+                self.read(b);
+                self.schedule();
+            }
+            Event::SourceClosed => return Some(Err(anyhow::anyhow!("the object source stopped"))),
+            Event::Reconcile => self.reconcile(),
+            Event::Verify => self.verify(),
+            Event::Retry => {
+                let out = self.reconciler.retry(&mut self.dp, &self.model, clock());
+                self.report(&out);
+                self.after_sync(&out);
+            }
+            Event::Collect => self.collect(),
+            Event::Stop => return Some(Ok(())),
+        }
+        None
+    }
+
+    /// When the next sync is due (changes are waiting and the pacing allows it).
+    pub fn reconcile_at(&self) -> Option<tokio::time::Instant> {
+        self.reconcile_at
     }
 
     /// Reads a batch into the model.
@@ -569,7 +626,7 @@ impl Agent {
         let delta = self.model.commit();
         let model_us = model_start.elapsed().as_micros() as u64;
         self.log_model_errors(&delta);
-        let now = Instant::now();
+        let now = clock();
         let out = if self.first_done {
             self.reconciler
                 .apply(&mut self.dp, &self.model, &delta, now)
@@ -661,7 +718,7 @@ impl Agent {
         self.metrics.synced(
             out.duration,
             self.reconciler.services.entry_counts(),
-            self.dp.capacity(),
+            ServiceMaps::capacity(&self.dp),
         );
         self.update_skipped();
         let node_errors = self.reconciler.node.errors();
@@ -712,15 +769,13 @@ impl Agent {
         if !self.first_done {
             return;
         }
-        let out = self
-            .reconciler
-            .verify(&mut self.dp, &self.model, Instant::now());
+        let out = self.reconciler.verify(&mut self.dp, &self.model, clock());
         self.report(&out);
         self.after_sync(&out);
     }
 
     fn collect(&mut self) {
-        match self.dp.tc.collect_lc_flows() {
+        match self.dp.collect_lc_flows() {
             Ok(n) => {
                 if n > 0 {
                     debug!(
@@ -745,4 +800,160 @@ impl Agent {
 pub fn model_of_dir(dir: &PathBuf, node: &NodeInfo) -> (Model, Vec<SourceError>) {
     let (objects, errors) = crate::source::manifests::load_dir(dir);
     (Model::from_objects(&objects, node), errors)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::datapath::{Capacity, fake::FakeDatapath};
+    use crate::source::{Change, manifests::parse_documents};
+
+    fn agent(min_period: Duration) -> Agent<FakeDatapath> {
+        let dp = FakeDatapath::new(Capacity {
+            frontends: 100,
+            slots: 100,
+            backends: 100,
+            services: 100,
+        });
+        let r = Reconciler::adopt(&dp, NodeConfig::default(), Duration::from_secs(30)).unwrap();
+        let health = Arc::new(Mutex::new(Health {
+            last_updated: None,
+            queued: None,
+            timeout: Duration::from_secs(60),
+        }));
+        Agent::new(
+            Model::new(NodeInfo {
+                name: "node-1".into(),
+                ..Default::default()
+            }),
+            r,
+            dp,
+            Arc::new(Metrics::new(PathBuf::from("/nonexistent"))),
+            health,
+            "manifests",
+            min_period,
+        )
+    }
+
+    fn batch(yaml: &str, synced: bool) -> Batch {
+        let (objs, errors) = parse_documents("t.yaml", yaml);
+        assert!(errors.is_empty(), "{errors:?}");
+        Batch {
+            changes: objs.into_iter().map(Change::Apply).collect(),
+            errors: None,
+            synced,
+            received: Instant::now(),
+        }
+    }
+
+    fn svc(name: &str, ip: &str) -> String {
+        format!(
+            "---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: ns}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}\n"
+        )
+    }
+
+    fn real_frontends(a: &Agent<FakeDatapath>) -> usize {
+        a.dp.state.frontends.keys().filter(|k| k.proto != 0).count()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn nothing_is_programmed_before_the_source_is_complete() {
+        let mut a = agent(Duration::ZERO);
+        a.handle(Event::Batch(batch(&svc("a", "10.96.0.1"), false)));
+        assert_eq!(a.reconcile_at(), None, "the view is not complete yet");
+        a.handle(Event::Retry);
+        a.handle(Event::Verify);
+        assert!(a.dp.log.is_empty());
+        assert!(a.health.lock().unwrap().last_updated.is_none());
+        a.handle(Event::Batch(batch(&svc("b", "10.96.0.2"), true)));
+        assert!(a.reconcile_at().is_some());
+        a.handle(Event::Reconcile);
+        assert_eq!(real_frontends(&a), 2);
+        let h = a.health.lock().unwrap();
+        assert!(h.healthy(SystemTime::now()));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn min_sync_period_paces_syncs_and_an_isolated_change_goes_at_once() {
+        let period = Duration::from_secs(1);
+        let mut a = agent(period);
+        a.handle(Event::Batch(batch(&svc("a", "10.96.0.1"), true)));
+        a.handle(Event::Reconcile);
+        let t0 = tokio::time::Instant::now();
+        // A change right after a sync waits for the period.
+        tokio::time::advance(Duration::from_millis(100)).await;
+        a.handle(Event::Batch(batch(&svc("b", "10.96.0.2"), true)));
+        assert_eq!(a.reconcile_at(), Some(t0 + period));
+        tokio::time::advance(Duration::from_millis(900)).await;
+        a.handle(Event::Reconcile);
+        assert_eq!(real_frontends(&a), 2);
+        // After a quiet period, a change goes out at once.
+        tokio::time::advance(Duration::from_secs(5)).await;
+        a.handle(Event::Batch(batch(&svc("c", "10.96.0.3"), true)));
+        assert_eq!(a.reconcile_at(), Some(tokio::time::Instant::now()));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_loop_reads_bursts_as_one_sync_and_stops() {
+        let mut a = agent(Duration::ZERO);
+        let (tx, rx) = mpsc::channel(16);
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        tx.send(batch(&svc("a", "10.96.0.1"), true)).await.unwrap();
+        for i in 2..6 {
+            tx.send(batch(&svc(&format!("s{i}"), &format!("10.96.0.{i}")), true))
+                .await
+                .unwrap();
+        }
+        let driver = async {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            stop_tx.send(()).unwrap();
+        };
+        let run = a.run(
+            rx,
+            Duration::from_secs(30),
+            Duration::from_secs(10),
+            async {
+                let _ = stop_rx.await;
+            },
+        );
+        let (r, ()) = tokio::join!(run, driver);
+        r.unwrap();
+        assert_eq!(real_frontends(&a), 5);
+        // One pass wrote everything: every frontend once.
+        let puts = a
+            .dp
+            .log
+            .iter()
+            .filter(|o| matches!(o, crate::datapath::fake::Op::PutFrontend(k, _) if k.proto != 0))
+            .count();
+        assert_eq!(puts, 5);
+        assert!(a.dp.collections >= 1, "the collection ran");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_service_keeps_healthz_pending_until_it_is_applied() {
+        let mut a = agent(Duration::ZERO);
+        a.dp.cap.frontends = 2; // one cluster IP (frontend + VIP marker)
+        a.handle(Event::Batch(batch(
+            &(svc("a", "10.96.0.1") + &svc("b", "10.96.0.2")),
+            true,
+        )));
+        a.handle(Event::Reconcile);
+        assert_eq!(a.reconciler.failed().len(), 1);
+        {
+            let h = a.health.lock().unwrap();
+            assert!(
+                h.queued.is_some(),
+                "a failed Service port is a pending update"
+            );
+            let later = SystemTime::now() + Duration::from_secs(61);
+            assert!(!h.healthy(later));
+        }
+        a.dp.cap.frontends = 4;
+        tokio::time::advance(Duration::from_secs(2)).await;
+        a.handle(Event::Retry);
+        assert!(a.reconciler.failed().is_empty());
+        assert!(a.health.lock().unwrap().queued.is_none());
+        assert_eq!(real_frontends(&a), 2);
+    }
 }

@@ -65,6 +65,10 @@ pub struct FakeDatapath {
     pub health: BTreeMap<u16, HealthCheck>,
     /// Ports a server cannot bind (in use by another process).
     pub busy_ports: BTreeSet<u16>,
+    /// Calls of the least-connections collection.
+    pub collections: usize,
+    /// When set, the service-map write after this many more succeeds fails (EIO), once.
+    pub fail_after: Option<usize>,
 }
 
 impl FakeDatapath {
@@ -81,7 +85,35 @@ impl FakeDatapath {
             attached: BTreeSet::new(),
             health: BTreeMap::new(),
             busy_ports: BTreeSet::new(),
+            collections: 0,
+            fail_after: None,
         }
+    }
+
+    /// Counts down [`FakeDatapath::fail_after`]; an error when it reaches zero.
+    fn injected(&mut self, map: &'static str) -> Result<(), DatapathError> {
+        match self.fail_after {
+            Some(0) => {
+                self.fail_after = None;
+                Err(DatapathError::Map {
+                    op: "update",
+                    map,
+                    error: std::io::Error::from_raw_os_error(libc::EIO),
+                })
+            }
+            Some(n) => {
+                self.fail_after = Some(n - 1);
+                Ok(())
+            }
+            None => Ok(()),
+        }
+    }
+}
+
+impl super::FlowCollection for FakeDatapath {
+    fn collect_lc_flows(&mut self) -> anyhow::Result<usize> {
+        self.collections += 1;
+        Ok(0)
     }
 }
 
@@ -101,6 +133,7 @@ impl ServiceMaps for FakeDatapath {
         Ok(self.state.clone())
     }
     fn put_frontend(&mut self, key: &FrontendKey, value: &Frontend) -> Result<(), DatapathError> {
+        self.injected("FRONTENDS")?;
         let m = &mut self.state.frontends;
         if !m.contains_key(key) && m.len() >= self.cap.frontends as usize {
             return Err(full("FRONTENDS"));
@@ -115,6 +148,7 @@ impl ServiceMaps for FakeDatapath {
         Ok(())
     }
     fn put_slot(&mut self, key: &BackendSlotKey, backend_id: u32) -> Result<(), DatapathError> {
+        self.injected("BACKEND_SLOTS")?;
         let m = &mut self.state.slots;
         if !m.contains_key(key) && m.len() >= self.cap.slots as usize {
             return Err(full("BACKEND_SLOTS"));
@@ -129,6 +163,7 @@ impl ServiceMaps for FakeDatapath {
         Ok(())
     }
     fn put_backend(&mut self, id: u32, value: &Backend) -> Result<(), DatapathError> {
+        self.injected("BACKENDS")?;
         let m = &mut self.state.backends;
         if !m.contains_key(&id) && m.len() >= self.cap.backends as usize {
             return Err(full("BACKENDS"));
@@ -143,6 +178,7 @@ impl ServiceMaps for FakeDatapath {
         Ok(())
     }
     fn put_name(&mut self, service_id: u32, name: &str) -> Result<(), DatapathError> {
+        self.injected("SERVICE_NAMES")?;
         let m = &mut self.state.names;
         if !m.contains_key(&service_id) && m.len() >= self.cap.services as usize {
             return Err(full("SERVICE_NAMES"));
@@ -157,6 +193,7 @@ impl ServiceMaps for FakeDatapath {
         Ok(())
     }
     fn put_member(&mut self, key: &MemberKey) -> Result<(), DatapathError> {
+        self.injected("MEMBERS")?;
         let m = &mut self.state.members;
         if !m.contains(key) && m.len() >= self.cap.slots as usize {
             return Err(full("MEMBERS"));

@@ -163,6 +163,12 @@ impl Interfaces for KernelDatapath {
     }
 }
 
+impl super::FlowCollection for KernelDatapath {
+    fn collect_lc_flows(&mut self) -> anyhow::Result<usize> {
+        self.tc.collect_lc_flows()
+    }
+}
+
 impl HealthServers for KernelDatapath {
     fn serve_health(&mut self, port: u16, check: &HealthCheck) -> std::io::Result<()> {
         self.health.serve_health(port, check)

@@ -189,6 +189,13 @@ pub trait HealthServers {
     fn stop_health(&mut self, port: u16);
 }
 
+/// The periodic collection of least-connections counts of north-south flows that ended
+/// without a FIN or RST the data path saw (timed out, evicted).
+pub trait FlowCollection {
+    /// Gives the counts of such flows back; returns how many flows were collected.
+    fn collect_lc_flows(&mut self) -> anyhow::Result<usize>;
+}
+
 /// Everything the reconciler drives.
 pub trait Datapath: ServiceMaps + NodeMaps + Interfaces + HealthServers {}
 
