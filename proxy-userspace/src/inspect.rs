@@ -682,12 +682,12 @@ pub fn explain(
                         }
                         ExplainedEndpoint {
                             endpoint: a.to_string(),
-                            pod: e.pod.clone(),
+                            pod: e.pod.to_string(),
                             local: e.local,
                             ready: e.ready,
                             serving: e.serving,
                             terminating: e.terminating,
-                            zone_hints: e.zone_hints.iter().cloned().collect(),
+                            zone_hints: e.zone_hints().iter().cloned().collect(),
                             eligible: reason.is_none(),
                             reason,
                         }

@@ -27,12 +27,34 @@ pub struct EndpointInfo {
     pub terminating: bool,
     /// `nodeName` equals this node's name.
     pub local: bool,
-    /// `hints.forZones[].name`.
-    pub zone_hints: BTreeSet<String>,
-    /// `hints.forNodes[].name`.
-    pub node_hints: BTreeSet<String>,
+    /// Topology hints, when the endpoint has any (boxed: most have none, and a cluster has
+    /// hundreds of thousands of endpoints).
+    pub hints: Option<Box<Hints>>,
     /// `targetRef.name` (the pod's name), for weights; "" when unset.
-    pub pod: String,
+    pub pod: Box<str>,
+}
+
+/// An endpoint's topology hints.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Hints {
+    /// `hints.forZones[].name`.
+    pub zones: BTreeSet<String>,
+    /// `hints.forNodes[].name`.
+    pub nodes: BTreeSet<String>,
+}
+
+static NO_HINTS: BTreeSet<String> = BTreeSet::new();
+
+impl EndpointInfo {
+    /// `hints.forZones[].name`.
+    pub fn zone_hints(&self) -> &BTreeSet<String> {
+        self.hints.as_ref().map_or(&NO_HINTS, |h| &h.zones)
+    }
+
+    /// `hints.forNodes[].name`.
+    pub fn node_hints(&self) -> &BTreeSet<String> {
+        self.hints.as_ref().map_or(&NO_HINTS, |h| &h.nodes)
+    }
 }
 
 /// The endpoints of one Service port in one family, by (address, port).
@@ -71,12 +93,13 @@ impl SliceInfo {
     pub fn read(origin: &Arc<str>, ns: &str, slice: &EndpointSlice, node: &str) -> SliceInfo {
         let mut errors = Vec::new();
         let parsed = read_slice(origin, ns, slice, node, &mut errors);
-        let local_addrs = slice
+        let mut local_addrs: Vec<IpAddr> = slice
             .endpoints
             .iter()
             .filter(|ep| ep.node_name.as_deref() == Some(node))
             .flat_map(|ep| ep.addresses.iter().filter_map(|a| a.parse::<IpAddr>().ok()))
             .collect();
+        local_addrs.shrink_to_fit();
         SliceInfo {
             service: slice
                 .metadata
@@ -155,28 +178,32 @@ fn read_slice(
         let cond = ep.conditions.as_ref();
         // Unset conditions: ready and serving unknown mean true, terminating false
         // (EndpointSlice API; kube-proxy reads them the same way).
-        let info = EndpointInfo {
-            ready: cond.and_then(|c| c.ready) != Some(false),
-            serving: cond.and_then(|c| c.serving) != Some(false),
-            terminating: cond.and_then(|c| c.terminating) == Some(true),
-            local: ep.node_name.as_deref() == Some(node),
-            zone_hints: ep
+        let hints = Hints {
+            zones: ep
                 .hints
                 .iter()
                 .flat_map(|h| h.for_zones.iter().flatten())
                 .map(|z| z.name.clone())
                 .collect(),
-            node_hints: ep
+            nodes: ep
                 .hints
                 .iter()
                 .flat_map(|h| h.for_nodes.iter().flatten())
                 .map(|n| n.name.clone())
                 .collect(),
+        };
+        let info = EndpointInfo {
+            ready: cond.and_then(|c| c.ready) != Some(false),
+            serving: cond.and_then(|c| c.serving) != Some(false),
+            terminating: cond.and_then(|c| c.terminating) == Some(true),
+            local: ep.node_name.as_deref() == Some(node),
+            hints: (hints != Hints::default()).then(|| Box::new(hints)),
             pod: ep
                 .target_ref
                 .as_ref()
-                .and_then(|r| r.name.clone())
-                .unwrap_or_default(),
+                .and_then(|r| r.name.as_deref())
+                .unwrap_or_default()
+                .into(),
         };
         // kube-proxy uses only the first address of an endpoint.
         let Some(first) = ep.addresses.first() else {
@@ -196,6 +223,9 @@ fn read_slice(
             Err(e) => err(format!("endpoint address {e}; endpoint skipped")),
         }
     }
+    // Exact capacities: a cluster holds hundreds of thousands of these.
+    ports.shrink_to_fit();
+    endpoints.shrink_to_fit();
     Some(ParsedSlice {
         family,
         ports,
@@ -257,20 +287,20 @@ pub fn categorize(eps: &PortEndpoints, node: &str, zone: &str) -> EndpointSets {
     let ready = || eps.iter().filter(|(_, e)| e.ready);
     let mut topology = "";
     if ready().next().is_some() {
-        let all_node_hints = ready().all(|(_, e)| !e.node_hints.is_empty());
-        let all_zone_hints = ready().all(|(_, e)| !e.zone_hints.is_empty());
-        if all_node_hints && ready().any(|(_, e)| e.node_hints.contains(node)) {
+        let all_node_hints = ready().all(|(_, e)| !e.node_hints().is_empty());
+        let all_zone_hints = ready().all(|(_, e)| !e.zone_hints().is_empty());
+        if all_node_hints && ready().any(|(_, e)| e.node_hints().contains(node)) {
             topology = "PreferSameNode";
         } else if all_zone_hints
             && !zone.is_empty()
-            && ready().any(|(_, e)| e.zone_hints.contains(zone))
+            && ready().any(|(_, e)| e.zone_hints().contains(zone))
         {
             topology = "PreferSameZone";
         }
     }
     let available = |e: &EndpointInfo| match topology {
-        "PreferSameNode" => e.node_hints.contains(node),
-        "PreferSameZone" => e.zone_hints.contains(zone),
+        "PreferSameNode" => e.node_hints().contains(node),
+        "PreferSameZone" => e.zone_hints().contains(zone),
         _ => true,
     };
     let mut cluster: BTreeSet<SocketAddr> = ready()

@@ -71,28 +71,31 @@ pub(crate) fn candidate_claims(info: &ServiceInfo, node_port_ips: &BTreeSet<IpAd
     out
 }
 
-/// Who claims each frontend, in age order.
+/// Who claims each frontend. Nearly every frontend has one claimant, so a short vector
+/// (not an ordered set, which allocates a whole node for one element) holds them.
 #[derive(Debug, Default)]
 pub(crate) struct ClaimIndex {
-    claims: HashMap<Claim, BTreeSet<AgeKey>>,
+    claims: HashMap<Claim, Vec<SvcKey>>,
 }
 
 impl ClaimIndex {
     /// Adds `who`'s claims; returns the other Services claiming any of them.
-    pub fn add(&mut self, who: &AgeKey, claims: &[Claim], neighbours: &mut HashSet<SvcKey>) {
+    pub fn add(&mut self, who: &SvcKey, claims: &[Claim], neighbours: &mut HashSet<SvcKey>) {
         for c in claims {
             let set = self.claims.entry(*c).or_default();
-            neighbours.extend(set.iter().map(|a| a.key.clone()));
-            set.insert(who.clone());
+            neighbours.extend(set.iter().cloned());
+            if !set.contains(who) {
+                set.push(who.clone());
+            }
         }
     }
 
     /// Removes `who`'s claims; returns the other Services claiming any of them.
-    pub fn remove(&mut self, who: &AgeKey, claims: &[Claim], neighbours: &mut HashSet<SvcKey>) {
+    pub fn remove(&mut self, who: &SvcKey, claims: &[Claim], neighbours: &mut HashSet<SvcKey>) {
         for c in claims {
             if let Some(set) = self.claims.get_mut(c) {
-                set.remove(who);
-                neighbours.extend(set.iter().map(|a| a.key.clone()));
+                set.retain(|k| k != who);
+                neighbours.extend(set.iter().cloned());
                 if set.is_empty() {
                     self.claims.remove(c);
                 }
@@ -101,7 +104,7 @@ impl ClaimIndex {
     }
 
     /// Every claimant of `c`.
-    pub fn claimants(&self, c: &Claim) -> impl Iterator<Item = &AgeKey> {
+    pub fn claimants(&self, c: &Claim) -> impl Iterator<Item = &SvcKey> {
         self.claims.get(c).into_iter().flatten()
     }
 

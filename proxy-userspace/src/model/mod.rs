@@ -353,6 +353,10 @@ pub struct Delta {
     pub node_changed: bool,
     /// The set of endpoint addresses on this node changed.
     pub local_endpoints_changed: bool,
+    /// Endpoint addresses now on this node that were not.
+    pub local_endpoints_added: Vec<IpAddr>,
+    /// Endpoint addresses no longer on this node.
+    pub local_endpoints_removed: Vec<IpAddr>,
     /// The source ranges changed.
     pub source_ranges_changed: bool,
     /// The health-check ports or what they report changed.
@@ -420,10 +424,13 @@ pub struct Model {
     /// This node's Node object as read, and where it came from.
     node: NodeState,
     node_origin: Option<Arc<str>>,
-    services: HashMap<SvcKey, ServiceEntry>,
-    slices: HashMap<SvcKey, SliceInfo>,
-    /// (namespace, Service name) -> its slices' names, in name order.
-    slices_of: HashMap<SvcKey, BTreeSet<String>>,
+    // Boxed values: a hash map's buckets are allocated for its capacity, up to twice the
+    // entries, so large inline values would waste that much again.
+    services: HashMap<SvcKey, Box<ServiceEntry>>,
+    slices: HashMap<SvcKey, Box<SliceInfo>>,
+    /// (namespace, Service name) -> its slices' names, in name order (a short sorted
+    /// vector: most Services have one slice).
+    slices_of: HashMap<SvcKey, Vec<String>>,
     claims: ClaimIndex,
     ports: BTreeMap<ServicePortKey, DesiredService>,
     local_endpoints: BTreeMap<IpAddr, u32>,
@@ -438,6 +445,7 @@ pub struct Model {
     all_dirty: bool,
     health_touched: BTreeSet<u16>,
     error_net: HashMap<ModelError, i32>,
+    local_net: HashMap<IpAddr, i32>,
     pending: Delta,
 }
 
@@ -537,7 +545,7 @@ impl Model {
         let mut neighbours = HashSet::new();
         let old_output = match self.services.remove(&key) {
             Some(old) => {
-                self.claims.remove(&old.age, &old.claims, &mut neighbours);
+                self.claims.remove(&key, &old.claims, &mut neighbours);
                 old.output
             }
             None => ServiceOutput::default(),
@@ -546,15 +554,15 @@ impl Model {
             Some(info) => {
                 let age = AgeKey::of(&key, &info);
                 let claims = frontends::candidate_claims(&info, &node_ports);
-                self.claims.add(&age, &claims, &mut neighbours);
+                self.claims.add(&key, &claims, &mut neighbours);
                 self.services.insert(
                     key.clone(),
-                    ServiceEntry {
+                    Box::new(ServiceEntry {
                         info,
                         age,
                         claims,
                         output: old_output,
-                    },
+                    }),
                 );
                 self.dirty.insert(key);
             }
@@ -569,7 +577,7 @@ impl Model {
     /// Returns whether the slice read differently from before.
     fn set_slice(&mut self, key: SvcKey, new: Option<SliceInfo>) -> bool {
         let old = self.slices.get(&key);
-        if old == new.as_ref() {
+        if old.map(|b| &**b) == new.as_ref() {
             return false;
         }
         self.pending.endpoint_changes += 1;
@@ -581,14 +589,14 @@ impl Model {
                     *n -= 1;
                     if *n == 0 {
                         self.local_endpoints.remove(a);
-                        self.pending.local_endpoints_changed = true;
+                        *self.local_net.entry(*a).or_default() -= 1;
                     }
                 }
             }
             if let Some(svc) = &old.service {
                 let sk = (ns.clone(), svc.clone());
                 if let Some(set) = self.slices_of.get_mut(&sk) {
-                    set.remove(&name);
+                    set.retain(|n| *n != name);
                     if set.is_empty() {
                         self.slices_of.remove(&sk);
                     }
@@ -603,21 +611,21 @@ impl Model {
             for a in &new.local_addrs {
                 let n = self.local_endpoints.entry(*a).or_default();
                 if *n == 0 {
-                    self.pending.local_endpoints_changed = true;
+                    *self.local_net.entry(*a).or_default() += 1;
                 }
                 *n += 1;
             }
             if let Some(svc) = &new.service {
                 let sk = (ns.clone(), svc.clone());
-                self.slices_of
-                    .entry(sk.clone())
-                    .or_default()
-                    .insert(name.clone());
+                let set = self.slices_of.entry(sk.clone()).or_default();
+                if let Err(at) = set.binary_search(&name) {
+                    set.insert(at, name.clone());
+                }
                 if self.services.contains_key(&sk) {
                     self.dirty.insert(sk);
                 }
             }
-            self.slices.insert(key.clone(), new);
+            self.slices.insert(key.clone(), Box::new(new));
         }
         self.set_errors(ErrorOwner::Slice(key), errors);
         true
@@ -643,9 +651,9 @@ impl Model {
             let node_ports = self.node.node_port_ips();
             self.claims.clear();
             let mut ignore = HashSet::new();
-            for e in self.services.values_mut() {
+            for (k, e) in self.services.iter_mut() {
                 e.claims = frontends::candidate_claims(&e.info, &node_ports);
-                self.claims.add(&e.age, &e.claims, &mut ignore);
+                self.claims.add(k, &e.claims, &mut ignore);
             }
         }
         if ports_changed || zone_changed {
@@ -678,8 +686,8 @@ impl Model {
                 let e = &self.services[&group[i]];
                 for c in &e.claims {
                     for a in self.claims.claimants(c) {
-                        if done.insert(a.key.clone()) {
-                            group.push(a.key.clone());
+                        if done.insert(a.clone()) {
+                            group.push(a.clone());
                         }
                     }
                 }
@@ -741,6 +749,17 @@ impl Model {
         }
         delta.errors_added.sort();
         delta.errors_removed.sort();
+        for (a, n) in self.local_net.drain() {
+            match n.cmp(&0) {
+                std::cmp::Ordering::Greater => delta.local_endpoints_added.push(a),
+                std::cmp::Ordering::Less => delta.local_endpoints_removed.push(a),
+                std::cmp::Ordering::Equal => {}
+            }
+        }
+        delta.local_endpoints_added.sort();
+        delta.local_endpoints_removed.sort();
+        delta.local_endpoints_changed =
+            !delta.local_endpoints_added.is_empty() || !delta.local_endpoints_removed.is_empty();
         delta
     }
 
@@ -1053,7 +1072,7 @@ fn service_sets(
         };
         if algorithm == Algorithm::WeightedRoundRobin {
             let weight = |a: &SocketAddr| {
-                let pod = eps.get(a).map(|e| e.pod.as_str()).unwrap_or("");
+                let pod = eps.get(a).map(|e| &*e.pod).unwrap_or("");
                 info.weights
                     .get(pod)
                     .filter(|_| !pod.is_empty())

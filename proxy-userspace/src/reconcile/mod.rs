@@ -121,7 +121,12 @@ impl Reconciler {
         let mut out = Outcome::default();
         self.apply_keys(dp, model, delta.ports.iter(), now, &mut out);
         if delta.local_endpoints_changed {
-            Self::node_result(&mut out, "local endpoints", self.node.sync_local(dp, model));
+            let r = self.node.apply_local(
+                dp,
+                &delta.local_endpoints_added,
+                &delta.local_endpoints_removed,
+            );
+            Self::node_result(&mut out, "local endpoints", r);
         }
         if delta.source_ranges_changed {
             Self::node_result(&mut out, "source ranges", self.node.sync_ranges(dp, model));
@@ -129,7 +134,11 @@ impl Reconciler {
         if delta.health_changed {
             self.node.sync_health(dp, model);
         }
-        if delta.node_changed || delta.local_endpoints_changed {
+        if delta.node_changed
+            || self
+                .node
+                .needs_pod_interface(dp, &delta.local_endpoints_added)
+        {
             out.node_changes += self.node.sync_interfaces(dp, model);
         }
         self.release(dp, &mut out);

@@ -234,6 +234,45 @@ impl NodeReconciler {
         Ok(n)
     }
 
+    /// Writes the local endpoint addresses that came and went (one commit's delta).
+    pub fn apply_local(
+        &mut self,
+        dp: &mut impl Datapath,
+        added: &[IpAddr],
+        removed: &[IpAddr],
+    ) -> Result<usize, DatapathError> {
+        let mut n = 0;
+        for ip in added {
+            let a = ip_to_bytes(*ip);
+            if !self.local.contains(&a) {
+                dp.put_local_endpoint(&a)?;
+                self.local.insert(a);
+                n += 1;
+            }
+        }
+        for ip in removed {
+            let a = ip_to_bytes(*ip);
+            if self.local.contains(&a) {
+                dp.delete_local_endpoint(&a)?;
+                self.local.remove(&a);
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
+    /// True when a new local endpoint is routed through an interface without the programs
+    /// (a pod-facing interface that needs them): interfaces must be evaluated again. Only
+    /// with source-NATed local flows; an interface left without endpoints keeps the programs
+    /// until the next verification.
+    pub fn needs_pod_interface(&self, dp: &impl Datapath, added: &[IpAddr]) -> bool {
+        self.config.snat_local
+            && added.iter().any(|ip| {
+                dp.route_device(ip)
+                    .is_some_and(|d| d != "lo" && !self.ifaces.contains_key(&d))
+            })
+    }
+
     /// Makes `TC_SOURCE_RANGES` hold the model's source ranges. Allowed prefixes are written
     /// before restriction markers, and removed after them, so an edit never denies a client
     /// both the old and the new list allow.
