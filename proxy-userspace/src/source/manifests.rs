@@ -495,8 +495,43 @@ impl Dir {
             .filter(|n| !names.contains(*n))
             .cloned()
             .collect();
-        for name in names.iter().chain(gone.iter()) {
-            self.refresh(name, false, out);
+        // Stat and parse in parallel (the first read of a large directory is mostly YAML
+        // parsing), then apply in name order.
+        let work: Vec<(String, Option<FileStamp>)> = names
+            .into_iter()
+            .chain(gone)
+            .map(|n| {
+                let known = self.files.get(&n).and_then(|f| f.stamp);
+                (n, known)
+            })
+            .collect();
+        let workers = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .clamp(1, 4)
+            .min(work.len().max(1));
+        let chunk = work.len().div_ceil(workers).max(1);
+        let dir = self.dir.clone();
+        let probed: Vec<(String, Option<Probe>)> = std::thread::scope(|scope| {
+            let handles: Vec<_> = work
+                .chunks(chunk)
+                .map(|part| {
+                    let dir = &dir;
+                    scope.spawn(move || {
+                        part.iter()
+                            .map(|(n, known)| (n.clone(), probe(dir, n, *known, false)))
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().unwrap_or_default())
+                .collect()
+        });
+        for (name, p) in probed {
+            if let Some(p) = p {
+                self.install(&name, p, out);
+            }
         }
         Ok(())
     }
@@ -504,27 +539,16 @@ impl Dir {
     /// Reads file `name` again when its stamp changed (always with `force`), or notices it
     /// is gone, and appends the changes of the objects it defines.
     fn refresh(&mut self, name: &str, force: bool, out: &mut Vec<Change>) {
-        let path = self.dir.join(name);
+        let known = self.files.get(name).and_then(|f| f.stamp);
+        if let Some(p) = probe(&self.dir, name, known, force) {
+            self.install(name, p, out);
+        }
+    }
+
+    /// Takes in what reading file `name` found: appends the changes of the objects it
+    /// defines (and of objects another file's definition of is in force again).
+    fn install(&mut self, name: &str, (st, read): Probe, out: &mut Vec<Change>) {
         let origin = self.origin(name);
-        // Follows symlinks (ConfigMap volumes); a directory named *.yaml is no file.
-        let (st, read) = match std::fs::metadata(&path) {
-            Ok(m) if m.is_file() => {
-                let st = stamp(&m);
-                if !force && self.files.get(name).and_then(|f| f.stamp) == Some(st) {
-                    return;
-                }
-                (Some(st), read_file(&path, &origin))
-            }
-            Ok(_) => (None, Ok((Vec::new(), Vec::new()))),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => (None, Ok((Vec::new(), Vec::new()))),
-            Err(e) => (
-                None,
-                Err(SourceError::file(
-                    origin.clone(),
-                    format!("cannot read file: {e}"),
-                )),
-            ),
-        };
         let (objects, mut errors) = read.unwrap_or_else(|e| (Vec::new(), vec![e]));
         // The last definition in the file wins; the others are reported.
         let mut order: Vec<ObjectId> = Vec::new();
@@ -627,6 +651,36 @@ impl Dir {
         }
         out
     }
+}
+
+/// What reading one file found: its stamp (`None`: gone, or not a regular file) and its
+/// objects and errors (or the one error that it could not be read).
+type Probe = (
+    Option<FileStamp>,
+    Result<(Vec<Object>, Vec<SourceError>), SourceError>,
+);
+
+/// Stats file `name` of `dir` and reads it when its stamp differs from `known` (always with
+/// `force`); `None` when it is unchanged.
+fn probe(dir: &Path, name: &str, known: Option<FileStamp>, force: bool) -> Option<Probe> {
+    let path = dir.join(name);
+    let origin = path.display().to_string();
+    // Follows symlinks (ConfigMap volumes); a directory named *.yaml is no file.
+    Some(match std::fs::metadata(&path) {
+        Ok(m) if m.is_file() => {
+            let st = stamp(&m);
+            if !force && known == Some(st) {
+                return None;
+            }
+            (Some(st), read_file(&path, &origin))
+        }
+        Ok(_) => (None, Ok((Vec::new(), Vec::new()))),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => (None, Ok((Vec::new(), Vec::new()))),
+        Err(e) => (
+            None,
+            Err(SourceError::file(origin, format!("cannot read file: {e}"))),
+        ),
+    })
 }
 
 /// Reads and parses one file; an unreadable or non-UTF-8 file is one error.
