@@ -48,8 +48,9 @@ enum Cmd {
     },
     /// Set up if needed, build, run the end-to-end demo (needs root).
     Demo,
-    /// Set up if needed (plus iptables, nftables, fonts), build with the `bench` feature, run
-    /// the benchmarks against kube-proxy's rule sets (needs root; results in target/bench/).
+    /// Set up if needed (plus iptables, nftables, fonts), build the agent and the bench
+    /// (proxy-testkit's `bench` feature), run the benchmarks against kube-proxy's rule sets
+    /// (needs root; results in target/bench/).
     Bench {
         /// Arguments for ebpf-proxy-bench (after `--`), e.g. `--quick` or `--services 100,1000`.
         #[arg(last = true)]
@@ -443,10 +444,23 @@ fn build_ebpf() -> Result<()> {
     Ok(())
 }
 
+/// The binaries of `build`: the agent (package proxy-userspace) and netprobe (package
+/// proxy-testkit), both in target/release/. The tests of proxy-testkit run the agent from
+/// there (cargo builds only a test's own package's binaries for it).
+const BINS: [&str; 2] = ["ebpf-proxy", "netprobe"];
+
 fn build() -> Result<()> {
     build_ebpf()?;
-    run(host_cargo().args(["build", "--release", "-p", "proxy-userspace"]))?;
-    for bin in ["ebpf-proxy", "netprobe"] {
+    run(host_cargo().args([
+        "build",
+        "--release",
+        "-p",
+        "proxy-userspace",
+        "-p",
+        "proxy-testkit",
+        "--bins",
+    ]))?;
+    for bin in BINS {
         let p = target_dir().join("release").join(bin);
         if !p.exists() {
             bail!("{} was not built", p.display());
@@ -570,13 +584,17 @@ fn bench_setup() -> Result<()> {
 
 fn bench(args: &[String]) -> Result<()> {
     warn_unless_root("the bench");
+    // The bench runs the agent binary next to its own (target/release/ebpf-proxy).
     run(host_cargo().args([
         "build",
         "--release",
         "-p",
         "proxy-userspace",
+        "-p",
+        "proxy-testkit",
         "--features",
-        "bench",
+        "proxy-testkit/bench",
+        "--bins",
     ]))?;
     let ws = workspace();
     run(Command::new(target_dir().join("release/ebpf-proxy-bench"))

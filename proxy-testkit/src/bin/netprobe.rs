@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use clap::{Parser, Subcommand};
-use proxy_userspace::testbed::{self, ChildGuard, Lab, Pod, TestCgroup};
+use proxy_testkit::testbed::{self, ChildGuard, Lab, Pod, TestCgroup};
 use serde_json::{Value, json};
 
 #[derive(Parser)]

@@ -176,7 +176,7 @@ fn holder(env: &Env, hold: Duration) -> Held {
 }
 
 /// A running netprobe holding a connection; `name()` waits for it and returns the backend.
-struct Held(proxy_userspace::testbed::ChildGuard);
+struct Held(proxy_testkit::testbed::ChildGuard);
 
 impl Held {
     fn name(self) -> String {

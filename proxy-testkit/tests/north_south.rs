@@ -31,10 +31,10 @@ use std::{
 };
 
 use common::{AGENT, BPFFS, NETPROBE};
-use proxy_userspace::{
-    datapath::{loader, tc},
-    testbed::{ChildGuard, Netns, TestCgroup, ensure_bpffs, in_netns, is_root, output_in},
+use proxy_testkit::testbed::{
+    ChildGuard, Netns, TestCgroup, ensure_bpffs, in_netns, is_root, output_in,
 };
+use proxy_userspace::datapath::{loader, tc};
 
 const NODE_A: &str = "198.18.100.1";
 const NODE_B: &str = "198.18.100.2";
