@@ -21,7 +21,6 @@
 use std::{
     collections::BTreeSet,
     net::SocketAddr,
-    path::PathBuf,
     sync::{Arc, Mutex},
     time::{Duration, Instant, SystemTime},
 };
@@ -796,12 +795,6 @@ impl<D: Datapath + FlowCollection> Agent<D> {
     }
 }
 
-/// The directory `explain` and tests read objects from, as the agent would (for tools).
-pub fn model_of_dir(dir: &PathBuf, node: &NodeInfo) -> (Model, Vec<SourceError>) {
-    let (objects, errors) = crate::source::manifests::load_dir(dir);
-    (Model::from_objects(&objects, node), errors)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -828,7 +821,7 @@ mod tests {
             }),
             r,
             dp,
-            Arc::new(Metrics::new(PathBuf::from("/nonexistent"))),
+            Arc::new(Metrics::new(std::path::PathBuf::from("/nonexistent"))),
             health,
             "manifests",
             min_period,

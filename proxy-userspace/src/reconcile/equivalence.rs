@@ -281,7 +281,6 @@ fn view(dp: &FakeDatapath) -> View {
             .unwrap_or_else(|| format!("#{id}"))
     };
     let mut frontends = BTreeMap::new();
-    let mut used_slots = 0;
     for (k, f) in &s.frontends {
         let mut backends: Vec<Backend> = (0..f.backend_count)
             .filter_map(|slot| {
@@ -292,7 +291,6 @@ fn view(dp: &FakeDatapath) -> View {
             })
             .map(|b| s.backends[b])
             .collect();
-        used_slots += backends.len();
         backends.sort_by_key(|b| (b.addr, b.port, b.proto));
         let group = if f.affinity_group != 0 {
             name(f.affinity_group)
@@ -337,8 +335,7 @@ fn view(dp: &FakeDatapath) -> View {
         .slots
         .keys()
         .filter(|k| !ids_in_fe.contains(&k.service_id))
-        .count()
-        + s.slots.len().saturating_sub(used_slots).min(0);
+        .count();
     let used_b: BTreeSet<u32> = s.slots.values().copied().collect();
     let backend_orphans = s.backends.keys().filter(|b| !used_b.contains(b)).count();
     View {
