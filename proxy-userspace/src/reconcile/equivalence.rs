@@ -269,7 +269,6 @@ struct View {
     node: NodeSnapshot,
     attached: BTreeSet<String>,
     health: BTreeMap<u16, HealthCheck>,
-    orphans: (usize, usize),
 }
 
 fn view(dp: &FakeDatapath) -> View {
@@ -281,7 +280,6 @@ fn view(dp: &FakeDatapath) -> View {
             .unwrap_or_else(|| format!("#{id}"))
     };
     let mut frontends = BTreeMap::new();
-    let mut used_slots = 0;
     for (k, f) in &s.frontends {
         let mut backends: Vec<Backend> = (0..f.backend_count)
             .filter_map(|slot| {
@@ -292,7 +290,6 @@ fn view(dp: &FakeDatapath) -> View {
             })
             .map(|b| s.backends[b])
             .collect();
-        used_slots += backends.len();
         backends.sort_by_key(|b| (b.addr, b.port, b.proto));
         let group = if f.affinity_group != 0 {
             name(f.affinity_group)
@@ -331,16 +328,6 @@ fn view(dp: &FakeDatapath) -> View {
             )
         })
         .collect();
-    // Slots not reached from a frontend, backends not in a slot.
-    let ids_in_fe: BTreeSet<u32> = s.frontends.values().map(|f| f.service_id).collect();
-    let slot_orphans = s
-        .slots
-        .keys()
-        .filter(|k| !ids_in_fe.contains(&k.service_id))
-        .count()
-        + s.slots.len().saturating_sub(used_slots).min(0);
-    let used_b: BTreeSet<u32> = s.slots.values().copied().collect();
-    let backend_orphans = s.backends.keys().filter(|b| !used_b.contains(b)).count();
     View {
         frontends,
         members,
@@ -348,7 +335,6 @@ fn view(dp: &FakeDatapath) -> View {
         node: dp.node.clone(),
         attached: dp.attached.clone(),
         health: dp.health.clone(),
-        orphans: (slot_orphans, backend_orphans),
     }
 }
 
@@ -392,6 +378,8 @@ fn check_seed(seed: u64) {
                 "seed {seed} step {step}: {:?}",
                 out.failed
             );
+            let broken = dp.consistency_violations();
+            assert!(broken.is_empty(), "seed {seed} step {step}: {broken:#?}");
             if r.chance(20) {
                 let n = dp.log.len();
                 let v = rec.verify(&mut dp, &model, now);
@@ -438,7 +426,8 @@ fn check_seed(seed: u64) {
         Reconciler::adopt(&fresh_dp, node_config(), Duration::from_secs(30)).unwrap();
     fresh_rec.apply_all(&mut fresh_dp, &fresh_model, now);
     let (a, b) = (view(&dp), view(&fresh_dp));
-    assert_eq!(a.orphans, (0, 0), "seed {seed}: orphan entries");
+    let broken = dp.consistency_violations();
+    assert!(broken.is_empty(), "seed {seed}: {broken:#?}");
     assert_eq!(a, b, "seed {seed}: the maps differ from a fresh full build");
     assert_eq!(
         rec.node.errors(),

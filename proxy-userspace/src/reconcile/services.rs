@@ -1189,8 +1189,10 @@ mod tests {
     use super::*;
     use crate::datapath::{
         Capacity,
-        fake::{FakeDatapath, Op},
+        fake::{FakeDatapath, Moment, Op, consistency_violations},
     };
+
+    type Tables = BTreeMap<u32, Vec<u32>>;
     use crate::model::DesiredState;
 
     /// The old whole-state entry point, for tests: applies every key of `d` and removes the
@@ -1269,34 +1271,12 @@ mod tests {
         }
     }
 
-    /// Every frontend's slots and backends resolve (what the data path needs at any time).
-    fn assert_consistent(s: &Snapshot) {
-        for (k, f) in &s.frontends {
-            if f.flags & FRONTEND_F_VIP_MARKER != 0 {
-                continue;
-            }
-            let marker = marker_key(k.addr);
-            assert!(
-                s.frontends.contains_key(&marker),
-                "VIP marker missing for {k:?}"
-            );
-            for slot in 0..f.backend_count {
-                let bid = s
-                    .slots
-                    .get(&BackendSlotKey {
-                        service_id: f.service_id,
-                        slot,
-                    })
-                    .expect("slot");
-                assert!(s.backends.contains_key(bid), "backend {bid} missing");
-            }
-        }
-    }
-
-    /// Replays the op log and checks consistency after every single write.
-    fn assert_every_step_consistent(log: &[Op], start: &Snapshot) {
+    /// Replays the op log and checks the maps after every single write
+    /// ([`consistency_violations`] at [`Moment::AnyWrite`]), then at rest after the last.
+    fn assert_every_step_consistent(log: &[Op], start: &Snapshot, start_tables: &Tables) {
         let mut s = start.clone();
-        for op in log {
+        let mut tables = start_tables.clone();
+        for (i, op) in log.iter().enumerate() {
             match op {
                 Op::PutFrontend(k, v) => drop(s.frontends.insert(*k, *v)),
                 Op::DeleteFrontend(k) => drop(s.frontends.remove(k)),
@@ -1309,19 +1289,20 @@ mod tests {
                 Op::PutMember(k) => drop(s.members.insert(*k)),
                 Op::DeleteMember(k) => drop(s.members.remove(k)),
                 Op::PutMaglev(id, t) => {
-                    // A table only names backends the data path can resolve.
-                    assert!(t.iter().all(|b| s.backends.contains_key(b)), "{t:?}");
                     s.maglev.insert(*id);
+                    tables.insert(*id, t.clone());
                 }
-                Op::DeleteMaglev(id) => drop(s.maglev.remove(id)),
+                Op::DeleteMaglev(id) => {
+                    s.maglev.remove(id);
+                    tables.remove(id);
+                }
                 _ => {}
             }
-            for m in &s.members {
-                assert!(s.backends.contains_key(&m.backend_id), "member {m:?}");
-            }
-            // A frontend may only point at slots that exist; slots may point past a count.
-            assert_consistent(&s);
+            let v = consistency_violations(&s, &tables, Moment::AnyWrite);
+            assert!(v.is_empty(), "after write {i} ({op:?}): {v:#?}");
         }
+        let v = consistency_violations(&s, &tables, Moment::AtRest);
+        assert!(v.is_empty(), "at rest: {v:#?}");
     }
 
     #[test]
@@ -1496,7 +1477,7 @@ mod tests {
         assert_eq!(dp.state.frontends.len(), 2);
         assert_eq!(dp.state.slots.len(), 2);
         assert_eq!(dp.state.backends.len(), 2);
-        assert_every_step_consistent(&dp.log, &Snapshot::default());
+        assert_every_step_consistent(&dp.log, &Snapshot::default(), &Tables::new());
         // The frontend comes last.
         assert!(
             matches!(dp.log.last(), Some(Op::PutFrontend(k, f)) if k.proto == 6 && f.backend_count == 2)
@@ -1577,6 +1558,7 @@ mod tests {
         )
         .unwrap();
         let before = dp.state.clone();
+        let before_tables = dp.tables.clone();
         dp.log.clear();
         sync(
             &mut s,
@@ -1587,7 +1569,7 @@ mod tests {
             )]),
         )
         .unwrap();
-        assert_every_step_consistent(&dp.log, &before);
+        assert_every_step_consistent(&dp.log, &before, &before_tables);
         // The leaving backend stops being a member first (affinity and Maglev let go of it).
         assert!(
             matches!(dp.log[0], Op::DeleteMember(MemberKey { backend_id: 2, .. })),
@@ -1632,9 +1614,10 @@ mod tests {
         )
         .unwrap();
         let before = dp.state.clone();
+        let before_tables = dp.tables.clone();
         dp.log.clear();
         sync(&mut s, &mut dp, &DesiredState::default()).unwrap();
-        assert_every_step_consistent(&dp.log, &before);
+        assert_every_step_consistent(&dp.log, &before, &before_tables);
         assert_eq!(dp.state, Snapshot::default());
         assert!(
             matches!(dp.log[0], Op::DeleteFrontend(FrontendKey { proto: 6, .. })),
@@ -1919,9 +1902,10 @@ mod tests {
             d.services
                 .retain(|k, v| v.frontends.iter().all(|f| seen.insert((*f, k.protocol))));
             let before = dp.state.clone();
+            let before_tables = dp.tables.clone();
             dp.log.clear();
             sync(&mut s, &mut dp, &d).unwrap_or_else(|e| panic!("step {step}: {e}"));
-            assert_every_step_consistent(&dp.log, &before);
+            assert_every_step_consistent(&dp.log, &before, &before_tables);
             assert_eq!(meaning(&dp.state), expected(&d), "step {step}");
             // A fresh full sync from the kernel state agrees and writes nothing.
             assert_eq!(s.verify(&mut dp).unwrap(), Report::default(), "step {step}");
