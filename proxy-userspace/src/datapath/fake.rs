@@ -421,7 +421,7 @@ pub fn consistency_violations(
             }
         }
         for k in s.slots.keys() {
-            if !counts.get(&k.service_id).is_some_and(|c| k.slot < *c) {
+            if counts.get(&k.service_id).is_none_or(|c| k.slot >= *c) {
                 out.push(format!("orphan slot {k:?}"));
             }
         }
