@@ -21,7 +21,7 @@
 use std::{
     collections::BTreeSet,
     net::SocketAddr,
-    path::PathBuf,
+    path::Path,
     sync::{Arc, Mutex},
     time::{Duration, Instant, SystemTime},
 };
@@ -797,7 +797,7 @@ impl<D: Datapath + FlowCollection> Agent<D> {
 }
 
 /// The directory `explain` and tests read objects from, as the agent would (for tools).
-pub fn model_of_dir(dir: &PathBuf, node: &NodeInfo) -> (Model, Vec<SourceError>) {
+pub fn model_of_dir(dir: &Path, node: &NodeInfo) -> (Model, Vec<SourceError>) {
     let (objects, errors) = crate::source::manifests::load_dir(dir);
     (Model::from_objects(&objects, node), errors)
 }
@@ -828,7 +828,7 @@ mod tests {
             }),
             r,
             dp,
-            Arc::new(Metrics::new(PathBuf::from("/nonexistent"))),
+            Arc::new(Metrics::new(std::path::PathBuf::from("/nonexistent"))),
             health,
             "manifests",
             min_period,
