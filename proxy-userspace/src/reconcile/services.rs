@@ -877,6 +877,8 @@ impl ServiceReconciler {
         }
 
         // --- (B) writes -------------------------------------------------------------------
+        // Addresses whose cluster-IP frontend this key took over from another Service.
+        let mut taken_vips = Vec::new();
         if p.new.is_some() {
             for (bid, b) in &p.new_backends {
                 dp.put_backend(*bid, b)?;
@@ -924,7 +926,7 @@ impl ServiceReconciler {
                 if old_keys.get(k) != Some(v) {
                     dp.put_frontend(k, v)?;
                     report.writes += 1;
-                    self.take_over(k, id);
+                    taken_vips.extend(self.take_over(k, id));
                 }
             }
 
@@ -998,29 +1000,31 @@ impl ServiceReconciler {
                 self.applied.remove(&p.key);
             }
         }
+        // A VIP whose last cluster-IP frontend became another key's external address or
+        // node port loses its marker (other ports of the address are no longer refused).
+        for a in taken_vips {
+            if self.vip_refs.get(&a).is_none_or(|n| *n == 0) {
+                dp.delete_frontend(&marker_key(a))?;
+                report.deletes += 1;
+            }
+        }
         Ok(())
     }
 
     /// Frontend `k` was just written for service id `id`: when another key held it (it moves
     /// between Services in one batch), that key no longer does, so its later removal of the
-    /// frontend does not undo this write.
-    fn take_over(&mut self, k: &FrontendKey, id: u32) {
-        let Some(&other) = self.fe_owner.get(k) else {
-            return;
-        };
+    /// frontend does not undo this write. Returns the frontend's address when the other key
+    /// held it as a cluster IP (its VIP reference is gone; the caller removes the marker once
+    /// nothing refers to the VIP).
+    fn take_over(&mut self, k: &FrontendKey, id: u32) -> Option<[u8; 16]> {
+        let &other = self.fe_owner.get(k)?;
         if other == id {
-            return;
+            return None;
         }
         self.fe_owner.insert(*k, id);
-        let Some(okey) = self.keys_by_id.get(&other).cloned() else {
-            return;
-        };
-        let Some(a) = self.applied.get_mut(&okey) else {
-            return;
-        };
-        let Some(pos) = a.frontends.iter().position(|(fk, _)| fk == k) else {
-            return;
-        };
+        let okey = self.keys_by_id.get(&other).cloned()?;
+        let a = self.applied.get_mut(&okey)?;
+        let pos = a.frontends.iter().position(|(fk, _)| fk == k)?;
         let (_, v) = a.frontends.remove(pos);
         let removed = Applied {
             id: other,
@@ -1032,6 +1036,7 @@ impl ServiceReconciler {
         // Its frontend (and a VIP reference) leave the other key's count; its name stays.
         self.account(&removed, -1);
         self.counts.names += 1;
+        has_marker(&v).then_some(k.addr)
     }
 
     /// The service maps as they should be, from what was applied.
