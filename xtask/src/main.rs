@@ -1,4 +1,4 @@
-//! Developer tasks for ebpf-proxy: `cargo xtask <setup|build-ebpf|build|test|demo|bench>`.
+//! Developer tasks for ebpf-proxy: `cargo xtask <setup|build-ebpf|build|test|demo|bench|fuzz>`.
 //!
 //! Every command first runs `setup` when one of its cheap checks fails, so a fresh Debian
 //! machine (as root) needs nothing but `cargo xtask test` or `cargo xtask demo`.
@@ -56,6 +56,15 @@ enum Cmd {
         #[arg(last = true)]
         args: Vec<String>,
     },
+    /// Run the cargo-fuzz targets (nightly; installs cargo-fuzz when missing): each target
+    /// for SECONDS, or only TARGET. Opt-in: `test` never runs them.
+    Fuzz {
+        /// `manifests` or `model`; both when left out.
+        target: Option<String>,
+        /// Time per target.
+        #[arg(default_value_t = 180)]
+        seconds: u64,
+    },
 }
 
 fn main() -> ExitCode {
@@ -74,6 +83,7 @@ fn main() -> ExitCode {
             .and_then(|()| bench_setup())
             .and_then(|()| build_ebpf())
             .and_then(|()| bench(&args)),
+        Cmd::Fuzz { target, seconds } => fuzz(target.as_deref(), seconds),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
@@ -600,6 +610,56 @@ fn bench(args: &[String]) -> Result<()> {
     run(Command::new(target_dir().join("release/ebpf-proxy-bench"))
         .current_dir(&ws)
         .args(args))
+}
+
+/// The cargo-fuzz targets in fuzz/.
+const FUZZ_TARGETS: [&str; 2] = ["manifests", "model"];
+
+fn fuzz(target: Option<&str>, seconds: u64) -> Result<()> {
+    let targets: Vec<&str> = match target {
+        None => FUZZ_TARGETS.to_vec(),
+        Some(t) if FUZZ_TARGETS.contains(&t) => vec![t],
+        Some(t) => bail!("unknown fuzz target {t:?} (one of {FUZZ_TARGETS:?})"),
+    };
+    if !has_nightly() {
+        bail!("the fuzz targets need the nightly toolchain (`cargo xtask setup` installs it)");
+    }
+    if !succeeds(clean_cargo(Some("nightly")).args(["fuzz", "--version"])) {
+        doing("cargo-fuzz");
+        run(clean_cargo(None).args(["install", "cargo-fuzz"]))?;
+    }
+    // The agent's build script watches the eBPF object; while it is missing, cargo re-runs
+    // the script, and so rebuilds proxy-userspace, on every run. The targets never load it:
+    // an empty stand-in keeps the build cached.
+    let real = target_dir().join(BPF_TARGET).join("release/ebpf-proxy");
+    let stand_in = workspace().join("fuzz/target/no-ebpf-object");
+    let object = env::var_os("EBPF_PROXY_OBJECT").is_none() && !real.exists();
+    if object && !stand_in.exists() {
+        fs::create_dir_all(workspace().join("fuzz/target"))?;
+        fs::write(&stand_in, [])?;
+    }
+    for t in targets {
+        // No sanitizer: the code under test is safe Rust, and without one the build is
+        // quicker and a run covers several times more inputs. Debug assertions (-a) turn
+        // arithmetic overflow into a finding.
+        let max_time = format!("-max_total_time={seconds}");
+        let mut cmd = clean_cargo(Some("nightly"));
+        cmd.current_dir(workspace()).args([
+            "fuzz",
+            "run",
+            "--sanitizer",
+            "none",
+            "-a",
+            t,
+            "--",
+            &max_time,
+        ]);
+        if object {
+            cmd.env("EBPF_PROXY_OBJECT", &stand_in);
+        }
+        run(&mut cmd)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

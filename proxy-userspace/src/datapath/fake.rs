@@ -317,3 +317,137 @@ impl HealthServers for FakeDatapath {
         self.log.push(Op::StopHealth(port));
     }
 }
+
+/// When a [`consistency_violations`] check is made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Moment {
+    /// Between any two map writes: what the data path needs to translate every connection
+    /// it can see at that instant (the reconciler's write order guarantees it).
+    AnyWrite,
+    /// After a reconciler call returned: additionally nothing is left over.
+    AtRest,
+}
+
+/// Checks the service maps the way the data path reads them and returns every rule broken
+/// (empty when consistent). `tables` holds the Maglev tables by service id
+/// ([`FakeDatapath::tables`]).
+///
+/// At any write ([`Moment::AnyWrite`]):
+/// - every frontend other than a VIP marker has a `SERVICE_NAMES` entry for its service id
+///   (a restarted agent adopts its ids from there), slots `0..backend_count` of its service
+///   id, and each of those slots names an existing backend (the socket programs pick a slot
+///   below the count and read its backend);
+/// - every cluster-IP frontend (neither a marker nor external) has the VIP marker of its
+///   address (so undefined ports of a VIP are refused, never leaked);
+/// - every `MEMBERS` entry and every nonzero entry of a Maglev table names an existing
+///   backend (0 is no backend: the table of a Service without endpoints is all zeros).
+///
+/// At rest ([`Moment::AtRest`]) also:
+/// - a VIP marker exists only for an address that has a cluster-IP frontend;
+/// - every slot belongs to a frontend's service id and lies below its backend count;
+/// - every backend is named by a slot;
+/// - every Maglev table and every membership belongs to a service id that has a frontend.
+///
+/// The sync unit tests and the `model` fuzz target use this one definition.
+pub fn consistency_violations(
+    s: &Snapshot,
+    tables: &BTreeMap<u32, Vec<u32>>,
+    moment: Moment,
+) -> Vec<String> {
+    use crate::reconcile::services::{has_marker, marker_key};
+    use proxy_common::FRONTEND_F_VIP_MARKER;
+
+    let mut out = Vec::new();
+    // Backend count by service id, over the non-marker frontends.
+    let mut counts: BTreeMap<u32, u32> = BTreeMap::new();
+    let mut marked: BTreeSet<[u8; 16]> = BTreeSet::new();
+    for (k, f) in &s.frontends {
+        if f.flags & FRONTEND_F_VIP_MARKER != 0 {
+            continue;
+        }
+        let count = counts.entry(f.service_id).or_insert(f.backend_count);
+        if *count != f.backend_count {
+            out.push(format!(
+                "frontend {k:?}: backend count {} differs from {} of another frontend of \
+                 service id {}",
+                f.backend_count, count, f.service_id
+            ));
+        }
+        if !s.names.contains_key(&f.service_id) {
+            out.push(format!(
+                "frontend {k:?}: service id {} has no name",
+                f.service_id
+            ));
+        }
+        if has_marker(f) {
+            marked.insert(k.addr);
+            if !s.frontends.contains_key(&marker_key(k.addr)) {
+                out.push(format!("frontend {k:?}: VIP marker missing"));
+            }
+        }
+        for slot in 0..f.backend_count {
+            let key = BackendSlotKey {
+                service_id: f.service_id,
+                slot,
+            };
+            match s.slots.get(&key) {
+                None => out.push(format!("frontend {k:?}: slot {slot} missing")),
+                Some(b) if !s.backends.contains_key(b) => out.push(format!(
+                    "frontend {k:?}: slot {slot} names missing backend {b}"
+                )),
+                Some(_) => {}
+            }
+        }
+    }
+    for m in &s.members {
+        if !s.backends.contains_key(&m.backend_id) {
+            out.push(format!("member {m:?} names a missing backend"));
+        }
+    }
+    for (id, table) in tables {
+        if let Some(b) = table
+            .iter()
+            .find(|b| **b != 0 && !s.backends.contains_key(b))
+        {
+            out.push(format!(
+                "Maglev table of service id {id} names missing backend {b}"
+            ));
+        }
+    }
+    if moment == Moment::AtRest {
+        for (k, f) in &s.frontends {
+            if f.flags & FRONTEND_F_VIP_MARKER != 0 && !marked.contains(&k.addr) {
+                out.push(format!("VIP marker {k:?} without a cluster-IP frontend"));
+            }
+        }
+        for k in s.slots.keys() {
+            if counts.get(&k.service_id).is_none_or(|c| k.slot >= *c) {
+                out.push(format!("orphan slot {k:?}"));
+            }
+        }
+        let named: BTreeSet<u32> = s.slots.values().copied().collect();
+        for id in s.backends.keys() {
+            if !named.contains(id) {
+                out.push(format!("orphan backend {id}"));
+            }
+        }
+        for id in tables.keys() {
+            if !counts.contains_key(id) {
+                out.push(format!("orphan Maglev table of service id {id}"));
+            }
+        }
+        for m in &s.members {
+            if !counts.contains_key(&m.service_id) {
+                out.push(format!("orphan member {m:?}"));
+            }
+        }
+    }
+    out
+}
+
+impl FakeDatapath {
+    /// [`consistency_violations`] of the current maps at rest.
+    pub fn consistency_violations(&self) -> Vec<String> {
+        consistency_violations(&self.state, &self.tables, Moment::AtRest)
+    }
+}

@@ -8,6 +8,12 @@
 //! external address or node port already taken is skipped alone. A newcomer thus cannot
 //! take over an address in use (CVE-2020-8554's shape).
 //!
+//! Within one Service a frontend also has one owner: each of its backend sets (a port's
+//! cluster-IP set, a port's set of external addresses and node ports) is a service id in
+//! the maps, and one frontend key can point at one of them only. An external address equal
+//! to the Service's own cluster IP, or a node port that one of its other ports also uses as
+//! a port or node port on that address, is skipped like one taken by another Service.
+//!
 //! Why groups are exact: a Service's outcome depends only on the owners of the frontends it
 //! claims, which are set only by Services claiming the same frontends. The greedy pass over
 //! all Services in age order therefore gives, for the Services of one connected group of the
@@ -127,6 +133,10 @@ pub(crate) struct Resolution {
     pub errors: Vec<String>,
 }
 
+/// Who owns a frontend: the Service, the port name, and whether it is the port's cluster-IP
+/// backend set (else its external one: external addresses and node ports).
+type Owner<'a> = (&'a SvcKey, &'a str, bool);
+
 /// Runs the greedy ownership pass over `group` (every Service of a connected group, each
 /// with its info), in age order.
 pub(crate) fn resolve(
@@ -134,7 +144,7 @@ pub(crate) fn resolve(
     node_port_ips: &BTreeSet<IpAddr>,
 ) -> HashMap<SvcKey, Resolution> {
     group.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut owners: HashMap<Claim, &SvcKey> = HashMap::new();
+    let mut owners: HashMap<Claim, Owner> = HashMap::new();
     let mut out = HashMap::new();
     for (age, info) in group.iter() {
         let me = &age.key;
@@ -142,18 +152,20 @@ pub(crate) fn resolve(
             continue;
         };
         let mut r = Resolution::default();
-        let cluster: Vec<Claim> = f
+        let cluster: Vec<(Claim, &str)> = f
             .ports
             .iter()
-            .flat_map(|(_, proto, port)| {
+            .flat_map(|(name, proto, port)| {
                 f.vips
                     .iter()
-                    .map(move |ip| (SocketAddr::new(*ip, *port), *proto))
+                    .map(move |ip| ((SocketAddr::new(*ip, *port), *proto), name.as_str()))
             })
             .collect();
+        // (Ports are distinct per protocol, so a Service's cluster-IP frontends never
+        // collide among themselves.)
         if let Some(((addr, proto), other)) = cluster
             .iter()
-            .find_map(|c| owners.get(c).filter(|o| **o != me).map(|o| (c, *o)))
+            .find_map(|(c, _)| owners.get(c).filter(|o| o.0 != me).map(|o| (c, o.0)))
         {
             r.skipped = Some(format!(
                 "frontend {addr}/{proto} is already used by Service {}/{}; Service skipped",
@@ -162,9 +174,16 @@ pub(crate) fn resolve(
             out.insert(me.clone(), r);
             continue;
         }
-        for c in cluster {
-            owners.insert(c, me);
+        for (c, name) in cluster {
+            owners.insert(c, (me, name, true));
         }
+        let by = |o: &Owner| {
+            if o.0 == me {
+                "another port or address of this Service".to_string()
+            } else {
+                format!("Service {}/{}", o.0.0, o.0.1)
+            }
+        };
         // External addresses: each needs a cluster IP of its family (kube-proxy does not
         // translate families) and must not collide with another Service's frontend.
         for (ip, what) in &f.external {
@@ -176,26 +195,25 @@ pub(crate) fn resolve(
                 ));
                 continue;
             }
-            let clash = f.ports.iter().find_map(|(_, proto, port)| {
+            let clash = f.ports.iter().find_map(|(name, proto, port)| {
                 owners
                     .get(&(SocketAddr::new(*ip, *port), *proto))
-                    .filter(|o| **o != me)
+                    .filter(|o| **o != (me, name.as_str(), false))
                     .map(|o| (*port, *proto, *o))
             });
             if let Some((port, proto, other)) = clash {
                 r.errors.push(format!(
-                    "{what} {ip}: frontend {}/{proto} is already used by Service {}/{}; address skipped",
+                    "{what} {ip}: frontend {}/{proto} is already used by {}; address skipped",
                     SocketAddr::new(*ip, port),
-                    other.0,
-                    other.1
+                    by(&other)
                 ));
                 continue;
             }
             if r.external.iter().any(|(e, _)| e == ip) {
                 continue; // listed twice (e.g. as externalIP and LB ingress): one frontend
             }
-            for (_, proto, port) in &f.ports {
-                owners.insert((SocketAddr::new(*ip, *port), *proto), me);
+            for (name, proto, port) in &f.ports {
+                owners.insert((SocketAddr::new(*ip, *port), *proto), (me, name, false));
             }
             r.external.push((*ip, what));
         }
@@ -211,14 +229,14 @@ pub(crate) fn resolve(
             {
                 let fe = SocketAddr::new(*ip, *np);
                 match owners.get(&(fe, *protocol)) {
-                    Some(o) if *o != me => {
+                    Some(o) if *o != (me, port_name.as_str(), false) => {
                         r.errors.push(format!(
-                            "node port {fe}/{protocol} is already used by Service {}/{}; node port skipped",
-                            o.0, o.1
+                            "node port {fe}/{protocol} is already used by {}; node port skipped",
+                            by(o)
                         ));
                     }
                     _ => {
-                        owners.insert((fe, *protocol), me);
+                        owners.insert((fe, *protocol), (me, port_name, false));
                         r.node_ports.entry(port_name.clone()).or_default().push(fe);
                     }
                 }

@@ -2440,6 +2440,44 @@ pub(crate) mod tests {
         );
     }
 
+    /// Every (address, port, protocol, key scope) belongs to one backend set, also within
+    /// one Service: an external IP equal to the Service's own cluster IP, and a node port
+    /// two of its ports use on the same address, are skipped as taken.
+    #[test]
+    fn a_frontend_belongs_to_one_backend_set_within_a_service() {
+        let yaml = "---\napiVersion: v1\nkind: Node\nmetadata: {name: node-1}\nstatus: {addresses: [{type: InternalIP, address: 192.168.1.5}]}\n".to_string()
+            + &svc(
+                "default",
+                "self",
+                "  type: NodePort\n  clusterIP: 10.96.0.9\n  externalIPs: [10.96.0.9, 192.0.2.9]\n  ports: [{name: http, port: 80, nodePort: 30080}, {name: alt, port: 81, nodePort: 30080}]\n",
+            );
+        let (s, e) = build_yaml(&yaml);
+        let mut owner: BTreeMap<(SocketAddr, Protocol, u8), &ServicePortKey> = BTreeMap::new();
+        for (k, v) in &s.services {
+            for f in &v.frontends {
+                if let Some(other) = owner.insert((*f, k.protocol, k.scope.key_scope()), k) {
+                    panic!("{f}/{} is a frontend of {other:?} and of {k:?}", k.protocol);
+                }
+            }
+        }
+        let ext = |port_name: &str| ServicePortKey {
+            scope: Scope::External,
+            ..key("default", "self", port_name, Protocol::Tcp, Family::V4)
+        };
+        assert_eq!(
+            s.services[&ext("http")].frontends,
+            addrs(&["192.0.2.9:80", "192.168.1.5:30080"])
+        );
+        assert_eq!(s.services[&ext("alt")].frontends, addrs(&["192.0.2.9:81"]));
+        assert_eq!(
+            e,
+            vec![
+                "test.yaml: Service default/self: externalIP 10.96.0.9: frontend 10.96.0.9:80/TCP is already used by another port or address of this Service; address skipped",
+                "test.yaml: Service default/self: node port 192.168.1.5:30080/TCP is already used by another port or address of this Service; node port skipped",
+            ]
+        );
+    }
+
     #[test]
     fn node_ports_on_this_nodes_addresses_with_nodeport_addresses() {
         let node_yaml = "---\napiVersion: v1\nkind: Node\nmetadata: {name: node-1}\nstatus:\n  addresses:\n  - {type: Hostname, address: node-1}\n  - {type: InternalIP, address: 192.168.1.5}\n  - {type: InternalIP, address: 192.168.1.6}\n  - {type: ExternalIP, address: 203.0.113.5}\n  - {type: InternalIP, address: 'fd00::5'}\n  - {type: ExternalIP, address: bogus}\n";

@@ -877,6 +877,8 @@ impl ServiceReconciler {
         }
 
         // --- (B) writes -------------------------------------------------------------------
+        // Addresses whose cluster-IP frontend this key took over from another Service.
+        let mut taken_vips = Vec::new();
         if p.new.is_some() {
             for (bid, b) in &p.new_backends {
                 dp.put_backend(*bid, b)?;
@@ -924,7 +926,7 @@ impl ServiceReconciler {
                 if old_keys.get(k) != Some(v) {
                     dp.put_frontend(k, v)?;
                     report.writes += 1;
-                    self.take_over(k, id);
+                    taken_vips.extend(self.take_over(k, id));
                 }
             }
 
@@ -998,29 +1000,31 @@ impl ServiceReconciler {
                 self.applied.remove(&p.key);
             }
         }
+        // A VIP whose last cluster-IP frontend became another key's external address or
+        // node port loses its marker (other ports of the address are no longer refused).
+        for a in taken_vips {
+            if self.vip_refs.get(&a).is_none_or(|n| *n == 0) {
+                dp.delete_frontend(&marker_key(a))?;
+                report.deletes += 1;
+            }
+        }
         Ok(())
     }
 
     /// Frontend `k` was just written for service id `id`: when another key held it (it moves
     /// between Services in one batch), that key no longer does, so its later removal of the
-    /// frontend does not undo this write.
-    fn take_over(&mut self, k: &FrontendKey, id: u32) {
-        let Some(&other) = self.fe_owner.get(k) else {
-            return;
-        };
+    /// frontend does not undo this write. Returns the frontend's address when the other key
+    /// held it as a cluster IP (its VIP reference is gone; the caller removes the marker once
+    /// nothing refers to the VIP).
+    fn take_over(&mut self, k: &FrontendKey, id: u32) -> Option<[u8; 16]> {
+        let &other = self.fe_owner.get(k)?;
         if other == id {
-            return;
+            return None;
         }
         self.fe_owner.insert(*k, id);
-        let Some(okey) = self.keys_by_id.get(&other).cloned() else {
-            return;
-        };
-        let Some(a) = self.applied.get_mut(&okey) else {
-            return;
-        };
-        let Some(pos) = a.frontends.iter().position(|(fk, _)| fk == k) else {
-            return;
-        };
+        let okey = self.keys_by_id.get(&other).cloned()?;
+        let a = self.applied.get_mut(&okey)?;
+        let pos = a.frontends.iter().position(|(fk, _)| fk == k)?;
         let (_, v) = a.frontends.remove(pos);
         let removed = Applied {
             id: other,
@@ -1032,6 +1036,7 @@ impl ServiceReconciler {
         // Its frontend (and a VIP reference) leave the other key's count; its name stays.
         self.account(&removed, -1);
         self.counts.names += 1;
+        has_marker(&v).then_some(k.addr)
     }
 
     /// The service maps as they should be, from what was applied.
@@ -1189,8 +1194,10 @@ mod tests {
     use super::*;
     use crate::datapath::{
         Capacity,
-        fake::{FakeDatapath, Op},
+        fake::{FakeDatapath, Moment, Op, consistency_violations},
     };
+
+    type Tables = BTreeMap<u32, Vec<u32>>;
     use crate::model::DesiredState;
 
     /// The old whole-state entry point, for tests: applies every key of `d` and removes the
@@ -1269,34 +1276,12 @@ mod tests {
         }
     }
 
-    /// Every frontend's slots and backends resolve (what the data path needs at any time).
-    fn assert_consistent(s: &Snapshot) {
-        for (k, f) in &s.frontends {
-            if f.flags & FRONTEND_F_VIP_MARKER != 0 {
-                continue;
-            }
-            let marker = marker_key(k.addr);
-            assert!(
-                s.frontends.contains_key(&marker),
-                "VIP marker missing for {k:?}"
-            );
-            for slot in 0..f.backend_count {
-                let bid = s
-                    .slots
-                    .get(&BackendSlotKey {
-                        service_id: f.service_id,
-                        slot,
-                    })
-                    .expect("slot");
-                assert!(s.backends.contains_key(bid), "backend {bid} missing");
-            }
-        }
-    }
-
-    /// Replays the op log and checks consistency after every single write.
-    fn assert_every_step_consistent(log: &[Op], start: &Snapshot) {
+    /// Replays the op log and checks the maps after every single write
+    /// ([`consistency_violations`] at [`Moment::AnyWrite`]), then at rest after the last.
+    fn assert_every_step_consistent(log: &[Op], start: &Snapshot, start_tables: &Tables) {
         let mut s = start.clone();
-        for op in log {
+        let mut tables = start_tables.clone();
+        for (i, op) in log.iter().enumerate() {
             match op {
                 Op::PutFrontend(k, v) => drop(s.frontends.insert(*k, *v)),
                 Op::DeleteFrontend(k) => drop(s.frontends.remove(k)),
@@ -1309,19 +1294,20 @@ mod tests {
                 Op::PutMember(k) => drop(s.members.insert(*k)),
                 Op::DeleteMember(k) => drop(s.members.remove(k)),
                 Op::PutMaglev(id, t) => {
-                    // A table only names backends the data path can resolve.
-                    assert!(t.iter().all(|b| s.backends.contains_key(b)), "{t:?}");
                     s.maglev.insert(*id);
+                    tables.insert(*id, t.clone());
                 }
-                Op::DeleteMaglev(id) => drop(s.maglev.remove(id)),
+                Op::DeleteMaglev(id) => {
+                    s.maglev.remove(id);
+                    tables.remove(id);
+                }
                 _ => {}
             }
-            for m in &s.members {
-                assert!(s.backends.contains_key(&m.backend_id), "member {m:?}");
-            }
-            // A frontend may only point at slots that exist; slots may point past a count.
-            assert_consistent(&s);
+            let v = consistency_violations(&s, &tables, Moment::AnyWrite);
+            assert!(v.is_empty(), "after write {i} ({op:?}): {v:#?}");
         }
+        let v = consistency_violations(&s, &tables, Moment::AtRest);
+        assert!(v.is_empty(), "at rest: {v:#?}");
     }
 
     #[test]
@@ -1496,7 +1482,7 @@ mod tests {
         assert_eq!(dp.state.frontends.len(), 2);
         assert_eq!(dp.state.slots.len(), 2);
         assert_eq!(dp.state.backends.len(), 2);
-        assert_every_step_consistent(&dp.log, &Snapshot::default());
+        assert_every_step_consistent(&dp.log, &Snapshot::default(), &Tables::new());
         // The frontend comes last.
         assert!(
             matches!(dp.log.last(), Some(Op::PutFrontend(k, f)) if k.proto == 6 && f.backend_count == 2)
@@ -1577,6 +1563,7 @@ mod tests {
         )
         .unwrap();
         let before = dp.state.clone();
+        let before_tables = dp.tables.clone();
         dp.log.clear();
         sync(
             &mut s,
@@ -1587,7 +1574,7 @@ mod tests {
             )]),
         )
         .unwrap();
-        assert_every_step_consistent(&dp.log, &before);
+        assert_every_step_consistent(&dp.log, &before, &before_tables);
         // The leaving backend stops being a member first (affinity and Maglev let go of it).
         assert!(
             matches!(dp.log[0], Op::DeleteMember(MemberKey { backend_id: 2, .. })),
@@ -1632,9 +1619,10 @@ mod tests {
         )
         .unwrap();
         let before = dp.state.clone();
+        let before_tables = dp.tables.clone();
         dp.log.clear();
         sync(&mut s, &mut dp, &DesiredState::default()).unwrap();
-        assert_every_step_consistent(&dp.log, &before);
+        assert_every_step_consistent(&dp.log, &before, &before_tables);
         assert_eq!(dp.state, Snapshot::default());
         assert!(
             matches!(dp.log[0], Op::DeleteFrontend(FrontendKey { proto: 6, .. })),
@@ -1919,9 +1907,10 @@ mod tests {
             d.services
                 .retain(|k, v| v.frontends.iter().all(|f| seen.insert((*f, k.protocol))));
             let before = dp.state.clone();
+            let before_tables = dp.tables.clone();
             dp.log.clear();
             sync(&mut s, &mut dp, &d).unwrap_or_else(|e| panic!("step {step}: {e}"));
-            assert_every_step_consistent(&dp.log, &before);
+            assert_every_step_consistent(&dp.log, &before, &before_tables);
             assert_eq!(meaning(&dp.state), expected(&d), "step {step}");
             // A fresh full sync from the kernel state agrees and writes nothing.
             assert_eq!(s.verify(&mut dp).unwrap(), Report::default(), "step {step}");
