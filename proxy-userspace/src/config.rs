@@ -26,6 +26,14 @@ use ipnet::IpNet;
 use serde::{Deserialize, Serialize};
 use serde_yaml_ng::Value;
 
+use crate::datapath::tc::{
+    DEFAULT_CONNTRACK_MAX_PER_CORE, DEFAULT_CONNTRACK_MIN, MAX_CONNTRACK_FLOWS,
+    MIN_CONNTRACK_FLOWS, TcSettings,
+};
+use proxy_common::{
+    DEFAULT_MAX_BACKENDS, DEFAULT_MAX_FRONTENDS, DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCKETS,
+};
+
 /// The `apiVersion` a configuration file must have.
 pub const API_VERSION: &str = "kubeproxy.config.k8s.io/v1alpha1";
 /// The `kind` a configuration file must have.
@@ -581,19 +589,388 @@ fn section_rest(s: &Section, read: &[&str]) -> BTreeMap<String, Value> {
     other
 }
 
-/// True when argument `id` was given on the command line (or through its environment
-/// variable), as opposed to taking its default: only such flags override the file.
-pub fn given(matches: &clap::ArgMatches, id: &str) -> bool {
-    matches!(
-        matches.value_source(id),
-        Some(clap::parser::ValueSource::CommandLine | clap::parser::ValueSource::EnvVariable)
-    )
+/// Mount point of the BPF file system by default.
+pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf";
+/// Pin directory under the BPF file system by default.
+pub const DEFAULT_PIN_DIR: &str = "ebpf-proxy";
+/// `--min-sync-period` by default (kube-proxy's).
+pub const DEFAULT_MIN_SYNC_PERIOD: Duration = Duration::from_secs(1);
+/// `--sync-period` by default (kube-proxy's).
+pub const DEFAULT_SYNC_PERIOD: Duration = Duration::from_secs(30);
+/// `--metrics-bind-address` by default (kube-proxy's).
+pub const DEFAULT_METRICS_BIND_ADDRESS: &str = "127.0.0.1:10249";
+/// `--healthz-bind-address` by default (kube-proxy's).
+pub const DEFAULT_HEALTHZ_BIND_ADDRESS: &str = "0.0.0.0:10256";
+/// `--udp-flow-timeout` by default (the kernel's `nf_conntrack_udp_timeout`).
+pub const DEFAULT_UDP_FLOW_TIMEOUT: Duration = Duration::from_secs(30);
+/// `--conntrack-tcp-timeout-established` by default (kube-proxy's).
+pub const DEFAULT_CT_TCP_ESTABLISHED: Duration = Duration::from_secs(24 * 3600);
+/// `--conntrack-udp-timeout-stream` by default (kube-proxy's).
+pub const DEFAULT_CT_UDP_STREAM: Duration = Duration::from_secs(120);
+/// Longest period or timeout accepted (timer arithmetic stays far from overflow).
+pub const MAX_PERIOD: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// The bpffs mount and the pin directory (every subcommand that touches pins takes them).
+#[derive(clap::Args, Debug, Clone)]
+pub struct PinArgs {
+    /// Mount point of the BPF file system.
+    #[arg(long, default_value = DEFAULT_BPFFS)]
+    pub bpffs: PathBuf,
+    /// Directory under --bpffs holding the pinned maps and links.
+    #[arg(long, default_value = DEFAULT_PIN_DIR)]
+    pub pin_dir: String,
 }
 
-/// Sets `target` to the file's `value` unless the flag was `given`.
-pub fn fill<T>(target: &mut T, given: bool, value: Option<T>) {
-    if let (false, Some(v)) = (given, value) {
-        *target = v;
+impl Default for PinArgs {
+    fn default() -> Self {
+        PinArgs {
+            bpffs: PathBuf::from(DEFAULT_BPFFS),
+            pin_dir: DEFAULT_PIN_DIR.into(),
+        }
+    }
+}
+
+impl PinArgs {
+    /// The pin directory, after checking the name.
+    pub fn dir(&self) -> Result<PathBuf> {
+        crate::datapath::loader::check_pin_dir_name(&self.pin_dir)?;
+        Ok(crate::datapath::loader::pin_dir(&self.bpffs, &self.pin_dir))
+    }
+}
+
+/// A duration greater than zero and at most [`MAX_PERIOD`] (humantime syntax).
+pub fn parse_positive_duration(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    if d.is_zero() {
+        return Err("must be greater than zero".into());
+    }
+    if d > MAX_PERIOD {
+        return Err("must be at most 8760h (a year)".into());
+    }
+    Ok(d)
+}
+
+/// A duration of at least 1 ms (humantime syntax: 30s, 2m, 24h).
+pub fn parse_timeout(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    if d < Duration::from_millis(1) {
+        return Err(format!("{s:?} is too short (at least 1ms)"));
+    }
+    if d > MAX_PERIOD {
+        return Err("must be at most 8760h (a year)".into());
+    }
+    Ok(d)
+}
+
+fn parse_lb_algorithm(s: &str) -> Result<proxy_common::Algorithm, String> {
+    crate::model::parse_algorithm(s).ok_or_else(|| {
+        let names: Vec<&str> = proxy_common::Algorithm::ALL
+            .iter()
+            .map(|(_, n)| *n)
+            .collect();
+        format!("{s:?} is not one of {}", names.join(", "))
+    })
+}
+
+fn parse_maglev_size(s: &str) -> Result<u32, String> {
+    let n: u32 = s.parse().map_err(|_| format!("{s:?} is not a number"))?;
+    if !crate::maglev::is_prime(n) || n as usize > proxy_common::MAGLEV_MAX || n < 7 {
+        return Err(format!(
+            "{n} is not a prime between 7 and {} (e.g. 251, 1021, 4093, 16381, 65521)",
+            proxy_common::MAGLEV_MAX
+        ));
+    }
+    Ok(n)
+}
+
+/// The flags of `ebpf-proxy run`. A setting left out is taken from the configuration file
+/// (`--config`), else its default: [`AgentConfig::resolve`] merges them once.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct RunFlags {
+    /// kube-proxy configuration file (KubeProxyConfiguration, kubeproxy.config.k8s.io/v1alpha1).
+    /// Flags given on the command line override its values.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Read Services and EndpointSlices from this directory of manifests (*.yaml, *.yml,
+    /// *.json), watched for changes, instead of the Kubernetes API.
+    #[arg(long, conflicts_with = "kubeconfig")]
+    pub manifests: Option<PathBuf>,
+    /// Kubeconfig for the Kubernetes API [default: $KUBECONFIG or ~/.kube/config, else the
+    /// in-cluster service account, as kube-rs `Config::infer`]. Read before anything is
+    /// attached: a missing or broken configuration stops start-up.
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+    /// Minimum time between two syncs from the API source; an isolated change after a
+    /// quiet period is applied at once (kube-proxy's --min-sync-period) [default: 1s].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub min_sync_period: Option<Duration>,
+    /// Period of the verification that compares the maps with what was applied and
+    /// repairs entries changed behind the agent's back (kube-proxy's --sync-period).
+    /// /healthz fails when an update stays pending for twice this long [default: 30s].
+    #[arg(long, value_parser = parse_positive_duration)]
+    pub sync_period: Option<Duration>,
+    /// Address of the Prometheus metrics server (`/metrics`); port 0 picks a free port
+    /// [default: 127.0.0.1:10249].
+    #[arg(long)]
+    pub metrics_bind_address: Option<SocketAddr>,
+    /// cgroup v2 directory to attach the socket programs to [default: the cgroup2 mount root
+    /// from /proc/self/mounts, i.e. every process of the node].
+    #[arg(long)]
+    pub cgroup_path: Option<PathBuf>,
+    #[command(flatten)]
+    pub pins: PinArgs,
+    /// Name of this node [default: $NODE_NAME, else the hostname].
+    #[arg(long)]
+    pub hostname_override: Option<String>,
+    /// Backend selection of Services without the `ebpf-proxy.io/lb-algorithm` annotation:
+    /// random (kube-proxy's), round-robin, weighted-round-robin, least-connections,
+    /// source-hash or maglev [default: random].
+    #[arg(long, value_parser = parse_lb_algorithm)]
+    pub lb_algorithm: Option<proxy_common::Algorithm>,
+    /// Size of the Maglev lookup tables of source-hash and maglev Services: a prime from 7 to
+    /// 65521 (larger tables spread backends more evenly; each costs 4 bytes per entry)
+    /// [default: 16381].
+    #[arg(long, value_parser = parse_maglev_size)]
+    pub maglev_table_size: Option<u32>,
+    /// Address of the health server (`/healthz`, `/livez`); port 0 picks a free port
+    /// [default: 0.0.0.0:10256].
+    #[arg(long)]
+    pub healthz_bind_address: Option<SocketAddr>,
+    /// Log level of the agent (error, warn, info, debug, trace; other crates log warnings
+    /// only), or a tracing filter directive with `=` or `,` (e.g. `info,kube=debug`)
+    /// [default: info].
+    #[arg(long)]
+    pub log_level: Option<String>,
+    /// Log format: one text line or one JSON object per event [default: text].
+    #[arg(long, value_enum)]
+    pub log_format: Option<LogFormat>,
+    /// CIDR of the cluster's pods, or an IPv4 and an IPv6 CIDR separated by a comma
+    /// (kube-proxy's --cluster-cidr): traffic entering the node to a cluster IP from a
+    /// client outside the prefix of its family is masqueraded (tc path).
+    #[arg(long)]
+    pub cluster_cidr: Option<ClusterCidrs>,
+    /// Node addresses that serve NodePorts: comma-separated CIDRs, or `primary` (the
+    /// node's first InternalIP per family, kube-proxy's nftables default) [default: every
+    /// InternalIP and ExternalIP of this node's Node object] (kube-proxy's
+    /// --nodeport-addresses).
+    #[arg(long)]
+    pub nodeport_addresses: Option<NodePortAddresses>,
+    /// Size of the frontend map (VIP x port x protocol, plus one entry per VIP) when created
+    /// [default: 65536].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_frontends: Option<u32>,
+    /// Size of the backend slot map (sum of all services' endpoint counts) when created
+    /// [default: 524288].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_backend_slots: Option<u32>,
+    /// Size of the backend map (distinct endpoint address x port x protocol) when created
+    /// [default: 262144].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_backends: Option<u32>,
+    /// Size of the per-socket reverse-NAT and UDP flow maps (LRU) when created
+    /// [default: 262144].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_sockets: Option<u32>,
+    /// Idle time after which an unconnected UDP flow picks a backend anew, like conntrack's
+    /// nf_conntrack_udp_timeout (e.g. 30s, 2m) [default: 30s].
+    #[arg(long, value_parser = parse_positive_duration)]
+    pub udp_flow_timeout: Option<Duration>,
+    /// Interfaces that serve NodePorts, external IPs and LB IPs to traffic from outside the
+    /// node, comma-separated [default: the interfaces of the agent's network namespace that
+    /// carry one of this node's InternalIP/ExternalIP addresses from its Node object].
+    #[arg(long, value_delimiter = ',')]
+    pub interfaces: Vec<String>,
+    /// Source-NAT every external flow of a Cluster-policy Service to the node address, also
+    /// when the backend runs on this node (kube-proxy's --masquerade-all).
+    #[arg(long)]
+    pub masquerade_all: bool,
+    /// Flows tracked per CPU by the north-south conntrack table (kube-proxy's
+    /// --conntrack-max-per-core); the table holds max(this x CPUs, --conntrack-min) flows.
+    /// The table is preallocated (about 320 bytes per flow), unlike the kernel's conntrack
+    /// limit kube-proxy sets, so the default is 0: --conntrack-min alone, whatever the core
+    /// count. Fixed when the pinned table is created [default: 0].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(..=MAX_CONNTRACK_FLOWS as i64))]
+    pub conntrack_max_per_core: Option<u32>,
+    /// Least number of flows of the north-south conntrack table (kube-proxy's
+    /// --conntrack-min), from 1024 (smaller LRU tables lose live flows to the kernel's batch
+    /// eviction) to 16777216 [default: 131072].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(MIN_CONNTRACK_FLOWS as i64..=MAX_CONNTRACK_FLOWS as i64))]
+    pub conntrack_min: Option<u32>,
+    /// Idle timeout of an established TCP flow in the north-south conntrack (kube-proxy's
+    /// --conntrack-tcp-timeout-established), e.g. 24h [default: 24h].
+    #[arg(long, value_parser = parse_timeout)]
+    pub conntrack_tcp_timeout_established: Option<Duration>,
+    /// Idle timeout of a UDP flow that saw replies in the north-south conntrack (kube-proxy's
+    /// --conntrack-udp-timeout-stream, the kernel's nf_conntrack_udp_timeout_stream), e.g.
+    /// 2m. Unreplied UDP flows use --udp-flow-timeout [default: 2m].
+    #[arg(long, value_parser = parse_timeout)]
+    pub conntrack_udp_timeout_stream: Option<Duration>,
+}
+
+/// Where the agent reads objects from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SourceChoice {
+    /// A directory of manifests (`--manifests`).
+    Manifests(PathBuf),
+    /// The Kubernetes API, with this kubeconfig (else `Config::infer`).
+    Api(Option<PathBuf>),
+}
+
+/// Sizes of the maps created at start (adopted pins keep theirs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MapSizeSettings {
+    /// `--max-frontends`.
+    pub frontends: u32,
+    /// `--max-backend-slots`.
+    pub slots: u32,
+    /// `--max-backends`.
+    pub backends: u32,
+    /// `--max-sockets`.
+    pub sockets: u32,
+}
+
+/// Every setting of the agent, merged once from the flags, the configuration file and the
+/// defaults (a flag given wins, then the file, then the default), typed.
+#[derive(Clone, Debug)]
+pub struct AgentConfig {
+    /// Where objects come from.
+    pub source: SourceChoice,
+    /// `--min-sync-period` (the pacing of the API source).
+    pub min_sync_period: Duration,
+    /// `--sync-period`.
+    pub sync_period: Duration,
+    /// `--metrics-bind-address`.
+    pub metrics_bind_address: SocketAddr,
+    /// `--healthz-bind-address`.
+    pub healthz_bind_address: SocketAddr,
+    /// `--cgroup-path` (`None`: the cgroup2 mount root).
+    pub cgroup_path: Option<PathBuf>,
+    /// The pin directory.
+    pub pins: PinArgs,
+    /// `--hostname-override` as given (the node name is resolved at start).
+    pub hostname_override: Option<String>,
+    /// `--lb-algorithm`.
+    pub lb_algorithm: proxy_common::Algorithm,
+    /// `--maglev-table-size`.
+    pub maglev_table_size: u32,
+    /// `--log-level`.
+    pub log_level: String,
+    /// `--log-format`.
+    pub log_format: LogFormat,
+    /// `--cluster-cidr`.
+    pub cluster_cidrs: Vec<IpNet>,
+    /// `--nodeport-addresses` (`None`: every node address).
+    pub nodeport_addresses: Option<NodePortAddresses>,
+    /// Map sizes.
+    pub map_sizes: MapSizeSettings,
+    /// `--udp-flow-timeout`.
+    pub udp_flow_timeout: Duration,
+    /// The north-south path.
+    pub tc: TcSettings,
+}
+
+impl AgentConfig {
+    /// Merges the flags with the configuration file's settings (`file`, when `--config` was
+    /// given) and the defaults.
+    ///
+    /// Errors: `--min-sync-period` longer than `--sync-period` (as kube-proxy's
+    /// validation), whether they come from flags or the file.
+    pub fn resolve(flags: RunFlags, file: Option<FileSettings>) -> Result<AgentConfig> {
+        let f = file.unwrap_or_default();
+        let source = match flags.manifests {
+            Some(m) => SourceChoice::Manifests(m),
+            // The file's kubeconfig is a source choice too; --manifests is the other one.
+            None => SourceChoice::Api(flags.kubeconfig.or(f.kubeconfig)),
+        };
+        let c = AgentConfig {
+            source,
+            min_sync_period: flags
+                .min_sync_period
+                .or(f.min_sync_period)
+                .unwrap_or(DEFAULT_MIN_SYNC_PERIOD),
+            sync_period: flags
+                .sync_period
+                .or(f.sync_period)
+                .unwrap_or(DEFAULT_SYNC_PERIOD),
+            metrics_bind_address: flags
+                .metrics_bind_address
+                .or(f.metrics_bind_address)
+                .unwrap_or_else(|| DEFAULT_METRICS_BIND_ADDRESS.parse().expect("valid")),
+            healthz_bind_address: flags
+                .healthz_bind_address
+                .or(f.healthz_bind_address)
+                .unwrap_or_else(|| DEFAULT_HEALTHZ_BIND_ADDRESS.parse().expect("valid")),
+            cgroup_path: flags.cgroup_path,
+            pins: flags.pins,
+            hostname_override: flags.hostname_override.or(f.hostname_override),
+            lb_algorithm: flags.lb_algorithm.unwrap_or_default(),
+            maglev_table_size: flags
+                .maglev_table_size
+                .unwrap_or(proxy_common::MAGLEV_DEFAULT),
+            log_level: flags.log_level.unwrap_or_else(|| "info".into()),
+            log_format: flags.log_format.or(f.log_format).unwrap_or_default(),
+            cluster_cidrs: flags
+                .cluster_cidr
+                .or(f.cluster_cidr)
+                .map(|c| c.0)
+                .unwrap_or_default(),
+            nodeport_addresses: flags.nodeport_addresses.or(f.node_port_addresses),
+            map_sizes: MapSizeSettings {
+                frontends: flags.max_frontends.unwrap_or(DEFAULT_MAX_FRONTENDS),
+                slots: flags.max_backend_slots.unwrap_or(DEFAULT_MAX_SLOTS),
+                backends: flags.max_backends.unwrap_or(DEFAULT_MAX_BACKENDS),
+                sockets: flags.max_sockets.unwrap_or(DEFAULT_MAX_SOCKETS),
+            },
+            udp_flow_timeout: flags
+                .udp_flow_timeout
+                .or(f.udp_flow_timeout)
+                .unwrap_or(DEFAULT_UDP_FLOW_TIMEOUT),
+            tc: TcSettings {
+                interfaces: flags.interfaces,
+                masquerade_all: flags.masquerade_all,
+                conntrack_max_per_core: flags
+                    .conntrack_max_per_core
+                    .or(f.conntrack_max_per_core)
+                    .unwrap_or(DEFAULT_CONNTRACK_MAX_PER_CORE),
+                conntrack_min: flags
+                    .conntrack_min
+                    .or(f.conntrack_min)
+                    .unwrap_or(DEFAULT_CONNTRACK_MIN),
+                conntrack_tcp_timeout_established: flags
+                    .conntrack_tcp_timeout_established
+                    .or(f.conntrack_tcp_timeout_established)
+                    .unwrap_or(DEFAULT_CT_TCP_ESTABLISHED),
+                conntrack_udp_timeout_stream: flags
+                    .conntrack_udp_timeout_stream
+                    .or(f.conntrack_udp_timeout_stream)
+                    .unwrap_or(DEFAULT_CT_UDP_STREAM),
+            },
+        };
+        if c.sync_period > MAX_PERIOD {
+            bail!("--sync-period must be at most 8760h (a year)");
+        }
+        if c.min_sync_period > c.sync_period {
+            bail!(
+                "--min-sync-period ({}) is longer than --sync-period ({})",
+                humantime::format_duration(c.min_sync_period),
+                humantime::format_duration(c.sync_period)
+            );
+        }
+        Ok(c)
+    }
+
+    /// The node name: `--hostname-override`, else `$NODE_NAME`, else the hostname.
+    pub fn node_name(&self) -> String {
+        self.hostname_override
+            .clone()
+            .filter(|s| !s.is_empty())
+            .or_else(|| std::env::var("NODE_NAME").ok().filter(|s| !s.is_empty()))
+            .or_else(|| {
+                std::fs::read_to_string("/proc/sys/kernel/hostname")
+                    .ok()
+                    .map(|s| s.trim().to_string())
+            })
+            .unwrap_or_default()
     }
 }
 
@@ -960,16 +1337,5 @@ winkernel:
         assert_eq!(l.warnings, Vec::<String>::new());
         assert_eq!(l.settings.log_format, Some(LogFormat::Json));
         assert_eq!(l.settings.sync_period, Some(Duration::from_secs(30)));
-    }
-
-    #[test]
-    fn fill_keeps_given_flags() {
-        let mut v = 1;
-        fill(&mut v, true, Some(2));
-        assert_eq!(v, 1);
-        fill(&mut v, false, Some(3));
-        assert_eq!(v, 3);
-        fill(&mut v, false, None);
-        assert_eq!(v, 3);
     }
 }

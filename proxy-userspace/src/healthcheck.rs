@@ -9,20 +9,13 @@
 //!
 //! and status 200 when this node has N > 0 endpoints of the Service, 503 otherwise, so a
 //! cloud load balancer only sends traffic to nodes that can serve it without leaving the
-//! node. `localEndpoints` counts the distinct endpoint addresses of the Service's
-//! `externalTrafficPolicy: Local` backend sets on this node.
+//! node. Which ports to serve and what they report is the model's
+//! ([`crate::model::Model::health_checks`]); the reconciler starts, updates, stops and
+//! retries the servers through [`HealthServers`].
 //!
-//! - Each server listens on `[::]:port` with `IPV6_V6ONLY` off, so it answers on the node's
-//!   IPv4 and IPv6 addresses (kube-proxy listens on every node address of both families);
-//!   where IPv6 is unavailable it falls back to `0.0.0.0:port`.
-//! - A port that cannot be bound (busy) is reported with an error naming the Service and is
-//!   retried at every [`HealthChecks::sync`] and [`HealthChecks::retry`] (the agent's
-//!   periodic resync), not only when the objects change.
-//! - A `healthCheckNodePort` outside 1-65535 (e.g. `0` or `99999`) on a Local Service is
-//!   reported with an error naming the Service; it gets no server.
-//! - Two Local Services with the same `healthCheckNodePort` (which the API server never
-//!   allocates): as with kube-proxy, whose second listen then fails, the first in
-//!   namespace/name order keeps the port and an error names both Services.
+//! Each server listens on `[::]:port` with `IPV6_V6ONLY` off, so it answers on the node's
+//! IPv4 and IPv6 addresses (kube-proxy listens on every node address of both families);
+//! where IPv6 is unavailable it falls back to `0.0.0.0:port`.
 
 use std::{
     collections::BTreeMap,
@@ -34,78 +27,7 @@ use std::{
 use axum::{extract::State, http::StatusCode, response::IntoResponse};
 use tracing::info;
 
-use crate::{
-    model::{DesiredState, Scope},
-    source::ObjectSet,
-};
-
-/// What one health-check port reports.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Checked {
-    /// Namespace of the Service.
-    pub namespace: String,
-    /// Name of the Service.
-    pub name: String,
-    /// Endpoints of the Service on this node.
-    pub local_endpoints: usize,
-}
-
-/// The health-check ports the objects ask for: `healthCheckNodePort` of every Service with
-/// `externalTrafficPolicy: Local`, with its local endpoint count from the desired state.
-/// Invalid ports and ports asked for twice are left out silently; see [`wanted_checked`].
-pub fn wanted(objects: &ObjectSet, state: &DesiredState) -> BTreeMap<u16, Checked> {
-    wanted_checked(objects, state, &mut Vec::new())
-}
-
-/// As [`wanted`], reporting in `errors` (each naming the Service) a `healthCheckNodePort`
-/// outside 1-65535 and a port asked for by two Services (the first in namespace/name order
-/// keeps it).
-pub fn wanted_checked(
-    objects: &ObjectSet,
-    state: &DesiredState,
-    errors: &mut Vec<String>,
-) -> BTreeMap<u16, Checked> {
-    let mut out: BTreeMap<u16, Checked> = BTreeMap::new();
-    for ((ns, name), svc) in &objects.services {
-        let Some(spec) = svc.object.spec.as_ref() else {
-            continue;
-        };
-        if spec.external_traffic_policy.as_deref() != Some("Local") {
-            continue;
-        }
-        let Some(asked) = spec.health_check_node_port else {
-            continue;
-        };
-        let Some(port) = u16::try_from(asked).ok().filter(|p| *p != 0) else {
-            errors.push(format!(
-                "Service {ns}/{name}: healthCheckNodePort {asked} is not a port (1-65535); no health-check server"
-            ));
-            continue;
-        };
-        if let Some(first) = out.get(&port) {
-            errors.push(format!(
-                "Service {ns}/{name}: healthCheckNodePort {port} is also the port of Service {}/{}, which keeps it; no health-check server for {ns}/{name}",
-                first.namespace, first.name
-            ));
-            continue;
-        }
-        let local: std::collections::BTreeSet<std::net::IpAddr> = state
-            .services
-            .iter()
-            .filter(|(k, _)| k.scope == Scope::Ingress && &k.namespace == ns && &k.name == name)
-            .flat_map(|(_, s)| s.backends.iter().map(|b| b.ip()))
-            .collect();
-        out.insert(
-            port,
-            Checked {
-                namespace: ns.clone(),
-                name: name.clone(),
-                local_endpoints: local.len(),
-            },
-        );
-    }
-    out
-}
+use crate::{datapath::HealthServers, model::HealthCheck};
 
 /// A listening socket for `port` on every address: `[::]` dual-stack, or `0.0.0.0` when
 /// IPv6 cannot be used (a busy port is an error, not a reason to fall back).
@@ -130,76 +52,55 @@ fn listen_on(addr: SocketAddr) -> io::Result<std::net::TcpListener> {
     Ok(s.into())
 }
 
-type Shared = Arc<Mutex<Checked>>;
+type Shared = Arc<Mutex<HealthCheck>>;
 
-/// The running health-check servers, by port.
+/// The running health-check servers, by port (tokio tasks; must be used inside a runtime).
 #[derive(Default)]
-pub struct HealthChecks {
+pub struct HealthCheckServers {
     servers: BTreeMap<u16, (tokio::task::JoinHandle<()>, Shared)>,
-    /// What the last sync asked for, for [`HealthChecks::retry`].
-    want: BTreeMap<u16, Checked>,
 }
 
-impl HealthChecks {
-    /// Starts, updates and stops servers to match `want`. Must run inside a tokio runtime.
-    /// A port that cannot be bound is reported in `errors` (naming the Service) and retried
-    /// at the next sync or [`HealthChecks::retry`].
-    pub fn sync(&mut self, want: BTreeMap<u16, Checked>, errors: &mut Vec<String>) {
-        self.want = want.clone();
-        let gone: Vec<u16> = self
-            .servers
-            .keys()
-            .filter(|p| !want.contains_key(p))
-            .copied()
-            .collect();
-        for p in gone {
-            if let Some((h, _)) = self.servers.remove(&p) {
-                h.abort();
-                info!(port = p, "health-check server stopped");
-            }
+impl HealthServers for HealthCheckServers {
+    fn serve_health(&mut self, port: u16, check: &HealthCheck) -> io::Result<()> {
+        if let Some((_, shared)) = self.servers.get(&port) {
+            *shared.lock().unwrap() = check.clone();
+            return Ok(());
         }
-        for (port, c) in want {
-            if let Some((_, shared)) = self.servers.get(&port) {
-                *shared.lock().unwrap() = c;
-                continue;
-            }
-            let listener = match listen(port).and_then(tokio::net::TcpListener::from_std) {
-                Ok(l) => l,
-                Err(e) => {
-                    errors.push(format!(
-                        "Service {}/{}: healthCheckNodePort {port}: cannot listen: {e}",
-                        c.namespace, c.name
-                    ));
-                    continue;
-                }
-            };
-            info!(port, service = %format!("{}/{}", c.namespace, c.name), "health-check server listening");
-            let shared: Shared = Arc::new(Mutex::new(c));
-            let app = axum::Router::new()
-                .fallback(answer)
-                .with_state(shared.clone());
-            let h = tokio::spawn(async move {
-                let _ = axum::serve(listener, app).await;
-            });
-            self.servers.insert(port, (h, shared));
+        let listener = listen(port).and_then(tokio::net::TcpListener::from_std)?;
+        info!(port, service = %format!("{}/{}", check.namespace, check.name), "health-check server listening");
+        let shared: Shared = Arc::new(Mutex::new(check.clone()));
+        let app = axum::Router::new()
+            .fallback(answer)
+            .with_state(shared.clone());
+        let h = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        self.servers.insert(port, (h, shared));
+        Ok(())
+    }
+
+    fn update_health(&mut self, port: u16, check: &HealthCheck) {
+        if let Some((_, shared)) = self.servers.get(&port) {
+            *shared.lock().unwrap() = check.clone();
         }
     }
 
-    /// Binds again the ports the last sync asked for that are not served (their bind
-    /// failed), e.g. at the periodic resync. Errors as in [`HealthChecks::sync`].
-    pub fn retry(&mut self, errors: &mut Vec<String>) {
-        if self.want.keys().any(|p| !self.servers.contains_key(p)) {
-            self.sync(self.want.clone(), errors);
+    fn stop_health(&mut self, port: u16) {
+        if let Some((h, _)) = self.servers.remove(&port) {
+            h.abort();
+            info!(port, "health-check server stopped");
         }
     }
+}
 
+impl HealthCheckServers {
     /// Ports served now.
     pub fn ports(&self) -> Vec<u16> {
         self.servers.keys().copied().collect()
     }
 }
 
-impl Drop for HealthChecks {
+impl Drop for HealthCheckServers {
     fn drop(&mut self) {
         for (h, _) in self.servers.values() {
             h.abort();
@@ -232,59 +133,6 @@ async fn answer(State(s): State<Shared>) -> impl IntoResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::source::manifests::parse_documents;
-
-    fn local(name: &str, policy: &str, port: i64) -> String {
-        format!(
-            "---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: ns}}\nspec: {{type: LoadBalancer, clusterIP: 10.96.0.1, externalTrafficPolicy: {policy}, healthCheckNodePort: {port}, ports: [{{port: 80, nodePort: 30080}}]}}\n"
-        )
-    }
-
-    fn objects(yaml: &str) -> ObjectSet {
-        let (objs, errors) = parse_documents("t.yaml", yaml);
-        assert!(errors.is_empty(), "{errors:?}");
-        let mut set = ObjectSet::default();
-        for o in objs {
-            set.insert(o);
-        }
-        set
-    }
-
-    #[test]
-    fn invalid_and_shared_ports_are_reported_naming_the_services() {
-        let yaml = [
-            local("a-big", "Local", 99999),
-            local("b-zero", "Local", 0),
-            local("c-first", "Local", 31000),
-            local("d-second", "Local", 31000),
-            local("e-cluster", "Cluster", 99999),
-            local("f-ok", "Local", 31001),
-        ]
-        .concat();
-        let objs = objects(&yaml);
-        let mut errors = Vec::new();
-        let want = wanted_checked(&objs, &DesiredState::default(), &mut errors);
-        assert_eq!(want.keys().copied().collect::<Vec<_>>(), [31000, 31001]);
-        assert_eq!(want[&31000].name, "c-first");
-        assert_eq!(errors.len(), 3, "{errors:#?}");
-        assert!(
-            errors[0].starts_with("Service ns/a-big: healthCheckNodePort 99999 is not a port"),
-            "{}",
-            errors[0]
-        );
-        assert!(
-            errors[1].starts_with("Service ns/b-zero: healthCheckNodePort 0 is not a port"),
-            "{}",
-            errors[1]
-        );
-        assert!(
-            errors[2].starts_with("Service ns/d-second: healthCheckNodePort 31000")
-                && errors[2].contains("Service ns/c-first"),
-            "{}",
-            errors[2]
-        );
-        assert_eq!(wanted(&objs, &DesiredState::default()), want);
-    }
 
     /// One HTTP request with bounded waits, off the runtime's workers.
     async fn get(addr: SocketAddr) -> String {
@@ -305,44 +153,22 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn busy_port_is_retried_and_then_served_on_both_families() {
+    async fn busy_port_fails_then_binds_and_serves_both_families() {
         // Occupy a free port on IPv4: the dual-stack bind fails with "address in use".
         let blocker = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
         let port = blocker.local_addr().unwrap().port();
-        let want = BTreeMap::from([(
-            port,
-            Checked {
-                namespace: "ns".into(),
-                name: "web".into(),
-                local_endpoints: 1,
-            },
-        )]);
-        let mut hc = HealthChecks::default();
-        let mut errors = Vec::new();
-        hc.sync(want, &mut errors);
+        let check = HealthCheck {
+            namespace: "ns".into(),
+            name: "web".into(),
+            local_endpoints: 1,
+        };
+        let mut hc = HealthCheckServers::default();
+        let e = hc.serve_health(port, &check).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::AddrInUse, "{e}");
         assert!(hc.ports().is_empty());
-        assert_eq!(errors.len(), 1, "{errors:?}");
-        assert!(
-            errors[0].starts_with(&format!(
-                "Service ns/web: healthCheckNodePort {port}: cannot listen"
-            )),
-            "{}",
-            errors[0]
-        );
-        // Still busy: still reported, nothing served.
-        errors.clear();
-        hc.retry(&mut errors);
-        assert_eq!(errors.len(), 1, "{errors:?}");
-        assert!(hc.ports().is_empty());
-        // Freed: the retry binds it without any change of the objects.
         drop(blocker);
-        errors.clear();
-        hc.retry(&mut errors);
-        assert!(errors.is_empty(), "{errors:?}");
+        hc.serve_health(port, &check).unwrap();
         assert_eq!(hc.ports(), [port]);
-        // Nothing left to retry: a no-op.
-        hc.retry(&mut errors);
-        assert!(errors.is_empty(), "{errors:?}");
 
         let v4 = get(SocketAddr::from((Ipv4Addr::LOCALHOST, port))).await;
         assert!(v4.starts_with("HTTP/1.1 200"), "{v4}");
@@ -354,5 +180,17 @@ mod tests {
         } else {
             eprintln!("no IPv6 loopback here: the IPv6 answer is left to the north_south test");
         }
+        // No local endpoint: 503.
+        hc.update_health(
+            port,
+            &HealthCheck {
+                local_endpoints: 0,
+                ..check
+            },
+        );
+        let v4 = get(SocketAddr::from((Ipv4Addr::LOCALHOST, port))).await;
+        assert!(v4.starts_with("HTTP/1.1 503"), "{v4}");
+        hc.stop_health(port);
+        assert!(hc.ports().is_empty());
     }
 }

@@ -12,7 +12,7 @@ use proxy_common::{
 use serde::Serialize;
 
 use crate::datapath::{
-    Datapath, Snapshot,
+    ServiceMaps, Snapshot,
     addr::{bytes_to_ip, proto_name, to_socket_addr},
     maps::PinnedMaps,
 };
@@ -607,14 +607,15 @@ pub struct Explanation {
     pub verdict: String,
 }
 
-/// Explains `addr`/`proto` from the pinned maps of `dir`, and with `source` (the objects
-/// and this node) also which endpoints are eligible and why the others are not.
+/// Explains `addr`/`proto` from the pinned maps of `dir`, and with `source` (a model fed
+/// the objects, as this node reads them) also which endpoints are eligible and why the
+/// others are not.
 pub fn explain(
     dir: &Path,
     snap: &Snapshot,
     addr: std::net::SocketAddr,
     proto: u8,
-    source: Option<(&crate::source::ObjectSet, &crate::model::NodeInfo)>,
+    source: Option<&crate::model::Model>,
 ) -> Result<Explanation> {
     use crate::datapath::addr::{ip_to_bytes, port_to_map};
     let stats = crate::datapath::maps::read_service_stats(dir).unwrap_or_default();
@@ -664,26 +665,15 @@ pub fn explain(
                 ))
             })
             .collect();
-        let endpoints = source.and_then(|(objects, node)| {
-            let key = crate::sync::parse_service_name(snap.names.get(&f.service_id)?)?;
-            let eps = crate::model::endpoints_of(
-                objects,
-                node,
-                &key.namespace,
-                &key.name,
-                &key.port_name,
-                key.protocol,
-                key.family,
-            );
-            let zone = crate::model::zone_of(objects, &node.name);
-            let sets = crate::model::categorize(&eps, &node.name, &zone);
+        let endpoints = source.and_then(|model| {
+            let key = crate::reconcile::parse_service_name(snap.names.get(&f.service_id)?)?;
             let local_only = f.flags & FRONTEND_F_LOCAL_ONLY != 0;
             let in_slots: std::collections::BTreeSet<String> =
                 row.backends.iter().cloned().collect();
             Some(
-                eps.iter()
-                    .map(|(a, e)| {
-                        let mut reason = crate::model::why_not(a, e, &sets, local_only, &zone);
+                crate::model::eligibility(model, &key, local_only)
+                    .into_iter()
+                    .map(|(a, e, mut reason)| {
                         if reason.is_none()
                             && row.algorithm == "weighted-round-robin"
                             && !in_slots.contains(&a.to_string())
@@ -692,12 +682,12 @@ pub fn explain(
                         }
                         ExplainedEndpoint {
                             endpoint: a.to_string(),
-                            pod: e.pod.clone(),
+                            pod: e.pod.to_string(),
                             local: e.local,
                             ready: e.ready,
                             serving: e.serving,
                             terminating: e.terminating,
-                            zone_hints: e.zone_hints.iter().cloned().collect(),
+                            zone_hints: e.zone_hints().iter().cloned().collect(),
                             eligible: reason.is_none(),
                             reason,
                         }

@@ -23,7 +23,7 @@ use prometheus_client::{
 };
 use proxy_common::Counter as DpCounter;
 
-use crate::datapath::{Capacity, Snapshot, maps::read_counters};
+use crate::datapath::{Capacity, maps::read_counters};
 
 /// Label set `{map="FRONTENDS"}`.
 pub type MapLabel = [(&'static str, &'static str); 1];
@@ -52,6 +52,17 @@ pub struct Metrics {
     pub map_entries: Family<MapLabel, Gauge>,
     /// `ebpf_proxy_map_capacity{map}`: `max_entries`.
     pub map_capacity: Family<MapLabel, Gauge>,
+    /// `ebpf_proxy_change_latency_seconds{source}`: from the source seeing a change (a file
+    /// event, a watch event) to the maps written.
+    pub change_latency: Family<[(&'static str, &'static str); 1], Histogram>,
+    /// `ebpf_proxy_service_ports{status}`: Service ports applied and failed now.
+    pub service_ports: Family<[(&'static str, &'static str); 1], Gauge>,
+    /// `kubeproxy_sync_proxy_rules_endpoint_changes_pending`: EndpointSlice changes read but
+    /// not yet programmed.
+    pub endpoint_changes_pending: Gauge,
+    /// `kubeproxy_sync_proxy_rules_service_changes_pending`: Service changes read but not
+    /// yet programmed.
+    pub service_changes_pending: Gauge,
 }
 
 /// Reads the data path's per-CPU counters at scrape time (`ebpf_proxy_datapath_events_total`
@@ -104,7 +115,7 @@ impl DatapathCounters {
     /// per backend (address x port x protocol): bounded by the map sizes.
     fn encode_per_service(&self, encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
         use crate::datapath::{
-            Datapath,
+            ServiceMaps,
             maps::{PinnedMaps, read_backend_stats, read_service_stats},
         };
         let Ok(maps) = PinnedMaps::open(&self.pin_dir) else {
@@ -118,7 +129,7 @@ impl DatapathCounters {
             return Ok(());
         };
         let labels_of = |id: u32| -> Option<Vec<(&'static str, String)>> {
-            let k = crate::sync::parse_service_name(snap.names.get(&id)?)?;
+            let k = crate::reconcile::parse_service_name(snap.names.get(&id)?)?;
             Some(vec![
                 ("namespace", k.namespace),
                 ("service", k.name),
@@ -280,8 +291,39 @@ impl Metrics {
             "max_entries of a service map",
             map_capacity.clone(),
         );
+        let change_latency =
+            Family::<[(&'static str, &'static str); 1], Histogram>::new_with_constructor(|| {
+                Histogram::new(exponential_buckets(0.0001, 2.0, 18))
+            });
+        registry.register(
+            "ebpf_proxy_change_latency_seconds",
+            "From the source seeing a change (file event, watch event) to the maps written",
+            change_latency.clone(),
+        );
+        let service_ports = Family::<[(&'static str, &'static str); 1], Gauge>::default();
+        registry.register(
+            "ebpf_proxy_service_ports",
+            "Service ports (Service port x protocol x family x scope) by status: applied, or failed (retried with backoff, see the agent log)",
+            service_ports.clone(),
+        );
+        let endpoint_changes_pending = Gauge::default();
+        registry.register(
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+            "Pending proxy rules EndpointSlice changes",
+            endpoint_changes_pending.clone(),
+        );
+        let service_changes_pending = Gauge::default();
+        registry.register(
+            "kubeproxy_sync_proxy_rules_service_changes_pending",
+            "Pending proxy rules Service changes",
+            service_changes_pending.clone(),
+        );
         registry.register_collector(Box::new(DatapathCounters { pin_dir }));
         Self {
+            change_latency,
+            service_ports,
+            endpoint_changes_pending,
+            service_changes_pending,
             registry,
             sync_duration,
             last_sync,
@@ -295,18 +337,19 @@ impl Metrics {
         }
     }
 
-    /// Records a successful sync of `duration` and the maps' fill.
-    pub fn synced(&self, duration: Duration, maps: &Snapshot, cap: Capacity) {
+    /// Records a sync of `duration` and the maps' fill: `entries` is (frontends with VIP
+    /// markers, slots, backends, names).
+    pub fn synced(&self, duration: Duration, entries: (usize, usize, usize, usize), cap: Capacity) {
         self.sync_duration.observe(duration.as_secs_f64());
         let now = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .unwrap_or_default();
         self.last_sync.set(now.as_secs_f64());
         for (name, used, limit) in [
-            ("FRONTENDS", maps.frontends.len(), cap.frontends),
-            ("BACKEND_SLOTS", maps.slots.len(), cap.slots),
-            ("BACKENDS", maps.backends.len(), cap.backends),
-            ("SERVICE_NAMES", maps.names.len(), cap.services),
+            ("FRONTENDS", entries.0, cap.frontends),
+            ("BACKEND_SLOTS", entries.1, cap.slots),
+            ("BACKENDS", entries.2, cap.backends),
+            ("SERVICE_NAMES", entries.3, cap.services),
         ] {
             self.map_entries
                 .get_or_create(&[("map", name)])
@@ -343,7 +386,7 @@ mod tests {
         m.endpoint_changes.inc();
         m.synced(
             Duration::from_millis(3),
-            &Snapshot::default(),
+            (0, 0, 0, 0),
             Capacity {
                 frontends: 1,
                 slots: 2,

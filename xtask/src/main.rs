@@ -1,4 +1,4 @@
-//! Developer tasks for ebpf-proxy: `cargo xtask <setup|build-ebpf|build|test|demo|bench>`.
+//! Developer tasks for ebpf-proxy: `cargo xtask <setup|build-ebpf|build|test|demo|bench|fuzz>`.
 //!
 //! Every command first runs `setup` when one of its cheap checks fails, so a fresh Debian
 //! machine (as root) needs nothing but `cargo xtask test` or `cargo xtask demo`.
@@ -48,12 +48,22 @@ enum Cmd {
     },
     /// Set up if needed, build, run the end-to-end demo (needs root).
     Demo,
-    /// Set up if needed (plus iptables, nftables, fonts), build with the `bench` feature, run
-    /// the benchmarks against kube-proxy's rule sets (needs root; results in target/bench/).
+    /// Set up if needed (plus iptables, nftables, fonts), build the agent and the bench
+    /// (proxy-testkit's `bench` feature), run the benchmarks against kube-proxy's rule sets
+    /// (needs root; results in target/bench/).
     Bench {
         /// Arguments for ebpf-proxy-bench (after `--`), e.g. `--quick` or `--services 100,1000`.
         #[arg(last = true)]
         args: Vec<String>,
+    },
+    /// Run the cargo-fuzz targets (nightly; installs cargo-fuzz when missing): each target
+    /// for SECONDS, or only TARGET. Opt-in: `test` never runs them.
+    Fuzz {
+        /// `manifests` or `model`; both when left out.
+        target: Option<String>,
+        /// Time per target.
+        #[arg(default_value_t = 180)]
+        seconds: u64,
     },
 }
 
@@ -73,6 +83,7 @@ fn main() -> ExitCode {
             .and_then(|()| bench_setup())
             .and_then(|()| build_ebpf())
             .and_then(|()| bench(&args)),
+        Cmd::Fuzz { target, seconds } => fuzz(target.as_deref(), seconds),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
@@ -443,10 +454,23 @@ fn build_ebpf() -> Result<()> {
     Ok(())
 }
 
+/// The binaries of `build`: the agent (package proxy-userspace) and netprobe (package
+/// proxy-testkit), both in target/release/. The tests of proxy-testkit run the agent from
+/// there (cargo builds only a test's own package's binaries for it).
+const BINS: [&str; 2] = ["ebpf-proxy", "netprobe"];
+
 fn build() -> Result<()> {
     build_ebpf()?;
-    run(host_cargo().args(["build", "--release", "-p", "proxy-userspace"]))?;
-    for bin in ["ebpf-proxy", "netprobe"] {
+    run(host_cargo().args([
+        "build",
+        "--release",
+        "-p",
+        "proxy-userspace",
+        "-p",
+        "proxy-testkit",
+        "--bins",
+    ]))?;
+    for bin in BINS {
         let p = target_dir().join("release").join(bin);
         if !p.exists() {
             bail!("{} was not built", p.display());
@@ -570,18 +594,72 @@ fn bench_setup() -> Result<()> {
 
 fn bench(args: &[String]) -> Result<()> {
     warn_unless_root("the bench");
+    // The bench runs the agent binary next to its own (target/release/ebpf-proxy).
     run(host_cargo().args([
         "build",
         "--release",
         "-p",
         "proxy-userspace",
+        "-p",
+        "proxy-testkit",
         "--features",
-        "bench",
+        "proxy-testkit/bench",
+        "--bins",
     ]))?;
     let ws = workspace();
     run(Command::new(target_dir().join("release/ebpf-proxy-bench"))
         .current_dir(&ws)
         .args(args))
+}
+
+/// The cargo-fuzz targets in fuzz/.
+const FUZZ_TARGETS: [&str; 2] = ["manifests", "model"];
+
+fn fuzz(target: Option<&str>, seconds: u64) -> Result<()> {
+    let targets: Vec<&str> = match target {
+        None => FUZZ_TARGETS.to_vec(),
+        Some(t) if FUZZ_TARGETS.contains(&t) => vec![t],
+        Some(t) => bail!("unknown fuzz target {t:?} (one of {FUZZ_TARGETS:?})"),
+    };
+    if !has_nightly() {
+        bail!("the fuzz targets need the nightly toolchain (`cargo xtask setup` installs it)");
+    }
+    if !succeeds(clean_cargo(Some("nightly")).args(["fuzz", "--version"])) {
+        doing("cargo-fuzz");
+        run(clean_cargo(None).args(["install", "cargo-fuzz"]))?;
+    }
+    // The agent's build script watches the eBPF object; while it is missing, cargo re-runs
+    // the script, and so rebuilds proxy-userspace, on every run. The targets never load it:
+    // an empty stand-in keeps the build cached.
+    let real = target_dir().join(BPF_TARGET).join("release/ebpf-proxy");
+    let stand_in = workspace().join("fuzz/target/no-ebpf-object");
+    let object = env::var_os("EBPF_PROXY_OBJECT").is_none() && !real.exists();
+    if object && !stand_in.exists() {
+        fs::create_dir_all(workspace().join("fuzz/target"))?;
+        fs::write(&stand_in, [])?;
+    }
+    for t in targets {
+        // No sanitizer: the code under test is safe Rust, and without one the build is
+        // quicker and a run covers several times more inputs. Debug assertions (-a) turn
+        // arithmetic overflow into a finding.
+        let max_time = format!("-max_total_time={seconds}");
+        let mut cmd = clean_cargo(Some("nightly"));
+        cmd.current_dir(workspace()).args([
+            "fuzz",
+            "run",
+            "--sanitizer",
+            "none",
+            "-a",
+            t,
+            "--",
+            &max_time,
+        ]);
+        if object {
+            cmd.env("EBPF_PROXY_OBJECT", &stand_in);
+        }
+        run(&mut cmd)?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

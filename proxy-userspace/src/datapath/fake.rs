@@ -1,8 +1,16 @@
-//! In-memory data path for tests of the sync: same operations as the BPF maps, with
-//! capacities, and a log of every write in order.
+//! An in-memory data path: the same operations as the BPF maps (with capacities), the
+//! node's interfaces, the tc programs and the health-check servers, with a log of every write
+//! in order, so the whole control plane can be tested without root.
 
-use super::{Capacity, Datapath, DatapathError, Snapshot};
-use proxy_common::{Backend, BackendSlotKey, Frontend, FrontendKey, MemberKey};
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+
+use super::{
+    Capacity, DatapathError, HealthServers, Interface, Interfaces, NodeMaps, NodeSnapshot,
+    Released, ServiceMaps, Snapshot, SourceRangeKey,
+};
+use crate::model::HealthCheck;
+use proxy_common::{Backend, BackendSlotKey, Frontend, FrontendKey, MemberKey, nat::IfaceAddr};
 
 /// One write, as logged by [`FakeDatapath`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -19,30 +27,93 @@ pub enum Op {
     DeleteMember(MemberKey),
     PutMaglev(u32, Vec<u32>),
     DeleteMaglev(u32),
+    Release(Vec<(u32, u32, Backend)>),
+    PutLocalEndpoint([u8; 16]),
+    DeleteLocalEndpoint([u8; 16]),
+    PutSourceRange(SourceRangeKey, u32),
+    DeleteSourceRange(SourceRangeKey),
+    PutIfaceAddr(u32, IfaceAddr),
+    DeleteIfaceAddr(u32),
+    Attach(String),
+    Detach(String),
+    ServeHealth(u16, HealthCheck),
+    UpdateHealth(u16, HealthCheck),
+    StopHealth(u16),
 }
 
-/// Maps in memory. Writes beyond the capacity fail like a full BPF hash map (E2BIG).
+/// Maps, interfaces and servers in memory. Writes beyond the capacity fail like a full BPF
+/// hash map (E2BIG).
 #[derive(Debug)]
 pub struct FakeDatapath {
-    /// Current contents.
+    /// Current contents of the service maps.
     pub state: Snapshot,
+    /// Current contents of the north-south maps.
+    pub node: NodeSnapshot,
     /// Limits.
     pub cap: Capacity,
     /// Every successful write, in order.
     pub log: Vec<Op>,
     /// Maglev tables by service id (their ids are in `state.maglev`).
-    pub tables: std::collections::BTreeMap<u32, Vec<u32>>,
+    pub tables: BTreeMap<u32, Vec<u32>>,
+    /// The interfaces of the (pretend) network namespace.
+    pub interfaces: BTreeMap<String, Interface>,
+    /// Routes: (network, prefix length, device), longest prefix wins.
+    pub routes: Vec<(IpAddr, u8, String)>,
+    /// Interfaces with the programs attached.
+    pub attached: BTreeSet<String>,
+    /// Health-check servers running.
+    pub health: BTreeMap<u16, HealthCheck>,
+    /// Ports a server cannot bind (in use by another process).
+    pub busy_ports: BTreeSet<u16>,
+    /// Calls of the least-connections collection.
+    pub collections: usize,
+    /// When set, the service-map write after this many more succeeds fails (EIO), once.
+    pub fail_after: Option<usize>,
 }
 
 impl FakeDatapath {
-    /// Empty maps with the given limits.
+    /// Empty maps with the given limits, no interfaces.
     pub fn new(cap: Capacity) -> Self {
         Self {
             state: Snapshot::default(),
+            node: NodeSnapshot::default(),
             cap,
             log: Vec::new(),
             tables: Default::default(),
+            interfaces: BTreeMap::new(),
+            routes: Vec::new(),
+            attached: BTreeSet::new(),
+            health: BTreeMap::new(),
+            busy_ports: BTreeSet::new(),
+            collections: 0,
+            fail_after: None,
         }
+    }
+
+    /// Counts down [`FakeDatapath::fail_after`]; an error when it reaches zero.
+    fn injected(&mut self, map: &'static str) -> Result<(), DatapathError> {
+        match self.fail_after {
+            Some(0) => {
+                self.fail_after = None;
+                Err(DatapathError::Map {
+                    op: "update",
+                    map,
+                    error: std::io::Error::from_raw_os_error(libc::EIO),
+                })
+            }
+            Some(n) => {
+                self.fail_after = Some(n - 1);
+                Ok(())
+            }
+            None => Ok(()),
+        }
+    }
+}
+
+impl super::FlowCollection for FakeDatapath {
+    fn collect_lc_flows(&mut self) -> anyhow::Result<usize> {
+        self.collections += 1;
+        Ok(0)
     }
 }
 
@@ -54,7 +125,7 @@ fn full(map: &'static str) -> DatapathError {
     }
 }
 
-impl Datapath for FakeDatapath {
+impl ServiceMaps for FakeDatapath {
     fn capacity(&self) -> Capacity {
         self.cap
     }
@@ -62,6 +133,7 @@ impl Datapath for FakeDatapath {
         Ok(self.state.clone())
     }
     fn put_frontend(&mut self, key: &FrontendKey, value: &Frontend) -> Result<(), DatapathError> {
+        self.injected("FRONTENDS")?;
         let m = &mut self.state.frontends;
         if !m.contains_key(key) && m.len() >= self.cap.frontends as usize {
             return Err(full("FRONTENDS"));
@@ -76,6 +148,7 @@ impl Datapath for FakeDatapath {
         Ok(())
     }
     fn put_slot(&mut self, key: &BackendSlotKey, backend_id: u32) -> Result<(), DatapathError> {
+        self.injected("BACKEND_SLOTS")?;
         let m = &mut self.state.slots;
         if !m.contains_key(key) && m.len() >= self.cap.slots as usize {
             return Err(full("BACKEND_SLOTS"));
@@ -90,6 +163,7 @@ impl Datapath for FakeDatapath {
         Ok(())
     }
     fn put_backend(&mut self, id: u32, value: &Backend) -> Result<(), DatapathError> {
+        self.injected("BACKENDS")?;
         let m = &mut self.state.backends;
         if !m.contains_key(&id) && m.len() >= self.cap.backends as usize {
             return Err(full("BACKENDS"));
@@ -104,6 +178,7 @@ impl Datapath for FakeDatapath {
         Ok(())
     }
     fn put_name(&mut self, service_id: u32, name: &str) -> Result<(), DatapathError> {
+        self.injected("SERVICE_NAMES")?;
         let m = &mut self.state.names;
         if !m.contains_key(&service_id) && m.len() >= self.cap.services as usize {
             return Err(full("SERVICE_NAMES"));
@@ -118,6 +193,7 @@ impl Datapath for FakeDatapath {
         Ok(())
     }
     fn put_member(&mut self, key: &MemberKey) -> Result<(), DatapathError> {
+        self.injected("MEMBERS")?;
         let m = &mut self.state.members;
         if !m.contains(key) && m.len() >= self.cap.slots as usize {
             return Err(full("MEMBERS"));
@@ -145,5 +221,233 @@ impl Datapath for FakeDatapath {
         self.state.maglev.remove(&service_id);
         self.log.push(Op::DeleteMaglev(service_id));
         Ok(())
+    }
+    fn release_stale(
+        &mut self,
+        released: &[(u32, u32, Backend)],
+    ) -> Result<Released, DatapathError> {
+        self.log.push(Op::Release(released.to_vec()));
+        Ok(Released::default())
+    }
+}
+
+impl NodeMaps for FakeDatapath {
+    fn node_snapshot(&self) -> Result<NodeSnapshot, DatapathError> {
+        Ok(self.node.clone())
+    }
+    fn put_local_endpoint(&mut self, addr: &[u8; 16]) -> Result<(), DatapathError> {
+        self.node.local_endpoints.insert(*addr);
+        self.log.push(Op::PutLocalEndpoint(*addr));
+        Ok(())
+    }
+    fn delete_local_endpoint(&mut self, addr: &[u8; 16]) -> Result<(), DatapathError> {
+        self.node.local_endpoints.remove(addr);
+        self.log.push(Op::DeleteLocalEndpoint(*addr));
+        Ok(())
+    }
+    fn put_source_range(&mut self, key: &SourceRangeKey, value: u32) -> Result<(), DatapathError> {
+        self.node.source_ranges.insert(*key, value);
+        self.log.push(Op::PutSourceRange(*key, value));
+        Ok(())
+    }
+    fn delete_source_range(&mut self, key: &SourceRangeKey) -> Result<(), DatapathError> {
+        self.node.source_ranges.remove(key);
+        self.log.push(Op::DeleteSourceRange(*key));
+        Ok(())
+    }
+    fn put_iface_addr(&mut self, ifindex: u32, value: &IfaceAddr) -> Result<(), DatapathError> {
+        self.node.iface_addrs.insert(ifindex, *value);
+        self.log.push(Op::PutIfaceAddr(ifindex, *value));
+        Ok(())
+    }
+    fn delete_iface_addr(&mut self, ifindex: u32) -> Result<(), DatapathError> {
+        self.node.iface_addrs.remove(&ifindex);
+        self.log.push(Op::DeleteIfaceAddr(ifindex));
+        Ok(())
+    }
+}
+
+impl Interfaces for FakeDatapath {
+    fn interfaces(&self) -> anyhow::Result<BTreeMap<String, Interface>> {
+        Ok(self.interfaces.clone())
+    }
+    fn route_device(&self, ip: &IpAddr) -> Option<String> {
+        self.routes
+            .iter()
+            .filter(|(net, len, _)| {
+                *len > 0
+                    && ipnet::IpNet::new(*net, *len)
+                        .map(|n| n.contains(ip))
+                        .unwrap_or(false)
+            })
+            .max_by_key(|(_, len, _)| *len)
+            .map(|(_, _, dev)| dev.clone())
+    }
+    fn attached(&self) -> BTreeSet<String> {
+        self.attached.clone()
+    }
+    fn attach(&mut self, name: &str) -> anyhow::Result<()> {
+        anyhow::ensure!(self.interfaces.contains_key(name), "no interface {name}");
+        self.attached.insert(name.to_string());
+        self.log.push(Op::Attach(name.to_string()));
+        Ok(())
+    }
+    fn detach(&mut self, name: &str) -> anyhow::Result<()> {
+        self.attached.remove(name);
+        self.log.push(Op::Detach(name.to_string()));
+        Ok(())
+    }
+}
+
+impl HealthServers for FakeDatapath {
+    fn serve_health(&mut self, port: u16, check: &HealthCheck) -> std::io::Result<()> {
+        if self.busy_ports.contains(&port) {
+            return Err(std::io::Error::from(std::io::ErrorKind::AddrInUse));
+        }
+        self.health.insert(port, check.clone());
+        self.log.push(Op::ServeHealth(port, check.clone()));
+        Ok(())
+    }
+    fn update_health(&mut self, port: u16, check: &HealthCheck) {
+        self.health.insert(port, check.clone());
+        self.log.push(Op::UpdateHealth(port, check.clone()));
+    }
+    fn stop_health(&mut self, port: u16) {
+        self.health.remove(&port);
+        self.log.push(Op::StopHealth(port));
+    }
+}
+
+/// When a [`consistency_violations`] check is made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Moment {
+    /// Between any two map writes: what the data path needs to translate every connection
+    /// it can see at that instant (the reconciler's write order guarantees it).
+    AnyWrite,
+    /// After a reconciler call returned: additionally nothing is left over.
+    AtRest,
+}
+
+/// Checks the service maps the way the data path reads them and returns every rule broken
+/// (empty when consistent). `tables` holds the Maglev tables by service id
+/// ([`FakeDatapath::tables`]).
+///
+/// At any write ([`Moment::AnyWrite`]):
+/// - every frontend other than a VIP marker has a `SERVICE_NAMES` entry for its service id
+///   (a restarted agent adopts its ids from there), slots `0..backend_count` of its service
+///   id, and each of those slots names an existing backend (the socket programs pick a slot
+///   below the count and read its backend);
+/// - every cluster-IP frontend (neither a marker nor external) has the VIP marker of its
+///   address (so undefined ports of a VIP are refused, never leaked);
+/// - every `MEMBERS` entry and every nonzero entry of a Maglev table names an existing
+///   backend (0 is no backend: the table of a Service without endpoints is all zeros).
+///
+/// At rest ([`Moment::AtRest`]) also:
+/// - a VIP marker exists only for an address that has a cluster-IP frontend;
+/// - every slot belongs to a frontend's service id and lies below its backend count;
+/// - every backend is named by a slot;
+/// - every Maglev table and every membership belongs to a service id that has a frontend.
+///
+/// The sync unit tests and the `model` fuzz target use this one definition.
+pub fn consistency_violations(
+    s: &Snapshot,
+    tables: &BTreeMap<u32, Vec<u32>>,
+    moment: Moment,
+) -> Vec<String> {
+    use crate::reconcile::services::{has_marker, marker_key};
+    use proxy_common::FRONTEND_F_VIP_MARKER;
+
+    let mut out = Vec::new();
+    // Backend count by service id, over the non-marker frontends.
+    let mut counts: BTreeMap<u32, u32> = BTreeMap::new();
+    let mut marked: BTreeSet<[u8; 16]> = BTreeSet::new();
+    for (k, f) in &s.frontends {
+        if f.flags & FRONTEND_F_VIP_MARKER != 0 {
+            continue;
+        }
+        let count = counts.entry(f.service_id).or_insert(f.backend_count);
+        if *count != f.backend_count {
+            out.push(format!(
+                "frontend {k:?}: backend count {} differs from {} of another frontend of \
+                 service id {}",
+                f.backend_count, count, f.service_id
+            ));
+        }
+        if !s.names.contains_key(&f.service_id) {
+            out.push(format!(
+                "frontend {k:?}: service id {} has no name",
+                f.service_id
+            ));
+        }
+        if has_marker(f) {
+            marked.insert(k.addr);
+            if !s.frontends.contains_key(&marker_key(k.addr)) {
+                out.push(format!("frontend {k:?}: VIP marker missing"));
+            }
+        }
+        for slot in 0..f.backend_count {
+            let key = BackendSlotKey {
+                service_id: f.service_id,
+                slot,
+            };
+            match s.slots.get(&key) {
+                None => out.push(format!("frontend {k:?}: slot {slot} missing")),
+                Some(b) if !s.backends.contains_key(b) => out.push(format!(
+                    "frontend {k:?}: slot {slot} names missing backend {b}"
+                )),
+                Some(_) => {}
+            }
+        }
+    }
+    for m in &s.members {
+        if !s.backends.contains_key(&m.backend_id) {
+            out.push(format!("member {m:?} names a missing backend"));
+        }
+    }
+    for (id, table) in tables {
+        if let Some(b) = table
+            .iter()
+            .find(|b| **b != 0 && !s.backends.contains_key(b))
+        {
+            out.push(format!(
+                "Maglev table of service id {id} names missing backend {b}"
+            ));
+        }
+    }
+    if moment == Moment::AtRest {
+        for (k, f) in &s.frontends {
+            if f.flags & FRONTEND_F_VIP_MARKER != 0 && !marked.contains(&k.addr) {
+                out.push(format!("VIP marker {k:?} without a cluster-IP frontend"));
+            }
+        }
+        for k in s.slots.keys() {
+            if counts.get(&k.service_id).is_none_or(|c| k.slot >= *c) {
+                out.push(format!("orphan slot {k:?}"));
+            }
+        }
+        let named: BTreeSet<u32> = s.slots.values().copied().collect();
+        for id in s.backends.keys() {
+            if !named.contains(id) {
+                out.push(format!("orphan backend {id}"));
+            }
+        }
+        for id in tables.keys() {
+            if !counts.contains_key(id) {
+                out.push(format!("orphan Maglev table of service id {id}"));
+            }
+        }
+        for m in &s.members {
+            if !counts.contains_key(&m.service_id) {
+                out.push(format!("orphan member {m:?}"));
+            }
+        }
+    }
+    out
+}
+
+impl FakeDatapath {
+    /// [`consistency_violations`] of the current maps at rest.
+    pub fn consistency_violations(&self) -> Vec<String> {
+        consistency_violations(&self.state, &self.tables, Moment::AtRest)
     }
 }

@@ -1,4 +1,4 @@
-//! [`Datapath`] on the pinned BPF maps (`<bpffs>/<pin-dir>/<MAP>`), opened by path so the
+//! [`ServiceMaps`] on the pinned BPF maps (`<bpffs>/<pin-dir>/<MAP>`), opened by path so the
 //! agent and the inspection commands (which work while the agent is down) share one code path.
 
 use std::path::{Path, PathBuf};
@@ -11,7 +11,7 @@ use proxy_common::{
     STALE_SOCKETS, ServiceName, ServiceStats, UDP_FLOWS, UdpFlow, UdpFlowKey,
 };
 
-use super::{Capacity, Datapath, DatapathError, Snapshot, decode_name, encode_name};
+use super::{Capacity, DatapathError, Released, ServiceMaps, Snapshot, decode_name, encode_name};
 
 /// The service maps of one pin directory.
 pub struct PinnedMaps {
@@ -159,24 +159,16 @@ pub fn read_backend_stats(
     Ok(out)
 }
 
-/// What [`PinnedMaps::release_stale`] did.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Released {
-    /// Unconnected-UDP flows forgotten (their next datagram picks a live endpoint).
-    pub flows: usize,
-    /// Connected UDP sockets listed in `STALE_SOCKETS` (their sends fail until reconnected).
-    pub sockets: usize,
-}
-
 impl PinnedMaps {
     /// Releases what was translated to UDP backends that left a service: `released` holds
-    /// (service id, backend id, backend) as [`crate::sync::SyncStats::released`] gives them.
+    /// (service id, backend id, backend) as [`crate::reconcile::services::Report::released`]
+    /// gives them.
     /// `UDP_FLOWS` entries of those pairs are deleted, and connected UDP sockets whose
     /// reverse-NAT entry names such a pair are put into `STALE_SOCKETS`. This is the socket
     /// level's equivalent of kube-proxy deleting the UDP conntrack entries of a removed
     /// endpoint. Costs one pass over `UDP_FLOWS` and `REVNAT_SK`, only when `released` is not
     /// empty. TCP sockets are never touched.
-    pub fn release_stale(
+    pub fn release_stale_udp(
         &self,
         released: &[(u32, u32, Backend)],
     ) -> Result<Released, DatapathError> {
@@ -235,7 +227,7 @@ fn ignore_missing(r: Result<(), MapError>) -> Result<(), MapError> {
     }
 }
 
-impl Datapath for PinnedMaps {
+impl ServiceMaps for PinnedMaps {
     fn capacity(&self) -> Capacity {
         self.cap
     }
@@ -337,5 +329,11 @@ impl Datapath for PinnedMaps {
     }
     fn delete_maglev(&mut self, service_id: u32) -> Result<(), DatapathError> {
         ignore_missing(self.maglev.remove(&service_id)).map_err(|e| map_err("delete", MAGLEV, e))
+    }
+    fn release_stale(
+        &mut self,
+        released: &[(u32, u32, Backend)],
+    ) -> Result<Released, DatapathError> {
+        self.release_stale_udp(released)
     }
 }

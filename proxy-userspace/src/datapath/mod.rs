@@ -1,16 +1,26 @@
-//! The data path as the control plane sees it: three service maps and a name map, behind a
-//! trait so the sync can be tested without BPF ([`fake::FakeDatapath`]) and run for real on
-//! pinned BPF maps ([`maps::PinnedMaps`]).
+//! The data path as the control plane sees it, behind traits so the whole control plane can
+//! be tested without BPF or root ([`fake::FakeDatapath`]) and run for real
+//! ([`kernel::KernelDatapath`]): the service maps ([`ServiceMaps`]), the north-south maps
+//! ([`NodeMaps`]), the node's interfaces and the tc programs attached to them
+//! ([`Interfaces`]), and the `healthCheckNodePort` servers ([`HealthServers`]).
+//! [`Datapath`] is all four.
 
 pub mod addr;
 pub mod fake;
+pub mod kernel;
 pub mod loader;
 pub mod maps;
 pub mod tc;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
 
-use proxy_common::{Backend, BackendSlotKey, Frontend, FrontendKey, MemberKey, ServiceName};
+use proxy_common::{
+    Backend, BackendSlotKey, Frontend, FrontendKey, MemberKey, ServiceName,
+    nat::{IfaceAddr, SourceRange},
+};
+
+use crate::model::HealthCheck;
 
 /// Error of a data path operation.
 #[derive(Debug, thiserror::Error)]
@@ -63,8 +73,17 @@ pub struct Snapshot {
     pub maglev: BTreeSet<u32>,
 }
 
-/// Writes to the service maps. Every method is one map operation; ordering is the caller's.
-pub trait Datapath {
+/// What releasing stale UDP state did ([`ServiceMaps::release_stale`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Released {
+    /// `UDP_FLOWS` entries deleted.
+    pub flows: usize,
+    /// Connected UDP sockets put into `STALE_SOCKETS`.
+    pub sockets: usize,
+}
+
+/// The service maps. Every write is one map operation; ordering is the caller's.
+pub trait ServiceMaps {
     /// Limits of the maps.
     fn capacity(&self) -> Capacity;
     /// Reads every service map.
@@ -96,7 +115,91 @@ pub trait Datapath {
     fn put_maglev(&mut self, service_id: u32, table: &[u32]) -> Result<(), DatapathError>;
     /// Removes a Maglev table (absent is not an error).
     fn delete_maglev(&mut self, service_id: u32) -> Result<(), DatapathError>;
+    /// Releases what the socket programs translated to UDP backends that left a service:
+    /// `released` holds (service id, backend id, backend). Their UDP flows are forgotten
+    /// and connected UDP sockets marked stale (kube-proxy clears their conntrack entries).
+    fn release_stale(
+        &mut self,
+        released: &[(u32, u32, Backend)],
+    ) -> Result<Released, DatapathError>;
 }
+
+/// A `TC_SOURCE_RANGES` key: (prefix length in bits over the whole [`SourceRange`], data).
+pub type SourceRangeKey = (u32, SourceRange);
+
+/// Full contents of the north-south maps the agent writes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeSnapshot {
+    /// `TC_LOCAL_ENDPOINTS` keys (IPv4-mapped or IPv6 addresses).
+    pub local_endpoints: BTreeSet<[u8; 16]>,
+    /// `TC_SOURCE_RANGES`.
+    pub source_ranges: BTreeMap<SourceRangeKey, u32>,
+    /// `TC_IFACE_ADDRS` by interface index.
+    pub iface_addrs: BTreeMap<u32, IfaceAddr>,
+}
+
+/// The north-south maps the agent writes. Every write is one map operation.
+pub trait NodeMaps {
+    /// Reads them.
+    fn node_snapshot(&self) -> Result<NodeSnapshot, DatapathError>;
+    /// Adds an endpoint address of this node.
+    fn put_local_endpoint(&mut self, addr: &[u8; 16]) -> Result<(), DatapathError>;
+    /// Removes one (absent is not an error).
+    fn delete_local_endpoint(&mut self, addr: &[u8; 16]) -> Result<(), DatapathError>;
+    /// Creates or replaces a source range entry.
+    fn put_source_range(&mut self, key: &SourceRangeKey, value: u32) -> Result<(), DatapathError>;
+    /// Removes one (absent is not an error).
+    fn delete_source_range(&mut self, key: &SourceRangeKey) -> Result<(), DatapathError>;
+    /// Creates or replaces the SNAT addresses of an interface.
+    fn put_iface_addr(&mut self, ifindex: u32, value: &IfaceAddr) -> Result<(), DatapathError>;
+    /// Removes them (absent is not an error).
+    fn delete_iface_addr(&mut self, ifindex: u32) -> Result<(), DatapathError>;
+}
+
+/// One interface of the agent's network namespace.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Interface {
+    /// Its index.
+    pub index: u32,
+    /// Its IPv4 and IPv6 addresses.
+    pub addrs: Vec<IpAddr>,
+}
+
+/// The node's interfaces and the north-south programs attached to them.
+pub trait Interfaces {
+    /// The interfaces of the agent's network namespace, by name.
+    fn interfaces(&self) -> anyhow::Result<BTreeMap<String, Interface>>;
+    /// The device of the longest-prefix route to `ip` other than a default route.
+    fn route_device(&self, ip: &IpAddr) -> Option<String>;
+    /// The interfaces that have the programs attached (by this agent or an earlier one).
+    fn attached(&self) -> BTreeSet<String>;
+    /// Attaches the ingress and egress programs to an interface.
+    fn attach(&mut self, name: &str) -> anyhow::Result<()>;
+    /// Detaches them.
+    fn detach(&mut self, name: &str) -> anyhow::Result<()>;
+}
+
+/// The `healthCheckNodePort` servers (one per port, on every address).
+pub trait HealthServers {
+    /// Starts serving `check` on `port`. Errors: the port cannot be bound (busy).
+    fn serve_health(&mut self, port: u16, check: &HealthCheck) -> std::io::Result<()>;
+    /// Changes what a running server reports.
+    fn update_health(&mut self, port: u16, check: &HealthCheck);
+    /// Stops a server.
+    fn stop_health(&mut self, port: u16);
+}
+
+/// The periodic collection of least-connections counts of north-south flows that ended
+/// without a FIN or RST the data path saw (timed out, evicted).
+pub trait FlowCollection {
+    /// Gives the counts of such flows back; returns how many flows were collected.
+    fn collect_lc_flows(&mut self) -> anyhow::Result<usize>;
+}
+
+/// Everything the reconciler drives.
+pub trait Datapath: ServiceMaps + NodeMaps + Interfaces + HealthServers {}
+
+impl<T: ServiceMaps + NodeMaps + Interfaces + HealthServers> Datapath for T {}
 
 /// Encodes a service name for `SERVICE_NAMES`, truncated to the map's value size.
 pub fn encode_name(name: &str) -> ServiceName {

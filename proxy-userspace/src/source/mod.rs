@@ -1,9 +1,13 @@
-//! Sources of Kubernetes objects. Every source produces [`Snapshot`]s: a whole
-//! [`ObjectSet`] (every Service and EndpointSlice it knows) plus the objects it had to skip,
-//! and every snapshot feeds the one model ([`crate::model::build`]).
+//! Sources of Kubernetes objects. Every source delivers [`Batch`]es of [`Change`]s: objects
+//! added or replaced and objects gone, in order, plus the source's own errors. The one
+//! model ([`crate::model::Model`]) reads each changed object once; nothing re-reads a whole
+//! snapshot.
 //!
-//! Sources never stream deltas: each snapshot replaces the previous one entirely, so the
-//! consumer can rebuild the desired state from it alone and diff against the maps.
+//! A source marks its view complete ([`Batch::synced`]) once it has read everything it
+//! knows (the initial lists, the directory): the agent programs nothing before, so a
+//! restarted agent never removes backends whose objects have not arrived yet. After that,
+//! a re-list (a watch that had to start over, a directory listed again) delivers the objects
+//! that changed and a deletion for every object that is gone.
 
 pub mod kubeapi;
 pub mod manifests;
@@ -62,7 +66,61 @@ pub enum Object {
     Node(Sourced<Node>),
 }
 
+/// Kind of an object a source delivers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Kind {
+    /// `v1` `Service`.
+    Service,
+    /// `discovery.k8s.io/v1` `EndpointSlice`.
+    EndpointSlice,
+    /// `v1` `Node`.
+    Node,
+}
+
+impl Kind {
+    /// The kind as in a manifest.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Service => "Service",
+            Kind::EndpointSlice => "EndpointSlice",
+            Kind::Node => "Node",
+        }
+    }
+}
+
+/// One change of what a source knows.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Change {
+    /// An object was added or replaced (its whole new version).
+    Apply(Object),
+    /// The object of this kind and (namespace, name) is gone (`("", name)` for a Node).
+    Delete(Kind, (String, String)),
+}
+
+/// What a source sends: the changes since its previous batch, in order.
+#[derive(Clone, Debug)]
+pub struct Batch {
+    /// The changes.
+    pub changes: Vec<Change>,
+    /// The source's own errors (files it could not read, objects defined twice), replacing
+    /// the previous list; `None` when they did not change.
+    pub errors: Option<Vec<SourceError>>,
+    /// The source's view is complete (see the module documentation); once true, it stays.
+    pub synced: bool,
+    /// When the source saw the first event of this batch (changes are timed from here).
+    pub received: std::time::Instant,
+}
+
 impl Object {
+    /// The object's kind.
+    pub fn kind_of(&self) -> Kind {
+        match self {
+            Object::Service(_) => Kind::Service,
+            Object::EndpointSlice(_) => Kind::EndpointSlice,
+            Object::Node(_) => Kind::Node,
+        }
+    }
+
     /// The object's kind, as in its manifest.
     pub fn kind(&self) -> &'static str {
         match self {
@@ -125,6 +183,24 @@ impl ObjectSet {
             Object::Service(s) => self.services.insert(key, s).map(|old| old.origin),
             Object::EndpointSlice(s) => self.endpoint_slices.insert(key, s).map(|old| old.origin),
             Object::Node(n) => self.nodes.insert(key.1, n).map(|old| old.origin),
+        }
+    }
+
+    /// Applies a change (a deletion of an unknown object is no error).
+    pub fn apply(&mut self, change: Change) {
+        match change {
+            Change::Apply(o) => {
+                self.insert(o);
+            }
+            Change::Delete(Kind::Service, k) => {
+                self.services.remove(&k);
+            }
+            Change::Delete(Kind::EndpointSlice, k) => {
+                self.endpoint_slices.remove(&k);
+            }
+            Change::Delete(Kind::Node, (_, name)) => {
+                self.nodes.remove(&name);
+            }
         }
     }
 
@@ -227,31 +303,18 @@ impl fmt::Display for SourceError {
 
 impl std::error::Error for SourceError {}
 
-/// Everything a source knows at one moment, and what it had to skip to get there.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Snapshot {
-    /// Every valid object.
-    pub objects: ObjectSet,
-    /// Every object, file or document skipped, in a deterministic order.
-    pub errors: Vec<SourceError>,
-}
-
-/// A producer of snapshots; implemented by [`ManifestSource`] (a directory of YAML/JSON
-/// files) and, later, by the Kubernetes API source, so both feed one model.
+/// A producer of [`Batch`]es; implemented by [`ManifestSource`] (a directory of YAML/JSON
+/// files) and [`KubeSource`] (the Kubernetes API), so both feed one model.
 ///
 /// Contract:
 /// - [`Source::start`] must be called inside a tokio runtime; it spawns the source's task
-///   and returns the receiving end of its snapshot channel, or an error when the source
-///   cannot start at all (e.g. the manifest directory does not exist).
-/// - The first snapshot is sent as soon as the source has read its objects; after that a
-///   snapshot is sent whenever what the source knows has changed. Each snapshot is
-///   complete and replaces the previous one. A source may skip snapshots equal to the
-///   previous one.
-/// - A consumer that falls behind may drain the channel (`try_recv`) and use only the
-///   newest snapshot.
+///   and returns the receiving end of its batch channel, or an error when the source cannot
+///   start at all (e.g. the manifest directory does not exist).
+/// - Batches come in order and must all be applied; a consumer that falls behind drains the
+///   channel and applies every batch before acting on them.
 /// - The source's task stops when the receiver is dropped; the channel closes when the
 ///   source stops for good.
 pub trait Source {
     /// Starts the source; see the trait documentation.
-    fn start(self) -> anyhow::Result<tokio::sync::mpsc::Receiver<Snapshot>>;
+    fn start(self) -> anyhow::Result<tokio::sync::mpsc::Receiver<Batch>>;
 }

@@ -1,5 +1,5 @@
 //! Privileged integration tests of the Kubernetes API source: the real agent, started with
-//! `--kubeconfig`, against `proxy_userspace::fakeapi` (a list/watch server that behaves like
+//! `--kubeconfig`, against `proxy_testkit::fakeapi` (a list/watch server that behaves like
 //! kube-apiserver: resourceVersions, chunked watch streams, bookmarks, 410 Gone, outages),
 //! with real traffic through a VIP from a pod namespace in the test cgroup.
 
@@ -9,7 +9,7 @@ use std::{net::IpAddr, time::Duration};
 
 use common::*;
 use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
-use proxy_userspace::fakeapi::{FakeApiServer, Verb};
+use proxy_testkit::fakeapi::{FakeApiServer, Verb};
 
 const VIP: &str = "198.19.0.40";
 

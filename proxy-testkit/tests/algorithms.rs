@@ -111,9 +111,10 @@ fn random_spreads_uniformly() {
 #[test]
 fn round_robin_spreads_uniformly_and_cycles() {
     share_test("alg-rr", "round-robin");
-    // Successive connections from one process mostly take successive slots: over 30
+    // Successive connections from one process on one CPU take successive slots: over 30
     // connections, every backend appears in every window of 3 far more often than random's
-    // 2/9 would give (per-CPU cursors: a migration between CPUs may break a window).
+    // 2/9 would give. The cursors are per CPU, so the client is pinned to one CPU (a client
+    // moving between CPUs each connection interleaves two cursors).
     let env = started(
         "alg-rr2",
         3,
@@ -121,7 +122,15 @@ fn round_robin_spreads_uniformly_and_cycles() {
         "",
     );
     let seq: Vec<String> = env
-        .tcp(&format!("{VIP}:80"), 30)
+        .probe(&[
+            "--cpu",
+            "0",
+            "tcp",
+            "--to",
+            &format!("{VIP}:80"),
+            "--count",
+            "30",
+        ])
         .iter()
         .map(|p| p["name"].as_str().unwrap().to_string())
         .collect();
@@ -176,7 +185,7 @@ fn holder(env: &Env, hold: Duration) -> Held {
 }
 
 /// A running netprobe holding a connection; `name()` waits for it and returns the backend.
-struct Held(proxy_userspace::testbed::ChildGuard);
+struct Held(proxy_testkit::testbed::ChildGuard);
 
 impl Held {
     fn name(self) -> String {

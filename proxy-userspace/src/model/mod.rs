@@ -1,6 +1,15 @@
-//! The pure desired-state model: from an [`ObjectSet`] (Services and EndpointSlices) to the
-//! backend sets the data path must implement. No I/O, no aya; deterministic (BTree
-//! everywhere, so the same objects always give the same state and the same errors).
+//! The desired-state model: the one reader of Kubernetes objects. Services, EndpointSlices
+//! and this node's Node object arrive as changes ([`Change`]); each is read once, into the
+//! model's own types, and a change that reads the same as before is dropped (as kube-proxy's
+//! change trackers drop no-op updates). [`Model::commit`] then recomputes only the Services
+//! the changes touched and reports which backend sets and node facts changed ([`Delta`]).
+//! No I/O, no aya; deterministic (the same objects always give the same state and errors,
+//! whatever order the changes came in).
+//!
+//! Concerns, one module each: [`service`] (a Service's frontends, policies, selection),
+//! [`endpoints`] (slices, endpoint conditions, topology categorization), [`node`] (this
+//! node's addresses and zone), [`frontends`] (ownership of contested frontends) and
+//! [`explain`] (why an endpoint is or is not used).
 //!
 //! Rules (kube-proxy semantics; where its modes differ, the nftables mode of KEP-3866):
 //!
@@ -18,8 +27,8 @@
 //!   traffic); `clusterIP` is set and differs from `clusterIPs[0]`; two cluster IPs have the
 //!   same family; a port is 0 or above 65535; a port/protocol pair or a port name appears
 //!   twice; a protocol is not TCP, UDP or SCTP; or one of its frontends (VIP, port,
-//!   protocol) is already used by another Service (the Service first in namespace/name
-//!   order keeps it).
+//!   protocol) is already used by another Service (the oldest Service keeps it, see
+//!   [`frontends`]).
 //! - A Service without ports has no frontends.
 //! - External addresses: every `spec.externalIPs` entry and every
 //!   `status.loadBalancer.ingress[].ip` whose `ipMode` is unset or `VIP` (KEP-1860: with
@@ -48,10 +57,10 @@
 //!   endpoint has one and one matches; when no endpoint is ready, the serving and
 //!   terminating ones (KEP-1669); for Local sets the same on this node's endpoints
 //!   (`nodeName`). Only an endpoint's first address (`addresses[0]`) is used, as
-//!   kube-proxy does; an address in two slices is taken from the first, unless a later
-//!   one is on this node. An address that does not parse or whose family is not the slice's
-//!   skips that endpoint with an error; the rest of the slice is used. An endpoint without
-//!   addresses is skipped with an error.
+//!   kube-proxy does; an address in two slices is taken from the first (in slice name
+//!   order), unless a later one is on this node. An address that does not parse or whose
+//!   family is not the slice's skips that endpoint with an error; the rest of the slice is
+//!   used. An endpoint without addresses is skipped with an error.
 //! - Slice ports: a missing name is `""`, a missing protocol TCP (the API server's
 //!   defaults). A port that is missing, 0 or above 65535, or whose protocol is not TCP,
 //!   UDP or SCTP, is skipped with an error. SCTP slice ports are ignored silently (the
@@ -65,14 +74,44 @@
 //! - A backend set of a family with a frontend but no endpoints has empty backends (the
 //!   data path refuses with ECONNREFUSED). Endpoints of a family the Service has no
 //!   cluster IP of are dropped.
+//!
+//! North-south facts (for the tc path and the health-check servers)
+//! - Node: the usable `InternalIP`/`ExternalIP` addresses of this node's Node object pick
+//!   the external interfaces and their SNAT addresses; those inside `--nodeport-addresses`
+//!   (or the first `InternalIP` per family with `primary`) serve node ports ([`NodeState`]).
+//! - Local endpoints: every address of an endpoint whose `nodeName` is this node, in any
+//!   slice and condition (reached without leaving the node).
+//! - Source ranges: `loadBalancerSourceRanges` restrict each LB ingress IP that is an ingress
+//!   frontend of the Service to the ranges of its family (none of its family: no
+//!   restriction, as kube-proxy filters the list before deciding); invalid entries are
+//!   reported and ignored. Two Services on one LB IP allow the union of their ranges.
+//! - Health checks: `healthCheckNodePort` of every `externalTrafficPolicy: Local` Service,
+//!   with the count of distinct addresses in its `externalTrafficPolicy` backend sets; a
+//!   port outside 1-65535 is reported; a port asked for by two Services goes to the first in
+//!   namespace/name order, the other is reported.
 
-use std::collections::{BTreeMap, BTreeSet};
+pub mod endpoints;
+pub mod explain;
+pub(crate) mod frontends;
+pub mod node;
+pub(crate) mod service;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::Service;
-use k8s_openapi::api::discovery::v1::EndpointSlice;
+use ipnet::IpNet;
 
-use crate::source::{ObjectSet, Sourced};
+pub use endpoints::{
+    EndpointInfo, EndpointSets, PortEndpoints, TRIGGER_TIME_ANNOTATION, categorize,
+};
+pub use explain::{eligibility, why_not};
+pub use node::{NodeAddress, NodeState};
+
+use crate::source::{Change, Kind, Object, ObjectSet};
+use endpoints::SliceInfo;
+use frontends::{AgeKey, Claim, ClaimIndex, Resolution};
+use service::ServiceInfo;
 
 /// A validation error (or warning) for one object: names origin file, kind,
 /// namespace/name and reason. Every one is non-fatal (the object, port or endpoint named
@@ -81,6 +120,9 @@ pub use crate::source::SourceError as ModelError;
 
 /// The label linking an EndpointSlice to its Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+
+/// (namespace, name) of a namespaced object; ("", name) for a Node.
+pub type SvcKey = (String, String);
 
 /// Transport protocol of a Service port.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -168,7 +210,8 @@ impl Scope {
 }
 
 /// Identity of one backend set: a Service port (by port name; "" when unnamed) x protocol
-/// x IP family x [`Scope`].
+/// x IP family x [`Scope`]. Ordered so the sets of one Service port are adjacent, the
+/// [`Scope::Internal`] one first.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ServicePortKey {
     /// Namespace of the Service.
@@ -226,10 +269,11 @@ pub fn parse_algorithm(s: &str) -> Option<Algorithm> {
         .map(|(a, _)| *a)
 }
 
-/// Everything the data path must implement.
+/// Every backend set the data path must implement, in key order (what [`build`] returns;
+/// the agent reads [`Model::ports`] instead of copying it).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DesiredState {
-    /// Backend sets by Service port x protocol x family.
+    /// Backend sets by Service port x protocol x family x scope.
     pub services: BTreeMap<ServicePortKey, DesiredService>,
 }
 
@@ -266,42 +310,17 @@ impl DesiredState {
         self.services.values().map(|s| s.backends.len()).sum()
     }
 }
-/// One endpoint as kube-proxy sees it (pkg/proxy endpointslicecache): its address and the
-/// conditions and topology that decide whether this node uses it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct EndpointInfo {
-    /// `conditions.ready`; unset means ready (EndpointSlice API).
-    pub ready: bool,
-    /// `conditions.serving`; unset means serving.
-    pub serving: bool,
-    /// `conditions.terminating`; unset means not terminating.
-    pub terminating: bool,
-    /// `nodeName` equals this node's name.
-    pub local: bool,
-    /// `hints.forZones[].name`.
-    pub zone_hints: BTreeSet<String>,
-    /// `hints.forNodes[].name`.
-    pub node_hints: BTreeSet<String>,
-    /// `targetRef.name` (the pod's name), for weights; "" when unset.
-    pub pod: String,
-}
 
-/// The endpoints of one Service port in one family, by (address, port).
-type PortEndpoints = BTreeMap<SocketAddr, EndpointInfo>;
-
-/// Endpoints of one Service by (slice port name, protocol, family).
-type ServiceEndpoints = BTreeMap<(String, Protocol, Family), PortEndpoints>;
-
-/// Information about this node: its name (`--hostname-override`). Its zone is the
-/// `topology.kubernetes.io/zone` label of the Node object of that name, and its node-port
-/// addresses that object's `status.addresses`, when a source has it.
+/// Information about this node that does not come from objects: its name
+/// (`--hostname-override`) and the flags that shape the model. Its zone and addresses come
+/// from the Node object of that name ([`NodeState`]).
 #[derive(Clone, Debug, Default)]
 pub struct NodeInfo {
     /// Node name.
     pub name: String,
     /// `--nodeport-addresses` CIDRs: node ports are served only on node addresses inside
     /// one of them; empty means every node address (kube-proxy's iptables default).
-    pub nodeport_addresses: Vec<ipnet::IpNet>,
+    pub nodeport_addresses: Vec<IpNet>,
     /// `--nodeport-addresses primary`: only the node's primary address of each family (its
     /// first `InternalIP`), the default of kube-proxy's nftables mode.
     pub nodeport_primary: bool,
@@ -312,972 +331,867 @@ pub struct NodeInfo {
 /// The label holding a Node's zone.
 pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
 
-/// Builds the desired state from a snapshot of objects. Returns the state and an error for
-/// everything skipped (see the module documentation). Slice errors come first (slices in
-/// namespace/name order), then Service errors (Services in namespace/name order).
-pub fn build(objects: &ObjectSet, node: &NodeInfo) -> (DesiredState, Vec<ModelError>) {
-    build_cached(objects, node, &mut ModelCache::default())
+/// What a `healthCheckNodePort` server reports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HealthCheck {
+    /// Namespace of the Service.
+    pub namespace: String,
+    /// Name of the Service.
+    pub name: String,
+    /// Distinct endpoint addresses of the Service's `externalTrafficPolicy` backend sets on
+    /// this node.
+    pub local_endpoints: usize,
 }
 
-/// What one EndpointSlice gives, independent of the node: its family, its ports (name,
-/// protocol, number) and its endpoints (first address, conditions, node, hints).
-#[derive(Clone, Debug)]
-struct SliceInfo {
-    family: Family,
-    ports: Vec<(String, Protocol, u16)>,
-    endpoints: Vec<(IpAddr, RawEndpoint)>,
+/// What one [`Model::commit`] changed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Delta {
+    /// Backend sets added, changed or removed (read the new state with [`Model::port`];
+    /// `None` there means removed).
+    pub ports: BTreeSet<ServicePortKey>,
+    /// This node's addresses or zone changed (interfaces and SNAT addresses follow them).
+    pub node_changed: bool,
+    /// The set of endpoint addresses on this node changed.
+    pub local_endpoints_changed: bool,
+    /// Endpoint addresses now on this node that were not.
+    pub local_endpoints_added: Vec<IpAddr>,
+    /// Endpoint addresses no longer on this node.
+    pub local_endpoints_removed: Vec<IpAddr>,
+    /// The source ranges changed.
+    pub source_ranges_changed: bool,
+    /// The health-check ports or what they report changed.
+    pub health_changed: bool,
+    /// Errors that appeared (each is reported once while it lasts).
+    pub errors_added: Vec<ModelError>,
+    /// Errors that are gone.
+    pub errors_removed: Vec<ModelError>,
+    /// Service changes that read differently from before (kube-proxy's service changes).
+    pub service_changes: u64,
+    /// EndpointSlice changes that read differently from before.
+    pub endpoint_changes: u64,
+    /// `endpoints.kubernetes.io/last-change-trigger-time` of the slices that changed.
+    pub trigger_times: Vec<String>,
 }
 
-/// An endpoint as read from a slice, before it is judged against this node.
-#[derive(Clone, Debug)]
-struct RawEndpoint {
-    ready: bool,
-    serving: bool,
-    terminating: bool,
-    node_name: Option<String>,
-    zone_hints: BTreeSet<String>,
-    node_hints: BTreeSet<String>,
-    pod: String,
-}
-
-impl RawEndpoint {
-    /// This endpoint as `node` sees it: local when the slice names `node` as its node.
-    fn judged(&self, node: &NodeInfo) -> EndpointInfo {
-        EndpointInfo {
-            ready: self.ready,
-            serving: self.serving,
-            terminating: self.terminating,
-            local: self.node_name.as_deref() == Some(node.name.as_str()),
-            zone_hints: self.zone_hints.clone(),
-            node_hints: self.node_hints.clone(),
-            pod: self.pod.clone(),
-        }
+impl Delta {
+    /// True when nothing changed.
+    pub fn is_empty(&self) -> bool {
+        self.ports.is_empty()
+            && !self.node_changed
+            && !self.local_endpoints_changed
+            && !self.source_ranges_changed
+            && !self.health_changed
+            && self.errors_added.is_empty()
+            && self.errors_removed.is_empty()
     }
 }
 
-/// What [`build_cached`] remembers between calls: what was read from each EndpointSlice,
-/// reused while the slice is the same object (same `Arc`), so one changed slice among
-/// thousands costs one parse of its endpoints.
-#[derive(Default)]
-pub struct ModelCache {
-    slices: std::collections::HashMap<(String, String), CachedSlice>,
+/// Who an error is about, so each object's errors are replaced when it changes.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+enum ErrorOwner {
+    Slice(SvcKey),
+    Node,
+    Service(SvcKey),
+    HealthPort(u16),
 }
 
-/// A slice object, what was read from it, and the errors reading it gave.
-type CachedSlice = (
-    std::sync::Arc<EndpointSlice>,
-    Option<SliceInfo>,
-    Vec<ModelError>,
-);
-
-/// [`build`] with a cache kept by the caller across snapshots; the result is the same.
-pub fn build_cached(
-    objects: &ObjectSet,
-    node: &NodeInfo,
-    cache: &mut ModelCache,
-) -> (DesiredState, Vec<ModelError>) {
-    let mut errors = Vec::new();
-    cache
-        .slices
-        .retain(|k, _| objects.endpoint_slices.contains_key(k));
-    let this_node = objects.nodes.get(&node.name);
-    let zone = this_node
-        .and_then(|n| n.object.metadata.labels.as_ref())
-        .and_then(|l| l.get(ZONE_LABEL))
-        .cloned()
-        .unwrap_or_default();
-    let node_ips = node_addresses(this_node, node, &mut errors);
-
-    // Endpoints of every Service, by (namespace, service name) -> (port name, protocol, family).
-    let mut endpoints: BTreeMap<(&str, &str), ServiceEndpoints> = BTreeMap::new();
-    for ((ns, _), slice) in &objects.endpoint_slices {
-        let Some(service) = slice
-            .object
-            .metadata
-            .labels
-            .as_ref()
-            .and_then(|l| l.get(SERVICE_NAME_LABEL))
-        else {
-            continue;
-        };
-        let key = (
-            ns.clone(),
-            slice.object.metadata.name.clone().unwrap_or_default(),
-        );
-        let fresh = !matches!(cache.slices.get(&key),
-            Some((obj, _, _)) if std::sync::Arc::ptr_eq(obj, &slice.object));
-        if fresh {
-            let mut errs = Vec::new();
-            let parsed = read_slice(slice, &mut errs);
-            cache
-                .slices
-                .insert(key.clone(), (slice.object.clone(), parsed, errs));
-        }
-        let (_, parsed, slice_errors) = &cache.slices[&key];
-        errors.extend(slice_errors.iter().cloned());
-        let Some(info) = parsed else {
-            continue;
-        };
-        let per_service = endpoints
-            .entry((ns.as_str(), service.as_str()))
-            .or_default();
-        for (port_name, protocol, port) in &info.ports {
-            let set = per_service
-                .entry((port_name.clone(), *protocol, info.family))
-                .or_default();
-            for (ip, raw) in &info.endpoints {
-                let ep = raw.judged(node);
-                let local = ep.local;
-                // An endpoint in two slices (during a move between slices): the first one
-                // read wins, unless a later one is local (kube-proxy favours local).
-                let addr = SocketAddr::new(*ip, *port);
-                match set.get(&addr) {
-                    Some(_) if !local => {}
-                    _ => {
-                        set.insert(addr, ep);
-                    }
-                }
-            }
-        }
-    }
-
-    let mut state = DesiredState::default();
-    // Owner of every frontend, to refuse a second Service on the same (VIP, port, protocol).
-    let mut owners: BTreeMap<(SocketAddr, Protocol), (&str, &str)> = BTreeMap::new();
-    // A contested address (two Services claiming one external IP, LB IP or node port) goes
-    // to the oldest Service by creationTimestamp, so a newcomer cannot take over an address
-    // in use (CVE-2020-8554's shape); without timestamps (manifests), namespace/name order.
-    let mut order: Vec<_> = objects.services.iter().collect();
-    order.sort_by(|(ka, a), (kb, b)| {
-        let created = |s: &Sourced<Service>| s.object.metadata.creation_timestamp.clone();
-        (created(a).is_none(), created(a), *ka).cmp(&(created(b).is_none(), created(b), *kb))
-    });
-    for ((ns, name), svc) in order {
-        let mk_err = |reason: String| {
-            ModelError::object(
-                svc.origin.clone(),
-                "Service",
-                ns.clone(),
-                name.clone(),
-                reason,
-            )
-        };
-        let Frontends {
-            vips,
-            ports,
-            external,
-            node_ports,
-            affinity,
-            warnings,
-        } = match service_frontends(svc) {
-            Ok(Some(v)) => v,
-            Ok(None) => continue,
-            Err(reason) => {
-                errors.push(mk_err(format!("{reason}; Service skipped")));
-                continue;
-            }
-        };
-        let frontends: Vec<(SocketAddr, Protocol)> = ports
-            .iter()
-            .flat_map(|(_, proto, port)| {
-                vips.iter()
-                    .map(move |ip| (SocketAddr::new(*ip, *port), *proto))
-            })
-            .collect();
-        if let Some(((addr, proto), (other_ns, other_name))) =
-            frontends.iter().find_map(|f| owners.get(f).map(|o| (f, o)))
-        {
-            errors.push(mk_err(format!(
-                "frontend {addr}/{proto} is already used by Service {other_ns}/{other_name}; Service skipped"
-            )));
-            continue;
-        }
-        for f in frontends {
-            owners.insert(f, (ns.as_str(), name.as_str()));
-        }
-        errors.extend(warnings.into_iter().map(&mk_err));
-        // External addresses: each needs a cluster IP of its family (kube-proxy does not
-        // translate families) and must not collide with another Service's frontend.
-        let mut external_ok: Vec<(IpAddr, &'static str)> = Vec::new();
-        for (ip, what) in external {
-            if !vips.iter().any(|v| Family::of(v) == Family::of(&ip)) {
-                errors.push(mk_err(format!(
-                    "{what} {ip} is {} but the Service has no {} cluster IP; address skipped",
-                    Family::of(&ip).as_str(),
-                    Family::of(&ip).as_str()
-                )));
-                continue;
-            }
-            let clash = ports.iter().find_map(|(_, proto, port)| {
-                owners
-                    .get(&(SocketAddr::new(ip, *port), *proto))
-                    .filter(|o| **o != (ns.as_str(), name.as_str()))
-                    .map(|o| (*port, *proto, *o))
-            });
-            if let Some((port, proto, (other_ns, other_name))) = clash {
-                errors.push(mk_err(format!(
-                    "{what} {ip}: frontend {}/{proto} is already used by Service {other_ns}/{other_name}; address skipped",
-                    SocketAddr::new(ip, port)
-                )));
-                continue;
-            }
-            if external_ok.iter().any(|(e, _)| *e == ip) {
-                continue; // listed twice (e.g. as externalIP and LB ingress): one frontend
-            }
-            for (_, proto, port) in &ports {
-                owners.insert(
-                    (SocketAddr::new(ip, *port), *proto),
-                    (ns.as_str(), name.as_str()),
-                );
-            }
-            external_ok.push((ip, what));
-        }
-        // Node ports on this node's addresses, each (address, node port, protocol) owned
-        // by one Service.
-        let mut node_port_ok: BTreeMap<String, Vec<SocketAddr>> = BTreeMap::new();
-        for (port_name, protocol, _) in &ports {
-            let Some(np) = node_ports.get(port_name) else {
-                continue;
-            };
-            for ip in node_ips
-                .iter()
-                .filter(|ip| vips.iter().any(|v| Family::of(v) == Family::of(ip)))
-            {
-                let fe = SocketAddr::new(*ip, *np);
-                match owners.get(&(fe, *protocol)) {
-                    Some(o) if *o != (ns.as_str(), name.as_str()) => {
-                        errors.push(mk_err(format!(
-                            "node port {fe}/{protocol} is already used by Service {}/{}; node port skipped",
-                            o.0, o.1
-                        )));
-                    }
-                    _ => {
-                        owners.insert((fe, *protocol), (ns.as_str(), name.as_str()));
-                        node_port_ok.entry(port_name.clone()).or_default().push(fe);
-                    }
-                }
-            }
-        }
-
-        let spec = svc.object.spec.as_ref();
-        let external_local =
-            spec.and_then(|s| s.external_traffic_policy.as_deref()) == Some("Local");
-        let internal_local =
-            spec.and_then(|s| s.internal_traffic_policy.as_deref()) == Some("Local");
-        let (algorithm, weights) =
-            selection(svc, node.default_algorithm, &mut |w| errors.push(mk_err(w)));
-        // A DesiredService with the Service's selection settings; WRR weights applied.
-        let policy = |backends: BTreeSet<SocketAddr>,
-                      eps: &PortEndpoints,
-                      frontends: BTreeSet<SocketAddr>,
-                      flags: u32| {
-            let mut d = DesiredService {
-                frontends,
-                backends,
-                flags,
-                algorithm,
-                affinity_timeout_s: affinity,
-                weights: BTreeMap::new(),
-            };
-            if algorithm == Algorithm::WeightedRoundRobin {
-                let weight = |a: &SocketAddr| {
-                    let pod = eps.get(a).map(|e| e.pod.as_str()).unwrap_or("");
-                    weights
-                        .get(pod)
-                        .filter(|_| !pod.is_empty())
-                        .or_else(|| weights.get(&a.ip().to_string()))
-                        .copied()
-                        .unwrap_or(1)
-                };
-                d.weights = d.backends.iter().map(|a| (*a, weight(a))).collect();
-                d.weights.retain(|_, w| *w > 0);
-                d.backends.retain(|a| d.weights.contains_key(a));
-            }
-            d
-        };
-        let service_endpoints = endpoints.get(&(ns.as_str(), name.as_str()));
-        for (port_name, protocol, port) in &ports {
-            for vip in &vips {
-                let family = Family::of(vip);
-                let key = ServicePortKey {
-                    namespace: ns.clone(),
-                    name: name.clone(),
-                    port_name: port_name.clone(),
-                    protocol: *protocol,
-                    family,
-                    scope: Scope::Internal,
-                };
-                let eps =
-                    service_endpoints.and_then(|e| e.get(&(port_name.clone(), *protocol, family)));
-                let empty = PortEndpoints::new();
-                let eps = eps.unwrap_or(&empty);
-                let sets = categorize(eps, &node.name, &zone);
-                let (backends, flags) = if internal_local {
-                    (sets.local.clone(), proxy_common::FRONTEND_F_LOCAL_ONLY)
-                } else {
-                    (sets.cluster.clone(), 0)
-                };
-                state.services.insert(
-                    key.clone(),
-                    policy(
-                        backends,
-                        eps,
-                        BTreeSet::from([SocketAddr::new(*vip, *port)]),
-                        flags,
-                    ),
-                );
-                // Traffic from this node to external addresses is "internal to the cluster":
-                // kube-proxy short-circuits it to the Cluster endpoints whatever the
-                // externalTrafficPolicy (pkg/proxy: UsesClusterEndpoints).
-                let mut ext: BTreeSet<SocketAddr> = external_ok
-                    .iter()
-                    .filter(|(ip, _)| Family::of(ip) == family)
-                    .map(|(ip, _)| SocketAddr::new(*ip, *port))
-                    .collect();
-                ext.extend(
-                    node_port_ok
-                        .get(port_name)
-                        .into_iter()
-                        .flatten()
-                        .filter(|fe| Family::of(&fe.ip()) == family),
-                );
-                if !ext.is_empty() {
-                    // From outside the node: the externalTrafficPolicy endpoints; Local has
-                    // no fallback to other nodes (traffic is dropped, the client IP kept).
-                    let (ingress_backends, ingress_flags) = if external_local {
-                        (
-                            sets.local.clone(),
-                            proxy_common::FRONTEND_F_EXTERNAL | proxy_common::FRONTEND_F_LOCAL_ONLY,
-                        )
-                    } else {
-                        (sets.cluster.clone(), proxy_common::FRONTEND_F_EXTERNAL)
-                    };
-                    state.services.insert(
-                        ServicePortKey {
-                            scope: Scope::Ingress,
-                            ..key.clone()
-                        },
-                        policy(ingress_backends, eps, ext.clone(), ingress_flags),
-                    );
-                    state.services.insert(
-                        ServicePortKey {
-                            scope: Scope::External,
-                            ..key
-                        },
-                        policy(sets.cluster, eps, ext, proxy_common::FRONTEND_F_EXTERNAL),
-                    );
-                }
-            }
-        }
-    }
-    (state, errors)
+/// One Service: what was read, its ownership key and claims, and what it gives.
+#[derive(Debug)]
+struct ServiceEntry {
+    info: ServiceInfo,
+    age: AgeKey,
+    claims: Vec<Claim>,
+    output: ServiceOutput,
 }
 
-/// A Service's algorithm ([`ALGORITHM_ANNOTATION`], else `default`) and endpoint weights
-/// ([`WEIGHTS_ANNOTATION`], by pod name or address). A bad annotation is reported through
-/// `warn` and ignored (default algorithm, weight 1), the rest of the Service still works.
-fn selection(
-    svc: &Sourced<Service>,
-    default: Algorithm,
-    warn: &mut dyn FnMut(String),
-) -> (Algorithm, BTreeMap<String, u32>) {
-    let ann = svc.object.metadata.annotations.as_ref();
-    let mut algorithm = default;
-    if let Some(v) = ann.and_then(|a| a.get(ALGORITHM_ANNOTATION)) {
-        match parse_algorithm(v.trim()) {
-            Some(a) => algorithm = a,
-            None => warn(format!(
-                "annotation {ALGORITHM_ANNOTATION} {v:?} is not one of {}; using {}",
-                Algorithm::ALL
-                    .iter()
-                    .map(|(_, n)| *n)
-                    .collect::<Vec<_>>()
-                    .join(", "),
-                default.name()
-            )),
-        }
-    }
-    let mut weights = BTreeMap::new();
-    if let Some(v) = ann.and_then(|a| a.get(WEIGHTS_ANNOTATION)) {
-        match serde_json::from_str::<BTreeMap<String, i64>>(v) {
-            Ok(m) => {
-                for (k, w) in m {
-                    match u32::try_from(w) {
-                        Ok(w) if w <= MAX_WEIGHT => {
-                            weights.insert(k, w);
-                        }
-                        _ => warn(format!(
-                            "annotation {WEIGHTS_ANNOTATION}: weight {w} of {k:?} is not 0-{MAX_WEIGHT}; weight 1 used"
-                        )),
-                    }
-                }
-            }
-            Err(e) => warn(format!(
-                "annotation {WEIGHTS_ANNOTATION} is not a JSON object of integer weights ({e}); every weight is 1"
-            )),
-        }
-        if algorithm != Algorithm::WeightedRoundRobin {
-            warn(format!(
-                "annotation {WEIGHTS_ANNOTATION} has no effect with algorithm {}",
-                algorithm.name()
-            ));
-        }
-    }
-    (algorithm, weights)
-}
-
-/// This node's addresses that serve node ports: the `InternalIP` and `ExternalIP` entries of
-/// its Node object's `status.addresses` (the addresses other nodes and load balancers use),
-/// narrowed by `NodeInfo::nodeport_addresses` when set. Unparseable ones are reported.
-fn node_addresses(
-    this_node: Option<&Sourced<k8s_openapi::api::core::v1::Node>>,
-    node: &NodeInfo,
-    errors: &mut Vec<ModelError>,
-) -> BTreeSet<IpAddr> {
-    let mut ips = BTreeSet::new();
-    let Some(n) = this_node else {
-        return ips;
-    };
-    let addrs = n.object.status.as_ref().and_then(|s| s.addresses.as_ref());
-    let mut primary_seen: BTreeSet<Family> = BTreeSet::new();
-    for a in addrs.into_iter().flatten() {
-        if a.type_ != "InternalIP" && a.type_ != "ExternalIP" {
-            continue;
-        }
-        if node.nodeport_primary {
-            let fam = match a.address.parse::<IpAddr>() {
-                Ok(ip) => Family::of(&ip),
-                Err(_) => continue,
-            };
-            if a.type_ != "InternalIP" || !primary_seen.insert(fam) {
-                continue;
-            }
-        }
-        match a.address.parse::<IpAddr>() {
-            Ok(ip) if usable_vip(&ip) => {
-                if node.nodeport_addresses.is_empty()
-                    || node.nodeport_addresses.iter().any(|c| c.contains(&ip))
-                {
-                    ips.insert(ip);
-                }
-            }
-            _ => errors.push(ModelError::object(
-                n.origin.clone(),
-                "Node",
-                "",
-                node.name.clone(),
-                format!(
-                    "status.addresses {} {:?} is not a usable IP address; skipped for node ports",
-                    a.type_, a.address
-                ),
-            )),
-        }
-    }
-    ips
-}
-
-/// Every endpoint of one Service port and family as this node reads it (all slices merged,
-/// as [`build`] does), for `ebpf-proxy explain`; slice errors are dropped.
-pub fn endpoints_of(
-    objects: &ObjectSet,
-    node: &NodeInfo,
-    namespace: &str,
-    service: &str,
-    port_name: &str,
-    protocol: Protocol,
-    family: Family,
-) -> PortEndpoints {
-    let mut set = PortEndpoints::new();
-    for ((ns, _), slice) in &objects.endpoint_slices {
-        let label = slice
-            .object
-            .metadata
-            .labels
-            .as_ref()
-            .and_then(|l| l.get(SERVICE_NAME_LABEL));
-        if ns != namespace || label.map(String::as_str) != Some(service) {
-            continue;
-        }
-        let Some(info) = read_slice(slice, &mut Vec::new()) else {
-            continue;
-        };
-        if info.family != family {
-            continue;
-        }
-        for (pn, proto, port) in &info.ports {
-            if pn != port_name || *proto != protocol {
-                continue;
-            }
-            for (ip, raw) in &info.endpoints {
-                let ep = raw.judged(node);
-                let addr = SocketAddr::new(*ip, *port);
-                if set.contains_key(&addr) && !ep.local {
-                    continue;
-                }
-                set.insert(addr, ep);
-            }
-        }
-    }
-    set
-}
-
-/// The zone label of node `name` in `objects`, "" when unknown.
-pub fn zone_of(objects: &ObjectSet, name: &str) -> String {
-    objects
-        .nodes
-        .get(name)
-        .and_then(|n| n.object.metadata.labels.as_ref())
-        .and_then(|l| l.get(ZONE_LABEL))
-        .cloned()
-        .unwrap_or_default()
-}
-
-/// Why endpoint `addr` is not in a backend set built from `sets` (`local_only`: the set is
-/// the Local one), or `None` when it is used. The reasons are the rules of [`categorize`].
-pub fn why_not(
-    addr: &SocketAddr,
-    e: &EndpointInfo,
-    sets: &EndpointSets,
-    local_only: bool,
-    zone: &str,
-) -> Option<String> {
-    let used = if local_only {
-        sets.local.contains(addr)
-    } else {
-        sets.cluster.contains(addr)
-    };
-    if used {
-        return None;
-    }
-    Some(if !(e.ready || e.serving && e.terminating) {
-        if e.terminating {
-            "terminating and not serving".to_string()
-        } else {
-            "not ready".to_string()
-        }
-    } else if !e.ready {
-        "terminating (ready endpoints are preferred)".to_string()
-    } else if local_only && !e.local {
-        "on another node (Local traffic policy)".to_string()
-    } else if sets.topology == "PreferSameNode" {
-        "not hinted for this node (topology hints)".to_string()
-    } else if sets.topology == "PreferSameZone" {
-        format!("not hinted for zone {zone:?} (topology hints)")
-    } else {
-        "not selected".to_string()
-    })
-}
-
-/// The endpoint sets of one Service port for this node (pkg/proxy `CategorizeEndpoints`).
+/// What one Service gives.
 #[derive(Debug, Default, PartialEq, Eq)]
-pub struct EndpointSets {
-    /// For `Cluster` policies: ready endpoints narrowed by topology hints, else the serving
-    /// and terminating ones (KEP-1669).
-    pub cluster: BTreeSet<SocketAddr>,
-    /// For `Local` policies: this node's ready endpoints, else its serving and terminating
-    /// ones.
-    pub local: BTreeSet<SocketAddr>,
-    /// Topology narrowing applied to `cluster`: "" (none), `PreferSameZone` or
-    /// `PreferSameNode`.
-    pub topology: &'static str,
+struct ServiceOutput {
+    /// Its backend sets (the values are in [`Model::ports`]).
+    ports: Vec<ServicePortKey>,
+    errors: Vec<ModelError>,
+    /// (`healthCheckNodePort`, local endpoint count).
+    health: Option<(u16, usize)>,
+    /// Allowed CIDRs by restricted LB IP.
+    ranges: BTreeMap<IpAddr, BTreeSet<IpNet>>,
 }
 
-/// Splits endpoints into the Cluster and Local sets of this node (`node` name, `zone` label,
-/// "" when unknown), with kube-proxy's rules:
-/// - Topology (KEP-2433, KEP-4444 `trafficDistribution`): kube-proxy reads the hints the
-///   EndpointSlice controller writes, not the Service field. When every ready endpoint has
-///   a node hint and one names this node, only endpoints hinted for this node are used
-///   (`PreferSameNode`); else when every ready endpoint has a zone hint and one names this
-///   node's zone, only endpoints hinted for this zone (`PreferSameZone`, also what
-///   `PreferClose` gives); otherwise every endpoint.
-/// - Cluster: ready endpoints available under that topology; when none, every serving and
-///   terminating endpoint (KEP-1669).
-/// - Local: ready endpoints on this node; when none, this node's serving and terminating
-///   endpoints.
-pub fn categorize(eps: &PortEndpoints, node: &str, zone: &str) -> EndpointSets {
-    let ready = || eps.iter().filter(|(_, e)| e.ready);
-    let mut topology = "";
-    if ready().next().is_some() {
-        let all_node_hints = ready().all(|(_, e)| !e.node_hints.is_empty());
-        let all_zone_hints = ready().all(|(_, e)| !e.zone_hints.is_empty());
-        if all_node_hints && ready().any(|(_, e)| e.node_hints.contains(node)) {
-            topology = "PreferSameNode";
-        } else if all_zone_hints
-            && !zone.is_empty()
-            && ready().any(|(_, e)| e.zone_hints.contains(zone))
-        {
-            topology = "PreferSameZone";
+/// The model: every object read so far and the desired state derived from it, kept up to
+/// date per change. See the module documentation.
+#[derive(Debug, Default)]
+pub struct Model {
+    config: NodeInfo,
+    /// This node's Node object as read, and where it came from.
+    node: NodeState,
+    node_origin: Option<Arc<str>>,
+    // Boxed values: a hash map's buckets are allocated for its capacity, up to twice the
+    // entries, so large inline values would waste that much again.
+    services: HashMap<SvcKey, Box<ServiceEntry>>,
+    slices: HashMap<SvcKey, Box<SliceInfo>>,
+    /// (namespace, Service name) -> its slices' names, in name order (a short sorted
+    /// vector: most Services have one slice).
+    slices_of: HashMap<SvcKey, Vec<String>>,
+    claims: ClaimIndex,
+    ports: BTreeMap<ServicePortKey, DesiredService>,
+    local_endpoints: BTreeMap<IpAddr, u32>,
+    /// LB IP -> allowed CIDR -> number of Services allowing it.
+    ranges: BTreeMap<IpAddr, BTreeMap<IpNet, u32>>,
+    /// Health-check port -> the Services asking for it (namespace/name order) and their
+    /// local endpoint counts.
+    health: BTreeMap<u16, BTreeMap<SvcKey, usize>>,
+    errors: HashMap<ErrorOwner, Vec<ModelError>>,
+    // What the next commit must do and report.
+    dirty: HashSet<SvcKey>,
+    all_dirty: bool,
+    health_touched: BTreeSet<u16>,
+    error_net: HashMap<ModelError, i32>,
+    local_net: HashMap<IpAddr, i32>,
+    pending: Delta,
+}
+
+impl Model {
+    /// An empty model for this node.
+    pub fn new(config: NodeInfo) -> Model {
+        Model {
+            config,
+            ..Default::default()
         }
     }
-    let available = |e: &EndpointInfo| match topology {
-        "PreferSameNode" => e.node_hints.contains(node),
-        "PreferSameZone" => e.zone_hints.contains(zone),
-        _ => true,
-    };
-    let mut cluster: BTreeSet<SocketAddr> = ready()
-        .filter(|(_, e)| available(e))
-        .map(|(a, _)| *a)
-        .collect();
-    if cluster.is_empty() {
-        cluster = eps
-            .iter()
-            .filter(|(_, e)| e.serving && e.terminating)
-            .map(|(a, _)| *a)
-            .collect();
-    }
-    let mut local: BTreeSet<SocketAddr> =
-        ready().filter(|(_, e)| e.local).map(|(a, _)| *a).collect();
-    if local.is_empty() {
-        local = eps
-            .iter()
-            .filter(|(_, e)| e.local && !e.ready && e.serving && e.terminating)
-            .map(|(a, _)| *a)
-            .collect();
-    }
-    EndpointSets {
-        cluster,
-        local,
-        topology,
-    }
-}
 
-/// What a Service offers: cluster IPs (at most one per family, in `clusterIPs` order),
-/// ports (name, protocol, port), external addresses (`spec.externalIPs` and
-/// `status.loadBalancer.ingress[].ip` in VIP mode, with what they are) and per-port or
-/// per-address warnings.
-struct Frontends {
-    vips: Vec<IpAddr>,
-    ports: Vec<(String, Protocol, u16)>,
-    external: Vec<(IpAddr, &'static str)>,
-    /// `spec.ports[].nodePort` by port name, where set.
-    node_ports: BTreeMap<String, u16>,
-    /// ClientIP affinity timeout in seconds, 0 without affinity.
-    affinity: u32,
-    warnings: Vec<String>,
-}
-
-/// Checks that an address may be a frontend or an endpoint: not unspecified, loopback,
-/// link-local (169.254.0.0/16, fe80::/10: a cloud's metadata address among them),
-/// multicast or broadcast. A frontend there would hijack node traffic; the API server's
-/// validation rejects the same for endpoints and external IPs.
-fn usable_vip(ip: &IpAddr) -> bool {
-    !(ip.is_unspecified()
-        || ip.is_loopback()
-        || ip.is_multicast()
-        || matches!(ip, IpAddr::V4(v4) if v4.is_broadcast() || v4.is_link_local())
-        || matches!(ip, IpAddr::V6(v6) if v6.is_unicast_link_local()))
-}
-
-/// What [`usable_vip`] refuses, for messages.
-const UNUSABLE: &str = "unspecified, loopback, link-local, multicast or broadcast";
-
-/// Parses an address field. IPv4-mapped IPv6 addresses (`::ffff:a.b.c.d`) are refused, as
-/// the API server's stricter IP validation does (KEP-4858): the data path stores IPv4
-/// addresses in that very form, so one would silently become an IPv4 address of an IPv6
-/// object.
-fn parse_ip(s: &str) -> Result<IpAddr, String> {
-    let ip: IpAddr = s
-        .parse()
-        .map_err(|_| format!("{s:?} is not a valid IP address"))?;
-    if let IpAddr::V6(v6) = ip
-        && v6.to_ipv4_mapped().is_some()
-    {
-        return Err(format!(
-            "{s:?} is an IPv4-mapped IPv6 address (write the IPv4 address itself)"
-        ));
+    /// The node configuration.
+    pub fn config(&self) -> &NodeInfo {
+        &self.config
     }
-    Ok(ip)
-}
 
-/// A Service's [`Frontends`]. `Ok(None)` for a Service that has no frontends by design
-/// (headless, ExternalName, no cluster IP); `Err(reason)` for an invalid Service.
-fn service_frontends(svc: &Sourced<Service>) -> Result<Option<Frontends>, String> {
-    let Some(spec) = svc.object.spec.as_ref() else {
-        return Ok(None);
-    };
-    if spec.type_.as_deref() == Some("ExternalName") {
-        return Ok(None);
-    }
-    let cluster_ip = spec.cluster_ip.as_deref().filter(|s| !s.is_empty());
-    let ip_strings: Vec<&str> = match spec.cluster_ips.as_deref() {
-        Some(ips) if !ips.is_empty() => {
-            if let Some(ip) = cluster_ip
-                && ip != ips[0]
-            {
-                return Err(format!(
-                    "clusterIP {ip} does not match clusterIPs[0] {}",
-                    ips[0]
-                ));
+    /// Applies one change: the object is read (and dropped); what it affects is recomputed
+    /// at the next [`Model::commit`]. A change that reads the same as what the model holds
+    /// is dropped.
+    pub fn apply(&mut self, change: Change) {
+        match change {
+            Change::Apply(Object::Service(s)) => {
+                let key = svc_key(&s.object.metadata);
+                let info = ServiceInfo::read(
+                    Arc::from(s.origin.as_str()),
+                    &s.object,
+                    self.config.default_algorithm,
+                );
+                self.set_service(key, Some(info));
             }
-            ips.iter().map(String::as_str).collect()
-        }
-        _ => cluster_ip.into_iter().collect(),
-    };
-    if ip_strings.is_empty() || ip_strings[0] == "None" {
-        return Ok(None);
-    }
-    let mut vips: Vec<IpAddr> = Vec::new();
-    for s in ip_strings {
-        let ip: IpAddr = parse_ip(s).map_err(|e| format!("invalid cluster IP: {e}"))?;
-        if !usable_vip(&ip) {
-            return Err(format!("cluster IP {ip} is not usable ({UNUSABLE})"));
-        }
-        if let Some(other) = vips.iter().find(|v| Family::of(v) == Family::of(&ip)) {
-            return Err(format!(
-                "clusterIPs has two {} addresses ({other} and {ip})",
-                Family::of(&ip).as_str()
-            ));
-        }
-        vips.push(ip);
-    }
-    for policy in [
-        (
-            "internalTrafficPolicy",
-            spec.internal_traffic_policy.as_deref(),
-        ),
-        (
-            "externalTrafficPolicy",
-            spec.external_traffic_policy.as_deref(),
-        ),
-    ] {
-        if let (field, Some(v)) = policy
-            && v != "Cluster"
-            && v != "Local"
-        {
-            return Err(format!("{field} {v:?} is not Cluster or Local"));
+            Change::Apply(Object::EndpointSlice(s)) => {
+                let key = svc_key(&s.object.metadata);
+                let info = SliceInfo::read(
+                    &Arc::from(s.origin.as_str()),
+                    &key.0,
+                    &s.object,
+                    &self.config.name,
+                );
+                let trigger = s
+                    .object
+                    .metadata
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get(TRIGGER_TIME_ANNOTATION))
+                    .cloned();
+                if self.set_slice(key, Some(info))
+                    && let Some(t) = trigger
+                {
+                    self.pending.trigger_times.push(t);
+                }
+            }
+            Change::Apply(Object::Node(n)) => {
+                if n.object.metadata.name.as_deref() != Some(self.config.name.as_str()) {
+                    return;
+                }
+                let origin: Arc<str> = Arc::from(n.origin.as_str());
+                let state = NodeState::read(&origin, &n.object, &self.config);
+                self.set_node(Some((origin, state)));
+            }
+            Change::Delete(Kind::Service, key) => self.set_service(key, None),
+            Change::Delete(Kind::EndpointSlice, key) => {
+                self.set_slice(key, None);
+            }
+            Change::Delete(Kind::Node, (_, name)) => {
+                if name == self.config.name {
+                    self.set_node(None);
+                }
+            }
         }
     }
 
-    let mut ports = Vec::new();
-    let mut node_ports = BTreeMap::new();
-    let mut warnings = Vec::new();
-    let mut seen_ports: BTreeSet<(i32, String)> = BTreeSet::new();
-    let mut seen_names: BTreeSet<&str> = BTreeSet::new();
-    for p in spec.ports.iter().flatten() {
-        let name = p.name.as_deref().unwrap_or("");
-        let proto_name = p.protocol.as_deref().unwrap_or("TCP");
-        let shown = if name.is_empty() {
-            String::new()
+    fn set_errors(&mut self, owner: ErrorOwner, new: Vec<ModelError>) {
+        let old = if new.is_empty() {
+            self.errors.remove(&owner).unwrap_or_default()
         } else {
-            format!(" ({name:?})")
+            self.errors.insert(owner, new.clone()).unwrap_or_default()
         };
-        if !(1..=65535).contains(&p.port) {
-            return Err(format!("port {}{shown} is out of range 1-65535", p.port));
+        if old == new {
+            return;
         }
-        if !seen_ports.insert((p.port, proto_name.to_string())) {
-            return Err(format!("port {}/{proto_name} is defined twice", p.port));
+        for e in old {
+            *self.error_net.entry(e).or_default() -= 1;
         }
-        if !seen_names.insert(name) {
-            return Err(format!("port name {name:?} is used twice"));
+        for e in new {
+            *self.error_net.entry(e).or_default() += 1;
         }
-        let protocol = match proto_name {
-            "TCP" => Protocol::Tcp,
-            "UDP" => Protocol::Udp,
-            "SCTP" => {
-                warnings.push(format!(
-                    "port {}/SCTP{shown}: SCTP is not supported; port skipped",
-                    p.port
-                ));
+    }
+
+    fn set_service(&mut self, key: SvcKey, new: Option<ServiceInfo>) {
+        let old = self.services.get(&key);
+        if old.map(|e| &e.info) == new.as_ref() {
+            return;
+        }
+        self.pending.service_changes += 1;
+        let node_ports = self.node.node_port_ips();
+        let mut neighbours = HashSet::new();
+        let old_output = match self.services.remove(&key) {
+            Some(old) => {
+                self.claims.remove(&key, &old.claims, &mut neighbours);
+                old.output
+            }
+            None => ServiceOutput::default(),
+        };
+        match new {
+            Some(info) => {
+                let age = AgeKey::of(&key, &info);
+                let claims = frontends::candidate_claims(&info, &node_ports);
+                self.claims.add(&key, &claims, &mut neighbours);
+                self.services.insert(
+                    key.clone(),
+                    Box::new(ServiceEntry {
+                        info,
+                        age,
+                        claims,
+                        output: old_output,
+                    }),
+                );
+                self.dirty.insert(key);
+            }
+            None => {
+                self.install_output(&key, old_output, ServiceOutput::default());
+                self.dirty.remove(&key);
+            }
+        }
+        self.dirty.extend(neighbours);
+    }
+
+    /// Returns whether the slice read differently from before.
+    fn set_slice(&mut self, key: SvcKey, new: Option<SliceInfo>) -> bool {
+        let old = self.slices.get(&key);
+        if old.map(|b| &**b) == new.as_ref() {
+            return false;
+        }
+        self.pending.endpoint_changes += 1;
+        let old = self.slices.remove(&key);
+        let (ns, name) = key.clone();
+        if let Some(old) = &old {
+            for a in &old.local_addrs {
+                if let Some(n) = self.local_endpoints.get_mut(a) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.local_endpoints.remove(a);
+                        *self.local_net.entry(*a).or_default() -= 1;
+                    }
+                }
+            }
+            if let Some(svc) = &old.service {
+                let sk = (ns.clone(), svc.clone());
+                if let Some(set) = self.slices_of.get_mut(&sk) {
+                    set.retain(|n| *n != name);
+                    if set.is_empty() {
+                        self.slices_of.remove(&sk);
+                    }
+                }
+                if self.services.contains_key(&sk) {
+                    self.dirty.insert(sk);
+                }
+            }
+        }
+        let errors = new.as_ref().map(|n| n.errors.clone()).unwrap_or_default();
+        if let Some(new) = new {
+            for a in &new.local_addrs {
+                let n = self.local_endpoints.entry(*a).or_default();
+                if *n == 0 {
+                    *self.local_net.entry(*a).or_default() += 1;
+                }
+                *n += 1;
+            }
+            if let Some(svc) = &new.service {
+                let sk = (ns.clone(), svc.clone());
+                let set = self.slices_of.entry(sk.clone()).or_default();
+                if let Err(at) = set.binary_search(&name) {
+                    set.insert(at, name.clone());
+                }
+                if self.services.contains_key(&sk) {
+                    self.dirty.insert(sk);
+                }
+            }
+            self.slices.insert(key.clone(), Box::new(new));
+        }
+        self.set_errors(ErrorOwner::Slice(key), errors);
+        true
+    }
+
+    fn set_node(&mut self, new: Option<(Arc<str>, NodeState)>) {
+        let (origin, state) = match new {
+            Some((o, s)) => (Some(o), s),
+            None => (None, NodeState::default()),
+        };
+        if state == self.node {
+            self.node_origin = origin;
+            return;
+        }
+        self.pending.node_changed = true;
+        let ports_changed = state.node_port_ips() != self.node.node_port_ips();
+        let zone_changed = state.zone != self.node.zone;
+        self.set_errors(ErrorOwner::Node, state.errors.clone());
+        self.node = state;
+        self.node_origin = origin;
+        if ports_changed {
+            // Node-port claims of every Service change: rebuild the index.
+            let node_ports = self.node.node_port_ips();
+            self.claims.clear();
+            let mut ignore = HashSet::new();
+            for (k, e) in self.services.iter_mut() {
+                e.claims = frontends::candidate_claims(&e.info, &node_ports);
+                self.claims.add(k, &e.claims, &mut ignore);
+            }
+        }
+        if ports_changed || zone_changed {
+            self.all_dirty = true;
+        }
+    }
+
+    /// Recomputes what the changes since the last commit affect and returns what changed.
+    pub fn commit(&mut self) -> Delta {
+        let dirty: Vec<SvcKey> = if std::mem::take(&mut self.all_dirty) {
+            self.dirty.clear();
+            self.services.keys().cloned().collect()
+        } else {
+            self.dirty
+                .drain()
+                .filter(|k| self.services.contains_key(k))
+                .collect()
+        };
+        // Expand to the groups of Services sharing a candidate frontend.
+        let mut done: HashSet<SvcKey> = HashSet::new();
+        let node_ports = self.node.node_port_ips();
+        for start in dirty {
+            if done.contains(&start) {
                 continue;
             }
-            other => {
-                return Err(format!(
-                    "unsupported protocol {other:?} on port {}{shown}",
-                    p.port
-                ));
+            let mut group: Vec<SvcKey> = vec![start.clone()];
+            done.insert(start);
+            let mut i = 0;
+            while i < group.len() {
+                let e = &self.services[&group[i]];
+                for c in &e.claims {
+                    for a in self.claims.claimants(c) {
+                        if done.insert(a.clone()) {
+                            group.push(a.clone());
+                        }
+                    }
+                }
+                i += 1;
             }
-        };
-        match p.node_port {
-            None | Some(0) => {}
-            Some(n @ 1..=65535) => {
-                node_ports.insert(name.to_string(), n as u16);
+            let resolved = {
+                let mut members: Vec<(AgeKey, &ServiceInfo)> = group
+                    .iter()
+                    .map(|k| {
+                        let e = &self.services[k];
+                        (e.age.clone(), &e.info)
+                    })
+                    .collect();
+                frontends::resolve(&mut members, &node_ports)
+            };
+            for k in group {
+                let r = resolved.get(&k).cloned().unwrap_or_default();
+                let (mut out, sets) = self.compute(&k, &r);
+                self.stage(&mut out, sets);
+                let old = std::mem::take(&mut self.services.get_mut(&k).expect("in group").output);
+                let installed = self.install_output(&k, old, out);
+                self.services.get_mut(&k).expect("in group").output = installed;
             }
-            Some(n) => warnings.push(format!(
-                "nodePort {n} of port {}{shown} is out of range 1-65535; node port skipped",
-                p.port
-            )),
         }
-        ports.push((name.to_string(), protocol, p.port as u16));
-    }
-
-    let mut external = Vec::new();
-    let mut candidates: Vec<(&str, &'static str)> = spec
-        .external_ips
-        .iter()
-        .flatten()
-        .map(|s| (s.as_str(), "externalIP"))
-        .collect();
-    // Ingress IPs in VIP mode only: with ipMode Proxy the load balancer proxies to the
-    // nodes and the IP must not be captured (KEP-1860).
-    let ingress = svc
-        .object
-        .status
-        .as_ref()
-        .and_then(|s| s.load_balancer.as_ref())
-        .and_then(|lb| lb.ingress.as_ref());
-    for ing in ingress.into_iter().flatten() {
-        let Some(ip) = ing.ip.as_deref().filter(|s| !s.is_empty()) else {
-            continue;
-        };
-        match ing.ip_mode.as_deref().unwrap_or("VIP") {
-            "VIP" => candidates.push((ip, "load balancer ingress IP")),
-            "Proxy" => {}
-            other => warnings.push(format!(
-                "load balancer ingress IP {ip}: ipMode {other:?} is not VIP or Proxy; address skipped"
-            )),
-        }
-    }
-    for (s, what) in candidates {
-        match parse_ip(s) {
-            Ok(ip) if usable_vip(&ip) => external.push((ip, what)),
-            Ok(ip) => warnings.push(format!(
-                "{what} {ip} is not usable ({UNUSABLE}); address skipped"
-            )),
-            Err(e) => warnings.push(format!("{what} {e}; address skipped")),
-        }
-    }
-    let affinity = match spec.session_affinity.as_deref() {
-        None | Some("") | Some("None") => 0,
-        Some("ClientIP") => {
-            let t = spec
-                .session_affinity_config
-                .as_ref()
-                .and_then(|c| c.client_ip.as_ref())
-                .and_then(|c| c.timeout_seconds);
-            match t {
-                None => DEFAULT_AFFINITY_TIMEOUT_S,
-                Some(t @ 1..=86400) => t as u32,
-                Some(t) => {
-                    return Err(format!(
-                        "sessionAffinityConfig.clientIP.timeoutSeconds {t} is out of range 1-86400"
+        // Health-check ports: the first Service in namespace/name order keeps a port.
+        for port in std::mem::take(&mut self.health_touched) {
+            self.pending.health_changed = true;
+            let mut errors = Vec::new();
+            if let Some(claims) = self.health.get(&port) {
+                let mut it = claims.keys();
+                let first = it.next().cloned();
+                for (ns, name) in it {
+                    let (fns, fname) = first.as_ref().expect("a first claim");
+                    let origin = self
+                        .services
+                        .get(&(ns.clone(), name.clone()))
+                        .map(|e| e.info.origin.to_string())
+                        .unwrap_or_default();
+                    errors.push(ModelError::object(
+                        origin,
+                        "Service",
+                        ns.clone(),
+                        name.clone(),
+                        format!(
+                            "healthCheckNodePort {port} is also the port of Service {fns}/{fname}, which keeps it; no health-check server for {ns}/{name}"
+                        ),
                     ));
                 }
             }
+            self.set_errors(ErrorOwner::HealthPort(port), errors);
         }
-        Some(other) => return Err(format!("sessionAffinity {other:?} is not None or ClientIP")),
-    };
-    Ok(Some(Frontends {
-        vips,
-        ports,
-        external,
-        node_ports,
-        affinity,
-        warnings,
-    }))
-}
-
-/// What one slice gives (see [`SliceInfo`]); `None` for a slice that feeds nothing (FQDN)
-/// or is invalid (error pushed).
-fn read_slice(slice: &Sourced<EndpointSlice>, errors: &mut Vec<ModelError>) -> Option<SliceInfo> {
-    let meta = &slice.object.metadata;
-    let ns = meta.namespace.clone().unwrap_or_else(|| "default".into());
-    let name = meta.name.clone().unwrap_or_default();
-    let mut err = |reason: String| {
-        errors.push(ModelError::object(
-            slice.origin.clone(),
-            "EndpointSlice",
-            ns.clone(),
-            name.clone(),
-            reason,
-        ))
-    };
-    let family = match slice.object.address_type.as_str() {
-        "IPv4" => Family::V4,
-        "IPv6" => Family::V6,
-        "FQDN" => return None,
-        other => {
-            err(format!(
-                "unsupported addressType {other:?}; EndpointSlice skipped"
-            ));
-            return None;
-        }
-    };
-
-    let mut ports: Vec<(String, Protocol, u16)> = Vec::new();
-    for p in slice.object.ports.iter().flatten() {
-        let port_name = p.name.as_deref().unwrap_or("");
-        let shown = if port_name.is_empty() {
-            String::new()
-        } else {
-            format!(" ({port_name:?})")
-        };
-        let protocol = match p.protocol.as_deref().unwrap_or("TCP") {
-            "TCP" => Protocol::Tcp,
-            "UDP" => Protocol::Udp,
-            "SCTP" => continue,
-            other => {
-                err(format!(
-                    "unsupported protocol {other:?} on port{shown}; port skipped"
-                ));
-                continue;
+        let mut delta = std::mem::take(&mut self.pending);
+        for (e, n) in self.error_net.drain() {
+            match n.cmp(&0) {
+                std::cmp::Ordering::Greater => delta.errors_added.push(e),
+                std::cmp::Ordering::Less => delta.errors_removed.push(e),
+                std::cmp::Ordering::Equal => {}
             }
+        }
+        delta.errors_added.sort();
+        delta.errors_removed.sort();
+        for (a, n) in self.local_net.drain() {
+            match n.cmp(&0) {
+                std::cmp::Ordering::Greater => delta.local_endpoints_added.push(a),
+                std::cmp::Ordering::Less => delta.local_endpoints_removed.push(a),
+                std::cmp::Ordering::Equal => {}
+            }
+        }
+        delta.local_endpoints_added.sort();
+        delta.local_endpoints_removed.sort();
+        delta.local_endpoints_changed =
+            !delta.local_endpoints_added.is_empty() || !delta.local_endpoints_removed.is_empty();
+        delta
+    }
+
+    /// Replaces a Service's output, recording what changed; returns the new output.
+    fn install_output(
+        &mut self,
+        key: &SvcKey,
+        old: ServiceOutput,
+        new: ServiceOutput,
+    ) -> ServiceOutput {
+        // Backend sets: the values were staged in `new_ports` by `compute`.
+        let new_keys: BTreeSet<&ServicePortKey> = new.ports.iter().collect();
+        for k in &old.ports {
+            if !new_keys.contains(k) && self.ports.remove(k).is_some() {
+                self.pending.ports.insert(k.clone());
+            }
+        }
+        if old.health != new.health {
+            if let Some((port, _)) = old.health
+                && let Some(set) = self.health.get_mut(&port)
+            {
+                set.remove(key);
+                if set.is_empty() {
+                    self.health.remove(&port);
+                }
+                self.health_touched.insert(port);
+            }
+            if let Some((port, local)) = new.health {
+                self.health
+                    .entry(port)
+                    .or_default()
+                    .insert(key.clone(), local);
+                self.health_touched.insert(port);
+            }
+        }
+        if old.ranges != new.ranges {
+            self.pending.source_ranges_changed = true;
+            for (ip, cidrs) in &old.ranges {
+                if let Some(m) = self.ranges.get_mut(ip) {
+                    for c in cidrs {
+                        if let Some(n) = m.get_mut(c) {
+                            *n -= 1;
+                            if *n == 0 {
+                                m.remove(c);
+                            }
+                        }
+                    }
+                    if m.is_empty() {
+                        self.ranges.remove(ip);
+                    }
+                }
+            }
+            for (ip, cidrs) in &new.ranges {
+                let m = self.ranges.entry(*ip).or_default();
+                for c in cidrs {
+                    *m.entry(*c).or_default() += 1;
+                }
+            }
+        }
+        if old.errors != new.errors {
+            self.set_errors(ErrorOwner::Service(key.clone()), new.errors.clone());
+        }
+        new
+    }
+
+    /// Computes a Service's output from what was read and its ownership resolution, with
+    /// its backend sets (not yet in [`Model::ports`], see [`Model::stage`]).
+    fn compute(
+        &self,
+        key: &SvcKey,
+        r: &Resolution,
+    ) -> (ServiceOutput, BTreeMap<ServicePortKey, DesiredService>) {
+        let (ns, name) = key;
+        let e = &self.services[key];
+        let info = &e.info;
+        let origin = info.origin.to_string();
+        let mk_err = |reason: String| {
+            ModelError::object(origin.clone(), "Service", ns.clone(), name.clone(), reason)
         };
-        match p.port {
-            Some(n @ 1..=65535) => ports.push((port_name.to_string(), protocol, n as u16)),
-            Some(n) => err(format!(
-                "port {n}{shown} is out of range 1-65535; port skipped"
-            )),
-            None => err(format!("port{shown} has no port number; port skipped")),
+        let mut out = ServiceOutput::default();
+        let mut sets: BTreeMap<ServicePortKey, DesiredService> = BTreeMap::new();
+        match &info.frontends {
+            Err(reason) => out
+                .errors
+                .push(mk_err(format!("{reason}; Service skipped"))),
+            Ok(None) => {}
+            Ok(Some(_)) if r.skipped.is_some() => {
+                out.errors.push(mk_err(r.skipped.clone().expect("checked")))
+            }
+            Ok(Some(f)) => {
+                out.errors
+                    .extend(info.warnings.iter().cloned().map(&mk_err));
+                out.errors.extend(r.errors.iter().cloned().map(&mk_err));
+                out.errors
+                    .extend(info.selection_warnings.iter().cloned().map(&mk_err));
+                let slices = self
+                    .slices_of
+                    .get(key)
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|s| self.slices.get(&(ns.clone(), s.clone())))
+                    .filter_map(|s| s.parsed.as_ref());
+                let endpoints = endpoints::merge(slices);
+                service_sets(
+                    key,
+                    info,
+                    f,
+                    r,
+                    &endpoints,
+                    &self.config.name,
+                    &self.node.zone,
+                    &mut sets,
+                );
+                // Source ranges of the LB IPs that are ingress frontends of this Service.
+                if !info.source_ranges.is_empty() {
+                    for (ip, _) in &r.external {
+                        if !info.lb_ips.contains(ip) {
+                            continue;
+                        }
+                        let fam: BTreeSet<IpNet> = info
+                            .source_ranges
+                            .iter()
+                            .filter(|c| c.addr().is_ipv4() == ip.is_ipv4())
+                            .map(|c| c.trunc())
+                            .collect();
+                        if !fam.is_empty() {
+                            out.ranges.insert(*ip, fam);
+                        }
+                    }
+                }
+            }
+        }
+        for bad in &info.bad_ranges {
+            out.errors.push(mk_err(format!(
+                "loadBalancerSourceRanges: {bad:?} is not a CIDR (ADDR/LEN); range ignored"
+            )));
+        }
+        match info.health_check {
+            Some(Ok(port)) => {
+                let local: BTreeSet<IpAddr> = sets
+                    .iter()
+                    .filter(|(k, _)| k.scope == Scope::Ingress)
+                    .flat_map(|(_, s)| s.backends.iter().map(|b| b.ip()))
+                    .collect();
+                out.health = Some((port, local.len()));
+            }
+            Some(Err(asked)) => out.errors.push(mk_err(format!(
+                "healthCheckNodePort {asked} is not a port (1-65535); no health-check server"
+            ))),
+            None => {}
+        }
+        (out, sets)
+    }
+
+    /// Puts a Service's backend sets into [`Model::ports`], recording the changed keys, and
+    /// lists them in its output.
+    fn stage(&mut self, out: &mut ServiceOutput, sets: BTreeMap<ServicePortKey, DesiredService>) {
+        for (k, v) in sets {
+            if self.ports.get(&k) != Some(&v) {
+                self.pending.ports.insert(k.clone());
+                self.ports.insert(k.clone(), v);
+            }
+            out.ports.push(k);
         }
     }
 
-    let mut endpoints = Vec::new();
-    for (i, ep) in slice.object.endpoints.iter().enumerate() {
-        let cond = ep.conditions.as_ref();
-        // Unset conditions: ready and serving unknown mean true, terminating false
-        // (EndpointSlice API; kube-proxy reads them the same way).
-        let raw = RawEndpoint {
-            ready: cond.and_then(|c| c.ready) != Some(false),
-            serving: cond.and_then(|c| c.serving) != Some(false),
-            terminating: cond.and_then(|c| c.terminating) == Some(true),
-            node_name: ep.node_name.clone(),
-            zone_hints: ep
-                .hints
-                .iter()
-                .flat_map(|h| h.for_zones.iter().flatten())
-                .map(|z| z.name.clone())
-                .collect(),
-            node_hints: ep
-                .hints
-                .iter()
-                .flat_map(|h| h.for_nodes.iter().flatten())
-                .map(|n| n.name.clone())
-                .collect(),
-            pod: ep
-                .target_ref
-                .as_ref()
-                .and_then(|r| r.name.clone())
-                .unwrap_or_default(),
+    /// Every backend set, in key order.
+    pub fn ports(&self) -> &BTreeMap<ServicePortKey, DesiredService> {
+        &self.ports
+    }
+
+    /// One backend set; `None` when it does not exist (removed).
+    pub fn port(&self, key: &ServicePortKey) -> Option<&DesiredService> {
+        self.ports.get(key)
+    }
+
+    /// This node's Node object as read (default when there is none).
+    pub fn node(&self) -> &NodeState {
+        &self.node
+    }
+
+    /// Addresses of the endpoints on this node (any slice, any condition).
+    pub fn local_endpoints(&self) -> impl Iterator<Item = &IpAddr> {
+        self.local_endpoints.keys()
+    }
+
+    /// Restricted LB IPs and the CIDRs allowed to reach each.
+    pub fn source_ranges(&self) -> impl Iterator<Item = (&IpAddr, impl Iterator<Item = &IpNet>)> {
+        self.ranges.iter().map(|(ip, m)| (ip, m.keys()))
+    }
+
+    /// The health-check servers to run: port -> what it reports.
+    pub fn health_checks(&self) -> BTreeMap<u16, HealthCheck> {
+        self.health
+            .iter()
+            .filter_map(|(port, claims)| {
+                let ((ns, name), local) = claims.iter().next()?;
+                Some((
+                    *port,
+                    HealthCheck {
+                        namespace: ns.clone(),
+                        name: name.clone(),
+                        local_endpoints: *local,
+                    },
+                ))
+            })
+            .collect()
+    }
+
+    /// Every error now, in a stable order: this node, slices (namespace/name), Services (in
+    /// age order), health-check ports.
+    pub fn errors(&self) -> Vec<ModelError> {
+        let mut owners: Vec<&ErrorOwner> = self.errors.keys().collect();
+        let age = |o: &ErrorOwner| match o {
+            ErrorOwner::Service(k) => self.services.get(k).map(|e| e.age.clone()),
+            _ => None,
         };
-        // kube-proxy uses only the first address of an endpoint.
-        let Some(first) = ep.addresses.first() else {
-            err(format!("endpoint {i} has no addresses; endpoint skipped"));
-            continue;
-        };
-        match parse_ip(first) {
-            Ok(ip) if Family::of(&ip) != family => err(format!(
-                "endpoint address {ip} is not an {} address (addressType {}); endpoint skipped",
-                family.as_str(),
-                family.as_str()
-            )),
-            Ok(ip) if !usable_vip(&ip) => err(format!(
-                "endpoint address {ip} is not usable ({UNUSABLE}); endpoint skipped"
-            )),
-            Ok(ip) => endpoints.push((ip, raw)),
-            Err(e) => err(format!("endpoint address {e}; endpoint skipped")),
+        owners.sort_by(|a, b| {
+            let rank = |o: &ErrorOwner| match o {
+                ErrorOwner::Node => 0,
+                ErrorOwner::Slice(_) => 1,
+                ErrorOwner::Service(_) => 2,
+                ErrorOwner::HealthPort(_) => 3,
+            };
+            (rank(a), age(a), *a).cmp(&(rank(b), age(b), *b))
+        });
+        owners
+            .into_iter()
+            .flat_map(|o| self.errors[o].iter().cloned())
+            .collect()
+    }
+
+    /// Number of errors now.
+    pub fn error_count(&self) -> usize {
+        self.errors.values().map(Vec::len).sum()
+    }
+
+    /// Every backend set as a [`DesiredState`] (a copy: for tests and tools).
+    pub fn desired_state(&self) -> DesiredState {
+        DesiredState {
+            services: self.ports.clone(),
         }
     }
-    Some(SliceInfo {
-        family,
-        ports,
-        endpoints,
-    })
+
+    /// Every endpoint of one Service port and family as this node reads it (all slices
+    /// merged as for the backend sets), for `ebpf-proxy explain`.
+    pub fn endpoints_of(
+        &self,
+        namespace: &str,
+        service: &str,
+        port_name: &str,
+        protocol: Protocol,
+        family: Family,
+    ) -> PortEndpoints {
+        let key = (namespace.to_string(), service.to_string());
+        let slices = self
+            .slices_of
+            .get(&key)
+            .into_iter()
+            .flatten()
+            .filter_map(|s| self.slices.get(&(namespace.to_string(), s.clone())))
+            .filter_map(|s| s.parsed.as_ref());
+        endpoints::merge(slices)
+            .remove(&(port_name.to_string(), protocol, family))
+            .unwrap_or_default()
+    }
+
+    /// Number of Services and EndpointSlices held.
+    pub fn object_counts(&self) -> (usize, usize) {
+        (self.services.len(), self.slices.len())
+    }
 }
 
+/// (namespace, name) of an object; the namespace defaults to "default".
+fn svc_key(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> SvcKey {
+    (
+        meta.namespace
+            .clone()
+            .filter(|n| !n.is_empty())
+            .unwrap_or_else(|| "default".into()),
+        meta.name.clone().unwrap_or_default(),
+    )
+}
+
+/// The backend sets of one valid Service into `sets`.
+#[allow(clippy::too_many_arguments)]
+fn service_sets(
+    (ns, name): &SvcKey,
+    info: &ServiceInfo,
+    f: &service::Frontends,
+    r: &Resolution,
+    endpoints: &endpoints::ServiceEndpoints,
+    node: &str,
+    zone: &str,
+    sets: &mut BTreeMap<ServicePortKey, DesiredService>,
+) {
+    let algorithm = info.algorithm;
+    // A DesiredService with the Service's selection settings; WRR weights applied.
+    let policy = |backends: BTreeSet<SocketAddr>,
+                  eps: &PortEndpoints,
+                  frontends: BTreeSet<SocketAddr>,
+                  flags: u32| {
+        let mut d = DesiredService {
+            frontends,
+            backends,
+            flags,
+            algorithm,
+            affinity_timeout_s: f.affinity,
+            weights: BTreeMap::new(),
+        };
+        if algorithm == Algorithm::WeightedRoundRobin {
+            let weight = |a: &SocketAddr| {
+                let pod = eps.get(a).map(|e| &*e.pod).unwrap_or("");
+                info.weights
+                    .get(pod)
+                    .filter(|_| !pod.is_empty())
+                    .or_else(|| info.weights.get(&a.ip().to_string()))
+                    .copied()
+                    .unwrap_or(1)
+            };
+            d.weights = d.backends.iter().map(|a| (*a, weight(a))).collect();
+            d.weights.retain(|_, w| *w > 0);
+            d.backends.retain(|a| d.weights.contains_key(a));
+        }
+        d
+    };
+    let empty = PortEndpoints::new();
+    for (port_name, protocol, port) in &f.ports {
+        for vip in &f.vips {
+            let family = Family::of(vip);
+            let key = ServicePortKey {
+                namespace: ns.clone(),
+                name: name.clone(),
+                port_name: port_name.clone(),
+                protocol: *protocol,
+                family,
+                scope: Scope::Internal,
+            };
+            let eps = endpoints
+                .get(&(port_name.clone(), *protocol, family))
+                .unwrap_or(&empty);
+            let cats = categorize(eps, node, zone);
+            let (backends, flags) = if info.internal_local {
+                (cats.local.clone(), proxy_common::FRONTEND_F_LOCAL_ONLY)
+            } else {
+                (cats.cluster.clone(), 0)
+            };
+            sets.insert(
+                key.clone(),
+                policy(
+                    backends,
+                    eps,
+                    BTreeSet::from([SocketAddr::new(*vip, *port)]),
+                    flags,
+                ),
+            );
+            // Traffic from this node to external addresses is "internal to the cluster":
+            // kube-proxy short-circuits it to the Cluster endpoints whatever the
+            // externalTrafficPolicy (pkg/proxy: UsesClusterEndpoints).
+            let mut ext: BTreeSet<SocketAddr> = r
+                .external
+                .iter()
+                .filter(|(ip, _)| Family::of(ip) == family)
+                .map(|(ip, _)| SocketAddr::new(*ip, *port))
+                .collect();
+            ext.extend(
+                r.node_ports
+                    .get(port_name)
+                    .into_iter()
+                    .flatten()
+                    .filter(|fe| Family::of(&fe.ip()) == family),
+            );
+            if !ext.is_empty() {
+                // From outside the node: the externalTrafficPolicy endpoints; Local has no
+                // fallback to other nodes (traffic is dropped, the client IP kept).
+                let (ingress_backends, ingress_flags) = if info.external_local {
+                    (
+                        cats.local.clone(),
+                        proxy_common::FRONTEND_F_EXTERNAL | proxy_common::FRONTEND_F_LOCAL_ONLY,
+                    )
+                } else {
+                    (cats.cluster.clone(), proxy_common::FRONTEND_F_EXTERNAL)
+                };
+                sets.insert(
+                    ServicePortKey {
+                        scope: Scope::Ingress,
+                        ..key.clone()
+                    },
+                    policy(ingress_backends, eps, ext.clone(), ingress_flags),
+                );
+                sets.insert(
+                    ServicePortKey {
+                        scope: Scope::External,
+                        ..key
+                    },
+                    policy(cats.cluster, eps, ext, proxy_common::FRONTEND_F_EXTERNAL),
+                );
+            }
+        }
+    }
+}
+
+/// Builds the desired state from a set of objects at once: a fresh [`Model`] fed every
+/// object. Returns the state and an error for everything skipped, in [`Model::errors`]
+/// order.
+pub fn build(objects: &ObjectSet, node: &NodeInfo) -> (DesiredState, Vec<ModelError>) {
+    let model = Model::from_objects(objects, node);
+    (model.desired_state(), model.errors())
+}
+
+impl Model {
+    /// A model fed every object of `objects` and committed.
+    pub fn from_objects(objects: &ObjectSet, node: &NodeInfo) -> Model {
+        let mut model = Model::new(node.clone());
+        for n in objects.nodes.values() {
+            model.apply(Change::Apply(Object::Node(n.clone())));
+        }
+        for s in objects.endpoint_slices.values() {
+            model.apply(Change::Apply(Object::EndpointSlice(s.clone())));
+        }
+        for s in objects.services.values() {
+            model.apply(Change::Apply(Object::Service(s.clone())));
+        }
+        model.commit();
+        model
+    }
+}
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
     use crate::source::manifests::parse_documents;
+    use crate::source::{Change, Kind};
 
     /// Objects from YAML documents (origin "test.yaml"); the YAML must be valid.
     pub(crate) fn objects(yaml: &str) -> ObjectSet {
@@ -2526,6 +2440,44 @@ pub(crate) mod tests {
         );
     }
 
+    /// Every (address, port, protocol, key scope) belongs to one backend set, also within
+    /// one Service: an external IP equal to the Service's own cluster IP, and a node port
+    /// two of its ports use on the same address, are skipped as taken.
+    #[test]
+    fn a_frontend_belongs_to_one_backend_set_within_a_service() {
+        let yaml = "---\napiVersion: v1\nkind: Node\nmetadata: {name: node-1}\nstatus: {addresses: [{type: InternalIP, address: 192.168.1.5}]}\n".to_string()
+            + &svc(
+                "default",
+                "self",
+                "  type: NodePort\n  clusterIP: 10.96.0.9\n  externalIPs: [10.96.0.9, 192.0.2.9]\n  ports: [{name: http, port: 80, nodePort: 30080}, {name: alt, port: 81, nodePort: 30080}]\n",
+            );
+        let (s, e) = build_yaml(&yaml);
+        let mut owner: BTreeMap<(SocketAddr, Protocol, u8), &ServicePortKey> = BTreeMap::new();
+        for (k, v) in &s.services {
+            for f in &v.frontends {
+                if let Some(other) = owner.insert((*f, k.protocol, k.scope.key_scope()), k) {
+                    panic!("{f}/{} is a frontend of {other:?} and of {k:?}", k.protocol);
+                }
+            }
+        }
+        let ext = |port_name: &str| ServicePortKey {
+            scope: Scope::External,
+            ..key("default", "self", port_name, Protocol::Tcp, Family::V4)
+        };
+        assert_eq!(
+            s.services[&ext("http")].frontends,
+            addrs(&["192.0.2.9:80", "192.168.1.5:30080"])
+        );
+        assert_eq!(s.services[&ext("alt")].frontends, addrs(&["192.0.2.9:81"]));
+        assert_eq!(
+            e,
+            vec![
+                "test.yaml: Service default/self: externalIP 10.96.0.9: frontend 10.96.0.9:80/TCP is already used by another port or address of this Service; address skipped",
+                "test.yaml: Service default/self: node port 192.168.1.5:30080/TCP is already used by another port or address of this Service; node port skipped",
+            ]
+        );
+    }
+
     #[test]
     fn node_ports_on_this_nodes_addresses_with_nodeport_addresses() {
         let node_yaml = "---\napiVersion: v1\nkind: Node\nmetadata: {name: node-1}\nstatus:\n  addresses:\n  - {type: Hostname, address: node-1}\n  - {type: InternalIP, address: 192.168.1.5}\n  - {type: InternalIP, address: 192.168.1.6}\n  - {type: ExternalIP, address: 203.0.113.5}\n  - {type: InternalIP, address: 'fd00::5'}\n  - {type: ExternalIP, address: bogus}\n";
@@ -2601,5 +2553,298 @@ pub(crate) mod tests {
         };
         let (s, _) = build_yaml_on(&yaml, &other);
         assert!(!s.services.contains_key(&ext("http", Tcp)));
+    }
+
+    const LB: &str = "apiVersion: v1\nkind: Service\nmetadata: {name: lb, namespace: default}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.10\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 31000\n  loadBalancerSourceRanges: ['192.0.2.0/24', ' 198.51.100.7/32', 'bogus', '2001:db8::/32']\n  ports: [{port: 80, nodePort: 30080}]\nstatus: {loadBalancer: {ingress: [{ip: 203.0.113.9}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: lb-1, namespace: default, labels: {kubernetes.io/service-name: lb}}\naddressType: IPv4\nports: [{port: 80}]\nendpoints:\n- {addresses: [10.0.1.5], nodeName: node-1}\n- {addresses: [10.0.2.5], nodeName: node-2}\n---\napiVersion: v1\nkind: Node\nmetadata: {name: node-1}\nstatus: {addresses: [{type: InternalIP, address: 192.0.2.50}, {type: Hostname, address: n1}]}\n";
+
+    fn node1() -> NodeInfo {
+        NodeInfo {
+            name: "node-1".into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn source_ranges_restrict_lb_ips_with_valid_ranges_of_their_family() {
+        let m = Model::from_objects(&objects(LB), &node1());
+        let errors: Vec<String> = m.errors().iter().map(ToString::to_string).collect();
+        assert_eq!(
+            errors,
+            [
+                "test.yaml: Service default/lb: loadBalancerSourceRanges: \"bogus\" is not a CIDR (ADDR/LEN); range ignored"
+            ]
+        );
+        let ranges: Vec<(IpAddr, Vec<IpNet>)> = m
+            .source_ranges()
+            .map(|(ip, c)| (*ip, c.copied().collect()))
+            .collect();
+        // The IPv6 range does not apply to an IPv4 LB IP.
+        assert_eq!(
+            ranges,
+            vec![(
+                "203.0.113.9".parse().unwrap(),
+                vec![
+                    "192.0.2.0/24".parse().unwrap(),
+                    "198.51.100.7/32".parse().unwrap()
+                ]
+            )]
+        );
+        // As map entries: a restriction marker and one allowed prefix per range.
+        let e = crate::reconcile::node::source_range_entries(&m);
+        let lb = crate::datapath::addr::ip_to_bytes("203.0.113.9".parse().unwrap());
+        let marker = proxy_common::nat::SourceRange {
+            lb_addr: lb,
+            client: [0; 16],
+        };
+        assert_eq!(
+            e.get(&(128, marker)),
+            Some(&proxy_common::nat::SOURCE_RANGE_RESTRICTED)
+        );
+        let net = proxy_common::nat::SourceRange {
+            lb_addr: lb,
+            client: crate::datapath::addr::ip_to_bytes("192.0.2.0".parse().unwrap()),
+        };
+        assert_eq!(
+            e.get(&(128 + 96 + 24, net)),
+            Some(&proxy_common::nat::SOURCE_RANGE_ALLOW)
+        );
+        assert_eq!(e.len(), 3, "{e:?}");
+    }
+
+    #[test]
+    fn all_invalid_ranges_allow_everyone() {
+        let yaml = LB.replace(
+            "['192.0.2.0/24', ' 198.51.100.7/32', 'bogus', '2001:db8::/32']",
+            "['bogus']",
+        );
+        let m = Model::from_objects(&objects(&yaml), &node1());
+        assert_eq!(m.source_ranges().count(), 0);
+        assert_eq!(m.errors().len(), 1);
+    }
+
+    #[test]
+    fn local_endpoints_node_addresses_and_health_checks() {
+        let m = Model::from_objects(&objects(LB), &node1());
+        assert_eq!(
+            m.local_endpoints().copied().collect::<Vec<_>>(),
+            vec!["10.0.1.5".parse::<IpAddr>().unwrap()]
+        );
+        assert_eq!(
+            m.node().ips(),
+            BTreeSet::from(["192.0.2.50".parse().unwrap()])
+        );
+        let h = m.health_checks();
+        let c = &h[&31000];
+        assert_eq!((c.namespace.as_str(), c.name.as_str()), ("default", "lb"));
+        assert_eq!(c.local_endpoints, 1);
+        // Another node has no local endpoint: 0 (the server answers 503 there).
+        let other = Model::from_objects(
+            &objects(LB),
+            &NodeInfo {
+                name: "node-3".into(),
+                ..Default::default()
+            },
+        );
+        assert_eq!(other.health_checks()[&31000].local_endpoints, 0);
+    }
+
+    fn lb_local(name: &str, policy: &str, port: i64) -> String {
+        format!(
+            "---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: ns}}\nspec: {{type: LoadBalancer, clusterIP: 10.96.0.{}, externalTrafficPolicy: {policy}, healthCheckNodePort: {port}, ports: [{{port: 80}}]}}\n",
+            name.len() + name.as_bytes()[0] as usize % 50
+        )
+    }
+
+    #[test]
+    fn invalid_and_shared_health_ports_are_reported_naming_the_services() {
+        let yaml = [
+            lb_local("a-big", "Local", 99999),
+            lb_local("b-zero", "Local", 0),
+            lb_local("c-first", "Local", 31000),
+            lb_local("d-second", "Local", 31000),
+            lb_local("e-cluster", "Cluster", 99999),
+            lb_local("f-ok", "Local", 31001),
+        ]
+        .concat();
+        let mut m = Model::from_objects(&objects(&yaml), &node1());
+        let h = m.health_checks();
+        assert_eq!(h.keys().copied().collect::<Vec<_>>(), [31000, 31001]);
+        assert_eq!(h[&31000].name, "c-first");
+        let errors: Vec<String> = m.errors().iter().map(ToString::to_string).collect();
+        assert_eq!(errors.len(), 3, "{errors:#?}");
+        assert!(
+            errors[0].starts_with(
+                "test.yaml: Service ns/a-big: healthCheckNodePort 99999 is not a port"
+            ),
+            "{}",
+            errors[0]
+        );
+        assert!(
+            errors[1]
+                .starts_with("test.yaml: Service ns/b-zero: healthCheckNodePort 0 is not a port"),
+            "{}",
+            errors[1]
+        );
+        assert!(
+            errors[2].contains("Service ns/d-second: healthCheckNodePort 31000")
+                && errors[2].contains("Service ns/c-first"),
+            "{}",
+            errors[2]
+        );
+        // The first goes: the second gets the port, its error goes.
+        m.apply(Change::Delete(
+            Kind::Service,
+            ("ns".into(), "c-first".into()),
+        ));
+        let d = m.commit();
+        assert!(d.health_changed);
+        assert_eq!(m.health_checks()[&31000].name, "d-second");
+        assert_eq!(d.errors_removed.len(), 1, "{d:?}");
+        assert_eq!(m.errors().len(), 2);
+    }
+
+    /// A model fed `yaml` and committed.
+    fn model(yaml: &str) -> Model {
+        Model::from_objects(&objects(yaml), &node1())
+    }
+
+    fn apply_yaml(m: &mut Model, yaml: &str) {
+        let (objs, errors) = parse_documents("test.yaml", yaml);
+        assert!(errors.is_empty(), "{errors:?}");
+        for o in objs {
+            m.apply(Change::Apply(o));
+        }
+    }
+
+    #[test]
+    fn a_change_that_reads_the_same_is_dropped() {
+        let base = svc(
+            "default",
+            "web",
+            "  clusterIP: 10.96.0.10\n  ports: [{port: 80}]\n",
+        ) + &slice(
+            "default",
+            "web-1",
+            "web",
+            "addressType: IPv4\nendpoints: [{addresses: [10.0.0.1]}]\nports: [{port: 8080}]\n",
+        );
+        let mut m = model(&base);
+        // The same objects again, with a status, a resourceVersion and an annotation the
+        // model does not read: nothing to do.
+        let again = base
+            .replace(
+                "metadata: {name: web, namespace: default}",
+                "metadata: {name: web, namespace: default, resourceVersion: '7', annotations: {x: y}}",
+            )
+            .replace("  name: web-1\n", "  name: web-1\n  resourceVersion: '9'\n");
+        apply_yaml(&mut m, &again);
+        let d = m.commit();
+        assert!(d.is_empty(), "{d:?}");
+        assert_eq!((d.service_changes, d.endpoint_changes), (0, 0));
+        // A real change is one backend set.
+        apply_yaml(&mut m, &again.replace("10.0.0.1", "10.0.0.2"));
+        let d = m.commit();
+        assert_eq!(d.ports.len(), 1, "{d:?}");
+        assert_eq!(d.endpoint_changes, 1);
+    }
+
+    #[test]
+    fn a_slice_change_touches_only_its_service() {
+        let mut yaml = String::new();
+        for i in 0..50 {
+            yaml += &svc(
+                "default",
+                &format!("s{i}"),
+                &format!("  clusterIP: 10.96.1.{i}\n  ports: [{{port: 80}}]\n"),
+            );
+            yaml += &slice(
+                "default",
+                &format!("s{i}-1"),
+                &format!("s{i}"),
+                "addressType: IPv4\nendpoints: [{addresses: [10.0.0.1]}]\nports: [{port: 8080}]\n",
+            );
+        }
+        let mut m = model(&yaml);
+        apply_yaml(
+            &mut m,
+            &slice(
+                "default",
+                "s7-1",
+                "s7",
+                "addressType: IPv4\nendpoints: [{addresses: [10.0.0.9]}]\nports: [{port: 8080}]\n",
+            ),
+        );
+        let d = m.commit();
+        assert_eq!(
+            d.ports.iter().map(|k| k.name.as_str()).collect::<Vec<_>>(),
+            ["s7"]
+        );
+        assert_eq!(m.desired_state(), model(&yaml.replace(
+            "name: s7-1\n  namespace: default\n  labels: {kubernetes.io/service-name: s7}\naddressType: IPv4\nendpoints: [{addresses: [10.0.0.1]}]",
+            "name: s7-1\n  namespace: default\n  labels: {kubernetes.io/service-name: s7}\naddressType: IPv4\nendpoints: [{addresses: [10.0.0.9]}]",
+        )).desired_state());
+    }
+
+    #[test]
+    fn a_contested_frontend_moves_when_its_owner_goes() {
+        let yaml = svc(
+            "a",
+            "web",
+            "  clusterIP: 10.96.0.3\n  ports: [{port: 80}]\n",
+        ) + &svc(
+            "b",
+            "web",
+            "  clusterIP: 10.96.0.3\n  ports: [{port: 80}]\n",
+        );
+        let mut m = model(&yaml);
+        assert_eq!(m.errors().len(), 1);
+        assert!(m.ports().keys().all(|k| k.namespace == "a"));
+        m.apply(Change::Delete(Kind::Service, ("a".into(), "web".into())));
+        let d = m.commit();
+        assert_eq!(d.errors_removed.len(), 1, "{d:?}");
+        assert!(!m.ports().is_empty());
+        assert!(m.ports().keys().all(|k| k.namespace == "b"));
+        // It comes back, younger than b now? No timestamps: namespace order, a wins again.
+        apply_yaml(
+            &mut m,
+            &svc(
+                "a",
+                "web",
+                "  clusterIP: 10.96.0.3\n  ports: [{port: 80}]\n",
+            ),
+        );
+        m.commit();
+        assert!(m.ports().keys().all(|k| k.namespace == "a"));
+        assert_eq!(m.desired_state(), model(&yaml).desired_state());
+    }
+
+    #[test]
+    fn a_zone_change_of_the_node_reapplies_topology_hints() {
+        let eps = [
+            ep("10.0.0.1", "node-2", "", "forZones: [{name: zone-a}]"),
+            ep("10.0.0.2", "node-3", "", "forZones: [{name: zone-b}]"),
+        ];
+        let yaml = node("node-1", "zone-a")
+            + &svc(
+                "default",
+                "web",
+                "  clusterIP: 10.96.0.10\n  ports: [{port: 80}]\n",
+            )
+            + &slice(
+                "default",
+                "web-1",
+                "web",
+                &format!(
+                    "addressType: IPv4\nendpoints: [{}]\nports: [{{port: 8080}}]\n",
+                    eps.join(", ")
+                ),
+            );
+        let mut m = model(&yaml);
+        let k = key("default", "web", "", Tcp, V4);
+        assert_eq!(m.port(&k).unwrap().backends, set(&["10.0.0.1"]));
+        apply_yaml(&mut m, &node("node-1", "zone-b"));
+        let d = m.commit();
+        assert!(d.node_changed && d.ports.contains(&k));
+        assert_eq!(m.port(&k).unwrap().backends, set(&["10.0.0.2"]));
     }
 }

@@ -348,7 +348,7 @@ fn udp_stream(env: &Env, cg: &Path, to: &str, count: u32, extra: &[&str]) -> Chi
 }
 
 /// A running netprobe whose JSON lines are read when it ends.
-struct ChildGuardOut(proxy_userspace::testbed::ChildGuard);
+struct ChildGuardOut(proxy_testkit::testbed::ChildGuard);
 
 impl ChildGuardOut {
     fn lines(self) -> Vec<Probe> {

@@ -615,7 +615,7 @@ fn disable_dad(ns: &Netns) -> Result<()> {
 
 /// Finds the cgroup v2 mount point in `/proc/self/mounts`.
 pub fn cgroup2_mount() -> Result<PathBuf> {
-    crate::mounts::cgroup2_root()
+    proxy_userspace::mounts::cgroup2_root()
 }
 
 /// A child cgroup of the cgroup v2 root, removed on drop (its processes are moved to the
@@ -699,7 +699,7 @@ fn remove_cgroup(cg: &Path, root: &Path) -> io::Result<()> {
 /// Mounts bpffs on [`BPFFS_PATH`] unless it is mounted already. Returns `true` when it
 /// mounted it now.
 pub fn ensure_bpffs() -> Result<bool> {
-    crate::mounts::ensure_bpffs(Path::new(BPFFS_PATH))
+    proxy_userspace::mounts::ensure_bpffs(Path::new(BPFFS_PATH))
 }
 
 /// True when the process runs as root (the namespace and cgroup helpers need it).

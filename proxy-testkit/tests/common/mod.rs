@@ -10,21 +10,66 @@
 
 use std::{
     collections::BTreeMap,
+    ffi::OsStr,
     fs,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     path::{Path, PathBuf},
     process::{Command, Stdio},
+    sync::OnceLock,
     time::{Duration, Instant},
 };
 
-use proxy_userspace::{
-    datapath::{Datapath, Snapshot, loader, maps::PinnedMaps},
-    testbed::{ChildGuard, Lab, Pod, TestCgroup, ensure_bpffs, is_root, spawn_in},
-};
+use proxy_testkit::testbed::{ChildGuard, Lab, Pod, TestCgroup, ensure_bpffs, is_root, spawn_in};
+use proxy_userspace::datapath::{ServiceMaps, Snapshot, loader, maps::PinnedMaps};
 
-pub const AGENT: &str = env!("CARGO_BIN_EXE_ebpf-proxy");
+/// The agent binary `ebpf-proxy`, for `Command::new(AGENT)`; resolved on first use by
+/// [`agent_path`].
+pub const AGENT: AgentBin = AgentBin;
 pub const NETPROBE: &str = env!("CARGO_BIN_EXE_netprobe");
 pub const BPFFS: &str = "/sys/fs/bpf";
+
+/// Names the agent binary: a path-like value (`AsRef<OsStr>`) that [`agent_path`] resolves.
+#[derive(Clone, Copy, Debug)]
+pub struct AgentBin;
+
+impl AsRef<OsStr> for AgentBin {
+    fn as_ref(&self) -> &OsStr {
+        agent_path().as_os_str()
+    }
+}
+
+/// Where the agent binary is. It belongs to the `proxy-userspace` package, so cargo gives
+/// these tests (of `proxy-testkit`) no `CARGO_BIN_EXE_ebpf-proxy`. It is `$EBPF_PROXY_BIN`
+/// when set, else `ebpf-proxy` in the profile directory of this test executable
+/// (`target/<profile>/deps/<test>-<hash>` -> `target/<profile>/ebpf-proxy`), where `cargo
+/// xtask test` builds it before running the tests. Panics, naming the fix, when it is missing.
+pub fn agent_path() -> &'static Path {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let (path, from) = match std::env::var_os("EBPF_PROXY_BIN") {
+            Some(p) => (PathBuf::from(p), "$EBPF_PROXY_BIN"),
+            None => {
+                let exe = std::env::current_exe().expect("path of the test executable");
+                let profile = exe
+                    .parent()
+                    .and_then(Path::parent)
+                    .expect("test executable in target/<profile>/deps/");
+                (
+                    profile.join("ebpf-proxy"),
+                    "the test executable's target directory",
+                )
+            }
+        };
+        assert!(
+            path.is_file(),
+            "agent binary {} (from {from}) not found: run the tests with `cargo xtask test`, \
+             which builds it first, or build it with `cargo build --release -p proxy-userspace` \
+             (same profile as the tests), or set EBPF_PROXY_BIN to its path",
+            path.display()
+        );
+        path
+    })
+}
 
 /// One line of netprobe output.
 pub type Probe = serde_json::Value;

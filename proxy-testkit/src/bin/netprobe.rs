@@ -20,14 +20,31 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow, bail, ensure};
 use clap::{Parser, Subcommand};
-use proxy_userspace::testbed::{self, ChildGuard, Lab, Pod, TestCgroup};
+use proxy_testkit::testbed::{self, ChildGuard, Lab, Pod, TestCgroup};
 use serde_json::{Value, json};
 
 #[derive(Parser)]
 #[command(name = "netprobe", about = "Test and demo helper for ebpf-proxy")]
 struct Cli {
+    /// Run on this CPU only (per-CPU state in the data path, such as round-robin cursors,
+    /// is then observed without migrations between CPUs).
+    #[arg(long, global = true)]
+    cpu: Option<usize>,
     #[command(subcommand)]
     cmd: Cmd,
+}
+
+/// Pins the calling process to `cpu`.
+fn pin_to_cpu(cpu: usize) -> io::Result<()> {
+    // SAFETY: `set` is a plain bitmask owned by this frame; the kernel only reads it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
 }
 
 #[derive(Subcommand)]
@@ -100,6 +117,12 @@ enum Cmd {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Some(cpu) = cli.cpu
+        && let Err(e) = pin_to_cpu(cpu)
+    {
+        eprintln!("netprobe: pin to CPU {cpu}: {e}");
+        return ExitCode::FAILURE;
+    }
     let r = match cli.cmd {
         Cmd::Serve {
             name,

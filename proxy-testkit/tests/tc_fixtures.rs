@@ -4,7 +4,7 @@
 //! random and mutated packets. Needs root (BPF); runs in milliseconds.
 //!
 //! The maps are seeded from the Kubernetes objects in [`OBJECTS`] by
-//! `tcfix::Harness::seed`, the agent's own model and sync. Expected outputs are built from
+//! `tcfix::Harness::seed`, the agent's own model and reconciler. Expected outputs are built from
 //! scratch (checksums computed in userspace), so comparing bytes also checks the programs'
 //! incremental checksum updates.
 

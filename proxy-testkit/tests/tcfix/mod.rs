@@ -1,7 +1,7 @@
 //! Support of the packet-level tests of the tc programs: the real object loaded with its
-//! maps pinned in a private bpffs directory, maps seeded through the agent's own code
-//! ([`Harness::seed`]), packets built and checked byte by byte, and programs run through
-//! `BPF_PROG_TEST_RUN` (no namespaces, links or interfaces; nothing is attached).
+//! maps pinned in a private bpffs directory, maps seeded by the agent's own model and
+//! reconciler ([`Harness::seed`]), packets built and checked byte by byte, and programs run
+//! through `BPF_PROG_TEST_RUN` (no lab namespaces, links or interfaces; nothing is attached).
 //!
 //! Each harness runs in a thread of its own moved into a fresh network namespace
 //! ([`in_private_netns`]): `BPF_PROG_TEST_RUN` gives the program that namespace's loopback
@@ -12,30 +12,37 @@
 #![allow(dead_code)]
 
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet},
     net::{IpAddr, SocketAddr},
+    os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
+    time::{Duration, Instant},
 };
 
 use aya::{
     Ebpf,
-    maps::{Array, HashMap, LpmTrie, MapData, lpm_trie::Key},
+    maps::{HashMap, MapData},
     programs::{SchedClassifier, TestRun, TestRunOptions},
 };
-use proxy_common::nat::{
-    CONNTRACK, CtEntry, CtKey, IFACE_ADDRS, IfaceAddr, LOCAL_ENDPOINTS, SOURCE_RANGES, SourceRange,
-    TC_CONFIG, TcConfig,
+use proxy_common::{
+    Backend, BackendSlotKey, Config, Frontend, FrontendKey, MemberKey,
+    nat::{CONNTRACK, CtEntry, CtKey, IfaceAddr},
 };
 use proxy_userspace::{
+    config::DEFAULT_UDP_FLOW_TIMEOUT,
     datapath::{
+        Capacity, DatapathError, HealthServers, Interface, Interfaces, NodeMaps, NodeSnapshot,
+        Released, ServiceMaps, Snapshot, SourceRangeKey,
         addr::ip_to_bytes,
+        kernel::KernelDatapath,
         loader::{self, MapSizes},
         maps::PinnedMaps,
-        tc::{TcArgs, local_endpoints, node_ips, source_ranges, tc_config},
+        tc::{TcKernel, TcSettings},
     },
-    model::{self, DesiredState, NodeInfo},
+    healthcheck::HealthCheckServers,
+    model::{HealthCheck, Model, NodeInfo},
+    reconcile::{NodeConfig, Reconciler},
     source::{ObjectSet, manifests::parse_documents},
-    sync::Syncer,
 };
 
 pub const BPFFS: &str = "/sys/fs/bpf";
@@ -45,6 +52,8 @@ pub const DROP: i32 = 2;
 pub const REDIRECT: i32 = 7;
 /// The ifindex `BPF_PROG_TEST_RUN` gives a tc program: the namespace's loopback device.
 pub const TEST_IFINDEX: u32 = 1;
+/// Name under which the fixture's data path reports the interface of [`TEST_IFINDEX`].
+pub const TEST_IFNAME: &str = "fixture0";
 
 /// Runs `f` in a new thread moved into a new network namespace of its own (`unshare`
 /// affects the calling thread only); the namespace goes away with the thread. Panics of
@@ -65,6 +74,12 @@ pub fn in_private_netns<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'stati
     .unwrap_or_else(|e| std::panic::resume_unwind(e))
 }
 
+/// Whether the calling thread is in the root network namespace (that of PID 1).
+fn in_root_netns() -> bool {
+    let ino = |p: &str| std::fs::metadata(p).map(|m| m.ino()).ok();
+    ino("/proc/thread-self/ns/net") == ino("/proc/1/ns/net")
+}
+
 /// How the tc side of the agent is configured for a fixture.
 #[derive(Clone, Debug, Default)]
 pub struct TcOptions {
@@ -72,6 +87,138 @@ pub struct TcOptions {
     pub masquerade_all: bool,
     /// `--cluster-cidr`.
     pub cluster_cidrs: Vec<ipnet::IpNet>,
+}
+
+/// The data path the fixtures seed through the agent's reconciler: the agent's
+/// [`KernelDatapath`] on the harness's pinned maps for everything the reconciler writes
+/// (service maps, north-south maps; health-check servers, which the fixtures do not use),
+/// and a stand-in for the network namespace's interfaces. The programs run through
+/// `BPF_PROG_TEST_RUN` and see the packet arrive on [`TEST_IFINDEX`]; this data path
+/// reports that index as the node's one external interface [`TEST_IFNAME`], carrying the
+/// node's addresses, so the reconciler picks it and writes its SNAT addresses
+/// (`TC_IFACE_ADDRS`) by its own rule. "Attaching" to it only records the name: a test run
+/// needs no link. There are no routes, so no pod-facing interface is picked (as in the
+/// fixture's empty namespace).
+struct FixtureDatapath {
+    kernel: KernelDatapath,
+    /// The node's external interface, as [`Interfaces::interfaces`] reports it.
+    iface: Interface,
+    /// Interfaces the reconciler attached to (only ever [`TEST_IFNAME`]).
+    attached: BTreeSet<String>,
+}
+
+impl ServiceMaps for FixtureDatapath {
+    fn capacity(&self) -> Capacity {
+        self.kernel.capacity()
+    }
+    fn snapshot(&self) -> Result<Snapshot, DatapathError> {
+        self.kernel.snapshot()
+    }
+    fn put_frontend(&mut self, key: &FrontendKey, value: &Frontend) -> Result<(), DatapathError> {
+        self.kernel.put_frontend(key, value)
+    }
+    fn delete_frontend(&mut self, key: &FrontendKey) -> Result<(), DatapathError> {
+        self.kernel.delete_frontend(key)
+    }
+    fn put_slot(&mut self, key: &BackendSlotKey, backend_id: u32) -> Result<(), DatapathError> {
+        self.kernel.put_slot(key, backend_id)
+    }
+    fn delete_slot(&mut self, key: &BackendSlotKey) -> Result<(), DatapathError> {
+        self.kernel.delete_slot(key)
+    }
+    fn put_backend(&mut self, id: u32, value: &Backend) -> Result<(), DatapathError> {
+        self.kernel.put_backend(id, value)
+    }
+    fn delete_backend(&mut self, id: u32) -> Result<(), DatapathError> {
+        self.kernel.delete_backend(id)
+    }
+    fn put_name(&mut self, service_id: u32, name: &str) -> Result<(), DatapathError> {
+        self.kernel.put_name(service_id, name)
+    }
+    fn delete_name(&mut self, service_id: u32) -> Result<(), DatapathError> {
+        self.kernel.delete_name(service_id)
+    }
+    fn put_member(&mut self, key: &MemberKey) -> Result<(), DatapathError> {
+        self.kernel.put_member(key)
+    }
+    fn delete_member(&mut self, key: &MemberKey) -> Result<(), DatapathError> {
+        self.kernel.delete_member(key)
+    }
+    fn get_maglev(&self, service_id: u32) -> Result<Option<Vec<u32>>, DatapathError> {
+        self.kernel.get_maglev(service_id)
+    }
+    fn put_maglev(&mut self, service_id: u32, table: &[u32]) -> Result<(), DatapathError> {
+        self.kernel.put_maglev(service_id, table)
+    }
+    fn delete_maglev(&mut self, service_id: u32) -> Result<(), DatapathError> {
+        self.kernel.delete_maglev(service_id)
+    }
+    fn release_stale(
+        &mut self,
+        released: &[(u32, u32, Backend)],
+    ) -> Result<Released, DatapathError> {
+        self.kernel.release_stale(released)
+    }
+}
+
+impl NodeMaps for FixtureDatapath {
+    fn node_snapshot(&self) -> Result<NodeSnapshot, DatapathError> {
+        self.kernel.node_snapshot()
+    }
+    fn put_local_endpoint(&mut self, addr: &[u8; 16]) -> Result<(), DatapathError> {
+        self.kernel.put_local_endpoint(addr)
+    }
+    fn delete_local_endpoint(&mut self, addr: &[u8; 16]) -> Result<(), DatapathError> {
+        self.kernel.delete_local_endpoint(addr)
+    }
+    fn put_source_range(&mut self, key: &SourceRangeKey, value: u32) -> Result<(), DatapathError> {
+        self.kernel.put_source_range(key, value)
+    }
+    fn delete_source_range(&mut self, key: &SourceRangeKey) -> Result<(), DatapathError> {
+        self.kernel.delete_source_range(key)
+    }
+    fn put_iface_addr(&mut self, ifindex: u32, value: &IfaceAddr) -> Result<(), DatapathError> {
+        self.kernel.put_iface_addr(ifindex, value)
+    }
+    fn delete_iface_addr(&mut self, ifindex: u32) -> Result<(), DatapathError> {
+        self.kernel.delete_iface_addr(ifindex)
+    }
+}
+
+impl Interfaces for FixtureDatapath {
+    fn interfaces(&self) -> anyhow::Result<BTreeMap<String, Interface>> {
+        Ok(BTreeMap::from([(
+            TEST_IFNAME.to_string(),
+            self.iface.clone(),
+        )]))
+    }
+    fn route_device(&self, _ip: &IpAddr) -> Option<String> {
+        None
+    }
+    fn attached(&self) -> BTreeSet<String> {
+        self.attached.clone()
+    }
+    fn attach(&mut self, name: &str) -> anyhow::Result<()> {
+        anyhow::ensure!(name == TEST_IFNAME, "no interface {name:?} in the fixture");
+        self.attached.insert(name.to_string());
+        Ok(())
+    }
+    fn detach(&mut self, name: &str) -> anyhow::Result<()> {
+        self.attached.remove(name);
+        Ok(())
+    }
+}
+
+impl HealthServers for FixtureDatapath {
+    fn serve_health(&mut self, port: u16, check: &HealthCheck) -> std::io::Result<()> {
+        self.kernel.serve_health(port, check)
+    }
+    fn update_health(&mut self, port: u16, check: &HealthCheck) {
+        self.kernel.update_health(port, check)
+    }
+    fn stop_health(&mut self, port: u16) {
+        self.kernel.stop_health(port)
+    }
 }
 
 /// The object with maps pinned under a private directory and the tc programs loaded.
@@ -83,7 +230,14 @@ pub struct Harness {
 impl Harness {
     /// Loads the embedded object with small maps pinned under `/sys/fs/bpf/<name>` (a
     /// leftover of an earlier run removed first) and loads the tc programs into the kernel.
+    ///
+    /// Must run in a private network namespace ([`in_private_netns`]), so the programs'
+    /// FIB lookups see an empty namespace.
     pub fn new(name: &str) -> Harness {
+        assert!(
+            !in_root_netns(),
+            "the tc packet fixtures run in a private network namespace: call Harness::new inside in_private_netns"
+        );
         assert!(
             !loader::OBJECT.is_empty(),
             "built without the eBPF object: run `cargo xtask test`"
@@ -110,16 +264,18 @@ impl Harness {
         Harness { dir, ebpf }
     }
 
-    /// Seeds the maps as the agent does for the objects in `yaml` on node `node`: the
-    /// desired state from `model::build`, written by `sync::Syncer` over the pinned maps;
-    /// the tc maps (configuration, node-local endpoints, source ranges, the SNAT addresses
-    /// of the interface) from the same functions `datapath::tc` writes them with. The
-    /// interface is [`TEST_IFINDEX`], with this node's first InternalIP of each family.
-    /// Returns the desired state.
+    /// Seeds the maps as the agent does for the objects in `yaml` on node `node`: a
+    /// [`Model`] fed every object and committed; the configurations written (`CONFIG`, and
+    /// `TC_CONFIG` by [`TcKernel::new`] from `tc`); then the agent's first reconcile over
+    /// the pinned maps: [`Reconciler::adopt`], [`Reconciler::apply_all`] (service maps,
+    /// node-local endpoints, source ranges, interfaces and their SNAT addresses) and
+    /// [`Reconciler::verify`]. Every map write goes through the agent's
+    /// [`KernelDatapath`]; only the interfaces are the fixture's ([`FixtureDatapath`]).
+    /// Returns the model.
     ///
     /// This is the one place that knows how the agent fills the maps: when the agent's
     /// reconciler API changes, only this function changes.
-    pub fn seed(&self, yaml: &str, node: &str, tc: &TcOptions) -> DesiredState {
+    pub fn seed(&self, yaml: &str, node: &str, tc: &TcOptions) -> Model {
         let (objs, errors) = parse_documents("fixture.yaml", yaml);
         assert!(errors.is_empty(), "fixture errors: {errors:?}");
         let mut objects = ObjectSet::default();
@@ -130,52 +286,68 @@ impl Harness {
             name: node.into(),
             ..Default::default()
         };
-        let (state, errors) = model::build(&objects, &node);
-        assert!(errors.is_empty(), "model errors: {errors:?}");
-        let mut maps = PinnedMaps::open(&self.dir).expect("open the pinned maps");
-        let mut syncer = Syncer::adopt(&maps).expect("adopt");
-        syncer.sync(&mut maps, &state).expect("sync");
+        let model = Model::from_objects(&objects, &node);
+        assert!(
+            model.errors().is_empty(),
+            "model errors: {:?}",
+            model.errors()
+        );
+        assert!(
+            model.health_checks().is_empty(),
+            "a healthCheckNodePort server needs a tokio runtime, which the fixtures do not run"
+        );
 
-        let args = TcArgs {
+        let maps = PinnedMaps::open(&self.dir).expect("open the pinned maps");
+        maps.write_config(&Config {
+            udp_flow_timeout_ns: DEFAULT_UDP_FLOW_TIMEOUT.as_nanos() as u64,
+            _reserved: 0,
+        })
+        .expect("write CONFIG");
+        let settings = TcSettings {
             masquerade_all: tc.masquerade_all,
             ..Default::default()
         };
-        let mut cfg: Array<MapData, TcConfig> = self.map(TC_CONFIG);
-        cfg.set(0, tc_config(&args, &tc.cluster_cidrs), 0)
-            .expect("write TC_CONFIG");
-        let mut local: HashMap<MapData, [u8; 16], u32> = self.map(LOCAL_ENDPOINTS);
-        for ip in local_endpoints(&objects, &node) {
-            local.insert(ip_to_bytes(ip), 1, 0).expect("write local");
-        }
-        let mut errors = Vec::new();
-        let mut ranges: LpmTrie<MapData, SourceRange, u32> = self.map(SOURCE_RANGES);
-        for ((len, data), v) in source_ranges(&objects, &state, &mut errors) {
-            ranges
-                .insert(&Key::new(len, data), v, 0)
-                .expect("write ranges");
-        }
-        assert!(errors.is_empty(), "source range errors: {errors:?}");
-        let ips = node_ips(&objects, &node);
-        let first = |v4: bool| {
-            ips.iter()
-                .find(|ip| ip.is_ipv4() == v4)
-                .map(|ip| ip_to_bytes(*ip))
-                .unwrap_or([0; 16])
+        let tc_kernel = TcKernel::new(
+            &self.dir,
+            &settings,
+            &tc.cluster_cidrs,
+            DEFAULT_UDP_FLOW_TIMEOUT,
+        )
+        .expect("write TC_CONFIG, open the tc maps");
+        let config = NodeConfig {
+            interfaces: Vec::new(),
+            snat_local: tc_kernel.snat_local(),
         };
-        let mut ifaces: HashMap<MapData, u32, IfaceAddr> = self.map(IFACE_ADDRS);
-        ifaces
-            .insert(
-                TEST_IFINDEX,
-                IfaceAddr {
-                    v4: first(true),
-                    v6: first(false),
-                    flags: 0,
-                    _pad: 0,
-                },
-                0,
-            )
-            .expect("write iface");
-        state
+        let mut dp = FixtureDatapath {
+            kernel: KernelDatapath {
+                maps,
+                tc: tc_kernel,
+                health: HealthCheckServers::default(),
+            },
+            iface: Interface {
+                index: TEST_IFINDEX,
+                addrs: model.node().addresses.iter().map(|a| a.ip).collect(),
+            },
+            attached: BTreeSet::new(),
+        };
+        let mut reconciler =
+            Reconciler::adopt(&dp, config, Duration::from_secs(30)).expect("adopt the maps");
+        let now = Instant::now();
+        let out = reconciler.apply_all(&mut dp, &model, now);
+        assert!(out.failed.is_empty(), "reconcile: {:?}", out.failed);
+        let v = reconciler.verify(&mut dp, &model, now);
+        assert!(v.failed.is_empty(), "verify: {:?}", v.failed);
+        assert!(
+            reconciler.node.errors().is_empty(),
+            "reconcile: {:?}",
+            reconciler.node.errors()
+        );
+        assert_eq!(
+            reconciler.node.interfaces().collect::<Vec<_>>(),
+            [TEST_IFNAME],
+            "the reconciler picks the fixture's interface"
+        );
+        model
     }
 
     /// Opens a pinned map of the harness.

@@ -40,8 +40,8 @@ use proxy_common::{
     ALL_MAPS, BACKEND_SLOTS, BACKENDS, Backend, BackendSlotKey, FRONTENDS, Frontend, FrontendKey,
     PROTO_TCP,
 };
+use proxy_testkit::testbed::{self, ChildGuard, Lab, Pod, TestCgroup};
 use proxy_userspace::datapath::loader;
-use proxy_userspace::testbed::{self, ChildGuard, Lab, Pod, TestCgroup};
 use report::{Case, Results, Sample};
 use rules::Svc;
 

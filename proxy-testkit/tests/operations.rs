@@ -17,7 +17,8 @@ use std::{
 };
 
 use common::*;
-use proxy_userspace::{datapath::loader, testbed};
+use proxy_testkit::testbed;
+use proxy_userspace::datapath::loader;
 
 const VIP: &str = "198.19.0.10";
 

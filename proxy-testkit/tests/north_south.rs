@@ -31,10 +31,10 @@ use std::{
 };
 
 use common::{AGENT, BPFFS, NETPROBE};
-use proxy_userspace::{
-    datapath::{loader, tc},
-    testbed::{ChildGuard, Netns, TestCgroup, ensure_bpffs, in_netns, is_root, output_in},
+use proxy_testkit::testbed::{
+    ChildGuard, Netns, TestCgroup, ensure_bpffs, in_netns, is_root, output_in,
 };
+use proxy_userspace::datapath::{loader, tc};
 
 const NODE_A: &str = "198.18.100.1";
 const NODE_B: &str = "198.18.100.2";
@@ -465,7 +465,7 @@ fn nodeport_external_and_lb_ips_with_snat_to_remote_backends() {
     let per = proxy_userspace::datapath::maps::read_service_stats(&lab.agents[0].pin).unwrap();
     let names = proxy_userspace::datapath::maps::PinnedMaps::open(&lab.agents[0].pin)
         .and_then(|m| {
-            use proxy_userspace::datapath::Datapath;
+            use proxy_userspace::datapath::ServiceMaps;
             m.snapshot()
         })
         .unwrap()
@@ -1056,8 +1056,8 @@ fn affinity_and_algorithms_apply_to_node_ports_and_lb_ips() {
     drop((first, again, third, fourth));
 
     // Source hashing on the node port: one client address always gets the same backend.
-    web_with(&lab, "ebpf-proxy.io/lb-algorithm: source-hash", "", &local);
     let n = lab.agents[0].syncs();
+    web_with(&lab, "ebpf-proxy.io/lb-algorithm: source-hash", "", &local);
     lab.agents[0].wait_sync_after(n);
     let names: std::collections::BTreeSet<String> =
         (0..12).map(|_| tcp_whoami(&c, &np, T).unwrap().0).collect();
@@ -1069,8 +1069,8 @@ fn affinity_and_algorithms_apply_to_node_ports_and_lb_ips() {
 
     // Round-robin on the node port: per-CPU cursors, so each backend gets its share within
     // one per CPU of an even split.
-    web_with(&lab, "ebpf-proxy.io/lb-algorithm: round-robin", "", &local);
     let n = lab.agents[0].syncs();
+    web_with(&lab, "ebpf-proxy.io/lb-algorithm: round-robin", "", &local);
     lab.agents[0].wait_sync_after(n);
     let mut seen = std::collections::BTreeMap::<String, usize>::new();
     for _ in 0..30 {

@@ -1,0 +1,12 @@
+//! Test and demo support for ebpf-proxy; a workspace crate that is never shipped, so the
+//! agent (`proxy-userspace`) neither compiles this code nor depends on what it uses.
+//!
+//! - [`testbed`]: RAII network namespaces, a bridge lab of pod namespaces, a test cgroup.
+//! - [`fakeapi`]: a list/watch server that behaves like kube-apiserver.
+//!
+//! Its binaries are `netprobe` (test servers and clients, and the demo) and, with the
+//! `bench` feature, `ebpf-proxy-bench`. Its `tests/` are the privileged integration tests:
+//! they run the agent binary `ebpf-proxy` of `proxy-userspace` (see `tests/common`).
+
+pub mod fakeapi;
+pub mod testbed;

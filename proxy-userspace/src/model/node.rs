@@ -1,0 +1,106 @@
+//! This node's `v1` Node object, read once into [`NodeState`]: its addresses with the roles
+//! they play (node ports, SNAT and the choice of external interfaces) and its zone.
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::Node;
+
+use super::service::usable_vip;
+use super::{Family, ModelError, NodeInfo, ZONE_LABEL};
+
+/// One `InternalIP` or `ExternalIP` of this node's `status.addresses`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeAddress {
+    /// The address.
+    pub ip: IpAddr,
+    /// `InternalIP` (true) or `ExternalIP` (false).
+    pub internal: bool,
+    /// Node ports are served on it: inside `--nodeport-addresses` (every address when unset;
+    /// with `primary`, only the first `InternalIP` of each family).
+    pub node_port: bool,
+}
+
+/// What the model reads from this node's Node object. The default (no Node object) has no
+/// address and no zone.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeState {
+    /// The `topology.kubernetes.io/zone` label, "" when unset.
+    pub zone: String,
+    /// Usable `InternalIP` and `ExternalIP` addresses, in `status.addresses` order. They
+    /// pick the external interfaces (those carrying one) and their SNAT addresses.
+    pub addresses: Vec<NodeAddress>,
+    /// Addresses that could not be used (reported).
+    pub errors: Vec<ModelError>,
+}
+
+impl NodeState {
+    /// Reads the Node object (`origin`: its file or "api") with the node-port address rules
+    /// of `config` (`--nodeport-addresses`).
+    pub fn read(origin: &Arc<str>, n: &Node, config: &NodeInfo) -> NodeState {
+        let zone = n
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(ZONE_LABEL))
+            .cloned()
+            .unwrap_or_default();
+        let mut addresses = Vec::new();
+        let mut errors = Vec::new();
+        let mut primary_seen: BTreeSet<Family> = BTreeSet::new();
+        let listed = n.status.as_ref().and_then(|s| s.addresses.as_ref());
+        for a in listed.into_iter().flatten() {
+            if a.type_ != "InternalIP" && a.type_ != "ExternalIP" {
+                continue;
+            }
+            let ip = match a.address.parse::<IpAddr>() {
+                Ok(ip) if usable_vip(&ip) => ip,
+                _ => {
+                    errors.push(ModelError::object(
+                        origin.to_string(),
+                        "Node",
+                        "",
+                        config.name.clone(),
+                        format!(
+                            "status.addresses {} {:?} is not a usable IP address; skipped for node ports",
+                            a.type_, a.address
+                        ),
+                    ));
+                    continue;
+                }
+            };
+            let internal = a.type_ == "InternalIP";
+            let node_port = if config.nodeport_primary {
+                internal && primary_seen.insert(Family::of(&ip))
+            } else {
+                config.nodeport_addresses.is_empty()
+                    || config.nodeport_addresses.iter().any(|c| c.contains(&ip))
+            };
+            addresses.push(NodeAddress {
+                ip,
+                internal,
+                node_port,
+            });
+        }
+        NodeState {
+            zone,
+            addresses,
+            errors,
+        }
+    }
+
+    /// The addresses node ports are served on.
+    pub fn node_port_ips(&self) -> BTreeSet<IpAddr> {
+        self.addresses
+            .iter()
+            .filter(|a| a.node_port)
+            .map(|a| a.ip)
+            .collect()
+    }
+
+    /// Every usable `InternalIP`/`ExternalIP` address.
+    pub fn ips(&self) -> BTreeSet<IpAddr> {
+        self.addresses.iter().map(|a| a.ip).collect()
+    }
+}

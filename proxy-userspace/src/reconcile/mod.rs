@@ -1,0 +1,602 @@
+//! The one reconciler: it programs every part of the data path from the model — the service
+//! maps ([`services`]), the north-south maps, interfaces and health-check servers ([`node`])
+//! — through the [`Datapath`] seam, so the whole control plane runs against the in-memory
+//! fake in tests.
+//!
+//! - **Per change.** [`Reconciler::apply`] programs what one [`Delta`] of the model names:
+//!   the changed Service ports and the changed node facts; its cost does not grow with the
+//!   number of Services.
+//! - **Status per Service port.** A Service port is applied, or failed: its Service did not
+//!   fit a map (refused whole, nothing written) or a map write failed. A failed port keeps
+//!   what it had in the maps, is reported, and is retried with exponential backoff (1 s,
+//!   doubling, at most the resync period), with the model's state at the time of the retry.
+//!   A map write that failed half-way is followed by a verification before the retry.
+//! - **Verify and repair.** [`Reconciler::verify`] (every `--sync-period`) compares the
+//!   maps themselves with what was applied and repairs every difference: entries changed
+//!   behind the agent's back, leftovers of an interrupted write, entries nothing claims after
+//!   a restart; it also re-evaluates the interfaces and retries health-check ports.
+//! - **Restart.** [`Reconciler::adopt`] restores the service ids, backend ids and what each
+//!   key holds from the pinned maps, so the first full pass ([`Reconciler::apply_all`])
+//!   rewrites nothing that did not change.
+
+#[cfg(test)]
+mod equivalence;
+pub mod node;
+pub mod services;
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    time::{Duration, Instant},
+};
+
+use crate::{
+    datapath::{Datapath, DatapathError, Released},
+    model::{Delta, Model, ServicePortKey},
+};
+pub use node::{NodeConfig, NodeReconciler};
+pub use services::{Report, ServiceReconciler, parse_service_name, service_name};
+
+/// First retry delay of a failed Service port.
+pub const RETRY_MIN: Duration = Duration::from_secs(1);
+
+/// Why a Service port is not applied, and when it is tried again.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Failure {
+    /// What went wrong (names the map and the flag for a full map).
+    pub error: String,
+    /// Failed attempts in a row.
+    pub attempts: u32,
+    /// When it is retried.
+    pub retry_at: Instant,
+}
+
+/// What one reconciler call did.
+#[derive(Clone, Debug, Default)]
+pub struct Outcome {
+    /// Service map writes and deletes, keys applied, UDP backends released.
+    pub report: Report,
+    /// Entries repaired by a verification (writes and deletes).
+    pub repaired: Report,
+    /// North-south map entries, interfaces and servers changed.
+    pub node_changes: usize,
+    /// Services that failed in this call: ("namespace/name", error).
+    pub failed: Vec<(String, String)>,
+    /// Services that had failed and are applied now.
+    pub recovered: Vec<String>,
+    /// What releasing the UDP state of removed backends did, or why it failed.
+    pub released: Option<Result<Released, String>>,
+    /// Wall time of the call.
+    pub duration: Duration,
+}
+
+/// The reconciler; see the module documentation.
+#[derive(Debug)]
+pub struct Reconciler {
+    /// The service maps.
+    pub services: ServiceReconciler,
+    /// The node's part.
+    pub node: NodeReconciler,
+    failed: BTreeMap<ServicePortKey, Failure>,
+    /// A map write failed half-way: verify before retrying.
+    needs_verify: bool,
+    max_backoff: Duration,
+}
+
+impl Reconciler {
+    /// Restores what the pinned maps hold. `max_backoff` bounds the retry delay of failed
+    /// Service ports (the resync period).
+    pub fn adopt(
+        dp: &impl Datapath,
+        node: NodeConfig,
+        max_backoff: Duration,
+    ) -> Result<Self, DatapathError> {
+        Ok(Reconciler {
+            services: ServiceReconciler::adopt(dp)?,
+            node: NodeReconciler::adopt(dp, node)?,
+            failed: BTreeMap::new(),
+            needs_verify: false,
+            max_backoff: max_backoff.max(RETRY_MIN),
+        })
+    }
+
+    /// Failed Service ports.
+    pub fn failed(&self) -> &BTreeMap<ServicePortKey, Failure> {
+        &self.failed
+    }
+
+    /// When the next retry is due.
+    pub fn next_retry(&self) -> Option<Instant> {
+        self.failed.values().map(|f| f.retry_at).min()
+    }
+
+    /// Programs what the model's last commit changed.
+    pub fn apply(
+        &mut self,
+        dp: &mut impl Datapath,
+        model: &Model,
+        delta: &Delta,
+        now: Instant,
+    ) -> Outcome {
+        let start = Instant::now();
+        let mut out = Outcome::default();
+        self.apply_keys(dp, model, delta.ports.iter(), now, &mut out);
+        if delta.local_endpoints_changed {
+            let r = self.node.apply_local(
+                dp,
+                &delta.local_endpoints_added,
+                &delta.local_endpoints_removed,
+            );
+            Self::node_result(&mut out, "local endpoints", r);
+        }
+        if delta.source_ranges_changed {
+            Self::node_result(&mut out, "source ranges", self.node.sync_ranges(dp, model));
+        }
+        if delta.health_changed {
+            self.node.sync_health(dp, model);
+        }
+        if delta.node_changed
+            || self
+                .node
+                .needs_pod_interface(dp, &delta.local_endpoints_added)
+        {
+            out.node_changes += self.node.sync_interfaces(dp, model);
+        }
+        self.release(dp, &mut out);
+        out.duration = start.elapsed();
+        out
+    }
+
+    /// Programs every Service port of the model and removes the ports it no longer has (the
+    /// first pass after a start), and every node fact.
+    pub fn apply_all(&mut self, dp: &mut impl Datapath, model: &Model, now: Instant) -> Outcome {
+        let start = Instant::now();
+        let mut out = Outcome::default();
+        let mut keys: BTreeSet<ServicePortKey> = model.ports().keys().cloned().collect();
+        keys.extend(self.services.keys().cloned());
+        self.apply_keys(dp, model, keys.iter(), now, &mut out);
+        Self::node_result(&mut out, "local endpoints", self.node.sync_local(dp, model));
+        Self::node_result(&mut out, "source ranges", self.node.sync_ranges(dp, model));
+        self.node.sync_health(dp, model);
+        out.node_changes += self.node.sync_interfaces(dp, model);
+        self.release(dp, &mut out);
+        out.duration = start.elapsed();
+        out
+    }
+
+    /// Compares the maps with what was applied and repairs them; re-evaluates interfaces,
+    /// retries health-check ports, then retries every failed Service port.
+    pub fn verify(&mut self, dp: &mut impl Datapath, model: &Model, now: Instant) -> Outcome {
+        let start = Instant::now();
+        let mut out = Outcome::default();
+        self.verify_into(dp, model, &mut out);
+        let due: Vec<ServicePortKey> = self.failed.keys().cloned().collect();
+        self.apply_keys(dp, model, due.iter(), now, &mut out);
+        self.release(dp, &mut out);
+        out.duration = start.elapsed();
+        out
+    }
+
+    fn verify_into(&mut self, dp: &mut impl Datapath, model: &Model, out: &mut Outcome) {
+        match self.services.verify(dp) {
+            Ok(r) => {
+                out.repaired.add(r);
+                self.needs_verify = false;
+            }
+            Err(e) => out.failed.push(("(verification)".into(), e.to_string())),
+        }
+        Self::node_result(out, "north-south maps", self.node.verify(dp, model));
+        // What a failed write left out is applied now.
+        Self::node_result(out, "local endpoints", self.node.sync_local(dp, model));
+        Self::node_result(out, "source ranges", self.node.sync_ranges(dp, model));
+        self.node.sync_health(dp, model);
+    }
+
+    /// Retries the failed Service ports whose time has come.
+    pub fn retry(&mut self, dp: &mut impl Datapath, model: &Model, now: Instant) -> Outcome {
+        let start = Instant::now();
+        let mut out = Outcome::default();
+        let due: Vec<ServicePortKey> = self
+            .failed
+            .iter()
+            .filter(|(_, f)| f.retry_at <= now)
+            .map(|(k, _)| k.clone())
+            .collect();
+        if !due.is_empty() {
+            if self.needs_verify {
+                self.verify_into(dp, model, &mut out);
+            }
+            self.apply_keys(dp, model, due.iter(), now, &mut out);
+            self.release(dp, &mut out);
+        }
+        out.duration = start.elapsed();
+        out
+    }
+
+    fn node_result(out: &mut Outcome, what: &str, r: Result<usize, DatapathError>) {
+        match r {
+            Ok(n) => out.node_changes += n,
+            Err(e) => out.failed.push((format!("({what})"), e.to_string())),
+        }
+    }
+
+    /// Applies `keys` (sorted, so the keys of one Service are adjacent) Service by Service.
+    fn apply_keys<'a>(
+        &mut self,
+        dp: &mut impl Datapath,
+        model: &Model,
+        keys: impl Iterator<Item = &'a ServicePortKey>,
+        now: Instant,
+        out: &mut Outcome,
+    ) {
+        let mut group: Vec<&ServicePortKey> = Vec::new();
+        let mut flush = |this: &mut Self, group: &mut Vec<&ServicePortKey>, out: &mut Outcome| {
+            if group.is_empty() {
+                return;
+            }
+            let items: Vec<_> = group
+                .iter()
+                .map(|k| ((*k).clone(), model.port(k)))
+                .collect();
+            let service = format!("{}/{}", group[0].namespace, group[0].name);
+            match this.services.apply_service(dp, &items, &mut out.report) {
+                Ok(()) => {
+                    let mut recovered = false;
+                    for k in group.iter() {
+                        recovered |= this.failed.remove(*k).is_some();
+                    }
+                    if recovered {
+                        out.recovered.push(service);
+                    }
+                }
+                Err(e) => {
+                    if !matches!(e, DatapathError::Full { .. }) {
+                        this.needs_verify = true;
+                    }
+                    let error = e.to_string();
+                    for k in group.iter() {
+                        let attempts = this.failed.get(*k).map(|f| f.attempts).unwrap_or(0) + 1;
+                        let delay = RETRY_MIN
+                            .saturating_mul(1 << (attempts - 1).min(16))
+                            .min(this.max_backoff);
+                        this.failed.insert(
+                            (*k).clone(),
+                            Failure {
+                                error: error.clone(),
+                                attempts,
+                                retry_at: now + delay,
+                            },
+                        );
+                    }
+                    out.failed.push((service, error));
+                }
+            }
+            group.clear();
+        };
+        for k in keys {
+            if group
+                .first()
+                .is_some_and(|g| g.namespace != k.namespace || g.name != k.name)
+            {
+                flush(self, &mut group, out);
+            }
+            group.push(k);
+        }
+        flush(self, &mut group, out);
+    }
+
+    fn release(&mut self, dp: &mut impl Datapath, out: &mut Outcome) {
+        if out.report.released.is_empty() {
+            return;
+        }
+        out.released = Some(
+            dp.release_stale(&out.report.released)
+                .map_err(|e| e.to_string()),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::datapath::{
+        Capacity, Interface,
+        fake::{FakeDatapath, Op},
+    };
+    use crate::model::NodeInfo;
+    use crate::source::{Change, Kind, manifests::parse_documents};
+
+    fn model_of(yaml: &str) -> Model {
+        let mut m = Model::new(NodeInfo {
+            name: "node-1".into(),
+            ..Default::default()
+        });
+        apply(&mut m, yaml);
+        m
+    }
+
+    fn apply(m: &mut Model, yaml: &str) {
+        let (objs, errors) = parse_documents("t.yaml", yaml);
+        assert!(errors.is_empty(), "{errors:?}");
+        for o in objs {
+            m.apply(Change::Apply(o));
+        }
+    }
+
+    fn svc(name: &str, ip: &str, endpoints: &[&str]) -> String {
+        let eps: Vec<String> = endpoints
+            .iter()
+            .map(|e| format!("{{addresses: [{e}], nodeName: node-2}}"))
+            .collect();
+        format!(
+            "---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: ns}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-1, namespace: ns, labels: {{kubernetes.io/service-name: {name}}}}}\naddressType: IPv4\nendpoints: [{}]\nports: [{{port: 8080}}]\n",
+            eps.join(", ")
+        )
+    }
+
+    fn cap(slots: u32) -> Capacity {
+        Capacity {
+            frontends: 100,
+            slots,
+            backends: 100,
+            services: 100,
+        }
+    }
+
+    #[test]
+    fn a_service_that_does_not_fit_fails_alone_and_is_retried_with_backoff() {
+        let mut dp = FakeDatapath::new(cap(3));
+        let mut r = Reconciler::adopt(&dp, NodeConfig::default(), Duration::from_secs(30)).unwrap();
+        let mut m = model_of(&(svc("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"])));
+        m.commit();
+        let t0 = Instant::now();
+        assert!(r.apply_all(&mut dp, &m, t0).failed.is_empty());
+        // b needs 2 slots, 1 is left: b fails whole, c (1 slot) is applied.
+        apply(&mut m, &svc("b", "10.96.0.2", &["10.0.0.3", "10.0.0.4"]));
+        apply(&mut m, &svc("c", "10.96.0.3", &["10.0.0.5"]));
+        let d = m.commit();
+        let out = r.apply(&mut dp, &m, &d, t0);
+        assert_eq!(out.failed.len(), 1, "{:?}", out.failed);
+        assert_eq!(out.failed[0].0, "ns/b");
+        assert!(
+            out.failed[0].1.contains("BACKEND_SLOTS")
+                && out.failed[0].1.contains("--max-backend-slots")
+        );
+        assert_eq!(dp.state.slots.len(), 3);
+        assert!(
+            dp.state.names.values().all(|n| !n.starts_with("ns/b:")),
+            "nothing of b is written"
+        );
+        let f = r.failed().values().next().unwrap().clone();
+        assert_eq!((f.attempts, f.retry_at), (1, t0 + RETRY_MIN));
+        // Retried before its time: nothing; at its time, still no room: the delay doubles.
+        assert!(r.retry(&mut dp, &m, t0).failed.is_empty());
+        let out = r.retry(&mut dp, &m, t0 + RETRY_MIN);
+        assert_eq!(out.failed.len(), 1);
+        let f = r.failed().values().next().unwrap().clone();
+        assert_eq!(
+            (f.attempts, f.retry_at),
+            (2, t0 + RETRY_MIN + 2 * RETRY_MIN)
+        );
+        // a goes away: room for b at its next retry.
+        m.apply(Change::Delete(Kind::Service, ("ns".into(), "a".into())));
+        let d = m.commit();
+        r.apply(&mut dp, &m, &d, t0 + 2 * RETRY_MIN);
+        let out = r.retry(&mut dp, &m, f.retry_at);
+        assert_eq!(out.recovered, vec!["ns/b".to_string()]);
+        assert!(r.failed().is_empty());
+        assert_eq!(dp.state.slots.len(), 3);
+        assert_eq!(
+            r.verify(&mut dp, &m, f.retry_at).repaired,
+            Report::default()
+        );
+    }
+
+    #[test]
+    fn backoff_is_bounded_by_the_resync_period() {
+        let mut dp = FakeDatapath::new(cap(0));
+        let mut r = Reconciler::adopt(&dp, NodeConfig::default(), Duration::from_secs(5)).unwrap();
+        let mut m = model_of(&svc("a", "10.96.0.1", &["10.0.0.1"]));
+        m.commit();
+        let mut t = Instant::now();
+        r.apply_all(&mut dp, &m, t);
+        for _ in 0..10 {
+            t = r.next_retry().unwrap();
+            r.retry(&mut dp, &m, t);
+        }
+        let f = r.failed().values().next().unwrap();
+        assert_eq!(f.retry_at - t, Duration::from_secs(5));
+    }
+
+    #[test]
+    fn a_write_that_failed_half_way_is_verified_before_the_retry() {
+        let mut dp = FakeDatapath::new(cap(100));
+        let mut r = Reconciler::adopt(&dp, NodeConfig::default(), Duration::from_secs(30)).unwrap();
+        let mut m = model_of(&svc("a", "10.96.0.1", &["10.0.0.1"]));
+        m.commit();
+        let t0 = Instant::now();
+        r.apply_all(&mut dp, &m, t0);
+        // Two new backends: the second backend write fails.
+        apply(&mut m, &svc("a", "10.96.0.1", &["10.0.0.2", "10.0.0.3"]));
+        let d = m.commit();
+        dp.fail_after = Some(1);
+        let out = r.apply(&mut dp, &m, &d, t0);
+        assert_eq!(out.failed.len(), 1, "{:?}", out.failed);
+        assert!(
+            out.failed[0].1.contains("EIO") || out.failed[0].1.contains("Input/output"),
+            "{:?}",
+            out.failed
+        );
+        // The old backend set still serves: the frontend was not rewritten.
+        let fe = dp.state.frontends.values().find(|f| f.flags == 0).unwrap();
+        assert_eq!(fe.backend_count, 1);
+        // The retry verifies first (the half-written backend goes), then applies.
+        let out = r.retry(&mut dp, &m, r.next_retry().unwrap());
+        assert_eq!(out.repaired.deletes, 1, "{:?}", dp.log);
+        assert!(out.failed.is_empty() && r.failed().is_empty());
+        let fe = dp.state.frontends.values().find(|f| f.flags == 0).unwrap();
+        assert_eq!(fe.backend_count, 2);
+        assert_eq!(dp.state.backends.len(), 2);
+        assert_eq!(
+            r.verify(&mut dp, &m, Instant::now()).repaired,
+            Report::default()
+        );
+    }
+
+    #[test]
+    fn verification_repairs_entries_changed_behind_the_agents_back() {
+        let mut dp = FakeDatapath::new(cap(100));
+        let mut r = Reconciler::adopt(&dp, NodeConfig::default(), Duration::from_secs(30)).unwrap();
+        let mut m = model_of(&svc("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"]));
+        m.commit();
+        r.apply_all(&mut dp, &m, Instant::now());
+        let good = dp.state.clone();
+        // Someone deletes a slot and adds a frontend nothing claims.
+        let slot = *dp.state.slots.keys().next().unwrap();
+        dp.state.slots.remove(&slot);
+        let mut stray = *dp.state.frontends.keys().find(|k| k.proto == 6).unwrap();
+        stray.port = [0, 81];
+        dp.state
+            .frontends
+            .insert(stray, proxy_common::Frontend::default());
+        let out = r.verify(&mut dp, &m, Instant::now());
+        assert_eq!((out.repaired.writes, out.repaired.deletes), (1, 1));
+        assert_eq!(dp.state, good);
+    }
+
+    fn node_yaml(addrs: &[&str]) -> String {
+        let a: Vec<String> = addrs
+            .iter()
+            .map(|a| format!("{{type: InternalIP, address: '{a}'}}"))
+            .collect();
+        format!(
+            "---\napiVersion: v1\nkind: Node\nmetadata: {{name: node-1}}\nstatus: {{addresses: [{}]}}\n",
+            a.join(", ")
+        )
+    }
+
+    fn lab() -> FakeDatapath {
+        let mut dp = FakeDatapath::new(cap(100));
+        for (name, index, addrs) in [
+            ("lo", 1, vec!["127.0.0.1"]),
+            ("eth0", 2, vec!["192.168.1.5", "fe80::1", "fd00::5"]),
+            ("eth1", 3, vec!["192.168.2.5"]),
+            ("br0", 4, vec!["10.0.0.254"]),
+        ] {
+            dp.interfaces.insert(
+                name.into(),
+                Interface {
+                    index,
+                    addrs: addrs.iter().map(|a| a.parse().unwrap()).collect(),
+                },
+            );
+        }
+        dp.routes
+            .push(("10.0.0.0".parse().unwrap(), 24, "br0".into()));
+        dp
+    }
+
+    #[test]
+    fn interfaces_follow_the_node_addresses_and_pods_behind_snat() {
+        let mut dp = lab();
+        // An earlier agent left programs on eth1.
+        dp.attached.insert("eth1".into());
+        let config = NodeConfig {
+            interfaces: Vec::new(),
+            snat_local: true,
+        };
+        let mut r = Reconciler::adopt(&dp, config, Duration::from_secs(30)).unwrap();
+        let mut m = model_of(&node_yaml(&["192.168.1.5", "fd00::5"]));
+        m.commit();
+        r.apply_all(&mut dp, &m, Instant::now());
+        assert_eq!(dp.attached, BTreeSet::from(["eth0".to_string()]));
+        let a = dp.node.iface_addrs[&2];
+        assert_eq!(
+            a.v4,
+            crate::datapath::addr::ip_to_bytes("192.168.1.5".parse().unwrap())
+        );
+        assert_eq!(
+            a.v6,
+            crate::datapath::addr::ip_to_bytes("fd00::5".parse().unwrap()),
+            "never link-local"
+        );
+        assert_eq!(a.flags, 0);
+        // An endpoint on this node, behind br0: br0 gets the programs as a pod interface.
+        apply(
+            &mut m,
+            "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: w-1, namespace: ns, labels: {kubernetes.io/service-name: w}}\naddressType: IPv4\nendpoints: [{addresses: [10.0.0.7], nodeName: node-1}]\nports: [{port: 80}]\n",
+        );
+        let d = m.commit();
+        assert!(d.local_endpoints_changed);
+        r.apply(&mut dp, &m, &d, Instant::now());
+        assert!(dp.attached.contains("br0"));
+        assert_eq!(
+            dp.node.iface_addrs[&4].flags,
+            proxy_common::nat::IFACE_F_POD
+        );
+        assert_eq!(dp.node.local_endpoints.len(), 1);
+        // The node's address moves to eth1: eth0 loses the programs.
+        apply(&mut m, &node_yaml(&["192.168.2.5"]));
+        let d = m.commit();
+        r.apply(&mut dp, &m, &d, Instant::now());
+        assert_eq!(
+            dp.attached,
+            BTreeSet::from(["br0".to_string(), "eth1".to_string()])
+        );
+        assert!(!dp.node.iface_addrs.contains_key(&2));
+        assert!(dp.log.contains(&Op::Detach("eth0".into())));
+        assert_eq!(r.verify(&mut dp, &m, Instant::now()).node_changes, 0);
+    }
+
+    #[test]
+    fn a_missing_interface_is_reported_until_it_appears() {
+        let mut dp = lab();
+        let config = NodeConfig {
+            interfaces: vec!["eth9".into()],
+            snat_local: false,
+        };
+        let mut r = Reconciler::adopt(&dp, config, Duration::from_secs(30)).unwrap();
+        let mut m = model_of("");
+        m.commit();
+        r.apply_all(&mut dp, &m, Instant::now());
+        let e = r.node.errors();
+        assert_eq!(e.len(), 1);
+        assert!(e.iter().next().unwrap().contains("eth9"), "{e:?}");
+        dp.interfaces.insert(
+            "eth9".into(),
+            Interface {
+                index: 9,
+                addrs: vec![],
+            },
+        );
+        r.verify(&mut dp, &m, Instant::now());
+        assert!(r.node.errors().is_empty());
+        assert!(dp.attached.contains("eth9"));
+    }
+
+    #[test]
+    fn health_servers_follow_the_model_and_busy_ports_are_retried() {
+        let mut dp = lab();
+        dp.busy_ports.insert(31000);
+        let mut r = Reconciler::adopt(&dp, NodeConfig::default(), Duration::from_secs(30)).unwrap();
+        let yaml = "---\napiVersion: v1\nkind: Service\nmetadata: {name: lb, namespace: ns}\nspec: {type: LoadBalancer, clusterIP: 10.96.0.9, externalTrafficPolicy: Local, healthCheckNodePort: 31000, ports: [{port: 80, nodePort: 30080}]}\n";
+        let mut m = model_of(yaml);
+        m.commit();
+        r.apply_all(&mut dp, &m, Instant::now());
+        assert!(dp.health.is_empty());
+        let e = r.node.errors();
+        assert!(
+            e.iter()
+                .any(|e| e.contains("healthCheckNodePort 31000: cannot listen")),
+            "{e:?}"
+        );
+        dp.busy_ports.clear();
+        r.verify(&mut dp, &m, Instant::now());
+        assert_eq!(dp.health[&31000].local_endpoints, 0);
+        assert!(r.node.errors().is_empty());
+        // The Service goes: so does its server.
+        m.apply(Change::Delete(Kind::Service, ("ns".into(), "lb".into())));
+        let d = m.commit();
+        r.apply(&mut dp, &m, &d, Instant::now());
+        assert!(dp.health.is_empty());
+    }
+}
