@@ -389,9 +389,9 @@ pub fn load_pinned(dir: &Path, sizes: MapSizes) -> Result<Ebpf> {
 }
 
 /// Loads the object with its maps pinned under `dir` (adopting maps pinned by an earlier
-/// run, see [`load_pinned`]), then attaches every program to `cgroup` and pins the links. Links of an earlier run
-/// are replaced only after the new ones are attached, so there is no moment without a data
-/// path (the two generations agree, see `proxy-ebpf/src/sock.rs`).
+/// run, see [`load_pinned`]), then attaches every program to `cgroup` and pins the links.
+/// Links of an earlier run are replaced only after the new ones are attached, so there is
+/// no moment without a data path (the two generations agree, see `proxy-ebpf/src/sock.rs`).
 ///
 /// Errors name the step that failed (load, verify, attach, pin) and a remedy; a verifier
 /// rejection carries the end of the verifier log.
