@@ -166,6 +166,26 @@ pub struct Frontend {
 }
 
 /// Backend selection algorithms ([`Frontend::algorithm`]).
+///
+/// The Linux IPVS schedulers (`net/netfilter/ipvs/ip_vs_*.c`) map onto these by name
+/// ([`Algorithm::from_ipvs`]). Every algorithm chooses among the backends of the
+/// frontend's set; an endpoint of weight 0 is not in the set, so it takes no new
+/// connection (IPVS's "quiesced" server) while its established connections go on.
+///
+/// The least-load algorithms (`LeastConnections`, `WeightedLeastConnections`,
+/// `ShortestExpectedDelay`, `NeverQueue`) read one count per backend ([`LC_COUNTS`]): its
+/// open connections (a socket from its translated `connect()` to its release; a tc flow
+/// from its first packet until it closes or times out), summed over every Service using
+/// the backend. IPVS keeps two counts per server and Service: `activeconns` (TCP
+/// connections in ESTABLISHED, and UDP "connections" until their timeout) and `inactconns`
+/// (TCP connections in any other state: SYN_RECV, FIN_WAIT, TIME_WAIT, ...), and ranks
+/// `lc`/`wlc` by `activeconns * 256 + inactconns`, `sed`/`nq` by `activeconns + 1`. The
+/// socket hooks see a connection from `connect()` to `close()`, not its TCP states, so
+/// every counted connection is "active" here and the inactive part is always 0; the
+/// rankings are then IPVS's with `inactconns = 0` (a handshake or a closing connection
+/// counts fully rather than 1/256, and a TIME_WAIT socket no longer counts once the
+/// application released it). The count is per backend rather than per Service, since one
+/// pod serving several Services carries the load of all of them.
 #[repr(u8)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub enum Algorithm {
@@ -173,29 +193,74 @@ pub enum Algorithm {
     #[default]
     Random = 0,
     /// Successive new connections take successive slots, with one cursor per CPU and
-    /// service id.
+    /// service id (IPVS `rr`).
     RoundRobin = 1,
     /// Round-robin over slots in which each endpoint appears as often as its weight
-    /// (interleaved by the agent, smooth weighted round-robin order).
+    /// (interleaved by the agent, smooth weighted round-robin order; IPVS `wrr`).
     WeightedRoundRobin = 2,
-    /// The slot whose backend has the fewest active connections ([`LC_COUNTS`]); ties at
-    /// random.
+    /// The backend with the fewest active connections ([`LC_COUNTS`]); ties at random
+    /// (IPVS `lc`).
     LeastConnections = 3,
-    /// Maglev consistent hashing of the client address ([`MAGLEV`]).
+    /// Maglev consistent hashing of the client address ([`MAGLEV`]; IPVS `sh` and `mh`).
     SourceHash = 4,
-    /// Maglev consistent hashing of the client address and port.
+    /// Maglev consistent hashing of the client address and port (IPVS `sh` and `mh` with
+    /// their `sh-port` / `mh-port` flag).
     Maglev = 5,
+    /// The backend with the lowest `connections / weight` (IPVS `wlc`); weights from
+    /// [`MEMBERS`]. Compared by cross-multiplication, ties at random.
+    WeightedLeastConnections = 6,
+    /// The backend with the lowest `(connections + 1) / weight`, the expected delay of one
+    /// more connection (IPVS `sed`).
+    ShortestExpectedDelay = 7,
+    /// An idle backend (no connection) if there is one, chosen at random among the idle
+    /// ones; else as [`Algorithm::ShortestExpectedDelay`] (IPVS `nq`).
+    NeverQueue = 8,
+    /// Maglev consistent hashing of the frontend address the client addressed (IPVS `dh`):
+    /// every connection to one frontend address goes to one backend while the set is
+    /// unchanged, whoever the client is.
+    DestinationHash = 9,
 }
 
 impl Algorithm {
     /// Every algorithm with its annotation / flag name, in number order.
-    pub const ALL: [(Algorithm, &'static str); 6] = [
+    pub const ALL: [(Algorithm, &'static str); 10] = [
         (Algorithm::Random, "random"),
         (Algorithm::RoundRobin, "round-robin"),
         (Algorithm::WeightedRoundRobin, "weighted-round-robin"),
         (Algorithm::LeastConnections, "least-connections"),
         (Algorithm::SourceHash, "source-hash"),
         (Algorithm::Maglev, "maglev"),
+        (
+            Algorithm::WeightedLeastConnections,
+            "weighted-least-connections",
+        ),
+        (Algorithm::ShortestExpectedDelay, "shortest-expected-delay"),
+        (Algorithm::NeverQueue, "never-queue"),
+        (Algorithm::DestinationHash, "destination-hash"),
+    ];
+
+    /// The IPVS scheduler names (ipvsadm `-s`, kube-proxy's `ipvs.scheduler`) with the
+    /// algorithm that does what the scheduler does. Where the rules differ:
+    /// - `sh` and `mh` both hash the client address into a Maglev table here (IPVS's `sh`
+    ///   table has 256 buckets, `mh` is Maglev; either way one client keeps one backend
+    ///   while the set is unchanged). IPVS gives a server a share of those tables
+    ///   proportional to its weight; this table is unweighted (kube-proxy's IPVS mode gives
+    ///   every endpoint weight 1, so its Services see no difference). Their `sh-port` /
+    ///   `mh-port` flags (hash the port too) are [`Algorithm::Maglev`].
+    /// - `dh` refuses a connection whose bucket holds a quiesced server; here a quiesced
+    ///   endpoint leaves the set and the table is rebuilt, so its frontends move to other
+    ///   backends (what IPVS's `sh-fallback` / `mh-fallback` do for the source hashes).
+    /// - `lblc` and `lblcr` (locality-based, for cache clusters) have no equivalent.
+    pub const IPVS: [(&'static str, Algorithm); 9] = [
+        ("rr", Algorithm::RoundRobin),
+        ("wrr", Algorithm::WeightedRoundRobin),
+        ("lc", Algorithm::LeastConnections),
+        ("wlc", Algorithm::WeightedLeastConnections),
+        ("sed", Algorithm::ShortestExpectedDelay),
+        ("nq", Algorithm::NeverQueue),
+        ("sh", Algorithm::SourceHash),
+        ("dh", Algorithm::DestinationHash),
+        ("mh", Algorithm::SourceHash),
     ];
 
     /// The algorithm numbered `n`, if any.
@@ -207,6 +272,10 @@ impl Algorithm {
             3 => Some(Algorithm::LeastConnections),
             4 => Some(Algorithm::SourceHash),
             5 => Some(Algorithm::Maglev),
+            6 => Some(Algorithm::WeightedLeastConnections),
+            7 => Some(Algorithm::ShortestExpectedDelay),
+            8 => Some(Algorithm::NeverQueue),
+            9 => Some(Algorithm::DestinationHash),
             _ => None,
         }
     }
@@ -214,6 +283,79 @@ impl Algorithm {
     /// The name used in annotations and flags.
     pub const fn name(self) -> &'static str {
         Algorithm::ALL[self as usize].1
+    }
+
+    /// The algorithm of an ebpf-proxy name ([`Algorithm::ALL`]) or an IPVS scheduler name
+    /// ([`Algorithm::IPVS`]); exact, case-sensitive match (as IPVS and kube-proxy match).
+    pub fn from_name(s: &str) -> Option<Algorithm> {
+        Algorithm::ALL
+            .iter()
+            .find(|(_, n)| *n == s)
+            .map(|(a, _)| *a)
+            .or_else(|| Algorithm::from_ipvs(s))
+    }
+
+    /// The algorithm of an IPVS scheduler name ([`Algorithm::IPVS`]) only.
+    pub fn from_ipvs(s: &str) -> Option<Algorithm> {
+        Algorithm::IPVS
+            .iter()
+            .find(|(n, _)| *n == s)
+            .map(|(_, a)| *a)
+    }
+
+    /// True for the algorithms that read endpoint weights: weighted round-robin (from the
+    /// slot layout) and the weighted least-load family (from [`MEMBERS`]).
+    pub const fn uses_weights(self) -> bool {
+        matches!(
+            self,
+            Algorithm::WeightedRoundRobin
+                | Algorithm::WeightedLeastConnections
+                | Algorithm::ShortestExpectedDelay
+                | Algorithm::NeverQueue
+        )
+    }
+
+    /// True for the algorithms that choose by the backends' active connections
+    /// ([`LC_COUNTS`]): the data path counts the connections and flows of their frontends.
+    pub const fn counts_connections(self) -> bool {
+        matches!(
+            self,
+            Algorithm::LeastConnections
+                | Algorithm::WeightedLeastConnections
+                | Algorithm::ShortestExpectedDelay
+                | Algorithm::NeverQueue
+        )
+    }
+
+    /// True for the algorithms that read [`MEMBERS`]: the table algorithms (a backend that
+    /// left is never chosen from a stale table) and the weighted least-load ones (weights).
+    /// ClientIP affinity reads it too, whatever the algorithm.
+    pub const fn reads_members(self) -> bool {
+        self.uses_table()
+            || matches!(
+                self,
+                Algorithm::WeightedLeastConnections
+                    | Algorithm::ShortestExpectedDelay
+                    | Algorithm::NeverQueue
+            )
+    }
+
+    /// True for the algorithms that read the service's Maglev table ([`MAGLEV`]).
+    pub const fn uses_table(self) -> bool {
+        matches!(
+            self,
+            Algorithm::SourceHash | Algorithm::Maglev | Algorithm::DestinationHash
+        )
+    }
+}
+
+/// True when [`Frontend::algorithm`] `n` counts connections
+/// ([`Algorithm::counts_connections`]); an unknown number does not.
+#[inline(always)]
+pub const fn counts_connections(n: u8) -> bool {
+    match Algorithm::from_u8(n) {
+        Some(a) => a.counts_connections(),
+        None => false,
     }
 }
 
@@ -235,10 +377,13 @@ pub const SOCKET_F_COUNTED: u32 = 1 << 31;
 /// Name of the session-affinity map: [`AffinityKey`] -> [`AffinityValue`]
 /// (BPF_MAP_TYPE_LRU_HASH).
 pub const AFFINITY: &str = "AFFINITY";
-/// Name of the membership map: [`MemberKey`] (service id, backend id) -> `1`
-/// (BPF_MAP_TYPE_HASH, not preallocated). Affinity only returns a client to a backend that
-/// is still a member of the frontend's backend set (not removed, not ready, not
-/// terminating).
+/// Name of the membership map: [`MemberKey`] (service id, backend id) -> the backend's
+/// weight in that set, `u32` in `1..=100` (BPF_MAP_TYPE_HASH, not preallocated). Written
+/// for the keys that read it: ClientIP affinity and the table algorithms only return a
+/// client to a backend that is still a member of the frontend's set (not removed, not
+/// ready, not terminating, not of weight 0), and the weighted least-load algorithms
+/// ([`Algorithm::uses_weights`], except weighted round-robin, whose weights are in its slot
+/// layout) divide a backend's connections by this weight. Keys without weights hold 1.
 pub const MEMBERS: &str = "MEMBERS";
 /// Name of the Maglev table map: service id `u32` -> [`MaglevTable`]
 /// (BPF_MAP_TYPE_HASH, BPF_F_NO_PREALLOC: only services using a hashing algorithm have one).

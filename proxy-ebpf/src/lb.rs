@@ -192,9 +192,13 @@ pub fn select(fe: &Frontend, req: &Request) -> u32 {
                     .unwrap_or(0),
             )
         }
-        Some(Algorithm::LeastConnections) => least_connections(fe),
+        Some(Algorithm::LeastConnections) => least_load(fe, Load::Connections),
+        Some(Algorithm::WeightedLeastConnections) => least_load(fe, Load::PerWeight),
+        Some(Algorithm::ShortestExpectedDelay) => least_load(fe, Load::ExpectedDelay),
+        Some(Algorithm::NeverQueue) => least_load(fe, Load::IdleFirst),
         Some(Algorithm::SourceHash) => by_maglev(fe, hash_client(&client.addr, None)),
         Some(Algorithm::Maglev) => by_maglev(fe, hash_client(&client.addr, Some(client.port))),
+        Some(Algorithm::DestinationHash) => by_maglev(fe, hash_client(&req.frontend.addr, None)),
         _ => 0,
     };
     if id == 0 {
@@ -290,19 +294,42 @@ fn next_cursor(service_id: u32) -> u32 {
     start
 }
 
-/// The slot whose backend has the fewest active connections, over at most `LC_SCAN_MAX`
-/// consecutive slots from a random start. Each candidate is ranked by (connections, random
-/// 32-bit draw), so ties go to a uniformly random one of the tied backends. The ranking is
-/// one 64-bit compare per slot: few verifier states per iteration. Not inlined, so its
-/// frame is not added to `select`'s (the BPF stack is 512 bytes for the whole call chain).
+/// How [`least_load`] ranks a backend with `c` active connections ([`LC_COUNTS`]) and
+/// weight `w` ([`MEMBERS`]): by a cost `c'` and the weight, lowest `c' / w` first. The
+/// Linux IPVS schedulers' rules with their inactive connections at 0 (see
+/// `proxy_common::Algorithm` for why there are none here).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Load {
+    /// `lc`: `c' = c`, every weight 1 (the weights are not read).
+    Connections,
+    /// `wlc`: `c' = c`.
+    PerWeight,
+    /// `sed`: `c' = c + 1`, the expected delay of one more connection.
+    ExpectedDelay,
+    /// `nq`: `c' = 0` for an idle backend (`c = 0`), else `c + 1`: an idle backend first,
+    /// else `sed`.
+    IdleFirst,
+}
+
+/// The backend with the lowest load (see [`Load`]) over at most `LC_SCAN_MAX` consecutive
+/// slots from a random start. `c1 / w1 < c2 / w2` is compared as `c1 * w2 < c2 * w1`
+/// (weights are 1..=100 and counts 32-bit, so the products fit in 64 bits; no division on
+/// the data path). Ties go to a uniformly random one of the tied backends: each candidate
+/// draws a random 32-bit number, the lowest draw wins a tie. A backend without a weight is
+/// leaving the set (the agent removes its membership first) and is skipped. Not inlined,
+/// so its frame is not added to `select`'s (the BPF stack is 512 bytes for the whole call
+/// chain).
 #[inline(never)]
-fn least_connections(fe: &Frontend) -> u32 {
+fn least_load(fe: &Frontend, load: Load) -> u32 {
     let count = fe.backend_count;
     // SAFETY: helper without side effects.
     let start = unsafe { bpf_get_prandom_u32() }
         .checked_rem(count)
         .unwrap_or(0);
-    let mut best_rank = u64::MAX;
+    // The best so far: cost, weight, draw; weight 0 means none yet.
+    let mut best_cost = 0u64;
+    let mut best_weight = 0u64;
+    let mut best_draw = 0u32;
     let mut best_id = 0u32;
     for i in 0..LC_SCAN_MAX {
         if i >= count {
@@ -318,13 +345,37 @@ fn least_connections(fe: &Frontend) -> u32 {
         };
         // SAFETY: copied out at once.
         let id = unsafe { BACKEND_SLOTS.get(key).copied() }.unwrap_or(0);
+        if id == 0 {
+            continue;
+        }
+        let weight = if load == Load::Connections {
+            1
+        } else {
+            let member = MemberKey {
+                service_id: fe.service_id,
+                backend_id: id,
+            };
+            // SAFETY: copied out at once.
+            unsafe { MEMBERS.get(member).copied() }.unwrap_or(0) as u64
+        };
+        if weight == 0 {
+            continue;
+        }
         // SAFETY: copied out at once.
-        let conns = unsafe { LC_COUNTS.get(id).copied() }.unwrap_or(0);
+        let conns = unsafe { LC_COUNTS.get(id).copied() }.unwrap_or(0) as u64;
+        let cost = match load {
+            Load::Connections | Load::PerWeight => conns,
+            Load::ExpectedDelay => conns + 1,
+            Load::IdleFirst if conns == 0 => 0,
+            Load::IdleFirst => conns + 1,
+        };
         // SAFETY: helper without side effects.
         let draw = unsafe { bpf_get_prandom_u32() };
-        let rank = ((conns as u64) << 32) | draw as u64;
-        if id != 0 && rank < best_rank {
-            best_rank = rank;
+        let (lhs, rhs) = (cost * best_weight, best_cost * weight);
+        if best_weight == 0 || lhs < rhs || (lhs == rhs && draw < best_draw) {
+            best_cost = cost;
+            best_weight = weight;
+            best_draw = draw;
             best_id = id;
         }
     }

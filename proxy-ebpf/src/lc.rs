@@ -1,5 +1,7 @@
 //! Least-connections accounting: `LC_COUNTS` holds the active connections of each backend,
-//! counted by the data path itself, for sockets and packet flows alike.
+//! counted by the data path itself, for sockets and packet flows alike, for the frontends
+//! of the least-load algorithms (`proxy_common::Algorithm::counts_connections`: least
+//! connections, weighted least connections, shortest expected delay, never queue).
 //!
 //! One protocol for both: a connection or flow is counted by writing its *ownership record*
 //! (a socket's `SOCKETS` entry with `SOCKET_F_COUNTED`, a packet flow's `TC_LC_FLOWS`
@@ -59,7 +61,7 @@ fn atomic_add(p: *mut u32, v: u32) {
     }
 }
 
-/// A socket translated by `connect()` to backend `id` of a least-connections frontend: its
+/// A socket translated by `connect()` to backend `id` of a least-load frontend: its
 /// ownership record in `SOCKETS`, then the count. Given back by [`socket_released`].
 #[inline(always)]
 pub fn socket_counted(cookie: u64, id: u32) {

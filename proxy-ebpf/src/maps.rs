@@ -67,7 +67,7 @@ pub static COUNTERS: PerCpuArray<u64, { COUNTER_MAX as usize }> = PerCpuArray::n
 pub static SERVICE_NAMES: HashMap<u32, ServiceName, { DEFAULT_MAX_FRONTENDS as usize }> =
     HashMap::new();
 
-/// (service id, backend id) -> present; see `proxy_common::MEMBERS`. Not preallocated (its
+/// (service id, backend id) -> weight; see `proxy_common::MEMBERS`. Not preallocated (its
 /// size follows the slots actually used).
 #[btf_map]
 pub static MEMBERS: HashMap<
@@ -190,7 +190,7 @@ pub struct Scratch {
     pub count_bid: u32,
     /// 1 when the flow found no endpoint.
     pub count_refused: u32,
-    /// 1 when the new flow is counted for least-connections (`TC_LC_FLOWS`).
+    /// 1 when the new flow is counted for the least-load algorithms (`TC_LC_FLOWS`).
     pub count_lc: u32,
 }
 

@@ -29,7 +29,7 @@ use aya_ebpf::{
     helpers::bpf_get_prandom_u32,
 };
 use proxy_common::{
-    Algorithm, FRONTEND_F_LOCAL_ONLY, Frontend, is_v4_mapped,
+    FRONTEND_F_LOCAL_ONLY, Frontend, counts_connections, is_v4_mapped,
     nat::{
         CT_F_EGRESS, CT_F_REPLY, CT_F_SNAT, CtEntry, CtKey, IFACE_F_POD, SNAT_PORT_COUNT,
         SNAT_PORT_MIN, SNAT_PORT_TRIES, SOURCE_RANGE_RESTRICTED, SourceRange,
@@ -382,7 +382,7 @@ fn try_new_flow<B: Buf>(b: &B, pkt: &Pkt, now: u64) -> Result<Verdict, Verdict> 
         }
     }
     count_tc(TcCounter::NewFlow);
-    sc.count_lc = (fe.algorithm == Algorithm::LeastConnections as u8) as u32;
+    sc.count_lc = counts_connections(fe.algorithm) as u32;
     Ok(rewrite(b, pkt, &sc.fwd))
 }
 
@@ -400,7 +400,7 @@ pub fn count_new_flow(pkt: &Pkt) {
     }
     count_service(sc.count_sid, sc.count_bid, sc.count_refused);
     // A new flow on this tuple: an earlier flow's count is given back, and this one is
-    // counted when its Service uses least-connections.
+    // counted when its Service uses a least-load algorithm.
     lc::flow_started(&pkt.key, if sc.count_lc != 0 { sc.count_bid } else { 0 });
     sc.count_sid = 0;
     sc.count_lc = 0;

@@ -23,9 +23,9 @@ use aya_ebpf::{
     programs::{SockAddrContext, SockContext},
 };
 use proxy_common::{
-    Algorithm, Backend, Counter, DEFAULT_UDP_FLOW_TIMEOUT_NS, Frontend, PROTO_TCP, PROTO_UDP,
+    Backend, Counter, DEFAULT_UDP_FLOW_TIMEOUT_NS, Frontend, PROTO_TCP, PROTO_UDP,
     REVNAT_F_CONNECTED, REVNAT_F_COUNTED, RevNatKey, RevNatValue, UdpFlow, UdpFlowKey, bytes_of,
-    client_of_netns, is_v4_mapped, v4_mapped, v4_of_mapped, words_of,
+    client_of_netns, counts_connections, is_v4_mapped, v4_mapped, v4_of_mapped, words_of,
 };
 
 use crate::{
@@ -305,7 +305,7 @@ fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         // Connecting again is how an application recovers a socket whose endpoint left.
         let _ = STALE_SOCKETS.remove(cookie);
     }
-    let counted = fe.algorithm == Algorithm::LeastConnections as u8;
+    let counted = counts_connections(fe.algorithm);
     let flags = if counted {
         REVNAT_F_CONNECTED | REVNAT_F_COUNTED
     } else {
