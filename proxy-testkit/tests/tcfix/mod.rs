@@ -138,8 +138,8 @@ impl ServiceMaps for FixtureDatapath {
     fn delete_name(&mut self, service_id: u32) -> Result<(), DatapathError> {
         self.kernel.delete_name(service_id)
     }
-    fn put_member(&mut self, key: &MemberKey) -> Result<(), DatapathError> {
-        self.kernel.put_member(key)
+    fn put_member(&mut self, key: &MemberKey, weight: u32) -> Result<(), DatapathError> {
+        self.kernel.put_member(key, weight)
     }
     fn delete_member(&mut self, key: &MemberKey) -> Result<(), DatapathError> {
         self.kernel.delete_member(key)

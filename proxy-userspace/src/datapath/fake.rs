@@ -23,7 +23,7 @@ pub enum Op {
     DeleteBackend(u32),
     PutName(u32, String),
     DeleteName(u32),
-    PutMember(MemberKey),
+    PutMember(MemberKey, u32),
     DeleteMember(MemberKey),
     PutMaglev(u32, Vec<u32>),
     DeleteMaglev(u32),
@@ -192,14 +192,14 @@ impl ServiceMaps for FakeDatapath {
         self.log.push(Op::DeleteName(service_id));
         Ok(())
     }
-    fn put_member(&mut self, key: &MemberKey) -> Result<(), DatapathError> {
+    fn put_member(&mut self, key: &MemberKey, weight: u32) -> Result<(), DatapathError> {
         self.injected("MEMBERS")?;
         let m = &mut self.state.members;
-        if !m.contains(key) && m.len() >= self.cap.slots as usize {
+        if !m.contains_key(key) && m.len() >= self.cap.slots as usize {
             return Err(full("MEMBERS"));
         }
-        m.insert(*key);
-        self.log.push(Op::PutMember(*key));
+        m.insert(*key, weight);
+        self.log.push(Op::PutMember(*key, weight));
         Ok(())
     }
     fn delete_member(&mut self, key: &MemberKey) -> Result<(), DatapathError> {
@@ -340,13 +340,16 @@ pub enum Moment {
 /// - every cluster-IP frontend (neither a marker nor external) has the VIP marker of its
 ///   address (so undefined ports of a VIP are refused, never leaked);
 /// - every `MEMBERS` entry and every nonzero entry of a Maglev table names an existing
-///   backend (0 is no backend: the table of a Service without endpoints is all zeros).
+///   backend (0 is no backend: the table of a Service without endpoints is all zeros), and
+///   every `MEMBERS` weight is in 1..=100 (the data path skips a member of weight 0).
 ///
 /// At rest ([`Moment::AtRest`]) also:
 /// - a VIP marker exists only for an address that has a cluster-IP frontend;
 /// - every slot belongs to a frontend's service id and lies below its backend count;
 /// - every backend is named by a slot;
-/// - every Maglev table and every membership belongs to a service id that has a frontend.
+/// - every Maglev table and every membership belongs to a service id that has a frontend;
+/// - every backend in the slots of a frontend that reads `MEMBERS` (ClientIP affinity, the
+///   table and weighted least-load algorithms) is a member.
 ///
 /// The sync unit tests and the `model` fuzz target use this one definition.
 pub fn consistency_violations(
@@ -399,9 +402,12 @@ pub fn consistency_violations(
             }
         }
     }
-    for m in &s.members {
+    for (m, w) in &s.members {
         if !s.backends.contains_key(&m.backend_id) {
             out.push(format!("member {m:?} names a missing backend"));
+        }
+        if !(1..=crate::model::MAX_WEIGHT).contains(w) {
+            out.push(format!("member {m:?} has weight {w}, not 1-100"));
         }
     }
     for (id, table) in tables {
@@ -436,9 +442,36 @@ pub fn consistency_violations(
                 out.push(format!("orphan Maglev table of service id {id}"));
             }
         }
-        for m in &s.members {
+        for m in s.members.keys() {
             if !counts.contains_key(&m.service_id) {
                 out.push(format!("orphan member {m:?}"));
+            }
+        }
+        // Frontends that read memberships: every backend of their slots is a member (the
+        // least-load scan skips a backend without a weight, the hashes one without a
+        // membership).
+        for (k, f) in &s.frontends {
+            let reads = f.affinity_timeout_s != 0
+                || proxy_common::Algorithm::from_u8(f.algorithm).is_some_and(|a| a.reads_members());
+            if f.flags & FRONTEND_F_VIP_MARKER != 0 || !reads {
+                continue;
+            }
+            for slot in 0..f.backend_count {
+                let key = BackendSlotKey {
+                    service_id: f.service_id,
+                    slot,
+                };
+                if let Some(b) = s.slots.get(&key) {
+                    let m = MemberKey {
+                        service_id: f.service_id,
+                        backend_id: *b,
+                    };
+                    if !s.members.contains_key(&m) {
+                        out.push(format!(
+                            "frontend {k:?}: backend {b} of slot {slot} is not a member"
+                        ));
+                    }
+                }
             }
         }
     }

@@ -78,8 +78,8 @@ impl ServiceMaps for KernelDatapath {
     fn delete_name(&mut self, service_id: u32) -> Result<(), DatapathError> {
         self.maps.delete_name(service_id)
     }
-    fn put_member(&mut self, key: &MemberKey) -> Result<(), DatapathError> {
-        self.maps.put_member(key)
+    fn put_member(&mut self, key: &MemberKey, weight: u32) -> Result<(), DatapathError> {
+        self.maps.put_member(key, weight)
     }
     fn delete_member(&mut self, key: &MemberKey) -> Result<(), DatapathError> {
         self.maps.delete_member(key)

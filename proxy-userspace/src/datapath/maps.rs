@@ -250,9 +250,9 @@ impl ServiceMaps for PinnedMaps {
             let (k, v) = kv.map_err(|e| map_err("iterate", SERVICE_NAMES, e))?;
             s.names.insert(k, decode_name(&v));
         }
-        for k in self.members.keys() {
-            s.members
-                .insert(k.map_err(|e| map_err("iterate", MEMBERS, e))?);
+        for kv in self.members.iter() {
+            let (k, v) = kv.map_err(|e| map_err("iterate", MEMBERS, e))?;
+            s.members.insert(k, v);
         }
         for k in self.maglev.keys() {
             s.maglev
@@ -294,9 +294,9 @@ impl ServiceMaps for PinnedMaps {
         ignore_missing(self.names.remove(&service_id))
             .map_err(|e| map_err("delete", SERVICE_NAMES, e))
     }
-    fn put_member(&mut self, key: &MemberKey) -> Result<(), DatapathError> {
+    fn put_member(&mut self, key: &MemberKey, weight: u32) -> Result<(), DatapathError> {
         self.members
-            .insert(key, 1, 0)
+            .insert(key, weight, 0)
             .map_err(|e| map_err("update", MEMBERS, e))
     }
     fn delete_member(&mut self, key: &MemberKey) -> Result<(), DatapathError> {

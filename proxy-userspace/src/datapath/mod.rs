@@ -67,8 +67,8 @@ pub struct Snapshot {
     pub backends: BTreeMap<u32, Backend>,
     /// `SERVICE_NAMES`, decoded.
     pub names: BTreeMap<u32, String>,
-    /// `MEMBERS` keys.
-    pub members: BTreeSet<MemberKey>,
+    /// `MEMBERS`: membership -> the backend's weight in the set.
+    pub members: BTreeMap<MemberKey, u32>,
     /// Service ids with a `MAGLEV` table (the tables themselves are read on demand).
     pub maglev: BTreeSet<u32>,
 }
@@ -104,8 +104,9 @@ pub trait ServiceMaps {
     fn put_name(&mut self, service_id: u32, name: &str) -> Result<(), DatapathError>;
     /// Removes a service name (absent is not an error).
     fn delete_name(&mut self, service_id: u32) -> Result<(), DatapathError>;
-    /// Marks a backend as a member of a service id's set.
-    fn put_member(&mut self, key: &MemberKey) -> Result<(), DatapathError>;
+    /// Marks a backend as a member of a service id's set with its weight there (1..=100;
+    /// 1 for sets without weights), or changes its weight.
+    fn put_member(&mut self, key: &MemberKey, weight: u32) -> Result<(), DatapathError>;
     /// Removes a membership (absent is not an error).
     fn delete_member(&mut self, key: &MemberKey) -> Result<(), DatapathError>;
     /// The Maglev table of a service id, if any (its `size` entries).

@@ -109,6 +109,9 @@ fn service_yaml(r: &mut Rng, ns: &str, name: &str) -> String {
         "maglev",
         "weighted-round-robin",
         "least-connections",
+        "wlc",
+        "never-queue",
+        "dh",
         "nonsense",
     ]);
     if !alg.is_empty() {
@@ -264,7 +267,7 @@ type FrontendView = (u32, u8, u32, String, String, Vec<Backend>);
 #[derive(Debug, PartialEq, Eq)]
 struct View {
     frontends: BTreeMap<FrontendKey, FrontendView>,
-    members: BTreeSet<(String, Backend)>,
+    members: BTreeMap<(String, Backend), u32>,
     maglev: BTreeMap<String, Vec<Option<Backend>>>,
     node: NodeSnapshot,
     attached: BTreeSet<String>,
@@ -316,7 +319,7 @@ fn view(dp: &FakeDatapath) -> View {
     let members = s
         .members
         .iter()
-        .map(|m| (name(m.service_id), s.backends[&m.backend_id]))
+        .map(|(m, w)| ((name(m.service_id), s.backends[&m.backend_id]), *w))
         .collect();
     let maglev = dp
         .tables

@@ -20,9 +20,12 @@
 //!   what they had), other Services are applied.
 //! - Slots of a key keep their backends in place where possible: removing one backend moves
 //!   at most one other slot (the last one into the hole), adding fills holes first.
-//! - `MEMBERS` holds the backends of the keys that read it: ClientIP affinity and the
-//!   hashing algorithms (source-hash, maglev), which must not return a client to a backend
-//!   that left. Other keys pay no membership writes.
+//! - `MEMBERS` holds the backends of the keys that read it, each with its weight: ClientIP
+//!   affinity and the table algorithms (source-hash, maglev, destination-hash), which must
+//!   not return a client to a backend that left, and the weighted least-load algorithms
+//!   (weighted-least-connections, shortest-expected-delay, never-queue), which divide a
+//!   backend's connections by its weight. A weight change rewrites the membership. Other
+//!   keys pay no membership writes.
 //! - [`ServiceReconciler::verify`] compares the maps themselves with what was applied and
 //!   repairs every difference in the same order (entries changed behind the agent's back,
 //!   leftovers of an interrupted write, entries nothing claims after a restart).
@@ -246,12 +249,24 @@ fn alloc_id(next: &mut u32, taken: impl Fn(u32) -> bool) -> u32 {
 
 /// True for algorithms that read a Maglev table.
 fn is_hashing(a: Algorithm) -> bool {
-    matches!(a, Algorithm::SourceHash | Algorithm::Maglev)
+    a.uses_table()
 }
 
-/// True for keys whose backends must be in `MEMBERS` (affinity and Maglev check it).
+/// True for keys whose backends must be in `MEMBERS` (affinity, the tables and the weighted
+/// least-load algorithms read it).
 fn needs_members(svc: &DesiredService) -> bool {
-    svc.affinity_timeout_s != 0 || is_hashing(svc.algorithm)
+    svc.affinity_timeout_s != 0 || svc.algorithm.reads_members()
+}
+
+/// The `MEMBERS` entries of a key: backend id -> weight (1 where the key has no weights);
+/// empty for a key that needs none.
+fn plan_members(svc: &DesiredService, bids: &[(SocketAddr, u32)]) -> BTreeMap<u32, u32> {
+    if !needs_members(svc) {
+        return BTreeMap::new();
+    }
+    bids.iter()
+        .map(|(a, b)| (*b, svc.weights.get(a).copied().unwrap_or(1).max(1)))
+        .collect()
 }
 
 /// A backend's name for Maglev: `address:port/PROTOCOL`, the same on every node.
@@ -275,8 +290,8 @@ struct Applied {
     slots: Vec<u32>,
     /// Its frontends (VIP markers not included), by key.
     frontends: Vec<(FrontendKey, Frontend)>,
-    /// Its backends are in `MEMBERS`.
-    members: bool,
+    /// Its `MEMBERS` entries: backend id -> weight.
+    members: BTreeMap<u32, u32>,
     /// Hash of its Maglev table, when it has one.
     maglev: Option<u64>,
 }
@@ -285,7 +300,7 @@ struct Applied {
 struct Target {
     slots: Vec<u32>,
     frontends: Vec<(FrontendKey, Frontend)>,
-    members: bool,
+    members: BTreeMap<u32, u32>,
     table: Option<(Vec<u32>, u64)>,
 }
 
@@ -378,7 +393,6 @@ impl ServiceReconciler {
                 fe_by_id.entry(v.service_id).or_default().push((*k, *v));
             }
         }
-        let member_ids: HashSet<u32> = snap.members.iter().map(|m| m.service_id).collect();
         for (id, name) in &snap.names {
             let Some(key) = parse_service_name(name) else {
                 continue;
@@ -401,11 +415,23 @@ impl ServiceReconciler {
             } else {
                 None
             };
+            // Memberships of backends in its slots; any other is left for `verify`.
+            let members = slots
+                .iter()
+                .filter_map(|b| {
+                    snap.members
+                        .get(&MemberKey {
+                            service_id: *id,
+                            backend_id: *b,
+                        })
+                        .map(|w| (*b, *w))
+                })
+                .collect();
             let applied = Applied {
                 id: *id,
                 slots,
                 frontends: fe_by_id.remove(id).unwrap_or_default(),
-                members: member_ids.contains(id),
+                members,
                 maglev,
             };
             s.account(&applied, 1);
@@ -639,9 +665,9 @@ impl ServiceReconciler {
                 new_id,
                 old,
                 new: Some(Target {
+                    members: plan_members(svc, &bids),
                     slots,
                     frontends,
-                    members: needs_members(svc),
                     table,
                 }),
                 new_backends,
@@ -776,7 +802,7 @@ impl ServiceReconciler {
             id,
             slots: Vec::new(),
             frontends: Vec::new(),
-            members: false,
+            members: BTreeMap::new(),
             maglev: None,
         };
         // What the key holds now: a frontend of it may have been taken over by a key written
@@ -792,10 +818,10 @@ impl ServiceReconciler {
             Some(t) => (
                 t.slots.clone(),
                 t.frontends.clone(),
-                t.members,
+                t.members.clone(),
                 t.table.as_ref(),
             ),
-            None => (Vec::new(), Vec::new(), false, None),
+            None => (Vec::new(), Vec::new(), BTreeMap::new(), None),
         };
         let new_set: BTreeSet<u32> = new_slots.iter().copied().collect();
         let new_keys: BTreeMap<FrontendKey, Frontend> = new_fe.iter().copied().collect();
@@ -835,15 +861,13 @@ impl ServiceReconciler {
         // --- (A) removals ---------------------------------------------------------------
         // Memberships first: affinity and Maglev stop choosing a leaving backend before its
         // slot goes.
-        if old.members {
-            for bid in &old_set {
-                if !(new_members && new_set.contains(bid)) {
-                    dp.delete_member(&MemberKey {
-                        service_id: id,
-                        backend_id: *bid,
-                    })?;
-                    report.deletes += 1;
-                }
+        for bid in old.members.keys() {
+            if !new_members.contains_key(bid) {
+                dp.delete_member(&MemberKey {
+                    service_id: id,
+                    backend_id: *bid,
+                })?;
+                report.deletes += 1;
             }
         }
         for (k, _) in old
@@ -900,15 +924,16 @@ impl ServiceReconciler {
                     report.writes += 1;
                 }
             }
-            if new_members {
-                for bid in &new_set {
-                    if !(old.members && old_set.contains(bid)) {
-                        dp.put_member(&MemberKey {
+            for (bid, w) in &new_members {
+                if old.members.get(bid) != Some(w) {
+                    dp.put_member(
+                        &MemberKey {
                             service_id: id,
                             backend_id: *bid,
-                        })?;
-                        report.writes += 1;
-                    }
+                        },
+                        *w,
+                    )?;
+                    report.writes += 1;
                 }
             }
             if let Some((table, h)) = new_table
@@ -1030,7 +1055,7 @@ impl ServiceReconciler {
             id: other,
             slots: Vec::new(),
             frontends: vec![(*k, v)],
-            members: false,
+            members: BTreeMap::new(),
             maglev: None,
         };
         // Its frontend (and a VIP reference) leave the other key's count; its name stays.
@@ -1054,12 +1079,15 @@ impl ServiceReconciler {
                     },
                     *b,
                 );
-                if a.members {
-                    s.members.insert(MemberKey {
+            }
+            for (b, w) in &a.members {
+                s.members.insert(
+                    MemberKey {
                         service_id: a.id,
                         backend_id: *b,
-                    });
-                }
+                    },
+                    *w,
+                );
             }
             s.names.insert(a.id, service_name(key));
             if a.maglev.is_some() {
@@ -1096,7 +1124,11 @@ impl ServiceReconciler {
         let have = dp.snapshot()?;
         let want = self.expected();
         // (A) removals, in the order the data path tolerates.
-        for k in have.members.difference(&want.members) {
+        for k in have
+            .members
+            .keys()
+            .filter(|k| !want.members.contains_key(k))
+        {
             dp.delete_member(k)?;
             r.deletes += 1;
         }
@@ -1140,9 +1172,11 @@ impl ServiceReconciler {
                 r.writes += 1;
             }
         }
-        for k in want.members.difference(&have.members) {
-            dp.put_member(k)?;
-            r.writes += 1;
+        for (k, w) in &want.members {
+            if have.members.get(k) != Some(w) {
+                dp.put_member(k, *w)?;
+                r.writes += 1;
+            }
         }
         let hashing: Vec<(u32, Vec<u32>, u64)> = self
             .applied
@@ -1291,7 +1325,7 @@ mod tests {
                 Op::DeleteBackend(k) => drop(s.backends.remove(k)),
                 Op::PutName(k, v) => drop(s.names.insert(*k, v.clone())),
                 Op::DeleteName(k) => drop(s.names.remove(k)),
-                Op::PutMember(k) => drop(s.members.insert(*k)),
+                Op::PutMember(k, w) => drop(s.members.insert(*k, *w)),
                 Op::DeleteMember(k) => drop(s.members.remove(k)),
                 Op::PutMaglev(id, t) => {
                     s.maglev.insert(*id);
@@ -1508,7 +1542,7 @@ mod tests {
         let last_member = dp
             .log
             .iter()
-            .rposition(|o| matches!(o, Op::PutMember(_)))
+            .rposition(|o| matches!(o, Op::PutMember(..)))
             .unwrap();
         let frontend = dp
             .log
@@ -1528,6 +1562,134 @@ mod tests {
         assert!(dp.state.members.is_empty());
         assert!(dp.state.maglev.is_empty());
         assert_eq!(s.verify(&mut dp).unwrap(), Report::default());
+    }
+
+    /// `MEMBERS` of the fake as (backend address, weight), for readable assertions.
+    fn member_weights(dp: &FakeDatapath) -> BTreeMap<String, u32> {
+        dp.state
+            .members
+            .iter()
+            .map(|(m, w)| {
+                let b = dp.state.backends[&m.backend_id];
+                (
+                    crate::datapath::addr::to_socket_addr(b.addr, b.port).to_string(),
+                    *w,
+                )
+            })
+            .collect()
+    }
+
+    fn weighted(d: &mut DesiredService, list: &[(&str, u32)]) {
+        d.weights = list.iter().map(|(a, w)| (a.parse().unwrap(), *w)).collect();
+    }
+
+    #[test]
+    fn weighted_least_load_keys_carry_weights_in_memberships() {
+        let mut dp = FakeDatapath::new(cap());
+        let mut s = ServiceReconciler::adopt(&dp).unwrap();
+        let k = key("web", Protocol::Tcp);
+        let three = ["10.0.0.1:8080", "10.0.0.2:8080", "10.0.0.3:8080"];
+        let mut d = svc(&["10.96.0.10:80"], &three);
+        d.algorithm = Algorithm::WeightedLeastConnections;
+        weighted(
+            &mut d,
+            &[
+                ("10.0.0.1:8080", 1),
+                ("10.0.0.2:8080", 3),
+                ("10.0.0.3:8080", 1),
+            ],
+        );
+        sync(&mut s, &mut dp, &state(vec![(k.clone(), d.clone())])).unwrap();
+        // One slot per backend (the scan compares each once, by its weight), no table.
+        assert_eq!(dp.state.slots.len(), 3);
+        assert!(dp.state.maglev.is_empty());
+        let mut want = BTreeMap::from([
+            ("10.0.0.1:8080".to_string(), 1),
+            ("10.0.0.2:8080".to_string(), 3),
+            ("10.0.0.3:8080".to_string(), 1),
+        ]);
+        assert_eq!(member_weights(&dp), want);
+        let v = consistency_violations(&dp.state, &dp.tables, Moment::AtRest);
+        assert!(v.is_empty(), "{v:#?}");
+
+        // A weight change rewrites that membership only.
+        weighted(
+            &mut d,
+            &[
+                ("10.0.0.1:8080", 1),
+                ("10.0.0.2:8080", 5),
+                ("10.0.0.3:8080", 1),
+            ],
+        );
+        dp.log.clear();
+        sync(&mut s, &mut dp, &state(vec![(k.clone(), d.clone())])).unwrap();
+        assert_eq!(dp.log.len(), 1, "{:?}", dp.log);
+        assert!(matches!(dp.log[0], Op::PutMember(_, 5)), "{:?}", dp.log);
+        want.insert("10.0.0.2:8080".into(), 5);
+        assert_eq!(member_weights(&dp), want);
+
+        // Weight 0 (the model leaves the endpoint out): its membership goes first, so the
+        // scan skips it before its slot moves; every step is consistent.
+        d.backends.remove(&"10.0.0.3:8080".parse().unwrap());
+        weighted(&mut d, &[("10.0.0.1:8080", 1), ("10.0.0.2:8080", 5)]);
+        let (before, before_tables) = (dp.state.clone(), dp.tables.clone());
+        dp.log.clear();
+        sync(&mut s, &mut dp, &state(vec![(k.clone(), d.clone())])).unwrap();
+        assert_every_step_consistent(&dp.log, &before, &before_tables);
+        assert!(matches!(dp.log[0], Op::DeleteMember(_)), "{:?}", dp.log);
+        want.remove("10.0.0.3:8080");
+        assert_eq!(member_weights(&dp), want);
+
+        // A restarted agent adopts the weights: nothing to write.
+        let mut s = ServiceReconciler::adopt(&dp).unwrap();
+        dp.log.clear();
+        let r = sync(&mut s, &mut dp, &state(vec![(k.clone(), d.clone())])).unwrap();
+        assert_eq!((r.writes, r.deletes), (0, 0), "{:?}", dp.log);
+        assert_eq!(s.verify(&mut dp).unwrap(), Report::default());
+
+        // A weight changed behind the agent's back is repaired.
+        let m = *dp.state.members.keys().next().unwrap();
+        let was = dp.state.members[&m];
+        dp.put_member(&m, 9).unwrap();
+        let r = s.verify(&mut dp).unwrap();
+        assert_eq!((r.writes, r.deletes), (1, 0));
+        assert_eq!(dp.state.members[&m], was);
+
+        // The other weighted least-load algorithms keep the memberships; unweighted
+        // least-connections needs none.
+        for a in [Algorithm::ShortestExpectedDelay, Algorithm::NeverQueue] {
+            d.algorithm = a;
+            sync(&mut s, &mut dp, &state(vec![(k.clone(), d.clone())])).unwrap();
+            assert_eq!(member_weights(&dp), want, "{a:?}");
+        }
+        d.algorithm = Algorithm::LeastConnections;
+        d.weights.clear();
+        sync(&mut s, &mut dp, &state(vec![(k.clone(), d.clone())])).unwrap();
+        assert!(dp.state.members.is_empty());
+        assert_eq!(s.verify(&mut dp).unwrap(), Report::default());
+    }
+
+    #[test]
+    fn destination_hash_has_a_table_and_memberships_of_weight_one() {
+        let mut dp = FakeDatapath::new(cap());
+        let mut s = ServiceReconciler::adopt(&dp).unwrap();
+        let k = key("web", Protocol::Tcp);
+        let mut d = svc(&["10.96.0.10:80"], &["10.0.0.1:8080", "10.0.0.2:8080"]);
+        d.algorithm = Algorithm::DestinationHash;
+        sync(&mut s, &mut dp, &state(vec![(k, d)])).unwrap();
+        assert_eq!(dp.state.maglev.len(), 1);
+        let table = dp.tables.values().next().unwrap();
+        let ids: BTreeSet<u32> = table.iter().copied().collect();
+        assert_eq!(ids, dp.state.backends.keys().copied().collect());
+        assert_eq!(
+            member_weights(&dp),
+            BTreeMap::from([
+                ("10.0.0.1:8080".to_string(), 1),
+                ("10.0.0.2:8080".to_string(), 1)
+            ])
+        );
+        let v = consistency_violations(&dp.state, &dp.tables, Moment::AtRest);
+        assert!(v.is_empty(), "{v:#?}");
     }
 
     #[test]
