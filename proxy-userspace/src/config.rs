@@ -663,13 +663,8 @@ pub fn parse_timeout(s: &str) -> Result<Duration, String> {
 }
 
 fn parse_lb_algorithm(s: &str) -> Result<proxy_common::Algorithm, String> {
-    crate::model::parse_algorithm(s).ok_or_else(|| {
-        let names: Vec<&str> = proxy_common::Algorithm::ALL
-            .iter()
-            .map(|(_, n)| *n)
-            .collect();
-        format!("{s:?} is not one of {}", names.join(", "))
-    })
+    crate::model::parse_algorithm(s)
+        .ok_or_else(|| format!("{s:?} is not one of {}", crate::model::algorithm_names()))
 }
 
 fn parse_maglev_size(s: &str) -> Result<u32, String> {
@@ -724,7 +719,9 @@ pub struct RunFlags {
     pub hostname_override: Option<String>,
     /// Backend selection of Services without the `ebpf-proxy.io/lb-algorithm` annotation:
     /// random (kube-proxy's), round-robin, weighted-round-robin, least-connections,
-    /// source-hash or maglev [default: random].
+    /// source-hash, maglev, weighted-least-connections, shortest-expected-delay, never-queue,
+    /// destination-hash, or an IPVS scheduler name (rr, wrr, lc, wlc, sed, nq, sh, dh, mh)
+    /// [default: random].
     #[arg(long, value_parser = parse_lb_algorithm)]
     pub lb_algorithm: Option<proxy_common::Algorithm>,
     /// Size of the Maglev lookup tables of source-hash and maglev Services: a prime from 7 to

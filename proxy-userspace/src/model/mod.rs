@@ -242,31 +242,87 @@ pub struct DesiredService {
     pub algorithm: Algorithm,
     /// `sessionAffinity: ClientIP` timeout in seconds; 0 without affinity.
     pub affinity_timeout_s: u32,
-    /// Weights of the backends for `weighted-round-robin` (every backend has one, >= 1;
-    /// endpoints of weight 0 are not in `backends`); empty for other algorithms.
+    /// Weights of the backends (1..=[`MAX_WEIGHT`]) for the algorithms that read them
+    /// ([`Algorithm::uses_weights`]: every backend has one); empty for the others. Endpoints
+    /// of weight 0 are not in `backends`, whatever the algorithm.
     pub weights: BTreeMap<SocketAddr, u32>,
 }
 
 pub use proxy_common::Algorithm;
 
-/// Service annotation choosing its algorithm (`random`, `round-robin`,
-/// `weighted-round-robin`, `least-connections`, `source-hash`, `maglev`).
+/// Service annotation choosing its algorithm: a name of [`Algorithm::ALL`] (`random`,
+/// `round-robin`, `weighted-round-robin`, `least-connections`, `source-hash`, `maglev`,
+/// `weighted-least-connections`, `shortest-expected-delay`, `never-queue`,
+/// `destination-hash`) or an IPVS scheduler name of [`Algorithm::IPVS`] (`rr`, `wrr`, `lc`,
+/// `wlc`, `sed`, `nq`, `sh`, `dh`, `mh`).
 pub const ALGORITHM_ANNOTATION: &str = "ebpf-proxy.io/lb-algorithm";
-/// Service annotation with endpoint weights for `weighted-round-robin`: a JSON object from
-/// pod name (the endpoint's `targetRef.name`) or endpoint IP address to an integer weight
-/// 0..=100 (default 1; 0 takes the endpoint out of new connections).
+/// Service annotation with endpoint weights: a JSON object from pod name (the endpoint's
+/// `targetRef.name`) or endpoint IP address to an integer weight 0..=100 (default 1). The
+/// weighted algorithms ([`Algorithm::uses_weights`]) follow the weights; 0 takes the
+/// endpoint out of new connections with every algorithm (established ones are untouched),
+/// as IPVS quiesces a server of weight 0.
 pub const WEIGHTS_ANNOTATION: &str = "ebpf-proxy.io/weights";
 /// Highest weight an endpoint may have (bounds the slots a service uses).
 pub const MAX_WEIGHT: u32 = 100;
 /// Default `sessionAffinityConfig.clientIP.timeoutSeconds` (Kubernetes API: 3 hours).
 pub const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10800;
 
-/// Parses an algorithm name.
+/// Parses an algorithm name as [`ALGORITHM_ANNOTATION`] and `--lb-algorithm` take it: an
+/// ebpf-proxy name ([`Algorithm::ALL`]) or an IPVS scheduler name ([`Algorithm::IPVS`]).
 pub fn parse_algorithm(s: &str) -> Option<Algorithm> {
-    Algorithm::ALL
-        .iter()
-        .find(|(_, n)| *n == s)
-        .map(|(a, _)| *a)
+    Algorithm::from_name(s)
+}
+
+/// Every name [`parse_algorithm`] accepts, for messages: `random, round-robin, ... (IPVS:
+/// rr, wrr, ...)`.
+pub fn algorithm_names() -> String {
+    let own: Vec<&str> = Algorithm::ALL.iter().map(|(_, n)| *n).collect();
+    let ipvs: Vec<&str> = Algorithm::IPVS.iter().map(|(n, _)| *n).collect();
+    format!("{} (IPVS: {})", own.join(", "), ipvs.join(", "))
+}
+
+/// Parses an IPVS scheduler name (kube-proxy's `--ipvs-scheduler` and
+/// `ipvs.scheduler`, ipvsadm's `-s`) into the algorithm that does what the scheduler does
+/// ([`Algorithm::IPVS`]; the differences are listed there). `flags` are IPVS's scheduler
+/// flags as ipvsadm's `-b` takes them, comma-separated (`""` for none): `sh-port` /
+/// `mh-port` make `sh` / `mh` hash the client port too ([`Algorithm::Maglev`]);
+/// `sh-fallback` / `mh-fallback` are accepted and change nothing (a quiesced endpoint is
+/// never in the table here, so a client always gets an available backend).
+///
+/// An empty name is an error: kube-proxy's blank default (`rr`) belongs to its IPVS mode,
+/// so a caller reading a configuration treats a blank field as unset. The error names the
+/// accepted schedulers, and the nearest algorithm for `lblc` / `lblcr`.
+pub fn parse_ipvs_scheduler(name: &str, flags: &str) -> Result<Algorithm, String> {
+    let mut algorithm = match Algorithm::from_ipvs(name) {
+        Some(a) => a,
+        None => {
+            let names: Vec<&str> = Algorithm::IPVS.iter().map(|(n, _)| *n).collect();
+            let hint = match name {
+                "lblc" | "lblcr" => {
+                    "; the locality-based schedulers have no equivalent here (dh sends each \
+                     destination address to one backend, lc balances by connections)"
+                }
+                _ => "",
+            };
+            return Err(format!(
+                "IPVS scheduler {name:?} is not one of {}{hint}",
+                names.join(", ")
+            ));
+        }
+    };
+    for flag in flags.split(',').map(str::trim).filter(|f| !f.is_empty()) {
+        match (name, flag) {
+            ("sh", "sh-port") | ("mh", "mh-port") => algorithm = Algorithm::Maglev,
+            ("sh", "sh-fallback") | ("mh", "mh-fallback") => {}
+            _ => {
+                return Err(format!(
+                    "IPVS scheduler flag {flag:?} does not apply to {name:?} (sh takes sh-port, \
+                     sh-fallback; mh takes mh-port, mh-fallback)"
+                ));
+            }
+        }
+    }
+    Ok(algorithm)
 }
 
 /// Every backend set the data path must implement, in key order (what [`build`] returns;
@@ -1057,7 +1113,9 @@ fn service_sets(
     sets: &mut BTreeMap<ServicePortKey, DesiredService>,
 ) {
     let algorithm = info.algorithm;
-    // A DesiredService with the Service's selection settings; WRR weights applied.
+    // A DesiredService with the Service's selection settings and weights: an endpoint of
+    // weight 0 leaves the set whatever the algorithm (IPVS's quiesced server), the others'
+    // weights are kept for the algorithms that read them.
     let policy = |backends: BTreeSet<SocketAddr>,
                   eps: &PortEndpoints,
                   frontends: BTreeSet<SocketAddr>,
@@ -1070,7 +1128,7 @@ fn service_sets(
             affinity_timeout_s: f.affinity,
             weights: BTreeMap::new(),
         };
-        if algorithm == Algorithm::WeightedRoundRobin {
+        if !info.weights.is_empty() {
             let weight = |a: &SocketAddr| {
                 let pod = eps.get(a).map(|e| &*e.pod).unwrap_or("");
                 info.weights
@@ -1080,9 +1138,12 @@ fn service_sets(
                     .copied()
                     .unwrap_or(1)
             };
-            d.weights = d.backends.iter().map(|a| (*a, weight(a))).collect();
-            d.weights.retain(|_, w| *w > 0);
-            d.backends.retain(|a| d.weights.contains_key(a));
+            d.backends.retain(|a| weight(a) > 0);
+            if algorithm.uses_weights() {
+                d.weights = d.backends.iter().map(|a| (*a, weight(a))).collect();
+            }
+        } else if algorithm.uses_weights() {
+            d.weights = d.backends.iter().map(|a| (*a, 1)).collect();
         }
         d
     };
@@ -2846,5 +2907,145 @@ pub(crate) mod tests {
         let d = m.commit();
         assert!(d.node_changed && d.ports.contains(&k));
         assert_eq!(m.port(&k).unwrap().backends, set(&["10.0.0.2"]));
+    }
+
+    /// Service web (cluster IP 10.96.0.10, port 80) with `annotations` (a YAML flow map
+    /// body) and endpoints pod-1..pod-3 at 10.0.0.1..3; its internal set and the errors.
+    fn annotated_web(annotations: &str) -> (DesiredService, Vec<String>) {
+        let yaml = format!(
+            "---\napiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: default, annotations: {{{annotations}}}}}\nspec:\n  clusterIP: 10.96.0.10\n  ports: [{{port: 80}}]\n"
+        ) + &slice(
+            "default",
+            "web-1",
+            "web",
+            "addressType: IPv4\nendpoints:\n- {addresses: [10.0.0.1], targetRef: {kind: Pod, name: pod-1}}\n- {addresses: [10.0.0.2], targetRef: {kind: Pod, name: pod-2}}\n- {addresses: [10.0.0.3], targetRef: {kind: Pod, name: pod-3}}\nports: [{port: 8080}]\n",
+        );
+        let (s, e) = build_yaml(&yaml);
+        let d = s.services.get(&key("default", "web", "", Tcp, V4));
+        (d.cloned().unwrap_or_default(), e)
+    }
+
+    fn weights(list: &[(&str, u32)]) -> BTreeMap<SocketAddr, u32> {
+        list.iter()
+            .map(|(a, w)| (format!("{a}:8080").parse().unwrap(), *w))
+            .collect()
+    }
+
+    #[test]
+    fn algorithm_names_and_ipvs_scheduler_names_are_accepted() {
+        for (a, n) in Algorithm::ALL {
+            assert_eq!(parse_algorithm(n), Some(a), "{n}");
+            assert_eq!(a.name(), n);
+            assert_eq!(Algorithm::from_u8(a as u8), Some(a));
+        }
+        let ipvs = [
+            ("rr", Algorithm::RoundRobin),
+            ("wrr", Algorithm::WeightedRoundRobin),
+            ("lc", Algorithm::LeastConnections),
+            ("wlc", Algorithm::WeightedLeastConnections),
+            ("sed", Algorithm::ShortestExpectedDelay),
+            ("nq", Algorithm::NeverQueue),
+            ("sh", Algorithm::SourceHash),
+            ("dh", Algorithm::DestinationHash),
+            ("mh", Algorithm::SourceHash),
+        ];
+        for (n, a) in ipvs {
+            assert_eq!(parse_algorithm(n), Some(a), "{n}");
+            assert_eq!(parse_ipvs_scheduler(n, ""), Ok(a), "{n}");
+        }
+        // IPVS names are exact (case-sensitive), and the own names are not IPVS names.
+        assert_eq!(parse_algorithm("WLC"), None);
+        assert_eq!(parse_algorithm(""), None);
+        assert!(parse_ipvs_scheduler("least-connections", "").is_err());
+        assert!(algorithm_names().ends_with("(IPVS: rr, wrr, lc, wlc, sed, nq, sh, dh, mh)"));
+        // Scheduler flags as ipvsadm -b takes them.
+        assert_eq!(parse_ipvs_scheduler("sh", "sh-port"), Ok(Algorithm::Maglev));
+        assert_eq!(
+            parse_ipvs_scheduler("mh", "mh-fallback, mh-port"),
+            Ok(Algorithm::Maglev)
+        );
+        assert_eq!(
+            parse_ipvs_scheduler("sh", "sh-fallback"),
+            Ok(Algorithm::SourceHash)
+        );
+        assert_eq!(
+            parse_ipvs_scheduler("mh", "sh-port"),
+            Err("IPVS scheduler flag \"sh-port\" does not apply to \"mh\" (sh takes sh-port, sh-fallback; mh takes mh-port, mh-fallback)".into())
+        );
+        assert_eq!(
+            parse_ipvs_scheduler("", ""),
+            Err("IPVS scheduler \"\" is not one of rr, wrr, lc, wlc, sed, nq, sh, dh, mh".into())
+        );
+        let e = parse_ipvs_scheduler("lblcr", "").unwrap_err();
+        assert!(e.contains("locality-based") && e.contains("dh"), "{e}");
+        // The data path counts connections for the least-load family only.
+        let counted: Vec<&str> = Algorithm::ALL
+            .iter()
+            .filter(|(a, _)| proxy_common::counts_connections(*a as u8))
+            .map(|(_, n)| *n)
+            .collect();
+        assert_eq!(
+            counted,
+            [
+                "least-connections",
+                "weighted-least-connections",
+                "shortest-expected-delay",
+                "never-queue"
+            ]
+        );
+        assert!(!proxy_common::counts_connections(200));
+    }
+
+    #[test]
+    fn weights_reach_the_weighted_algorithms_and_zero_drains_with_every_algorithm() {
+        let w = r#"ebpf-proxy.io/weights: '{"pod-1": 3, "10.0.0.2": 0}'"#;
+        // IPVS names in the annotation; weights by pod name and by address, default 1.
+        for alg in ["wlc", "sed", "nq", "wrr", "weighted-least-connections"] {
+            let (d, e) = annotated_web(&format!("ebpf-proxy.io/lb-algorithm: {alg}, {w}"));
+            assert_eq!(e, NO_ERRORS, "{alg}");
+            assert_eq!(d.algorithm, parse_algorithm(alg).unwrap());
+            assert_eq!(d.backends, set(&["10.0.0.1", "10.0.0.3"]), "{alg}");
+            assert_eq!(
+                d.weights,
+                weights(&[("10.0.0.1", 3), ("10.0.0.3", 1)]),
+                "{alg}"
+            );
+        }
+        // Without the annotation every weight is 1.
+        let (d, _) = annotated_web("ebpf-proxy.io/lb-algorithm: nq");
+        assert_eq!(
+            d.weights,
+            weights(&[("10.0.0.1", 1), ("10.0.0.2", 1), ("10.0.0.3", 1)])
+        );
+        // Algorithms without weights: weight 0 still drains (IPVS quiesces it for every
+        // scheduler); the other weights are reported as without effect.
+        for alg in ["lc", "dh", "random"] {
+            let (d, e) = annotated_web(&format!("ebpf-proxy.io/lb-algorithm: {alg}, {w}"));
+            assert_eq!(d.backends, set(&["10.0.0.1", "10.0.0.3"]), "{alg}");
+            assert!(d.weights.is_empty(), "{alg}");
+            assert_eq!(
+                e,
+                vec![format!(
+                    "test.yaml: Service default/web: annotation ebpf-proxy.io/weights: weights other than 0 have no effect with algorithm {}",
+                    d.algorithm.name()
+                )],
+                "{alg}"
+            );
+        }
+        let (d, e) = annotated_web(
+            r#"ebpf-proxy.io/lb-algorithm: dh, ebpf-proxy.io/weights: '{"pod-3": 0}'"#,
+        );
+        assert_eq!(e, NO_ERRORS);
+        assert_eq!(d.backends, set(&["10.0.0.1", "10.0.0.2"]));
+        // An unknown name lists every accepted one.
+        let (d, e) = annotated_web("ebpf-proxy.io/lb-algorithm: lblc");
+        assert_eq!(d.algorithm, Algorithm::Random);
+        assert_eq!(
+            e,
+            vec![format!(
+                "test.yaml: Service default/web: annotation ebpf-proxy.io/lb-algorithm \"lblc\" is not one of {}; using random",
+                algorithm_names()
+            )]
+        );
     }
 }

@@ -11,7 +11,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 use super::{
     ALGORITHM_ANNOTATION, Algorithm, DEFAULT_AFFINITY_TIMEOUT_S, Family, MAX_WEIGHT, Protocol,
-    WEIGHTS_ANNOTATION, parse_algorithm,
+    WEIGHTS_ANNOTATION, algorithm_names, parse_algorithm,
 };
 
 /// What a Service offers, once it passed validation: cluster IPs (at most one per family,
@@ -346,11 +346,7 @@ fn selection(
             Some(a) => algorithm = a,
             None => warn.push(format!(
                 "annotation {ALGORITHM_ANNOTATION} {v:?} is not one of {}; using {}",
-                Algorithm::ALL
-                    .iter()
-                    .map(|(_, n)| *n)
-                    .collect::<Vec<_>>()
-                    .join(", "),
+                algorithm_names(),
                 default.name()
             )),
         }
@@ -374,9 +370,9 @@ fn selection(
                 "annotation {WEIGHTS_ANNOTATION} is not a JSON object of integer weights ({e}); every weight is 1"
             )),
         }
-        if algorithm != Algorithm::WeightedRoundRobin {
+        if !algorithm.uses_weights() && weights.values().any(|w| *w != 0) {
             warn.push(format!(
-                "annotation {WEIGHTS_ANNOTATION} has no effect with algorithm {}",
+                "annotation {WEIGHTS_ANNOTATION}: weights other than 0 have no effect with algorithm {}",
                 algorithm.name()
             ));
         }
