@@ -3,9 +3,13 @@
 //!
 //! Distribution tests use a chi-square test at p = 0.001 (critical values below), so a
 //! correct implementation fails one run in a thousand at most; the deterministic tests
-//! (least-connections, affinity expiry) hold connections open to steer the choice.
+//! (the least-load algorithms, affinity expiry) hold connections open to steer the choice.
+//! The least-load tests replay every choice against the IPVS scheduler's rule: each
+//! connection, opened while the earlier ones are still open, must go to a backend of
+//! minimal cost at that moment (ties may go either way).
 
 mod common;
+mod sched;
 
 use std::{
     collections::BTreeMap,
@@ -15,6 +19,7 @@ use std::{
 };
 
 use common::*;
+use sched::{assert_least_cost, counts as split, nq_cost, sed_cost, tally, wlc_cost};
 
 const VIP: &str = "198.19.0.30";
 
@@ -471,4 +476,180 @@ fn source_hash_is_consistent_and_removal_moves_only_the_removed_backends_clients
         moved_others <= 2,
         "{moved_others} clients of remaining backends moved"
     );
+}
+
+/// Opens `n` connections to the VIP one after the other from one process, each kept open
+/// until the last is done, so every choice sees the earlier connections counted. Returns
+/// the backends in connection order.
+fn kept_open(env: &Env, n: usize) -> Vec<String> {
+    env.probe(&[
+        "tcp",
+        "--to",
+        &format!("{VIP}:80"),
+        "--count",
+        &n.to_string(),
+        "--keep-open",
+    ])
+    .iter()
+    .map(|p| {
+        assert_eq!(p["ok"], true, "{p}");
+        p["name"].as_str().unwrap().to_string()
+    })
+    .collect()
+}
+
+/// Three backends weighted 1, 3 and 0 (pod-2 quiesced) by pod name, algorithm `alg`.
+fn weighted_1_3_0(name: &str, alg: &str) -> Env {
+    started(
+        name,
+        3,
+        &[
+            ("ebpf-proxy.io/lb-algorithm", alg),
+            (
+                "ebpf-proxy.io/weights",
+                r#"{"pod-0": 1, "pod-1": 3, "pod-2": 0}"#,
+            ),
+        ],
+        "",
+    )
+}
+
+const W_1_3: [(&str, u64); 2] = [("b0", 1), ("b1", 3)];
+
+#[test]
+fn weighted_least_connections_follows_weights_with_connections_held() {
+    let env = weighted_1_3_0("alg-wlc", "wlc");
+    // The weights reached the kernel: b0 and b1 are members with weights 1 and 3, b2 (weight
+    // 0) is not in the set at all.
+    let mut weights: Vec<u32> = env.snapshot().members.values().copied().collect();
+    weights.sort();
+    assert_eq!(weights, [1, 3]);
+    // 8 connections open together: 2 and 6, the only split where connections / weight
+    // is equal (2/1 = 6/3), and every single choice was a least-loaded backend.
+    let seq = kept_open(&env, 8);
+    println!("wlc 1:3:0, 8 held: {seq:?}");
+    assert_least_cost(&seq, &W_1_3, wlc_cost);
+    let c = tally(&seq);
+    assert_eq!(c, split(&[("b0", 2), ("b1", 6)]));
+    // All closed, the counts are back at zero: 12 held split 3 and 9.
+    let seq = kept_open(&env, 12);
+    assert_least_cost(&seq, &W_1_3, wlc_cost);
+    assert_eq!(tally(&seq), split(&[("b0", 3), ("b1", 9)]));
+}
+
+#[test]
+fn shortest_expected_delay_sends_the_first_connections_to_the_heavier_backend() {
+    let env = weighted_1_3_0("alg-sed", "sed");
+    // (0+1)/1 > (0+1)/3 and 1/1 > (1+1)/3: the first two go to b1 although b0 is idle
+    // (wlc would give them one each: 0/1 = 0/3, then the idle one); then the split follows
+    // the weights.
+    let seq = kept_open(&env, 8);
+    println!("sed 1:3:0, 8 held: {seq:?}");
+    assert_eq!(seq[..2], ["b1", "b1"], "{seq:?}");
+    assert_least_cost(&seq, &W_1_3, sed_cost);
+    assert_eq!(tally(&seq), split(&[("b0", 2), ("b1", 6)]));
+}
+
+#[test]
+fn never_queue_picks_an_idle_backend_first_then_shortest_expected_delay() {
+    // The IPVS name through --lb-algorithm this time (no annotation for the algorithm).
+    let mut env = Env::new("alg-nq", 3, false);
+    web(
+        &env,
+        &[(
+            "ebpf-proxy.io/weights",
+            r#"{"pod-0": 1, "pod-1": 3, "pod-2": 0}"#,
+        )],
+        "",
+        &[(0, "pod-0"), (1, "pod-1"), (2, "pod-2")],
+    );
+    env.extra_agent_args = vec!["--lb-algorithm".into(), "nq".into()];
+    env.start_agent();
+    // Both weighted backends are idle: the first two connections take one each (sed would
+    // give both to b1), never b2, idle but of weight 0. Then (1+1)/1 > (1+1)/3 and on:
+    // b1 until 2/1 = 6/3.
+    let seq = kept_open(&env, 6);
+    println!("nq 1:3:0, 6 held: {seq:?}");
+    let mut first = seq[..2].to_vec();
+    first.sort();
+    assert_eq!(first, ["b0", "b1"], "{seq:?}");
+    assert_least_cost(&seq, &W_1_3, nq_cost);
+    assert_eq!(tally(&seq), split(&[("b0", 1), ("b1", 5)]));
+    // Every weight 1 (annotation removed): nq takes each idle backend once before any
+    // gets a second connection, b2 included now.
+    apply(&env, || {
+        web(&env, &[], "", &[(0, "pod-0"), (1, "pod-1"), (2, "pod-2")])
+    });
+    let seq = kept_open(&env, 3);
+    assert_eq!(tally(&seq).len(), 3, "{seq:?}");
+}
+
+#[test]
+fn destination_hash_maps_each_frontend_to_one_backend_whoever_the_client() {
+    // A cluster IP and eight external IPs, all frontends of one Service port.
+    let ext: Vec<String> = (40..48).map(|i| format!("198.19.0.{i}")).collect();
+    let spec = format!("  externalIPs: [{}]\n", ext.join(", "));
+    let env = started("alg-dh", 3, &[("ebpf-proxy.io/lb-algorithm", "dh")], &spec);
+    // 12 client addresses on the client pod.
+    let clients: Vec<String> = (0..12).map(|i| format!("198.18.0.{}", 100 + i)).collect();
+    for c in &clients {
+        let out = env
+            .client
+            .output(
+                None,
+                Command::new("ip").args(["addr", "add", &format!("{c}/32"), "dev", "eth0"]),
+                Duration::from_secs(10),
+            )
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+    }
+    // One connection from every client address to `frontend`: the backends reached.
+    let from_all = |frontend: &str| -> BTreeMap<String, usize> {
+        let mut args = vec![
+            "tcp".to_string(),
+            "--to".into(),
+            format!("{frontend}:80"),
+            "--count".into(),
+            clients.len().to_string(),
+        ];
+        for c in &clients {
+            args.push("--bind".into());
+            args.push(c.clone());
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let probes = env.probe(&args);
+        assert!(probes.iter().all(|p| p["ok"] == true), "{probes:?}");
+        by_name(&probes)
+    };
+    let mut per_frontend = BTreeMap::new();
+    for fe in std::iter::once(VIP.to_string()).chain(ext.iter().cloned()) {
+        let c = from_all(&fe);
+        assert_eq!(
+            c.len(),
+            1,
+            "dh: every client to {fe} reaches one backend: {c:?}"
+        );
+        // And again: the same one.
+        assert_eq!(from_all(&fe), c, "{fe}");
+        per_frontend.insert(fe, c.into_keys().next().unwrap());
+    }
+    println!("dh: backend per frontend {per_frontend:?}");
+    let used: std::collections::BTreeSet<&String> = per_frontend.values().collect();
+    assert!(
+        used.len() >= 2,
+        "different frontends map elsewhere: {per_frontend:?}"
+    );
+    // The same clients to one frontend with source-hash spread over backends: dh ignores
+    // the client, sh does not.
+    apply(&env, || {
+        web(
+            &env,
+            &[("ebpf-proxy.io/lb-algorithm", "sh")],
+            &spec,
+            &[(0, "pod-0"), (1, "pod-1"), (2, "pod-2")],
+        )
+    });
+    let c = from_all(VIP);
+    println!("sh, 12 clients to {VIP}: {c:?}");
+    assert!(c.len() >= 2, "{c:?}");
 }

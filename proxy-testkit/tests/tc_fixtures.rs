@@ -8,6 +8,7 @@
 //! scratch (checksums computed in userspace), so comparing bytes also checks the programs'
 //! incremental checksum updates.
 
+mod sched;
 mod tcfix;
 
 use tcfix::{
@@ -1124,5 +1125,178 @@ fn random_and_mutated_packets_always_get_a_verdict_and_rewrites_keep_checksums()
         // The generator reaches the translating paths and the drops, not only passes.
         assert!(translated > 200, "only {translated} packets were rewritten");
         assert!(dropped > 10, "only {dropped} packets were dropped");
+    });
+}
+
+/// Node `node-1` with NodePort Services whose endpoints are all on this node (no SNAT), one
+/// per IPVS scheduler that has a data path of its own; each has endpoints of its own, since
+/// the connection counts are per backend:
+/// - `wlc` (30090) and `nq` (30091): weights 1, 3 and 0 by address;
+/// - `dh` (30092): three endpoints, eight external IPs.
+const SCHEDULERS: &str = r#"
+apiVersion: v1
+kind: Node
+metadata: {name: node-1}
+status: {addresses: [{type: InternalIP, address: 192.0.2.50}]}
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: wlc
+  namespace: default
+  annotations: {ebpf-proxy.io/lb-algorithm: wlc, ebpf-proxy.io/weights: '{"10.0.1.21": 1, "10.0.1.22": 3, "10.0.1.23": 0}'}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.90
+  ports: [{port: 80, nodePort: 30090}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: wlc, namespace: default, labels: {kubernetes.io/service-name: wlc}}
+addressType: IPv4
+ports: [{port: 8080}]
+endpoints: [{addresses: [10.0.1.21], nodeName: node-1}, {addresses: [10.0.1.22], nodeName: node-1}, {addresses: [10.0.1.23], nodeName: node-1}]
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: nq
+  namespace: default
+  annotations: {ebpf-proxy.io/lb-algorithm: nq, ebpf-proxy.io/weights: '{"10.0.1.31": 1, "10.0.1.32": 3, "10.0.1.33": 0}'}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.91
+  ports: [{port: 80, nodePort: 30091}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: nq, namespace: default, labels: {kubernetes.io/service-name: nq}}
+addressType: IPv4
+ports: [{port: 8080}]
+endpoints: [{addresses: [10.0.1.31], nodeName: node-1}, {addresses: [10.0.1.32], nodeName: node-1}, {addresses: [10.0.1.33], nodeName: node-1}]
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: dh
+  namespace: default
+  annotations: {ebpf-proxy.io/lb-algorithm: dh}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.92
+  externalIPs: [203.0.113.40, 203.0.113.41, 203.0.113.42, 203.0.113.43, 203.0.113.44, 203.0.113.45, 203.0.113.46, 203.0.113.47]
+  ports: [{port: 80, nodePort: 30092}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: dh, namespace: default, labels: {kubernetes.io/service-name: dh}}
+addressType: IPv4
+ports: [{port: 8080}]
+endpoints: [{addresses: [10.0.1.41], nodeName: node-1}, {addresses: [10.0.1.42], nodeName: node-1}, {addresses: [10.0.1.43], nodeName: node-1}]
+"#;
+
+/// A TCP packet with `flags` from `client` to `frontend` through `tc_ingress`: checks that
+/// it passes DNATed to port 8080 of one of the Service's endpoints with valid checksums and
+/// nothing else changed; returns that endpoint's address.
+fn dnat_to(h: &Harness, client: &str, frontend: &str, flags: u8) -> String {
+    let p = Packet::tcp(client, frontend, flags);
+    let (v, out) = h.run(INGRESS, &p.frame());
+    assert_eq!(v, PASS, "{client} -> {frontend}: {}", show(&out));
+    let d = tcfix::decode(&out).expect("an IP frame");
+    let want = Packet {
+        dst: std::net::SocketAddr::new(d.dst, 8080),
+        ..p
+    };
+    assert!(
+        out == want.frame(),
+        "{client} -> {frontend}: {}",
+        diff(&out, &want.frame())
+    );
+    verify(&out).unwrap_or_else(|e| panic!("{e} wrong in {}", show(&out)));
+    d.dst.to_string()
+}
+
+/// Sum of the least-load connection counts of every backend (`LC_COUNTS`).
+fn open_flows(h: &Harness) -> u32 {
+    let m: aya::maps::HashMap<aya::maps::MapData, u32, u32> = h.map(proxy_common::LC_COUNTS);
+    m.iter().filter_map(|r| r.ok()).map(|(_, c)| c).sum()
+}
+
+#[test]
+fn ipvs_least_load_schedulers_count_tc_flows_and_follow_weights() {
+    in_private_netns(|| {
+        let h = Harness::new("sched-lc");
+        h.seed(SCHEDULERS, "node-1", &TcOptions::default());
+        let client = |port: u16| sock("198.51.100.7", port);
+        // wlc, weights 1:3:0: eight flows open together split 2 and 6, every choice a
+        // least-loaded backend at its moment, never the weight-0 endpoint.
+        let w = [("10.0.1.21", 1), ("10.0.1.22", 3)];
+        let seq: Vec<String> = (0..8)
+            .map(|i| dnat_to(&h, &client(50000 + i), "192.0.2.50:30090", SYN))
+            .collect();
+        println!("wlc over tc: {seq:?}");
+        sched::assert_least_cost(&seq, &w, sched::wlc_cost);
+        assert_eq!(
+            sched::tally(&seq),
+            sched::counts(&[("10.0.1.21", 2), ("10.0.1.22", 6)])
+        );
+        assert_eq!(open_flows(&h), 8);
+        // The client resets every flow: each count is given back ...
+        for i in 0..8 {
+            dnat_to(&h, &client(50000 + i), "192.0.2.50:30090", RST | ACK);
+        }
+        assert_eq!(open_flows(&h), 0);
+        // ... so the next eight split the same way.
+        let seq: Vec<String> = (0..8)
+            .map(|i| dnat_to(&h, &client(50100 + i), "192.0.2.50:30090", SYN))
+            .collect();
+        sched::assert_least_cost(&seq, &w, sched::wlc_cost);
+        assert_eq!(
+            sched::tally(&seq),
+            sched::counts(&[("10.0.1.21", 2), ("10.0.1.22", 6)])
+        );
+
+        // nq, weights 1:3:0: the two idle weighted endpoints first, one flow each, then sed.
+        let w = [("10.0.1.31", 1), ("10.0.1.32", 3)];
+        let seq: Vec<String> = (0..6)
+            .map(|i| dnat_to(&h, &client(51000 + i), "192.0.2.50:30091", SYN))
+            .collect();
+        println!("nq over tc: {seq:?}");
+        let mut first = seq[..2].to_vec();
+        first.sort();
+        assert_eq!(first, ["10.0.1.31", "10.0.1.32"], "{seq:?}");
+        sched::assert_least_cost(&seq, &w, sched::nq_cost);
+        assert_eq!(
+            sched::tally(&seq),
+            sched::counts(&[("10.0.1.31", 1), ("10.0.1.32", 5)])
+        );
+    });
+}
+
+#[test]
+fn ipvs_destination_hash_maps_each_frontend_address_to_one_backend() {
+    in_private_netns(|| {
+        let h = Harness::new("sched-dh");
+        h.seed(SCHEDULERS, "node-1", &TcOptions::default());
+        let frontends: Vec<String> = std::iter::once("192.0.2.50:30092".to_string())
+            .chain((40..48).map(|i| format!("203.0.113.{i}:80")))
+            .collect();
+        let mut per_frontend = std::collections::BTreeMap::new();
+        for (f, fe) in frontends.iter().enumerate() {
+            // Ten clients (addresses and ports) to one frontend address: one backend.
+            let reached: std::collections::BTreeSet<String> = (0..10u16)
+                .map(|c| {
+                    let client = sock(&format!("198.51.100.{}", 10 + c), 52000 + f as u16);
+                    dnat_to(&h, &client, fe, SYN)
+                })
+                .collect();
+            assert_eq!(reached.len(), 1, "{fe}: {reached:?}");
+            per_frontend.insert(fe.clone(), reached.into_iter().next().unwrap());
+        }
+        println!("dh over tc: {per_frontend:?}");
+        let used: std::collections::BTreeSet<&String> = per_frontend.values().collect();
+        assert!(used.len() >= 2, "{per_frontend:?}");
+        // dh counts nothing.
+        assert_eq!(open_flows(&h), 0);
     });
 }

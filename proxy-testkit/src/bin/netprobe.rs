@@ -78,6 +78,10 @@ enum Cmd {
         /// Pause between attempts.
         #[arg(long, default_value_t = 0)]
         interval_ms: u64,
+        /// Keep every connection open until the last attempt is done (then `--hold-ms`
+        /// more), so they are open together: the least-load algorithms count them all.
+        #[arg(long)]
+        keep_open: bool,
         /// Connect once, then send each stdin line and print the reply as JSON.
         #[arg(long)]
         interactive: bool,
@@ -136,6 +140,7 @@ fn main() -> ExitCode {
             timeout_ms,
             hold_ms,
             interval_ms,
+            keep_open,
             interactive,
             bind,
         } => {
@@ -149,6 +154,7 @@ fn main() -> ExitCode {
                     t,
                     Duration::from_millis(hold_ms),
                     Duration::from_millis(interval_ms),
+                    keep_open,
                     &bind,
                 )
             }
@@ -417,9 +423,11 @@ fn tcp_probe(
     timeout: Duration,
     hold: Duration,
     interval: Duration,
+    keep_open: bool,
     bind: &[std::net::IpAddr],
 ) -> Result<bool> {
     let mut all_ok = true;
+    let mut open = Vec::new();
     for i in 0..count {
         if i > 0 {
             std::thread::sleep(interval);
@@ -428,11 +436,19 @@ fn tcp_probe(
         let (v, conn) = tcp_attempt(to, from, timeout);
         all_ok &= v["ok"] == json!(true);
         print_json(&v);
+        if keep_open {
+            open.extend(conn);
+            continue;
+        }
         if conn.is_some() && !hold.is_zero() {
             std::thread::sleep(hold);
         }
         drop(conn);
     }
+    if !open.is_empty() && !hold.is_zero() {
+        std::thread::sleep(hold);
+    }
+    drop(open);
     Ok(all_ok)
 }
 
