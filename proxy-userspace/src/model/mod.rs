@@ -13,6 +13,16 @@
 //!
 //! Rules (kube-proxy semantics; where its modes differ, the nftables mode of KEP-3866):
 //!
+//! Which objects are read
+//! - Services and EndpointSlices labelled `service.kubernetes.io/service-proxy-name` (any
+//!   value: meant for another proxy, KEP-2447) or `service.kubernetes.io/headless` (the
+//!   EndpointSlice controller's label on the slices of headless Services) are treated as
+//!   absent, as kube-proxy's label selector on its watches ([`PROXY_LABEL_SELECTOR`])
+//!   filters them out: gaining the label removes what they gave, losing it brings them
+//!   back. The API source sends the same selector to the API server; the rule here applies
+//!   it to every source (manifests too). kube-proxy has no setting to choose a proxy name
+//!   of its own, so neither has ebpf-proxy.
+//!
 //! Services
 //! - Frontends are the addresses of `spec.clusterIPs`, or `spec.clusterIP` when
 //!   `clusterIPs` is empty, for every `type` except `ExternalName`. Headless Services
@@ -245,6 +255,10 @@ pub struct DesiredService {
     /// Weights of the backends for `weighted-round-robin` (every backend has one, >= 1;
     /// endpoints of weight 0 are not in `backends`); empty for other algorithms.
     pub weights: BTreeMap<SocketAddr, u32>,
+    /// A `Local` traffic policy set (`FRONTEND_F_LOCAL_ONLY`) without a local endpoint while
+    /// the Service has endpoints on other nodes: kube-proxy counts these in
+    /// `kubeproxy_sync_proxy_rules_no_local_endpoints_total`.
+    pub no_local_endpoints: bool,
 }
 
 pub use proxy_common::Algorithm;
@@ -331,6 +345,25 @@ pub struct NodeInfo {
 /// The label holding a Node's zone.
 pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
 
+/// Label naming the proxy meant to implement a Service (`service.kubernetes.io/
+/// service-proxy-name`, KEP-2447); the EndpointSlice controller copies it to the slices.
+pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
+/// Label the EndpointSlice controller puts on the slices of headless Services.
+pub const HEADLESS_LABEL: &str = "service.kubernetes.io/headless";
+/// The label selector of kube-proxy's Service and EndpointSlice watches
+/// (`cmd/kube-proxy/app/server.go`): objects with either label are not proxied.
+pub const PROXY_LABEL_SELECTOR: &str =
+    "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
+
+/// True when an object's labels exclude it from proxying ([`PROXY_LABEL_SELECTOR`]).
+pub fn excluded_by_labels(
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+) -> bool {
+    meta.labels
+        .as_ref()
+        .is_some_and(|l| l.contains_key(SERVICE_PROXY_NAME_LABEL) || l.contains_key(HEADLESS_LABEL))
+}
+
 /// What a `healthCheckNodePort` server reports.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HealthCheck {
@@ -369,8 +402,9 @@ pub struct Delta {
     pub service_changes: u64,
     /// EndpointSlice changes that read differently from before.
     pub endpoint_changes: u64,
-    /// `endpoints.kubernetes.io/last-change-trigger-time` of the slices that changed.
-    pub trigger_times: Vec<String>,
+    /// `endpoints.kubernetes.io/last-change-trigger-time` of the slices that changed, with
+    /// the family of their `addressType`.
+    pub trigger_times: Vec<(Family, String)>,
 }
 
 impl Delta {
@@ -470,6 +504,10 @@ impl Model {
         match change {
             Change::Apply(Object::Service(s)) => {
                 let key = svc_key(&s.object.metadata);
+                if excluded_by_labels(&s.object.metadata) {
+                    self.set_service(key, None);
+                    return;
+                }
                 let info = ServiceInfo::read(
                     Arc::from(s.origin.as_str()),
                     &s.object,
@@ -479,6 +517,10 @@ impl Model {
             }
             Change::Apply(Object::EndpointSlice(s)) => {
                 let key = svc_key(&s.object.metadata);
+                if excluded_by_labels(&s.object.metadata) {
+                    self.set_slice(key, None);
+                    return;
+                }
                 let info = SliceInfo::read(
                     &Arc::from(s.origin.as_str()),
                     &key.0,
@@ -492,10 +534,15 @@ impl Model {
                     .as_ref()
                     .and_then(|a| a.get(TRIGGER_TIME_ANNOTATION))
                     .cloned();
+                let family = if s.object.address_type == "IPv6" {
+                    Family::V6
+                } else {
+                    Family::V4
+                };
                 if self.set_slice(key, Some(info))
                     && let Some(t) = trigger
                 {
-                    self.pending.trigger_times.push(t);
+                    self.pending.trigger_times.push((family, t));
                 }
             }
             Change::Apply(Object::Node(n)) => {
@@ -1069,6 +1116,7 @@ fn service_sets(
             algorithm,
             affinity_timeout_s: f.affinity,
             weights: BTreeMap::new(),
+            no_local_endpoints: false,
         };
         if algorithm == Algorithm::WeightedRoundRobin {
             let weight = |a: &SocketAddr| {
@@ -1102,20 +1150,22 @@ fn service_sets(
                 .get(&(port_name.clone(), *protocol, family))
                 .unwrap_or(&empty);
             let cats = categorize(eps, node, zone);
+            // Local policy, no local endpoint, endpoints elsewhere (kube-proxy's
+            // CategorizeEndpoints: hasAnyEndpoints without local ones).
+            let no_local = cats.local.is_empty() && !cats.cluster.is_empty();
             let (backends, flags) = if info.internal_local {
                 (cats.local.clone(), proxy_common::FRONTEND_F_LOCAL_ONLY)
             } else {
                 (cats.cluster.clone(), 0)
             };
-            sets.insert(
-                key.clone(),
-                policy(
-                    backends,
-                    eps,
-                    BTreeSet::from([SocketAddr::new(*vip, *port)]),
-                    flags,
-                ),
+            let mut internal = policy(
+                backends,
+                eps,
+                BTreeSet::from([SocketAddr::new(*vip, *port)]),
+                flags,
             );
+            internal.no_local_endpoints = info.internal_local && no_local;
+            sets.insert(key.clone(), internal);
             // Traffic from this node to external addresses is "internal to the cluster":
             // kube-proxy short-circuits it to the Cluster endpoints whatever the
             // externalTrafficPolicy (pkg/proxy: UsesClusterEndpoints).
@@ -1143,12 +1193,14 @@ fn service_sets(
                 } else {
                     (cats.cluster.clone(), proxy_common::FRONTEND_F_EXTERNAL)
                 };
+                let mut ingress = policy(ingress_backends, eps, ext.clone(), ingress_flags);
+                ingress.no_local_endpoints = info.external_local && no_local;
                 sets.insert(
                     ServicePortKey {
                         scope: Scope::Ingress,
                         ..key.clone()
                     },
-                    policy(ingress_backends, eps, ext.clone(), ingress_flags),
+                    ingress,
                 );
                 sets.insert(
                     ServicePortKey {
