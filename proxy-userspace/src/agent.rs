@@ -207,7 +207,19 @@ fn prepare(config: &AgentConfig) -> Result<Prepared> {
     preflight(config)?;
     let cgroup = match &config.cgroup_path {
         Some(p) => p.clone(),
-        None => loader::cgroup2_root()?,
+        None => {
+            let root = loader::cgroup2_root()?;
+            // In a container's cgroup namespace (kube-proxy's own DaemonSet, on cgroup v2)
+            // the mount root is the container's cgroup: the programs would see only the
+            // agent itself and proxy nothing for the node.
+            if crate::mounts::in_initial_cgroup_namespace() == Some(false) {
+                anyhow::bail!(
+                    "{} is the root of this container's cgroup namespace, not the node's cgroup v2 root, so the programs would proxy nothing for the node (remedy: mount the host's /sys/fs/cgroup with a hostPath volume and pass --cgroup-path at it, as deploy/daemonset.yaml does)",
+                    root.display()
+                );
+            }
+            root
+        }
     };
     let sizes = MapSizes {
         frontends: config.map_sizes.frontends,
@@ -1016,6 +1028,50 @@ mod tests {
             .count();
         assert_eq!(puts, 5);
         assert!(a.dp.collections >= 1, "the collection ran");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_node_object_drives_healthz_eligibility_at_once() {
+        let mut a = agent(Duration::ZERO);
+        let node = |extra: &str| {
+            format!("---\napiVersion: v1\nkind: Node\nmetadata: {{name: node-1{extra}}}\n")
+        };
+        a.handle(Event::Batch(batch(&node(""), true)));
+        assert!(a.health.lock().unwrap().node_eligible);
+        // No sync needed: the next /healthz already answers 503.
+        a.handle(Event::Batch(batch(
+            &node(", deletionTimestamp: '2026-01-01T00:00:00Z'"),
+            true,
+        )));
+        assert!(!a.health.lock().unwrap().node_eligible);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn kube_proxy_sync_families_follow_each_sync() {
+        let mut a = agent(Duration::ZERO);
+        a.dp.cap.frontends = 2; // one cluster IP (frontend + VIP marker)
+        let local = "---\napiVersion: v1\nkind: Service\nmetadata: {name: loc, namespace: ns}\nspec: {clusterIP: 10.96.0.9, internalTrafficPolicy: Local, ports: [{port: 80}]}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: loc-1, namespace: ns, labels: {kubernetes.io/service-name: loc}}\naddressType: IPv4\nports: [{port: 80}]\nendpoints: [{addresses: [10.0.0.7], nodeName: node-2}]\n";
+        a.handle(Event::Batch(batch(&(svc("a", "10.96.0.1") + local), true)));
+        a.handle(Event::Reconcile);
+        let text = a.metrics.encode();
+        for line in [
+            "kubeproxy_sync_proxy_rules_nftables_sync_failures_total{ip_family=\"IPv4\"} 1",
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total{ip_family=\"IPv4\",traffic_policy=\"internal\"} 1",
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total{ip_family=\"IPv4\",traffic_policy=\"external\"} 0",
+            "kubeproxy_sync_proxy_rules_service_changes_total 2",
+            "kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"} 1",
+            "kubeproxy_conntrack_reconciler_sync_duration_seconds_count{ip_family=\"IPv4\"} 1",
+            // A Service port is still failed: the last full sync has not happened.
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family=\"IPv4\"} 0",
+        ] {
+            assert!(text.contains(line), "{line} missing in\n{text}");
+        }
+        assert!(
+            !text.contains(
+                "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds{ip_family=\"IPv4\"} 0"
+            ),
+            "a change was queued"
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -2755,6 +2755,133 @@ pub(crate) mod tests {
         assert_eq!(m.errors().len(), 2);
     }
 
+    /// A Service `ns/{name}` on 10.96.1.{n}:80 with extra metadata lines, and its slice
+    /// with one endpoint on another node and the same labels.
+    fn labelled(name: &str, n: u8, labels: &str) -> String {
+        format!(
+            "---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: ns, labels: {{{labels}}}}}\nspec: {{clusterIP: 10.96.1.{n}, ports: [{{port: 80}}]}}\n\
+             ---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-1, namespace: ns, labels: {{kubernetes.io/service-name: {name}{}{labels}}}}}\naddressType: IPv4\nports: [{{port: 80}}]\nendpoints: [{{addresses: [10.0.1.{n}], nodeName: node-2}}]\n",
+            if labels.is_empty() { "" } else { ", " }
+        )
+    }
+
+    #[test]
+    fn objects_labelled_for_another_proxy_or_headless_are_not_proxied() {
+        let yaml = labelled("plain", 1, "")
+            + &labelled(
+                "other-proxy",
+                2,
+                "service.kubernetes.io/service-proxy-name: other",
+            )
+            + &labelled(
+                "empty-name",
+                3,
+                "service.kubernetes.io/service-proxy-name: ''",
+            )
+            + &labelled("headless", 4, "service.kubernetes.io/headless: ''");
+        let (s, errors) = build_yaml(&yaml);
+        assert!(errors.is_empty(), "{errors:?}");
+        let names: BTreeSet<&str> = s.services.keys().map(|k| k.name.as_str()).collect();
+        assert_eq!(
+            names,
+            BTreeSet::from(["plain"]),
+            "any value of the label excludes"
+        );
+
+        // Gaining the label removes what the Service gave; losing it brings it back (the
+        // watch's DELETED and ADDED events under kube-proxy's selector).
+        let mut m = model(&labelled("web", 5, ""));
+        assert_eq!(m.ports().len(), 1);
+        apply_yaml(
+            &mut m,
+            &labelled("web", 5, "service.kubernetes.io/service-proxy-name: istio"),
+        );
+        let d = m.commit();
+        assert!(m.ports().is_empty(), "{d:?}");
+        assert_eq!(d.ports.len(), 1);
+        apply_yaml(&mut m, &labelled("web", 5, ""));
+        m.commit();
+        let (k, v) = m.ports().iter().next().expect("back");
+        assert_eq!(k.name, "web");
+        assert_eq!(v.backends, addrs(&["10.0.1.5:80"]));
+        // A slice alone with the label: the Service stays, without those endpoints.
+        apply_yaml(
+            &mut m,
+            "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-1, namespace: ns, labels: {kubernetes.io/service-name: web, service.kubernetes.io/headless: ''}}\naddressType: IPv4\nports: [{port: 80}]\nendpoints: [{addresses: [10.0.1.5]}]\n",
+        );
+        m.commit();
+        assert!(m.ports().values().next().unwrap().backends.is_empty());
+        assert_eq!(
+            PROXY_LABEL_SELECTOR,
+            format!("!{SERVICE_PROXY_NAME_LABEL},!{HEADLESS_LABEL}")
+        );
+    }
+
+    #[test]
+    fn a_node_being_deleted_or_tainted_for_deletion_is_not_eligible() {
+        let node = |meta: &str, spec: &str| {
+            format!(
+                "---\napiVersion: v1\nkind: Node\nmetadata: {{name: node-1{meta}}}\nspec: {{{spec}}}\n"
+            )
+        };
+        let mut m = Model::new(node1());
+        assert!(
+            m.node().eligible(),
+            "no Node object: nothing says it goes away"
+        );
+        apply_yaml(&mut m, &node("", ""));
+        assert!(m.node().eligible());
+        apply_yaml(
+            &mut m,
+            &node(
+                "",
+                "taints: [{key: ToBeDeletedByClusterAutoscaler, value: '1700000000', effect: NoSchedule}]",
+            ),
+        );
+        assert!(m.node().to_be_deleted && !m.node().eligible());
+        apply_yaml(
+            &mut m,
+            &node("", "taints: [{key: other, effect: NoSchedule}]"),
+        );
+        assert!(m.node().eligible(), "other taints do not matter");
+        apply_yaml(
+            &mut m,
+            &node(", deletionTimestamp: '2026-01-01T00:00:00Z'", ""),
+        );
+        assert!(m.node().deleting && !m.node().eligible());
+        assert!(m.commit().node_changed);
+    }
+
+    #[test]
+    fn local_policy_sets_without_local_endpoints_are_flagged_only_with_remote_ones() {
+        let yaml = |eps: &str| {
+            svc(
+                "ns",
+                "web",
+                "  type: NodePort\n  clusterIP: 10.96.0.10\n  internalTrafficPolicy: Local\n  externalTrafficPolicy: Local\n  ports: [{port: 80, nodePort: 30080}]\n",
+            ) + &slice(
+                "ns",
+                "web-1",
+                "web",
+                &format!("addressType: IPv4\nports: [{{port: 80}}]\nendpoints: [{eps}]\n"),
+            ) + "---\napiVersion: v1\nkind: Node\nmetadata: {name: node-1}\nstatus: {addresses: [{type: InternalIP, address: 192.0.2.1}]}\n"
+        };
+        let flagged = |eps: &str| {
+            let (s, _) = build_yaml(&yaml(eps));
+            s.services
+                .iter()
+                .filter(|(_, d)| d.no_local_endpoints)
+                .map(|(k, _)| k.scope)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            flagged("{addresses: [10.0.0.2], nodeName: node-2}"),
+            [Scope::Internal, Scope::Ingress]
+        );
+        assert!(flagged("{addresses: [10.0.0.1], nodeName: node-1}").is_empty());
+        assert!(flagged("").is_empty(), "no endpoints at all: not counted");
+    }
+
     /// A model fed `yaml` and committed.
     fn model(yaml: &str) -> Model {
         Model::from_objects(&objects(yaml), &node1())
