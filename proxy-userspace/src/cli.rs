@@ -12,7 +12,13 @@ use crate::config::{PinArgs, RunFlags};
 /// A kube-proxy replacement on eBPF: Kubernetes Services load-balanced at the socket level
 /// for clients on the node, and by tc programs for traffic entering it.
 #[derive(Parser, Debug)]
-#[command(name = "ebpf-proxy", version, args_conflicts_with_subcommands = true)]
+// A flag given twice takes its last value, as pflag does for kube-proxy.
+#[command(
+    name = "ebpf-proxy",
+    version,
+    args_conflicts_with_subcommands = true,
+    args_override_self = true
+)]
 pub struct Cli {
     /// A subcommand; without one, the agent runs with the flags below (kube-proxy's command
     /// line, e.g. `--config=/var/lib/kube-proxy/config.conf --hostname-override=NODE`).
@@ -27,6 +33,7 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Run the node agent: load the data path, follow Services and EndpointSlices, sync maps.
+    #[command(args_override_self = true)]
     Run(Box<RunFlags>),
     /// Print the frontends and their backends, read from the pinned maps (works while the
     /// agent is down).
@@ -228,6 +235,12 @@ mod tests {
             panic!("not run");
         };
         assert_eq!(format!("{a:?}"), format!("{b:?}"));
+        // A flag given twice takes its last value (pflag's rule).
+        let Command::Run(f) = command(&["kube-proxy", "--sync-period=1s", "--sync-period=2s"])
+        else {
+            panic!("not run")
+        };
+        assert_eq!(f.sync_period, Some(std::time::Duration::from_secs(2)));
         // kube-proxy's --version works too.
         let e = Cli::command()
             .try_get_matches_from(["kube-proxy", "--version"])
