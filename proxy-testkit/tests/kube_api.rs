@@ -150,9 +150,14 @@ fn data_path_converges_after_every_api_event() {
     ] {
         assert!(text.contains(m), "{m} missing:\n{text}");
     }
+    // The slice is IPv4: its family's series has the observation.
     let programmed = text
         .lines()
-        .find(|l| l.starts_with("kubeproxy_network_programming_duration_seconds_count"))
+        .find(|l| {
+            l.starts_with(
+                "kubeproxy_network_programming_duration_seconds_count{ip_family=\"IPv4\"}",
+            )
+        })
         .and_then(|l| l.split_whitespace().last())
         .and_then(|v| v.parse::<u64>().ok())
         .unwrap_or(0);
@@ -176,6 +181,72 @@ fn data_path_converges_after_every_api_event() {
     // Service deleted: its frontends go.
     api.server.delete_service("default", "web");
     env.wait_maps(|s| s.frontends.is_empty(), "service deleted");
+    drop(api);
+}
+
+#[test]
+fn services_for_another_proxy_are_filtered_by_the_api_server_and_follow_their_label() {
+    let mut env = Env::new("api-labels", 2, false);
+    let api = Api::start(&env);
+    let labelled = |name: &str, vip: &str, label: Option<&str>| {
+        let mut s = svc_obj(name, vip);
+        if let Some(l) = label {
+            s.metadata.labels = Some([(l.to_string(), "other".to_string())].into());
+        }
+        s
+    };
+    api.server.apply_service(labelled("web", VIP, None));
+    api.server
+        .apply_endpoint_slice(slice_obj("web-1", "web", &[0], None));
+    api.server.apply_service(labelled(
+        "other",
+        "198.19.0.42",
+        Some("service.kubernetes.io/service-proxy-name"),
+    ));
+    api.server
+        .apply_endpoint_slice(slice_obj("other-1", "other", &[1], None));
+    env.start_agent_with(&api.agent_args());
+    env.wait_maps(|_| backend_count(&env) == 1, "initial list");
+    let vips = |env: &Env| -> Vec<String> {
+        env.snapshot()
+            .frontends
+            .keys()
+            .filter(|k| k.proto != 0)
+            .map(|k| proxy_userspace::datapath::addr::bytes_to_ip(k.addr).to_string())
+            .collect()
+    };
+    assert_eq!(
+        vips(&env),
+        [VIP],
+        "the other proxy's Service is not programmed"
+    );
+    // kube-proxy's selector is on the Service and EndpointSlice lists and watches.
+    let log = api.server.request_log();
+    for path in [
+        "/api/v1/services",
+        "/apis/discovery.k8s.io/v1/endpointslices",
+    ] {
+        let reqs: Vec<_> = log.iter().filter(|r| r.path == path).collect();
+        assert!(!reqs.is_empty(), "{path} not requested");
+        for r in reqs {
+            assert_eq!(
+                r.param("labelSelector").as_deref(),
+                Some("!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless"),
+                "{r:?}"
+            );
+        }
+    }
+    // The label given to web: the server sends it as deleted, its frontends go; taken
+    // away from other: it arrives and is programmed.
+    api.server.apply_service(labelled(
+        "web",
+        VIP,
+        Some("service.kubernetes.io/service-proxy-name"),
+    ));
+    api.server
+        .apply_service(labelled("other", "198.19.0.42", None));
+    env.wait_maps(|_| vips(&env) == ["198.19.0.42"], "the labels swapped");
+    assert_eq!(by_name(&env.tcp("198.19.0.42:80", 5)).len(), 1);
     drop(api);
 }
 

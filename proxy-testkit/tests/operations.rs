@@ -189,13 +189,96 @@ fn invalid_configuration_file_stops_start_up_naming_the_field() {
     ]);
     let err = text(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{err}");
-    assert_eq!(
-        err.trim(),
-        format!(
-            "error: --config {}: mode: \"ipvs\" is not supported by ebpf-proxy; leave it empty or set it to \"ebpf\"",
-            file.display()
-        )
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.starts_with("error: --config: mode \"ipvs\": this is ebpf-proxy, a kube-proxy replacement that proxies Services with eBPF programs and has no ipvs mode; to run it, leave the mode empty or set it to \"ebpf\""),
+        "{err}"
     );
+    // A field with an invalid value names the file and the field.
+    std::fs::write(
+        &file,
+        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nclusterCIDR: 10.0.0.0/33\n",
+    )
+    .unwrap();
+    let out = agent(&["run", "--config", &file.display().to_string()]);
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.starts_with(&format!(
+            "error: --config {}: clusterCIDR: \"10.0.0.0/33\" is not a CIDR",
+            file.display()
+        )),
+        "{err}"
+    );
+}
+
+#[test]
+fn kube_proxy_command_lines_run_without_a_subcommand() {
+    // kubeadm's configuration file, with kube-proxy's flags and no subcommand: the effective
+    // configuration is written and the process exits 0, nothing touched.
+    let dir = tempfile::tempdir().unwrap();
+    let conf = dir.path().join("config.conf");
+    std::fs::write(
+        &conf,
+        include_str!("../../proxy-userspace/tests/fixtures/kubeadm/config.conf"),
+    )
+    .unwrap();
+    let written = dir.path().join("written.yaml");
+    let out = agent(&[
+        &format!("--config={}", conf.display()),
+        "--hostname-override=Node-A",
+        &format!("--write-config-to={}", written.display()),
+        "--ipvs-scheduler=mh",
+        "-v=4",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let yaml = std::fs::read_to_string(&written).unwrap();
+    let loaded = proxy_userspace::config::parse(&yaml).unwrap();
+    assert_eq!(loaded.settings.hostname_override.as_deref(), Some("node-a"));
+    assert!(yaml.contains("scheduler: mh"), "{yaml}");
+    assert!(yaml.contains("clusterCIDR: 10.244.0.0/16"), "{yaml}");
+    assert!(
+        yaml.contains("kubeconfig: /var/lib/kube-proxy/kubeconfig.conf"),
+        "{yaml}"
+    );
+    // A kube-proxy mode on the command line: one line saying what this is.
+    for mode in ["iptables", "ipvs", "nftables", "kernelspace"] {
+        let out = agent(&[
+            &format!("--proxy-mode={mode}"),
+            "--manifests",
+            "/nonexistent",
+        ]);
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(
+            err.contains("this is ebpf-proxy, a kube-proxy replacement"),
+            "{err}"
+        );
+    }
+    // IPVS schedulers the data path does not have yet stop start-up, naming them.
+    let out = agent(&["--ipvs-scheduler=wlc", "--manifests", "/nonexistent"]);
+    assert!(
+        text(&out.stderr).contains("the IPVS scheduler \"wlc\" is not yet supported"),
+        "{}",
+        text(&out.stderr)
+    );
+    // kube-proxy flags without an effect here are accepted with a warning each.
+    let out = agent(&[
+        "--profiling",
+        "--feature-gates=A=true",
+        &format!("--write-config-to={}", written.display()),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    for flag in ["--profiling", "--feature-gates"] {
+        assert_eq!(
+            err.matches(&format!("flag {flag} has no effect in ebpf-proxy"))
+                .count(),
+            1,
+            "{err}"
+        );
+    }
 }
 
 #[test]
@@ -282,6 +365,69 @@ fn configuration_file_is_applied_flags_override_it_and_logs_are_json() {
     let tc = tc.get(&0, 0).unwrap();
     assert_eq!(tc.udp_ns, Duration::from_secs(7).as_nanos() as u64);
     assert_eq!(tc.udp_stream_ns, Duration::from_secs(9).as_nanos() as u64);
+}
+
+#[test]
+fn a_busy_metrics_port_does_not_stop_the_agent_and_is_retried() {
+    let mut env = Env::new("ops-busy", 1, false);
+    web(&env, &[0]);
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = busy.local_addr().unwrap();
+    env.extra_agent_args = vec!["--metrics-bind-address".into(), addr.to_string()];
+    env.start_agent();
+    // The data path runs and serves while the port is taken.
+    assert_eq!(by_name(&env.tcp(&format!("{VIP}:80"), 3)).len(), 1);
+    env.logged_addr("health");
+    // Retried every 5 s, reported once.
+    std::thread::sleep(Duration::from_secs(6));
+    let failed = |log: &str| {
+        log.lines()
+            .filter(|l| l.contains("metrics server failed"))
+            .count()
+    };
+    assert_eq!(failed(&env.log()), 1, "{}", env.log());
+    assert!(!env.log().contains("metrics server listening"));
+    drop(busy);
+    env.wait_log(|l| l.contains("metrics server listening"), "metrics bound");
+    let out = Command::new("curl")
+        .args([
+            "-s",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            &format!("http://{addr}/metrics"),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(text(&out.stdout), "200");
+    assert_eq!(failed(&env.log()), 1);
+
+    // With --bind-address-hard-fail, kube-proxy's meaning: the agent stops on the failure
+    // (the data path stays pinned).
+    env.stop_agent();
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    env.extra_agent_args = vec![
+        "--healthz-bind-address".into(),
+        busy.local_addr().unwrap().to_string(),
+        "--bind-address-hard-fail".into(),
+    ];
+    env.start_agent_with(&[
+        "--manifests".into(),
+        env.manifests.path().display().to_string(),
+    ]);
+    env.wait_log(
+        |l| l.contains("(--bind-address-hard-fail); the data path stays attached and pinned"),
+        "hard failure",
+    );
+    let status = env
+        .agent
+        .as_mut()
+        .unwrap()
+        .wait_timeout(Duration::from_secs(5))
+        .unwrap();
+    assert_eq!(status.and_then(|s| s.code()), Some(1));
+    env.agent = None;
 }
 
 /// Removes a file on drop.
@@ -472,13 +618,27 @@ fn grafana_dashboard_uses_only_metrics_the_agent_exports() {
         missing.is_empty(),
         "the dashboard uses metrics the agent does not export: {missing:?}\nexported: {exported:?}"
     );
-    // And it covers the agent's own families.
+    // And it covers the agent's own families and every kube-proxy family.
     for family in [
         "ebpf_proxy_datapath_events_total",
         "ebpf_proxy_map_entries",
         "ebpf_proxy_map_capacity",
         "ebpf_proxy_sync_errors_total",
         "kubeproxy_sync_proxy_rules_duration_seconds_bucket",
+        "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+        "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+        "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+        "kubeproxy_sync_proxy_rules_endpoint_changes_total",
+        "kubeproxy_sync_proxy_rules_service_changes_pending",
+        "kubeproxy_sync_proxy_rules_service_changes_total",
+        "kubeproxy_proxy_healthz_total",
+        "kubeproxy_proxy_livez_total",
+        "kubeproxy_network_programming_duration_seconds_bucket",
+        "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+        "kubeproxy_sync_proxy_rules_nftables_sync_failures_total",
+        "kubeproxy_sync_proxy_rules_nftables_cleanup_failures_total",
+        "kubeproxy_conntrack_reconciler_sync_duration_seconds_bucket",
+        "kubeproxy_conntrack_reconciler_deleted_entries_total",
     ] {
         assert!(used.contains(family), "{family} not on the dashboard");
     }

@@ -14,13 +14,14 @@
 //! - **Collect**: least-connections counts of tc flows that ended without a FIN or RST.
 //! - **Stop** (SIGTERM, Ctrl-C): the data path stays attached and pinned for the next agent.
 //!
-//! Health as kube-proxy's healthz server reports it (`pkg/proxy/healthcheck`): healthy once
-//! a sync succeeded, unless an update (or a failed Service port) has been pending for longer
-//! than twice `--sync-period`.
+//! Health as kube-proxy's healthz server reports it (`pkg/proxy/healthcheck`, see
+//! [`crate::servers`]): healthy once a sync succeeded, unless an update (or a failed Service
+//! port) has been pending for longer than twice `--sync-period`; `/healthz` also follows the
+//! node's eligibility, which the model reads from the Node object. The health and metrics
+//! servers bind in the background and are retried while the data path runs.
 
 use std::{
     collections::BTreeSet,
-    net::SocketAddr,
     sync::{Arc, Mutex},
     time::{Duration, Instant, SystemTime},
 };
@@ -40,11 +41,14 @@ use crate::{
         tc::TcKernel,
     },
     healthcheck::HealthCheckServers,
-    metrics::Metrics,
-    model::{Delta, Model, NodeInfo},
+    metrics::{Metrics, node_families},
+    model::{Delta, Model, NodeInfo, Scope},
     reconcile::{NodeConfig, Outcome, Reconciler},
+    servers::{self, Fatal},
     source::{Batch, KubeSource, ManifestSource, Source, SourceError},
 };
+
+pub use crate::servers::Health;
 
 /// What the loop reacts to.
 #[derive(Debug)]
@@ -65,85 +69,23 @@ pub enum Event {
     Stop,
 }
 
-/// What `/healthz` reports.
-#[derive(Debug)]
-pub struct Health {
-    /// Time of the last successful sync; `None` until the first one.
-    pub last_updated: Option<SystemTime>,
-    /// When the oldest update not yet applied arrived; `None` when none is pending.
-    pub queued: Option<SystemTime>,
-    /// How long an update may stay pending before /healthz fails.
-    pub timeout: Duration,
-}
-
-impl Health {
-    /// Healthy at `now`?
-    pub fn healthy(&self, now: SystemTime) -> bool {
-        self.last_updated.is_some()
-            && self
-                .queued
-                .is_none_or(|q| now.duration_since(q).unwrap_or_default() < self.timeout)
-    }
-}
-
-async fn healthz(
-    axum::extract::State(h): axum::extract::State<Arc<Mutex<Health>>>,
-) -> (axum::http::StatusCode, axum::Json<serde_json::Value>) {
-    let now = SystemTime::now();
-    let (last, healthy) = {
-        let h = h.lock().unwrap();
-        (h.last_updated, h.healthy(now))
-    };
-    let fmt = |t: SystemTime| humantime::format_rfc3339_millis(t).to_string();
-    let body = serde_json::json!({
-        "lastUpdated": last.map(fmt).unwrap_or_default(),
-        "currentTime": fmt(now),
-    });
-    let code = if healthy {
-        axum::http::StatusCode::OK
-    } else {
-        axum::http::StatusCode::SERVICE_UNAVAILABLE
-    };
-    (code, axum::Json(body))
-}
-
-async fn metrics_handler(
-    axum::extract::State(m): axum::extract::State<Arc<Metrics>>,
-) -> impl axum::response::IntoResponse {
-    (
-        [(
-            axum::http::header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        m.encode(),
-    )
-}
-
-/// Serves `app` on a bound listener in the background; returns its address.
-fn serve(
-    what: &'static str,
-    listener: std::net::TcpListener,
-    app: axum::Router,
-) -> Result<SocketAddr> {
-    let listener = tokio::net::TcpListener::from_std(listener)?;
-    let local = listener.local_addr()?;
-    info!(address = %local, "{what} server listening");
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
-            error!(error = %e, "{what} server stopped");
-        }
-    });
-    Ok(local)
-}
-
 /// The Kubernetes API configuration (`--kubeconfig`, else `Config::infer`: KUBECONFIG,
 /// ~/.kube/config, in-cluster); `None` with `--manifests`. Resolved before the data path is
 /// touched, so a missing or broken configuration changes nothing.
-async fn kube_config(source: &SourceChoice) -> Result<Option<kube::Config>> {
+async fn kube_config(source: &SourceChoice, master: Option<&str>) -> Result<Option<kube::Config>> {
     let SourceChoice::Api(kubeconfig) = source else {
         return Ok(None);
     };
-    let config = match kubeconfig {
+    if let (None, Some(url)) = (kubeconfig, master) {
+        // kube-proxy: --master without a kubeconfig talks to that URL without credentials
+        // (only when the in-cluster configuration is not available to add them).
+        if let Ok(mut c) = kube::Config::infer().await {
+            c.cluster_url = parse_master(url)?;
+            return Ok(Some(c));
+        }
+        return Ok(Some(kube::Config::new(parse_master(url)?)));
+    }
+    let mut config = match kubeconfig {
         Some(path) => {
             let kc = kube::config::Kubeconfig::read_from(path)
                 .map_err(|e| anyhow::anyhow!("--kubeconfig {}: {e}", path.display()))?;
@@ -157,7 +99,21 @@ async fn kube_config(source: &SourceChoice) -> Result<Option<kube::Config>> {
             )
         })?,
     };
+    if let Some(url) = master {
+        config.cluster_url = parse_master(url)?;
+    }
     Ok(Some(config))
+}
+
+/// `--master`: the API server's URL (kube-proxy also takes `host:port`, meaning https).
+fn parse_master(url: &str) -> Result<axum::http::Uri> {
+    let url = if url.contains("://") {
+        url.to_string()
+    } else {
+        format!("https://{url}")
+    };
+    url.parse()
+        .map_err(|e| anyhow::anyhow!("--master {url:?}: not a URL ({e})"))
 }
 
 fn start_source(
@@ -223,10 +179,18 @@ pub fn node_info(config: &AgentConfig) -> NodeInfo {
     }
 }
 
-/// Runs the agent until SIGTERM or Ctrl-C (see the module documentation).
-pub fn run(config: AgentConfig) -> Result<()> {
-    let node = node_info(&config);
-    // Check every input before touching the data path, so a mistake changes nothing.
+/// What start-up checked and decided before touching the data path.
+struct Prepared {
+    node: NodeInfo,
+    dir: std::path::PathBuf,
+    cgroup: std::path::PathBuf,
+    sizes: MapSizes,
+}
+
+/// Checks every input before the data path is touched, so a mistake changes nothing: the
+/// pin directory name, the source, the interfaces, the preflight, the cgroup.
+fn prepare(config: &AgentConfig) -> Result<Prepared> {
+    let node = node_info(config);
     let dir = config.pins.dir()?;
     match &config.source {
         SourceChoice::Manifests(m) => {
@@ -240,11 +204,81 @@ pub fn run(config: AgentConfig) -> Result<()> {
         SourceChoice::Api(None) => {}
     }
     crate::datapath::tc::check_interfaces(&config.tc.interfaces)?;
-    preflight(&config)?;
+    preflight(config)?;
     let cgroup = match &config.cgroup_path {
         Some(p) => p.clone(),
-        None => loader::cgroup2_root()?,
+        None => {
+            let root = loader::cgroup2_root()?;
+            // In a container's cgroup namespace (kube-proxy's own DaemonSet, on cgroup v2)
+            // the mount root is the container's cgroup: the programs would see only the
+            // agent itself and proxy nothing for the node.
+            if crate::mounts::in_initial_cgroup_namespace() == Some(false) {
+                anyhow::bail!(
+                    "{} is the root of this container's cgroup namespace, not the node's cgroup v2 root, so the programs would proxy nothing for the node (remedy: mount the host's /sys/fs/cgroup with a hostPath volume and pass --cgroup-path at it, as deploy/daemonset.yaml does)",
+                    root.display()
+                );
+            }
+            root
+        }
     };
+    let sizes = MapSizes {
+        frontends: config.map_sizes.frontends,
+        slots: config.map_sizes.slots,
+        backends: config.map_sizes.backends,
+        sockets: config.map_sizes.sockets,
+        conntrack_flows: config.tc.conntrack_flows(),
+    };
+    Ok(Prepared {
+        node,
+        dir,
+        cgroup,
+        sizes,
+    })
+}
+
+/// `--init-only`: the privileged part of start-up (preflight, bpffs, loading, attaching and
+/// pinning the data path, writing its configuration), then exit; a later `run` adopts it.
+pub fn init_only(config: AgentConfig) -> Result<()> {
+    let Prepared {
+        dir, cgroup, sizes, ..
+    } = prepare(&config)?;
+    let fresh = !dir.exists();
+    let _lock = loader::lock_pin_dir(&dir)?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let done = rt.block_on(async {
+        loader::load_and_attach(&dir, &cgroup, sizes)?;
+        open_datapath(&dir, &config, sizes)?;
+        anyhow::Ok(())
+    });
+    if let Err(e) = done {
+        if fresh {
+            let _ = loader::cleanup(&dir);
+        }
+        return Err(e);
+    }
+    info!(pin_dir = %dir.display(), cgroup = %cgroup.display(), "data path initialized (--init-only); a later run adopts it");
+    Ok(())
+}
+
+/// `--oom-score-adj`: best effort, as kube-proxy (which logs a failure at V(2)).
+fn apply_oom_score_adj(value: i32) {
+    if let Err(e) = std::fs::write("/proc/self/oom_score_adj", value.to_string()) {
+        debug!(value, error = %e, "cannot set oom_score_adj");
+    }
+}
+
+/// Runs the agent until SIGTERM or Ctrl-C (see the module documentation), or until a server
+/// fails with `--bind-address-hard-fail`.
+pub fn run(config: AgentConfig) -> Result<()> {
+    let Prepared {
+        node,
+        dir,
+        cgroup,
+        sizes,
+    } = prepare(&config)?;
+    apply_oom_score_adj(config.oom_score_adj);
     if !config.cluster_cidrs.is_empty() {
         let shown: Vec<String> = config
             .cluster_cidrs
@@ -256,26 +290,11 @@ pub fn run(config: AgentConfig) -> Result<()> {
     if let Some(n) = &config.nodeport_addresses {
         info!(nodeport_addresses = %n, "NodePort addresses");
     }
-    let bind = |what: &str, addr: SocketAddr| -> Result<std::net::TcpListener> {
-        let l = std::net::TcpListener::bind(addr)
-            .with_context(|| format!("bind the {what} server to {addr}"))?;
-        l.set_nonblocking(true)?;
-        Ok(l)
-    };
-    let health_listener = bind("health", config.healthz_bind_address)?;
-    let metrics_listener = bind("metrics", config.metrics_bind_address)?;
-    let sizes = MapSizes {
-        frontends: config.map_sizes.frontends,
-        slots: config.map_sizes.slots,
-        backends: config.map_sizes.backends,
-        sockets: config.map_sizes.sockets,
-        conntrack_flows: config.tc.conntrack_flows(),
-    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let kube = rt.block_on(kube_config(&config.source))?;
+    let kube = rt.block_on(kube_config(&config.source, config.master.as_deref()))?;
     let fresh = !dir.exists();
     let _lock = loader::lock_pin_dir(&dir)?;
 
@@ -310,21 +329,35 @@ pub fn run(config: AgentConfig) -> Result<()> {
             }
         };
         reconciler.services.set_maglev_size(config.maglev_table_size);
-        let health = Arc::new(Mutex::new(Health {
-            last_updated: None,
-            queued: None,
-            timeout: config.sync_period.saturating_mul(2),
-        }));
-        let metrics = Arc::new(Metrics::new(dir.clone()));
-        let health_app = axum::Router::new()
-            .route("/healthz", axum::routing::get(healthz))
-            .route("/livez", axum::routing::get(healthz))
-            .with_state(health.clone());
-        serve("health", health_listener, health_app)?;
-        let metrics_app = axum::Router::new()
-            .route("/metrics", axum::routing::get(metrics_handler))
-            .with_state(metrics.clone());
-        serve("metrics", metrics_listener, metrics_app)?;
+        let families = node_families();
+        let health = Arc::new(Mutex::new(Health::new(
+            config.sync_period.saturating_mul(2),
+            families.clone(),
+        )));
+        let metrics = Arc::new(Metrics::new(dir.clone(), families));
+        // The servers bind in the background and keep trying while the data path runs
+        // (kube-proxy's serveHealthz/serveMetrics); with --bind-address-hard-fail the first
+        // failure stops the agent.
+        let fatal = Arc::new(Fatal::default());
+        let hard_fail = config.bind_address_hard_fail.then(|| fatal.clone());
+        if let Some(addr) = config.healthz_bind_address {
+            servers::spawn(
+                "health",
+                addr,
+                servers::health_app(health.clone(), metrics.clone()),
+                servers::BIND_RETRY,
+                hard_fail.clone(),
+            );
+        }
+        if let Some(addr) = config.metrics_bind_address {
+            servers::spawn(
+                "metrics",
+                addr,
+                servers::metrics_app(metrics.clone()),
+                servers::BIND_RETRY,
+                hard_fail,
+            );
+        }
         let source_label = match config.source {
             SourceChoice::Manifests(_) => "manifests",
             SourceChoice::Api(_) => "api",
@@ -335,10 +368,12 @@ pub fn run(config: AgentConfig) -> Result<()> {
         };
         let mut agent = Agent::new(Model::new(node), reconciler, dp, metrics, health, source_label, min_period);
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let failed = fatal.clone();
         let stop = async move {
             tokio::select! {
                 _ = term.recv() => {}
                 _ = tokio::signal::ctrl_c() => {}
+                _ = failed.wait() => {}
             }
         };
         agent
@@ -349,6 +384,9 @@ pub fn run(config: AgentConfig) -> Result<()> {
                 stop,
             )
             .await?;
+        if let Some(e) = fatal.error() {
+            anyhow::bail!("{e} (--bind-address-hard-fail); the data path stays attached and pinned");
+        }
         info!("stopping; the data path stays attached and pinned for the next agent (use `ebpf-proxy cleanup` to remove it)");
         Ok(())
     })
@@ -562,6 +600,7 @@ impl<D: Datapath + FlowCollection> Agent<D> {
                 .unwrap()
                 .queued
                 .get_or_insert_with(SystemTime::now);
+            self.metrics.queued();
         }
         for c in b.changes {
             match &c {
@@ -578,11 +617,15 @@ impl<D: Datapath + FlowCollection> Agent<D> {
             self.model.apply(c);
         }
         self.metrics
+            .kube_proxy
             .service_changes_pending
             .set(self.pending_services);
         self.metrics
+            .kube_proxy
             .endpoint_changes_pending
             .set(self.pending_endpoints);
+        // The Node object is read at once: /healthz follows it without waiting for a sync.
+        self.health.lock().unwrap().node_eligible = self.model.node().eligible();
         if let Some(errors) = b.errors {
             // Each skipped file or object is reported once while it stays bad.
             let old: BTreeSet<String> =
@@ -659,17 +702,20 @@ impl<D: Datapath + FlowCollection> Agent<D> {
                 .observe(l.as_secs_f64());
         }
         let now_sys = SystemTime::now();
-        for t in &delta.trigger_times {
+        let kp = &self.metrics.kube_proxy;
+        for (family, t) in &delta.trigger_times {
             if let Some(lat) = crate::metrics::programming_latency(Some(t), now_sys) {
-                self.metrics.network_programming.observe(lat);
+                kp.network_programming
+                    .get_or_create(&[("ip_family", family.as_str())])
+                    .observe(lat);
             }
         }
-        self.metrics.service_changes.inc_by(delta.service_changes);
-        self.metrics.endpoint_changes.inc_by(delta.endpoint_changes);
+        kp.service_changes.inc_by(delta.service_changes);
+        kp.endpoint_changes.inc_by(delta.endpoint_changes);
         self.pending_services = 0;
         self.pending_endpoints = 0;
-        self.metrics.service_changes_pending.set(0);
-        self.metrics.endpoint_changes_pending.set(0);
+        kp.service_changes_pending.set(0);
+        kp.endpoint_changes_pending.set(0);
         let (frontends, _, backends, _) = self.reconciler.services.entry_counts();
         info!(
             services = self.model.ports().len(),
@@ -714,8 +760,10 @@ impl<D: Datapath + FlowCollection> Agent<D> {
         if !out.failed.is_empty() {
             self.metrics.sync_errors.inc();
         }
+        self.kube_proxy_metrics(out);
         self.metrics.synced(
             out.duration,
+            self.reconciler.failed().is_empty(),
             self.reconciler.services.entry_counts(),
             ServiceMaps::capacity(&self.dp),
         );
@@ -725,6 +773,63 @@ impl<D: Datapath + FlowCollection> Agent<D> {
             error!("{e}");
         }
         self.logged_node_errors = node_errors;
+    }
+
+    /// kube-proxy's per-sync families after a reconciler call: sync and cleanup failures
+    /// by family, the release of removed UDP backends (its conntrack reconciler), and the
+    /// Local-policy Service ports without a local endpoint.
+    fn kube_proxy_metrics(&self, out: &Outcome) {
+        let kp = &self.metrics.kube_proxy;
+        let failed_services: BTreeSet<&str> = out.failed.iter().map(|(s, _)| s.as_str()).collect();
+        let failed_families: BTreeSet<crate::model::Family> = self
+            .reconciler
+            .failed()
+            .keys()
+            .filter(|k| failed_services.contains(format!("{}/{}", k.namespace, k.name).as_str()))
+            .map(|k| k.family)
+            .collect();
+        for f in failed_families {
+            kp.sync_failures
+                .get_or_create(&[("ip_family", f.as_str())])
+                .inc();
+        }
+        for f in &self.metrics.families {
+            let l = [("ip_family", f.as_str())];
+            let released = out.released_by_family.iter().find(|(rf, _, _)| rf == f);
+            let took = released.map_or(0.0, |(_, _, d)| d.as_secs_f64());
+            kp.conntrack_reconcile.get_or_create(&l).observe(took);
+            match released {
+                Some((_, Ok(r), _)) => {
+                    kp.conntrack_deleted
+                        .get_or_create(&l)
+                        .inc_by((r.flows + r.sockets) as u64);
+                }
+                Some((_, Err(_), _)) => {
+                    kp.cleanup_failures.get_or_create(&l).inc();
+                }
+                None => {}
+            }
+        }
+        let mut none_local: std::collections::BTreeMap<(crate::model::Family, &str), i64> =
+            std::collections::BTreeMap::new();
+        for (k, d) in self.model.ports() {
+            if !d.no_local_endpoints {
+                continue;
+            }
+            let policy = match k.scope {
+                Scope::Internal => "internal",
+                Scope::Ingress => "external",
+                Scope::External => continue,
+            };
+            *none_local.entry((k.family, policy)).or_default() += 1;
+        }
+        for f in &self.metrics.families {
+            for policy in ["internal", "external"] {
+                kp.no_local_endpoints
+                    .get_or_create(&[("ip_family", f.as_str()), ("traffic_policy", policy)])
+                    .set(none_local.get(&(*f, policy)).copied().unwrap_or(0));
+            }
+        }
     }
 
     fn log_model_errors(&mut self, delta: &Delta) {
@@ -809,11 +914,10 @@ mod tests {
             services: 100,
         });
         let r = Reconciler::adopt(&dp, NodeConfig::default(), Duration::from_secs(30)).unwrap();
-        let health = Arc::new(Mutex::new(Health {
-            last_updated: None,
-            queued: None,
-            timeout: Duration::from_secs(60),
-        }));
+        let health = Arc::new(Mutex::new(Health::new(
+            Duration::from_secs(60),
+            vec![crate::model::Family::V4],
+        )));
         Agent::new(
             Model::new(NodeInfo {
                 name: "node-1".into(),
@@ -821,7 +925,10 @@ mod tests {
             }),
             r,
             dp,
-            Arc::new(Metrics::new(std::path::PathBuf::from("/nonexistent"))),
+            Arc::new(Metrics::new(
+                std::path::PathBuf::from("/nonexistent"),
+                vec![crate::model::Family::V4],
+            )),
             health,
             "manifests",
             min_period,
@@ -921,6 +1028,50 @@ mod tests {
             .count();
         assert_eq!(puts, 5);
         assert!(a.dp.collections >= 1, "the collection ran");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_node_object_drives_healthz_eligibility_at_once() {
+        let mut a = agent(Duration::ZERO);
+        let node = |extra: &str| {
+            format!("---\napiVersion: v1\nkind: Node\nmetadata: {{name: node-1{extra}}}\n")
+        };
+        a.handle(Event::Batch(batch(&node(""), true)));
+        assert!(a.health.lock().unwrap().node_eligible);
+        // No sync needed: the next /healthz already answers 503.
+        a.handle(Event::Batch(batch(
+            &node(", deletionTimestamp: '2026-01-01T00:00:00Z'"),
+            true,
+        )));
+        assert!(!a.health.lock().unwrap().node_eligible);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn kube_proxy_sync_families_follow_each_sync() {
+        let mut a = agent(Duration::ZERO);
+        a.dp.cap.frontends = 2; // one cluster IP (frontend + VIP marker)
+        let local = "---\napiVersion: v1\nkind: Service\nmetadata: {name: loc, namespace: ns}\nspec: {clusterIP: 10.96.0.9, internalTrafficPolicy: Local, ports: [{port: 80}]}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: loc-1, namespace: ns, labels: {kubernetes.io/service-name: loc}}\naddressType: IPv4\nports: [{port: 80}]\nendpoints: [{addresses: [10.0.0.7], nodeName: node-2}]\n";
+        a.handle(Event::Batch(batch(&(svc("a", "10.96.0.1") + local), true)));
+        a.handle(Event::Reconcile);
+        let text = a.metrics.encode();
+        for line in [
+            "kubeproxy_sync_proxy_rules_nftables_sync_failures_total{ip_family=\"IPv4\"} 1",
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total{ip_family=\"IPv4\",traffic_policy=\"internal\"} 1",
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total{ip_family=\"IPv4\",traffic_policy=\"external\"} 0",
+            "kubeproxy_sync_proxy_rules_service_changes_total 2",
+            "kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family=\"IPv4\"} 1",
+            "kubeproxy_conntrack_reconciler_sync_duration_seconds_count{ip_family=\"IPv4\"} 1",
+            // A Service port is still failed: the last full sync has not happened.
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family=\"IPv4\"} 0",
+        ] {
+            assert!(text.contains(line), "{line} missing in\n{text}");
+        }
+        assert!(
+            !text.contains(
+                "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds{ip_family=\"IPv4\"} 0"
+            ),
+            "a change was queued"
+        );
     }
 
     #[tokio::test(start_paused = true)]

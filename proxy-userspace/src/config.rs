@@ -1,21 +1,24 @@
-//! `ebpf-proxy run --config FILE`: kube-proxy's configuration file, a `KubeProxyConfiguration`
-//! of `kubeproxy.config.k8s.io/v1alpha1`, read with serde.
+//! The agent's settings: command-line flags ([`RunFlags`]: ebpf-proxy's own and every flag of
+//! kube-proxy), kube-proxy's configuration file (`--config`, a `KubeProxyConfiguration` of
+//! `kubeproxy.config.k8s.io/v1alpha1`, see [`file`]) and the defaults, merged once into the
+//! typed [`AgentConfig`] by [`AgentConfig::resolve`]: a flag given on the command line wins,
+//! then the file, then the default.
 //!
-//! Only the fields with a meaning here are read ([`FileSettings`]); they fill every setting
-//! that was not given as a command-line flag (flags win, as in kube-proxy). Every other field
-//! is reported by name in one warning: unknown fields (not in v1alpha1), and v1alpha1 fields
-//! that have no effect here when they hold a value other than their zero value (kubeadm
-//! writes every field, mostly as `""`, `0s`, `false` or `null`; those are not reported). An
-//! invalid value stops start-up with an error that names the field.
+//! kube-proxy's flags are those of `cmd/kube-proxy/app/options.go` (and the logging flags of
+//! component-base `logs/api/v1`) in kubernetes/kubernetes. Each has kube-proxy's meaning where
+//! ebpf-proxy has one; the others are accepted and named in one warning each when given a
+//! value other than their zero value. The same holds for the file's fields. Values use Go's
+//! syntaxes ([`go`]): durations such as `1m0s` or `1.5s`, booleans as `--flag=false`.
 //!
-//! Durations take Go's notation as kube-proxy writes them (`30s`, `1m0s`, `2h22m`,
-//! `500ms`); fractions such as `1.5s` are not accepted. A duration of zero means "unset", as
-//! in kube-proxy's defaulting.
+//! `--proxy-mode` / `mode`: empty or `ebpf` run the agent; kube-proxy's own modes stop
+//! start-up with one line that says what ebpf-proxy is ([`ProxyMode::require_ebpf`]).
+
+pub mod file;
+pub mod go;
 
 use std::{
-    collections::BTreeMap,
     fmt,
-    net::{IpAddr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     path::{Path, PathBuf},
     str::FromStr,
     time::Duration,
@@ -23,15 +26,15 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 use ipnet::IpNet;
-use serde::{Deserialize, Serialize};
-use serde_yaml_ng::Value;
 
+pub use self::file::{FileSettings, KubeProxyConfiguration, Loaded};
+use self::go::{FeatureGates, format_go_duration, parse_go_bool, parse_go_duration};
 use crate::datapath::tc::{
     DEFAULT_CONNTRACK_MAX_PER_CORE, DEFAULT_CONNTRACK_MIN, MAX_CONNTRACK_FLOWS,
     MIN_CONNTRACK_FLOWS, TcSettings,
 };
 use proxy_common::{
-    DEFAULT_MAX_BACKENDS, DEFAULT_MAX_FRONTENDS, DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCKETS,
+    Algorithm, DEFAULT_MAX_BACKENDS, DEFAULT_MAX_FRONTENDS, DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCKETS,
 };
 
 /// The `apiVersion` a configuration file must have.
@@ -39,119 +42,7 @@ pub const API_VERSION: &str = "kubeproxy.config.k8s.io/v1alpha1";
 /// The `kind` a configuration file must have.
 pub const KIND: &str = "KubeProxyConfiguration";
 
-/// Fields of v1alpha1 that are accepted and have no effect here.
-const NO_EFFECT: &[&str] = &[
-    "featureGates",
-    "bindAddressHardFail",
-    "enableProfiling",
-    "showHiddenMetricsForVersion",
-    "winkernel",
-    "detectLocalMode",
-    "detectLocal",
-    "oomScoreAdj",
-    "configSyncPeriod",
-    "portRange",
-    "windowsRunAsService",
-];
-const NO_EFFECT_CONNTRACK: &[&str] = &["tcpCloseWaitTimeout", "tcpBeLiberal"];
-const NO_EFFECT_IPTABLES: &[&str] = &["masqueradeBit", "masqueradeAll", "localhostNodePorts"];
-const NO_EFFECT_IPVS: &[&str] = &[
-    "scheduler",
-    "excludeCIDRs",
-    "strictARP",
-    "tcpTimeout",
-    "tcpFinTimeout",
-    "udpTimeout",
-];
-const NO_EFFECT_NFTABLES: &[&str] = &["masqueradeBit", "masqueradeAll"];
-const NO_EFFECT_CLIENT: &[&str] = &["acceptContentTypes", "contentType", "qps", "burst"];
-const NO_EFFECT_LOGGING: &[&str] = &["flushFrequency", "verbosity", "vmodule", "options"];
-
-/// A `KubeProxyConfiguration` as written in the file: the fields read here, everything else
-/// kept by name in `other` (so it can be reported, and written back unchanged).
-#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct KubeProxyConfiguration {
-    /// Must be [`API_VERSION`].
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub api_version: Option<String>,
-    /// Must be [`KIND`].
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kind: Option<String>,
-    /// kube-proxy's idea of the node's primary IP; checked, no effect here.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub bind_address: Option<String>,
-    /// `--healthz-bind-address` (`ip:port`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub healthz_bind_address: Option<String>,
-    /// `--metrics-bind-address` (`ip:port`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub metrics_bind_address: Option<String>,
-    /// `--cluster-cidr`: the pods' CIDR, or a comma-separated dual-stack pair.
-    #[serde(
-        default,
-        rename = "clusterCIDR",
-        skip_serializing_if = "Option::is_none"
-    )]
-    pub cluster_cidr: Option<String>,
-    /// `--hostname-override`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub hostname_override: Option<String>,
-    /// `--nodeport-addresses`: CIDRs, or `primary` alone.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub node_port_addresses: Option<Vec<String>>,
-    /// Proxy mode: empty or `ebpf`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mode: Option<String>,
-    /// `conntrack.udpTimeout` is `--udp-flow-timeout`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub conntrack: Option<Section>,
-    /// `iptables.syncPeriod` / `iptables.minSyncPeriod`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub iptables: Option<Section>,
-    /// `ipvs.syncPeriod` / `ipvs.minSyncPeriod`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ipvs: Option<Section>,
-    /// `nftables.syncPeriod` / `nftables.minSyncPeriod`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub nftables: Option<Section>,
-    /// `clientConnection.kubeconfig` is `--kubeconfig`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub client_connection: Option<Section>,
-    /// `logging.format` (`text` or `json`) is `--log-format`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub logging: Option<Section>,
-    /// Every other field, by name.
-    #[serde(flatten)]
-    pub other: BTreeMap<String, Value>,
-}
-
-/// A nested section (`conntrack`, `iptables`, `ipvs`, `nftables`, `clientConnection`,
-/// `logging`): the fields read here, the rest by name.
-#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Section {
-    /// `iptables|ipvs|nftables.syncPeriod`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sync_period: Option<String>,
-    /// `iptables|ipvs|nftables.minSyncPeriod`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub min_sync_period: Option<String>,
-    /// `conntrack.udpTimeout` (in `ipvs` it has no effect here).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub udp_timeout: Option<String>,
-    /// `clientConnection.kubeconfig`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kubeconfig: Option<String>,
-    /// `logging.format`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub format: Option<String>,
-    /// Every other field, by name.
-    #[serde(flatten)]
-    pub other: BTreeMap<String, Value>,
-}
-
-/// Log output format (`--log-format`, `logging.format` in the file).
+/// Log output format (`--log-format`, `--logging-format`, `logging.format` in the file).
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum LogFormat {
     /// One human-readable line per event.
@@ -159,6 +50,15 @@ pub enum LogFormat {
     Text,
     /// One JSON object per line (tracing-subscriber's JSON format).
     Json,
+}
+
+impl LogFormat {
+    fn name(self) -> &'static str {
+        match self {
+            LogFormat::Text => "text",
+            LogFormat::Json => "json",
+        }
+    }
 }
 
 /// A comma-separated list of CIDRs (`--cluster-cidr`, `clusterCIDR`): one CIDR, or an IPv4
@@ -231,6 +131,14 @@ impl NodePortAddresses {
             .collect::<Result<Vec<_>, _>>()
             .map(Self::Cidrs)
     }
+
+    /// The list form of the file.
+    pub fn items(&self) -> Vec<String> {
+        match self {
+            Self::Primary => vec!["primary".into()],
+            Self::Cidrs(c) => c.iter().map(ToString::to_string).collect(),
+        }
+    }
 }
 
 impl FromStr for NodePortAddresses {
@@ -244,64 +152,181 @@ impl FromStr for NodePortAddresses {
 
 impl fmt::Display for NodePortAddresses {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.items().join(","))
+    }
+}
+
+/// kube-proxy's proxy modes (`--proxy-mode`, `mode`), and ebpf-proxy's own.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum ProxyMode {
+    /// Empty or `ebpf`: this agent.
+    #[default]
+    Ebpf,
+    /// `iptables`, `ipvs`, `nftables` or `kernelspace` (by name): another implementation.
+    KubeProxy(&'static str),
+    /// Anything else.
+    Unknown(String),
+}
+
+impl ProxyMode {
+    /// Reads a mode as written; empty and `ebpf` are [`ProxyMode::Ebpf`].
+    pub fn parse(s: &str) -> ProxyMode {
+        match s.trim() {
+            "" | "ebpf" => ProxyMode::Ebpf,
+            "iptables" => ProxyMode::KubeProxy("iptables"),
+            "ipvs" => ProxyMode::KubeProxy("ipvs"),
+            "nftables" => ProxyMode::KubeProxy("nftables"),
+            "kernelspace" => ProxyMode::KubeProxy("kernelspace"),
+            other => ProxyMode::Unknown(other.to_string()),
+        }
+    }
+
+    /// Ok for [`ProxyMode::Ebpf`]; otherwise the one-line error that stops start-up, naming
+    /// where the mode came from (`origin`, e.g. `--proxy-mode`).
+    pub fn require_ebpf(&self, origin: &str) -> Result<()> {
         match self {
-            Self::Primary => f.write_str("primary"),
-            Self::Cidrs(c) => {
-                let v: Vec<String> = c.iter().map(ToString::to_string).collect();
-                f.write_str(&v.join(","))
+            ProxyMode::Ebpf => Ok(()),
+            ProxyMode::KubeProxy(mode) => bail!(
+                "{origin} {mode:?}: this is ebpf-proxy, a kube-proxy replacement that proxies Services with eBPF programs and has no {mode} mode; to run it, leave the mode empty or set it to \"ebpf\" (every other kube-proxy flag and field is read as it is); to keep the {mode} mode, run kube-proxy"
+            ),
+            ProxyMode::Unknown(mode) => {
+                bail!("{origin} {mode:?} is not a proxy mode; leave it empty or set it to \"ebpf\"")
             }
         }
     }
 }
 
-/// The settings a configuration file gives, after validation; `None` where the file leaves
-/// the setting unset (absent, empty, or a zero duration).
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct FileSettings {
-    /// `clientConnection.kubeconfig`.
-    pub kubeconfig: Option<PathBuf>,
-    /// `hostnameOverride`.
-    pub hostname_override: Option<String>,
-    /// `healthzBindAddress`.
-    pub healthz_bind_address: Option<SocketAddr>,
-    /// `metricsBindAddress`.
-    pub metrics_bind_address: Option<SocketAddr>,
-    /// `clusterCIDR`.
-    pub cluster_cidr: Option<ClusterCidrs>,
-    /// `nodePortAddresses`.
-    pub node_port_addresses: Option<NodePortAddresses>,
-    /// `{iptables,nftables,ipvs}.syncPeriod`.
-    pub sync_period: Option<Duration>,
-    /// `{iptables,nftables,ipvs}.minSyncPeriod`.
-    pub min_sync_period: Option<Duration>,
-    /// `conntrack.udpTimeout`.
-    pub udp_flow_timeout: Option<Duration>,
-    /// `conntrack.maxPerCore` (`--conntrack-max-per-core`).
-    pub conntrack_max_per_core: Option<u32>,
-    /// `conntrack.min` (`--conntrack-min`).
-    pub conntrack_min: Option<u32>,
-    /// `conntrack.tcpEstablishedTimeout` (`--conntrack-tcp-timeout-established`).
-    pub conntrack_tcp_timeout_established: Option<Duration>,
-    /// `conntrack.udpStreamTimeout` (`--conntrack-udp-timeout-stream`).
-    pub conntrack_udp_timeout_stream: Option<Duration>,
-    /// `logging.format`.
-    pub log_format: Option<LogFormat>,
+/// IPVS schedulers by their IPVS names (`--ipvs-scheduler`, `ipvs.scheduler`; `ipvsadm -s`).
+/// Those with an ebpf-proxy algorithm of the same rule select it as the default algorithm.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IpvsScheduler {
+    /// `rr`: round-robin.
+    Rr,
+    /// `wrr`: weighted round-robin.
+    Wrr,
+    /// `lc`: least-connection.
+    Lc,
+    /// `wlc`: weighted least-connection.
+    Wlc,
+    /// `sed`: shortest expected delay.
+    Sed,
+    /// `nq`: never queue.
+    Nq,
+    /// `sh`: source hashing.
+    Sh,
+    /// `dh`: destination hashing.
+    Dh,
+    /// `mh`: Maglev hashing.
+    Mh,
 }
 
-/// A configuration file, read and validated.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Loaded {
-    /// The settings it gives.
-    pub settings: FileSettings,
-    /// One line per field that is unknown or has no effect here, by name.
-    pub warnings: Vec<String>,
+impl IpvsScheduler {
+    /// Every scheduler with its IPVS name.
+    pub const ALL: [(IpvsScheduler, &'static str); 9] = [
+        (IpvsScheduler::Rr, "rr"),
+        (IpvsScheduler::Wrr, "wrr"),
+        (IpvsScheduler::Lc, "lc"),
+        (IpvsScheduler::Wlc, "wlc"),
+        (IpvsScheduler::Sed, "sed"),
+        (IpvsScheduler::Nq, "nq"),
+        (IpvsScheduler::Sh, "sh"),
+        (IpvsScheduler::Dh, "dh"),
+        (IpvsScheduler::Mh, "mh"),
+    ];
+
+    /// The IPVS name.
+    pub fn name(self) -> &'static str {
+        Self::ALL
+            .iter()
+            .find(|(s, _)| *s == self)
+            .map(|(_, n)| *n)
+            .expect("every scheduler is listed")
+    }
+
+    /// The ebpf-proxy algorithm that does what the scheduler does
+    /// ([`Algorithm::IPVS`], which lists where the rules differ): rr -> round-robin, wrr ->
+    /// weighted-round-robin, lc -> least-connections, wlc -> weighted-least-connections,
+    /// sed -> shortest-expected-delay, nq -> never-queue, sh and mh -> source-hash (the
+    /// client address; IPVS's `mh` without `mh-port`), dh -> destination-hash.
+    pub fn algorithm(self) -> Algorithm {
+        Algorithm::from_ipvs(self.name()).expect("every IPVS scheduler has an algorithm")
+    }
+
+    /// The scheduler of the same rule as `algorithm`, if any: random and maglev (the client
+    /// address and port, IPVS's `mh` only with the `mh-port` flag) have none; source-hash
+    /// is written as `sh`.
+    pub fn of_algorithm(algorithm: Algorithm) -> Option<IpvsScheduler> {
+        Self::ALL
+            .iter()
+            .map(|(s, _)| *s)
+            .find(|s| s.algorithm() == algorithm && *s != IpvsScheduler::Mh)
+    }
+}
+
+impl FromStr for IpvsScheduler {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        Self::ALL
+            .iter()
+            .find(|(_, n)| *n == s)
+            .map(|(sch, _)| *sch)
+            .ok_or_else(|| {
+                format!("{s:?} is not an IPVS scheduler (rr, wrr, lc, wlc, sed, nq, sh, dh, mh)")
+            })
+    }
+}
+
+/// A server address as kube-proxy's `--healthz-bind-address` and `--metrics-bind-address`
+/// take it: `ip:port`, an IP alone (the server's default port), or empty to disable the
+/// server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ServerAddress {
+    /// No server.
+    Disabled,
+    /// This IP, the default port.
+    Ip(IpAddr),
+    /// This address.
+    Addr(SocketAddr),
+}
+
+impl ServerAddress {
+    /// The socket address, with `default_port` for an IP alone; `None` when disabled.
+    pub fn resolve(self, default_port: u16) -> Option<SocketAddr> {
+        match self {
+            ServerAddress::Disabled => None,
+            ServerAddress::Ip(ip) => Some(SocketAddr::new(ip, default_port)),
+            ServerAddress::Addr(a) => Some(a),
+        }
+    }
+}
+
+impl FromStr for ServerAddress {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        if s.is_empty() {
+            return Ok(ServerAddress::Disabled);
+        }
+        if let Ok(a) = s.parse::<SocketAddr>() {
+            return Ok(ServerAddress::Addr(a));
+        }
+        let ip = s
+            .strip_prefix('[')
+            .and_then(|v| v.strip_suffix(']'))
+            .unwrap_or(s);
+        ip.parse::<IpAddr>().map(ServerAddress::Ip).map_err(|_| {
+            format!("{s:?} is not an IP address and port (e.g. 0.0.0.0:10256 or [::]:10256)")
+        })
+    }
 }
 
 /// Reads and validates the configuration file at `path`.
 ///
 /// Errors: the file cannot be read or parsed, `apiVersion`/`kind` are not kube-proxy's
-/// v1alpha1 configuration, `mode` is not empty or `ebpf`, or a field has an invalid value
-/// (the message names the field).
+/// v1alpha1 configuration, or a field has an invalid value (the message names the field).
 pub fn load(path: &Path) -> Result<Loaded> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("--config {}: cannot read the file", path.display()))?;
@@ -312,281 +337,7 @@ pub fn load(path: &Path) -> Result<Loaded> {
 pub fn parse(text: &str) -> Result<Loaded> {
     let file: KubeProxyConfiguration =
         serde_yaml_ng::from_str(text).context("not a KubeProxyConfiguration document")?;
-    validate(&file)
-}
-
-/// True for a value that kube-proxy treats as unset: null, false, 0, "", a zero duration,
-/// and empty lists or maps (or maps holding only such values).
-fn is_unset(v: &Value) -> bool {
-    match v {
-        Value::Null => true,
-        Value::Bool(b) => !b,
-        Value::Number(n) => n.as_f64() == Some(0.0),
-        Value::String(s) => s.is_empty() || humantime::parse_duration(s).is_ok_and(|d| d.is_zero()),
-        Value::Sequence(s) => s.is_empty(),
-        Value::Mapping(m) => m.values().all(is_unset),
-        Value::Tagged(_) => false,
-    }
-}
-
-/// A string field; empty means unset.
-fn text(v: &Option<String>) -> Option<&str> {
-    v.as_deref().map(str::trim).filter(|s| !s.is_empty())
-}
-
-/// A duration field (Go notation); empty or zero means unset.
-fn duration(field: &str, v: &Option<String>) -> Result<Option<Duration>> {
-    let Some(s) = text(v) else { return Ok(None) };
-    let d = humantime::parse_duration(s).map_err(|e| {
-        anyhow::anyhow!("{field}: invalid duration {s:?} ({e}); use e.g. 30s, 1m0s or 500ms")
-    })?;
-    Ok((!d.is_zero()).then_some(d))
-}
-
-/// An integer field in `least..=most` (kube-proxy's `*int32`); null or absent is `None`.
-fn count(field: &str, v: Option<&Value>, least: u32, most: u32) -> Result<Option<u32>> {
-    match v {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => match v.as_u64() {
-            Some(n) if n >= least as u64 && n <= most as u64 => Ok(Some(n as u32)),
-            _ => bail!("{field}: {} is not an integer in {least}..={most}", show(v)),
-        },
-    }
-}
-
-/// A duration field given as a YAML value (Go notation in a string); null, absent, empty or
-/// zero is `None`. Anything else that is not a duration of at least 1 ms is an error naming
-/// the field.
-fn duration_value(field: &str, v: Option<&Value>) -> Result<Option<Duration>> {
-    let text = match v {
-        None | Some(Value::Null) => return Ok(None),
-        Some(Value::String(s)) => Some(s.clone()),
-        Some(other) => bail!(
-            "{field}: {} is not a duration; write a string such as \"24h\" or \"1m30s\"",
-            show(other)
-        ),
-    };
-    let d = duration(field, &text)?;
-    if let Some(d) = d
-        && d < Duration::from_millis(1)
-    {
-        bail!(
-            "{field}: {} is too short (at least 1ms)",
-            humantime::format_duration(d)
-        );
-    }
-    Ok(d)
-}
-
-/// A YAML value as written (for messages), not its Rust debug form.
-fn show(v: &Value) -> String {
-    serde_yaml_ng::to_string(v)
-        .map(|s| s.trim_end().to_string())
-        .unwrap_or_else(|_| format!("{v:?}"))
-}
-
-/// An `ip:port` field.
-fn host_port(field: &str, v: &Option<String>) -> Result<Option<SocketAddr>> {
-    let Some(s) = text(v) else { return Ok(None) };
-    s.parse::<SocketAddr>().map(Some).map_err(|_| {
-        anyhow::anyhow!(
-            "{field}: {s:?} is not an IP address and port (e.g. 0.0.0.0:10256 or [::]:10256)"
-        )
-    })
-}
-
-fn warn_other(
-    warnings: &mut Vec<String>,
-    prefix: &str,
-    other: &BTreeMap<String, Value>,
-    no_effect: &[&str],
-) {
-    for (name, value) in other {
-        let path = format!("{prefix}{name}");
-        if !no_effect.contains(&name.as_str()) {
-            warnings.push(format!(
-                "--config: unknown field {path:?} (not in {API_VERSION} {KIND}): ignored"
-            ));
-        } else if !is_unset(value) {
-            warnings.push(format!(
-                "--config: field {path:?} has no effect in ebpf-proxy: ignored"
-            ));
-        }
-    }
-}
-
-/// Checks a parsed file and extracts its settings.
-pub fn validate(file: &KubeProxyConfiguration) -> Result<Loaded> {
-    match file.api_version.as_deref() {
-        Some(API_VERSION) => {}
-        other => bail!("apiVersion: expected {API_VERSION:?}, found {other:?}"),
-    }
-    match file.kind.as_deref() {
-        Some(KIND) => {}
-        other => bail!("kind: expected {KIND:?}, found {other:?}"),
-    }
-    if let Some(mode) = text(&file.mode)
-        && mode != "ebpf"
-    {
-        bail!(
-            "mode: {mode:?} is not supported by ebpf-proxy; leave it empty or set it to \"ebpf\""
-        );
-    }
-    let mut s = FileSettings::default();
-    let mut warnings = Vec::new();
-
-    if let Some(b) = text(&file.bind_address) {
-        let ip: IpAddr = b
-            .parse()
-            .map_err(|_| anyhow::anyhow!("bindAddress: {b:?} is not an IP address"))?;
-        if !ip.is_unspecified() {
-            warnings.push(format!(
-                "--config: field \"bindAddress\" ({b}) has no effect in ebpf-proxy: ignored"
-            ));
-        }
-    }
-    s.healthz_bind_address = host_port("healthzBindAddress", &file.healthz_bind_address)?;
-    s.metrics_bind_address = host_port("metricsBindAddress", &file.metrics_bind_address)?;
-    if let Some(c) = text(&file.cluster_cidr) {
-        s.cluster_cidr = Some(c.parse().map_err(|e| anyhow::anyhow!("clusterCIDR: {e}"))?);
-    }
-    s.hostname_override = text(&file.hostname_override).map(str::to_string);
-    if let Some(items) = file.node_port_addresses.as_ref().filter(|v| !v.is_empty()) {
-        s.node_port_addresses = Some(
-            NodePortAddresses::from_items(items)
-                .map_err(|e| anyhow::anyhow!("nodePortAddresses: {e}"))?,
-        );
-    }
-
-    // Sync periods: kube-proxy reads them from its mode's section. ebpf-proxy has no section
-    // of its own, so it takes them from any of the three; values given in several must agree.
-    for (field, pick) in [
-        (
-            "syncPeriod",
-            (|x: &Section| &x.sync_period) as fn(&Section) -> &Option<String>,
-        ),
-        ("minSyncPeriod", |x: &Section| &x.min_sync_period),
-    ] {
-        let mut found: Option<(String, Duration)> = None;
-        for (name, section) in [
-            ("nftables", &file.nftables),
-            ("iptables", &file.iptables),
-            ("ipvs", &file.ipvs),
-        ] {
-            let Some(section) = section else { continue };
-            let path = format!("{name}.{field}");
-            let Some(d) = duration(&path, pick(section))? else {
-                continue;
-            };
-            match &found {
-                Some((first, v)) if *v != d => bail!(
-                    "{path}: {} differs from {first} ({}); give one value",
-                    humantime::format_duration(d),
-                    humantime::format_duration(*v)
-                ),
-                Some(_) => {}
-                None => found = Some((path, d)),
-            }
-        }
-        let d = found.map(|(_, d)| d);
-        if field == "syncPeriod" {
-            s.sync_period = d;
-        } else {
-            s.min_sync_period = d;
-        }
-    }
-    if let (Some(min), Some(max)) = (s.min_sync_period, s.sync_period)
-        && min > max
-    {
-        bail!(
-            "minSyncPeriod: {} is longer than syncPeriod ({})",
-            humantime::format_duration(min),
-            humantime::format_duration(max)
-        );
-    }
-    for (name, section, no_effect) in [
-        ("iptables", &file.iptables, NO_EFFECT_IPTABLES),
-        ("ipvs", &file.ipvs, NO_EFFECT_IPVS),
-        ("nftables", &file.nftables, NO_EFFECT_NFTABLES),
-    ] {
-        let Some(section) = section else { continue };
-        let other = section_rest(section, &["syncPeriod", "minSyncPeriod"]);
-        warn_other(&mut warnings, &format!("{name}."), &other, no_effect);
-    }
-
-    if let Some(c) = &file.conntrack {
-        s.udp_flow_timeout = duration("conntrack.udpTimeout", &c.udp_timeout)?;
-        use crate::datapath::tc::{MAX_CONNTRACK_FLOWS, MIN_CONNTRACK_FLOWS};
-        s.conntrack_max_per_core = count(
-            "conntrack.maxPerCore",
-            c.other.get("maxPerCore"),
-            0,
-            MAX_CONNTRACK_FLOWS,
-        )?;
-        // 0 is kube-proxy's "leave it as is": the default here.
-        s.conntrack_min = match c.other.get("min") {
-            Some(v) if v.as_u64() == Some(0) => None,
-            v => count("conntrack.min", v, MIN_CONNTRACK_FLOWS, MAX_CONNTRACK_FLOWS)?,
-        };
-        s.conntrack_tcp_timeout_established = duration_value(
-            "conntrack.tcpEstablishedTimeout",
-            c.other.get("tcpEstablishedTimeout"),
-        )?;
-        s.conntrack_udp_timeout_stream = duration_value(
-            "conntrack.udpStreamTimeout",
-            c.other.get("udpStreamTimeout"),
-        )?;
-        let mut other = section_rest(c, &["udpTimeout"]);
-        for read in [
-            "maxPerCore",
-            "min",
-            "tcpEstablishedTimeout",
-            "udpStreamTimeout",
-        ] {
-            other.remove(read);
-        }
-        warn_other(&mut warnings, "conntrack.", &other, NO_EFFECT_CONNTRACK);
-    }
-    if let Some(c) = &file.client_connection {
-        s.kubeconfig = text(&c.kubeconfig).map(PathBuf::from);
-        let other = section_rest(c, &["kubeconfig"]);
-        warn_other(&mut warnings, "clientConnection.", &other, NO_EFFECT_CLIENT);
-    }
-    if let Some(l) = &file.logging {
-        s.log_format = match text(&l.format) {
-            None => None,
-            Some("text") => Some(LogFormat::Text),
-            Some("json") => Some(LogFormat::Json),
-            Some(f) => bail!("logging.format: {f:?} is not supported; use \"text\" or \"json\""),
-        };
-        let other = section_rest(l, &["format"]);
-        warn_other(&mut warnings, "logging.", &other, NO_EFFECT_LOGGING);
-    }
-    warn_other(&mut warnings, "", &file.other, NO_EFFECT);
-    Ok(Loaded {
-        settings: s,
-        warnings,
-    })
-}
-
-/// The fields of a section other than `read`, by name (typed fields not read in this section
-/// count as other fields, so they are reported too).
-fn section_rest(s: &Section, read: &[&str]) -> BTreeMap<String, Value> {
-    let mut other = s.other.clone();
-    for (f, v) in [
-        ("syncPeriod", &s.sync_period),
-        ("minSyncPeriod", &s.min_sync_period),
-        ("udpTimeout", &s.udp_timeout),
-        ("kubeconfig", &s.kubeconfig),
-        ("format", &s.format),
-    ] {
-        if let Some(v) = v
-            && !read.contains(&f)
-        {
-            other.insert(f.into(), Value::String(v.clone()));
-        }
-    }
-    other
+    file::validate(&file)
 }
 
 /// Mount point of the BPF file system by default.
@@ -597,16 +348,24 @@ pub const DEFAULT_PIN_DIR: &str = "ebpf-proxy";
 pub const DEFAULT_MIN_SYNC_PERIOD: Duration = Duration::from_secs(1);
 /// `--sync-period` by default (kube-proxy's).
 pub const DEFAULT_SYNC_PERIOD: Duration = Duration::from_secs(30);
-/// `--metrics-bind-address` by default (kube-proxy's).
+/// Port of the metrics server by default (kube-proxy's `ports.ProxyStatusPort`).
+pub const DEFAULT_METRICS_PORT: u16 = 10249;
+/// Port of the health server by default (kube-proxy's `ports.ProxyHealthzPort`).
+pub const DEFAULT_HEALTHZ_PORT: u16 = 10256;
+/// `--metrics-bind-address` by default (kube-proxy's; `[::1]:10249` when `--bind-address`
+/// is IPv6).
 pub const DEFAULT_METRICS_BIND_ADDRESS: &str = "127.0.0.1:10249";
-/// `--healthz-bind-address` by default (kube-proxy's).
+/// `--healthz-bind-address` by default (kube-proxy's; `[::]:10256` when `--bind-address` is
+/// IPv6).
 pub const DEFAULT_HEALTHZ_BIND_ADDRESS: &str = "0.0.0.0:10256";
 /// `--udp-flow-timeout` by default (the kernel's `nf_conntrack_udp_timeout`).
 pub const DEFAULT_UDP_FLOW_TIMEOUT: Duration = Duration::from_secs(30);
 /// `--conntrack-tcp-timeout-established` by default (kube-proxy's).
 pub const DEFAULT_CT_TCP_ESTABLISHED: Duration = Duration::from_secs(24 * 3600);
-/// `--conntrack-udp-timeout-stream` by default (kube-proxy's).
+/// `--conntrack-udp-timeout-stream` by default (the kernel's).
 pub const DEFAULT_CT_UDP_STREAM: Duration = Duration::from_secs(120);
+/// `--oom-score-adj` by default (kube-proxy's `qos.KubeProxyOOMScoreAdj`).
+pub const DEFAULT_OOM_SCORE_ADJ: i32 = -999;
 /// Longest period or timeout accepted (timer arithmetic stays far from overflow).
 pub const MAX_PERIOD: Duration = Duration::from_secs(365 * 24 * 3600);
 
@@ -638,26 +397,29 @@ impl PinArgs {
     }
 }
 
-/// A duration greater than zero and at most [`MAX_PERIOD`] (humantime syntax).
-pub fn parse_positive_duration(s: &str) -> Result<Duration, String> {
-    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
-    if d.is_zero() {
-        return Err("must be greater than zero".into());
-    }
+/// A Go duration ([`go::parse_go_duration`]) of at most [`MAX_PERIOD`].
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let d = parse_go_duration(s)?;
     if d > MAX_PERIOD {
         return Err("must be at most 8760h (a year)".into());
     }
     Ok(d)
 }
 
-/// A duration of at least 1 ms (humantime syntax: 30s, 2m, 24h).
-pub fn parse_timeout(s: &str) -> Result<Duration, String> {
-    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
-    if d < Duration::from_millis(1) {
-        return Err(format!("{s:?} is too short (at least 1ms)"));
+/// A duration greater than zero and at most [`MAX_PERIOD`].
+pub fn parse_positive_duration(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d.is_zero() {
+        return Err("must be greater than zero".into());
     }
-    if d > MAX_PERIOD {
-        return Err("must be at most 8760h (a year)".into());
+    Ok(d)
+}
+
+/// A timeout: zero (kube-proxy's "leave as is": the default here) or at least 1 ms.
+pub fn parse_timeout(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if !d.is_zero() && d < Duration::from_millis(1) {
+        return Err(format!("{s:?} is too short (at least 1ms)"));
     }
     Ok(d)
 }
@@ -678,8 +440,9 @@ fn parse_maglev_size(s: &str) -> Result<u32, String> {
     Ok(n)
 }
 
-/// The flags of `ebpf-proxy run`. A setting left out is taken from the configuration file
-/// (`--config`), else its default: [`AgentConfig::resolve`] merges them once.
+/// The flags of the agent (`ebpf-proxy run`, or `ebpf-proxy` with no subcommand as
+/// kube-proxy is run). A setting left out is taken from the configuration file (`--config`),
+/// else its default: [`AgentConfig::resolve`] merges them once.
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct RunFlags {
     /// kube-proxy configuration file (KubeProxyConfiguration, kubeproxy.config.k8s.io/v1alpha1).
@@ -696,25 +459,27 @@ pub struct RunFlags {
     #[arg(long)]
     pub kubeconfig: Option<PathBuf>,
     /// Minimum time between two syncs from the API source; an isolated change after a
-    /// quiet period is applied at once (kube-proxy's --min-sync-period) [default: 1s].
-    #[arg(long, value_parser = humantime::parse_duration)]
+    /// quiet period is applied at once; 0 syncs every change at once (kube-proxy's
+    /// --iptables-min-sync-period) [default: 1s].
+    #[arg(long, value_parser = parse_duration)]
     pub min_sync_period: Option<Duration>,
     /// Period of the verification that compares the maps with what was applied and
-    /// repairs entries changed behind the agent's back (kube-proxy's --sync-period).
+    /// repairs entries changed behind the agent's back (kube-proxy's --iptables-sync-period).
     /// /healthz fails when an update stays pending for twice this long [default: 30s].
     #[arg(long, value_parser = parse_positive_duration)]
     pub sync_period: Option<Duration>,
-    /// Address of the Prometheus metrics server (`/metrics`); port 0 picks a free port
-    /// [default: 127.0.0.1:10249].
+    /// Address of the Prometheus metrics server (`/metrics`): ip:port, an IP alone (port
+    /// 10249), or empty to disable it; port 0 picks a free port [default: 127.0.0.1:10249].
     #[arg(long)]
-    pub metrics_bind_address: Option<SocketAddr>,
+    pub metrics_bind_address: Option<ServerAddress>,
     /// cgroup v2 directory to attach the socket programs to [default: the cgroup2 mount root
     /// from /proc/self/mounts, i.e. every process of the node].
     #[arg(long)]
     pub cgroup_path: Option<PathBuf>,
     #[command(flatten)]
     pub pins: PinArgs,
-    /// Name of this node [default: $NODE_NAME, else the hostname].
+    /// Name of this node [default: $NODE_NAME, else the hostname]; trimmed and lowercased,
+    /// as kube-proxy does.
     #[arg(long)]
     pub hostname_override: Option<String>,
     /// Backend selection of Services without the `ebpf-proxy.io/lb-algorithm` annotation:
@@ -723,19 +488,19 @@ pub struct RunFlags {
     /// destination-hash, or an IPVS scheduler name (rr, wrr, lc, wlc, sed, nq, sh, dh, mh)
     /// [default: random].
     #[arg(long, value_parser = parse_lb_algorithm)]
-    pub lb_algorithm: Option<proxy_common::Algorithm>,
+    pub lb_algorithm: Option<Algorithm>,
     /// Size of the Maglev lookup tables of source-hash and maglev Services: a prime from 7 to
     /// 65521 (larger tables spread backends more evenly; each costs 4 bytes per entry)
     /// [default: 16381].
     #[arg(long, value_parser = parse_maglev_size)]
     pub maglev_table_size: Option<u32>,
-    /// Address of the health server (`/healthz`, `/livez`); port 0 picks a free port
-    /// [default: 0.0.0.0:10256].
+    /// Address of the health server (`/healthz`, `/livez`): ip:port, an IP alone (port
+    /// 10256), or empty to disable it; port 0 picks a free port [default: 0.0.0.0:10256].
     #[arg(long)]
-    pub healthz_bind_address: Option<SocketAddr>,
+    pub healthz_bind_address: Option<ServerAddress>,
     /// Log level of the agent (error, warn, info, debug, trace; other crates log warnings
     /// only), or a tracing filter directive with `=` or `,` (e.g. `info,kube=debug`)
-    /// [default: info].
+    /// [default: info, or the one of -v].
     #[arg(long)]
     pub log_level: Option<String>,
     /// Log format: one text line or one JSON object per event [default: text].
@@ -769,7 +534,8 @@ pub struct RunFlags {
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_sockets: Option<u32>,
     /// Idle time after which an unconnected UDP flow picks a backend anew, like conntrack's
-    /// nf_conntrack_udp_timeout (e.g. 30s, 2m) [default: 30s].
+    /// nf_conntrack_udp_timeout (e.g. 30s, 2m; kube-proxy's --conntrack-udp-timeout)
+    /// [default: 30s].
     #[arg(long, value_parser = parse_positive_duration)]
     pub udp_flow_timeout: Option<Duration>,
     /// Interfaces that serve NodePorts, external IPs and LB IPs to traffic from outside the
@@ -779,8 +545,8 @@ pub struct RunFlags {
     pub interfaces: Vec<String>,
     /// Source-NAT every external flow of a Cluster-policy Service to the node address, also
     /// when the backend runs on this node (kube-proxy's --masquerade-all).
-    #[arg(long)]
-    pub masquerade_all: bool,
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
+    pub masquerade_all: Option<bool>,
     /// Flows tracked per CPU by the north-south conntrack table (kube-proxy's
     /// --conntrack-max-per-core); the table holds max(this x CPUs, --conntrack-min) flows.
     /// The table is preallocated (about 320 bytes per flow), unlike the kernel's conntrack
@@ -794,14 +560,256 @@ pub struct RunFlags {
     #[arg(long, value_parser = clap::value_parser!(u32).range(MIN_CONNTRACK_FLOWS as i64..=MAX_CONNTRACK_FLOWS as i64))]
     pub conntrack_min: Option<u32>,
     /// Idle timeout of an established TCP flow in the north-south conntrack (kube-proxy's
-    /// --conntrack-tcp-timeout-established), e.g. 24h [default: 24h].
+    /// --conntrack-tcp-timeout-established), e.g. 24h; 0 keeps the default [default: 24h].
     #[arg(long, value_parser = parse_timeout)]
     pub conntrack_tcp_timeout_established: Option<Duration>,
     /// Idle timeout of a UDP flow that saw replies in the north-south conntrack (kube-proxy's
     /// --conntrack-udp-timeout-stream, the kernel's nf_conntrack_udp_timeout_stream), e.g.
-    /// 2m. Unreplied UDP flows use --udp-flow-timeout [default: 2m].
+    /// 2m; 0 keeps the default. Unreplied UDP flows use --udp-flow-timeout [default: 2m].
     #[arg(long, value_parser = parse_timeout)]
     pub conntrack_udp_timeout_stream: Option<Duration>,
+    /// kube-proxy's other flags.
+    #[command(flatten)]
+    pub kube_proxy: KubeProxyFlags,
+}
+
+/// kube-proxy's flags that ebpf-proxy has no name of its own for (the others are in
+/// [`RunFlags`] under their kube-proxy names). Each is `None` unless given.
+#[derive(clap::Args, Debug, Clone, Default)]
+#[command(next_help_heading = "kube-proxy flags")]
+pub struct KubeProxyFlags {
+    /// Write the effective configuration (flags, --config and defaults merged) to FILE as a
+    /// KubeProxyConfiguration and exit.
+    #[arg(long, value_name = "FILE")]
+    pub write_config_to: Option<PathBuf>,
+    /// Remove everything ebpf-proxy installed (programs, links, pinned maps under
+    /// --bpffs/--pin-dir) and exit, as `ebpf-proxy cleanup`.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
+    pub cleanup: Option<bool>,
+    /// Do the privileged start-up (preflight, mount bpffs, load, attach and pin the data
+    /// path), then exit; a later run adopts what was pinned.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
+    pub init_only: Option<bool>,
+    /// Proxy mode: empty or `ebpf`; kube-proxy's iptables, ipvs, nftables and kernelspace
+    /// modes stop start-up with an error.
+    #[arg(long, value_name = "MODE")]
+    pub proxy_mode: Option<String>,
+    /// URL of the Kubernetes API server, overriding the kubeconfig's.
+    #[arg(long, value_name = "URL")]
+    pub master: Option<String>,
+    /// Exit when the health or metrics server cannot bind its address (otherwise the bind is
+    /// retried every 5 s while the data path runs).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
+    pub bind_address_hard_fail: Option<bool>,
+    /// Same as --sync-period.
+    #[arg(long, value_parser = parse_positive_duration, value_name = "DURATION")]
+    pub iptables_sync_period: Option<Duration>,
+    /// Same as --min-sync-period.
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub iptables_min_sync_period: Option<Duration>,
+    /// Same as --sync-period.
+    #[arg(long, value_parser = parse_positive_duration, value_name = "DURATION")]
+    pub ipvs_sync_period: Option<Duration>,
+    /// Same as --min-sync-period.
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub ipvs_min_sync_period: Option<Duration>,
+    /// Default algorithm by its IPVS scheduler name: rr, wrr, lc, sh, mh (round-robin,
+    /// weighted-round-robin, least-connections, source-hash, maglev); wlc, sed, nq and dh
+    /// are not supported yet.
+    #[arg(long, value_name = "SCHEDULER", conflicts_with = "lb_algorithm")]
+    pub ipvs_scheduler: Option<IpvsScheduler>,
+    /// Same as --udp-flow-timeout (0 keeps the default).
+    #[arg(long, value_parser = parse_timeout, value_name = "DURATION")]
+    pub conntrack_udp_timeout: Option<Duration>,
+    /// oom_score_adj of the agent process, -1000..=1000 [default: -999].
+    #[arg(long, allow_hyphen_values = true, value_parser = clap::value_parser!(i32).range(-1000..=1000), value_name = "N")]
+    pub oom_score_adj: Option<i32>,
+    /// Deprecated in kube-proxy: port of the health server (0 disables it).
+    #[arg(long, value_name = "PORT")]
+    pub healthz_port: Option<u16>,
+    /// Deprecated in kube-proxy: port of the metrics server (0 disables it).
+    #[arg(long, value_name = "PORT")]
+    pub metrics_port: Option<u16>,
+    /// Same as --log-format.
+    #[arg(long, value_enum, value_name = "FORMAT")]
+    pub logging_format: Option<LogFormat>,
+    /// klog verbosity: 0-2 is --log-level info, 3-4 debug, 5 and more trace.
+    #[arg(short = 'v', long = "v", value_name = "N")]
+    pub verbosity: Option<u32>,
+    /// kube-proxy's idea of the node's primary IP; only its family is used here (the
+    /// default server addresses are IPv6 when it is IPv6).
+    #[arg(long, value_name = "IP")]
+    pub bind_address: Option<IpAddr>,
+    /// No effect here.
+    #[arg(long, value_name = "Name=bool,...")]
+    pub feature_gates: Option<FeatureGates>,
+    /// No effect here (the client sends JSON).
+    #[arg(long, value_name = "TYPE")]
+    pub kube_api_content_type: Option<String>,
+    /// No effect here (the client does not throttle).
+    #[arg(long, value_name = "N")]
+    pub kube_api_burst: Option<i32>,
+    /// No effect here (the client does not throttle).
+    #[arg(long, value_name = "QPS")]
+    pub kube_api_qps: Option<f32>,
+    /// No effect here (no /debug/pprof).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
+    pub profiling: Option<bool>,
+    /// No effect here.
+    #[arg(long, value_name = "VERSION")]
+    pub show_hidden_metrics_for_version: Option<String>,
+    /// No effect here (no fwmark).
+    #[arg(long, value_name = "BIT")]
+    pub iptables_masquerade_bit: Option<i32>,
+    /// No effect here: node ports are never served on loopback (as kube-proxy's nftables
+    /// mode).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
+    pub iptables_localhost_nodeports: Option<bool>,
+    /// No effect here.
+    #[arg(long, value_delimiter = ',', value_name = "CIDR,...")]
+    pub ipvs_exclude_cidrs: Vec<String>,
+    /// No effect here.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
+    pub ipvs_strict_arp: Option<bool>,
+    /// No effect here.
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub ipvs_tcp_timeout: Option<Duration>,
+    /// No effect here.
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub ipvs_tcpfin_timeout: Option<Duration>,
+    /// No effect here.
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub ipvs_udp_timeout: Option<Duration>,
+    /// No effect here unless ClusterCIDR (what --cluster-cidr does here).
+    #[arg(long, value_name = "MODE")]
+    pub detect_local_mode: Option<String>,
+    /// No effect here.
+    #[arg(long, value_name = "NAME")]
+    pub pod_bridge_interface: Option<String>,
+    /// No effect here.
+    #[arg(long, value_name = "PREFIX")]
+    pub pod_interface_name_prefix: Option<String>,
+    /// No effect here.
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub conntrack_tcp_timeout_close_wait: Option<Duration>,
+    /// No effect here.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
+    pub conntrack_tcp_be_liberal: Option<bool>,
+    /// No effect here (watches are not resynced).
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub config_sync_period: Option<Duration>,
+    /// Removed from kube-proxy (userspace mode); no effect here.
+    #[arg(long, value_name = "RANGE")]
+    pub proxy_port_range: Option<String>,
+    /// No effect here.
+    #[arg(long, value_name = "PATTERN=N,...")]
+    pub vmodule: Option<String>,
+    /// No effect here (logs are not buffered).
+    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    pub log_flush_frequency: Option<Duration>,
+    /// No effect here (logs go to stderr).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
+    pub log_text_split_stream: Option<bool>,
+    /// No effect here.
+    #[arg(long, value_name = "SIZE")]
+    pub log_text_info_buffer_size: Option<String>,
+    /// No effect here (logs go to stderr).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
+    pub log_json_split_stream: Option<bool>,
+    /// No effect here.
+    #[arg(long, value_name = "SIZE")]
+    pub log_json_info_buffer_size: Option<String>,
+    /// No effect here (cAdvisor's flag, linked into kube-proxy).
+    #[arg(long, value_name = "FILES")]
+    pub boot_id_file: Option<String>,
+    /// No effect here (cAdvisor's flag, linked into kube-proxy).
+    #[arg(long, value_name = "FILES")]
+    pub machine_id_file: Option<String>,
+}
+
+impl KubeProxyFlags {
+    /// One warning per flag given that has no effect here (a zero value, such as
+    /// `--profiling=false`, is not reported).
+    pub fn warnings(&self) -> Vec<String> {
+        let given = |set: bool, name: &str| {
+            set.then(|| format!("flag --{name} has no effect in ebpf-proxy: ignored"))
+        };
+        let text = |v: &Option<String>| v.as_deref().is_some_and(|s| !s.trim().is_empty());
+        let yes = |v: &Option<bool>| v.unwrap_or(false);
+        let nonzero = |v: &Option<Duration>| v.is_some_and(|d| !d.is_zero());
+        [
+            given(
+                self.bind_address.is_some_and(|ip| !ip.is_unspecified()),
+                "bind-address",
+            ),
+            given(
+                self.feature_gates.as_ref().is_some_and(|g| !g.0.is_empty()),
+                "feature-gates",
+            ),
+            given(text(&self.kube_api_content_type), "kube-api-content-type"),
+            given(
+                self.kube_api_burst.is_some_and(|n| n != 0),
+                "kube-api-burst",
+            ),
+            given(self.kube_api_qps.is_some_and(|n| n != 0.0), "kube-api-qps"),
+            given(yes(&self.profiling), "profiling"),
+            given(
+                text(&self.show_hidden_metrics_for_version),
+                "show-hidden-metrics-for-version",
+            ),
+            given(
+                self.iptables_masquerade_bit.is_some(),
+                "iptables-masquerade-bit",
+            ),
+            given(
+                yes(&self.iptables_localhost_nodeports),
+                "iptables-localhost-nodeports",
+            ),
+            given(!self.ipvs_exclude_cidrs.is_empty(), "ipvs-exclude-cidrs"),
+            given(yes(&self.ipvs_strict_arp), "ipvs-strict-arp"),
+            given(nonzero(&self.ipvs_tcp_timeout), "ipvs-tcp-timeout"),
+            given(nonzero(&self.ipvs_tcpfin_timeout), "ipvs-tcpfin-timeout"),
+            given(nonzero(&self.ipvs_udp_timeout), "ipvs-udp-timeout"),
+            given(
+                self.detect_local_mode
+                    .as_deref()
+                    .is_some_and(|m| !m.is_empty() && m != "ClusterCIDR"),
+                "detect-local-mode",
+            ),
+            given(text(&self.pod_bridge_interface), "pod-bridge-interface"),
+            given(
+                text(&self.pod_interface_name_prefix),
+                "pod-interface-name-prefix",
+            ),
+            given(
+                nonzero(&self.conntrack_tcp_timeout_close_wait),
+                "conntrack-tcp-timeout-close-wait",
+            ),
+            given(
+                yes(&self.conntrack_tcp_be_liberal),
+                "conntrack-tcp-be-liberal",
+            ),
+            given(nonzero(&self.config_sync_period), "config-sync-period"),
+            given(text(&self.proxy_port_range), "proxy-port-range"),
+            given(text(&self.vmodule), "vmodule"),
+            given(nonzero(&self.log_flush_frequency), "log-flush-frequency"),
+            given(yes(&self.log_text_split_stream), "log-text-split-stream"),
+            given(
+                text(&self.log_text_info_buffer_size),
+                "log-text-info-buffer-size",
+            ),
+            given(yes(&self.log_json_split_stream), "log-json-split-stream"),
+            given(
+                text(&self.log_json_info_buffer_size),
+                "log-json-info-buffer-size",
+            ),
+            given(text(&self.boot_id_file), "boot-id-file"),
+            given(text(&self.machine_id_file), "machine-id-file"),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
+    }
 }
 
 /// Where the agent reads objects from.
@@ -811,6 +819,20 @@ pub enum SourceChoice {
     Manifests(PathBuf),
     /// The Kubernetes API, with this kubeconfig (else `Config::infer`).
     Api(Option<PathBuf>),
+}
+
+/// What the process does with the settings (kube-proxy's order: `--write-config-to` first,
+/// then `--cleanup`, then `--init-only`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Run the agent.
+    Run,
+    /// `--write-config-to FILE`: write the effective configuration and exit.
+    WriteConfig(PathBuf),
+    /// `--cleanup`: remove the data path and exit.
+    Cleanup,
+    /// `--init-only`: set up the data path and exit.
+    InitOnly,
 }
 
 /// Sizes of the maps created at start (adopted pins keep theirs).
@@ -830,28 +852,40 @@ pub struct MapSizeSettings {
 /// defaults (a flag given wins, then the file, then the default), typed.
 #[derive(Clone, Debug)]
 pub struct AgentConfig {
+    /// What to do.
+    pub action: Action,
+    /// `--proxy-mode` / `mode` (only [`ProxyMode::Ebpf`] runs).
+    pub proxy_mode: ProxyMode,
     /// Where objects come from.
     pub source: SourceChoice,
+    /// `--master`: the API server's URL, overriding the kubeconfig's.
+    pub master: Option<String>,
     /// `--min-sync-period` (the pacing of the API source).
     pub min_sync_period: Duration,
     /// `--sync-period`.
     pub sync_period: Duration,
-    /// `--metrics-bind-address`.
-    pub metrics_bind_address: SocketAddr,
-    /// `--healthz-bind-address`.
-    pub healthz_bind_address: SocketAddr,
+    /// `--metrics-bind-address` (`None`: no metrics server).
+    pub metrics_bind_address: Option<SocketAddr>,
+    /// `--healthz-bind-address` (`None`: no health server).
+    pub healthz_bind_address: Option<SocketAddr>,
+    /// `--bind-address-hard-fail`: a server that cannot bind stops the agent.
+    pub bind_address_hard_fail: bool,
+    /// `--bind-address` (kept for the written configuration).
+    pub bind_address: Option<IpAddr>,
     /// `--cgroup-path` (`None`: the cgroup2 mount root).
     pub cgroup_path: Option<PathBuf>,
     /// The pin directory.
     pub pins: PinArgs,
-    /// `--hostname-override` as given (the node name is resolved at start).
+    /// `--hostname-override`, trimmed and lowercased (the node name is resolved at start).
     pub hostname_override: Option<String>,
-    /// `--lb-algorithm`.
-    pub lb_algorithm: proxy_common::Algorithm,
+    /// `--lb-algorithm` (or `--ipvs-scheduler`).
+    pub lb_algorithm: Algorithm,
     /// `--maglev-table-size`.
     pub maglev_table_size: u32,
-    /// `--log-level`.
+    /// `--log-level` (or `-v`).
     pub log_level: String,
+    /// `-v` / `logging.verbosity` as given (for the written configuration).
+    pub verbosity: Option<u32>,
     /// `--log-format`.
     pub log_format: LogFormat,
     /// `--cluster-cidr`.
@@ -864,67 +898,231 @@ pub struct AgentConfig {
     pub udp_flow_timeout: Duration,
     /// The north-south path.
     pub tc: TcSettings,
+    /// `--oom-score-adj`.
+    pub oom_score_adj: i32,
+    /// One line per flag given that has no effect here.
+    pub warnings: Vec<String>,
+    /// The effective configuration as a `KubeProxyConfiguration` (`--write-config-to`).
+    pub document: KubeProxyConfiguration,
+}
+
+/// The one value of a setting given by several flags (kube-proxy's per-mode names of one
+/// setting): they must agree.
+fn agree<T: PartialEq + Copy>(
+    given: &[(&str, Option<T>)],
+    show: impl Fn(T) -> String,
+) -> Result<Option<T>> {
+    let mut found: Option<(&str, T)> = None;
+    for (name, v) in given {
+        let Some(v) = v else { continue };
+        match found {
+            Some((first, f)) if f != *v => bail!(
+                "{name} {} differs from {first} {}; give one value",
+                show(*v),
+                show(f)
+            ),
+            Some(_) => {}
+            None => found = Some((name, *v)),
+        }
+    }
+    Ok(found.map(|(_, v)| v))
+}
+
+/// The log level of a klog verbosity: 0-2 info (kube-proxy logs its normal operation up to
+/// V(2)), 3-4 debug, 5 and more trace.
+pub fn log_level_of_verbosity(v: u32) -> &'static str {
+    match v {
+        0..=2 => "info",
+        3..=4 => "debug",
+        _ => "trace",
+    }
 }
 
 impl AgentConfig {
     /// Merges the flags with the configuration file's settings (`file`, when `--config` was
     /// given) and the defaults.
     ///
-    /// Errors: `--min-sync-period` longer than `--sync-period` (as kube-proxy's
-    /// validation), whether they come from flags or the file.
+    /// Errors: a mode other than empty or `ebpf` (except with `--cleanup`), an IPVS
+    /// scheduler the data path does not implement, flags of one setting that disagree,
+    /// `--min-sync-period` longer than `--sync-period` (as kube-proxy's validation, whether
+    /// they come from flags or the file), an empty `--hostname-override`.
     pub fn resolve(flags: RunFlags, file: Option<FileSettings>) -> Result<AgentConfig> {
         let f = file.unwrap_or_default();
+        let k = flags.kube_proxy.clone();
+        let action = if let Some(path) = k.write_config_to.clone() {
+            Action::WriteConfig(path)
+        } else if k.cleanup == Some(true) {
+            Action::Cleanup
+        } else if k.init_only == Some(true) {
+            Action::InitOnly
+        } else {
+            Action::Run
+        };
+        let proxy_mode = match &k.proxy_mode {
+            Some(m) => {
+                let mode = ProxyMode::parse(m);
+                if action != Action::Cleanup {
+                    mode.require_ebpf("--proxy-mode")?;
+                }
+                mode
+            }
+            None => {
+                let mode = f.mode.clone().unwrap_or_default();
+                if action != Action::Cleanup {
+                    mode.require_ebpf("--config: mode")?;
+                }
+                mode
+            }
+        };
         let source = match flags.manifests {
             Some(m) => SourceChoice::Manifests(m),
             // The file's kubeconfig is a source choice too; --manifests is the other one.
-            None => SourceChoice::Api(flags.kubeconfig.or(f.kubeconfig)),
+            None => SourceChoice::Api(flags.kubeconfig.or(f.kubeconfig.clone())),
         };
-        let c = AgentConfig {
+        let show = |d: Duration| format_go_duration(d);
+        let sync_period = agree(
+            &[
+                ("--sync-period", flags.sync_period),
+                ("--iptables-sync-period", k.iptables_sync_period),
+                ("--ipvs-sync-period", k.ipvs_sync_period),
+            ],
+            show,
+        )?;
+        let min_sync_period = agree(
+            &[
+                ("--min-sync-period", flags.min_sync_period),
+                ("--iptables-min-sync-period", k.iptables_min_sync_period),
+                ("--ipvs-min-sync-period", k.ipvs_min_sync_period),
+            ],
+            show,
+        )?;
+        let hostname_override = match flags.hostname_override {
+            Some(h) => {
+                let h = h.trim().to_lowercase();
+                if h.is_empty() {
+                    bail!("--hostname-override: an empty name is invalid");
+                }
+                Some(h)
+            }
+            None => f.hostname_override.clone().map(|h| h.trim().to_lowercase()),
+        };
+        let lb_algorithm = match (flags.lb_algorithm, k.ipvs_scheduler) {
+            (Some(a), _) => a,
+            (None, Some(s)) => s.algorithm(),
+            (None, None) => f
+                .ipvs_scheduler
+                .map(IpvsScheduler::algorithm)
+                .unwrap_or_default(),
+        };
+        let verbosity = k.verbosity.or(f.verbosity);
+        let log_level = flags
+            .log_level
+            .clone()
+            .or_else(|| verbosity.map(|v| log_level_of_verbosity(v).to_string()))
+            .unwrap_or_else(|| "info".into());
+        let bind_address = k.bind_address.or(f.bind_address);
+        let ipv6 = bind_address.is_some_and(|ip| ip.is_ipv6());
+        let server = |flag: Option<ServerAddress>,
+                      file: Option<SocketAddr>,
+                      port_flag: Option<u16>,
+                      default: SocketAddr| {
+            let mut addr = match flag {
+                Some(a) => a.resolve(default.port()),
+                None => Some(file.unwrap_or(default)),
+            };
+            if let Some(port) = port_flag {
+                addr = (port != 0)
+                    .then(|| SocketAddr::new(addr.map_or(default.ip(), |a| a.ip()), port));
+            }
+            addr
+        };
+        let healthz_default = if ipv6 {
+            SocketAddr::from((Ipv6Addr::UNSPECIFIED, DEFAULT_HEALTHZ_PORT))
+        } else {
+            SocketAddr::from((Ipv4Addr::UNSPECIFIED, DEFAULT_HEALTHZ_PORT))
+        };
+        let metrics_default = if ipv6 {
+            SocketAddr::from((Ipv6Addr::LOCALHOST, DEFAULT_METRICS_PORT))
+        } else {
+            SocketAddr::from((Ipv4Addr::LOCALHOST, DEFAULT_METRICS_PORT))
+        };
+        let udp_flow_timeout = agree(
+            &[
+                ("--udp-flow-timeout", flags.udp_flow_timeout),
+                (
+                    "--conntrack-udp-timeout",
+                    k.conntrack_udp_timeout.filter(|d| !d.is_zero()),
+                ),
+            ],
+            show,
+        )?;
+        let mut warnings = k.warnings();
+        if k.logging_format.is_some()
+            && flags.log_format.is_some()
+            && k.logging_format != flags.log_format
+        {
+            warnings.push(
+                "flags --log-format and --logging-format disagree: --log-format is used".into(),
+            );
+        }
+        let mut c = AgentConfig {
+            action,
+            proxy_mode,
             source,
-            min_sync_period: flags
-                .min_sync_period
+            master: k.master.clone().filter(|m| !m.trim().is_empty()),
+            min_sync_period: min_sync_period
                 .or(f.min_sync_period)
                 .unwrap_or(DEFAULT_MIN_SYNC_PERIOD),
-            sync_period: flags
-                .sync_period
-                .or(f.sync_period)
-                .unwrap_or(DEFAULT_SYNC_PERIOD),
-            metrics_bind_address: flags
-                .metrics_bind_address
-                .or(f.metrics_bind_address)
-                .unwrap_or_else(|| DEFAULT_METRICS_BIND_ADDRESS.parse().expect("valid")),
-            healthz_bind_address: flags
-                .healthz_bind_address
-                .or(f.healthz_bind_address)
-                .unwrap_or_else(|| DEFAULT_HEALTHZ_BIND_ADDRESS.parse().expect("valid")),
+            sync_period: sync_period.or(f.sync_period).unwrap_or(DEFAULT_SYNC_PERIOD),
+            metrics_bind_address: server(
+                flags.metrics_bind_address,
+                f.metrics_bind_address,
+                k.metrics_port,
+                metrics_default,
+            ),
+            healthz_bind_address: server(
+                flags.healthz_bind_address,
+                f.healthz_bind_address,
+                k.healthz_port,
+                healthz_default,
+            ),
+            bind_address_hard_fail: k
+                .bind_address_hard_fail
+                .or(f.bind_address_hard_fail)
+                .unwrap_or(false),
+            bind_address,
             cgroup_path: flags.cgroup_path,
             pins: flags.pins,
-            hostname_override: flags.hostname_override.or(f.hostname_override),
-            lb_algorithm: flags.lb_algorithm.unwrap_or_default(),
+            hostname_override,
+            lb_algorithm,
             maglev_table_size: flags
                 .maglev_table_size
                 .unwrap_or(proxy_common::MAGLEV_DEFAULT),
-            log_level: flags.log_level.unwrap_or_else(|| "info".into()),
-            log_format: flags.log_format.or(f.log_format).unwrap_or_default(),
+            log_level,
+            verbosity,
+            log_format: flags
+                .log_format
+                .or(k.logging_format)
+                .or(f.log_format)
+                .unwrap_or_default(),
             cluster_cidrs: flags
                 .cluster_cidr
-                .or(f.cluster_cidr)
+                .or(f.cluster_cidr.clone())
                 .map(|c| c.0)
                 .unwrap_or_default(),
-            nodeport_addresses: flags.nodeport_addresses.or(f.node_port_addresses),
+            nodeport_addresses: flags.nodeport_addresses.or(f.node_port_addresses.clone()),
             map_sizes: MapSizeSettings {
                 frontends: flags.max_frontends.unwrap_or(DEFAULT_MAX_FRONTENDS),
                 slots: flags.max_backend_slots.unwrap_or(DEFAULT_MAX_SLOTS),
                 backends: flags.max_backends.unwrap_or(DEFAULT_MAX_BACKENDS),
                 sockets: flags.max_sockets.unwrap_or(DEFAULT_MAX_SOCKETS),
             },
-            udp_flow_timeout: flags
-                .udp_flow_timeout
+            udp_flow_timeout: udp_flow_timeout
                 .or(f.udp_flow_timeout)
                 .unwrap_or(DEFAULT_UDP_FLOW_TIMEOUT),
             tc: TcSettings {
                 interfaces: flags.interfaces,
-                masquerade_all: flags.masquerade_all,
+                masquerade_all: flags.masquerade_all.or(f.masquerade_all).unwrap_or(false),
                 conntrack_max_per_core: flags
                     .conntrack_max_per_core
                     .or(f.conntrack_max_per_core)
@@ -935,13 +1133,21 @@ impl AgentConfig {
                     .unwrap_or(DEFAULT_CONNTRACK_MIN),
                 conntrack_tcp_timeout_established: flags
                     .conntrack_tcp_timeout_established
+                    .filter(|d| !d.is_zero())
                     .or(f.conntrack_tcp_timeout_established)
                     .unwrap_or(DEFAULT_CT_TCP_ESTABLISHED),
                 conntrack_udp_timeout_stream: flags
                     .conntrack_udp_timeout_stream
+                    .filter(|d| !d.is_zero())
                     .or(f.conntrack_udp_timeout_stream)
                     .unwrap_or(DEFAULT_CT_UDP_STREAM),
             },
+            oom_score_adj: k
+                .oom_score_adj
+                .or(f.oom_score_adj)
+                .unwrap_or(DEFAULT_OOM_SCORE_ADJ),
+            warnings,
+            document: KubeProxyConfiguration::default(),
         };
         if c.sync_period > MAX_PERIOD {
             bail!("--sync-period must be at most 8760h (a year)");
@@ -949,390 +1155,48 @@ impl AgentConfig {
         if c.min_sync_period > c.sync_period {
             bail!(
                 "--min-sync-period ({}) is longer than --sync-period ({})",
-                humantime::format_duration(c.min_sync_period),
-                humantime::format_duration(c.sync_period)
+                format_go_duration(c.min_sync_period),
+                format_go_duration(c.sync_period)
             );
         }
+        c.document = written::effective(&c, &k, &f.document);
         Ok(c)
     }
 
-    /// The node name: `--hostname-override`, else `$NODE_NAME`, else the hostname.
+    /// The node name: `--hostname-override`, else `$NODE_NAME`, else the hostname
+    /// (lowercased, as kube-proxy's `nodeutil.GetHostname`).
     pub fn node_name(&self) -> String {
         self.hostname_override
             .clone()
             .filter(|s| !s.is_empty())
-            .or_else(|| std::env::var("NODE_NAME").ok().filter(|s| !s.is_empty()))
+            .or_else(|| {
+                std::env::var("NODE_NAME")
+                    .ok()
+                    .filter(|s| !s.trim().is_empty())
+            })
             .or_else(|| {
                 std::fs::read_to_string("/proc/sys/kernel/hostname")
                     .ok()
                     .map(|s| s.trim().to_string())
             })
+            .map(|s| s.trim().to_lowercase())
             .unwrap_or_default()
     }
+
+    /// The effective configuration as kube-proxy's configuration file (YAML), as
+    /// `--write-config-to` writes it.
+    pub fn kube_proxy_configuration(&self) -> String {
+        serde_yaml_ng::to_string(&self.document).expect("the document serializes")
+    }
+
+    /// `--write-config-to`: writes [`AgentConfig::kube_proxy_configuration`] to `path`.
+    pub fn write_config(&self, path: &Path) -> Result<()> {
+        std::fs::write(path, self.kube_proxy_configuration())
+            .with_context(|| format!("--write-config-to {}", path.display()))
+    }
 }
+
+mod written;
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Every field a kube-proxy v1alpha1 file can have, as kubeadm writes it, with values.
-    const FULL: &str = r#"
-apiVersion: kubeproxy.config.k8s.io/v1alpha1
-kind: KubeProxyConfiguration
-bindAddress: 0.0.0.0
-bindAddressHardFail: false
-clientConnection:
-  acceptContentTypes: ""
-  burst: 0
-  contentType: ""
-  kubeconfig: /var/lib/kube-proxy/kubeconfig.conf
-  qps: 0
-clusterCIDR: 10.244.0.0/16,fd00:10:244::/56
-configSyncPeriod: 0s
-conntrack:
-  maxPerCore: null
-  min: null
-  tcpBeLiberal: false
-  tcpCloseWaitTimeout: null
-  tcpEstablishedTimeout: null
-  udpStreamTimeout: 0s
-  udpTimeout: 45s
-detectLocal:
-  bridgeInterface: ""
-  interfaceNamePrefix: ""
-detectLocalMode: ""
-enableProfiling: false
-featureGates: {}
-healthzBindAddress: 0.0.0.0:10256
-hostnameOverride: node-1
-iptables:
-  localhostNodePorts: null
-  masqueradeAll: false
-  masqueradeBit: null
-  minSyncPeriod: 2s
-  syncPeriod: 1m0s
-ipvs:
-  excludeCIDRs: null
-  minSyncPeriod: 0s
-  scheduler: ""
-  strictARP: false
-  syncPeriod: 0s
-  tcpFinTimeout: 0s
-  tcpTimeout: 0s
-  udpTimeout: 0s
-logging:
-  flushFrequency: 0
-  format: json
-  options:
-    json:
-      infoBufferSize: "0"
-  verbosity: 0
-metricsBindAddress: 127.0.0.1:10249
-mode: ""
-nftables:
-  masqueradeAll: false
-  masqueradeBit: null
-  minSyncPeriod: 0s
-  syncPeriod: 0s
-nodePortAddresses: [192.0.2.0/24, "2001:db8::/64"]
-oomScoreAdj: null
-portRange: ""
-showHiddenMetricsForVersion: ""
-winkernel:
-  enableDSR: false
-  forwardHealthCheckVip: false
-  networkName: ""
-  rootHnsEndpointName: ""
-  sourceVip: ""
-"#;
-
-    #[test]
-    fn full_file_round_trip() {
-        let loaded = parse(FULL).unwrap();
-        assert_eq!(
-            loaded.warnings,
-            Vec::<String>::new(),
-            "zero values are not reported"
-        );
-        let s = &loaded.settings;
-        assert_eq!(
-            s.kubeconfig.as_deref(),
-            Some(Path::new("/var/lib/kube-proxy/kubeconfig.conf"))
-        );
-        assert_eq!(s.hostname_override.as_deref(), Some("node-1"));
-        assert_eq!(
-            s.healthz_bind_address,
-            Some("0.0.0.0:10256".parse().unwrap())
-        );
-        assert_eq!(
-            s.metrics_bind_address,
-            Some("127.0.0.1:10249".parse().unwrap())
-        );
-        assert_eq!(
-            s.cluster_cidr.as_ref().unwrap().to_string(),
-            "10.244.0.0/16,fd00:10:244::/56"
-        );
-        assert_eq!(
-            s.node_port_addresses.as_ref().unwrap().to_string(),
-            "192.0.2.0/24,2001:db8::/64"
-        );
-        assert_eq!(s.sync_period, Some(Duration::from_secs(60)));
-        assert_eq!(s.min_sync_period, Some(Duration::from_secs(2)));
-        assert_eq!(s.udp_flow_timeout, Some(Duration::from_secs(45)));
-        assert_eq!(s.log_format, Some(LogFormat::Json));
-
-        // Written back and read again, the file gives the same document and settings.
-        let file: KubeProxyConfiguration = serde_yaml_ng::from_str(FULL).unwrap();
-        let again = serde_yaml_ng::to_string(&file).unwrap();
-        let file2: KubeProxyConfiguration = serde_yaml_ng::from_str(&again).unwrap();
-        assert_eq!(file, file2);
-        assert_eq!(parse(&again).unwrap(), loaded);
-        // Nothing of the original was lost on the way.
-        let a: Value = serde_yaml_ng::from_str(FULL).unwrap();
-        let b: Value = serde_yaml_ng::from_str(&again).unwrap();
-        assert_eq!(a, b);
-    }
-
-    #[test]
-    fn minimal_file_sets_nothing() {
-        let l =
-            parse("apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n")
-                .unwrap();
-        assert_eq!(l, Loaded::default());
-        let l = parse(
-            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nmode: ebpf\n",
-        )
-        .unwrap();
-        assert_eq!(l, Loaded::default());
-    }
-
-    fn err(body: &str) -> String {
-        let text = format!(
-            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n{body}"
-        );
-        format!("{:#}", parse(&text).unwrap_err())
-    }
-
-    #[test]
-    fn each_invalid_value_names_the_field() {
-        for (body, expected) in [
-            (
-                "mode: iptables\n",
-                "mode: \"iptables\" is not supported by ebpf-proxy; leave it empty or set it to \"ebpf\"",
-            ),
-            (
-                "mode: ipvs\n",
-                "mode: \"ipvs\" is not supported by ebpf-proxy",
-            ),
-            (
-                "bindAddress: node-1\n",
-                "bindAddress: \"node-1\" is not an IP address",
-            ),
-            (
-                "healthzBindAddress: 0.0.0.0\n",
-                "healthzBindAddress: \"0.0.0.0\" is not an IP address and port",
-            ),
-            (
-                "metricsBindAddress: localhost:10249\n",
-                "metricsBindAddress: \"localhost:10249\" is not an IP address and port",
-            ),
-            (
-                "clusterCIDR: 10.244.0.0/33\n",
-                "clusterCIDR: \"10.244.0.0/33\" is not a CIDR",
-            ),
-            (
-                "clusterCIDR: 10.0.0.0/16,10.1.0.0/16\n",
-                "clusterCIDR: \"10.0.0.0/16,10.1.0.0/16\": give one CIDR, or an IPv4 and an IPv6 CIDR",
-            ),
-            (
-                "nodePortAddresses: [primary, 10.0.0.0/8]\n",
-                "nodePortAddresses: \"primary\" cannot be combined with CIDRs",
-            ),
-            (
-                "nodePortAddresses: [all]\n",
-                "nodePortAddresses: \"all\" is not a CIDR",
-            ),
-            (
-                "conntrack:\n  udpTimeout: soon\n",
-                "conntrack.udpTimeout: invalid duration \"soon\"",
-            ),
-            (
-                "iptables:\n  syncPeriod: -1s\n",
-                "iptables.syncPeriod: invalid duration \"-1s\"",
-            ),
-            (
-                "nftables:\n  minSyncPeriod: 1x\n",
-                "nftables.minSyncPeriod: invalid duration \"1x\"",
-            ),
-            (
-                "iptables:\n  syncPeriod: 10s\nnftables:\n  syncPeriod: 20s\n",
-                "iptables.syncPeriod: 10s differs from nftables.syncPeriod (20s)",
-            ),
-            (
-                "iptables:\n  syncPeriod: 10s\n  minSyncPeriod: 1m\n",
-                "minSyncPeriod: 1m is longer than syncPeriod (10s)",
-            ),
-            (
-                "logging:\n  format: xml\n",
-                "logging.format: \"xml\" is not supported; use \"text\" or \"json\"",
-            ),
-            (
-                "hostnameOverride: [a]\n",
-                "not a KubeProxyConfiguration document",
-            ),
-        ] {
-            let e = err(body);
-            assert!(e.contains(expected), "{body:?}: {e}");
-        }
-        for (text, expected) in [
-            (
-                "apiVersion: kubeproxy.config.k8s.io/v1alpha2\nkind: KubeProxyConfiguration\n",
-                "apiVersion: expected \"kubeproxy.config.k8s.io/v1alpha1\", found Some(\"kubeproxy.config.k8s.io/v1alpha2\")",
-            ),
-            (
-                "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeletConfiguration\n",
-                "kind: expected \"KubeProxyConfiguration\", found Some(\"KubeletConfiguration\")",
-            ),
-            ("kind: KubeProxyConfiguration\n", "apiVersion: expected"),
-        ] {
-            let e = format!("{:#}", parse(text).unwrap_err());
-            assert!(e.contains(expected), "{text:?}: {e}");
-        }
-    }
-
-    #[test]
-    fn unknown_and_meaningless_fields_are_warned_about_once_each_by_name() {
-        let l = parse(
-            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n\
-             bindAddress: 192.0.2.1\n\
-             fooBar: 1\n\
-             enableProfiling: true\n\
-             oomScoreAdj: -999\n\
-             featureGates: {SomeGate: true}\n\
-             conntrack:\n  maxPerCore: 32768\n  tcpBeLiberal: true\n  udpTimeout: 30s\n  colour: red\n\
-             iptables:\n  masqueradeAll: true\n  udpTimeout: 5s\n\
-             ipvs:\n  scheduler: rr\n\
-             clientConnection:\n  qps: 50\n\
-             logging:\n  verbosity: 4\n",
-        )
-        .unwrap();
-        let expected = [
-            "--config: field \"bindAddress\" (192.0.2.1) has no effect in ebpf-proxy: ignored",
-            "--config: field \"iptables.masqueradeAll\" has no effect in ebpf-proxy: ignored",
-            "--config: unknown field \"iptables.udpTimeout\" (not in kubeproxy.config.k8s.io/v1alpha1 KubeProxyConfiguration): ignored",
-            "--config: field \"ipvs.scheduler\" has no effect in ebpf-proxy: ignored",
-            "--config: unknown field \"conntrack.colour\" (not in kubeproxy.config.k8s.io/v1alpha1 KubeProxyConfiguration): ignored",
-            "--config: field \"conntrack.tcpBeLiberal\" has no effect in ebpf-proxy: ignored",
-            "--config: field \"clientConnection.qps\" has no effect in ebpf-proxy: ignored",
-            "--config: field \"logging.verbosity\" has no effect in ebpf-proxy: ignored",
-            "--config: field \"enableProfiling\" has no effect in ebpf-proxy: ignored",
-            "--config: field \"featureGates\" has no effect in ebpf-proxy: ignored",
-            "--config: unknown field \"fooBar\" (not in kubeproxy.config.k8s.io/v1alpha1 KubeProxyConfiguration): ignored",
-            "--config: field \"oomScoreAdj\" has no effect in ebpf-proxy: ignored",
-        ];
-        assert_eq!(loaded_sorted(&l.warnings), loaded_sorted(&expected));
-        assert_eq!(l.settings.udp_flow_timeout, Some(Duration::from_secs(30)));
-        assert_eq!(l.settings.conntrack_max_per_core, Some(32768));
-    }
-
-    #[test]
-    fn conntrack_size_and_timeouts_are_read_and_checked() {
-        let l = parse(
-            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n\
-             conntrack:\n  maxPerCore: 0\n  min: 4096\n  tcpEstablishedTimeout: 1h\n  udpStreamTimeout: 2.5m\n",
-        )
-        .unwrap();
-        assert!(l.warnings.is_empty(), "{:?}", l.warnings);
-        assert_eq!(l.settings.conntrack_max_per_core, Some(0));
-        assert_eq!(l.settings.conntrack_min, Some(4096));
-        assert_eq!(
-            l.settings.conntrack_tcp_timeout_established,
-            Some(Duration::from_secs(3600))
-        );
-        assert_eq!(
-            l.settings.conntrack_udp_timeout_stream,
-            Some(Duration::from_secs(150))
-        );
-        // kube-proxy's 0 = leave as is: the default here.
-        let l = parse(
-            "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n\
-             conntrack:\n  maxPerCore: 0\n  min: 0\n",
-        )
-        .unwrap();
-        assert_eq!(l.settings.conntrack_min, None);
-        for (bad, field) in [
-            (
-                "min: 10",
-                "conntrack.min: 10 is not an integer in 1024..=16777216",
-            ),
-            (
-                "maxPerCore: -1",
-                "conntrack.maxPerCore: -1 is not an integer",
-            ),
-            ("min: many", "conntrack.min: many is not an integer"),
-            (
-                "tcpEstablishedTimeout: soon",
-                "conntrack.tcpEstablishedTimeout",
-            ),
-            (
-                "udpStreamTimeout: 10",
-                "conntrack.udpStreamTimeout: 10 is not a duration",
-            ),
-            (
-                "tcpEstablishedTimeout: [1, 2]",
-                "conntrack.tcpEstablishedTimeout: - 1",
-            ),
-            (
-                "tcpEstablishedTimeout: 500us",
-                "conntrack.tcpEstablishedTimeout: 500us is too short",
-            ),
-        ] {
-            let e = parse(&format!(
-                "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nconntrack:\n  {bad}\n"
-            ))
-            .unwrap_err();
-            assert!(format!("{e:#}").contains(field), "{bad}: {e:#}");
-        }
-    }
-
-    fn loaded_sorted<S: AsRef<str>>(v: &[S]) -> Vec<String> {
-        let mut v: Vec<String> = v.iter().map(|s| s.as_ref().to_string()).collect();
-        v.sort();
-        v
-    }
-
-    #[test]
-    fn list_flags_parse_like_kube_proxy() {
-        assert_eq!(
-            "10.0.0.0/8".parse::<ClusterCidrs>().unwrap().to_string(),
-            "10.0.0.0/8"
-        );
-        assert!("10.0.0.0/8,fd00::/64".parse::<ClusterCidrs>().is_ok());
-        assert!("fd00::/64,fd01::/64".parse::<ClusterCidrs>().is_err());
-        assert!("".parse::<ClusterCidrs>().is_err());
-        assert_eq!(
-            "primary".parse::<NodePortAddresses>().unwrap(),
-            NodePortAddresses::Primary
-        );
-        assert_eq!(
-            "10.0.0.0/8, 192.168.0.0/16"
-                .parse::<NodePortAddresses>()
-                .unwrap()
-                .to_string(),
-            "10.0.0.0/8,192.168.0.0/16"
-        );
-        assert!("primary,10.0.0.0/8".parse::<NodePortAddresses>().is_err());
-    }
-
-    #[test]
-    fn readme_example_is_valid_and_quiet() {
-        let readme = include_str!("../../README.md");
-        let section = &readme[readme.find("### Configuration file").expect("section")..];
-        let start = section.find("```yaml\n").expect("yaml block") + "```yaml\n".len();
-        let example = &section[start..start + section[start..].find("```").unwrap()];
-        let l = parse(example).unwrap();
-        assert_eq!(l.warnings, Vec::<String>::new());
-        assert_eq!(l.settings.log_format, Some(LogFormat::Json));
-        assert_eq!(l.settings.sync_period, Some(Duration::from_secs(30)));
-    }
-}
+pub(crate) mod tests;

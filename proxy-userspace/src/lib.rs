@@ -7,6 +7,7 @@
 
 pub mod agent;
 pub mod check;
+pub mod cli;
 pub mod config;
 pub mod datapath;
 pub mod healthcheck;
@@ -16,4 +17,5 @@ pub mod metrics;
 pub mod model;
 pub mod mounts;
 pub mod reconcile;
+pub mod servers;
 pub mod source;

@@ -1,8 +1,10 @@
-//! Prometheus metrics (prometheus-client), with kube-proxy's names where the meaning is the
-//! same (`pkg/proxy/metrics/metrics.go`), plus the agent's own under `ebpf_proxy_`.
+//! Prometheus metrics (prometheus-client): every family kube-proxy registers in its nftables
+//! mode ([`KubeProxyMetrics`], `pkg/proxy/metrics/metrics.go` and the health server's
+//! counters), fed with the same meaning, and the agent's own under `ebpf_proxy_`.
 //!
-//! Cardinality: every metric is unlabelled or labelled by a fixed set (map name, data path
-//! reason), so the series count does not grow with the number of Services.
+//! Cardinality: kube-proxy's families and the agent's first ones are unlabelled or labelled
+//! by a fixed set (IP family, status code, map name, data path reason); the per-service and
+//! per-backend series are bounded by the map sizes.
 
 use std::{
     path::PathBuf,
@@ -24,26 +26,247 @@ use prometheus_client::{
 use proxy_common::Counter as DpCounter;
 
 use crate::datapath::{Capacity, maps::read_counters};
+use crate::model::Family as ModelFamily;
 
 /// Label set `{map="FRONTENDS"}`.
 pub type MapLabel = [(&'static str, &'static str); 1];
+/// Label set `{ip_family="IPv4"}` (kube-proxy's per-family proxiers: `IPv4`, `IPv6`).
+pub type IpFamilyLabel = [(&'static str, &'static str); 1];
+/// Label set `{code="200"}`.
+pub type CodeLabel = [(&'static str, &'static str); 1];
+/// Label set `{ip_family="IPv4", traffic_policy="internal"}`.
+pub type PolicyLabels = [(&'static str, &'static str); 2];
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// `kubeproxy_sync_proxy_rules_duration_seconds` buckets: `ExponentialBuckets(0.001, 2, 15)`.
+fn sync_buckets() -> Histogram {
+    Histogram::new(exponential_buckets(0.001, 2.0, 15))
+}
+
+/// `kubeproxy_network_programming_duration_seconds` buckets: component-base's
+/// `MergeBuckets` (a leading 0) of 0.25 s, 0.5 s; 1 s to 59 s by 1 s; 60 s to 115 s by 5 s;
+/// 120 s to 300 s by 30 s.
+fn programming_buckets() -> Histogram {
+    let mut b = vec![0.0, 0.25, 0.5];
+    b.extend((1..=59).map(f64::from));
+    b.extend((0..12).map(|i| 60.0 + 5.0 * i as f64));
+    b.extend((0..7).map(|i| 120.0 + 30.0 * i as f64));
+    Histogram::new(b)
+}
+
+/// kube-proxy's metric families (`pkg/proxy/metrics/metrics.go`), as its nftables mode
+/// registers them, with their names, types, labels, help texts (with component-base's
+/// `[ALPHA] ` prefix) and buckets. Encoded by hand ([`Collector`]) so the help text is
+/// kube-proxy's exactly (the registry would append a period).
+#[derive(Debug, Clone)]
+pub struct KubeProxyMetrics {
+    /// `kubeproxy_sync_proxy_rules_duration_seconds{ip_family}`: time of one sync (the map
+    /// writes of the changes, or a verification), observed for each family the node runs
+    /// (ebpf-proxy syncs both at once; kube-proxy runs one proxier per family).
+    pub sync_duration: HistogramFamily<IpFamilyLabel>,
+    /// `kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family}`: Unix time of the last
+    /// sync that left no Service port failed.
+    pub last_sync: Family<IpFamilyLabel, Gauge<f64, AtomicU64>>,
+    /// `kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds{ip_family}`: Unix time a
+    /// change last asked for a sync.
+    pub last_queued: Family<IpFamilyLabel, Gauge<f64, AtomicU64>>,
+    /// `kubeproxy_network_programming_duration_seconds{ip_family}`: from an EndpointSlice's
+    /// `endpoints.kubernetes.io/last-change-trigger-time` to the data path applying it; the
+    /// family of the slice's `addressType`.
+    pub network_programming: HistogramFamily<IpFamilyLabel>,
+    /// `kubeproxy_sync_proxy_rules_endpoint_changes_pending`: EndpointSlice changes read
+    /// but not yet programmed.
+    pub endpoint_changes_pending: Gauge,
+    /// `kubeproxy_sync_proxy_rules_endpoint_changes_total`: EndpointSlice changes that read
+    /// differently from before.
+    pub endpoint_changes: Counter,
+    /// `kubeproxy_sync_proxy_rules_service_changes_pending`: Service changes read but not
+    /// yet programmed.
+    pub service_changes_pending: Gauge,
+    /// `kubeproxy_sync_proxy_rules_service_changes_total`: Service changes that read
+    /// differently from before.
+    pub service_changes: Counter,
+    /// `kubeproxy_proxy_healthz_total{code}`: `/healthz` answers by status code.
+    pub healthz: Family<CodeLabel, Counter>,
+    /// `kubeproxy_proxy_livez_total{code}`: `/livez` answers by status code.
+    pub livez: Family<CodeLabel, Counter>,
+    /// `kubeproxy_sync_proxy_rules_no_local_endpoints_total{ip_family, traffic_policy}`:
+    /// Service ports with a Local policy (`internal`: `internalTrafficPolicy`, `external`:
+    /// `externalTrafficPolicy` of a port with external frontends) and endpoints, none on
+    /// this node.
+    pub no_local_endpoints: Family<PolicyLabels, Gauge>,
+    /// `kubeproxy_sync_proxy_rules_nftables_sync_failures_total{ip_family}`: syncs that left
+    /// a Service port of that family failed (kube-proxy: a failed nft transaction).
+    pub sync_failures: Family<IpFamilyLabel, Counter>,
+    /// `kubeproxy_sync_proxy_rules_nftables_cleanup_failures_total{ip_family}`: failures to
+    /// release the state of removed endpoints (kube-proxy: stale chain cleanup).
+    pub cleanup_failures: Family<IpFamilyLabel, Counter>,
+    /// `kubeproxy_conntrack_reconciler_sync_duration_seconds{ip_family}`: per sync, the time
+    /// spent forgetting the UDP flows (and marking the connected UDP sockets stale) of
+    /// removed endpoints, ebpf-proxy's counterpart of kube-proxy's conntrack cleanup.
+    pub conntrack_reconcile: HistogramFamily<IpFamilyLabel>,
+    /// `kubeproxy_conntrack_reconciler_deleted_entries_total{ip_family}`: UDP flows
+    /// forgotten and connected UDP sockets marked stale.
+    pub conntrack_deleted: Family<IpFamilyLabel, Counter>,
+}
+
+impl KubeProxyMetrics {
+    fn new(families: &[ModelFamily]) -> Self {
+        let m = KubeProxyMetrics {
+            sync_duration: Family::new_with_constructor(sync_buckets),
+            last_sync: Family::default(),
+            last_queued: Family::default(),
+            network_programming: Family::new_with_constructor(programming_buckets),
+            endpoint_changes_pending: Gauge::default(),
+            endpoint_changes: Counter::default(),
+            service_changes_pending: Gauge::default(),
+            service_changes: Counter::default(),
+            healthz: Family::default(),
+            livez: Family::default(),
+            no_local_endpoints: Family::default(),
+            sync_failures: Family::default(),
+            cleanup_failures: Family::default(),
+            conntrack_reconcile: Family::new_with_constructor(sync_buckets),
+            conntrack_deleted: Family::default(),
+        };
+        // Every series of the node's families exists from the start (at zero), so
+        // dashboards and alerts see them before the first event.
+        for f in families {
+            let l = [("ip_family", f.as_str())];
+            let _ = m.sync_duration.get_or_create(&l);
+            let _ = m.last_sync.get_or_create(&l);
+            let _ = m.last_queued.get_or_create(&l);
+            let _ = m.network_programming.get_or_create(&l);
+            let _ = m.sync_failures.get_or_create(&l);
+            let _ = m.cleanup_failures.get_or_create(&l);
+            let _ = m.conntrack_reconcile.get_or_create(&l);
+            let _ = m.conntrack_deleted.get_or_create(&l);
+            for policy in ["internal", "external"] {
+                let _ = m
+                    .no_local_endpoints
+                    .get_or_create(&[("ip_family", f.as_str()), ("traffic_policy", policy)]);
+            }
+        }
+        m
+    }
+}
+
+impl Collector for KubeProxyMetrics {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        fn one(
+            encoder: &mut DescriptorEncoder,
+            name: &str,
+            help: &str,
+            m: &impl EncodeMetric,
+        ) -> Result<(), std::fmt::Error> {
+            let e = encoder.encode_descriptor(name, help, None, m.metric_type())?;
+            m.encode(e)
+        }
+        let e = &mut encoder;
+        one(
+            e,
+            "kubeproxy_sync_proxy_rules_duration_seconds",
+            "[ALPHA] SyncProxyRules latency in seconds",
+            &self.sync_duration,
+        )?;
+        one(
+            e,
+            "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+            "[ALPHA] The last time a sync of proxy rules was queued",
+            &self.last_queued,
+        )?;
+        one(
+            e,
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+            "[ALPHA] The last time proxy rules were successfully synced",
+            &self.last_sync,
+        )?;
+        one(
+            e,
+            "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+            "[ALPHA] Pending proxy rules Endpoint changes",
+            &self.endpoint_changes_pending,
+        )?;
+        one(
+            e,
+            "kubeproxy_sync_proxy_rules_endpoint_changes",
+            "[ALPHA] Cumulative proxy rules Endpoint changes",
+            &self.endpoint_changes,
+        )?;
+        one(
+            e,
+            "kubeproxy_sync_proxy_rules_service_changes_pending",
+            "[ALPHA] Pending proxy rules Service changes",
+            &self.service_changes_pending,
+        )?;
+        one(
+            e,
+            "kubeproxy_sync_proxy_rules_service_changes",
+            "[ALPHA] Cumulative proxy rules Service changes",
+            &self.service_changes,
+        )?;
+        one(
+            e,
+            "kubeproxy_proxy_healthz",
+            "[ALPHA] Cumulative proxy healthz HTTP status",
+            &self.healthz,
+        )?;
+        one(
+            e,
+            "kubeproxy_proxy_livez",
+            "[ALPHA] Cumulative proxy livez HTTP status",
+            &self.livez,
+        )?;
+        one(
+            e,
+            "kubeproxy_network_programming_duration_seconds",
+            "[ALPHA] In Cluster Network Programming Latency in seconds",
+            &self.network_programming,
+        )?;
+        one(
+            e,
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+            "[ALPHA] Number of services with a Local traffic policy and no endpoints",
+            &self.no_local_endpoints,
+        )?;
+        one(
+            e,
+            "kubeproxy_sync_proxy_rules_nftables_sync_failures",
+            "[ALPHA] Cumulative proxy nftables sync failures",
+            &self.sync_failures,
+        )?;
+        one(
+            e,
+            "kubeproxy_sync_proxy_rules_nftables_cleanup_failures",
+            "[ALPHA] Cumulative proxy nftables cleanup failures",
+            &self.cleanup_failures,
+        )?;
+        one(
+            e,
+            "kubeproxy_conntrack_reconciler_sync_duration_seconds",
+            "[ALPHA] ReconcileConntrackFlowsLatency latency in seconds",
+            &self.conntrack_reconcile,
+        )?;
+        one(
+            e,
+            "kubeproxy_conntrack_reconciler_deleted_entries",
+            "[ALPHA] Cumulative conntrack flows deleted by conntrack reconciler",
+            &self.conntrack_deleted,
+        )?;
+        Ok(())
+    }
+}
 
 /// The agent's metrics. Cheap to update; encoded on each scrape of `/metrics`.
 #[derive(Debug)]
 pub struct Metrics {
     /// Registry holding everything below.
     pub registry: Registry,
-    /// `kubeproxy_sync_proxy_rules_duration_seconds`: time of one map sync.
-    pub sync_duration: Histogram,
-    /// `kubeproxy_sync_proxy_rules_last_timestamp_seconds`: Unix time of the last successful sync.
-    pub last_sync: Gauge<f64, AtomicU64>,
-    /// `kubeproxy_network_programming_duration_seconds`: from an EndpointSlice's
-    /// `endpoints.kubernetes.io/last-change-trigger-time` to the data path applying it.
-    pub network_programming: Histogram,
-    /// `kubeproxy_sync_proxy_rules_endpoint_changes_total`: EndpointSlice changes seen.
-    pub endpoint_changes: Counter,
-    /// `kubeproxy_sync_proxy_rules_service_changes_total`: Service changes seen.
-    pub service_changes: Counter,
+    /// The IP families the node runs (the `ip_family` label values).
+    pub families: Vec<ModelFamily>,
+    /// kube-proxy's families.
+    pub kube_proxy: KubeProxyMetrics,
     /// `ebpf_proxy_sync_errors_total`: syncs that failed (full map, map write error).
     pub sync_errors: Counter,
     /// `ebpf_proxy_objects_skipped`: objects, ports or endpoints skipped for bad input now.
@@ -57,12 +280,6 @@ pub struct Metrics {
     pub change_latency: Family<[(&'static str, &'static str); 1], Histogram>,
     /// `ebpf_proxy_service_ports{status}`: Service ports applied and failed now.
     pub service_ports: Family<[(&'static str, &'static str); 1], Gauge>,
-    /// `kubeproxy_sync_proxy_rules_endpoint_changes_pending`: EndpointSlice changes read but
-    /// not yet programmed.
-    pub endpoint_changes_pending: Gauge,
-    /// `kubeproxy_sync_proxy_rules_service_changes_pending`: Service changes read but not
-    /// yet programmed.
-    pub service_changes_pending: Gauge,
 }
 
 /// Reads the data path's per-CPU counters at scrape time (`ebpf_proxy_datapath_events_total`
@@ -233,40 +450,11 @@ impl DatapathCounters {
 
 impl Metrics {
     /// Registers every metric; the data path counters are read from `pin_dir` on scrape.
-    pub fn new(pin_dir: PathBuf) -> Self {
+    /// `families` are the IP families the node runs ([`node_families`]).
+    pub fn new(pin_dir: PathBuf, families: Vec<ModelFamily>) -> Self {
         let mut registry = Registry::default();
-        let sync_duration = Histogram::new(exponential_buckets(0.0001, 2.0, 16));
-        registry.register(
-            "kubeproxy_sync_proxy_rules_duration_seconds",
-            "SyncProxyRules latency in seconds (one diff-based map sync)",
-            sync_duration.clone(),
-        );
-        let last_sync = Gauge::<f64, AtomicU64>::default();
-        registry.register(
-            "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
-            "The last time proxy rules were successfully synced",
-            last_sync.clone(),
-        );
-        let network_programming = Histogram::new([
-            0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
-        ]);
-        registry.register(
-            "kubeproxy_network_programming_duration_seconds",
-            "In Cluster Network Programming Latency in seconds",
-            network_programming.clone(),
-        );
-        let endpoint_changes = Counter::default();
-        registry.register(
-            "kubeproxy_sync_proxy_rules_endpoint_changes",
-            "Cumulative proxy rules EndpointSlice changes",
-            endpoint_changes.clone(),
-        );
-        let service_changes = Counter::default();
-        registry.register(
-            "kubeproxy_sync_proxy_rules_service_changes",
-            "Cumulative proxy rules Service changes",
-            service_changes.clone(),
-        );
+        let kube_proxy = KubeProxyMetrics::new(&families);
+        registry.register_collector(Box::new(kube_proxy.clone()));
         let sync_errors = Counter::default();
         registry.register(
             "ebpf_proxy_sync_errors",
@@ -306,45 +494,41 @@ impl Metrics {
             "Service ports (Service port x protocol x family x scope) by status: applied, or failed (retried with backoff, see the agent log)",
             service_ports.clone(),
         );
-        let endpoint_changes_pending = Gauge::default();
-        registry.register(
-            "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
-            "Pending proxy rules EndpointSlice changes",
-            endpoint_changes_pending.clone(),
-        );
-        let service_changes_pending = Gauge::default();
-        registry.register(
-            "kubeproxy_sync_proxy_rules_service_changes_pending",
-            "Pending proxy rules Service changes",
-            service_changes_pending.clone(),
-        );
         registry.register_collector(Box::new(DatapathCounters { pin_dir }));
         Self {
-            change_latency,
-            service_ports,
-            endpoint_changes_pending,
-            service_changes_pending,
             registry,
-            sync_duration,
-            last_sync,
-            network_programming,
-            endpoint_changes,
-            service_changes,
+            families,
+            kube_proxy,
             sync_errors,
             skipped,
             map_entries,
             map_capacity,
+            change_latency,
+            service_ports,
         }
     }
 
-    /// Records a sync of `duration` and the maps' fill: `entries` is (frontends with VIP
-    /// markers, slots, backends, names).
-    pub fn synced(&self, duration: Duration, entries: (usize, usize, usize, usize), cap: Capacity) {
-        self.sync_duration.observe(duration.as_secs_f64());
-        let now = SystemTime::now()
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .unwrap_or_default();
-        self.last_sync.set(now.as_secs_f64());
+    /// Records a sync (or verification) of `duration`: observed for every family;
+    /// `fully_applied` (no Service port left failed) moves the last-sync timestamp.
+    /// `entries` is the maps' fill (frontends with VIP markers, slots, backends, names).
+    pub fn synced(
+        &self,
+        duration: Duration,
+        fully_applied: bool,
+        entries: (usize, usize, usize, usize),
+        cap: Capacity,
+    ) {
+        let now = unix_now();
+        for f in &self.families {
+            let l = [("ip_family", f.as_str())];
+            self.kube_proxy
+                .sync_duration
+                .get_or_create(&l)
+                .observe(duration.as_secs_f64());
+            if fully_applied {
+                self.kube_proxy.last_sync.get_or_create(&l).set(now);
+            }
+        }
         for (name, used, limit) in [
             ("FRONTENDS", entries.0, cap.frontends),
             ("BACKEND_SLOTS", entries.1, cap.slots),
@@ -360,6 +544,17 @@ impl Metrics {
         }
     }
 
+    /// A change arrived that needs a sync: the last-queued timestamp of every family.
+    pub fn queued(&self) {
+        let now = unix_now();
+        for f in &self.families {
+            self.kube_proxy
+                .last_queued
+                .get_or_create(&[("ip_family", f.as_str())])
+                .set(now);
+        }
+    }
+
     /// Text exposition of every metric.
     pub fn encode(&self) -> String {
         let mut out = String::new();
@@ -367,6 +562,24 @@ impl Metrics {
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
     }
+}
+
+/// Seconds since the Unix epoch.
+fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64()
+}
+
+/// The IP families this node runs, as kube-proxy decides which proxiers to start: IPv4,
+/// and IPv6 when the kernel has it (`/proc/net/if_inet6` exists).
+pub fn node_families() -> Vec<ModelFamily> {
+    let mut f = vec![ModelFamily::V4];
+    if std::path::Path::new("/proc/net/if_inet6").exists() {
+        f.push(ModelFamily::V6);
+    }
+    f
 }
 
 /// Seconds from an EndpointSlice's `endpoints.kubernetes.io/last-change-trigger-time`
@@ -378,14 +591,226 @@ pub fn programming_latency(annotation: Option<&str>, now: SystemTime) -> Option<
 
 #[cfg(test)]
 mod tests {
+    use std::collections::{BTreeMap, BTreeSet};
+
     use super::*;
 
+    /// A Go `prometheus.ExponentialBuckets(start, factor, count)`.
+    fn exponential(start: f64, factor: f64, count: usize) -> Vec<f64> {
+        (0..count).map(|i| start * factor.powi(i as i32)).collect()
+    }
+
+    /// A Go `prometheus.LinearBuckets(start, width, count)`.
+    fn linear(start: f64, width: f64, count: usize) -> Vec<f64> {
+        (0..count).map(|i| start + width * i as f64).collect()
+    }
+
+    /// component-base `metrics.MergeBuckets`: a leading 0, then the lists.
+    fn merge(lists: &[Vec<f64>]) -> Vec<f64> {
+        let mut b = vec![0.0];
+        for l in lists {
+            b.extend(l);
+        }
+        b
+    }
+
+    /// One family as kube-proxy's source defines it: name, type, labels, help, buckets.
+    type Reference = (
+        &'static str,
+        &'static str,
+        Vec<&'static str>,
+        &'static str,
+        Vec<f64>,
+    );
+
+    /// Every metric family kube-proxy registers in its nftables mode: name (as exposed,
+    /// counters with `_total`), type, labels, help (without component-base's `[ALPHA] `
+    /// prefix) and histogram buckets, taken from kubernetes/kubernetes
+    /// `pkg/proxy/metrics/metrics.go` (`RegisterMetrics`: the families registered for every
+    /// mode, then `ProxyModeNFTables`'s; the healthz counters are fed by
+    /// `pkg/proxy/healthcheck/proxy_health.go`), with the `ip_family` labels and the
+    /// conntrack reconciler families of the current release (the v1.36 Kubernetes metrics
+    /// reference, generated from that file).
+    fn kube_proxy_families() -> Vec<Reference> {
+        vec![
+            (
+                "kubeproxy_sync_proxy_rules_duration_seconds",
+                "histogram",
+                vec!["ip_family"],
+                "SyncProxyRules latency in seconds",
+                exponential(0.001, 2.0, 15),
+            ),
+            (
+                "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+                "gauge",
+                vec!["ip_family"],
+                "The last time a sync of proxy rules was queued",
+                vec![],
+            ),
+            (
+                "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+                "gauge",
+                vec!["ip_family"],
+                "The last time proxy rules were successfully synced",
+                vec![],
+            ),
+            (
+                "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
+                "gauge",
+                vec![],
+                "Pending proxy rules Endpoint changes",
+                vec![],
+            ),
+            (
+                "kubeproxy_sync_proxy_rules_endpoint_changes_total",
+                "counter",
+                vec![],
+                "Cumulative proxy rules Endpoint changes",
+                vec![],
+            ),
+            (
+                "kubeproxy_sync_proxy_rules_service_changes_pending",
+                "gauge",
+                vec![],
+                "Pending proxy rules Service changes",
+                vec![],
+            ),
+            (
+                "kubeproxy_sync_proxy_rules_service_changes_total",
+                "counter",
+                vec![],
+                "Cumulative proxy rules Service changes",
+                vec![],
+            ),
+            (
+                "kubeproxy_proxy_healthz_total",
+                "counter",
+                vec!["code"],
+                "Cumulative proxy healthz HTTP status",
+                vec![],
+            ),
+            (
+                "kubeproxy_proxy_livez_total",
+                "counter",
+                vec!["code"],
+                "Cumulative proxy livez HTTP status",
+                vec![],
+            ),
+            (
+                "kubeproxy_network_programming_duration_seconds",
+                "histogram",
+                vec!["ip_family"],
+                "In Cluster Network Programming Latency in seconds",
+                merge(&[
+                    linear(0.25, 0.25, 2),
+                    linear(1.0, 1.0, 59),
+                    linear(60.0, 5.0, 12),
+                    linear(120.0, 30.0, 7),
+                ]),
+            ),
+            (
+                "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+                "gauge",
+                vec!["ip_family", "traffic_policy"],
+                "Number of services with a Local traffic policy and no endpoints",
+                vec![],
+            ),
+            (
+                "kubeproxy_sync_proxy_rules_nftables_sync_failures_total",
+                "counter",
+                vec!["ip_family"],
+                "Cumulative proxy nftables sync failures",
+                vec![],
+            ),
+            (
+                "kubeproxy_sync_proxy_rules_nftables_cleanup_failures_total",
+                "counter",
+                vec!["ip_family"],
+                "Cumulative proxy nftables cleanup failures",
+                vec![],
+            ),
+            (
+                "kubeproxy_conntrack_reconciler_sync_duration_seconds",
+                "histogram",
+                vec!["ip_family"],
+                "ReconcileConntrackFlowsLatency latency in seconds",
+                exponential(0.001, 2.0, 15),
+            ),
+            (
+                "kubeproxy_conntrack_reconciler_deleted_entries_total",
+                "counter",
+                vec!["ip_family"],
+                "Cumulative conntrack flows deleted by conntrack reconciler",
+                vec![],
+            ),
+        ]
+    }
+
+    /// One family of a text exposition: type, help, label names of its samples, and the
+    /// `le` values of its buckets.
+    #[derive(Debug, Default)]
+    struct Exposed {
+        kind: String,
+        help: String,
+        labels: BTreeSet<Vec<String>>,
+        buckets: Vec<f64>,
+    }
+
+    /// Reads an OpenMetrics (or Prometheus) text exposition by family name.
+    fn exposition(text: &str) -> BTreeMap<String, Exposed> {
+        let mut out: BTreeMap<String, Exposed> = BTreeMap::new();
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# HELP ") {
+                let (name, help) = rest.split_once(' ').unwrap();
+                out.entry(name.into()).or_default().help = help.into();
+            } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let (name, kind) = rest.split_once(' ').unwrap();
+                out.entry(name.into()).or_default().kind = kind.into();
+            } else if !line.starts_with('#') && !line.is_empty() {
+                let (series, _value) = line.rsplit_once(' ').unwrap();
+                let (sample, labels) = match series.split_once('{') {
+                    Some((n, l)) => (n, l.trim_end_matches('}')),
+                    None => (series, ""),
+                };
+                let family = out
+                    .keys()
+                    .filter(|f| sample.starts_with(f.as_str()))
+                    .max_by_key(|f| f.len())
+                    .cloned()
+                    .unwrap_or_else(|| panic!("sample {sample} before its family"));
+                let mut names = Vec::new();
+                let e = out.get_mut(&family).unwrap();
+                for pair in labels.split(',').filter(|p| !p.is_empty()) {
+                    let (k, v) = pair.split_once('=').unwrap();
+                    if k == "le" {
+                        let v = v.trim_matches('"');
+                        if v != "+Inf" && !e.buckets.contains(&v.parse().unwrap()) {
+                            e.buckets.push(v.parse().unwrap());
+                        }
+                    } else {
+                        names.push(k.to_string());
+                    }
+                }
+                names.sort();
+                e.labels.insert(names);
+            }
+        }
+        out
+    }
+
     #[test]
-    fn kube_proxy_names_are_exposed() {
-        let m = Metrics::new(PathBuf::from("/nonexistent"));
-        m.endpoint_changes.inc();
+    fn every_kube_proxy_family_is_exposed_as_kube_proxy_exposes_it() {
+        let m = Metrics::new(
+            PathBuf::from("/nonexistent"),
+            vec![ModelFamily::V4, ModelFamily::V6],
+        );
+        let k = &m.kube_proxy;
+        k.endpoint_changes.inc();
+        k.healthz.get_or_create(&[("code", "200")]).inc();
+        k.livez.get_or_create(&[("code", "503")]).inc();
         m.synced(
             Duration::from_millis(3),
+            true,
             (0, 0, 0, 0),
             Capacity {
                 frontends: 1,
@@ -394,17 +819,84 @@ mod tests {
                 services: 4,
             },
         );
+        let exposed = exposition(&m.encode());
+        let ours: BTreeSet<&String> = exposed
+            .keys()
+            .filter(|n| n.starts_with("kubeproxy_"))
+            .collect();
+        let theirs = kube_proxy_families();
+        assert_eq!(ours.len(), theirs.len(), "families: {ours:?}");
+        for (name, kind, labels, help, buckets) in theirs {
+            // OpenMetrics names a counter's family without `_total`.
+            let family = if kind == "counter" {
+                name.trim_end_matches("_total")
+            } else {
+                name
+            };
+            let e = exposed
+                .get(family)
+                .unwrap_or_else(|| panic!("{name} missing"));
+            assert_eq!(e.kind, kind, "{name}");
+            assert_eq!(e.help, format!("[ALPHA] {help}"), "{name}");
+            let mut labels: Vec<String> = labels.iter().map(|l| l.to_string()).collect();
+            labels.sort();
+            assert_eq!(e.labels, BTreeSet::from([labels]), "{name}");
+            assert_eq!(e.buckets, buckets, "{name}");
+        }
+        // The agent's own families stay beside them.
+        for own in [
+            "ebpf_proxy_sync_errors",
+            "ebpf_proxy_map_capacity",
+            "ebpf_proxy_objects_skipped",
+        ] {
+            assert!(exposed.contains_key(own), "{own}");
+        }
         let text = m.encode();
-        for name in [
-            "kubeproxy_sync_proxy_rules_duration_seconds_bucket",
-            "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
-            "kubeproxy_network_programming_duration_seconds_count",
+        for sample in [
             "kubeproxy_sync_proxy_rules_endpoint_changes_total 1",
-            "kubeproxy_sync_proxy_rules_service_changes_total 0",
+            "kubeproxy_sync_proxy_rules_duration_seconds_count{ip_family=\"IPv6\"} 1",
+            "kubeproxy_proxy_healthz_total{code=\"200\"} 1",
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total{ip_family=\"IPv4\",traffic_policy=\"external\"} 0",
             "ebpf_proxy_map_capacity{map=\"BACKENDS\"} 3",
         ] {
-            assert!(text.contains(name), "{name} missing in\n{text}");
+            assert!(text.contains(sample), "{sample} missing in\n{text}");
         }
+    }
+
+    #[test]
+    fn last_sync_moves_only_when_everything_was_applied() {
+        let m = Metrics::new(PathBuf::from("/nonexistent"), vec![ModelFamily::V4]);
+        let cap = Capacity {
+            frontends: 1,
+            slots: 1,
+            backends: 1,
+            services: 1,
+        };
+        m.synced(Duration::ZERO, false, (0, 0, 0, 0), cap);
+        let last = |m: &Metrics| {
+            m.kube_proxy
+                .last_sync
+                .get_or_create(&[("ip_family", "IPv4")])
+                .get()
+        };
+        assert_eq!(last(&m), 0.0);
+        m.synced(Duration::ZERO, true, (0, 0, 0, 0), cap);
+        assert!(last(&m) > 1.0e9);
+        assert_eq!(
+            m.kube_proxy
+                .last_queued
+                .get_or_create(&[("ip_family", "IPv4")])
+                .get(),
+            0.0
+        );
+        m.queued();
+        assert!(
+            m.kube_proxy
+                .last_queued
+                .get_or_create(&[("ip_family", "IPv4")])
+                .get()
+                > 1.0e9
+        );
     }
 
     #[test]

@@ -54,6 +54,24 @@ pub fn cgroup2_root() -> Result<PathBuf> {
     )
 }
 
+/// Inode of the initial cgroup namespace (the kernel's `PROC_CGROUP_INIT_INO`).
+const INITIAL_CGROUP_NS: u64 = 0xEFFF_FFFB;
+
+/// Whether this process runs in the node's (initial) cgroup namespace, read from
+/// `/proc/self/ns/cgroup` (`cgroup:[INODE]`); `None` when that cannot be read. In another
+/// namespace (a container's, the default for pods on cgroup v2) a cgroup2 mount shows only
+/// the namespace's subtree, so its root is not the node's.
+pub fn in_initial_cgroup_namespace() -> Option<bool> {
+    let link = fs::read_link("/proc/self/ns/cgroup").ok()?;
+    let ino: u64 = link
+        .to_str()?
+        .strip_prefix("cgroup:[")?
+        .strip_suffix(']')?
+        .parse()
+        .ok()?;
+    Some(ino == INITIAL_CGROUP_NS)
+}
+
 /// Mounts bpffs at `path` unless a bpf file system is mounted exactly there. Returns `true`
 /// when it mounted it now.
 ///

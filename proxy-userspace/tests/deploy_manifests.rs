@@ -10,6 +10,8 @@
 //!   (no `--manifests`, no `--kubeconfig`), on every node, with the host network, the
 //!   capabilities, bpffs and the host's cgroup v2 root, probes, priority and the node name.
 //! - Every `--flag` in its args is a flag of `ebpf-proxy run`.
+//! - The image (Containerfile) answers to kube-proxy's path, and kubeadm's kube-proxy
+//!   DaemonSet command (the fixture in `tests/fixtures/kubeadm/`) runs the agent through it.
 //!
 //! Run: `cargo test --release -p proxy-userspace --test deploy_manifests`.
 
@@ -564,5 +566,78 @@ fn daemon_set_args_are_flags_of_ebpf_proxy_run() {
     assert!(
         unknown.is_empty(),
         "not flags of `ebpf-proxy run`: {unknown:?}"
+    );
+}
+
+/// The path kube-proxy's DaemonSets run, and the link the Containerfile makes to the agent.
+const KUBE_PROXY_PATH: &str = "/usr/local/bin/kube-proxy";
+
+#[test]
+fn the_image_runs_kubeadms_kube_proxy_command() {
+    // The Containerfile's runtime stage installs the agent and links kube-proxy's path to it.
+    let containerfile =
+        fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../Containerfile")).unwrap();
+    let runtime = containerfile
+        .rsplit("\nFROM ")
+        .next()
+        .expect("a runtime stage");
+    assert!(
+        runtime.contains("/src/target/release/ebpf-proxy /usr/local/bin/ebpf-proxy"),
+        "{runtime}"
+    );
+    assert!(
+        runtime
+            .lines()
+            .any(|l| l.trim() == format!("RUN ln -s ebpf-proxy {KUBE_PROXY_PATH}")),
+        "no {KUBE_PROXY_PATH} link in the runtime stage:\n{runtime}"
+    );
+
+    // kubeadm's DaemonSet command, run through such a link, with kubeadm's ConfigMap at
+    // /var/lib/kube-proxy: the agent reads both (here it writes its effective
+    // configuration and exits, so no root is needed).
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/kubeadm");
+    let ds: DaemonSet = serde_yaml_ng::from_str(
+        &fs::read_to_string(fixtures.join("kube-proxy-daemonset.yaml")).unwrap(),
+    )
+    .unwrap();
+    let command = ds.spec.unwrap().template.spec.unwrap().containers[0]
+        .command
+        .clone()
+        .unwrap();
+    assert_eq!(command[0], KUBE_PROXY_PATH);
+    let dir = tempfile::tempdir().unwrap();
+    let link = dir.path().join("kube-proxy");
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_ebpf-proxy"), &link).unwrap();
+    let conf = dir.path().join("config.conf");
+    fs::copy(fixtures.join("config.conf"), &conf).unwrap();
+    let written = dir.path().join("written.yaml");
+    let args: Vec<String> = command[1..]
+        .iter()
+        .map(|a| {
+            a.replace(
+                "/var/lib/kube-proxy/config.conf",
+                &conf.display().to_string(),
+            )
+            .replace("$(NODE_NAME)", "node-1")
+        })
+        .collect();
+    let out = Command::new(&link)
+        .args(&args)
+        .arg(format!("--write-config-to={}", written.display()))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        !stderr.contains("WARN"),
+        "kubeadm's file reads without warnings: {stderr}"
+    );
+    let loaded = proxy_userspace::config::parse(&fs::read_to_string(&written).unwrap()).unwrap();
+    let s = loaded.settings;
+    assert_eq!(s.hostname_override.as_deref(), Some("node-1"));
+    assert_eq!(s.cluster_cidr.unwrap().to_string(), "10.244.0.0/16");
+    assert_eq!(
+        s.kubeconfig.as_deref(),
+        Some(Path::new("/var/lib/kube-proxy/kubeconfig.conf"))
     );
 }

@@ -259,10 +259,12 @@ impl Env {
         self.logged_addr("health")
     }
 
-    /// The address a server of the agent logged (`<what> server listening address=...`).
+    /// The address a server of the agent logged (`<what> server listening address=...`;
+    /// the servers bind in the background, so this waits for the line, at most 20 s).
     pub fn logged_addr(&self, what: &str) -> SocketAddr {
-        let log = self.log();
         let needle = format!("{what} server listening");
+        self.wait_log(|l| l.contains(&needle), &needle);
+        let log = self.log();
         let line = log
             .lines()
             .find(|l| l.contains(&needle))

@@ -13,6 +13,16 @@
 //!
 //! Rules (kube-proxy semantics; where its modes differ, the nftables mode of KEP-3866):
 //!
+//! Which objects are read
+//! - Services and EndpointSlices labelled `service.kubernetes.io/service-proxy-name` (any
+//!   value: meant for another proxy, KEP-2447) or `service.kubernetes.io/headless` (the
+//!   EndpointSlice controller's label on the slices of headless Services) are treated as
+//!   absent, as kube-proxy's label selector on its watches ([`PROXY_LABEL_SELECTOR`])
+//!   filters them out: gaining the label removes what they gave, losing it brings them
+//!   back. The API source sends the same selector to the API server; the rule here applies
+//!   it to every source (manifests too). kube-proxy has no setting to choose a proxy name
+//!   of its own, so neither has ebpf-proxy.
+//!
 //! Services
 //! - Frontends are the addresses of `spec.clusterIPs`, or `spec.clusterIP` when
 //!   `clusterIPs` is empty, for every `type` except `ExternalName`. Headless Services
@@ -246,6 +256,10 @@ pub struct DesiredService {
     /// ([`Algorithm::uses_weights`]: every backend has one); empty for the others. Endpoints
     /// of weight 0 are not in `backends`, whatever the algorithm.
     pub weights: BTreeMap<SocketAddr, u32>,
+    /// A `Local` traffic policy set (`FRONTEND_F_LOCAL_ONLY`) without a local endpoint while
+    /// the Service has endpoints on other nodes: kube-proxy counts these in
+    /// `kubeproxy_sync_proxy_rules_no_local_endpoints_total`.
+    pub no_local_endpoints: bool,
 }
 
 pub use proxy_common::Algorithm;
@@ -387,6 +401,25 @@ pub struct NodeInfo {
 /// The label holding a Node's zone.
 pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
 
+/// Label naming the proxy meant to implement a Service (`service.kubernetes.io/
+/// service-proxy-name`, KEP-2447); the EndpointSlice controller copies it to the slices.
+pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
+/// Label the EndpointSlice controller puts on the slices of headless Services.
+pub const HEADLESS_LABEL: &str = "service.kubernetes.io/headless";
+/// The label selector of kube-proxy's Service and EndpointSlice watches
+/// (`cmd/kube-proxy/app/server.go`): objects with either label are not proxied.
+pub const PROXY_LABEL_SELECTOR: &str =
+    "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
+
+/// True when an object's labels exclude it from proxying ([`PROXY_LABEL_SELECTOR`]).
+pub fn excluded_by_labels(
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+) -> bool {
+    meta.labels
+        .as_ref()
+        .is_some_and(|l| l.contains_key(SERVICE_PROXY_NAME_LABEL) || l.contains_key(HEADLESS_LABEL))
+}
+
 /// What a `healthCheckNodePort` server reports.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HealthCheck {
@@ -425,8 +458,9 @@ pub struct Delta {
     pub service_changes: u64,
     /// EndpointSlice changes that read differently from before.
     pub endpoint_changes: u64,
-    /// `endpoints.kubernetes.io/last-change-trigger-time` of the slices that changed.
-    pub trigger_times: Vec<String>,
+    /// `endpoints.kubernetes.io/last-change-trigger-time` of the slices that changed, with
+    /// the family of their `addressType`.
+    pub trigger_times: Vec<(Family, String)>,
 }
 
 impl Delta {
@@ -526,6 +560,10 @@ impl Model {
         match change {
             Change::Apply(Object::Service(s)) => {
                 let key = svc_key(&s.object.metadata);
+                if excluded_by_labels(&s.object.metadata) {
+                    self.set_service(key, None);
+                    return;
+                }
                 let info = ServiceInfo::read(
                     Arc::from(s.origin.as_str()),
                     &s.object,
@@ -535,6 +573,10 @@ impl Model {
             }
             Change::Apply(Object::EndpointSlice(s)) => {
                 let key = svc_key(&s.object.metadata);
+                if excluded_by_labels(&s.object.metadata) {
+                    self.set_slice(key, None);
+                    return;
+                }
                 let info = SliceInfo::read(
                     &Arc::from(s.origin.as_str()),
                     &key.0,
@@ -548,10 +590,15 @@ impl Model {
                     .as_ref()
                     .and_then(|a| a.get(TRIGGER_TIME_ANNOTATION))
                     .cloned();
+                let family = if s.object.address_type == "IPv6" {
+                    Family::V6
+                } else {
+                    Family::V4
+                };
                 if self.set_slice(key, Some(info))
                     && let Some(t) = trigger
                 {
-                    self.pending.trigger_times.push(t);
+                    self.pending.trigger_times.push((family, t));
                 }
             }
             Change::Apply(Object::Node(n)) => {
@@ -1127,6 +1174,7 @@ fn service_sets(
             algorithm,
             affinity_timeout_s: f.affinity,
             weights: BTreeMap::new(),
+            no_local_endpoints: false,
         };
         if !info.weights.is_empty() {
             let weight = |a: &SocketAddr| {
@@ -1163,20 +1211,22 @@ fn service_sets(
                 .get(&(port_name.clone(), *protocol, family))
                 .unwrap_or(&empty);
             let cats = categorize(eps, node, zone);
+            // Local policy, no local endpoint, endpoints elsewhere (kube-proxy's
+            // CategorizeEndpoints: hasAnyEndpoints without local ones).
+            let no_local = cats.local.is_empty() && !cats.cluster.is_empty();
             let (backends, flags) = if info.internal_local {
                 (cats.local.clone(), proxy_common::FRONTEND_F_LOCAL_ONLY)
             } else {
                 (cats.cluster.clone(), 0)
             };
-            sets.insert(
-                key.clone(),
-                policy(
-                    backends,
-                    eps,
-                    BTreeSet::from([SocketAddr::new(*vip, *port)]),
-                    flags,
-                ),
+            let mut internal = policy(
+                backends,
+                eps,
+                BTreeSet::from([SocketAddr::new(*vip, *port)]),
+                flags,
             );
+            internal.no_local_endpoints = info.internal_local && no_local;
+            sets.insert(key.clone(), internal);
             // Traffic from this node to external addresses is "internal to the cluster":
             // kube-proxy short-circuits it to the Cluster endpoints whatever the
             // externalTrafficPolicy (pkg/proxy: UsesClusterEndpoints).
@@ -1204,12 +1254,14 @@ fn service_sets(
                 } else {
                     (cats.cluster.clone(), proxy_common::FRONTEND_F_EXTERNAL)
                 };
+                let mut ingress = policy(ingress_backends, eps, ext.clone(), ingress_flags);
+                ingress.no_local_endpoints = info.external_local && no_local;
                 sets.insert(
                     ServicePortKey {
                         scope: Scope::Ingress,
                         ..key.clone()
                     },
-                    policy(ingress_backends, eps, ext.clone(), ingress_flags),
+                    ingress,
                 );
                 sets.insert(
                     ServicePortKey {
@@ -2762,6 +2814,133 @@ pub(crate) mod tests {
         assert_eq!(m.health_checks()[&31000].name, "d-second");
         assert_eq!(d.errors_removed.len(), 1, "{d:?}");
         assert_eq!(m.errors().len(), 2);
+    }
+
+    /// A Service `ns/{name}` on 10.96.1.{n}:80 with extra metadata lines, and its slice
+    /// with one endpoint on another node and the same labels.
+    fn labelled(name: &str, n: u8, labels: &str) -> String {
+        format!(
+            "---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: ns, labels: {{{labels}}}}}\nspec: {{clusterIP: 10.96.1.{n}, ports: [{{port: 80}}]}}\n\
+             ---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-1, namespace: ns, labels: {{kubernetes.io/service-name: {name}{}{labels}}}}}\naddressType: IPv4\nports: [{{port: 80}}]\nendpoints: [{{addresses: [10.0.1.{n}], nodeName: node-2}}]\n",
+            if labels.is_empty() { "" } else { ", " }
+        )
+    }
+
+    #[test]
+    fn objects_labelled_for_another_proxy_or_headless_are_not_proxied() {
+        let yaml = labelled("plain", 1, "")
+            + &labelled(
+                "other-proxy",
+                2,
+                "service.kubernetes.io/service-proxy-name: other",
+            )
+            + &labelled(
+                "empty-name",
+                3,
+                "service.kubernetes.io/service-proxy-name: ''",
+            )
+            + &labelled("headless", 4, "service.kubernetes.io/headless: ''");
+        let (s, errors) = build_yaml(&yaml);
+        assert!(errors.is_empty(), "{errors:?}");
+        let names: BTreeSet<&str> = s.services.keys().map(|k| k.name.as_str()).collect();
+        assert_eq!(
+            names,
+            BTreeSet::from(["plain"]),
+            "any value of the label excludes"
+        );
+
+        // Gaining the label removes what the Service gave; losing it brings it back (the
+        // watch's DELETED and ADDED events under kube-proxy's selector).
+        let mut m = model(&labelled("web", 5, ""));
+        assert_eq!(m.ports().len(), 1);
+        apply_yaml(
+            &mut m,
+            &labelled("web", 5, "service.kubernetes.io/service-proxy-name: istio"),
+        );
+        let d = m.commit();
+        assert!(m.ports().is_empty(), "{d:?}");
+        assert_eq!(d.ports.len(), 1);
+        apply_yaml(&mut m, &labelled("web", 5, ""));
+        m.commit();
+        let (k, v) = m.ports().iter().next().expect("back");
+        assert_eq!(k.name, "web");
+        assert_eq!(v.backends, addrs(&["10.0.1.5:80"]));
+        // A slice alone with the label: the Service stays, without those endpoints.
+        apply_yaml(
+            &mut m,
+            "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-1, namespace: ns, labels: {kubernetes.io/service-name: web, service.kubernetes.io/headless: ''}}\naddressType: IPv4\nports: [{port: 80}]\nendpoints: [{addresses: [10.0.1.5]}]\n",
+        );
+        m.commit();
+        assert!(m.ports().values().next().unwrap().backends.is_empty());
+        assert_eq!(
+            PROXY_LABEL_SELECTOR,
+            format!("!{SERVICE_PROXY_NAME_LABEL},!{HEADLESS_LABEL}")
+        );
+    }
+
+    #[test]
+    fn a_node_being_deleted_or_tainted_for_deletion_is_not_eligible() {
+        let node = |meta: &str, spec: &str| {
+            format!(
+                "---\napiVersion: v1\nkind: Node\nmetadata: {{name: node-1{meta}}}\nspec: {{{spec}}}\n"
+            )
+        };
+        let mut m = Model::new(node1());
+        assert!(
+            m.node().eligible(),
+            "no Node object: nothing says it goes away"
+        );
+        apply_yaml(&mut m, &node("", ""));
+        assert!(m.node().eligible());
+        apply_yaml(
+            &mut m,
+            &node(
+                "",
+                "taints: [{key: ToBeDeletedByClusterAutoscaler, value: '1700000000', effect: NoSchedule}]",
+            ),
+        );
+        assert!(m.node().to_be_deleted && !m.node().eligible());
+        apply_yaml(
+            &mut m,
+            &node("", "taints: [{key: other, effect: NoSchedule}]"),
+        );
+        assert!(m.node().eligible(), "other taints do not matter");
+        apply_yaml(
+            &mut m,
+            &node(", deletionTimestamp: '2026-01-01T00:00:00Z'", ""),
+        );
+        assert!(m.node().deleting && !m.node().eligible());
+        assert!(m.commit().node_changed);
+    }
+
+    #[test]
+    fn local_policy_sets_without_local_endpoints_are_flagged_only_with_remote_ones() {
+        let yaml = |eps: &str| {
+            svc(
+                "ns",
+                "web",
+                "  type: NodePort\n  clusterIP: 10.96.0.10\n  internalTrafficPolicy: Local\n  externalTrafficPolicy: Local\n  ports: [{port: 80, nodePort: 30080}]\n",
+            ) + &slice(
+                "ns",
+                "web-1",
+                "web",
+                &format!("addressType: IPv4\nports: [{{port: 80}}]\nendpoints: [{eps}]\n"),
+            ) + "---\napiVersion: v1\nkind: Node\nmetadata: {name: node-1}\nstatus: {addresses: [{type: InternalIP, address: 192.0.2.1}]}\n"
+        };
+        let flagged = |eps: &str| {
+            let (s, _) = build_yaml(&yaml(eps));
+            s.services
+                .iter()
+                .filter(|(_, d)| d.no_local_endpoints)
+                .map(|(k, _)| k.scope)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            flagged("{addresses: [10.0.0.2], nodeName: node-2}"),
+            [Scope::Internal, Scope::Ingress]
+        );
+        assert!(flagged("{addresses: [10.0.0.1], nodeName: node-1}").is_empty());
+        assert!(flagged("").is_empty(), "no endpoints at all: not counted");
     }
 
     /// A model fed `yaml` and committed.

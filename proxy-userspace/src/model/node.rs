@@ -1,5 +1,6 @@
 //! This node's `v1` Node object, read once into [`NodeState`]: its addresses with the roles
-//! they play (node ports, SNAT and the choice of external interfaces) and its zone.
+//! they play (node ports, SNAT and the choice of external interfaces), its zone, and whether
+//! it is being removed (for `/healthz`'s `nodeEligible`).
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
@@ -33,7 +34,15 @@ pub struct NodeState {
     pub addresses: Vec<NodeAddress>,
     /// Addresses that could not be used (reported).
     pub errors: Vec<ModelError>,
+    /// `metadata.deletionTimestamp` is set: the node is being deleted.
+    pub deleting: bool,
+    /// `spec.taints` has [`TO_BE_DELETED_TAINT`]: the cluster autoscaler is removing it.
+    pub to_be_deleted: bool,
 }
+
+/// Taint the cluster autoscaler puts on a node it is about to delete (kube-proxy's
+/// `healthcheck.ToBeDeletedTaint`).
+pub const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
 
 impl NodeState {
     /// Reads the Node object (`origin`: its file or "api") with the node-port address rules
@@ -87,7 +96,21 @@ impl NodeState {
             zone,
             addresses,
             errors,
+            deleting: n.metadata.deletion_timestamp.is_some(),
+            to_be_deleted: n
+                .spec
+                .as_ref()
+                .and_then(|s| s.taints.as_ref())
+                .is_some_and(|t| t.iter().any(|t| t.key == TO_BE_DELETED_TAINT)),
         }
+    }
+
+    /// The node may keep receiving load-balanced traffic: it is neither being deleted nor
+    /// tainted [`TO_BE_DELETED_TAINT`] (kube-proxy's `NodeEligible`, KEP-3836). Without a
+    /// Node object (manifests that hold none) it counts as eligible: nothing says it is
+    /// going away.
+    pub fn eligible(&self) -> bool {
+        !self.deleting && !self.to_be_deleted
     }
 
     /// The addresses node ports are served on.

@@ -31,7 +31,7 @@ use std::{
 
 use crate::{
     datapath::{Datapath, DatapathError, Released},
-    model::{Delta, Model, ServicePortKey},
+    model::{Delta, Family, Model, ServicePortKey},
 };
 pub use node::{NodeConfig, NodeReconciler};
 pub use services::{Report, ServiceReconciler, parse_service_name, service_name};
@@ -65,6 +65,9 @@ pub struct Outcome {
     pub recovered: Vec<String>,
     /// What releasing the UDP state of removed backends did, or why it failed.
     pub released: Option<Result<Released, String>>,
+    /// The same per IP family of the backends, with the time it took (kube-proxy's
+    /// conntrack reconciler metrics); a family without removed UDP backends is absent.
+    pub released_by_family: Vec<(Family, Result<Released, String>, Duration)>,
     /// Wall time of the call.
     pub duration: Duration,
 }
@@ -288,10 +291,34 @@ impl Reconciler {
         if out.report.released.is_empty() {
             return;
         }
-        out.released = Some(
-            dp.release_stale(&out.report.released)
-                .map_err(|e| e.to_string()),
-        );
+        // One call per family, so each family's work is measured on its own.
+        let mut total: Result<Released, String> = Ok(Released::default());
+        for family in [Family::V4, Family::V6] {
+            let of_family: Vec<_> = out
+                .report
+                .released
+                .iter()
+                .filter(|(_, _, b)| {
+                    Family::of(&crate::datapath::addr::bytes_to_ip(b.addr)) == family
+                })
+                .copied()
+                .collect();
+            if of_family.is_empty() {
+                continue;
+            }
+            let start = Instant::now();
+            let r = dp.release_stale(&of_family).map_err(|e| e.to_string());
+            out.released_by_family
+                .push((family, r.clone(), start.elapsed()));
+            total = match (total, r) {
+                (Ok(a), Ok(b)) => Ok(Released {
+                    flows: a.flows + b.flows,
+                    sockets: a.sockets + b.sockets,
+                }),
+                (Err(e), _) | (_, Err(e)) => Err(e),
+            };
+        }
+        out.released = Some(total);
     }
 }
 

@@ -13,6 +13,12 @@
 //!   no longer lists, so a deletion is applied only after a successful list or watch event
 //!   says so. A failing watch is logged when it starts failing and when it recovers, not on
 //!   every retry.
+//! - Services and EndpointSlices are watched with kube-proxy's label selector
+//!   `!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless`
+//!   ([`crate::model::PROXY_LABEL_SELECTOR`]), so objects meant for another proxy and the
+//!   slices of headless Services are filtered by the API server (an object that gains a
+//!   label arrives as a deletion); the model applies the same rule to every source. The
+//!   Node is watched by name (`metadata.name=NODE`).
 //! - `metadata.managedFields` and the `kubectl.kubernetes.io/last-applied-configuration`
 //!   annotation are dropped from every object on arrival.
 //!
@@ -236,29 +242,37 @@ async fn merge(mut parts: mpsc::Receiver<Part>, tx: mpsc::Sender<Batch>) {
     }
 }
 
+/// The watch of each kind: Services and EndpointSlices with kube-proxy's label selector,
+/// this node's Node by name.
+pub fn watch_config(kind: Kind, node_name: &str) -> watcher::Config {
+    let cfg = watcher::Config::default();
+    match kind {
+        Kind::Service | Kind::EndpointSlice => cfg.labels(crate::model::PROXY_LABEL_SELECTOR),
+        Kind::Node => cfg.fields(&format!("metadata.name={node_name}")),
+    }
+}
+
 impl Source for KubeSource {
     fn start(self) -> anyhow::Result<mpsc::Receiver<Batch>> {
         let (part_tx, part_rx) = mpsc::channel(64);
-        let cfg = watcher::Config::default();
         tokio::spawn(drive(
             Kind::Service,
             Api::<Service>::all(self.client.clone()),
-            cfg.clone(),
+            watch_config(Kind::Service, &self.node_name),
             |o| Object::Service(Sourced::new(API_ORIGIN, o)),
             part_tx.clone(),
         ));
         tokio::spawn(drive(
             Kind::EndpointSlice,
             Api::<EndpointSlice>::all(self.client.clone()),
-            cfg.clone(),
+            watch_config(Kind::EndpointSlice, &self.node_name),
             |o| Object::EndpointSlice(Sourced::new(API_ORIGIN, o)),
             part_tx.clone(),
         ));
-        let node_cfg = cfg.fields(&format!("metadata.name={}", self.node_name));
         tokio::spawn(drive(
             Kind::Node,
             Api::<Node>::all(self.client.clone()),
-            node_cfg,
+            watch_config(Kind::Node, &self.node_name),
             |o| Object::Node(Sourced::new(API_ORIGIN, o)),
             part_tx,
         ));
@@ -346,6 +360,21 @@ mod tests {
             &mut out,
         );
         assert_eq!(deleted(&out), vec!["ns/b"]);
+    }
+
+    #[test]
+    fn services_and_slices_are_watched_with_kube_proxys_label_selector() {
+        for kind in [Kind::Service, Kind::EndpointSlice] {
+            let c = watch_config(kind, "node-a");
+            assert_eq!(
+                c.label_selector.as_deref(),
+                Some("!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless")
+            );
+            assert_eq!(c.field_selector, None);
+        }
+        let c = watch_config(Kind::Node, "node-a");
+        assert_eq!(c.field_selector.as_deref(), Some("metadata.name=node-a"));
+        assert_eq!(c.label_selector, None);
     }
 
     #[tokio::test]

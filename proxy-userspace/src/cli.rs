@@ -1,0 +1,256 @@
+//! The command line of `ebpf-proxy`: the agent (`run`, or no subcommand at all, as kube-proxy
+//! is run: `ebpf-proxy --config=/var/lib/kube-proxy/config.conf --hostname-override=NODE`),
+//! the preflight (`check`), the inspection commands and `cleanup`. Parsing only; `main`
+//! runs the commands.
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+use crate::config::{PinArgs, RunFlags};
+
+/// A kube-proxy replacement on eBPF: Kubernetes Services load-balanced at the socket level
+/// for clients on the node, and by tc programs for traffic entering it.
+#[derive(Parser, Debug)]
+// A flag given twice takes its last value, as pflag does for kube-proxy.
+#[command(
+    name = "ebpf-proxy",
+    version,
+    args_conflicts_with_subcommands = true,
+    args_override_self = true
+)]
+pub struct Cli {
+    /// A subcommand; without one, the agent runs with the flags below (kube-proxy's command
+    /// line, e.g. `--config=/var/lib/kube-proxy/config.conf --hostname-override=NODE`).
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    /// The agent's flags, as `run` takes them.
+    #[command(flatten)]
+    pub run: RunFlags,
+}
+
+/// The subcommands.
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Run the node agent: load the data path, follow Services and EndpointSlices, sync maps.
+    #[command(args_override_self = true)]
+    Run(Box<RunFlags>),
+    /// Print the frontends and their backends, read from the pinned maps (works while the
+    /// agent is down).
+    Services(ServicesArgs),
+    /// List the backends with the services using them and their connection counters.
+    Backends(ServicesArgs),
+    /// Print the per-service counters (connections, refusals) and the per-reason data path
+    /// counters.
+    Stats(ServicesArgs),
+    /// List the socket-level translations: connected sockets and unconnected UDP flows,
+    /// with idle time and staleness.
+    Conntrack(ServicesArgs),
+    /// Explain what happens to a connection from this node to ADDR:PORT[/PROTO]: matching
+    /// frontends, backends and counters; with --manifests or --api also every endpoint of
+    /// the Service and why it is or is not eligible (policy, zone, terminating).
+    Explain(ExplainArgs),
+    /// List ClientIP session-affinity entries (service, client, backend, age, expiry), read
+    /// from the pinned maps.
+    Affinity(ServicesArgs),
+    /// Detach the programs and remove the pinned maps and links (like kube-proxy --cleanup).
+    Cleanup(CleanupArgs),
+    /// Preflight: check that this node can run the agent (kernel, BTF, bpffs, cgroup v2,
+    /// program and map types, helpers, memlock, kube-proxy rules). Exit code 1 on a failure.
+    Check(CheckArgs),
+}
+
+/// Output format of the inspection commands.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Output {
+    /// Aligned columns.
+    Table,
+    /// JSON.
+    Json,
+}
+
+/// Arguments of the commands that read the pinned maps.
+#[derive(clap::Args, Debug)]
+pub struct ServicesArgs {
+    /// The pinned data path.
+    #[command(flatten)]
+    pub pins: PinArgs,
+    /// Output format.
+    #[arg(short = 'o', long, value_enum, default_value = "table")]
+    pub output: Output,
+}
+
+/// Arguments of `check`.
+#[derive(clap::Args, Debug)]
+pub struct CheckArgs {
+    /// Mount point of the BPF file system.
+    #[arg(long, default_value = "/sys/fs/bpf")]
+    pub bpffs: PathBuf,
+    /// Mount bpffs at --bpffs when it is not mounted (otherwise that is a failure).
+    #[arg(long)]
+    pub mount_bpffs: bool,
+    /// cgroup v2 directory the programs would attach to [default: the cgroup2 mount root].
+    #[arg(long)]
+    pub cgroup_path: Option<PathBuf>,
+    /// Output format.
+    #[arg(short = 'o', long, value_enum, default_value = "table")]
+    pub output: Output,
+}
+
+/// Arguments of `explain`.
+#[derive(clap::Args, Debug)]
+pub struct ExplainArgs {
+    /// The destination, e.g. `10.96.0.10:53/UDP` (protocol TCP when left out).
+    pub target: String,
+    /// The pinned data path.
+    #[command(flatten)]
+    pub pins: PinArgs,
+    /// Output format.
+    #[arg(short = 'o', long, value_enum, default_value = "table")]
+    pub output: Output,
+    /// Read the Services, EndpointSlices and Nodes from this manifest directory to explain
+    /// endpoint eligibility.
+    #[arg(long, conflicts_with = "api")]
+    pub manifests: Option<PathBuf>,
+    /// Read them from the Kubernetes API (--kubeconfig, else $KUBECONFIG, ~/.kube/config or
+    /// the in-cluster service account).
+    #[arg(long)]
+    pub api: bool,
+    /// Kubeconfig for --api.
+    #[arg(long, requires = "api")]
+    pub kubeconfig: Option<PathBuf>,
+    /// This node's name, for Local policies and topology [default: $NODE_NAME, else the
+    /// hostname].
+    #[arg(long)]
+    pub hostname_override: Option<String>,
+}
+
+/// Arguments of `cleanup`.
+#[derive(clap::Args, Debug)]
+pub struct CleanupArgs {
+    /// The pinned data path.
+    #[command(flatten)]
+    pub pins: PinArgs,
+    /// cgroup the programs were attached to. Accepted for symmetry with `run`: the programs
+    /// are attached only through the pinned links, so removing those detaches them.
+    #[arg(long)]
+    pub cgroup_path: Option<PathBuf>,
+}
+
+impl Cli {
+    /// The command to run: the subcommand, else the agent with the top-level flags.
+    pub fn into_command(self) -> Command {
+        self.command
+            .unwrap_or_else(|| Command::Run(Box::new(self.run)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use clap::{CommandFactory, FromArgMatches};
+
+    use super::*;
+    use crate::config::{self, Action, AgentConfig, ProxyMode, SourceChoice};
+
+    fn command(argv: &[&str]) -> Command {
+        let m = Cli::command()
+            .try_get_matches_from(argv)
+            .unwrap_or_else(|e| panic!("{argv:?}: {e}"));
+        Cli::from_arg_matches(&m).unwrap().into_command()
+    }
+
+    /// The container command of kubeadm's kube-proxy DaemonSet (the fixture), with
+    /// `$(NODE_NAME)` expanded as the kubelet does.
+    fn kubeadm_command(node: &str) -> Vec<String> {
+        let ds: serde_yaml_ng::Value = serde_yaml_ng::from_str(include_str!(
+            "../tests/fixtures/kubeadm/kube-proxy-daemonset.yaml"
+        ))
+        .unwrap();
+        ds["spec"]["template"]["spec"]["containers"][0]["command"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap().replace("$(NODE_NAME)", node))
+            .collect()
+    }
+
+    #[test]
+    fn kubeadm_daemonset_and_configmap_run_the_agent_unchanged() {
+        let argv = kubeadm_command("Worker-1");
+        assert_eq!(argv[0], "/usr/local/bin/kube-proxy");
+        let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+        let Command::Run(flags) = command(&argv) else {
+            panic!("no subcommand must run the agent");
+        };
+        assert_eq!(
+            flags.config.as_deref(),
+            Some(std::path::Path::new("/var/lib/kube-proxy/config.conf"))
+        );
+        // The ConfigMap's config.conf, as mounted at /var/lib/kube-proxy.
+        let loaded = config::parse(config::tests::KUBEADM).unwrap();
+        assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+        let c = AgentConfig::resolve(*flags, Some(loaded.settings)).unwrap();
+        assert_eq!(c.action, Action::Run);
+        assert_eq!(c.proxy_mode, ProxyMode::Ebpf);
+        assert_eq!(c.hostname_override.as_deref(), Some("worker-1"));
+        assert_eq!(c.node_name(), "worker-1");
+        assert_eq!(
+            c.source,
+            SourceChoice::Api(Some(PathBuf::from("/var/lib/kube-proxy/kubeconfig.conf")))
+        );
+        assert_eq!(c.cluster_cidrs, vec!["10.244.0.0/16".parse().unwrap()]);
+        assert_eq!(
+            c.healthz_bind_address,
+            Some("0.0.0.0:10256".parse().unwrap())
+        );
+        assert_eq!(
+            c.metrics_bind_address,
+            Some("127.0.0.1:10249".parse().unwrap())
+        );
+        assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+    }
+
+    #[test]
+    fn subcommands_still_work_and_run_takes_the_same_flags() {
+        assert!(matches!(
+            command(&["ebpf-proxy", "services"]),
+            Command::Services(_)
+        ));
+        assert!(matches!(
+            command(&["ebpf-proxy", "cleanup", "--pin-dir", "x"]),
+            Command::Cleanup(_)
+        ));
+        let argv = [
+            "--config=/c.yaml",
+            "--hostname-override=n",
+            "--proxy-mode=ebpf",
+            "-v=2",
+            "--cleanup",
+        ];
+        let with_run: Vec<&str> = ["ebpf-proxy", "run"].iter().chain(&argv).copied().collect();
+        let without: Vec<&str> = ["kube-proxy"].iter().chain(&argv).copied().collect();
+        let (Command::Run(a), Command::Run(b)) = (command(&with_run), command(&without)) else {
+            panic!("not run");
+        };
+        assert_eq!(format!("{a:?}"), format!("{b:?}"));
+        // A flag given twice takes its last value (pflag's rule).
+        let Command::Run(f) = command(&["kube-proxy", "--sync-period=1s", "--sync-period=2s"])
+        else {
+            panic!("not run")
+        };
+        assert_eq!(f.sync_period, Some(std::time::Duration::from_secs(2)));
+        // kube-proxy's --version works too.
+        let e = Cli::command()
+            .try_get_matches_from(["kube-proxy", "--version"])
+            .unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::DisplayVersion);
+        // Unknown flags are still refused (kube-proxy refuses them as well).
+        assert!(
+            Cli::command()
+                .try_get_matches_from(["kube-proxy", "--no-such-flag"])
+                .is_err()
+        );
+    }
+}
