@@ -228,14 +228,14 @@ fn kube_proxy_command_lines_run_without_a_subcommand() {
         &format!("--config={}", conf.display()),
         "--hostname-override=Node-A",
         &format!("--write-config-to={}", written.display()),
-        "--ipvs-scheduler=mh",
+        "--ipvs-scheduler=wlc",
         "-v=4",
     ]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let yaml = std::fs::read_to_string(&written).unwrap();
     let loaded = proxy_userspace::config::parse(&yaml).unwrap();
     assert_eq!(loaded.settings.hostname_override.as_deref(), Some("node-a"));
-    assert!(yaml.contains("scheduler: mh"), "{yaml}");
+    assert!(yaml.contains("scheduler: wlc"), "{yaml}");
     assert!(yaml.contains("clusterCIDR: 10.244.0.0/16"), "{yaml}");
     assert!(
         yaml.contains("kubeconfig: /var/lib/kube-proxy/kubeconfig.conf"),
@@ -256,10 +256,10 @@ fn kube_proxy_command_lines_run_without_a_subcommand() {
             "{err}"
         );
     }
-    // IPVS schedulers the data path does not have yet stop start-up, naming them.
-    let out = agent(&["--ipvs-scheduler=wlc", "--manifests", "/nonexistent"]);
+    // A scheduler IPVS has but ebpf-proxy does not (locality-based) stops start-up, named.
+    let out = agent(&["--ipvs-scheduler=lblc", "--manifests", "/nonexistent"]);
     assert!(
-        text(&out.stderr).contains("the IPVS scheduler \"wlc\" is not yet supported"),
+        text(&out.stderr).contains("\"lblc\": not an IPVS scheduler ebpf-proxy implements"),
         "{}",
         text(&out.stderr)
     );

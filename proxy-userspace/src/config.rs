@@ -273,7 +273,10 @@ impl FromStr for IpvsScheduler {
             .find(|(_, n)| *n == s)
             .map(|(sch, _)| *sch)
             .ok_or_else(|| {
-                format!("{s:?} is not an IPVS scheduler (rr, wrr, lc, wlc, sed, nq, sh, dh, mh)")
+                format!(
+                    "{s:?}: not an IPVS scheduler ebpf-proxy implements (rr, wrr, lc, wlc, sed, \
+                     nq, sh, dh, mh; the locality-based lblc and lblcr have no equivalent)"
+                )
             })
     }
 }

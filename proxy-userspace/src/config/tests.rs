@@ -256,7 +256,7 @@ fn each_invalid_value_names_the_field() {
         ),
         (
             "ipvs:\n  scheduler: lblc\n",
-            "ipvs.scheduler: \"lblc\" is not an IPVS scheduler (rr, wrr, lc, wlc, sed, nq, sh, dh, mh)",
+            "ipvs.scheduler: \"lblc\": not an IPVS scheduler ebpf-proxy implements (rr, wrr, lc, wlc, sed, nq, sh, dh, mh; the locality-based lblc and lblcr have no equivalent)",
         ),
         (
             "oomScoreAdj: -1001\n",
