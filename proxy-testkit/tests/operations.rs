@@ -368,6 +368,50 @@ fn configuration_file_is_applied_flags_override_it_and_logs_are_json() {
 }
 
 #[test]
+fn init_only_pins_the_data_path_and_cleanup_removes_it_with_kube_proxys_flags() {
+    let env = Env::new("ops-init", 0, false);
+    let manifests = env.manifests.path().display().to_string();
+    let cgroup = env.cg.path().display().to_string();
+    // --init-only: the privileged part of start-up, then exit 0 with the data path pinned
+    // and attached.
+    let out = agent(&[
+        "--init-only",
+        "--manifests",
+        &manifests,
+        "--cgroup-path",
+        &cgroup,
+        "--pin-dir",
+        &env.pin_dir,
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("data path initialized (--init-only)"));
+    for p in loader::PROGRAMS {
+        assert!(
+            loader::link_pin(&env.pin_path(), p).exists(),
+            "{p} not pinned"
+        );
+    }
+    // --cleanup removes everything ebpf-proxy installed and exits 0 (here even with a
+    // kube-proxy mode in the flags, which only a run refuses).
+    let out = agent(&[
+        "--cleanup",
+        "--proxy-mode=iptables",
+        "--pin-dir",
+        &env.pin_dir,
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("detached"),
+        "{}",
+        text(&out.stdout)
+    );
+    assert!(!env.pin_path().exists());
+    let out = agent(&["--cleanup=true", "--pin-dir", &env.pin_dir]);
+    assert!(out.status.success());
+    assert!(text(&out.stdout).contains("nothing to clean up"));
+}
+
+#[test]
 fn a_busy_metrics_port_does_not_stop_the_agent_and_is_retried() {
     let mut env = Env::new("ops-busy", 1, false);
     web(&env, &[0]);
