@@ -1,5 +1,5 @@
 //! Privileged integration tests of the scheduling algorithms and ClientIP session affinity
-//! (issue 5) with real connections from a pod namespace through the socket-level data path.
+//! with real connections from a pod namespace through the socket-level data path.
 //!
 //! Distribution tests use a chi-square test at p = 0.001 (critical values below), so a
 //! correct implementation fails one run in a thousand at most; the deterministic tests

@@ -1,5 +1,5 @@
 //! Privileged integration tests of kube-proxy's endpoint selection rules on the socket-level
-//! data path (issue 6): internalTrafficPolicy Local, the short-circuit of external addresses,
+//! data path: internalTrafficPolicy Local, the short-circuit of external addresses,
 //! terminating endpoints (KEP-1669), topology hints, stale UDP flows and sockets after an
 //! endpoint change, and pod IPs never being translated.
 //!

@@ -1,4 +1,4 @@
-//! Privileged integration tests of the operator's view (issue 7): exact data path counters
+//! Privileged integration tests of the operator's view: exact data path counters
 //! after known traffic (`stats`, `backends`, `/metrics` parsed as Prometheus text), the
 //! socket-level `conntrack` listing, and `explain` with every eligibility reason.
 

@@ -1,4 +1,4 @@
-//! Privileged integration tests of the north-south data path (issue 4): NodePorts, external
+//! Privileged integration tests of the north-south data path: NodePorts, external
 //! IPs and load balancer IPs served by the tcx programs on the node's external interface to
 //! an external client, with real TCP and UDP.
 //!
@@ -1226,7 +1226,7 @@ fn snat_bindings_survive_eviction_and_a_taken_port_is_never_shared() {
 }
 
 // ---------------------------------------------------------------------------------------
-// IPv6 (issue 4): the same lab made dual-stack by `Lab::add_ipv6`.
+// IPv6: the same lab made dual-stack by `Lab::add_ipv6`.
 // ---------------------------------------------------------------------------------------
 
 const NODE_A6: &str = "fd00:100::1";
