@@ -199,7 +199,7 @@ pub enum Algorithm {
     /// (interleaved by the agent, smooth weighted round-robin order; IPVS `wrr`).
     WeightedRoundRobin = 2,
     /// The backend with the fewest active connections ([`LC_COUNTS`]); ties at random
-    /// (IPVS `lc`).
+    /// (IPVS `lc`). Its members have weight 1 in [`MEMBERS`].
     LeastConnections = 3,
     /// Maglev consistent hashing of the client address ([`MAGLEV`]; IPVS `sh` and `mh`).
     SourceHash = 4,
@@ -328,16 +328,11 @@ impl Algorithm {
     }
 
     /// True for the algorithms that read [`MEMBERS`]: the table algorithms (a backend that
-    /// left is never chosen from a stale table) and the weighted least-load ones (weights).
-    /// ClientIP affinity reads it too, whatever the algorithm.
+    /// left is never chosen from a stale table) and the least-load ones (the weights; every
+    /// weight is 1 for least-connections). ClientIP affinity reads it too, whatever the
+    /// algorithm.
     pub const fn reads_members(self) -> bool {
-        self.uses_table()
-            || matches!(
-                self,
-                Algorithm::WeightedLeastConnections
-                    | Algorithm::ShortestExpectedDelay
-                    | Algorithm::NeverQueue
-            )
+        self.uses_table() || self.counts_connections()
     }
 
     /// True for the algorithms that read the service's Maglev table ([`MAGLEV`]).
@@ -381,9 +376,11 @@ pub const AFFINITY: &str = "AFFINITY";
 /// weight in that set, `u32` in `1..=100` (BPF_MAP_TYPE_HASH, not preallocated). Written
 /// for the keys that read it: ClientIP affinity and the table algorithms only return a
 /// client to a backend that is still a member of the frontend's set (not removed, not
-/// ready, not terminating, not of weight 0), and the weighted least-load algorithms
-/// ([`Algorithm::uses_weights`], except weighted round-robin, whose weights are in its slot
-/// layout) divide a backend's connections by this weight. Keys without weights hold 1.
+/// ready, not terminating, not of weight 0), and the least-load algorithms
+/// ([`Algorithm::counts_connections`]) divide a backend's connections by this weight (a
+/// backend without a membership is leaving and is skipped). Keys without weights
+/// (least-connections, the tables, affinity) hold 1; weighted round-robin's weights are in
+/// its slot layout.
 pub const MEMBERS: &str = "MEMBERS";
 /// Name of the Maglev table map: service id `u32` -> [`MaglevTable`]
 /// (BPF_MAP_TYPE_HASH, BPF_F_NO_PREALLOC: only services using a hashing algorithm have one).

@@ -192,10 +192,12 @@ pub fn select(fe: &Frontend, req: &Request) -> u32 {
                     .unwrap_or(0),
             )
         }
-        Some(Algorithm::LeastConnections) => least_load(fe, Load::Connections),
-        Some(Algorithm::WeightedLeastConnections) => least_load(fe, Load::PerWeight),
-        Some(Algorithm::ShortestExpectedDelay) => least_load(fe, Load::ExpectedDelay),
-        Some(Algorithm::NeverQueue) => least_load(fe, Load::IdleFirst),
+        Some(
+            Algorithm::LeastConnections
+            | Algorithm::WeightedLeastConnections
+            | Algorithm::ShortestExpectedDelay
+            | Algorithm::NeverQueue,
+        ) => least_load(fe),
         Some(Algorithm::SourceHash) => by_maglev(fe, hash_client(&client.addr, None)),
         Some(Algorithm::Maglev) => by_maglev(fe, hash_client(&client.addr, Some(client.port))),
         Some(Algorithm::DestinationHash) => by_maglev(fe, hash_client(&req.frontend.addr, None)),
@@ -294,42 +296,45 @@ fn next_cursor(service_id: u32) -> u32 {
     start
 }
 
-/// How [`least_load`] ranks a backend with `c` active connections ([`LC_COUNTS`]) and
-/// weight `w` ([`MEMBERS`]): by a cost `c'` and the weight, lowest `c' / w` first. The
-/// Linux IPVS schedulers' rules with their inactive connections at 0 (see
-/// `proxy_common::Algorithm` for why there are none here).
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Load {
-    /// `lc`: `c' = c`, every weight 1 (the weights are not read).
-    Connections,
-    /// `wlc`: `c' = c`.
-    PerWeight,
-    /// `sed`: `c' = c + 1`, the expected delay of one more connection.
-    ExpectedDelay,
-    /// `nq`: `c' = 0` for an idle backend (`c = 0`), else `c + 1`: an idle backend first,
-    /// else `sed`.
-    IdleFirst,
-}
+/// Bit `a` set for the algorithms whose cost counts one more connection (`sed`, `nq`).
+const PLUS_ONE: u64 =
+    1 << Algorithm::ShortestExpectedDelay as u64 | 1 << Algorithm::NeverQueue as u64;
+/// Bit `a` set for the algorithm that puts an idle backend first (`nq`).
+const IDLE_FIRST: u64 = 1 << Algorithm::NeverQueue as u64;
+/// The first candidate's reference: a cost per weight above any real one (costs are at most
+/// 2^32, weights at least 1), small enough that `cost * weight` (weights at most 100) still
+/// fits in 40 bits.
+const NO_COST: u64 = 1 << 33;
 
-/// The backend with the lowest load (see [`Load`]) over at most `LC_SCAN_MAX` consecutive
-/// slots from a random start. `c1 / w1 < c2 / w2` is compared as `c1 * w2 < c2 * w1`
-/// (weights are 1..=100 and counts 32-bit, so the products fit in 64 bits; no division on
-/// the data path). Ties go to a uniformly random one of the tied backends: each candidate
-/// draws a random 32-bit number, the lowest draw wins a tie. A backend without a weight is
-/// leaving the set (the agent removes its membership first) and is skipped. Not inlined,
-/// so its frame is not added to `select`'s (the BPF stack is 512 bytes for the whole call
-/// chain).
+/// The backend of the lowest load over at most `LC_SCAN_MAX` consecutive slots from a
+/// random start, for the least-load algorithms (the Linux IPVS schedulers' rules with no
+/// inactive connections; see `proxy_common::Algorithm` for why there are none here): with
+/// `c` the backend's connections ([`LC_COUNTS`]) and `w` its weight in the set ([`MEMBERS`];
+/// every weight is 1 for least-connections), the lowest `cost / w` where `cost` is `c`
+/// (`lc`, `wlc`), `c + 1` (`sed`), or 0 for an idle backend and `c + 1` otherwise (`nq`).
+///
+/// `cost1 / w1 < cost2 / w2` is compared as `cost1 * w2 < cost2 * w1`, as IPVS does (no
+/// division on the data path; both products fit in 40 bits). Ties go to a random one of the
+/// tied backends: each candidate draws 24 random bits, appended below the product, so one
+/// 64-bit compare ranks by load, then by draw (equal draws, 1 in 2^24, favour the earlier
+/// slot). A slot whose backend has no weight is leaving the set (the agent removes its
+/// membership first) and is skipped. The algorithm's cost terms are bit masks of the
+/// algorithm number rather than branches, and the loop body has one compare: the verifier
+/// walks the 32 iterations with few states. Not inlined, so its frame is not added to
+/// `select`'s (the BPF stack is 512 bytes for the whole call chain).
 #[inline(never)]
-fn least_load(fe: &Frontend, load: Load) -> u32 {
+fn least_load(fe: &Frontend) -> u32 {
     let count = fe.backend_count;
+    let alg = (fe.algorithm & 63) as u64;
+    let plus_one = (PLUS_ONE >> alg) & 1;
+    let idle_first = (IDLE_FIRST >> alg) & 1;
     // SAFETY: helper without side effects.
     let start = unsafe { bpf_get_prandom_u32() }
         .checked_rem(count)
         .unwrap_or(0);
-    // The best so far: cost, weight, draw; weight 0 means none yet.
-    let mut best_cost = 0u64;
-    let mut best_weight = 0u64;
-    let mut best_draw = 0u32;
+    let mut best_cost = NO_COST;
+    let mut best_weight = 1u64;
+    let mut best_draw = 0u64;
     let mut best_id = 0u32;
     for i in 0..LC_SCAN_MAX {
         if i >= count {
@@ -345,34 +350,25 @@ fn least_load(fe: &Frontend, load: Load) -> u32 {
         };
         // SAFETY: copied out at once.
         let id = unsafe { BACKEND_SLOTS.get(key).copied() }.unwrap_or(0);
-        if id == 0 {
-            continue;
-        }
-        let weight = if load == Load::Connections {
-            1
-        } else {
-            let member = MemberKey {
-                service_id: fe.service_id,
-                backend_id: id,
-            };
-            // SAFETY: copied out at once.
-            unsafe { MEMBERS.get(member).copied() }.unwrap_or(0) as u64
+        let member = MemberKey {
+            service_id: fe.service_id,
+            backend_id: id,
         };
+        // SAFETY: copied out at once.
+        let weight = unsafe { MEMBERS.get(member).copied() }.unwrap_or(0) as u64;
         if weight == 0 {
             continue;
         }
         // SAFETY: copied out at once.
         let conns = unsafe { LC_COUNTS.get(id).copied() }.unwrap_or(0) as u64;
-        let cost = match load {
-            Load::Connections | Load::PerWeight => conns,
-            Load::ExpectedDelay => conns + 1,
-            Load::IdleFirst if conns == 0 => 0,
-            Load::IdleFirst => conns + 1,
-        };
+        // 1 for an idle backend under nq: `conns - 1` wraps to the top bit only from 0.
+        let idle = (conns.wrapping_sub(1) >> 63) & idle_first;
+        let cost = (conns + plus_one) * (1 - idle);
         // SAFETY: helper without side effects.
-        let draw = unsafe { bpf_get_prandom_u32() };
-        let (lhs, rhs) = (cost * best_weight, best_cost * weight);
-        if best_weight == 0 || lhs < rhs || (lhs == rhs && draw < best_draw) {
+        let draw = (unsafe { bpf_get_prandom_u32() } >> 8) as u64;
+        let this = (cost.wrapping_mul(best_weight) << 24) | draw;
+        let best = (best_cost.wrapping_mul(weight) << 24) | best_draw;
+        if this < best {
             best_cost = cost;
             best_weight = weight;
             best_draw = draw;

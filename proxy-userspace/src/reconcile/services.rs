@@ -22,10 +22,10 @@
 //!   at most one other slot (the last one into the hole), adding fills holes first.
 //! - `MEMBERS` holds the backends of the keys that read it, each with its weight: ClientIP
 //!   affinity and the table algorithms (source-hash, maglev, destination-hash), which must
-//!   not return a client to a backend that left, and the weighted least-load algorithms
-//!   (weighted-least-connections, shortest-expected-delay, never-queue), which divide a
-//!   backend's connections by its weight. A weight change rewrites the membership. Other
-//!   keys pay no membership writes.
+//!   not return a client to a backend that left, and the least-load algorithms
+//!   (least-connections with every weight 1, weighted-least-connections,
+//!   shortest-expected-delay, never-queue), which divide a backend's connections by its
+//!   weight. A weight change rewrites the membership. Other keys pay no membership writes.
 //! - [`ServiceReconciler::verify`] compares the maps themselves with what was applied and
 //!   repairs every difference in the same order (entries changed behind the agent's back,
 //!   leftovers of an interrupted write, entries nothing claims after a restart).
@@ -252,7 +252,7 @@ fn is_hashing(a: Algorithm) -> bool {
     a.uses_table()
 }
 
-/// True for keys whose backends must be in `MEMBERS` (affinity, the tables and the weighted
+/// True for keys whose backends must be in `MEMBERS` (affinity, the tables and the
 /// least-load algorithms read it).
 fn needs_members(svc: &DesiredService) -> bool {
     svc.affinity_timeout_s != 0 || svc.algorithm.reads_members()
@@ -1655,8 +1655,8 @@ mod tests {
         assert_eq!((r.writes, r.deletes), (1, 0));
         assert_eq!(dp.state.members[&m], was);
 
-        // The other weighted least-load algorithms keep the memberships; unweighted
-        // least-connections needs none.
+        // The other weighted least-load algorithms keep the memberships; least-connections
+        // has them all of weight 1; round-robin needs none.
         for a in [Algorithm::ShortestExpectedDelay, Algorithm::NeverQueue] {
             d.algorithm = a;
             sync(&mut s, &mut dp, &state(vec![(k.clone(), d.clone())])).unwrap();
@@ -1664,6 +1664,10 @@ mod tests {
         }
         d.algorithm = Algorithm::LeastConnections;
         d.weights.clear();
+        sync(&mut s, &mut dp, &state(vec![(k.clone(), d.clone())])).unwrap();
+        want.values_mut().for_each(|w| *w = 1);
+        assert_eq!(member_weights(&dp), want);
+        d.algorithm = Algorithm::RoundRobin;
         sync(&mut s, &mut dp, &state(vec![(k.clone(), d.clone())])).unwrap();
         assert!(dp.state.members.is_empty());
         assert_eq!(s.verify(&mut dp).unwrap(), Report::default());
