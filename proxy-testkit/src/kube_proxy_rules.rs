@@ -1,4 +1,6 @@
-//! The benchmark's services, and the rule sets kube-proxy would program for them.
+//! Services, and the rule sets kube-proxy programs for them, for the bench (`cargo xtask
+//! bench`, kube-proxy's rules side by side with ebpf-proxy) and the tests that run
+//! kube-proxy's rules before and after ebpf-proxy (the switch from one to the other).
 //!
 //! - [`iptables_full`] / [`iptables_change`] produce the `iptables-restore` input of
 //!   kube-proxy's iptables mode, following kubernetes `pkg/proxy/iptables/proxier.go`
@@ -9,7 +11,10 @@
 //!   hashes are the upstream ones: the first 16 characters of base32(sha256(name)).
 //!   Partial syncs (kube-proxy >= 1.28) rewrite the top-level chains (KUBE-SERVICES with one
 //!   rule per service, so O(N) text) and only the changed service's SVC/SEP chains, and
-//!   delete stale SEP chains with `-X`, all in one `iptables-restore --noflush`.
+//!   delete stale SEP chains with `-X`, all in one `iptables-restore --noflush`. A node port
+//!   ([`Svc::node_port`]) adds a KUBE-NODEPORTS rule to the service's KUBE-EXT-<hash> chain,
+//!   which marks the flow for masquerading and goes on to KUBE-SVC-<hash>
+//!   (`externalTrafficPolicy: Cluster`).
 //! - [`nft_full`] / [`nft_change`] produce the `nft -f` input of kube-proxy's nftables mode,
 //!   following kubernetes `pkg/proxy/nftables/proxier.go` (`setupNFTables`,
 //!   `syncProxyRules`, `writeServiceToEndpointRules`, `servicePortChainNameBase`,
@@ -19,9 +24,13 @@
 //!   N vmap { 0 : goto endpoint-..., ... }`, and one `endpoint-<hash>-...` chain per
 //!   endpoint with the masquerade mark and `dnat to`. A change rewrites (flush + add) the
 //!   service chain, adds the new endpoint chain and deletes the stale one in one transaction.
+//!   A node port adds an element of the `service-nodeports` map (`meta l4proto . th dport`,
+//!   for destinations of a local address) leading to the `external-<hash>-...` chain, which
+//!   jumps to `mark-for-masquerade` and goes on to the service chain.
 //!
-//! Only ClusterIP services (one TCP port, 10 endpoints each) are generated, as in the
-//! benchmark; NodePort/LoadBalancer/affinity rules are left out for all proxies alike.
+//! Services have one TCP port; [`services`] makes ClusterIP services with 10 endpoints each,
+//! as the benchmark uses them. LoadBalancer IPs, external IPs, affinity and the Local
+//! traffic policy are left out (for all proxies alike in the bench).
 
 use std::fmt::Write as _;
 use std::net::Ipv4Addr;
@@ -44,12 +53,19 @@ pub const CLUSTER_CIDR: &str = "198.18.0.0/15";
 /// (198.18.1.0 ..= 198.19.127.247), the port moves on by one after each cycle.
 const SYNTH_ADDRS: u32 = 98_040;
 
-/// One ClusterIP service with its endpoints.
+/// One service (namespace [`NS`], one TCP port [`SVC_PORT`] named [`PORT_NAME`]) with its
+/// endpoints.
 #[derive(Clone, Debug)]
 pub struct Svc {
+    /// `metadata.name`.
     pub name: String,
+    /// The ClusterIP.
     pub vip: Ipv4Addr,
+    /// Endpoint addresses and ports, in the order the rules list them.
     pub endpoints: Vec<(Ipv4Addr, u16)>,
+    /// `spec.ports[0].nodePort` of a NodePort Service with `externalTrafficPolicy:
+    /// Cluster`; `None` for a ClusterIP Service.
+    pub node_port: Option<u16>,
 }
 
 /// ClusterIP of service `i`: 198.19.128.0/17 (RFC 2544 range; exists only in the lab).
@@ -87,6 +103,7 @@ pub fn services(n: usize, real: usize) -> Vec<Svc> {
                 name: format!("svc-{i:05}"),
                 vip: vip(i),
                 endpoints,
+                node_port: None,
             }
         })
         .collect()
@@ -164,6 +181,12 @@ pub fn ipt_svc_chain(s: &Svc) -> String {
     format!("KUBE-SVC-{}", &h[..16])
 }
 
+/// KUBE-EXT-<portProtoHash(servicePortName, "tcp")>: the node port's chain.
+pub fn ipt_ext_chain(s: &Svc) -> String {
+    let h = b32_sha256(&format!("{}tcp", svc_port_name(s)));
+    format!("KUBE-EXT-{}", &h[..16])
+}
+
 /// KUBE-SEP-<hash(servicePortName + protocol + endpoint)>.
 pub fn ipt_sep_chain(s: &Svc, ep: (Ipv4Addr, u16)) -> String {
     let h = b32_sha256(&format!("{}tcp{}:{}", svc_port_name(s), ep.0, ep.1));
@@ -238,11 +261,41 @@ fn ipt_nat_top_rules(out: &mut String, svcs: &[Svc], with_hooks: bool) {
         );
     }
     out.push_str("-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS\n");
+    for s in svcs {
+        if let Some(np) = s.node_port {
+            let _ = writeln!(
+                out,
+                "-A KUBE-NODEPORTS -m comment --comment {} -m tcp -p tcp --dport {np} -j {}",
+                svc_port_name(s),
+                ipt_ext_chain(s)
+            );
+        }
+    }
+}
+
+/// Declarations of a service's own chains (SVC, EXT if it has a node port, and one SEP per
+/// endpoint).
+fn ipt_declare(out: &mut String, s: &Svc) {
+    let _ = writeln!(out, ":{} - [0:0]", ipt_svc_chain(s));
+    if s.node_port.is_some() {
+        let _ = writeln!(out, ":{} - [0:0]", ipt_ext_chain(s));
+    }
+    for ep in &s.endpoints {
+        let _ = writeln!(out, ":{} - [0:0]", ipt_sep_chain(s, *ep));
+    }
 }
 
 fn ipt_svc_rules(out: &mut String, s: &Svc) {
     let svc = ipt_svc_chain(s);
     let name = svc_port_name(s);
+    if s.node_port.is_some() {
+        let ext = ipt_ext_chain(s);
+        let _ = writeln!(
+            out,
+            "-A {ext} -m comment --comment \"masquerade traffic for {name} external destinations\" -j KUBE-MARK-MASQ"
+        );
+        let _ = writeln!(out, "-A {ext} -j {svc}");
+    }
     let _ = writeln!(
         out,
         "-A {svc} -m comment --comment \"{name} cluster IP\" -m tcp -p tcp -d {}/32 --dport {SVC_PORT} ! -s {CLUSTER_CIDR} -j KUBE-MARK-MASQ",
@@ -290,10 +343,7 @@ pub fn iptables_full(svcs: &[Svc]) -> String {
     let mut out = String::with_capacity(svcs.len() * 4200 + 4096);
     ipt_top(&mut out, true);
     for s in svcs {
-        let _ = writeln!(out, ":{} - [0:0]", ipt_svc_chain(s));
-        for ep in &s.endpoints {
-            let _ = writeln!(out, ":{} - [0:0]", ipt_sep_chain(s, *ep));
-        }
+        ipt_declare(&mut out, s);
     }
     ipt_nat_top_rules(&mut out, svcs, true);
     for s in svcs {
@@ -312,10 +362,7 @@ pub fn iptables_full(svcs: &[Svc]) -> String {
 pub fn iptables_change(svcs: &[Svc], old: &Svc, new: &Svc) -> String {
     let mut out = String::with_capacity(svcs.len() * 200 + 4096);
     ipt_top(&mut out, false);
-    let _ = writeln!(out, ":{} - [0:0]", ipt_svc_chain(new));
-    for ep in &new.endpoints {
-        let _ = writeln!(out, ":{} - [0:0]", ipt_sep_chain(new, *ep));
-    }
+    ipt_declare(&mut out, new);
     // Stale chains are declared (flushed) too, then deleted below.
     for ep in &old.endpoints {
         if !new.endpoints.contains(ep) {
@@ -357,6 +404,15 @@ fn nft_hash_trunc(name: &str) -> String {
 pub fn nft_svc_chain(s: &Svc) -> String {
     format!(
         "service-{}",
+        nft_hash_trunc(&format!("{NS}/{}/tcp/{PORT_NAME}", s.name))
+    )
+}
+
+/// `external-<hash>-ns/name/tcp/port`: the node port's chain (same hash as the service
+/// chain).
+pub fn nft_ext_chain(s: &Svc) -> String {
+    format!(
+        "external-{}",
         nft_hash_trunc(&format!("{NS}/{}/tcp/{PORT_NAME}", s.name))
     )
 }
@@ -490,6 +546,13 @@ fn nft_service(out: &mut String, s: &Svc) {
         "add rule {T} {svc} numgen random mod {} vmap {{ {vmap} }}",
         s.endpoints.len()
     );
+    if s.node_port.is_some() {
+        let ext = nft_ext_chain(s);
+        let _ = writeln!(out, "add chain {T} {ext}");
+        let _ = writeln!(out, "flush chain {T} {ext}");
+        let _ = writeln!(out, "add rule {T} {ext} jump mark-for-masquerade");
+        let _ = writeln!(out, "add rule {T} {ext} goto {svc}");
+    }
 }
 
 fn nft_endpoint(out: &mut String, s: &Svc, ep: (Ipv4Addr, u16)) {
@@ -524,6 +587,13 @@ pub fn nft_full(svcs: &[Svc]) -> String {
             s.vip,
             nft_svc_chain(s)
         );
+        if let Some(np) = s.node_port {
+            let _ = writeln!(
+                out,
+                "add element {T} service-nodeports {{ tcp . {np} : goto {} }}",
+                nft_ext_chain(s)
+            );
+        }
     }
     out
 }
@@ -550,6 +620,46 @@ pub fn nft_change(old: &Svc, new: &Svc) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Chain names as kube-proxy's own tests spell them (`TestOverallNFTablesRules` and
+    /// `TestOverallIPTablesRules`, service `ns3/svc3`, port `p80`).
+    #[test]
+    fn chain_names_match_kube_proxy() {
+        assert_eq!(
+            nft_hash_trunc("ns3/svc3/tcp/p80"),
+            "4AT6LBPK-ns3/svc3/tcp/p80"
+        );
+        assert_eq!(&b32_sha256("ns3/svc3:p80tcp")[..16], "X27LE4BHSL4DOUIK");
+    }
+
+    /// A node port appears in both rule sets, and only when the Service has one.
+    #[test]
+    fn node_port_rules() {
+        let mut s = services(1, 0).remove(0);
+        assert!(
+            !nft_full(std::slice::from_ref(&s))
+                .contains("add element ip kube-proxy service-nodeports")
+        );
+        assert!(!iptables_full(std::slice::from_ref(&s)).contains("KUBE-EXT-"));
+        s.node_port = Some(30080);
+        let nft = nft_full(std::slice::from_ref(&s));
+        let ext = nft_ext_chain(&s);
+        assert!(nft.contains(&format!(
+            "add element ip kube-proxy service-nodeports {{ tcp . 30080 : goto {ext} }}"
+        )));
+        assert!(nft.contains(&format!(
+            "add rule ip kube-proxy {ext} goto {}",
+            nft_svc_chain(&s)
+        )));
+        let ipt = iptables_full(std::slice::from_ref(&s));
+        let ext = ipt_ext_chain(&s);
+        assert!(ipt.contains(&format!(":{ext} - [0:0]")));
+        assert!(ipt.contains(&format!("--dport 30080 -j {ext}")));
+        assert!(ipt.contains(&format!("-A {ext} -j {}", ipt_svc_chain(&s))));
+        // A partial sync of the Service rewrites its external chain too.
+        let ipt = iptables_change(std::slice::from_ref(&s), &s, &s);
+        assert!(ipt.contains(&format!(":{ext} - [0:0]")));
+    }
 
     #[test]
     fn base32_matches_go() {
