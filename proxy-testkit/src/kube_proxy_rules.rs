@@ -118,10 +118,14 @@ pub fn change_addr(k: usize) -> Ipv4Addr {
 // manifests for ebpf-proxy
 // ---------------------------------------------------------------------------------------
 
-/// The Service object (JSON, one line).
+/// The Service object (JSON, one line): type ClusterIP, or NodePort with the node port.
 pub fn service_json(s: &Svc) -> String {
+    let (ty, np) = match s.node_port {
+        Some(np) => ("NodePort", format!(r#","nodePort":{np}"#)),
+        None => ("ClusterIP", String::new()),
+    };
     format!(
-        r#"{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"{n}","namespace":"{NS}"}},"spec":{{"type":"ClusterIP","clusterIP":"{v}","clusterIPs":["{v}"],"ports":[{{"name":"{PORT_NAME}","port":{SVC_PORT},"targetPort":{REAL_PORT},"protocol":"TCP"}}]}}}}"#,
+        r#"{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"{n}","namespace":"{NS}"}},"spec":{{"type":"{ty}","clusterIP":"{v}","clusterIPs":["{v}"],"ports":[{{"name":"{PORT_NAME}","port":{SVC_PORT},"targetPort":{REAL_PORT},"protocol":"TCP"{np}}}]}}}}"#,
         n = s.name,
         v = s.vip
     )
@@ -130,7 +134,16 @@ pub fn service_json(s: &Svc) -> String {
 /// The EndpointSlice object of a service (JSON, one line). All endpoints of a generated
 /// service share one port.
 pub fn slice_json(s: &Svc) -> String {
+    slice_json_on(s, None)
+}
+
+/// [`slice_json`] with every endpoint's `nodeName` set to `node` (which tells a proxy on
+/// that node that the endpoints are local).
+pub fn slice_json_on(s: &Svc, node: Option<&str>) -> String {
     let port = s.endpoints[0].1;
+    let node = node
+        .map(|n| format!(r#","nodeName":"{n}""#))
+        .unwrap_or_default();
     let mut eps = String::new();
     for (k, (ip, _)) in s.endpoints.iter().enumerate() {
         if k > 0 {
@@ -138,7 +151,7 @@ pub fn slice_json(s: &Svc) -> String {
         }
         let _ = write!(
             eps,
-            r#"{{"addresses":["{ip}"],"conditions":{{"ready":true}}}}"#
+            r#"{{"addresses":["{ip}"],"conditions":{{"ready":true}}{node}}}"#
         );
     }
     format!(
@@ -208,6 +221,25 @@ const NAT_CHAINS: [&str; 4] = [
     "KUBE-SERVICES",
 ];
 
+/// The jumps from the filter table's built-in chains to kube-proxy's (chain and rule, as
+/// after `-A`).
+const FILTER_HOOKS: [&str; 8] = [
+    "INPUT -m conntrack --ctstate NEW -m comment --comment \"kubernetes load balancer firewall\" -j KUBE-PROXY-FIREWALL",
+    "INPUT -m comment --comment \"kubernetes health check service ports\" -j KUBE-NODEPORTS",
+    "INPUT -m conntrack --ctstate NEW -m comment --comment \"kubernetes externally-visible service portals\" -j KUBE-EXTERNAL-SERVICES",
+    "INPUT -j KUBE-FIREWALL",
+    "FORWARD -m comment --comment \"kubernetes forwarding rules\" -j KUBE-FORWARD",
+    "FORWARD -m conntrack --ctstate NEW -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES",
+    "OUTPUT -m conntrack --ctstate NEW -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES",
+    "OUTPUT -j KUBE-FIREWALL",
+];
+/// The jumps from the nat table's built-in chains to kube-proxy's.
+const NAT_HOOKS: [&str; 3] = [
+    "PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES",
+    "OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES",
+    "POSTROUTING -m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING",
+];
+
 /// The filter table and the top-level nat chains, written on every sync.
 fn ipt_top(out: &mut String, with_hooks: bool) {
     out.push_str("*filter\n");
@@ -216,16 +248,9 @@ fn ipt_top(out: &mut String, with_hooks: bool) {
     }
     if with_hooks {
         // kube-proxy installs these jumps with `iptables -I` (EnsureRule) before the restore.
-        out.push_str("-A INPUT -m conntrack --ctstate NEW -m comment --comment \"kubernetes load balancer firewall\" -j KUBE-PROXY-FIREWALL\n");
-        out.push_str("-A INPUT -m comment --comment \"kubernetes health check service ports\" -j KUBE-NODEPORTS\n");
-        out.push_str("-A INPUT -m conntrack --ctstate NEW -m comment --comment \"kubernetes externally-visible service portals\" -j KUBE-EXTERNAL-SERVICES\n");
-        out.push_str("-A INPUT -j KUBE-FIREWALL\n");
-        out.push_str(
-            "-A FORWARD -m comment --comment \"kubernetes forwarding rules\" -j KUBE-FORWARD\n",
-        );
-        out.push_str("-A FORWARD -m conntrack --ctstate NEW -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n");
-        out.push_str("-A OUTPUT -m conntrack --ctstate NEW -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n");
-        out.push_str("-A OUTPUT -j KUBE-FIREWALL\n");
+        for h in FILTER_HOOKS {
+            let _ = writeln!(out, "-A {h}");
+        }
     }
     out.push_str("-A KUBE-FIREWALL -m comment --comment \"block incoming localnet connections\" -d 127.0.0.0/8 ! -s 127.0.0.0/8 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP\n");
     out.push_str("-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP\n");
@@ -239,13 +264,9 @@ fn ipt_top(out: &mut String, with_hooks: bool) {
 
 fn ipt_nat_top_rules(out: &mut String, svcs: &[Svc], with_hooks: bool) {
     if with_hooks {
-        out.push_str(
-            "-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n",
-        );
-        out.push_str(
-            "-A OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n",
-        );
-        out.push_str("-A POSTROUTING -m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING\n");
+        for h in NAT_HOOKS {
+            let _ = writeln!(out, "-A {h}");
+        }
     }
     out.push_str("-A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN\n");
     out.push_str("-A KUBE-POSTROUTING -j MARK --xor-mark 0x4000\n");
@@ -378,6 +399,44 @@ pub fn iptables_change(svcs: &[Svc], old: &Svc, new: &Svc) -> String {
         if !new.endpoints.contains(ep) {
             let _ = writeln!(out, "-X {}", ipt_sep_chain(old, *ep));
         }
+    }
+    out.push_str("COMMIT\n");
+    out
+}
+
+/// What `kube-proxy --cleanup` does to an iptables-mode node that [`iptables_full`] of
+/// `svcs` programmed, as input of `iptables-restore --noflush`: the jumps from the built-in
+/// chains deleted, then every chain of kube-proxy flushed and deleted (kubernetes
+/// `pkg/proxy/iptables/proxier.go`, `CleanupLeftovers`). Rules of others in the same tables
+/// (a CNI's masquerading, say) stay.
+pub fn iptables_cleanup(svcs: &[Svc]) -> String {
+    let mut out = String::from("*filter\n");
+    for c in FILTER_CHAINS {
+        let _ = writeln!(out, ":{c} - [0:0]");
+    }
+    for h in FILTER_HOOKS {
+        let _ = writeln!(out, "-D {h}");
+    }
+    for c in FILTER_CHAINS {
+        let _ = writeln!(out, "-X {c}");
+    }
+    out.push_str("COMMIT\n*nat\n");
+    let mut chains: Vec<String> = NAT_CHAINS.iter().map(|c| c.to_string()).collect();
+    for s in svcs {
+        chains.push(ipt_svc_chain(s));
+        if s.node_port.is_some() {
+            chains.push(ipt_ext_chain(s));
+        }
+        chains.extend(s.endpoints.iter().map(|ep| ipt_sep_chain(s, *ep)));
+    }
+    for c in &chains {
+        let _ = writeln!(out, ":{c} - [0:0]");
+    }
+    for h in NAT_HOOKS {
+        let _ = writeln!(out, "-D {h}");
+    }
+    for c in &chains {
+        let _ = writeln!(out, "-X {c}");
     }
     out.push_str("COMMIT\n");
     out
@@ -571,6 +630,10 @@ fn nft_endpoint(out: &mut String, s: &Svc, ep: (Ipv4Addr, u16)) {
     );
 }
 
+/// What `kube-proxy --cleanup` does to an nftables-mode node (input of `nft -f`): its
+/// table deleted (kubernetes `pkg/proxy/nftables/proxier.go`, `CleanupLeftovers`).
+pub const NFT_CLEANUP: &str = "delete table ip kube-proxy\n";
+
 /// Full sync from cold (for `nft -f`).
 pub fn nft_full(svcs: &[Svc]) -> String {
     let mut out = String::with_capacity(svcs.len() * 3600 + 8192);
@@ -659,6 +722,26 @@ mod tests {
         // A partial sync of the Service rewrites its external chain too.
         let ipt = iptables_change(std::slice::from_ref(&s), &s, &s);
         assert!(ipt.contains(&format!(":{ext} - [0:0]")));
+    }
+
+    /// The cleanup deletes every jump and chain the full sync created.
+    #[test]
+    fn iptables_cleanup_undoes_the_full_sync() {
+        let mut s = services(1, 0).remove(0);
+        s.node_port = Some(30080);
+        let full = iptables_full(std::slice::from_ref(&s));
+        let clean = iptables_cleanup(std::slice::from_ref(&s));
+        for line in full.lines() {
+            if let Some(chain) = line.strip_prefix(':') {
+                let chain = chain.split_whitespace().next().unwrap();
+                assert!(clean.contains(&format!("-X {chain}\n")), "{chain} stays");
+            }
+            if let Some(rule) = line.strip_prefix("-A ")
+                && !rule.starts_with("KUBE-")
+            {
+                assert!(clean.contains(&format!("-D {rule}\n")), "{rule} stays");
+            }
+        }
     }
 
     #[test]
