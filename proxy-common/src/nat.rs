@@ -310,14 +310,26 @@ pub enum TcCounter {
     IcmpTranslated = 10,
     /// Dropped: a packet of a source-NATed flow whose SNAT binding is gone (its SNAT stage
     /// evicted from the LRU table, or its node port taken by another flow after its reply
-    /// entry was evicted). The flow's entries are removed, so the client's next packet
-    /// starts a new flow on a free port instead of mixing with another flow's.
+    /// entry was evicted). The flow's entries are removed, so the client's next packet is
+    /// that of an unknown flow (a UDP datagram starts a new flow on a free port, a TCP
+    /// packet other than a SYN goes to the kernel: [`TcCounter::PassedUntracked`]) instead of
+    /// mixing with another flow's.
     SnatBindingLost = 11,
+    /// Left to the kernel: a TCP packet to a frontend that matches no tracked flow and does
+    /// not open a connection (anything but a SYN without ACK), for a Service whose backend
+    /// selection is not consistent. Picking a backend anew would break the flow the packet
+    /// belongs to; the kernel's own conntrack may know it (a flow kube-proxy's rules
+    /// translated before ebpf-proxy started), and otherwise answers it as the node would.
+    PassedUntracked = 12,
+    /// A TCP packet as in [`TcCounter::PassedUntracked`], for a Service whose selection is
+    /// consistent (source-hash, maglev, destination-hash): its backend was picked again,
+    /// which gives the one a lost or never-seen flow already has, so the flow carries on.
+    ReselectedUntracked = 13,
 }
 
 impl TcCounter {
     /// Every counter, in index order, with its Prometheus-style name.
-    pub const ALL: [(TcCounter, &'static str); 12] = [
+    pub const ALL: [(TcCounter, &'static str); 14] = [
         (TcCounter::NewFlow, "tc_new_flow"),
         (TcCounter::Snat, "tc_snat"),
         (TcCounter::Translated, "tc_translated"),
@@ -333,6 +345,8 @@ impl TcCounter {
         (TcCounter::NoSnatAddress, "tc_no_snat_address"),
         (TcCounter::IcmpTranslated, "tc_icmp_translated"),
         (TcCounter::SnatBindingLost, "tc_snat_binding_lost"),
+        (TcCounter::PassedUntracked, "tc_untracked_passed"),
+        (TcCounter::ReselectedUntracked, "tc_untracked_reselected"),
     ];
 }
 

@@ -6,7 +6,8 @@
 //! - [`new_flow`]: a first packet towards a frontend passes the LB IP's source ranges, gets
 //!   a backend from `lb::select` (the client is the packet's source), is source-NATed when
 //!   [`needs_snat`] says so, and its conntrack entries are written (the reply entry first;
-//!   nothing is rewritten when a write fails).
+//!   nothing is rewritten when a write fails). Only a packet that can start a flow does:
+//!   see [`starts_flow`] for TCP packets in the middle of a flow this table does not know.
 //!
 //! SNAT: the source becomes the node address of the interface the flow arrived on
 //! (`TC_IFACE_ADDRS`), the port a random free one of `SNAT_PORT_MIN..+SNAT_PORT_COUNT` (free:
@@ -29,7 +30,7 @@ use aya_ebpf::{
     helpers::bpf_get_prandom_u32,
 };
 use proxy_common::{
-    FRONTEND_F_LOCAL_ONLY, Frontend, counts_connections, is_v4_mapped,
+    Algorithm, FRONTEND_F_LOCAL_ONLY, Frontend, PROTO_TCP, counts_connections, is_v4_mapped,
     nat::{
         CT_F_EGRESS, CT_F_REPLY, CT_F_SNAT, CtEntry, CtKey, IFACE_F_POD, SNAT_PORT_COUNT,
         SNAT_PORT_MIN, SNAT_PORT_TRIES, SOURCE_RANGE_RESTRICTED, SourceRange,
@@ -147,8 +148,9 @@ fn flow_closed(key: &CtKey, entry: &CtEntry) {
 ///   so a later flow cannot take the port while this one lives;
 /// - reply entry of another live flow (the port was taken after an eviction), or SNAT stage
 ///   evicted: the binding is lost; the flow's entries are removed (and its
-///   least-connections count given back) so the client's next packet starts a new flow,
-///   and this packet is dropped rather than mixed into the other flow.
+///   least-connections count given back) so the client's next packet is that of an unknown
+///   flow ([`new_flow`] decides), and this packet is dropped rather than mixed into the
+///   other flow.
 ///
 /// Its own BPF function; keys and entries are built in the per-CPU scratch slot (stack).
 #[inline(never)]
@@ -215,18 +217,61 @@ fn snat_binding_held(key: &CtKey, entry: &CtEntry, now: u64) -> bool {
     held
 }
 
-/// A first packet from outside: select, maybe SNAT, track, rewrite. Its own BPF function
-/// (a stack frame of its own) to stay within the 512-byte stack. The per-service counting
-/// is left to [`count_new_flow`], outside this deep frame.
+/// A first packet from outside: select, maybe SNAT, track, rewrite. `tcp_flags` are the
+/// packet's TCP flags (0 for UDP). Its own BPF function (a stack frame of its own) to stay
+/// within the 512-byte stack. The per-service counting is left to [`count_new_flow`],
+/// outside this deep frame.
 #[inline(never)]
-pub fn new_flow<B: Buf>(b: &B, pkt: &Pkt, now: u64) -> Verdict {
-    match try_new_flow(b, pkt, now) {
+pub fn new_flow<B: Buf>(b: &B, pkt: &Pkt, tcp_flags: u8, now: u64) -> Verdict {
+    match try_new_flow(b, pkt, tcp_flags, now) {
         Ok(v) | Err(v) => v,
     }
 }
 
+/// Whether a packet to a frontend of a Service using `algorithm`, with no tracked flow,
+/// starts one. Always for UDP, which has no opening packet to tell. For TCP, a SYN without
+/// ACK opens a connection and starts a flow; any other TCP packet belongs to a connection
+/// already under way that this conntrack does not know: one the kernel's conntrack
+/// translated before ebpf-proxy started (kube-proxy's rules, which tcx ingress runs before),
+/// or one whose entries were lost (LRU eviction, an idle timeout, a flow balanced by
+/// another node). Picking a backend for it anew would send it mid-stream to a backend
+/// that most likely does not know the connection, which resets it. So:
+/// - with a consistent selection ([`consistent`]: source-hash, maglev, destination-hash),
+///   picking again gives the backend the flow already has (as long as the backend set is
+///   the same), so the flow is started again here and carries on, as Maglev-based balancers keep flows
+///   across balancers and lost state; counted as `ReselectedUntracked`;
+/// - otherwise the packet is left to the kernel untouched (`PassedUntracked`): its
+///   conntrack continues a flow it translated itself, and when it knows none, the node
+///   answers as it would without ebpf-proxy (a reset from a node port nothing listens on),
+///   so the client learns at once that the connection is gone.
 #[inline(always)]
-fn try_new_flow<B: Buf>(b: &B, pkt: &Pkt, now: u64) -> Result<Verdict, Verdict> {
+fn starts_flow(proto: u8, tcp_flags: u8, algorithm: u8) -> bool {
+    if proto != PROTO_TCP || tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN {
+        return true;
+    }
+    if consistent(algorithm) {
+        count_tc(TcCounter::ReselectedUntracked);
+        true
+    } else {
+        count_tc(TcCounter::PassedUntracked);
+        false
+    }
+}
+
+/// Whether `algorithm` (a [`Frontend::algorithm`]) picks the same backend for the same
+/// flow every time, on every node, while the backend set stays the same: the Maglev table
+/// of the client address (source-hash), address and port (maglev) or frontend address
+/// (destination-hash). Random, round-robin and the least-load algorithms do not. ClientIP affinity is not taken into account: it applies
+/// first and only repeats an earlier pick.
+#[inline(always)]
+fn consistent(algorithm: u8) -> bool {
+    algorithm == Algorithm::SourceHash as u8
+        || algorithm == Algorithm::Maglev as u8
+        || algorithm == Algorithm::DestinationHash as u8
+}
+
+#[inline(always)]
+fn try_new_flow<B: Buf>(b: &B, pkt: &Pkt, tcp_flags: u8, now: u64) -> Result<Verdict, Verdict> {
     let k = &pkt.key;
     let ifindex = b.ifindex();
     // SAFETY: value of the map, one word read.
@@ -253,6 +298,9 @@ fn try_new_flow<B: Buf>(b: &B, pkt: &Pkt, now: u64) -> Result<Verdict, Verdict> 
         // Undefined ports of cluster IPs reached from outside are left alone.
         Lookup::NotService | Lookup::Refused(_) => return Ok(Verdict::Pass),
     };
+    if !starts_flow(k.proto, tcp_flags, fe.algorithm) {
+        return Ok(Verdict::Pass);
+    }
     if denied_by_source_ranges(&k.daddr, &k.saddr) {
         return Err(drop_with(TcCounter::SourceRangeDenied));
     }

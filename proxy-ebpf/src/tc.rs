@@ -8,7 +8,10 @@
 //!   source-NATed flows, backend -> node address, become frontend -> client and are sent on
 //!   directly); a new packet to an ingress frontend starts a flow (`nat::new_flow`); the
 //!   kernel then routes the rewritten packet (`net.ipv4.ip_forward` must be 1, as for
-//!   kube-proxy).
+//!   kube-proxy). A TCP packet in the middle of a connection this conntrack does not know
+//!   (one kube-proxy's rules translated before ebpf-proxy started) starts no flow unless
+//!   the Service's selection is consistent: it goes to the kernel untouched, whose
+//!   conntrack carries the connection on (`nat::starts_flow`).
 //! - `tc_egress` (tcx egress of each external interface): the SNAT stage of source-NATed
 //!   flows, and replies of flows that were not source-NATed (backend on this node), which
 //!   become frontend -> client. No flow starts here.
@@ -59,7 +62,7 @@ fn on_packet<const INGRESS: bool>(ctx: &TcContext) -> Verdict {
     if !INGRESS {
         return Verdict::Pass;
     }
-    let v = new_flow(ctx, &pkt, now);
+    let v = new_flow(ctx, &pkt, flags, now);
     count_new_flow(&pkt);
     v
 }

@@ -3,10 +3,13 @@
 //!
 //! - [`testbed`]: RAII network namespaces, a bridge lab of pod namespaces, a test cgroup.
 //! - [`fakeapi`]: a list/watch server that behaves like kube-apiserver.
+//! - [`kube_proxy_rules`]: the iptables and nftables rules kube-proxy programs for a set of
+//!   Services (the bench's peers, and kube-proxy's side of the switch tests).
 //!
 //! Its binaries are `netprobe` (test servers and clients, and the demo) and, with the
 //! `bench` feature, `ebpf-proxy-bench`. Its `tests/` are the privileged integration tests:
 //! they run the agent binary `ebpf-proxy` of `proxy-userspace` (see `tests/common`).
 
 pub mod fakeapi;
+pub mod kube_proxy_rules;
 pub mod testbed;

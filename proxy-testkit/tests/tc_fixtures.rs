@@ -595,6 +595,265 @@ fn policies_source_ranges_and_services_without_endpoints() {
     });
 }
 
+/// TCP packets that do not open a connection (no SYN, or SYN with ACK) and match no tracked
+/// flow, for one family: the kernel gets them untouched (its conntrack may know the flow: one
+/// kube-proxy's rules translated before ebpf-proxy started), no flow is started, and the
+/// connection's own packets are translated once a SYN opens it.
+fn untracked_mid_flow(h: &Harness, f: Fam) {
+    const PSH: u8 = 0x08;
+    let mut frontends = vec![
+        ("node port", sock(f.node, 30080)),
+        ("node port to a remote backend", sock(f.node, 30081)),
+        ("external IP", sock(f.external, 80)),
+        ("LB IP", sock(f.lb, 80)),
+    ];
+    if !f.node.contains(':') {
+        // `empty` is an IPv4 Service.
+        frontends.push(("node port without endpoints", sock(f.node, 30085)));
+    }
+    let mut cport = 48000;
+    for (what, fe) in &frontends {
+        for (flags, name) in [
+            (ACK, "ACK"),
+            (PSH | ACK, "data"),
+            (FIN | ACK, "FIN"),
+            (RST, "RST"),
+            (RST | ACK, "RST-ACK"),
+            (SYN | ACK, "SYN-ACK"),
+            (0, "no flags"),
+        ] {
+            cport += 1;
+            let p = Packet::tcp(&sock(f.client, cport), fe, flags);
+            step(
+                h,
+                &format!("untracked {name} to the {what}"),
+                INGRESS,
+                &p.frame(),
+                PASS,
+                None,
+                Some("tc_untracked_passed"),
+            );
+        }
+    }
+    // A reply of a flow the kernel source-NATed, from a backend on another node, whose
+    // masquerade port happens to be a node port: a SYN-ACK, not a new connection.
+    let reply = Packet::tcp(&sock(f.remote, 8080), &sock(f.node, 30080), SYN | ACK);
+    step(
+        h,
+        "SYN-ACK from a backend to a node port",
+        INGRESS,
+        &reply.frame(),
+        PASS,
+        None,
+        Some("tc_untracked_passed"),
+    );
+    assert!(
+        h.conntrack().is_empty(),
+        "no flow from untracked mid-flow packets: {:?}",
+        h.conntrack()
+    );
+    // The rule concerns unknown flows only: a SYN opens one, and its next packets are
+    // translated as usual.
+    let client = sock(f.client, 48900);
+    let front = sock(f.node, 30080);
+    let syn = Packet::tcp(&client, &front, SYN);
+    let to_backend = |p: &Packet| Packet {
+        dst: sock(f.local, 8080).parse().unwrap(),
+        ..p.clone()
+    };
+    step(
+        h,
+        "SYN opening a flow",
+        INGRESS,
+        &syn.frame(),
+        PASS,
+        Some(&to_backend(&syn).frame()),
+        Some("tc_new_flow"),
+    );
+    let ack = Packet::tcp(&client, &front, PSH | ACK);
+    step(
+        h,
+        "data of the tracked flow",
+        INGRESS,
+        &ack.frame(),
+        PASS,
+        Some(&to_backend(&ack).frame()),
+        Some("tc_translated"),
+    );
+    // UDP has no opening packet: an untracked datagram always starts a flow.
+    let d = Packet::udp(&sock(f.client, 48901), &sock(f.node, 30053));
+    let want = Packet {
+        dst: sock(f.local, 5353).parse().unwrap(),
+        ..d.clone()
+    };
+    step(
+        h,
+        "untracked UDP datagram",
+        INGRESS,
+        &d.frame(),
+        PASS,
+        Some(&want.frame()),
+        Some("tc_new_flow"),
+    );
+    assert_eq!(h.counters()["tc_untracked_reselected"], 0);
+}
+
+#[test]
+fn ipv4_untracked_tcp_mid_flow_goes_to_the_kernel_untouched() {
+    in_private_netns(|| untracked_mid_flow(&seeded("midflow4"), V4));
+}
+
+#[test]
+fn ipv6_untracked_tcp_mid_flow_goes_to_the_kernel_untouched() {
+    in_private_netns(|| untracked_mid_flow(&seeded("midflow6"), V6));
+}
+
+/// Services whose selection is consistent, added to [`OBJECTS`]: `hashed` (maglev: client
+/// address and port) and `sticky` (source-hash: client address), three endpoints on node-1
+/// each, reached on an external IP (the same frontend on every node, as behind an ECMP
+/// router) and a node port; and node-2, the other node, with its own address.
+const CONSISTENT: &str = r#"
+---
+apiVersion: v1
+kind: Node
+metadata: {name: node-2}
+status: {addresses: [{type: InternalIP, address: 192.0.2.51}]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: hashed, namespace: default, annotations: {ebpf-proxy.io/lb-algorithm: maglev}}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.20
+  externalIPs: [203.0.113.40]
+  ports: [{port: 80, nodePort: 30090}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: hashed, namespace: default, labels: {kubernetes.io/service-name: hashed}}
+addressType: IPv4
+ports: [{port: 8080}]
+endpoints: [{addresses: [10.0.1.20], nodeName: node-1}, {addresses: [10.0.1.21], nodeName: node-1}, {addresses: [10.0.1.22], nodeName: node-1}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: sticky, namespace: default, annotations: {ebpf-proxy.io/lb-algorithm: source-hash}}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.21
+  externalIPs: [203.0.113.41]
+  ports: [{port: 80, nodePort: 30091}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: sticky, namespace: default, labels: {kubernetes.io/service-name: sticky}}
+addressType: IPv4
+ports: [{port: 8080}]
+endpoints: [{addresses: [10.0.1.30], nodeName: node-1}, {addresses: [10.0.1.31], nodeName: node-1}, {addresses: [10.0.1.32], nodeName: node-1}]
+"#;
+
+/// The destination an ingress program rewrote a frame to.
+fn dst_of(frame: &[u8]) -> std::net::SocketAddr {
+    let d = tcfix::decode(frame).expect("an IP frame");
+    let port = u16::from_be_bytes([frame[d.l4 + 2], frame[d.l4 + 3]]);
+    std::net::SocketAddr::new(d.dst, port)
+}
+
+#[test]
+fn consistent_selection_picks_the_same_backend_for_an_untracked_mid_flow_packet() {
+    in_private_netns(|| {
+        let objects = format!("{OBJECTS}{CONSISTENT}");
+        let h = Harness::new("consistent1");
+        h.seed(&objects, "node-1", &TcOptions::default());
+        let other = Harness::new("consistent2");
+        other.seed(&objects, "node-2", &TcOptions::default());
+        let client = "198.51.100.7";
+        for (svc, external, node_port) in [
+            ("maglev", "203.0.113.40", 30090u16),
+            ("source-hash", "203.0.113.41", 30091),
+        ] {
+            let mut backends = std::collections::BTreeSet::new();
+            for i in 0..12u16 {
+                // Twelve clients (maglev hashes the port too; source-hash needs addresses).
+                let from = if svc == "maglev" {
+                    sock(client, 50000 + i)
+                } else {
+                    sock(&format!("198.51.100.{}", 20 + i), 50000)
+                };
+                for (fe, entry) in [
+                    (sock(external, 80), "external IP"),
+                    (sock("192.0.2.50", node_port), "node port"),
+                ] {
+                    let syn = Packet::tcp(&from, &fe, SYN);
+                    let (v, out) = h.run(INGRESS, &syn.frame());
+                    assert_eq!(v, PASS, "{svc}: SYN to the {entry}");
+                    let backend = dst_of(&out);
+                    assert_ne!(backend, syn.dst, "{svc}: the SYN was translated");
+                    backends.insert(backend);
+                    let translated = |p: &Packet| Packet {
+                        dst: backend,
+                        ..p.clone()
+                    };
+                    // The flow's entries are lost (LRU eviction): its next packet picks again
+                    // and gets the same backend.
+                    h.forget_flows();
+                    let ack = Packet::tcp(&from, &fe, ACK);
+                    step(
+                        &h,
+                        &format!("{svc}: mid-flow ACK to the {entry} after the entries were lost"),
+                        INGRESS,
+                        &ack.frame(),
+                        PASS,
+                        Some(&translated(&ack).frame()),
+                        Some("tc_untracked_reselected"),
+                    );
+                    // ... and is tracked again.
+                    step(
+                        &h,
+                        &format!("{svc}: next packet to the {entry}"),
+                        INGRESS,
+                        &ack.frame(),
+                        PASS,
+                        Some(&translated(&ack).frame()),
+                        Some("tc_translated"),
+                    );
+                    h.forget_flows();
+                }
+                // Another node, which never saw the flow, gets its packets to the same
+                // external IP (a router moved it there): the same backend.
+                let fe = sock(external, 80);
+                let syn = Packet::tcp(&from, &fe, SYN);
+                let (_, out) = h.run(INGRESS, &syn.frame());
+                let backend = dst_of(&out);
+                h.forget_flows();
+                let ack = Packet::tcp(&from, &fe, ACK);
+                step(
+                    &other,
+                    &format!("{svc}: mid-flow ACK on another node"),
+                    INGRESS,
+                    &ack.frame(),
+                    PASS,
+                    Some(
+                        &Packet {
+                            dst: backend,
+                            ..ack.clone()
+                        }
+                        .frame(),
+                    ),
+                    Some("tc_untracked_reselected"),
+                );
+                other.forget_flows();
+            }
+            assert!(
+                backends.len() > 1,
+                "{svc}: the clients should spread over the backends: {backends:?}"
+            );
+        }
+        assert_eq!(h.counters()["tc_untracked_passed"], 0);
+        assert_eq!(other.counters()["tc_untracked_passed"], 0);
+    });
+}
+
 /// ICMP errors about translated flows, for one family: `big` is "fragmentation needed" or
 /// "packet too big", `unreach` port unreachable, `ttl` time exceeded (type, code).
 fn icmp_errors(h: &Harness, f: Fam, big: (u8, u8), unreach: (u8, u8), ttl: (u8, u8)) {

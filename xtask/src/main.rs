@@ -17,11 +17,15 @@ const BPF_LINKER_VERSION: &str = "0.13.0";
 /// Target of the eBPF crate.
 const BPF_TARGET: &str = "bpfel-unknown-none";
 /// Commands the tests and the demo need, and the Debian packages that provide them.
-const APT_TOOLS: [(&str, &str); 4] = [
+const APT_TOOLS: [(&str, &str); 6] = [
     ("bpftool", "bpftool"),
     ("ip", "iproute2"),
     ("curl", "curl"),
     ("tcpdump", "tcpdump"),
+    // kube-proxy's rules in the switch tests (tests/switch.rs); Debian's iptables is
+    // iptables-nft.
+    ("iptables-restore", "iptables"),
+    ("nft", "nftables"),
 ];
 const BPFFS: &str = "/sys/fs/bpf";
 
@@ -336,7 +340,7 @@ fn setup() -> Result<()> {
 
     let missing = missing_tools();
     if missing.is_empty() {
-        done("bpftool, ip, curl, tcpdump");
+        done("bpftool, ip, curl, tcpdump, iptables, nft");
     } else {
         let names: Vec<&str> = missing.iter().map(|(t, _)| *t).collect();
         doing(&format!("apt packages for {}", names.join(", ")));

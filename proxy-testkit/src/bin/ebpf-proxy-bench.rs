@@ -20,8 +20,6 @@
 mod progstats;
 #[path = "bench/report.rs"]
 mod report;
-#[path = "bench/rules.rs"]
-mod rules;
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -40,6 +38,7 @@ use proxy_common::{
     ALL_MAPS, BACKEND_SLOTS, BACKENDS, Backend, BackendSlotKey, FRONTENDS, Frontend, FrontendKey,
     PROTO_TCP,
 };
+use proxy_testkit::kube_proxy_rules as rules;
 use proxy_testkit::testbed::{self, ChildGuard, Lab, Pod, TestCgroup};
 use proxy_userspace::datapath::loader;
 use report::{Case, Results, Sample};

@@ -89,6 +89,10 @@ enum Cmd {
         /// (i mod n)-th (many clients from one pod).
         #[arg(long)]
         bind: Vec<std::net::IpAddr>,
+        /// After the name, ask the server who it sees connecting (`whoami`) and report it
+        /// as `seen_as` (shows whether a proxy kept or masqueraded the client address).
+        #[arg(long)]
+        whoami: bool,
     },
     /// Send UDP datagrams from one socket and wait for each reply; one JSON line per attempt.
     Udp {
@@ -143,6 +147,7 @@ fn main() -> ExitCode {
             keep_open,
             interactive,
             bind,
+            whoami,
         } => {
             let t = Duration::from_millis(timeout_ms);
             if interactive {
@@ -156,6 +161,7 @@ fn main() -> ExitCode {
                     Duration::from_millis(interval_ms),
                     keep_open,
                     &bind,
+                    whoami,
                 )
             }
         }
@@ -389,29 +395,62 @@ fn read_line(r: &mut impl BufRead) -> io::Result<String> {
     Ok(line.trim_end_matches(['\n', '\r']).to_owned())
 }
 
-/// Connects, reads the server's first line, prints the attempt's JSON.
+/// `CLOCK_MONOTONIC` in nanoseconds: the clock `bpf_ktime_get_ns` and every process of the
+/// machine share, so a test can order an attempt against its own observations.
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime fills the timespec we own.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Connects, reads the server's first line (and with `whoami` the address the server sees),
+/// returns the attempt's JSON (with `start_ns`, [`monotonic_ns`] before connecting).
 fn tcp_attempt(
     to: SocketAddr,
     from: Option<std::net::IpAddr>,
     timeout: Duration,
+    whoami: bool,
 ) -> (Value, Option<BufReader<TcpStream>>) {
+    let start_ns = monotonic_ns();
     let s = match connect_from(to, from, timeout) {
         Ok(s) => s,
-        Err(e) => return (error_json(&e), None),
+        Err(e) => {
+            let mut v = error_json(&e);
+            v["start_ns"] = json!(start_ns);
+            return (v, None);
+        }
     };
     let peer = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
     let local = s.local_addr().map(|a| a.to_string()).unwrap_or_default();
     let mut r = BufReader::new(s);
-    match read_line(&mut r) {
-        Ok(name) => (
-            json!({ "ok": true, "name": name, "peer": peer, "local": local }),
-            Some(r),
-        ),
+    let seen_as = |r: &mut BufReader<TcpStream>| -> io::Result<Option<String>> {
+        if !whoami {
+            return Ok(None);
+        }
+        r.get_ref().write_all(b"whoami\n")?;
+        let line = read_line(r)?;
+        Ok(Some(
+            line.split_whitespace().nth(1).unwrap_or("").to_owned(),
+        ))
+    };
+    match read_line(&mut r).and_then(|name| Ok((name, seen_as(&mut r)?))) {
+        Ok((name, seen)) => {
+            let mut v = json!({ "ok": true, "name": name, "peer": peer, "local": local, "start_ns": start_ns });
+            if let Some(seen) = seen {
+                v["seen_as"] = json!(seen);
+            }
+            (v, Some(r))
+        }
         Err(e) => {
             let mut v = error_json(&e);
             v["connected"] = json!(true);
             v["peer"] = json!(peer);
             v["local"] = json!(local);
+            v["start_ns"] = json!(start_ns);
             (v, None)
         }
     }
@@ -425,6 +464,7 @@ fn tcp_probe(
     interval: Duration,
     keep_open: bool,
     bind: &[std::net::IpAddr],
+    whoami: bool,
 ) -> Result<bool> {
     let mut all_ok = true;
     let mut open = Vec::new();
@@ -433,7 +473,7 @@ fn tcp_probe(
             std::thread::sleep(interval);
         }
         let from = (!bind.is_empty()).then(|| bind[i as usize % bind.len()]);
-        let (v, conn) = tcp_attempt(to, from, timeout);
+        let (v, conn) = tcp_attempt(to, from, timeout, whoami);
         all_ok &= v["ok"] == json!(true);
         print_json(&v);
         if keep_open {
@@ -453,7 +493,7 @@ fn tcp_probe(
 }
 
 fn tcp_interactive(to: SocketAddr, timeout: Duration) -> Result<bool> {
-    let (v, conn) = tcp_attempt(to, None, timeout);
+    let (v, conn) = tcp_attempt(to, None, timeout, false);
     print_json(&v);
     let Some(mut r) = conn else { return Ok(false) };
     let mut w = r.get_ref().try_clone()?;

@@ -397,6 +397,16 @@ impl Harness {
         m.iter().filter_map(|r| r.ok()).collect()
     }
 
+    /// Removes every conntrack entry: the flows this node knew are lost (as when the LRU
+    /// table evicts them, or for a node that never saw them).
+    pub fn forget_flows(&self) {
+        let mut m: HashMap<MapData, CtKey, CtEntry> = self.map(CONNTRACK);
+        let keys: Vec<CtKey> = m.keys().filter_map(|k| k.ok()).collect();
+        for k in keys {
+            m.remove(&k).expect("remove a conntrack entry");
+        }
+    }
+
     /// The SNAT source port of the flow from `client` to backend `backend` (its SNAT stage).
     pub fn snat_port(&self, client: SocketAddr, backend: SocketAddr, proto: u8) -> Option<u16> {
         let key = CtKey {

@@ -1,4 +1,6 @@
-//! The benchmark's services, and the rule sets kube-proxy would program for them.
+//! Services, and the rule sets kube-proxy programs for them, for the bench (`cargo xtask
+//! bench`, kube-proxy's rules side by side with ebpf-proxy) and the tests that run
+//! kube-proxy's rules before and after ebpf-proxy (the switch from one to the other).
 //!
 //! - [`iptables_full`] / [`iptables_change`] produce the `iptables-restore` input of
 //!   kube-proxy's iptables mode, following kubernetes `pkg/proxy/iptables/proxier.go`
@@ -9,7 +11,10 @@
 //!   hashes are the upstream ones: the first 16 characters of base32(sha256(name)).
 //!   Partial syncs (kube-proxy >= 1.28) rewrite the top-level chains (KUBE-SERVICES with one
 //!   rule per service, so O(N) text) and only the changed service's SVC/SEP chains, and
-//!   delete stale SEP chains with `-X`, all in one `iptables-restore --noflush`.
+//!   delete stale SEP chains with `-X`, all in one `iptables-restore --noflush`. A node port
+//!   ([`Svc::node_port`]) adds a KUBE-NODEPORTS rule to the service's KUBE-EXT-<hash> chain,
+//!   which marks the flow for masquerading and goes on to KUBE-SVC-<hash>
+//!   (`externalTrafficPolicy: Cluster`).
 //! - [`nft_full`] / [`nft_change`] produce the `nft -f` input of kube-proxy's nftables mode,
 //!   following kubernetes `pkg/proxy/nftables/proxier.go` (`setupNFTables`,
 //!   `syncProxyRules`, `writeServiceToEndpointRules`, `servicePortChainNameBase`,
@@ -19,9 +24,13 @@
 //!   N vmap { 0 : goto endpoint-..., ... }`, and one `endpoint-<hash>-...` chain per
 //!   endpoint with the masquerade mark and `dnat to`. A change rewrites (flush + add) the
 //!   service chain, adds the new endpoint chain and deletes the stale one in one transaction.
+//!   A node port adds an element of the `service-nodeports` map (`meta l4proto . th dport`,
+//!   for destinations of a local address) leading to the `external-<hash>-...` chain, which
+//!   jumps to `mark-for-masquerade` and goes on to the service chain.
 //!
-//! Only ClusterIP services (one TCP port, 10 endpoints each) are generated, as in the
-//! benchmark; NodePort/LoadBalancer/affinity rules are left out for all proxies alike.
+//! Services have one TCP port; [`services`] makes ClusterIP services with 10 endpoints each,
+//! as the benchmark uses them. LoadBalancer IPs, external IPs, affinity and the Local
+//! traffic policy are left out (for all proxies alike in the bench).
 
 use std::fmt::Write as _;
 use std::net::Ipv4Addr;
@@ -44,12 +53,19 @@ pub const CLUSTER_CIDR: &str = "198.18.0.0/15";
 /// (198.18.1.0 ..= 198.19.127.247), the port moves on by one after each cycle.
 const SYNTH_ADDRS: u32 = 98_040;
 
-/// One ClusterIP service with its endpoints.
+/// One service (namespace [`NS`], one TCP port [`SVC_PORT`] named [`PORT_NAME`]) with its
+/// endpoints.
 #[derive(Clone, Debug)]
 pub struct Svc {
+    /// `metadata.name`.
     pub name: String,
+    /// The ClusterIP.
     pub vip: Ipv4Addr,
+    /// Endpoint addresses and ports, in the order the rules list them.
     pub endpoints: Vec<(Ipv4Addr, u16)>,
+    /// `spec.ports[0].nodePort` of a NodePort Service with `externalTrafficPolicy:
+    /// Cluster`; `None` for a ClusterIP Service.
+    pub node_port: Option<u16>,
 }
 
 /// ClusterIP of service `i`: 198.19.128.0/17 (RFC 2544 range; exists only in the lab).
@@ -87,6 +103,7 @@ pub fn services(n: usize, real: usize) -> Vec<Svc> {
                 name: format!("svc-{i:05}"),
                 vip: vip(i),
                 endpoints,
+                node_port: None,
             }
         })
         .collect()
@@ -101,10 +118,14 @@ pub fn change_addr(k: usize) -> Ipv4Addr {
 // manifests for ebpf-proxy
 // ---------------------------------------------------------------------------------------
 
-/// The Service object (JSON, one line).
+/// The Service object (JSON, one line): type ClusterIP, or NodePort with the node port.
 pub fn service_json(s: &Svc) -> String {
+    let (ty, np) = match s.node_port {
+        Some(np) => ("NodePort", format!(r#","nodePort":{np}"#)),
+        None => ("ClusterIP", String::new()),
+    };
     format!(
-        r#"{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"{n}","namespace":"{NS}"}},"spec":{{"type":"ClusterIP","clusterIP":"{v}","clusterIPs":["{v}"],"ports":[{{"name":"{PORT_NAME}","port":{SVC_PORT},"targetPort":{REAL_PORT},"protocol":"TCP"}}]}}}}"#,
+        r#"{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"{n}","namespace":"{NS}"}},"spec":{{"type":"{ty}","clusterIP":"{v}","clusterIPs":["{v}"],"ports":[{{"name":"{PORT_NAME}","port":{SVC_PORT},"targetPort":{REAL_PORT},"protocol":"TCP"{np}}}]}}}}"#,
         n = s.name,
         v = s.vip
     )
@@ -113,7 +134,16 @@ pub fn service_json(s: &Svc) -> String {
 /// The EndpointSlice object of a service (JSON, one line). All endpoints of a generated
 /// service share one port.
 pub fn slice_json(s: &Svc) -> String {
+    slice_json_on(s, None)
+}
+
+/// [`slice_json`] with every endpoint's `nodeName` set to `node` (which tells a proxy on
+/// that node that the endpoints are local).
+pub fn slice_json_on(s: &Svc, node: Option<&str>) -> String {
     let port = s.endpoints[0].1;
+    let node = node
+        .map(|n| format!(r#","nodeName":"{n}""#))
+        .unwrap_or_default();
     let mut eps = String::new();
     for (k, (ip, _)) in s.endpoints.iter().enumerate() {
         if k > 0 {
@@ -121,7 +151,7 @@ pub fn slice_json(s: &Svc) -> String {
         }
         let _ = write!(
             eps,
-            r#"{{"addresses":["{ip}"],"conditions":{{"ready":true}}}}"#
+            r#"{{"addresses":["{ip}"],"conditions":{{"ready":true}}{node}}}"#
         );
     }
     format!(
@@ -164,6 +194,12 @@ pub fn ipt_svc_chain(s: &Svc) -> String {
     format!("KUBE-SVC-{}", &h[..16])
 }
 
+/// KUBE-EXT-<portProtoHash(servicePortName, "tcp")>: the node port's chain.
+pub fn ipt_ext_chain(s: &Svc) -> String {
+    let h = b32_sha256(&format!("{}tcp", svc_port_name(s)));
+    format!("KUBE-EXT-{}", &h[..16])
+}
+
 /// KUBE-SEP-<hash(servicePortName + protocol + endpoint)>.
 pub fn ipt_sep_chain(s: &Svc, ep: (Ipv4Addr, u16)) -> String {
     let h = b32_sha256(&format!("{}tcp{}:{}", svc_port_name(s), ep.0, ep.1));
@@ -185,6 +221,25 @@ const NAT_CHAINS: [&str; 4] = [
     "KUBE-SERVICES",
 ];
 
+/// The jumps from the filter table's built-in chains to kube-proxy's (chain and rule, as
+/// after `-A`).
+const FILTER_HOOKS: [&str; 8] = [
+    "INPUT -m conntrack --ctstate NEW -m comment --comment \"kubernetes load balancer firewall\" -j KUBE-PROXY-FIREWALL",
+    "INPUT -m comment --comment \"kubernetes health check service ports\" -j KUBE-NODEPORTS",
+    "INPUT -m conntrack --ctstate NEW -m comment --comment \"kubernetes externally-visible service portals\" -j KUBE-EXTERNAL-SERVICES",
+    "INPUT -j KUBE-FIREWALL",
+    "FORWARD -m comment --comment \"kubernetes forwarding rules\" -j KUBE-FORWARD",
+    "FORWARD -m conntrack --ctstate NEW -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES",
+    "OUTPUT -m conntrack --ctstate NEW -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES",
+    "OUTPUT -j KUBE-FIREWALL",
+];
+/// The jumps from the nat table's built-in chains to kube-proxy's.
+const NAT_HOOKS: [&str; 3] = [
+    "PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES",
+    "OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES",
+    "POSTROUTING -m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING",
+];
+
 /// The filter table and the top-level nat chains, written on every sync.
 fn ipt_top(out: &mut String, with_hooks: bool) {
     out.push_str("*filter\n");
@@ -193,16 +248,9 @@ fn ipt_top(out: &mut String, with_hooks: bool) {
     }
     if with_hooks {
         // kube-proxy installs these jumps with `iptables -I` (EnsureRule) before the restore.
-        out.push_str("-A INPUT -m conntrack --ctstate NEW -m comment --comment \"kubernetes load balancer firewall\" -j KUBE-PROXY-FIREWALL\n");
-        out.push_str("-A INPUT -m comment --comment \"kubernetes health check service ports\" -j KUBE-NODEPORTS\n");
-        out.push_str("-A INPUT -m conntrack --ctstate NEW -m comment --comment \"kubernetes externally-visible service portals\" -j KUBE-EXTERNAL-SERVICES\n");
-        out.push_str("-A INPUT -j KUBE-FIREWALL\n");
-        out.push_str(
-            "-A FORWARD -m comment --comment \"kubernetes forwarding rules\" -j KUBE-FORWARD\n",
-        );
-        out.push_str("-A FORWARD -m conntrack --ctstate NEW -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n");
-        out.push_str("-A OUTPUT -m conntrack --ctstate NEW -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n");
-        out.push_str("-A OUTPUT -j KUBE-FIREWALL\n");
+        for h in FILTER_HOOKS {
+            let _ = writeln!(out, "-A {h}");
+        }
     }
     out.push_str("-A KUBE-FIREWALL -m comment --comment \"block incoming localnet connections\" -d 127.0.0.0/8 ! -s 127.0.0.0/8 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP\n");
     out.push_str("-A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP\n");
@@ -216,13 +264,9 @@ fn ipt_top(out: &mut String, with_hooks: bool) {
 
 fn ipt_nat_top_rules(out: &mut String, svcs: &[Svc], with_hooks: bool) {
     if with_hooks {
-        out.push_str(
-            "-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n",
-        );
-        out.push_str(
-            "-A OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n",
-        );
-        out.push_str("-A POSTROUTING -m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING\n");
+        for h in NAT_HOOKS {
+            let _ = writeln!(out, "-A {h}");
+        }
     }
     out.push_str("-A KUBE-POSTROUTING -m mark ! --mark 0x4000/0x4000 -j RETURN\n");
     out.push_str("-A KUBE-POSTROUTING -j MARK --xor-mark 0x4000\n");
@@ -238,11 +282,41 @@ fn ipt_nat_top_rules(out: &mut String, svcs: &[Svc], with_hooks: bool) {
         );
     }
     out.push_str("-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS\n");
+    for s in svcs {
+        if let Some(np) = s.node_port {
+            let _ = writeln!(
+                out,
+                "-A KUBE-NODEPORTS -m comment --comment {} -m tcp -p tcp --dport {np} -j {}",
+                svc_port_name(s),
+                ipt_ext_chain(s)
+            );
+        }
+    }
+}
+
+/// Declarations of a service's own chains (SVC, EXT if it has a node port, and one SEP per
+/// endpoint).
+fn ipt_declare(out: &mut String, s: &Svc) {
+    let _ = writeln!(out, ":{} - [0:0]", ipt_svc_chain(s));
+    if s.node_port.is_some() {
+        let _ = writeln!(out, ":{} - [0:0]", ipt_ext_chain(s));
+    }
+    for ep in &s.endpoints {
+        let _ = writeln!(out, ":{} - [0:0]", ipt_sep_chain(s, *ep));
+    }
 }
 
 fn ipt_svc_rules(out: &mut String, s: &Svc) {
     let svc = ipt_svc_chain(s);
     let name = svc_port_name(s);
+    if s.node_port.is_some() {
+        let ext = ipt_ext_chain(s);
+        let _ = writeln!(
+            out,
+            "-A {ext} -m comment --comment \"masquerade traffic for {name} external destinations\" -j KUBE-MARK-MASQ"
+        );
+        let _ = writeln!(out, "-A {ext} -j {svc}");
+    }
     let _ = writeln!(
         out,
         "-A {svc} -m comment --comment \"{name} cluster IP\" -m tcp -p tcp -d {}/32 --dport {SVC_PORT} ! -s {CLUSTER_CIDR} -j KUBE-MARK-MASQ",
@@ -290,10 +364,7 @@ pub fn iptables_full(svcs: &[Svc]) -> String {
     let mut out = String::with_capacity(svcs.len() * 4200 + 4096);
     ipt_top(&mut out, true);
     for s in svcs {
-        let _ = writeln!(out, ":{} - [0:0]", ipt_svc_chain(s));
-        for ep in &s.endpoints {
-            let _ = writeln!(out, ":{} - [0:0]", ipt_sep_chain(s, *ep));
-        }
+        ipt_declare(&mut out, s);
     }
     ipt_nat_top_rules(&mut out, svcs, true);
     for s in svcs {
@@ -312,10 +383,7 @@ pub fn iptables_full(svcs: &[Svc]) -> String {
 pub fn iptables_change(svcs: &[Svc], old: &Svc, new: &Svc) -> String {
     let mut out = String::with_capacity(svcs.len() * 200 + 4096);
     ipt_top(&mut out, false);
-    let _ = writeln!(out, ":{} - [0:0]", ipt_svc_chain(new));
-    for ep in &new.endpoints {
-        let _ = writeln!(out, ":{} - [0:0]", ipt_sep_chain(new, *ep));
-    }
+    ipt_declare(&mut out, new);
     // Stale chains are declared (flushed) too, then deleted below.
     for ep in &old.endpoints {
         if !new.endpoints.contains(ep) {
@@ -331,6 +399,44 @@ pub fn iptables_change(svcs: &[Svc], old: &Svc, new: &Svc) -> String {
         if !new.endpoints.contains(ep) {
             let _ = writeln!(out, "-X {}", ipt_sep_chain(old, *ep));
         }
+    }
+    out.push_str("COMMIT\n");
+    out
+}
+
+/// What `kube-proxy --cleanup` does to an iptables-mode node that [`iptables_full`] of
+/// `svcs` programmed, as input of `iptables-restore --noflush`: the jumps from the built-in
+/// chains deleted, then every chain of kube-proxy flushed and deleted (kubernetes
+/// `pkg/proxy/iptables/proxier.go`, `CleanupLeftovers`). Rules of others in the same tables
+/// (a CNI's masquerading, say) stay.
+pub fn iptables_cleanup(svcs: &[Svc]) -> String {
+    let mut out = String::from("*filter\n");
+    for c in FILTER_CHAINS {
+        let _ = writeln!(out, ":{c} - [0:0]");
+    }
+    for h in FILTER_HOOKS {
+        let _ = writeln!(out, "-D {h}");
+    }
+    for c in FILTER_CHAINS {
+        let _ = writeln!(out, "-X {c}");
+    }
+    out.push_str("COMMIT\n*nat\n");
+    let mut chains: Vec<String> = NAT_CHAINS.iter().map(|c| c.to_string()).collect();
+    for s in svcs {
+        chains.push(ipt_svc_chain(s));
+        if s.node_port.is_some() {
+            chains.push(ipt_ext_chain(s));
+        }
+        chains.extend(s.endpoints.iter().map(|ep| ipt_sep_chain(s, *ep)));
+    }
+    for c in &chains {
+        let _ = writeln!(out, ":{c} - [0:0]");
+    }
+    for h in NAT_HOOKS {
+        let _ = writeln!(out, "-D {h}");
+    }
+    for c in &chains {
+        let _ = writeln!(out, "-X {c}");
     }
     out.push_str("COMMIT\n");
     out
@@ -357,6 +463,15 @@ fn nft_hash_trunc(name: &str) -> String {
 pub fn nft_svc_chain(s: &Svc) -> String {
     format!(
         "service-{}",
+        nft_hash_trunc(&format!("{NS}/{}/tcp/{PORT_NAME}", s.name))
+    )
+}
+
+/// `external-<hash>-ns/name/tcp/port`: the node port's chain (same hash as the service
+/// chain).
+pub fn nft_ext_chain(s: &Svc) -> String {
+    format!(
+        "external-{}",
         nft_hash_trunc(&format!("{NS}/{}/tcp/{PORT_NAME}", s.name))
     )
 }
@@ -490,6 +605,13 @@ fn nft_service(out: &mut String, s: &Svc) {
         "add rule {T} {svc} numgen random mod {} vmap {{ {vmap} }}",
         s.endpoints.len()
     );
+    if s.node_port.is_some() {
+        let ext = nft_ext_chain(s);
+        let _ = writeln!(out, "add chain {T} {ext}");
+        let _ = writeln!(out, "flush chain {T} {ext}");
+        let _ = writeln!(out, "add rule {T} {ext} jump mark-for-masquerade");
+        let _ = writeln!(out, "add rule {T} {ext} goto {svc}");
+    }
 }
 
 fn nft_endpoint(out: &mut String, s: &Svc, ep: (Ipv4Addr, u16)) {
@@ -508,6 +630,10 @@ fn nft_endpoint(out: &mut String, s: &Svc, ep: (Ipv4Addr, u16)) {
     );
 }
 
+/// What `kube-proxy --cleanup` does to an nftables-mode node (input of `nft -f`): its
+/// table deleted (kubernetes `pkg/proxy/nftables/proxier.go`, `CleanupLeftovers`).
+pub const NFT_CLEANUP: &str = "delete table ip kube-proxy\n";
+
 /// Full sync from cold (for `nft -f`).
 pub fn nft_full(svcs: &[Svc]) -> String {
     let mut out = String::with_capacity(svcs.len() * 3600 + 8192);
@@ -524,6 +650,13 @@ pub fn nft_full(svcs: &[Svc]) -> String {
             s.vip,
             nft_svc_chain(s)
         );
+        if let Some(np) = s.node_port {
+            let _ = writeln!(
+                out,
+                "add element {T} service-nodeports {{ tcp . {np} : goto {} }}",
+                nft_ext_chain(s)
+            );
+        }
     }
     out
 }
@@ -550,6 +683,66 @@ pub fn nft_change(old: &Svc, new: &Svc) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Chain names as kube-proxy's own tests spell them (`TestOverallNFTablesRules` and
+    /// `TestOverallIPTablesRules`, service `ns3/svc3`, port `p80`).
+    #[test]
+    fn chain_names_match_kube_proxy() {
+        assert_eq!(
+            nft_hash_trunc("ns3/svc3/tcp/p80"),
+            "4AT6LBPK-ns3/svc3/tcp/p80"
+        );
+        assert_eq!(&b32_sha256("ns3/svc3:p80tcp")[..16], "X27LE4BHSL4DOUIK");
+    }
+
+    /// A node port appears in both rule sets, and only when the Service has one.
+    #[test]
+    fn node_port_rules() {
+        let mut s = services(1, 0).remove(0);
+        assert!(
+            !nft_full(std::slice::from_ref(&s))
+                .contains("add element ip kube-proxy service-nodeports")
+        );
+        assert!(!iptables_full(std::slice::from_ref(&s)).contains("KUBE-EXT-"));
+        s.node_port = Some(30080);
+        let nft = nft_full(std::slice::from_ref(&s));
+        let ext = nft_ext_chain(&s);
+        assert!(nft.contains(&format!(
+            "add element ip kube-proxy service-nodeports {{ tcp . 30080 : goto {ext} }}"
+        )));
+        assert!(nft.contains(&format!(
+            "add rule ip kube-proxy {ext} goto {}",
+            nft_svc_chain(&s)
+        )));
+        let ipt = iptables_full(std::slice::from_ref(&s));
+        let ext = ipt_ext_chain(&s);
+        assert!(ipt.contains(&format!(":{ext} - [0:0]")));
+        assert!(ipt.contains(&format!("--dport 30080 -j {ext}")));
+        assert!(ipt.contains(&format!("-A {ext} -j {}", ipt_svc_chain(&s))));
+        // A partial sync of the Service rewrites its external chain too.
+        let ipt = iptables_change(std::slice::from_ref(&s), &s, &s);
+        assert!(ipt.contains(&format!(":{ext} - [0:0]")));
+    }
+
+    /// The cleanup deletes every jump and chain the full sync created.
+    #[test]
+    fn iptables_cleanup_undoes_the_full_sync() {
+        let mut s = services(1, 0).remove(0);
+        s.node_port = Some(30080);
+        let full = iptables_full(std::slice::from_ref(&s));
+        let clean = iptables_cleanup(std::slice::from_ref(&s));
+        for line in full.lines() {
+            if let Some(chain) = line.strip_prefix(':') {
+                let chain = chain.split_whitespace().next().unwrap();
+                assert!(clean.contains(&format!("-X {chain}\n")), "{chain} stays");
+            }
+            if let Some(rule) = line.strip_prefix("-A ")
+                && !rule.starts_with("KUBE-")
+            {
+                assert!(clean.contains(&format!("-D {rule}\n")), "{rule} stays");
+            }
+        }
+    }
 
     #[test]
     fn base32_matches_go() {
