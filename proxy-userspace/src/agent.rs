@@ -514,6 +514,14 @@ impl<D: Datapath + FlowCollection> Agent<D> {
                         self.read(b);
                     }
                     self.schedule();
+                    // A sync due now runs now: tokio's timers round a deadline up to the
+                    // next millisecond tick, which would add up to 1 ms to every change.
+                    if self
+                        .reconcile_at
+                        .is_some_and(|at| at <= tokio::time::Instant::now())
+                    {
+                        self.reconcile();
+                    }
                 }
                 other => {
                     if let Some(end) = self.handle(other) {
@@ -921,6 +929,36 @@ mod tests {
             .count();
         assert_eq!(puts, 5);
         assert!(a.dp.collections >= 1, "the collection ran");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_change_due_now_is_programmed_without_waiting_for_a_timer_tick() {
+        let mut a = agent(Duration::ZERO);
+        let (tx, rx) = mpsc::channel(4);
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let sent = std::cell::Cell::new(None);
+        let driver = async {
+            // The loop is waiting; the change comes off a millisecond boundary, where a
+            // timer for "now" would fire only at the next tick.
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            tokio::time::advance(Duration::from_micros(500)).await;
+            sent.set(Some(tokio::time::Instant::now()));
+            tx.send(batch(&svc("a", "10.96.0.1"), true)).await.unwrap();
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            stop_tx.send(()).unwrap();
+        };
+        let run = a.run(
+            rx,
+            Duration::from_secs(30),
+            Duration::from_secs(10),
+            async {
+                let _ = stop_rx.await;
+            },
+        );
+        let (r, ()) = tokio::join!(run, driver);
+        r.unwrap();
+        assert_eq!(real_frontends(&a), 1);
+        assert_eq!(a.last_sync, sent.get(), "programmed when it arrived");
     }
 
     #[tokio::test(start_paused = true)]
