@@ -433,6 +433,19 @@ fn clock() -> Instant {
     tokio::time::Instant::now().into_std()
 }
 
+/// Returns the heap's free pages to the system (glibc's `malloc_trim`). The first sync and
+/// every verification build and free large transient structures (the parsed objects, a
+/// snapshot of every map entry and the one expected), and glibc keeps freed pages mapped:
+/// at 30,000 Services x 10 endpoints this gives back about 55 MiB after the first sync.
+/// Takes a few ms.
+fn give_back_heap() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only releases memory the allocator holds free.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// Sleeps until `at`, or forever without one.
 async fn sleep_until_opt(at: Option<tokio::time::Instant>) {
     match at {
@@ -651,6 +664,7 @@ impl<D: Datapath + FlowCollection> Agent<D> {
             out.repaired.add(v.repaired);
             out.failed.extend(v.failed);
             self.first_done = true;
+            give_back_heap();
             out
         };
         self.report(&out);
@@ -777,6 +791,7 @@ impl<D: Datapath + FlowCollection> Agent<D> {
             return;
         }
         let out = self.reconciler.verify(&mut self.dp, &self.model, clock());
+        give_back_heap();
         self.report(&out);
         self.after_sync(&out);
     }
