@@ -4,11 +4,15 @@
 //! For each N (services with 10 endpoints each):
 //! - control plane: ebpf-proxy from cold (manifests written, agent started on a fresh pin dir,
 //!   until its first `sync done`), `iptables-restore` of kube-proxy's iptables rule set and
-//!   `nft -f` of its nftables rule set; at one N, one endpoint change repeated (ebpf-proxy:
-//!   file rename until the pinned maps show the new endpoint; peers: their incremental update);
+//!   `nft -f` of its nftables rule set; at some Ns, one endpoint change repeated (ebpf-proxy:
+//!   file rename until the pinned maps show the new endpoint, and the agent's own account of
+//!   it from its `sync done` line: `latency_us`, `model_us`, `duration_us`; peers: their
+//!   incremental update);
 //! - data path: new TCP connections per second and per-connection latency (connect, one
 //!   request line, one reply line, close) from a client pod to one ClusterIP;
-//! - memory: agent RSS and the memlock of its BPF maps.
+//! - memory: agent RSS after the first sync (and, at some Ns, after its first periodic
+//!   verification) and the memlock of its BPF maps;
+//! - the control-plane targets, each met or missed (report.rs).
 //!
 //! Safety: everything runs in a lab of network namespaces (`epb-*`) and a child cgroup
 //! (`ebpf-proxy-bench`) created here and removed on exit, panic or Ctrl-C; iptables and nft
@@ -47,6 +51,8 @@ use rules::Svc;
 const PIN_DIR: &str = "ebpf-proxy-bench";
 const CGROUP: &str = "ebpf-proxy-bench";
 const LAB: &str = "epb";
+/// The agent's `--sync-period`: how often it verifies the maps (its default).
+const VERIFY_PERIOD: Duration = Duration::from_secs(30);
 
 #[derive(Parser)]
 #[command(
@@ -62,7 +68,7 @@ struct Cli {
 
 #[derive(clap::Args, Clone, Debug)]
 struct Opts {
-    /// Small run for development: N = 100,1000, one run, 5 changes at N=1000, 1 s / 2000
+    /// Small run for development: N = 100,1000, one run, 10 changes at N=1000, 1 s / 2000
     /// connections per data path case.
     #[arg(long)]
     quick: bool,
@@ -73,10 +79,14 @@ struct Opts {
     #[arg(long, default_value_t = 3)]
     runs: usize,
     /// Ns at which one endpoint change is measured (comma-separated).
-    #[arg(long, value_delimiter = ',', default_value = "1000,10000")]
+    #[arg(long, value_delimiter = ',', default_value = "1000,10000,30000")]
     change_at: Vec<usize>,
-    /// Endpoint changes per run.
-    #[arg(long, default_value_t = 20)]
+    /// Ns at which the agent is kept until its first periodic verification (every
+    /// `--sync-period`, 30 s) has run, and its RSS is read again (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "10000,30000")]
+    steady_at: Vec<usize>,
+    /// Endpoint changes per run and case (p99 is over every change of every run).
+    #[arg(long, default_value_t = 40)]
     changes: usize,
     /// Connections per data path case (upper bound).
     #[arg(long, default_value_t = 20000)]
@@ -97,6 +107,10 @@ struct Opts {
     /// The agent binary [default: `ebpf-proxy` next to this binary].
     #[arg(long)]
     agent: Option<PathBuf>,
+    /// Extra arguments for the agent (repeatable), e.g. `--agent-arg=--log-level=debug` to see
+    /// where its start-up time goes in `agent-cold-N.log`.
+    #[arg(long, allow_hyphen_values = true)]
+    agent_arg: Vec<String>,
     /// Timeout of the agent's first sync, seconds.
     #[arg(long, default_value_t = 600)]
     load_timeout: u64,
@@ -319,7 +333,8 @@ fn bench(mut o: Opts) -> Result<()> {
         o.services = vec![100, 1000];
         o.runs = 1;
         o.change_at = vec![1000];
-        o.changes = 5;
+        o.steady_at = vec![];
+        o.changes = 10;
         o.conn_count = 2000;
         o.conn_secs = 1.0;
     }
@@ -670,10 +685,9 @@ fn agent_log(env: &Env) -> String {
     fs::read_to_string(&env.agent_log).unwrap_or_default()
 }
 
-/// `key=value` of the last line containing `needle`.
-fn log_field(log: &str, needle: &str, key: &str) -> Option<u64> {
-    let line = log.lines().rev().find(|l| l.contains(needle))?;
-    let pat = format!("{key}=");
+/// The number after ` key=` in a log line.
+fn field(line: &str, key: &str) -> Option<u64> {
+    let pat = format!(" {key}=");
     let rest = &line[line.find(&pat)? + pat.len()..];
     rest.split(|c: char| !c.is_ascii_digit())
         .next()?
@@ -814,6 +828,8 @@ fn run_ebpf_inner(
             PIN_DIR,
             "--healthz-bind-address",
             "127.0.0.1:0",
+            "--sync-period",
+            &format!("{}s", VERIFY_PERIOD.as_secs()),
         ])
         .args([
             "--max-frontends",
@@ -827,6 +843,7 @@ fn run_ebpf_inner(
             "--max-backends",
             &room(n * rules::ENDPOINTS, proxy_common::DEFAULT_MAX_BACKENDS),
         ])
+        .args(&o.agent_arg)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(log)
@@ -852,10 +869,14 @@ fn run_ebpf_inner(
         std::thread::sleep(Duration::from_millis(2));
     };
     let log = agent_log(env);
-    let sync_us = log_field(&log, "sync done", "duration_us").context("duration_us in the log")?;
-    let synced = log_field(&log, "sync done", "services").unwrap_or(0);
-    if synced as usize != n {
-        eprintln!("  warning: the agent synced {synced} services, expected {n}");
+    // Kept for a look at where the start-up time went (the last run's of each N).
+    let _ = fs::write(o.out.join(format!("agent-cold-{n}.log")), &log);
+    let first = SyncLine::nth(&log, 0).context("a `sync done` line with duration_us")?;
+    if first.services as usize != n {
+        eprintln!(
+            "  warning: the agent synced {} services, expected {n}",
+            first.services
+        );
     }
     let maps = Maps::open(&env.pins.0)?;
     ensure!(
@@ -866,15 +887,27 @@ fn run_ebpf_inner(
     let hwm = proc_status_kib(pid, "VmHWM:").unwrap_or(0);
     let (mem_all, mem_svc) = map_memlock(&env.pins.0);
     eprintln!(
-        "  Ebpf cold: sync {:.1} ms, wall (start to sync done) {:.1} ms, RSS {} MiB (peak {} MiB), maps {:.1} MiB (service maps {:.1} MiB)",
-        sync_us as f64 / 1e3,
+        "  Ebpf cold: sync {:.1} ms, model {:.1} ms, wall (start to sync done) {:.1} ms, RSS {} MiB (peak {} MiB), maps {:.1} MiB (service maps {:.1} MiB)",
+        first.duration_us as f64 / 1e3,
+        first.model_us as f64 / 1e3,
         wall.as_secs_f64() * 1e3,
         rss / 1024,
         hwm / 1024,
         mem_all as f64 / 1048576.0,
         mem_svc as f64 / 1048576.0
     );
-    results.add(Case::Ebpf, n, run, Sample::ColdMs(sync_us as f64 / 1e3));
+    results.add(
+        Case::Ebpf,
+        n,
+        run,
+        Sample::ColdMs(first.duration_us as f64 / 1e3),
+    );
+    results.add(
+        Case::Ebpf,
+        n,
+        run,
+        Sample::ColdModelMs(first.model_us as f64 / 1e3),
+    );
     results.add(
         Case::Ebpf,
         n,
@@ -905,10 +938,11 @@ fn run_ebpf_inner(
             check_stop()?;
             let new_ip = rules::change_addr(k);
             svc.endpoints[rules::ENDPOINTS - 1].0 = new_ip;
-            let syncs = agent_log(env).matches("sync done").count();
+            let syncs = SyncLine::count(&agent_log(env));
             let t = Instant::now();
             write_atomic(&file, &(rules::slice_json(&svc) + "\n"))?;
             let want = v4_mapped(new_ip);
+            // Polled one key at a time, every 100 µs (a poll is about 20 map lookups).
             let lat = loop {
                 if maps.backends_of(svc.vip).contains(&want) {
                     break t.elapsed();
@@ -919,13 +953,16 @@ fn run_ebpf_inner(
                 );
                 std::thread::sleep(Duration::from_micros(100));
             };
-            // The agent's own sync time of that change.
+            // The agent's own account of that change: the first sync after the rename.
             let deadline = Instant::now() + Duration::from_secs(30);
-            while agent_log(env).matches("sync done").count() <= syncs {
+            let sync = loop {
+                if let Some(l) = SyncLine::nth(&agent_log(env), syncs) {
+                    break l;
+                }
                 ensure!(Instant::now() < deadline, "no sync done after change {k}");
                 std::thread::sleep(Duration::from_millis(1));
-            }
-            let sync_us = log_field(&agent_log(env), "sync done", "duration_us").unwrap_or(0);
+            };
+            let ms = |us: u64| us as f64 / 1e3;
             results.add(
                 Case::Ebpf,
                 n,
@@ -936,14 +973,81 @@ fn run_ebpf_inner(
                 Case::Ebpf,
                 n,
                 run,
-                Sample::ChangeSyncMs(sync_us as f64 / 1e3),
+                Sample::ChangeLatencyMs(ms(sync.latency_us)),
             );
-            // Let the source's debounce window close before the next change.
-            std::thread::sleep(Duration::from_millis(150));
+            results.add(
+                Case::Ebpf,
+                n,
+                run,
+                Sample::ChangeSyncMs(ms(sync.duration_us)),
+            );
+            results.add(Case::Ebpf, n, run, Sample::ChangeModelMs(ms(sync.model_us)));
+            // A pause, so each change is read alone (a burst would be one sync).
+            std::thread::sleep(Duration::from_millis(50));
         }
         results.log_change(Case::Ebpf, n, run);
     }
+
+    if o.steady_at.contains(&n) {
+        // The verification snapshots every map entry: RSS once it has run (its loop starts
+        // after loading, at most a few seconds after the process).
+        let at = t0 + VERIFY_PERIOD + Duration::from_secs(8);
+        while Instant::now() < at {
+            check_stop()?;
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let rss = proc_status_kib(pid, "VmRSS:").unwrap_or(0);
+        let hwm = proc_status_kib(pid, "VmHWM:").unwrap_or(0);
+        eprintln!(
+            "  Ebpf after the first verification: RSS {} MiB (peak {} MiB)",
+            rss / 1024,
+            hwm / 1024
+        );
+        results.add(
+            Case::Ebpf,
+            n,
+            run,
+            Sample::RssVerifiedMiB(rss as f64 / 1024.0),
+        );
+        results.add(
+            Case::Ebpf,
+            n,
+            run,
+            Sample::PeakRssVerifiedMiB(hwm as f64 / 1024.0),
+        );
+    }
     Ok(())
+}
+
+/// The fields of one `sync done` line of the agent's log.
+#[derive(Debug, Clone, Copy)]
+struct SyncLine {
+    services: u64,
+    duration_us: u64,
+    model_us: u64,
+    latency_us: u64,
+}
+
+impl SyncLine {
+    fn lines(log: &str) -> impl Iterator<Item = &str> {
+        log.lines().filter(|l| l.contains("sync done"))
+    }
+
+    /// Number of `sync done` lines.
+    fn count(log: &str) -> usize {
+        Self::lines(log).count()
+    }
+
+    /// The `i`-th (from 0) `sync done` line.
+    fn nth(log: &str, i: usize) -> Option<SyncLine> {
+        let line = Self::lines(log).nth(i)?;
+        Some(SyncLine {
+            services: field(line, "services").unwrap_or(0),
+            duration_us: field(line, "duration_us")?,
+            model_us: field(line, "model_us").unwrap_or(0),
+            latency_us: field(line, "latency_us").unwrap_or(0),
+        })
+    }
 }
 
 // ---------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, Service};
@@ -451,12 +452,13 @@ struct FileState {
 /// to one file is turned into changes of the objects it defines without reading the others.
 /// When several files define one object, the last file in name order wins (with an error
 /// naming both); when the winner drops it, the next one's definition is read again.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 struct Dir {
     dir: PathBuf,
     files: BTreeMap<String, FileState>,
-    /// The files defining each object.
-    definers: HashMap<ObjectId, BTreeSet<String>>,
+    /// The files defining each object, in name order (a short sorted vector sharing the
+    /// names: there is one per object, and almost every object has one file).
+    definers: HashMap<ObjectId, Vec<Arc<str>>>,
     /// Objects defined by more than one file (each later definition is reported).
     multi: BTreeSet<ObjectId>,
 }
@@ -478,6 +480,17 @@ impl Dir {
     /// Lists the directory and refreshes every manifest file in it and every known file
     /// that is gone. An error (the directory cannot be listed) changes nothing.
     fn rescan(&mut self, out: &mut Vec<Change>) -> io::Result<()> {
+        for chunk in self.plan(u64::MAX)? {
+            self.read_chunk(chunk, out);
+        }
+        Ok(())
+    }
+
+    /// Lists the directory and stats every manifest file in it and every known file that
+    /// is gone (in parallel): what must be read, in name order, cut into chunks of about
+    /// `chunk_bytes` of text each (at least one file), so a caller can hand on each chunk's
+    /// objects before the next is parsed. Unchanged files are left out.
+    fn plan(&self, chunk_bytes: u64) -> io::Result<Vec<Vec<(String, Stat)>>> {
         let mut names = BTreeSet::new();
         for entry in std::fs::read_dir(&self.dir)? {
             let entry = entry?;
@@ -495,45 +508,45 @@ impl Dir {
             .filter(|n| !names.contains(*n))
             .cloned()
             .collect();
-        // Stat and parse in parallel (the first read of a large directory is mostly YAML
-        // parsing), then apply in name order.
-        let work: Vec<(String, Option<FileStamp>)> = names
-            .into_iter()
-            .chain(gone)
-            .map(|n| {
-                let known = self.files.get(&n).and_then(|f| f.stamp);
-                (n, known)
-            })
-            .collect();
-        let workers = std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .clamp(1, 4)
-            .min(work.len().max(1));
-        let chunk = work.len().div_ceil(workers).max(1);
-        let dir = self.dir.clone();
-        let probed: Vec<(String, Option<Probe>)> = std::thread::scope(|scope| {
-            let handles: Vec<_> = work
-                .chunks(chunk)
-                .map(|part| {
-                    let dir = &dir;
-                    scope.spawn(move || {
-                        part.iter()
-                            .map(|(n, known)| (n.clone(), probe(dir, n, *known, false)))
-                            .collect::<Vec<_>>()
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .flat_map(|h| h.join().unwrap_or_default())
-                .collect()
+        let work: Vec<String> = names.into_iter().chain(gone).collect();
+        let stats = parallel(&work, |name| {
+            stat_file(
+                &self.dir,
+                name,
+                self.files.get(name).and_then(|f| f.stamp),
+                false,
+            )
         });
-        for (name, p) in probed {
-            if let Some(p) = p {
-                self.install(&name, p, out);
+        let mut chunks = Vec::new();
+        let (mut chunk, mut bytes) = (Vec::new(), 0);
+        for (name, st) in work.into_iter().zip(stats) {
+            if matches!(st, Stat::Unchanged) {
+                continue;
+            }
+            if let Stat::File(_, size) = st {
+                bytes += size;
+            }
+            chunk.push((name, st));
+            if bytes >= chunk_bytes {
+                chunks.push(std::mem::take(&mut chunk));
+                bytes = 0;
             }
         }
-        Ok(())
+        if !chunk.is_empty() {
+            chunks.push(chunk);
+        }
+        Ok(chunks)
+    }
+
+    /// Reads and parses the files of one chunk of [`Dir::plan`] (in parallel), then takes
+    /// them in in name order, appending their changes.
+    fn read_chunk(&mut self, chunk: Vec<(String, Stat)>, out: &mut Vec<Change>) {
+        let probes = parallel(&chunk, |(name, st)| read_stat(&self.dir, name, st));
+        for ((name, _), p) in chunk.iter().zip(probes) {
+            if let Some(p) = p {
+                self.install(name, p, out);
+            }
+        }
     }
 
     /// Reads file `name` again when its stamp changed (always with `force`), or notices it
@@ -574,8 +587,8 @@ impl Dir {
             let Some(set) = self.definers.get_mut(id) else {
                 continue;
             };
-            let was_winner = set.last().map(String::as_str) == Some(name);
-            set.remove(name);
+            let was_winner = set.last().map(|f| &**f) == Some(name);
+            set.retain(|f| &**f != name);
             if set.len() < 2 {
                 self.multi.remove(id);
             }
@@ -585,18 +598,21 @@ impl Dir {
                     out.push(Change::Delete(id.0, id.1.clone()));
                 }
                 Some(next) if was_winner => {
-                    reread.insert(next.clone());
+                    reread.insert(next.to_string());
                 }
                 Some(_) => {}
             }
         }
+        let shared: Arc<str> = Arc::from(name);
         for id in &order {
             let set = self.definers.entry(id.clone()).or_default();
-            set.insert(name.to_string());
+            if let Err(at) = set.binary_search_by(|f| (**f).cmp(name)) {
+                set.insert(at, shared.clone());
+            }
             if set.len() > 1 {
                 self.multi.insert(id.clone());
             }
-            if set.last().map(String::as_str) == Some(name)
+            if set.last().map(|f| &**f) == Some(name)
                 && let Some(object) = latest.remove(id)
             {
                 out.push(Change::Apply(object));
@@ -629,19 +645,16 @@ impl Dir {
             };
             for (previous, file) in set.iter().zip(set.iter().skip(1)) {
                 let origin = self.origin(file);
-                later
-                    .entry(file.as_str())
-                    .or_default()
-                    .push(SourceError::object(
-                        origin.clone(),
-                        id.0.as_str(),
-                        id.1.0.clone(),
-                        id.1.1.clone(),
-                        format!(
-                            "also defined in {}; the definition in {origin} is used",
-                            self.origin(previous)
-                        ),
-                    ));
+                later.entry(&**file).or_default().push(SourceError::object(
+                    origin.clone(),
+                    id.0.as_str(),
+                    id.1.0.clone(),
+                    id.1.1.clone(),
+                    format!(
+                        "also defined in {}; the definition in {origin} is used",
+                        self.origin(previous)
+                    ),
+                ));
             }
         }
         let mut out = Vec::new();
@@ -660,27 +673,96 @@ type Probe = (
     Result<(Vec<Object>, Vec<SourceError>), SourceError>,
 );
 
-/// Stats file `name` of `dir` and reads it when its stamp differs from `known` (always with
-/// `force`); `None` when it is unchanged.
-fn probe(dir: &Path, name: &str, known: Option<FileStamp>, force: bool) -> Option<Probe> {
+/// What a stat of one file found.
+#[derive(Debug)]
+enum Stat {
+    /// Its stamp is the known one: nothing to read.
+    Unchanged,
+    /// A regular file (or a symlink to one) to read: its stamp and size in bytes.
+    File(FileStamp, u64),
+    /// Gone, or not a regular file: it defines nothing.
+    Gone,
+    /// It cannot be stat'ed.
+    Error(SourceError),
+}
+
+/// Stats file `name` of `dir`; [`Stat::Unchanged`] when its stamp is `known` (never with
+/// `force`).
+fn stat_file(dir: &Path, name: &str, known: Option<FileStamp>, force: bool) -> Stat {
     let path = dir.join(name);
-    let origin = path.display().to_string();
     // Follows symlinks (ConfigMap volumes); a directory named *.yaml is no file.
-    Some(match std::fs::metadata(&path) {
+    match std::fs::metadata(&path) {
         Ok(m) if m.is_file() => {
             let st = stamp(&m);
             if !force && known == Some(st) {
-                return None;
+                Stat::Unchanged
+            } else {
+                Stat::File(st, m.len())
             }
-            (Some(st), read_file(&path, &origin))
         }
-        Ok(_) => (None, Ok((Vec::new(), Vec::new()))),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => (None, Ok((Vec::new(), Vec::new()))),
-        Err(e) => (
-            None,
-            Err(SourceError::file(origin, format!("cannot read file: {e}"))),
-        ),
+        Ok(_) => Stat::Gone,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Stat::Gone,
+        Err(e) => Stat::Error(SourceError::file(
+            path.display().to_string(),
+            format!("cannot read file: {e}"),
+        )),
+    }
+}
+
+/// Reads file `name` of `dir` as `st` found it; `None` when it is unchanged.
+fn read_stat(dir: &Path, name: &str, st: &Stat) -> Option<Probe> {
+    Some(match st {
+        Stat::Unchanged => return None,
+        Stat::File(stamp, _) => {
+            let path = dir.join(name);
+            let origin = path.display().to_string();
+            (Some(*stamp), read_file(&path, &origin))
+        }
+        Stat::Gone => (None, Ok((Vec::new(), Vec::new()))),
+        Stat::Error(e) => (None, Err(e.clone())),
     })
+}
+
+/// Stats file `name` of `dir` and reads it when its stamp differs from `known` (always with
+/// `force`); `None` when it is unchanged.
+fn probe(dir: &Path, name: &str, known: Option<FileStamp>, force: bool) -> Option<Probe> {
+    read_stat(dir, name, &stat_file(dir, name, known, force))
+}
+
+/// `f` of every item, in item order, computed by up to 4 threads (as many as there are
+/// cores) that take the next item as they finish one, so one large file does not hold
+/// up the others' share.
+fn parallel<T: Sync, R: Send>(items: &[T], f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, 4)
+        .min(items.len());
+    if workers <= 1 {
+        return items.iter().map(f).collect();
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let mut done: Vec<(usize, R)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..workers)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(item) = items.get(i) else {
+                            return mine;
+                        };
+                        mine.push((i, f(item)));
+                    }
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    });
+    done.sort_unstable_by_key(|(i, _)| *i);
+    done.into_iter().map(|(_, r)| r).collect()
 }
 
 /// Reads and parses one file; an unreadable or non-UTF-8 file is one error.
@@ -691,6 +773,13 @@ fn read_file(path: &Path, origin: &str) -> Result<(Vec<Object>, Vec<SourceError>
         .map_err(|e| SourceError::file(origin, format!("file is not UTF-8: {e}")))?;
     Ok(parse_documents(origin, &text))
 }
+
+/// Manifest text per chunk of the first listing (see [`Dir::plan`]). Each chunk's objects go
+/// to the agent before the next chunk is parsed, so the parsed objects of a large directory
+/// (several KiB each, of which the model keeps a fraction) are never all held at once: at
+/// 30,000 Services x 10 endpoints in one batch they took about 180 MiB, and the heap kept
+/// that size after they were freed.
+const CHUNK_BYTES: u64 = 1 << 20;
 
 /// Default quiet time after the last event on a file that may still be written (created,
 /// modified, removed) before it is read.
@@ -712,7 +801,15 @@ const MAX_DEBOUNCE_DELAY: Duration = Duration::from_secs(1);
 /// Events on other names (Kubernetes ConfigMap volumes swap their `..data` link) and lost
 /// events make the whole directory be listed again, as does the periodic resync; a listing
 /// reads only the files whose size, times or inode changed. The objects a changed file
-/// defines become [`Change`]s; the model drops those that read the same as before.
+/// defines become [`Change`]s; the model drops those that read the same as before. A batch
+/// is timed ([`Batch::received`]) from the earliest watch event behind what it holds, as the
+/// watcher received it, so a debounced read counts its wait.
+///
+/// The first listing parses files in parallel and is sent in chunks of about 1 MiB of
+/// manifest text, each as soon as it is parsed, in batches that are not complete yet
+/// ([`Batch::synced`] false but for the last): the agent reads one chunk into its model
+/// while the next is parsed, and the parsed objects of a large directory are never all
+/// held at once.
 ///
 /// An empty directory yields no objects. A directory that cannot be listed (removed,
 /// permissions) changes nothing: what was read stays in force, a warning is logged, and the
@@ -722,6 +819,7 @@ pub struct ManifestSource {
     dir: PathBuf,
     debounce: Duration,
     resync: Duration,
+    chunk_bytes: u64,
 }
 
 impl ManifestSource {
@@ -731,6 +829,7 @@ impl ManifestSource {
             dir: dir.into(),
             debounce: DEFAULT_DEBOUNCE,
             resync: DEFAULT_RESYNC,
+            chunk_bytes: CHUNK_BYTES,
         }
     }
 
@@ -743,6 +842,13 @@ impl ManifestSource {
     /// Sets the periodic re-read interval.
     pub fn with_resync(mut self, resync: Duration) -> Self {
         self.resync = resync;
+        self
+    }
+
+    /// Sets the manifest text per batch of the first listing ([`CHUNK_BYTES`]).
+    #[cfg(test)]
+    fn with_chunk_bytes(mut self, bytes: u64) -> Self {
+        self.chunk_bytes = bytes;
         self
     }
 
@@ -772,6 +878,11 @@ fn action(dir: &Path, kind: &notify::EventKind, path: &Path) -> Action {
         && !matches!(a, AccessKind::Close(AccessMode::Write))
     {
         // Our own reads open files.
+        return Action::Ignore;
+    }
+    if matches!(kind, EventKind::Modify(ModifyKind::Name(RenameMode::Both))) {
+        // A rename within the directory: its `From` and `To` events (sent as well) already
+        // ask for both names; this one would only read the new name a second time.
         return Action::Ignore;
     }
     if path.parent() != Some(dir) {
@@ -844,9 +955,10 @@ impl Source for ManifestSource {
         use anyhow::Context as _;
         std::fs::read_dir(&self.dir)
             .with_context(|| format!("cannot read manifest directory {}", self.dir.display()))?;
-        let (event_tx, event_rx) = mpsc::unbounded_channel::<notify::Result<notify::Event>>();
+        let (event_tx, event_rx) = mpsc::unbounded_channel::<Received>();
         let watcher = notify::recommended_watcher(move |res| {
-            let _ = event_tx.send(res);
+            // Stamped as it arrives: changes are timed from here.
+            let _ = event_tx.send((std::time::Instant::now(), res));
         })
         .context("cannot create a file watcher")?;
         let mut watch = Watch {
@@ -865,64 +977,260 @@ impl Source for ManifestSource {
     }
 }
 
+/// A watch event and when the watcher received it.
+type Received = (std::time::Instant, notify::Result<notify::Event>);
+
+/// A read or listing waiting for quiet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Waiting {
+    /// First and last event asking for it: it is due once no event came for the debounce
+    /// time, and at the latest [`MAX_DEBOUNCE_DELAY`] after the first.
+    first: Instant,
+    last: Instant,
+    /// When the first event behind it was received.
+    received: std::time::Instant,
+}
+
+impl Waiting {
+    fn new(now: Instant, received: std::time::Instant) -> Self {
+        Waiting {
+            first: now,
+            last: now,
+            received,
+        }
+    }
+
+    fn again(&mut self, now: Instant, received: std::time::Instant) {
+        self.last = now;
+        self.received = self.received.min(received);
+    }
+
+    fn due_at(&self, debounce: Duration) -> Instant {
+        (self.last + debounce).min(self.first + MAX_DEBOUNCE_DELAY)
+    }
+}
+
+/// What the source has to read, each with when the first event asking for it was received:
+/// a batch is timed from the earliest event behind what it holds ([`Batch::received`]),
+/// not from whatever event came last, so a debounced read counts its wait.
+#[derive(Debug, Default)]
+struct Pending {
+    /// Complete files (closed after writing, renamed into place): read at once.
+    now: BTreeMap<String, std::time::Instant>,
+    /// Files that may still be written: read once quiet.
+    later: HashMap<String, Waiting>,
+    /// A listing of the whole directory once quiet (the directory itself changed, events
+    /// were lost).
+    rescan: Option<Waiting>,
+    /// A listing due at once (the start, the periodic resync).
+    rescan_now: Option<std::time::Instant>,
+}
+
+/// What is due in one round.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Due {
+    /// List the whole directory (it covers every file).
+    rescan: bool,
+    /// Complete files to read.
+    now: Vec<String>,
+    /// Files that became quiet.
+    later: Vec<String>,
+    /// The earliest event behind all of it.
+    received: Option<std::time::Instant>,
+}
+
+impl Pending {
+    /// Takes in what an event on one path asks for.
+    fn note(&mut self, action: Action, now: Instant, received: std::time::Instant) {
+        match action {
+            Action::Now(n) => {
+                let first = self
+                    .later
+                    .remove(&n)
+                    .map_or(received, |w| w.received.min(received));
+                let t = self.now.entry(n).or_insert(first);
+                *t = (*t).min(first);
+            }
+            Action::Later(n) => match self.later.entry(n) {
+                std::collections::hash_map::Entry::Occupied(mut e) => {
+                    e.get_mut().again(now, received)
+                }
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(Waiting::new(now, received));
+                }
+            },
+            Action::Rescan => match &mut self.rescan {
+                Some(w) => w.again(now, received),
+                None => self.rescan = Some(Waiting::new(now, received)),
+            },
+            Action::Ignore => {}
+        }
+    }
+
+    /// Takes what is due at `now`. A listing takes every waiting read with it.
+    fn take_due(&mut self, now: Instant, debounce: Duration) -> Due {
+        let min =
+            |a: Option<std::time::Instant>, b: std::time::Instant| Some(a.map_or(b, |a| a.min(b)));
+        if self.rescan.is_some_and(|w| now >= w.due_at(debounce)) {
+            let w = self.rescan.take().expect("checked");
+            self.rescan_now = min(self.rescan_now, w.received);
+        }
+        if let Some(first) = self.rescan_now.take() {
+            let received = self
+                .now
+                .values()
+                .copied()
+                .chain(self.later.values().map(|w| w.received))
+                .fold(first, std::time::Instant::min);
+            self.now.clear();
+            self.later.clear();
+            return Due {
+                rescan: true,
+                received: Some(received),
+                ..Due::default()
+            };
+        }
+        let mut due = Due::default();
+        for (n, t) in std::mem::take(&mut self.now) {
+            due.now.push(n);
+            due.received = min(due.received, t);
+        }
+        let quiet: Vec<String> = self
+            .later
+            .iter()
+            .filter(|(_, w)| now >= w.due_at(debounce))
+            .map(|(n, _)| n.clone())
+            .collect();
+        for n in quiet {
+            let w = self.later.remove(&n).expect("listed");
+            due.received = min(due.received, w.received);
+            due.later.push(n);
+        }
+        due.later.sort();
+        due
+    }
+
+    /// When the next waiting read or listing is due.
+    fn next_due(&self, debounce: Duration) -> Option<Instant> {
+        self.later
+            .values()
+            .chain(self.rescan.iter())
+            .map(|w| w.due_at(debounce))
+            .min()
+    }
+}
+
+/// Runs `f` on `dir` on a blocking thread, so the runtime's workers (the agent reading the
+/// batches already sent) keep running meanwhile. `None` when the runtime is shutting down.
+async fn off_runtime<R: Send + 'static>(
+    dir: &mut Dir,
+    f: impl FnOnce(&mut Dir) -> R + Send + 'static,
+) -> Option<R> {
+    let mut d = std::mem::take(dir);
+    match tokio::task::spawn_blocking(move || {
+        let r = f(&mut d);
+        (d, r)
+    })
+    .await
+    {
+        Ok((d, r)) => {
+            *dir = d;
+            Some(r)
+        }
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(_) => None,
+    }
+}
+
+/// The first listing of the directory, chunk by chunk ([`Dir::plan`]): every chunk but the
+/// last is sent as soon as it is parsed, in a batch that is not complete yet, so the parsed
+/// objects of a large directory are read into the model and dropped while the next chunk
+/// is parsed, instead of being held all at once. The last chunk's changes are left in
+/// `changes`. `None` when the consumer or the runtime is gone.
+async fn first_listing(
+    dir: &mut Dir,
+    chunk_bytes: u64,
+    tx: &mpsc::Sender<Batch>,
+    received: std::time::Instant,
+    changes: &mut Vec<Change>,
+) -> Option<io::Result<()>> {
+    let chunks = match off_runtime(dir, move |d| d.plan(chunk_bytes)).await? {
+        Ok(c) => c,
+        Err(e) => return Some(Err(e)),
+    };
+    let last = chunks.len().saturating_sub(1);
+    for (i, chunk) in chunks.into_iter().enumerate() {
+        let mut part = off_runtime(dir, move |d| {
+            let mut out = Vec::new();
+            d.read_chunk(chunk, &mut out);
+            out
+        })
+        .await?;
+        changes.append(&mut part);
+        if i < last && !changes.is_empty() {
+            let batch = Batch {
+                changes: std::mem::take(changes),
+                errors: None,
+                synced: false,
+                received,
+            };
+            tx.send(batch).await.ok()?;
+        }
+    }
+    Some(Ok(()))
+}
+
 /// The source's loop: reads what events ask for and sends one batch per round of events.
 async fn run(
     source: ManifestSource,
     mut watch: Watch,
-    mut events: mpsc::UnboundedReceiver<notify::Result<notify::Event>>,
+    mut events: mpsc::UnboundedReceiver<Received>,
     tx: mpsc::Sender<Batch>,
 ) {
     let mut dir = Dir::new(&source.dir);
     let mut sent_errors: Option<Vec<SourceError>> = None;
     let mut synced = false;
-    // Files waiting for quiet: name -> (first event, last event).
-    let mut later: HashMap<String, (Instant, Instant)> = HashMap::new();
-    let mut rescan_at: Option<(Instant, Instant)> = None;
-    let mut now_names: BTreeSet<String> = BTreeSet::new();
-    let mut rescan_now = true;
-    let mut received = std::time::Instant::now();
+    let mut pending = Pending {
+        rescan_now: Some(std::time::Instant::now()),
+        ..Pending::default()
+    };
     let mut resync = tokio::time::interval_at(Instant::now() + source.resync, source.resync);
     resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         // Do what is due.
-        let now = Instant::now();
-        let due = |(first, last): &(Instant, Instant)| {
-            now >= *last + source.debounce || now >= *first + MAX_DEBOUNCE_DELAY
-        };
-        if rescan_at.as_ref().is_some_and(due) {
-            rescan_at = None;
-            rescan_now = true;
-        }
-        let mut ready: Vec<String> = std::mem::take(&mut now_names).into_iter().collect();
-        let due_later: Vec<String> = later
-            .iter()
-            .filter(|(_, t)| due(t))
-            .map(|(n, _)| n.clone())
-            .collect();
-        for n in &due_later {
-            later.remove(n);
-        }
+        let due = pending.take_due(Instant::now(), source.debounce);
         let mut changes = Vec::new();
-        if rescan_now {
-            rescan_now = false;
-            later.clear();
-            ready.clear();
+        let mut read = Vec::new();
+        if due.rescan {
             if watch.ensure() {
                 debug!(dir = %source.dir.display(), "manifest directory (re-)watched");
             }
-            if let Err(e) = dir.rescan(&mut changes) {
+            let listed = if synced {
+                dir.rescan(&mut changes)
+            } else {
+                let received = due.received.unwrap_or_else(std::time::Instant::now);
+                match first_listing(&mut dir, source.chunk_bytes, &tx, received, &mut changes).await
+                {
+                    Some(r) => r,
+                    None => return, // consumer or runtime gone
+                }
+            };
+            if let Err(e) = listed {
                 warn!(dir = %source.dir.display(), error = %e, "cannot read manifest directory; keeping what was read");
             } else {
                 synced = true;
             }
-        } else if !due_later.is_empty() && dir_identity(&source.dir).is_none() {
-            // Files "removed" because the directory is going away: keep what was read.
-            warn!(dir = %source.dir.display(), "manifest directory is gone; keeping what was read");
-            watch.ensure();
         } else {
-            ready.extend(due_later);
+            read = due.now;
+            if !due.later.is_empty() && dir_identity(&source.dir).is_none() {
+                // Files "removed" because the directory is going away: keep what was read.
+                warn!(dir = %source.dir.display(), "manifest directory is gone; keeping what was read");
+                watch.ensure();
+            } else {
+                read.extend(due.later);
+            }
         }
-        for name in &ready {
+        for name in &read {
             dir.refresh(name, false, &mut changes);
         }
         let errors = dir.errors();
@@ -933,7 +1241,7 @@ async fn run(
                 changes,
                 errors: errors_changed.then(|| errors.clone()),
                 synced: true,
-                received,
+                received: due.received.unwrap_or_else(std::time::Instant::now),
             };
             if tx.send(batch).await.is_err() {
                 return; // consumer gone
@@ -942,53 +1250,38 @@ async fn run(
         }
 
         // Wait for events, the next deadline or the resync.
-        let next = later
-            .values()
-            .chain(rescan_at.iter())
-            .map(|(first, last)| (*last + source.debounce).min(*first + MAX_DEBOUNCE_DELAY))
-            .min();
         let event = tokio::select! {
             _ = tx.closed() => return,
-            _ = resync.tick() => { rescan_now = true; continue; }
-            _ = sleep_until_opt(next) => continue,
+            _ = resync.tick() => {
+                pending.rescan_now.get_or_insert_with(std::time::Instant::now);
+                continue;
+            }
+            _ = sleep_until_opt(pending.next_due(source.debounce)) => continue,
             e = events.recv() => e,
         };
         let Some(first) = event else {
             return; // watcher gone
         };
-        received = std::time::Instant::now();
         // Take every event already queued, so a burst becomes one batch.
-        let mut pending = vec![first];
+        let mut queued = vec![first];
         while let Ok(e) = events.try_recv() {
-            pending.push(e);
+            queued.push(e);
         }
         let now = Instant::now();
-        for e in pending {
+        for (received, e) in queued {
             match e {
                 Ok(event) => {
                     if event.need_rescan() {
-                        rescan_at.get_or_insert((now, now)).1 = now;
+                        pending.note(Action::Rescan, now, received);
                         continue;
                     }
                     for path in &event.paths {
-                        match action(&source.dir, &event.kind, path) {
-                            Action::Now(n) => {
-                                later.remove(&n);
-                                now_names.insert(n);
-                            }
-                            Action::Later(n) => {
-                                later.entry(n).or_insert((now, now)).1 = now;
-                            }
-                            Action::Rescan => {
-                                rescan_at.get_or_insert((now, now)).1 = now;
-                            }
-                            Action::Ignore => {}
-                        }
+                        pending.note(action(&source.dir, &event.kind, path), now, received);
                     }
                 }
                 Err(e) => {
                     warn!(error = %e, "manifest watch error; listing the directory again");
-                    rescan_at.get_or_insert((now, now)).1 = now;
+                    pending.note(Action::Rescan, now, received);
                 }
             }
         }
@@ -1558,6 +1851,8 @@ spec:
         rx: mpsc::Receiver<Batch>,
         objects: ObjectSet,
         errors: Vec<SourceError>,
+        /// A complete batch came.
+        synced: bool,
     }
 
     impl Follower {
@@ -1566,6 +1861,7 @@ spec:
                 rx,
                 objects: ObjectSet::default(),
                 errors: Vec::new(),
+                synced: false,
             }
         }
 
@@ -1575,7 +1871,11 @@ spec:
                 .await
                 .expect("no batch within 5 s")
                 .expect("source stopped");
-            assert!(b.synced, "every batch of the manifest source is complete");
+            assert!(
+                b.synced || !self.synced,
+                "every batch after the first complete one is complete"
+            );
+            self.synced |= b.synced;
             let n = b.changes.len();
             for c in b.changes {
                 self.objects.apply(c);
@@ -1763,5 +2063,115 @@ spec:
                 .replace("10.96.0.10", "10.96.0.30"),
         );
         f.until_services(&["api", "third"]).await;
+    }
+
+    #[tokio::test]
+    async fn the_first_listing_comes_in_chunks_and_only_the_last_batch_is_complete() {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = tmp.path().to_path_buf();
+        for i in 0..5 {
+            write(
+                &d,
+                &format!("s{i}.yaml"),
+                &SVC.replace("name: web", &format!("name: web{i}")),
+            );
+        }
+        // One file per chunk.
+        let mut rx = ManifestSource::new(&d).with_chunk_bytes(1).start().unwrap();
+        let mut seen = Vec::new();
+        loop {
+            let b = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+                .await
+                .unwrap()
+                .unwrap();
+            seen.push((b.changes.len(), b.synced, b.errors.is_some()));
+            if b.synced {
+                break;
+            }
+        }
+        // Five batches of one object; only the last is complete and carries the errors.
+        assert_eq!(
+            seen,
+            vec![
+                (1, false, false),
+                (1, false, false),
+                (1, false, false),
+                (1, false, false),
+                (1, true, true)
+            ]
+        );
+        // Later changes come whole, as before.
+        let mut f = Follower::new(rx);
+        f.synced = true;
+        write(&d, ".tmp", &SVC.replace("name: web", "name: web9"));
+        std::fs::rename(d.join(".tmp"), d.join("s2.yaml")).unwrap();
+        assert_eq!(f.next().await, 2, "web2 deleted, web9 applied");
+    }
+
+    #[test]
+    fn a_rename_reads_the_new_name_once() {
+        use notify::event::{EventKind, ModifyKind, RenameMode};
+        let d = Path::new("/m");
+        let name = |m| EventKind::Modify(ModifyKind::Name(m));
+        assert_eq!(
+            action(d, &name(RenameMode::To), &d.join("a.yaml")),
+            Action::Now("a.yaml".into())
+        );
+        // The old name is gone (once quiet).
+        assert_eq!(
+            action(d, &name(RenameMode::From), &d.join("b.yaml")),
+            Action::Later("b.yaml".into())
+        );
+        // The pair event of the same rename adds nothing (it would read a.yaml again after
+        // the debounce).
+        for p in ["a.yaml", "b.yaml"] {
+            assert_eq!(
+                action(d, &name(RenameMode::Both), &d.join(p)),
+                Action::Ignore
+            );
+        }
+    }
+
+    #[test]
+    fn batches_are_timed_from_the_first_event_behind_them() {
+        let debounce = Duration::from_millis(50);
+        let t0 = Instant::now();
+        let r0 = std::time::Instant::now();
+        let ms = |n: u64| Duration::from_millis(n);
+        let mut p = Pending::default();
+        // A removal waits for quiet; more events on it, and events on other names, come
+        // meanwhile.
+        p.note(Action::Later("a.yaml".into()), t0, r0);
+        p.note(Action::Ignore, t0 + ms(10), r0 + ms(10));
+        p.note(Action::Later("a.yaml".into()), t0 + ms(20), r0 + ms(20));
+        assert_eq!(p.next_due(debounce), Some(t0 + ms(70)));
+        assert_eq!(p.take_due(t0 + ms(60), debounce), Due::default());
+        let due = p.take_due(t0 + ms(70), debounce);
+        assert_eq!(due.later, vec!["a.yaml".to_string()]);
+        assert_eq!(due.received, Some(r0), "timed from its first event");
+
+        // A file renamed into place is read at once, timed from its own event; one that
+        // was waiting keeps its first event.
+        p.note(Action::Later("b.yaml".into()), t0 + ms(100), r0 + ms(100));
+        p.note(Action::Now("b.yaml".into()), t0 + ms(110), r0 + ms(110));
+        p.note(Action::Now("c.yaml".into()), t0 + ms(120), r0 + ms(120));
+        let due = p.take_due(t0 + ms(120), debounce);
+        assert_eq!(due.now, vec!["b.yaml".to_string(), "c.yaml".to_string()]);
+        assert_eq!(due.received, Some(r0 + ms(100)));
+        assert!(p.later.is_empty() && p.now.is_empty());
+
+        // A listing takes the waiting reads with it, and their time.
+        p.note(Action::Later("d.yaml".into()), t0 + ms(200), r0 + ms(200));
+        p.note(Action::Rescan, t0 + ms(210), r0 + ms(210));
+        let due = p.take_due(t0 + ms(260), debounce);
+        assert!(due.rescan && due.now.is_empty() && due.later.is_empty());
+        assert_eq!(due.received, Some(r0 + ms(200)));
+        assert_eq!(p.next_due(debounce), None);
+
+        // The periodic resync is timed from itself.
+        p.rescan_now = Some(r0 + ms(300));
+        let due = p.take_due(t0 + ms(300), debounce);
+        assert!(due.rescan);
+        assert_eq!(due.received, Some(r0 + ms(300)));
     }
 }
