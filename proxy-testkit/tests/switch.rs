@@ -664,7 +664,9 @@ fn switch_and_back(mode: Mode, tag: &str) {
         "{mode:?}: healthy {} ms after the agent started",
         (healthy - started) / 1_000_000
     );
-    std::thread::sleep(Duration::from_millis(1000));
+    // Long enough for new connections of both loads to start after the agent is healthy
+    // even when one attempt straddles the switch with a retransmitted SYN (1 s).
+    std::thread::sleep(Duration::from_millis(3000));
     for i in 0..2 {
         held.push(Held::open(
             &format!("ClusterIP {i} through ebpf-proxy"),
@@ -724,6 +726,18 @@ fn switch_and_back(mode: Mode, tag: &str) {
     let cip_during = attempts("ClusterIP during the switch", &cip_during);
     let np_during = attempts("NodePort during the switch", &np_during);
     assert!(cip_during.len() >= 20 && np_during.len() >= 20);
+    for (what, during) in [("ClusterIP", &cip_during), ("NodePort", &np_during)] {
+        let gap = during
+            .windows(2)
+            .map(|w| w[1].0.saturating_sub(w[0].0))
+            .max()
+            .unwrap_or(0);
+        eprintln!(
+            "{mode:?}: {what} load: {} attempts, longest gap between starts {} ms",
+            during.len(),
+            gap / 1_000_000
+        );
+    }
     for (start, _, seen) in &np_during {
         if *start > healthy {
             assert_eq!(seen, CLIENT, "a NodePort connection after the switch");

@@ -48,7 +48,8 @@ pub enum Command {
     Conntrack(ServicesArgs),
     /// Explain what happens to a connection from this node to ADDR:PORT[/PROTO]: matching
     /// frontends, backends and counters; with --manifests or --api also every endpoint of
-    /// the Service and why it is or is not eligible (policy, zone, terminating).
+    /// the Service and why it is or is not eligible (policy, zone, terminating), and where
+    /// no data path is pinned, what an agent would program for those objects.
     Explain(ExplainArgs),
     /// List ClientIP session-affinity entries (service, client, backend, age, expiry), read
     /// from the pinned maps.

@@ -427,6 +427,27 @@ pub fn parse_timeout(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
+fn parse_conntrack_min(s: &str) -> Result<u32, String> {
+    match s.trim().parse::<u32>() {
+        Ok(n) if n == 0 || (MIN_CONNTRACK_FLOWS..=MAX_CONNTRACK_FLOWS).contains(&n) => Ok(n),
+        _ => Err(format!(
+            "{s:?} is not 0 or a number from {MIN_CONNTRACK_FLOWS} to {MAX_CONNTRACK_FLOWS}"
+        )),
+    }
+}
+
+/// `--ipvs-scheduler` as given: a scheduler, or empty for kube-proxy's "default", which is
+/// the default algorithm here (the file's `ipvs.scheduler` is overridden).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SchedulerFlag(pub Option<IpvsScheduler>);
+
+fn parse_scheduler_flag(s: &str) -> Result<SchedulerFlag, String> {
+    if s.trim().is_empty() {
+        return Ok(SchedulerFlag(None));
+    }
+    s.parse().map(|sch| SchedulerFlag(Some(sch)))
+}
+
 fn parse_lb_algorithm(s: &str) -> Result<proxy_common::Algorithm, String> {
     crate::model::parse_algorithm(s)
         .ok_or_else(|| format!("{s:?} is not one of {}", crate::model::algorithm_names()))
@@ -559,8 +580,8 @@ pub struct RunFlags {
     pub conntrack_max_per_core: Option<u32>,
     /// Least number of flows of the north-south conntrack table (kube-proxy's
     /// --conntrack-min), from 1024 (smaller LRU tables lose live flows to the kernel's batch
-    /// eviction) to 16777216 [default: 131072].
-    #[arg(long, value_parser = clap::value_parser!(u32).range(MIN_CONNTRACK_FLOWS as i64..=MAX_CONNTRACK_FLOWS as i64))]
+    /// eviction) to 16777216; 0 keeps the default [default: 131072].
+    #[arg(long, value_parser = parse_conntrack_min, value_name = "N")]
     pub conntrack_min: Option<u32>,
     /// Idle timeout of an established TCP flow in the north-south conntrack (kube-proxy's
     /// --conntrack-tcp-timeout-established), e.g. 24h; 0 keeps the default [default: 24h].
@@ -616,11 +637,10 @@ pub struct KubeProxyFlags {
     /// Same as --min-sync-period.
     #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
     pub ipvs_min_sync_period: Option<Duration>,
-    /// Default algorithm by its IPVS scheduler name: rr, wrr, lc, sh, mh (round-robin,
-    /// weighted-round-robin, least-connections, source-hash, maglev); wlc, sed, nq and dh
-    /// are not supported yet.
-    #[arg(long, value_name = "SCHEDULER", conflicts_with = "lb_algorithm")]
-    pub ipvs_scheduler: Option<IpvsScheduler>,
+    /// Default algorithm by its IPVS scheduler name: rr, wrr, lc, wlc, sed, nq, sh, dh, mh
+    /// (see --lb-algorithm; mh is source-hash); empty keeps the default algorithm.
+    #[arg(long, value_name = "SCHEDULER", value_parser = parse_scheduler_flag, conflicts_with = "lb_algorithm")]
+    pub ipvs_scheduler: Option<SchedulerFlag>,
     /// Same as --udp-flow-timeout (0 keeps the default).
     #[arg(long, value_parser = parse_timeout, value_name = "DURATION")]
     pub conntrack_udp_timeout: Option<Duration>,
@@ -972,7 +992,11 @@ impl AgentConfig {
             None => {
                 let mode = f.mode.clone().unwrap_or_default();
                 if action != Action::Cleanup {
-                    mode.require_ebpf("--config: mode")?;
+                    let origin = match &flags.config {
+                        Some(path) => format!("--config {}: mode", path.display()),
+                        None => "--config: mode".to_string(),
+                    };
+                    mode.require_ebpf(&origin)?;
                 }
                 mode
             }
@@ -1011,7 +1035,8 @@ impl AgentConfig {
         };
         let lb_algorithm = match (flags.lb_algorithm, k.ipvs_scheduler) {
             (Some(a), _) => a,
-            (None, Some(s)) => s.algorithm(),
+            (None, Some(SchedulerFlag(Some(s)))) => s.algorithm(),
+            (None, Some(SchedulerFlag(None))) => Algorithm::default(),
             (None, None) => f
                 .ipvs_scheduler
                 .map(IpvsScheduler::algorithm)
@@ -1132,6 +1157,7 @@ impl AgentConfig {
                     .unwrap_or(DEFAULT_CONNTRACK_MAX_PER_CORE),
                 conntrack_min: flags
                     .conntrack_min
+                    .filter(|&n| n != 0)
                     .or(f.conntrack_min)
                     .unwrap_or(DEFAULT_CONNTRACK_MIN),
                 conntrack_tcp_timeout_established: flags

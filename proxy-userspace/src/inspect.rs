@@ -601,6 +601,10 @@ pub struct ExplainedFrontend {
 pub struct Explanation {
     /// What was asked.
     pub target: String,
+    /// Where the frontends were read: `pinned maps` (this node's data path), or `objects`
+    /// (no data path is pinned here: what an agent would program for the objects given,
+    /// counters all zero).
+    pub from: &'static str,
     /// The frontends of that address, port and protocol (one per scope).
     pub frontends: Vec<ExplainedFrontend>,
     /// What happens to a connection from this node, in words.
@@ -735,9 +739,37 @@ pub fn explain(
     };
     Ok(Explanation {
         target: format!("{addr}/{}", proto_name(proto)),
+        from: "pinned maps",
         frontends,
         verdict,
     })
+}
+
+/// The service maps an agent would write for `model` (this node's view of the objects), for
+/// explaining a Service where no data path is pinned. The reconciler programs an in-memory
+/// data path without limits, the same code path as the agent's first sync.
+///
+/// Errors: a Service the reconciler could not apply (the message names it).
+pub fn desired_snapshot(model: &crate::model::Model) -> Result<Snapshot> {
+    use crate::datapath::{Capacity, fake::FakeDatapath};
+    use crate::reconcile::{NodeConfig, Reconciler};
+    let mut dp = FakeDatapath::new(Capacity {
+        frontends: u32::MAX,
+        slots: u32::MAX,
+        backends: u32::MAX,
+        services: u32::MAX,
+    });
+    let mut r = Reconciler::adopt(
+        &dp,
+        NodeConfig::default(),
+        std::time::Duration::from_secs(30),
+    )
+    .context("an empty in-memory data path")?;
+    let out = r.apply_all(&mut dp, model, std::time::Instant::now());
+    if let Some((svc, e)) = out.failed.first() {
+        anyhow::bail!("{svc}: {e}");
+    }
+    Ok(dp.state)
 }
 
 /// Prints an [`Explanation`].
@@ -747,6 +779,9 @@ pub fn print_explanation(e: &Explanation, json: bool) -> Result<()> {
         return Ok(());
     }
     println!("{}: {}", e.target, e.verdict);
+    if e.from == "objects" {
+        println!("(no data path pinned here: what an agent would program for these objects)");
+    }
     for f in &e.frontends {
         let r = &f.frontend;
         println!();
@@ -823,4 +858,71 @@ pub fn print_explanation(e: &Explanation, json: bool) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Model, NodeInfo};
+
+    #[test]
+    fn explain_without_pins_answers_from_what_an_agent_would_program() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("web.yaml"),
+            "apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: shop}
+spec: {clusterIP: 10.96.0.10, ports: [{port: 80, targetPort: 8080}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-1, namespace: shop, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{port: 8080}]
+endpoints:
+- {addresses: [10.0.0.7], nodeName: n1}
+- {addresses: [10.0.0.8], nodeName: n2, conditions: {ready: false}}
+",
+        )
+        .unwrap();
+        let (objects, errors) = crate::source::manifests::load_dir(dir.path());
+        assert!(errors.is_empty(), "{errors:?}");
+        let node = NodeInfo {
+            name: "n1".into(),
+            ..Default::default()
+        };
+        let model = Model::from_objects(&objects, &node);
+        let snap = desired_snapshot(&model).unwrap();
+        let nowhere = dir.path().join("no-pins");
+        let target: std::net::SocketAddr = "10.96.0.10:80".parse().unwrap();
+        let e = explain(&nowhere, &snap, target, 6, Some(&model)).unwrap();
+        assert_eq!(
+            e.verdict, "translated to one of 1 backend(s) by random",
+            "{e:?}"
+        );
+        let f = &e.frontends[0];
+        assert_eq!(f.frontend.service, "shop/web:/TCP/v4");
+        assert_eq!(f.frontend.backends, vec!["10.0.0.7:8080".to_string()]);
+        let eps = f.endpoints.as_ref().unwrap();
+        assert_eq!(eps.len(), 2);
+        assert!(
+            eps.iter()
+                .any(|p| !p.eligible && p.reason.as_deref() == Some("not ready"))
+        );
+        // An undefined port of the cluster IP is refused, as the data path would.
+        let e = explain(
+            &nowhere,
+            &snap,
+            "10.96.0.10:81".parse().unwrap(),
+            6,
+            Some(&model),
+        )
+        .unwrap();
+        assert!(
+            e.verdict.contains("does not define this port"),
+            "{}",
+            e.verdict
+        );
+    }
 }

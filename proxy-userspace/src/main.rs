@@ -208,7 +208,6 @@ fn parse_target(s: &str) -> Result<(SocketAddr, u8)> {
 fn explain(args: ExplainArgs) -> Result<()> {
     let (addr, proto) = parse_target(&args.target)?;
     let dir = args.pins.dir()?;
-    let maps = open_pins(&dir)?;
     let node = NodeInfo {
         name: AgentConfig::resolve(
             RunFlags {
@@ -233,8 +232,17 @@ fn explain(args: ExplainArgs) -> Result<()> {
     } else {
         None
     };
-    let e =
-        proxy_userspace::inspect::explain(&dir, &maps.snapshot()?, addr, proto, model.as_ref())?;
+    // With objects but no data path pinned (a laptop, a node before the agent runs), the
+    // explanation is of what an agent would program for them.
+    let (snapshot, pinned) = match (open_pins(&dir), &model) {
+        (Ok(maps), _) => (maps.snapshot()?, true),
+        (Err(_), Some(m)) => (proxy_userspace::inspect::desired_snapshot(m)?, false),
+        (Err(e), None) => return Err(e),
+    };
+    let mut e = proxy_userspace::inspect::explain(&dir, &snapshot, addr, proto, model.as_ref())?;
+    if !pinned {
+        e.from = "objects";
+    }
     proxy_userspace::inspect::print_explanation(&e, args.output == Output::Json)
 }
 

@@ -495,10 +495,18 @@ fn warn_unless_root(what: &str) {
 fn test(extra: &[String]) -> Result<()> {
     warn_unless_root("the test suite");
     // Single-threaded: the integration tests share kernel state (namespaces, cgroups, pins).
+    // --no-fail-fast: every test binary runs, so one failure does not hide the others.
     let mut c = host_cargo();
-    c.args(["test", "--release", "--workspace", "--", "--test-threads=1"])
-        .args(extra)
-        .stdout(std::process::Stdio::piped());
+    c.args([
+        "test",
+        "--release",
+        "--workspace",
+        "--no-fail-fast",
+        "--",
+        "--test-threads=1",
+    ])
+    .args(extra)
+    .stdout(std::process::Stdio::piped());
     eprintln!("xtask: running {c:?}");
     let mut child = c.spawn().context("starting cargo test")?;
     // Pass the output through and add up every binary's "test result" line, so the run ends

@@ -153,16 +153,16 @@ fn main() -> ExitCode {
             if interactive {
                 tcp_interactive(to, t)
             } else {
-                tcp_probe(
+                tcp_probe(&TcpProbe {
                     to,
                     count,
-                    t,
-                    Duration::from_millis(hold_ms),
-                    Duration::from_millis(interval_ms),
+                    timeout: t,
+                    hold: Duration::from_millis(hold_ms),
+                    interval: Duration::from_millis(interval_ms),
                     keep_open,
-                    &bind,
+                    bind,
                     whoami,
-                )
+                })
             }
         }
         Cmd::Udp {
@@ -456,16 +456,29 @@ fn tcp_attempt(
     }
 }
 
-fn tcp_probe(
+/// The attempts of `netprobe tcp` (its flags, durations parsed).
+struct TcpProbe {
     to: SocketAddr,
     count: u32,
     timeout: Duration,
     hold: Duration,
     interval: Duration,
     keep_open: bool,
-    bind: &[std::net::IpAddr],
+    bind: Vec<std::net::IpAddr>,
     whoami: bool,
-) -> Result<bool> {
+}
+
+fn tcp_probe(p: &TcpProbe) -> Result<bool> {
+    let TcpProbe {
+        to,
+        count,
+        timeout,
+        hold,
+        interval,
+        keep_open,
+        ref bind,
+        whoami,
+    } = *p;
     let mut all_ok = true;
     let mut open = Vec::new();
     for i in 0..count {

@@ -447,7 +447,10 @@ fn count(field: &str, v: &Option<Value>, least: i64, most: i64) -> Result<Option
         None | Some(Value::Null) => Ok(None),
         Some(v) => match v.as_i64() {
             Some(n) if n >= least && n <= most => Ok(Some(n)),
-            _ => bail!("{field}: {} is not an integer in {least}..={most}", show(v)),
+            _ => bail!(
+                "{field}: {} is not an integer from {least} to {most}",
+                show(v)
+            ),
         },
     }
 }
@@ -494,6 +497,23 @@ fn set_value(v: &Option<Value>) -> bool {
     v.as_ref().is_some_and(|v| !is_unset(v))
 }
 
+/// Whether `v` is set (see [`set_value`]) to something other than kube-proxy's default
+/// `default` (a number, or a duration in Go notation), so that a file holding kube-proxy's
+/// defaults, such as one `--write-config-to` wrote, warns about nothing.
+fn set_other_than(v: &Option<Value>, default: &str) -> bool {
+    let Some(v) = v.as_ref().filter(|v| !is_unset(v)) else {
+        return false;
+    };
+    match v {
+        Value::Number(n) => n.as_f64() != default.parse::<f64>().ok(),
+        Value::String(s) => match (parse_go_duration(s), parse_go_duration(default)) {
+            (Ok(a), Ok(b)) => a != b,
+            _ => s.trim() != default,
+        },
+        _ => true,
+    }
+}
+
 fn set_text(v: &Option<String>) -> bool {
     text(v).is_some()
 }
@@ -510,11 +530,13 @@ fn set_bool(v: &Option<bool>) -> bool {
 pub fn validate(file: &KubeProxyConfiguration) -> Result<Loaded> {
     match file.api_version.as_deref() {
         Some(API_VERSION) => {}
-        other => bail!("apiVersion: expected {API_VERSION:?}, found {other:?}"),
+        Some(other) => bail!("apiVersion: expected {API_VERSION:?}, found {other:?}"),
+        None => bail!("apiVersion: expected {API_VERSION:?}, found none"),
     }
     match file.kind.as_deref() {
         Some(KIND) => {}
-        other => bail!("kind: expected {KIND:?}, found {other:?}"),
+        Some(other) => bail!("kind: expected {KIND:?}, found {other:?}"),
+        None => bail!("kind: expected {KIND:?}, found none"),
     }
     let mut s = FileSettings {
         document: file.clone(),
@@ -618,19 +640,23 @@ pub fn validate(file: &KubeProxyConfiguration) -> Result<Loaded> {
         if t.masquerade_all.is_some() {
             masquerade_all = Some(masquerade_all.unwrap_or(false) | set_bool(&t.masquerade_all));
         }
-        w.inert("iptables.masqueradeBit", set_value(&t.masquerade_bit));
-        // ebpf-proxy never serves node ports on loopback, as kube-proxy's nftables mode.
         w.inert(
-            "iptables.localhostNodePorts",
-            set_bool(&t.localhost_node_ports),
+            "iptables.masqueradeBit",
+            set_other_than(&t.masquerade_bit, "14"),
         );
+        // ebpf-proxy never serves node ports on loopback, as kube-proxy's nftables mode, which
+        // ignores this field too; no warning, since kube-proxy's default (true) is in every
+        // file it writes.
         w.unknown("iptables.", &t.other);
     }
     if let Some(t) = &file.nftables {
         if t.masquerade_all.is_some() {
             masquerade_all = Some(masquerade_all.unwrap_or(false) | set_bool(&t.masquerade_all));
         }
-        w.inert("nftables.masqueradeBit", set_value(&t.masquerade_bit));
+        w.inert(
+            "nftables.masqueradeBit",
+            set_other_than(&t.masquerade_bit, "14"),
+        );
         w.unknown("nftables.", &t.other);
     }
     s.masquerade_all = masquerade_all;
@@ -680,7 +706,7 @@ pub fn validate(file: &KubeProxyConfiguration) -> Result<Loaded> {
             timeout("conntrack.udpStreamTimeout", &c.udp_stream_timeout)?;
         w.inert(
             "conntrack.tcpCloseWaitTimeout",
-            set_value(&c.tcp_close_wait_timeout),
+            set_other_than(&c.tcp_close_wait_timeout, "1h"),
         );
         w.inert("conntrack.tcpBeLiberal", set_bool(&c.tcp_be_liberal));
         w.unknown("conntrack.", &c.other);
@@ -691,9 +717,12 @@ pub fn validate(file: &KubeProxyConfiguration) -> Result<Loaded> {
             "clientConnection.acceptContentTypes",
             set_text(&c.accept_content_types),
         );
-        w.inert("clientConnection.contentType", set_text(&c.content_type));
-        w.inert("clientConnection.qps", set_value(&c.qps));
-        w.inert("clientConnection.burst", set_value(&c.burst));
+        w.inert(
+            "clientConnection.contentType",
+            text(&c.content_type).is_some_and(|t| t != "application/vnd.kubernetes.protobuf"),
+        );
+        w.inert("clientConnection.qps", set_other_than(&c.qps, "5"));
+        w.inert("clientConnection.burst", set_other_than(&c.burst, "10"));
         w.unknown("clientConnection.", &c.other);
     }
     if let Some(l) = &file.logging {
@@ -706,7 +735,10 @@ pub fn validate(file: &KubeProxyConfiguration) -> Result<Loaded> {
         s.verbosity = count("logging.verbosity", &l.verbosity, 0, u32::MAX as i64)?
             .map(|n| n as u32)
             .filter(|n| *n > 0);
-        w.inert("logging.flushFrequency", set_value(&l.flush_frequency));
+        w.inert(
+            "logging.flushFrequency",
+            set_other_than(&l.flush_frequency, "5s"),
+        );
         w.inert("logging.vmodule", set_value(&l.vmodule));
         w.inert("logging.options", set_value(&l.options));
         w.unknown("logging.", &l.other);
@@ -738,7 +770,10 @@ pub fn validate(file: &KubeProxyConfiguration) -> Result<Loaded> {
         w.inert("winkernel.sourceVip", set_text(&k.source_vip));
         w.unknown("winkernel.", &k.other);
     }
-    w.inert("configSyncPeriod", set_value(&file.config_sync_period));
+    w.inert(
+        "configSyncPeriod",
+        set_other_than(&file.config_sync_period, "15m"),
+    );
     w.inert("enableProfiling", set_bool(&file.enable_profiling));
     w.inert(
         "featureGates",

@@ -260,7 +260,7 @@ fn each_invalid_value_names_the_field() {
         ),
         (
             "oomScoreAdj: -1001\n",
-            "oomScoreAdj: -1001 is not an integer in -1000..=1000",
+            "oomScoreAdj: -1001 is not an integer from -1000 to 1000",
         ),
         (
             "hostnameOverride: [a]\n",
@@ -277,11 +277,11 @@ fn each_invalid_value_names_the_field() {
     for (text, expected) in [
         (
             "apiVersion: kubeproxy.config.k8s.io/v1alpha2\nkind: KubeProxyConfiguration\n",
-            "apiVersion: expected \"kubeproxy.config.k8s.io/v1alpha1\", found Some(\"kubeproxy.config.k8s.io/v1alpha2\")",
+            "apiVersion: expected \"kubeproxy.config.k8s.io/v1alpha1\", found \"kubeproxy.config.k8s.io/v1alpha2\"",
         ),
         (
             "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeletConfiguration\n",
-            "kind: expected \"KubeProxyConfiguration\", found Some(\"KubeletConfiguration\")",
+            "kind: expected \"KubeProxyConfiguration\", found \"KubeletConfiguration\"",
         ),
         ("kind: KubeProxyConfiguration\n", "apiVersion: expected"),
     ] {
@@ -300,7 +300,7 @@ fn unknown_and_meaningless_fields_are_warned_about_once_each_by_name() {
          featureGates: {SomeGate: true}\n\
          detectLocalMode: BridgeInterface\n\
          conntrack:\n  maxPerCore: 32768\n  tcpBeLiberal: true\n  udpTimeout: 30s\n  colour: red\n\
-         iptables:\n  masqueradeAll: true\n  masqueradeBit: 14\n  localhostNodePorts: true\n  udpTimeout: 5s\n\
+         iptables:\n  masqueradeAll: true\n  masqueradeBit: 15\n  localhostNodePorts: true\n  udpTimeout: 5s\n\
          ipvs:\n  scheduler: rr\n  strictARP: true\n\
          clientConnection:\n  qps: 50\n\
          logging:\n  verbosity: 4\n  vmodule: [{filePattern: x, verbosity: 2}]\n",
@@ -309,7 +309,6 @@ fn unknown_and_meaningless_fields_are_warned_about_once_each_by_name() {
     let expected = [
         "--config: field \"bindAddress\" (192.0.2.1) has no effect in ebpf-proxy: ignored",
         "--config: field \"iptables.masqueradeBit\" has no effect in ebpf-proxy: ignored",
-        "--config: field \"iptables.localhostNodePorts\" has no effect in ebpf-proxy: ignored",
         "--config: unknown field \"iptables.udpTimeout\" (not in kubeproxy.config.k8s.io/v1alpha1 KubeProxyConfiguration): ignored",
         "--config: field \"ipvs.strictARP\" has no effect in ebpf-proxy: ignored",
         "--config: unknown field \"conntrack.colour\" (not in kubeproxy.config.k8s.io/v1alpha1 KubeProxyConfiguration): ignored",
@@ -358,7 +357,7 @@ fn conntrack_size_and_timeouts_are_read_and_checked() {
     for (bad, field) in [
         (
             "min: 10",
-            "conntrack.min: 10 is not an integer in 1024..=16777216",
+            "conntrack.min: 10 is not an integer from 1024 to 16777216",
         ),
         (
             "maxPerCore: -1",
@@ -585,6 +584,56 @@ fn ipvs_schedulers_select_the_algorithm_of_the_same_rule() {
             .unwrap()
             .lb_algorithm,
         Algorithm::Random
+    );
+    // An empty flag is kube-proxy's "default" and overrides the file.
+    let c = resolve(
+        &["--ipvs-scheduler="],
+        Some(&body("ipvs:\n  scheduler: wlc\n")),
+    )
+    .unwrap();
+    assert_eq!(c.lb_algorithm, Algorithm::Random);
+    assert!(flags_err(&["--ipvs-scheduler=lblc"]).contains("locality-based"));
+}
+
+#[test]
+fn conntrack_min_zero_keeps_the_default_on_the_command_line_as_in_the_file() {
+    let c = resolve(&["--conntrack-min=0"], None).unwrap();
+    assert_eq!(c.tc.conntrack_min, DEFAULT_CONNTRACK_MIN);
+    let c = resolve(
+        &["--conntrack-min=0"],
+        Some(&body("conntrack:\n  min: 4096\n")),
+    )
+    .unwrap();
+    assert_eq!(c.tc.conntrack_min, 4096);
+    assert_eq!(
+        resolve(&["--conntrack-min=2048"], None)
+            .unwrap()
+            .tc
+            .conntrack_min,
+        2048
+    );
+    let e = flags_err(&["--conntrack-min=10"]);
+    assert!(
+        e.contains("is not 0 or a number from 1024 to 16777216"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_kube_proxy_mode_in_the_file_is_refused_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.conf");
+    std::fs::write(&path, body("mode: ipvs\n")).unwrap();
+    let path_arg = format!("--config={}", path.display());
+    let f = flags(&[&path_arg]);
+    let settings = load(&path).unwrap().settings;
+    let e = format!("{:#}", AgentConfig::resolve(f, Some(settings)).unwrap_err());
+    assert!(
+        e.starts_with(&format!(
+            "--config {}: mode \"ipvs\": this is ebpf-proxy",
+            path.display()
+        )),
+        "{e}"
     );
 }
 
@@ -897,6 +946,9 @@ fn written_configuration_runs_the_same_agent() {
     ] {
         assert!(yaml.lines().any(|l| l == line), "{line:?} not in\n{yaml}");
     }
+    // Read back, kube-proxy's defaults warn about nothing.
+    let l = parse(&yaml).unwrap();
+    assert!(l.warnings.is_empty(), "{:?}", l.warnings);
 }
 
 #[test]

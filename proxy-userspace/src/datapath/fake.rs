@@ -1,6 +1,7 @@
 //! An in-memory data path: the same operations as the BPF maps (with capacities), the
 //! node's interfaces, the tc programs and the health-check servers, with a log of every write
-//! in order, so the whole control plane can be tested without root.
+//! in order, so the whole control plane can be tested without root, and `explain` can show
+//! what an agent would program where no data path is pinned.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;

@@ -66,7 +66,7 @@ pub fn parse_documents(origin: &str, text: &str) -> (Vec<Object>, Vec<SourceErro
             .enumerate()
         {
             match doc {
-                Ok(value) => dispatch(origin, value, None, &mut objects, &mut errors),
+                Ok(value) => dispatch(origin, i + 1, value, None, &mut objects, &mut errors),
                 Err(e) => {
                     errors.push(SourceError::file(
                         origin,
@@ -158,7 +158,7 @@ fn parse_yaml_stream(
         // (a number out of range, a non-string key) is skipped alone.
         match serde_yaml_ng::Value::deserialize(doc) {
             Ok(yaml) => match serde_json::to_value(&yaml) {
-                Ok(value) => dispatch(origin, value, None, objects, errors),
+                Ok(value) => dispatch(origin, number, value, None, objects, errors),
                 Err(e) => {
                     let get = |f: &str| {
                         yaml.get(f)
@@ -251,10 +251,12 @@ fn raw_key(value: &Value) -> (String, String) {
     (ns.to_string(), name.to_string())
 }
 
-/// Dispatches one document (or list item). `list_item_type` is `(apiVersion, kind)` of the
-/// typed list the value is an item of, used when the item leaves them out.
+/// Dispatches one document (or list item). `document` is its number in the file (from 1,
+/// for messages); `list_item_type` is `(apiVersion, kind)` of the typed list the value is an
+/// item of, used when the item leaves them out.
 fn dispatch(
     origin: &str,
+    document: usize,
     mut value: Value,
     list_item_type: Option<(&str, &str)>,
     objects: &mut Vec<Object>,
@@ -264,9 +266,14 @@ fn dispatch(
         return; // empty document
     }
     let Some(map) = value.as_object_mut() else {
+        let what = if list_item_type.is_some() {
+            "an item of the list in document"
+        } else {
+            "document"
+        };
         errors.push(SourceError::file(
             origin,
-            "document is not an object (expected a Kubernetes manifest)",
+            format!("{what} {document} is not an object (expected a Kubernetes manifest)"),
         ));
         return;
     };
@@ -313,7 +320,7 @@ fn dispatch(
             None | Some(Value::Null) => {} // an empty list
             Some(Value::Array(items)) => {
                 for item in items {
-                    dispatch(origin, item, item_type, objects, errors);
+                    dispatch(origin, document, item, item_type, objects, errors);
                 }
             }
             Some(_) => errors.push(SourceError::object(
@@ -1649,7 +1656,7 @@ metadata: {name: nokind}
                 "k.yaml: EndpointSlice default/old: unsupported kind discovery.k8s.io/v1beta1 EndpointSlice (only v1 Service, discovery.k8s.io/v1 EndpointSlice and v1 Node are read); object skipped",
                 "k.yaml: Sevrice default/typo: unsupported kind v1 Sevrice (only v1 Service, discovery.k8s.io/v1 EndpointSlice and v1 Node are read); object skipped",
                 "k.yaml: default/nokind: missing kind; object skipped",
-                "k.yaml: document is not an object (expected a Kubernetes manifest)",
+                "k.yaml: document 5 is not an object (expected a Kubernetes manifest)",
             ]
         );
     }
