@@ -191,7 +191,7 @@ fn invalid_configuration_file_stops_start_up_naming_the_field() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(
-        err.starts_with("error: --config: mode \"ipvs\": this is ebpf-proxy, a kube-proxy replacement that proxies Services with eBPF programs and has no ipvs mode; to run it, leave the mode empty or set it to \"ebpf\""),
+        err.starts_with(&format!("error: --config {}: mode \"ipvs\": this is ebpf-proxy, a kube-proxy replacement that proxies Services with eBPF programs and has no ipvs mode; to run it, leave the mode empty or set it to \"ebpf\"", file.display())),
         "{err}"
     );
     // A field with an invalid value names the file and the field.

@@ -727,15 +727,16 @@ fn switch_and_back(mode: Mode, tag: &str) {
     let np_during = attempts("NodePort during the switch", &np_during);
     assert!(cip_during.len() >= 20 && np_during.len() >= 20);
     for (what, during) in [("ClusterIP", &cip_during), ("NodePort", &np_during)] {
-        let gap = during
+        let (gap, at) = during
             .windows(2)
-            .map(|w| w[1].0.saturating_sub(w[0].0))
+            .map(|w| (w[1].0.saturating_sub(w[0].0), w[0].0))
             .max()
-            .unwrap_or(0);
+            .unwrap_or((0, 0));
         eprintln!(
-            "{mode:?}: {what} load: {} attempts, longest gap between starts {} ms",
+            "{mode:?}: {what} load: {} attempts, longest gap between starts {} ms, from {} ms after the agent started",
             during.len(),
-            gap / 1_000_000
+            gap / 1_000_000,
+            (at as i64 - started as i64) / 1_000_000
         );
     }
     for (start, _, seen) in &np_during {
@@ -770,7 +771,8 @@ fn switch_and_back(mode: Mode, tag: &str) {
     std::thread::sleep(Duration::from_millis(300));
     let stopping = tc::monotonic_ns();
     let rolled_back = lab.roll_back();
-    std::thread::sleep(Duration::from_millis(1000));
+    // As at the switch: long enough for an attempt that needed a SYN retransmission.
+    std::thread::sleep(Duration::from_millis(3000));
     let [cip_load, np_load] = loads;
     let cip_after = attempts(
         "ClusterIP after the switch and during the rollback",
@@ -780,6 +782,22 @@ fn switch_and_back(mode: Mode, tag: &str) {
         "NodePort after the switch and during the rollback",
         &np_load.finish(),
     );
+    for (what, after) in [("ClusterIP", &cip_after), ("NodePort", &np_after)] {
+        let (gap, at) = after
+            .windows(2)
+            .map(|w| (w[1].0.saturating_sub(w[0].0), w[0].0))
+            .max()
+            .unwrap_or((0, 0));
+        let rel = |t: u64| (at as i64 - t as i64) / 1_000_000;
+        eprintln!(
+            "{mode:?}: {what} load after the switch: {} attempts, longest gap {} ms, from {} ms after kube-proxy's rules left, {} ms after they came back, {} ms after the rollback",
+            after.len(),
+            gap / 1_000_000,
+            rel(removed),
+            rel(readded),
+            rel(rolled_back)
+        );
+    }
     let between = |a: &[(u64, String, String)], from: u64, to: u64| {
         a.iter().filter(|(s, ..)| *s > from && *s < to).count()
     };

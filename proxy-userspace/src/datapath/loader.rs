@@ -517,7 +517,17 @@ pub fn cleanup(dir: &Path) -> Result<CleanupReport> {
         );
     }
     let mut files: Vec<PathBuf> = entries.filter_map(|e| e.ok().map(|e| e.path())).collect();
-    files.sort();
+    // The programs that start translations (connect, sendmsg, tc ingress) go first, those
+    // that reverse them (recvmsg, getpeername, tc egress, ...) last: a connection in its
+    // handshake at that moment is then either not translated at all or has its replies
+    // reversed, instead of a SYN-ACK leaving with the backend's address.
+    files.sort_by_key(|p| {
+        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        let starts = ["connect4", "connect6", "sendmsg4", "sendmsg6", "tc_ingress"]
+            .iter()
+            .any(|prog| name.contains(prog));
+        (!starts, p.clone())
+    });
     for path in files {
         let name = path
             .file_name()

@@ -430,14 +430,15 @@ impl TcKernel {
         Ok(released)
     }
 
-    /// Attaches the ingress and egress programs to `ifname` (replacing pinned links of an
-    /// earlier agent only once the new ones are pinned).
+    /// Attaches the egress and ingress programs to `ifname` (replacing pinned links of an
+    /// earlier agent only once the new ones are pinned). Egress first, so that no flow the
+    /// ingress program translates has its replies leave untranslated.
     pub fn attach(&mut self, ifname: &str) -> Result<()> {
         let dir = self.dir.clone();
         let ebpf = self.ebpf()?;
         for (prog, ty) in [
-            (INGRESS_PROGRAM, TcAttachType::Ingress),
             (EGRESS_PROGRAM, TcAttachType::Egress),
+            (INGRESS_PROGRAM, TcAttachType::Ingress),
         ] {
             let p: &mut SchedClassifier = ebpf
                 .program_mut(prog)
