@@ -1151,12 +1151,15 @@ fn north_south_chart(r: &Results, n: usize, dir: &Path) -> Result<()> {
             .configure_mesh()
             .disable_x_mesh()
             .light_line_style(WHITE)
-            .x_labels(2)
+            // Key points at 0, 0.5, .., 2: the groups' centres carry their names.
+            .x_labels(5)
             .x_label_formatter(&|v: &f64| {
-                if *v < 1.0 {
+                if (v - 0.5).abs() < 0.01 {
                     "backend on the node".into()
-                } else {
+                } else if (v - 1.5).abs() < 0.01 {
                     "backend on another node (SNAT)".into()
+                } else {
+                    String::new()
                 }
             })
             .y_desc(unit)
