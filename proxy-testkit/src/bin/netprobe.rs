@@ -456,6 +456,7 @@ fn tcp_attempt(
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn tcp_probe(
     to: SocketAddr,
     count: u32,
