@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use proxy_testkit::kube_proxy_rules::{self as rules, Proto, Svc};
 use proxy_testkit::testbed::{self, ChildGuard, Netns, TestCgroup};
-use proxy_userspace::datapath::loader;
+use proxy_userspace::datapath::{loader, tc};
 
 use crate::report::{Case, Results, Sample};
 use crate::{ClientResult, Opts, PinGuard, check_stop, progstats};
@@ -531,6 +531,7 @@ fn measure(
     for p in NsPath::ALL {
         check_stop()?;
         let before = progs.as_ref().map(progstats::snapshot);
+        let counters_before = progs.as_ref().and_then(|_| tc::counters(&t.pins.0).ok());
         let to = p.target(case);
         let want = p.backend().0;
         let add = |results: &mut Results, m: &str, v: f64| {
@@ -603,6 +604,25 @@ fn measure(
                 add(results, &format!("runs_per_flow:{name}"), runs);
             }
             add(results, "bpf_ns_per_flow", total);
+            // The tc path's own counters over the run (drops and fallbacks explain misses).
+            if let (Some(c0), Ok(c1)) = (&counters_before, tc::counters(&t.pins.0)) {
+                let moved: Vec<String> = c1
+                    .iter()
+                    .filter_map(|(name, v)| {
+                        let d = v.saturating_sub(c0.get(name).copied().unwrap_or(0));
+                        (d > 0).then(|| format!("{name} {d}"))
+                    })
+                    .collect();
+                for (name, v) in &c1 {
+                    let d = v.saturating_sub(c0.get(name).copied().unwrap_or(0));
+                    add(results, &format!("tc_counter:{name}"), d as f64);
+                }
+                eprintln!(
+                    "    {case:?} {}: tc counters {}",
+                    p.label(),
+                    moved.join(", ")
+                );
+            }
             eprintln!(
                 "    {case:?} {}: BPF {total:.0} ns per {} ({line} )",
                 p.label(),
