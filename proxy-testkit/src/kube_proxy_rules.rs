@@ -28,8 +28,8 @@
 //!   for destinations of a local address) leading to the `external-<hash>-...` chain, which
 //!   jumps to `mark-for-masquerade` and goes on to the service chain.
 //!
-//! Services have one TCP port; [`services`] makes ClusterIP services with 10 endpoints each,
-//! as the benchmark uses them. LoadBalancer IPs, external IPs, affinity and the Local
+//! Services have one port, TCP or UDP ([`Svc::proto`]); [`services`] makes TCP ClusterIP
+//! services with 10 endpoints each, as the benchmark uses them. LoadBalancer IPs, external IPs, affinity and the Local
 //! traffic policy are left out (for all proxies alike in the bench).
 
 use std::fmt::Write as _;
@@ -53,7 +53,32 @@ pub const CLUSTER_CIDR: &str = "198.18.0.0/15";
 /// (198.18.1.0 ..= 198.19.127.247), the port moves on by one after each cycle.
 const SYNTH_ADDRS: u32 = 98_040;
 
-/// One service (namespace [`NS`], one TCP port [`SVC_PORT`] named [`PORT_NAME`]) with its
+/// The protocol of a service's port.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Proto {
+    Tcp,
+    Udp,
+}
+
+impl Proto {
+    /// As kube-proxy writes it into chain-name hashes and rules: `tcp`, `udp`.
+    pub fn lower(self) -> &'static str {
+        match self {
+            Proto::Tcp => "tcp",
+            Proto::Udp => "udp",
+        }
+    }
+
+    /// As the Kubernetes API spells it: `TCP`, `UDP`.
+    pub fn upper(self) -> &'static str {
+        match self {
+            Proto::Tcp => "TCP",
+            Proto::Udp => "UDP",
+        }
+    }
+}
+
+/// One service (namespace [`NS`], one port [`SVC_PORT`] named [`PORT_NAME`]) with its
 /// endpoints.
 #[derive(Clone, Debug)]
 pub struct Svc {
@@ -66,6 +91,8 @@ pub struct Svc {
     /// `spec.ports[0].nodePort` of a NodePort Service with `externalTrafficPolicy:
     /// Cluster`; `None` for a ClusterIP Service.
     pub node_port: Option<u16>,
+    /// The port's protocol.
+    pub proto: Proto,
 }
 
 /// ClusterIP of service `i`: 198.19.128.0/17 (RFC 2544 range; exists only in the lab).
@@ -104,6 +131,7 @@ pub fn services(n: usize, real: usize) -> Vec<Svc> {
                 vip: vip(i),
                 endpoints,
                 node_port: None,
+                proto: Proto::Tcp,
             }
         })
         .collect()
@@ -118,16 +146,19 @@ pub fn change_addr(k: usize) -> Ipv4Addr {
 // manifests for ebpf-proxy
 // ---------------------------------------------------------------------------------------
 
-/// The Service object (JSON, one line): type ClusterIP, or NodePort with the node port.
+/// The Service object (JSON, one line): type ClusterIP, or NodePort with the node port; the
+/// target port is the first endpoint's.
 pub fn service_json(s: &Svc) -> String {
     let (ty, np) = match s.node_port {
         Some(np) => ("NodePort", format!(r#","nodePort":{np}"#)),
         None => ("ClusterIP", String::new()),
     };
     format!(
-        r#"{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"{n}","namespace":"{NS}"}},"spec":{{"type":"{ty}","clusterIP":"{v}","clusterIPs":["{v}"],"ports":[{{"name":"{PORT_NAME}","port":{SVC_PORT},"targetPort":{REAL_PORT},"protocol":"TCP"{np}}}]}}}}"#,
+        r#"{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"{n}","namespace":"{NS}"}},"spec":{{"type":"{ty}","clusterIP":"{v}","clusterIPs":["{v}"],"ports":[{{"name":"{PORT_NAME}","port":{SVC_PORT},"targetPort":{tp},"protocol":"{p}"{np}}}]}}}}"#,
         n = s.name,
-        v = s.vip
+        v = s.vip,
+        tp = s.endpoints.first().map_or(REAL_PORT, |e| e.1),
+        p = s.proto.upper()
     )
 }
 
@@ -155,8 +186,9 @@ pub fn slice_json_on(s: &Svc, node: Option<&str>) -> String {
         );
     }
     format!(
-        r#"{{"apiVersion":"discovery.k8s.io/v1","kind":"EndpointSlice","metadata":{{"name":"{n}-x1","namespace":"{NS}","labels":{{"kubernetes.io/service-name":"{n}"}}}},"addressType":"IPv4","ports":[{{"name":"{PORT_NAME}","port":{port},"protocol":"TCP"}}],"endpoints":[{eps}]}}"#,
-        n = s.name
+        r#"{{"apiVersion":"discovery.k8s.io/v1","kind":"EndpointSlice","metadata":{{"name":"{n}-x1","namespace":"{NS}","labels":{{"kubernetes.io/service-name":"{n}"}}}},"addressType":"IPv4","ports":[{{"name":"{PORT_NAME}","port":{port},"protocol":"{p}"}}],"endpoints":[{eps}]}}"#,
+        n = s.name,
+        p = s.proto.upper()
     )
 }
 
@@ -188,21 +220,27 @@ fn svc_port_name(s: &Svc) -> String {
     format!("{NS}/{}:{PORT_NAME}", s.name)
 }
 
-/// KUBE-SVC-<portProtoHash(servicePortName, "tcp")>.
+/// KUBE-SVC-<portProtoHash(servicePortName, protocol)>.
 pub fn ipt_svc_chain(s: &Svc) -> String {
-    let h = b32_sha256(&format!("{}tcp", svc_port_name(s)));
+    let h = b32_sha256(&format!("{}{}", svc_port_name(s), s.proto.lower()));
     format!("KUBE-SVC-{}", &h[..16])
 }
 
-/// KUBE-EXT-<portProtoHash(servicePortName, "tcp")>: the node port's chain.
+/// KUBE-EXT-<portProtoHash(servicePortName, protocol)>: the node port's chain.
 pub fn ipt_ext_chain(s: &Svc) -> String {
-    let h = b32_sha256(&format!("{}tcp", svc_port_name(s)));
+    let h = b32_sha256(&format!("{}{}", svc_port_name(s), s.proto.lower()));
     format!("KUBE-EXT-{}", &h[..16])
 }
 
 /// KUBE-SEP-<hash(servicePortName + protocol + endpoint)>.
 pub fn ipt_sep_chain(s: &Svc, ep: (Ipv4Addr, u16)) -> String {
-    let h = b32_sha256(&format!("{}tcp{}:{}", svc_port_name(s), ep.0, ep.1));
+    let h = b32_sha256(&format!(
+        "{}{}{}:{}",
+        svc_port_name(s),
+        s.proto.lower(),
+        ep.0,
+        ep.1
+    ));
     format!("KUBE-SEP-{}", &h[..16])
 }
 
@@ -275,10 +313,11 @@ fn ipt_nat_top_rules(out: &mut String, svcs: &[Svc], with_hooks: bool) {
     for s in svcs {
         let _ = writeln!(
             out,
-            "-A KUBE-SERVICES -m comment --comment \"{} cluster IP\" -m tcp -p tcp -d {}/32 --dport {SVC_PORT} -j {}",
+            "-A KUBE-SERVICES -m comment --comment \"{} cluster IP\" -m {p} -p {p} -d {}/32 --dport {SVC_PORT} -j {}",
             svc_port_name(s),
             s.vip,
-            ipt_svc_chain(s)
+            ipt_svc_chain(s),
+            p = s.proto.lower()
         );
     }
     out.push_str("-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS\n");
@@ -286,9 +325,10 @@ fn ipt_nat_top_rules(out: &mut String, svcs: &[Svc], with_hooks: bool) {
         if let Some(np) = s.node_port {
             let _ = writeln!(
                 out,
-                "-A KUBE-NODEPORTS -m comment --comment {} -m tcp -p tcp --dport {np} -j {}",
+                "-A KUBE-NODEPORTS -m comment --comment {} -m {p} -p {p} --dport {np} -j {}",
                 svc_port_name(s),
-                ipt_ext_chain(s)
+                ipt_ext_chain(s),
+                p = s.proto.lower()
             );
         }
     }
@@ -319,8 +359,9 @@ fn ipt_svc_rules(out: &mut String, s: &Svc) {
     }
     let _ = writeln!(
         out,
-        "-A {svc} -m comment --comment \"{name} cluster IP\" -m tcp -p tcp -d {}/32 --dport {SVC_PORT} ! -s {CLUSTER_CIDR} -j KUBE-MARK-MASQ",
-        s.vip
+        "-A {svc} -m comment --comment \"{name} cluster IP\" -m {p} -p {p} -d {}/32 --dport {SVC_PORT} ! -s {CLUSTER_CIDR} -j KUBE-MARK-MASQ",
+        s.vip,
+        p = s.proto.lower()
     );
     let n = s.endpoints.len();
     for (i, ep) in s.endpoints.iter().enumerate() {
@@ -353,8 +394,10 @@ fn ipt_sep_rules(out: &mut String, s: &Svc, ep: (Ipv4Addr, u16)) {
     );
     let _ = writeln!(
         out,
-        "-A {sep} -m comment --comment {name} -m tcp -p tcp -j DNAT --to-destination {}:{}",
-        ep.0, ep.1
+        "-A {sep} -m comment --comment {name} -m {p} -p {p} -j DNAT --to-destination {}:{}",
+        ep.0,
+        ep.1,
+        p = s.proto.lower()
     );
 }
 
@@ -459,31 +502,27 @@ fn nft_hash_trunc(name: &str) -> String {
     s
 }
 
-/// `service-<hash>-ns/name/tcp/port`.
-pub fn nft_svc_chain(s: &Svc) -> String {
-    format!(
-        "service-{}",
-        nft_hash_trunc(&format!("{NS}/{}/tcp/{PORT_NAME}", s.name))
-    )
+/// `ns/name/protocol/port`: kube-proxy's servicePortChainNameBase without the prefix.
+fn nft_base(s: &Svc) -> String {
+    format!("{NS}/{}/{}/{PORT_NAME}", s.name, s.proto.lower())
 }
 
-/// `external-<hash>-ns/name/tcp/port`: the node port's chain (same hash as the service
+/// `service-<hash>-ns/name/protocol/port`.
+pub fn nft_svc_chain(s: &Svc) -> String {
+    format!("service-{}", nft_hash_trunc(&nft_base(s)))
+}
+
+/// `external-<hash>-ns/name/protocol/port`: the node port's chain (same hash as the service
 /// chain).
 pub fn nft_ext_chain(s: &Svc) -> String {
-    format!(
-        "external-{}",
-        nft_hash_trunc(&format!("{NS}/{}/tcp/{PORT_NAME}", s.name))
-    )
+    format!("external-{}", nft_hash_trunc(&nft_base(s)))
 }
 
-/// `endpoint-<hash>-ns/name/tcp/port__ip/port`.
+/// `endpoint-<hash>-ns/name/protocol/port__ip/port`.
 pub fn nft_ep_chain(s: &Svc, ep: (Ipv4Addr, u16)) -> String {
     format!(
         "endpoint-{}",
-        nft_hash_trunc(&format!(
-            "{NS}/{}/tcp/{PORT_NAME}__{}/{}",
-            s.name, ep.0, ep.1
-        ))
+        nft_hash_trunc(&format!("{}__{}/{}", nft_base(s), ep.0, ep.1))
     )
 }
 
@@ -590,8 +629,9 @@ fn nft_service(out: &mut String, s: &Svc) {
     let _ = writeln!(out, "flush chain {T} {svc}");
     let _ = writeln!(
         out,
-        "add rule {T} {svc} ip daddr {} tcp dport {SVC_PORT} ip saddr != {CLUSTER_CIDR} jump mark-for-masquerade",
-        s.vip
+        "add rule {T} {svc} ip daddr {} {} dport {SVC_PORT} ip saddr != {CLUSTER_CIDR} jump mark-for-masquerade",
+        s.vip,
+        s.proto.lower()
     );
     let mut vmap = String::new();
     for (i, ep) in s.endpoints.iter().enumerate() {
@@ -625,8 +665,10 @@ fn nft_endpoint(out: &mut String, s: &Svc, ep: (Ipv4Addr, u16)) {
     );
     let _ = writeln!(
         out,
-        "add rule {T} {c} meta l4proto tcp dnat to {}:{}",
-        ep.0, ep.1
+        "add rule {T} {c} meta l4proto {} dnat to {}:{}",
+        s.proto.lower(),
+        ep.0,
+        ep.1
     );
 }
 
@@ -646,14 +688,16 @@ pub fn nft_full(svcs: &[Svc]) -> String {
         let _ = writeln!(out, "add element {T} cluster-ips {{ {} }}", s.vip);
         let _ = writeln!(
             out,
-            "add element {T} service-ips {{ {} . tcp . {SVC_PORT} : goto {} }}",
+            "add element {T} service-ips {{ {} . {} . {SVC_PORT} : goto {} }}",
             s.vip,
+            s.proto.lower(),
             nft_svc_chain(s)
         );
         if let Some(np) = s.node_port {
             let _ = writeln!(
                 out,
-                "add element {T} service-nodeports {{ tcp . {np} : goto {} }}",
+                "add element {T} service-nodeports {{ {} . {np} : goto {} }}",
+                s.proto.lower(),
                 nft_ext_chain(s)
             );
         }
@@ -722,6 +766,28 @@ mod tests {
         // A partial sync of the Service rewrites its external chain too.
         let ipt = iptables_change(std::slice::from_ref(&s), &s, &s);
         assert!(ipt.contains(&format!(":{ext} - [0:0]")));
+    }
+
+    /// A UDP port is UDP everywhere: chain-name hashes, matches, DNAT and map elements.
+    #[test]
+    fn udp_rules() {
+        let mut s = services(1, 0).remove(0);
+        let tcp_chains = (ipt_svc_chain(&s), nft_svc_chain(&s));
+        s.proto = Proto::Udp;
+        s.node_port = Some(30053);
+        assert_ne!(ipt_svc_chain(&s), tcp_chains.0);
+        assert!(nft_svc_chain(&s).ends_with("-bench/svc-00000/udp/http"));
+        let one = std::slice::from_ref(&s);
+        let nft = nft_full(one);
+        assert!(!nft.contains("tcp"), "{nft}");
+        assert!(nft.contains("service-nodeports { udp . 30053 : goto external-"));
+        assert!(nft.contains(&format!(". udp . {SVC_PORT} : goto service-")));
+        assert!(nft.contains("meta l4proto udp dnat to"));
+        let ipt = iptables_full(one);
+        assert!(!ipt.contains("-p tcp"), "{ipt}");
+        assert!(ipt.contains("-m udp -p udp --dport 30053 -j KUBE-EXT-"));
+        assert!(service_json(&s).contains(r#""protocol":"UDP""#));
+        assert!(slice_json(&s).contains(r#""protocol":"UDP""#));
     }
 
     /// The cleanup deletes every jump and chain the full sync created.

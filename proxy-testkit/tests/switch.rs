@@ -69,6 +69,7 @@ fn web(n: usize) -> Svc {
         vip: VIP,
         endpoints: (0..n).map(|i| (pod(i), rules::REAL_PORT)).collect(),
         node_port: Some(NODE_PORT),
+        proto: rules::Proto::Tcp,
     }
 }
 

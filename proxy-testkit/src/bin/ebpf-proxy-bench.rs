@@ -20,6 +20,8 @@
 //! spawn); traffic goes only to lab addresses (198.18.0.0/15); every loop is bounded in count
 //! and time. The agent's pins live in `/sys/fs/bpf/ebpf-proxy-bench` and are removed.
 
+#[path = "bench/northsouth.rs"]
+mod northsouth;
 #[path = "bench/progstats.rs"]
 mod progstats;
 #[path = "bench/report.rs"]
@@ -68,10 +70,22 @@ struct Cli {
 
 #[derive(clap::Args, Clone, Debug)]
 struct Opts {
-    /// Small run for development: N = 100,1000, one run, 10 changes at N=1000, 1 s / 2000
-    /// connections per data path case.
+    /// Small run for development: N = 100,1000 (north-south: 100), one run, 10 changes at
+    /// N=1000, 1 s / 2000 connections per data path case.
     #[arg(long)]
     quick: bool,
+    /// Run one part only: `cluster-ip` (control plane, memory and the socket path to a
+    /// ClusterIP) or `north-south` (NodePorts from a client outside the cluster).
+    #[arg(long, value_parser = ["cluster-ip", "north-south"])]
+    only: Option<String>,
+    /// North-south: numbers of ClusterIP services (10 endpoints each) loaded next to the
+    /// four NodePort services (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1000")]
+    ns_services: Vec<usize>,
+    /// North-south: UDP requests per case and path (upper bound; `--conn-secs` bounds the
+    /// time).
+    #[arg(long, default_value_t = 2_000_000)]
+    udp_count: usize,
     /// Numbers of services (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "100,1000,10000,30000")]
     services: Vec<usize>,
@@ -146,6 +160,26 @@ enum Sub {
         #[arg(long)]
         name: String,
     },
+    /// (internal) UDP load client: request/reply on one flow, one JSON line of results.
+    #[command(hide = true)]
+    UdpClient {
+        #[arg(long)]
+        to: SocketAddr,
+        #[arg(long)]
+        count: usize,
+        #[arg(long)]
+        secs: f64,
+        #[arg(long, default_value_t = 200)]
+        warmup: usize,
+    },
+    /// (internal) UDP server: answers every datagram with NAME.
+    #[command(hide = true)]
+    ServeUdp {
+        #[arg(long)]
+        listen: SocketAddr,
+        #[arg(long)]
+        name: String,
+    },
 }
 
 static STOP: AtomicBool = AtomicBool::new(false);
@@ -171,6 +205,13 @@ fn main() -> ExitCode {
             warmup,
         }) => client(&to, count, secs, warmup),
         Some(Sub::Serve { listen, name }) => serve(listen, &name),
+        Some(Sub::UdpClient {
+            to,
+            count,
+            secs,
+            warmup,
+        }) => northsouth::udp_client_main(to, count, secs, warmup),
+        Some(Sub::ServeUdp { listen, name }) => northsouth::serve_udp(listen, &name),
         None => {
             for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
                 // SAFETY: the handler only stores to an atomic (async-signal-safe).
@@ -337,6 +378,12 @@ fn bench(mut o: Opts) -> Result<()> {
         o.changes = 10;
         o.conn_count = 2000;
         o.conn_secs = 1.0;
+        o.ns_services = vec![100];
+    }
+    let cluster_ip = o.only.as_deref() != Some("north-south");
+    let north_south = o.only.as_deref() != Some("cluster-ip");
+    if !cluster_ip {
+        o.services.clear();
     }
     for c in &o.cases {
         ensure!(
@@ -371,8 +418,42 @@ fn bench(mut o: Opts) -> Result<()> {
     let machine = report::Machine::detect();
     eprintln!("machine: {}", machine.line());
     let started = Instant::now();
-    let mut env = setup(&o, me, agent_bin)?;
     let mut results = Results::new(machine, &o.services, o.runs, &o.change_at, o.changes);
+    if cluster_ip {
+        cluster_ip_part(
+            &o,
+            me.clone(),
+            agent_bin.clone(),
+            &cases,
+            &mut results,
+            started,
+        )?;
+    }
+    if north_south {
+        northsouth::run(&o, &me, &agent_bin, &cases, &mut results)?;
+    }
+    results.total_s = started.elapsed().as_secs_f64();
+    results.write(&o.out)?;
+    report::charts(&results, &o.out)?;
+    print!("{}", results.markdown());
+    eprintln!(
+        "\nwrote {}/results.md, results.json and the charts ({:.0?})",
+        o.out.display(),
+        started.elapsed()
+    );
+    Ok(())
+}
+
+/// The control plane, memory and socket-path part: every case at every N.
+fn cluster_ip_part(
+    o: &Opts,
+    me: PathBuf,
+    agent_bin: PathBuf,
+    cases: &[Case],
+    results: &mut Results,
+    started: Instant,
+) -> Result<()> {
+    let mut env = setup(o, me, agent_bin)?;
     for run in 0..o.runs {
         for &n in &o.services {
             check_stop()?;
@@ -385,7 +466,7 @@ fn bench(mut o: Opts) -> Result<()> {
             let real = n / 2;
             let svcs = rules::services(n, real);
             let change_svc = if real == 0 { 1.min(n - 1) } else { 0 };
-            for &case in &cases {
+            for &case in cases {
                 check_stop()?;
                 results.note_load();
                 if let Some(&t) = results.timed_out.get(case.key())
@@ -395,13 +476,11 @@ fn bench(mut o: Opts) -> Result<()> {
                     continue;
                 }
                 let r = match case {
-                    Case::Ebpf => {
-                        run_ebpf(&mut env, &o, &svcs, real, change_svc, &mut results, run)
-                    }
+                    Case::Ebpf => run_ebpf(&mut env, o, &svcs, real, change_svc, results, run),
                     Case::Iptables | Case::Nftables => {
-                        run_rules(&env, &o, case, &svcs, real, change_svc, &mut results, run)
+                        run_rules(&env, o, case, &svcs, real, change_svc, results, run)
                     }
-                    Case::Direct => run_direct(&env, &o, n, &mut results, run),
+                    Case::Direct => run_direct(&env, o, n, results, run),
                 };
                 if let Err(e) = r {
                     if STOP.load(Ordering::SeqCst) {
@@ -417,15 +496,6 @@ fn bench(mut o: Opts) -> Result<()> {
             results.write(&o.out)?;
         }
     }
-    results.total_s = started.elapsed().as_secs_f64();
-    results.write(&o.out)?;
-    report::charts(&results, &o.out)?;
-    print!("{}", results.markdown());
-    eprintln!(
-        "\nwrote {}/results.md, results.json, control_plane.png, data_path.png ({:.0?})",
-        o.out.display(),
-        started.elapsed()
-    );
     drop(env);
     Ok(())
 }
@@ -536,9 +606,23 @@ fn run_client(
 ) -> Result<ClientResult> {
     let pod = &env.clients[&case];
     let cg = (case == Case::Ebpf).then(|| env.cg.path());
-    let out = pod.output(
+    run_client_in(&env.me, &pod.path(), cg, to, count, secs, warmup)
+}
+
+/// Runs the load client (this binary, `me`) in the namespace at `ns` and `cgroup`.
+fn run_client_in(
+    me: &Path,
+    ns: &Path,
+    cg: Option<&Path>,
+    to: &str,
+    count: usize,
+    secs: f64,
+    warmup: usize,
+) -> Result<ClientResult> {
+    let out = testbed::output_in(
+        Some(ns),
         cg,
-        Command::new(&env.me).args([
+        Command::new(me).args([
             "client",
             "--to",
             to,
@@ -1065,11 +1149,32 @@ fn apply_in(
     timeout: Duration,
 ) -> Result<Duration> {
     let pod = &env.clients[&case];
-    let ns = pod.path();
     ensure!(
-        ns.starts_with(testbed::NETNS_RUN_DIR) && pod.netns.starts_with(&format!("{LAB}-")),
+        pod.netns.starts_with(&format!("{LAB}-")),
         "refusing to run {program} outside a bench namespace"
     );
+    apply_in_netns(&pod.path(), program, args, input, timeout)
+}
+
+/// Runs `program args` with `input` on stdin inside the bench namespace at `ns` (a path
+/// under /run/netns whose name starts with the bench's prefix [`LAB`]); returns how long
+/// it took.
+fn apply_in_netns(
+    ns: &Path,
+    program: &str,
+    args: &[&str],
+    input: &Path,
+    timeout: Duration,
+) -> Result<Duration> {
+    ensure!(
+        ns.parent() == Some(Path::new(testbed::NETNS_RUN_DIR))
+            && ns
+                .file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with(LAB)),
+        "refusing to run {program} outside a bench namespace ({})",
+        ns.display()
+    );
+    let ns = ns.to_path_buf();
     let mut cmd = Command::new(program);
     cmd.args(args)
         .stdin(fs::File::open(input)?)

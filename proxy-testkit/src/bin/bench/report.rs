@@ -104,12 +104,15 @@ pub enum Sample {
     Prog(String, f64),
     /// BPF time of every measured program together per connection, nanoseconds.
     BpfNsPerConn(f64),
+    /// A north-south metric `<path>:<what>` (e.g. `tcp_remote:rate`), stored as
+    /// `ns:<path>:<what>`.
+    NorthSouth(String, f64),
 }
 
 impl Sample {
     fn split(&self) -> (&str, f64) {
         match *self {
-            Sample::Prog(ref m, v) => (m.as_str(), v),
+            Sample::Prog(ref m, v) | Sample::NorthSouth(ref m, v) => (m.as_str(), v),
             Sample::BpfNsPerConn(v) => ("bpf_ns_per_conn", v),
             Sample::ColdMs(v) => ("cold_ms", v),
             Sample::ColdWallMs(v) => ("cold_wall_ms", v),
@@ -240,6 +243,8 @@ pub struct Results {
     pub load: Vec<f64>,
     /// Peers whose cold load timed out, with the N at which it did.
     pub timed_out: BTreeMap<String, usize>,
+    /// North-south: the numbers of ClusterIP services loaded next to the node ports.
+    pub north_south: Vec<usize>,
     /// `case/N/metric` -> samples (one per run; for changes, one per change).
     pub samples: BTreeMap<String, Vec<f64>>,
 }
@@ -261,13 +266,20 @@ impl Results {
             total_s: 0.0,
             failures: Vec::new(),
             timed_out: BTreeMap::new(),
+            north_south: Vec::new(),
             load: Vec::new(),
             samples: BTreeMap::new(),
         }
     }
 
     pub fn add(&mut self, case: Case, n: usize, _run: usize, s: Sample) {
+        let prefix = if matches!(s, Sample::NorthSouth(..)) {
+            "ns:"
+        } else {
+            ""
+        };
         let (m, v) = s.split();
+        let m = format!("{prefix}{m}");
         self.samples
             .entry(format!("{}/{n}/{m}", case.key()))
             .or_default()
@@ -356,45 +368,8 @@ impl Results {
             );
         }
         o.push_str(&self.headline());
-        let _ = writeln!(
-            o,
-            "\n### Data path latency (µs per connection: connect, request, reply, close)\n"
-        );
-        let _ = writeln!(
-            o,
-            "| N | direct p50 / p99 | ebpf-proxy p50 / p99 | iptables p50 / p99 | nftables p50 / p99 |"
-        );
-        let _ = writeln!(o, "| ---: | ---: | ---: | ---: | ---: |");
-        for &n in &self.services {
-            let c = |case| {
-                format!(
-                    "{} / {}",
-                    self.cell(case, n, "p50_us", 0),
-                    self.cell(case, n, "p99_us", 0)
-                )
-            };
-            let _ = writeln!(
-                o,
-                "| {n} | {} | {} | {} | {} |",
-                c(Case::Direct),
-                c(Case::Ebpf),
-                c(Case::Iptables),
-                c(Case::Nftables)
-            );
-        }
-        let _ = writeln!(
-            o,
-            "\n### Rule-set size of the peers (lines of restore / nft input)\n"
-        );
-        let _ = writeln!(o, "| N | iptables-restore lines | nft -f lines |");
-        let _ = writeln!(o, "| ---: | ---: | ---: |");
-        for &n in &self.services {
-            let _ = writeln!(
-                o,
-                "| {n} | {} | {} |",
-                self.cell(Case::Iptables, n, "rule_lines", 0),
-                self.cell(Case::Nftables, n, "rule_lines", 0)
-            );
+        if !self.services.is_empty() {
+            o.push_str(&self.cluster_ip_details());
         }
         let errs: Vec<String> = Case::ALL
             .iter()
@@ -580,6 +555,62 @@ impl Results {
     /// The tables that go into the README.
     pub fn headline(&self) -> String {
         let mut o = String::new();
+        if !self.services.is_empty() {
+            o.push_str(&self.cluster_ip_tables());
+        }
+        o.push_str(&self.north_south_tables());
+        o
+    }
+
+    /// The socket-path latency and the peers' rule-set sizes (results.md only).
+    fn cluster_ip_details(&self) -> String {
+        let mut o = String::new();
+        let _ = writeln!(
+            o,
+            "\n### Data path latency (µs per connection: connect, request, reply, close)\n"
+        );
+        let _ = writeln!(
+            o,
+            "| N | direct p50 / p99 | ebpf-proxy p50 / p99 | iptables p50 / p99 | nftables p50 / p99 |"
+        );
+        let _ = writeln!(o, "| ---: | ---: | ---: | ---: | ---: |");
+        for &n in &self.services {
+            let c = |case| {
+                format!(
+                    "{} / {}",
+                    self.cell(case, n, "p50_us", 0),
+                    self.cell(case, n, "p99_us", 0)
+                )
+            };
+            let _ = writeln!(
+                o,
+                "| {n} | {} | {} | {} | {} |",
+                c(Case::Direct),
+                c(Case::Ebpf),
+                c(Case::Iptables),
+                c(Case::Nftables)
+            );
+        }
+        let _ = writeln!(
+            o,
+            "\n### Rule-set size of the peers (lines of restore / nft input)\n"
+        );
+        let _ = writeln!(o, "| N | iptables-restore lines | nft -f lines |");
+        let _ = writeln!(o, "| ---: | ---: | ---: |");
+        for &n in &self.services {
+            let _ = writeln!(
+                o,
+                "| {n} | {} | {} |",
+                self.cell(Case::Iptables, n, "rule_lines", 0),
+                self.cell(Case::Nftables, n, "rule_lines", 0)
+            );
+        }
+        o
+    }
+
+    /// The control plane, socket data path and memory tables.
+    fn cluster_ip_tables(&self) -> String {
+        let mut o = String::new();
         o.push_str(&self.targets());
         let _ = writeln!(
             o,
@@ -706,6 +737,139 @@ impl Results {
             );
         }
         o
+    }
+
+    /// A north-south cell: median (min–max) of `ns:<path>:<what>`.
+    fn ns_cell(&self, case: Case, n: usize, path: &str, what: &str, digits: usize) -> String {
+        self.cell(case, n, &format!("ns:{path}:{what}"), digits)
+    }
+
+    /// The north-south tables: rates side by side with their ratio to plain routing, TCP
+    /// latency, ebpf-proxy's tc program costs, and losses.
+    pub fn north_south_tables(&self) -> String {
+        let mut o = String::new();
+        const CASES: [Case; 4] = [Case::Direct, Case::Ebpf, Case::Nftables, Case::Iptables];
+        for &n in &self.north_south {
+            let _ = writeln!(
+                o,
+                "\n### North-south: NodePorts from a client outside the cluster (ratio to plain routing), {n} ClusterIP services loaded too\n"
+            );
+            let _ = writeln!(
+                o,
+                "TCP: new connections per second, each with a one-line request and reply; UDP: request/reply exchanges per second on one flow (32-byte datagrams, {} in flight).\n",
+                32
+            );
+            let _ = writeln!(o, "| path | {} |", CASES.map(ns_label).join(" | "));
+            let _ = writeln!(o, "| --- | ---: | ---: | ---: | ---: |");
+            for (path, label) in NS_PATHS {
+                let m = format!("ns:{path}:rate");
+                let cells: Vec<String> = CASES
+                    .iter()
+                    .map(|&c| {
+                        let v = self.cell(c, n, &m, 0);
+                        if c == Case::Direct || v == "–" {
+                            v
+                        } else {
+                            format!("{v} ({})", self.ratio(c, n, &m))
+                        }
+                    })
+                    .collect();
+                let _ = writeln!(o, "| {label} | {} |", cells.join(" | "));
+            }
+            let _ = writeln!(
+                o,
+                "\nTCP latency per connection, p50 / p99 (µs):\n\n| path | {} |\n| --- | ---: | ---: | ---: | ---: |",
+                CASES.map(ns_label).join(" | ")
+            );
+            for (path, label) in NS_PATHS.iter().filter(|(p, _)| p.starts_with("tcp")) {
+                let cells: Vec<String> = CASES
+                    .iter()
+                    .map(|&c| {
+                        format!(
+                            "{} / {}",
+                            self.ns_cell(c, n, path, "p50_us", 0),
+                            self.ns_cell(c, n, path, "p99_us", 0)
+                        )
+                    })
+                    .collect();
+                let _ = writeln!(o, "| {label} | {} |", cells.join(" | "));
+            }
+            let any_bpf = NS_PATHS.iter().any(|(p, _)| {
+                self.get(Case::Ebpf, n, &format!("ns:{p}:bpf_ns_per_flow"))
+                    .is_some()
+            });
+            if any_bpf {
+                let _ = writeln!(
+                    o,
+                    "\nebpf-proxy's tc programs (kernel program statistics): ns per packet x packets per TCP connection or UDP exchange, and BPF ns per connection or exchange (warm-up included):\n"
+                );
+                let _ = writeln!(
+                    o,
+                    "| path | tc_ingress | tc_egress | BPF ns per connection / exchange |"
+                );
+                let _ = writeln!(o, "| --- | ---: | ---: | ---: |");
+                for (path, label) in NS_PATHS {
+                    let prog = |name: &str| {
+                        let g = |m: &str| self.get(Case::Ebpf, n, &format!("ns:{path}:{m}:{name}"));
+                        match (g("ns_per_run"), g("runs_per_flow")) {
+                            (Some(a), Some(b)) => format!("{:.0} x {:.2}", a.med, b.med),
+                            _ => "–".into(),
+                        }
+                    };
+                    let _ = writeln!(
+                        o,
+                        "| {label} | {} | {} | {} |",
+                        prog("tc_ingress"),
+                        prog("tc_egress"),
+                        self.ns_cell(Case::Ebpf, n, path, "bpf_ns_per_flow", 0)
+                    );
+                }
+            }
+            let mut problems = Vec::new();
+            for c in CASES {
+                for (path, label) in NS_PATHS {
+                    for (what, unit) in [("errors", "failed"), ("lost", "lost")] {
+                        if let Some(s) = self.get(c, n, &format!("ns:{path}:{what}"))
+                            && s.max > 0.0
+                        {
+                            problems.push(format!(
+                                "{} — {label}: up to {} {unit} per run",
+                                ns_label(c),
+                                s.max
+                            ));
+                        }
+                    }
+                }
+            }
+            if !problems.is_empty() {
+                let _ = writeln!(o, "\nFailed connections and lost UDP requests:\n");
+                for p in problems {
+                    let _ = writeln!(o, "- {p}");
+                }
+            }
+        }
+        o
+    }
+}
+
+/// The north-south paths: metric key and label.
+const NS_PATHS: [(&str, &str); 4] = [
+    ("tcp_local", "TCP conn/s, backend on the node"),
+    ("tcp_remote", "TCP conn/s, backend on another node (SNAT)"),
+    ("udp_local", "UDP exchanges/s, backend on the node"),
+    (
+        "udp_remote",
+        "UDP exchanges/s, backend on another node (SNAT)",
+    ),
+];
+
+/// A case's name in the north-south tables.
+fn ns_label(c: Case) -> &'static str {
+    match c {
+        Case::Direct => "plain routing (floor)",
+        Case::Ebpf => "ebpf-proxy (tc)",
+        Case::Nftables => "kube-proxy nftables rules",
+        Case::Iptables => "kube-proxy iptables rules",
     }
 }
 
@@ -845,6 +1009,17 @@ pub fn charts(r: &Results, dir: &Path) -> Result<()> {
     plotters::style::register_font("sans-serif", FontStyle::Normal, font)
         .map_err(|_| anyhow::anyhow!("invalid font {FONT}"))?;
 
+    if !r.services.is_empty() {
+        cluster_ip_charts(r, dir)?;
+    }
+    if let Some(&n) = r.north_south.last() {
+        north_south_chart(r, n, dir)?;
+    }
+    Ok(())
+}
+
+/// Writes `control_plane.png` and `data_path.png`.
+fn cluster_ip_charts(r: &Results, dir: &Path) -> Result<()> {
     let cp = dir.join("control_plane.png");
     {
         let root = BitMapBackend::new(&cp, (1000, 620)).into_drawing_area();
@@ -918,6 +1093,106 @@ pub fn charts(r: &Results, dir: &Path) -> Result<()> {
         )?;
         root.present().context("write data_path.png")?;
     }
+    Ok(())
+}
+
+/// Writes `north_south.png`: the north-south rates at N (bars: median, whiskers: min–max
+/// over runs), TCP and UDP side by side, each with the local and the remote backend.
+fn north_south_chart(r: &Results, n: usize, dir: &Path) -> Result<()> {
+    const CASES: [Case; 4] = [Case::Direct, Case::Ebpf, Case::Nftables, Case::Iptables];
+    let file = dir.join("north_south.png");
+    let root = BitMapBackend::new(&file, (1200, 560)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let (title, body) = root.split_vertically(40);
+    title.draw(&Text::new(
+        format!(
+            "NodePorts from a client outside the cluster, {n} ClusterIP services loaded too — {}",
+            short_machine(r)
+        ),
+        (20, 10),
+        ("sans-serif", 20),
+    ))?;
+    let panels = body.split_evenly((1, 2));
+    for (area, (proto, unit)) in panels.iter().zip([
+        (
+            "tcp",
+            "new TCP connections / s (connect, request, reply, close)",
+        ),
+        (
+            "udp",
+            "UDP request/reply exchanges / s (one flow, 32 in flight)",
+        ),
+    ]) {
+        let stats: Vec<Vec<Option<Stat>>> = ["local", "remote"]
+            .iter()
+            .map(|side| {
+                CASES
+                    .iter()
+                    .map(|&c| r.get(c, n, &format!("ns:{proto}_{side}:rate")))
+                    .collect()
+            })
+            .collect();
+        let ymax = stats
+            .iter()
+            .flatten()
+            .flatten()
+            .map(|s| s.max)
+            .fold(0.0, f64::max);
+        if ymax <= 0.0 {
+            continue;
+        }
+        let mut chart = ChartBuilder::on(area)
+            .caption(proto.to_uppercase(), ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(70)
+            .build_cartesian_2d(0.0..2.0, 0.0..ymax * 1.3)?;
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .light_line_style(WHITE)
+            // Key points at 0, 0.5, .., 2: the groups' centres carry their names.
+            .x_labels(5)
+            .x_label_formatter(&|v: &f64| {
+                if (v - 0.5).abs() < 0.01 {
+                    "backend on the node".into()
+                } else if (v - 1.5).abs() < 0.01 {
+                    "backend on another node (SNAT)".into()
+                } else {
+                    String::new()
+                }
+            })
+            .y_desc(unit)
+            .y_label_formatter(&|v: &f64| format!("{v:.0}"))
+            .label_style(("sans-serif", 14))
+            .axis_desc_style(("sans-serif", 14))
+            .draw()?;
+        for (k, &case) in CASES.iter().enumerate() {
+            let c = case.color();
+            let bars: Vec<(f64, Stat)> = stats
+                .iter()
+                .enumerate()
+                .filter_map(|(g, row)| Some((g as f64 + 0.1 + 0.2 * k as f64, row[k]?)))
+                .collect();
+            chart
+                .draw_series(bars.iter().map(|(x, s)| {
+                    Rectangle::new([(*x + 0.01, 0.0), (*x + 0.19, s.med)], c.filled())
+                }))?
+                .label(ns_label(case))
+                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], c.filled()));
+            chart.draw_series(bars.iter().map(|(x, s)| {
+                ErrorBar::new_vertical(*x + 0.1, s.min, s.med, s.max, BLACK.stroke_width(1), 8)
+            }))?;
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .label_font(("sans-serif", 14))
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()?;
+    }
+    root.present().context("write north_south.png")?;
     Ok(())
 }
 
