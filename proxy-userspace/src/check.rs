@@ -44,6 +44,11 @@ use crate::{
 /// `bpf_link` (5.7).
 pub const MIN_KERNEL: (u32, u32) = (5, 18);
 
+/// The oldest kernel the north-south (tc) programs attach on: tcx links (6.6). Below it,
+/// ClusterIPs work from the node's own sockets, but NodePorts, external IPs and LB IPs are
+/// not served to traffic entering the node.
+pub const MIN_TCX_KERNEL: (u32, u32) = (6, 6);
+
 /// Outcome of one check.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -200,8 +205,20 @@ fn kernel() -> CheckResult {
             format!("make sure the kernel is Linux >= {maj}.{min}"),
         );
     };
+    let (tmaj, tmin) = MIN_TCX_KERNEL;
     match parse_kernel_release(&release) {
-        Some(v) if v >= MIN_KERNEL => CheckResult::ok("kernel", format!("{release} ({need})")),
+        Some(v) if v >= MIN_TCX_KERNEL => CheckResult::ok(
+            "kernel",
+            format!("{release} ({need}, >= {tmaj}.{tmin} for tcx)"),
+        ),
+        Some(v) if v >= MIN_KERNEL => CheckResult::bad(
+            "kernel",
+            Status::Warn,
+            format!(
+                "{release}: the socket programs load ({need}), but the north-south programs need tcx (>= {tmaj}.{tmin}): NodePorts, external IPs and LB IPs are not served to traffic entering the node"
+            ),
+            format!("upgrade the node to Linux >= {tmaj}.{tmin}"),
+        ),
         Some(_) => CheckResult::bad(
             "kernel",
             Status::Fail,

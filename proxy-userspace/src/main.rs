@@ -221,6 +221,9 @@ fn explain(args: ExplainArgs) -> Result<()> {
         ..Default::default()
     };
     let model = if let Some(m) = &args.manifests {
+        // As `run`: a path that is not a readable directory is an error, not an empty set.
+        std::fs::read_dir(m)
+            .with_context(|| format!("--manifests {}: cannot read the directory", m.display()))?;
         let (objects, errors) = proxy_userspace::source::manifests::load_dir(m);
         for e in errors {
             eprintln!("warning: {e}");
