@@ -24,6 +24,7 @@
 
 #![no_std]
 
+pub mod monitor;
 pub mod nat;
 
 /// IANA protocol number of TCP.

@@ -139,6 +139,9 @@ fn translate4<B: Buf>(b: &B, l4: usize) -> Result<bool, Verdict> {
         ok(b.l4_csum_replace(icmp_csum, old as u64, new as u64, 2))?;
     }
     count_tc(TcCounter::IcmpTranslated);
+    if crate::monitor::on() {
+        crate::monitor::tuple_event(icmp_word(), &rkey, e);
+    }
     Ok(true)
 }
 
@@ -242,8 +245,25 @@ fn translate6<B: Buf>(b: &B, l4: usize, ingress: bool) -> Result<Verdict, Verdic
         l4_csum6(b, csum, idport as u64, new_sport as u64, 2)?;
     }
     count_tc(TcCounter::IcmpTranslated);
+    if crate::monitor::on() {
+        crate::monitor::tuple_event(icmp_word(), &sc.rkey, e);
+    }
     if ingress {
         return Ok(redirect_out(b, &sc.ekey.saddr, &sc.ekey.daddr));
     }
     Ok(pass)
+}
+
+/// The monitor event word of a translated ICMP error (a tuple event, see
+/// `monitor::tuple_event`: the quoted flow's entry that matched).
+#[inline(always)]
+fn icmp_word() -> u64 {
+    use proxy_common::monitor::{ALGORITHM_UNKNOWN, EVENT_F_TUPLE, EventKind, EventReason};
+    crate::monitor::word(
+        EventKind::IcmpTranslate,
+        EventReason::None,
+        EVENT_F_TUPLE,
+        ALGORITHM_UNKNOWN,
+        0,
+    )
 }

@@ -176,6 +176,9 @@ pub fn select(fe: &Frontend, req: &Request) -> u32 {
     let now = unsafe { bpf_ktime_get_ns() };
     if fe.affinity_timeout_s != 0 {
         let id = affine(fe, &client.addr, now);
+        if crate::monitor::on() {
+            crate::monitor::note_affinity(fe.service_id, id != 0);
+        }
         if id != 0 {
             // Refreshed here rather than inside `affine`: one call level less on the stack.
             remember_affinity(fe.affinity_group, &client.addr, id, now);

@@ -24,7 +24,8 @@
 //!   packets);
 //! - [`icmp`]: translation of ICMP and ICMPv6 errors quoting a translated packet;
 //! - [`fib`]: sending a packet on to its next hop with a FIB lookup;
-//! - [`stats`]: per-CPU counters; [`maps`]: every map.
+//! - [`stats`]: per-CPU counters; [`monitor`]: the event stream of `ebpf-proxy monitor`;
+//!   [`maps`]: every map.
 //!
 //! Layouts of map keys and values come from `proxy-common` only.
 
@@ -43,6 +44,7 @@ mod icmp;
 mod lb;
 mod lc;
 mod maps;
+mod monitor;
 mod nat;
 mod packet;
 mod skb;

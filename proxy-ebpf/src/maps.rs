@@ -5,7 +5,9 @@
 
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
-    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, LruPerCpuHashMap, PerCpuArray, PerCpuHashMap},
+    btf_maps::{
+        Array, HashMap, LpmTrie, LruHashMap, LruPerCpuHashMap, PerCpuArray, PerCpuHashMap, RingBuf,
+    },
     macros::btf_map,
 };
 use proxy_common::{
@@ -13,6 +15,7 @@ use proxy_common::{
     DEFAULT_MAX_FRONTENDS, DEFAULT_MAX_MAGLEV, DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCKETS, Frontend,
     FrontendKey, MaglevTable, MemberKey, RevNatKey, RevNatValue, ServiceName, ServiceStats,
     UdpFlow, UdpFlowKey,
+    monitor::{MONITOR_RING_BYTES, MonitorCpu, MonitorCtl, MonitorEvent},
     nat::{
         CtEntry, CtKey, DEFAULT_MAX_CONNTRACK, IfaceAddr, MAX_IFACES, MAX_LOCAL_ENDPOINTS,
         MAX_SOURCE_RANGES, SourceRange, TC_COUNTER_MAX, TcConfig,
@@ -192,8 +195,37 @@ pub struct Scratch {
     pub count_refused: u32,
     /// 1 when the new flow is counted for the least-load algorithms (`TC_LC_FLOWS`).
     pub count_lc: u32,
+    /// The monitor event of the new flow's decision (`monitor::word`; 0: none), emitted
+    /// by the entry point.
+    pub mon: u64,
+    /// Service id of that decision (0 before the frontend is known).
+    pub mon_sid: u32,
+    /// Backend id of that decision (0: none).
+    pub mon_bid: u32,
 }
 
 /// One [`Scratch`] per CPU.
 #[btf_map]
 pub static TC_SCRATCH: PerCpuArray<Scratch, 1> = PerCpuArray::new();
+
+// ---------------------------------------------------------------------------------------
+// The event stream of `ebpf-proxy monitor` (see `proxy_common::monitor`)
+// ---------------------------------------------------------------------------------------
+
+/// Event records for the monitor; see `proxy_common::monitor::MONITOR_EVENTS`.
+#[btf_map]
+pub static MONITOR_EVENTS: RingBuf<MonitorEvent, { MONITOR_RING_BYTES as usize }> = RingBuf::new();
+
+/// The monitor's lease and rate (index 0); see `proxy_common::monitor::MONITOR_CTL`.
+#[btf_map]
+pub static MONITOR_CTL: Array<MonitorCtl, 1> = Array::new();
+
+/// Per-CPU token bucket and event counters; see `proxy_common::monitor::MONITOR_CPU`.
+#[btf_map]
+pub static MONITOR_CPU: PerCpuArray<MonitorCpu, 1> = PerCpuArray::new();
+
+/// Per-CPU note of the last selection's ClientIP affinity outcome, `service id << 8 |
+/// EVENT_F_AFFINITY_*`, written by `lb::select` while a monitor runs and taken by the
+/// emitter of the same connection's event. Never read by the agent.
+#[btf_map]
+pub static MONITOR_AFFINITY: PerCpuArray<u64, 1> = PerCpuArray::new();

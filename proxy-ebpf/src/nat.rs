@@ -31,6 +31,10 @@ use aya_ebpf::{
 };
 use proxy_common::{
     Algorithm, FRONTEND_F_LOCAL_ONLY, Frontend, PROTO_TCP, counts_connections, is_v4_mapped,
+    monitor::{
+        ALGORITHM_UNKNOWN, EVENT_F_SNAT, EVENT_F_TUPLE, EventKind, EventReason, HOOK_TC_EGRESS,
+        HOOK_TC_INGRESS,
+    },
     nat::{
         CT_F_EGRESS, CT_F_REPLY, CT_F_SNAT, CtEntry, CtKey, IFACE_F_POD, SNAT_PORT_COUNT,
         SNAT_PORT_MIN, SNAT_PORT_TRIES, SOURCE_RANGE_RESTRICTED, SourceRange,
@@ -48,6 +52,7 @@ use crate::{
     maps::{
         TC_CONFIG, TC_CONNTRACK, TC_IFACE_ADDRS, TC_LOCAL_ENDPOINTS, TC_SCRATCH, TC_SOURCE_RANGES,
     },
+    monitor,
     packet::{Buf, Pkt, TCP_ACK, TCP_SYN},
     stats::{count_packet, count_service, count_tc},
     verdict::Verdict,
@@ -64,11 +69,11 @@ pub fn drop_with(c: TcCounter) -> Verdict {
 /// Local policy without local endpoints and rejects the rest; a packet program cannot
 /// answer cheaply, so it drops).
 #[inline(always)]
-fn refused(r: Refusal) -> Verdict {
-    drop_with(match r {
+fn refused(r: Refusal) -> TcCounter {
+    match r {
         Refusal::NoLocalEndpoints => TcCounter::DroppedNoLocalEndpoints,
         Refusal::NoEndpoints | Refusal::UndefinedPort => TcCounter::DroppedNoEndpoints,
-    })
+    }
 }
 
 /// A packet of a tracked flow: refreshes its entry (and the other direction's), follows
@@ -112,6 +117,21 @@ pub fn tracked<B: Buf>(
     if entry.flags & CT_F_EGRESS == 0 && is_closed(flags) && !is_closed(entry.flags) {
         // The flow closed: its least-connections count, if any, is given back now.
         flow_closed(&pkt.key, &entry);
+        if monitor::on() {
+            let hook = if ingress {
+                HOOK_TC_INGRESS
+            } else {
+                HOOK_TC_EGRESS
+            };
+            let w = monitor::word(
+                EventKind::FlowEnd,
+                EventReason::None,
+                EVENT_F_TUPLE,
+                ALGORITHM_UNKNOWN,
+                hook,
+            );
+            monitor::tuple_event(w, &pkt.key, e);
+        }
     }
     count_tc(TcCounter::Translated);
     // The SNAT stage is a second rewrite of a packet already counted at its DNAT.
@@ -224,7 +244,14 @@ fn snat_binding_held(key: &CtKey, entry: &CtEntry, now: u64) -> bool {
 #[inline(never)]
 pub fn new_flow<B: Buf>(b: &B, pkt: &Pkt, tcp_flags: u8, now: u64) -> Verdict {
     match try_new_flow(b, pkt, tcp_flags, now) {
-        Ok(v) | Err(v) => v,
+        Ok(v) => v,
+        Err(c) => {
+            count_tc(c);
+            if monitor::on() {
+                monitor::note_flow_drop(c as u32);
+            }
+            Verdict::Drop
+        }
     }
 }
 
@@ -270,8 +297,9 @@ fn consistent(algorithm: u8) -> bool {
         || algorithm == Algorithm::DestinationHash as u8
 }
 
+/// A drop is `Err` with the counter of its reason (counted by [`new_flow`]).
 #[inline(always)]
-fn try_new_flow<B: Buf>(b: &B, pkt: &Pkt, tcp_flags: u8, now: u64) -> Result<Verdict, Verdict> {
+fn try_new_flow<B: Buf>(b: &B, pkt: &Pkt, tcp_flags: u8, now: u64) -> Result<Verdict, TcCounter> {
     let k = &pkt.key;
     let ifindex = b.ifindex();
     // SAFETY: value of the map, one word read.
@@ -298,11 +326,12 @@ fn try_new_flow<B: Buf>(b: &B, pkt: &Pkt, tcp_flags: u8, now: u64) -> Result<Ver
         // Undefined ports of cluster IPs reached from outside are left alone.
         Lookup::NotService | Lookup::Refused(_) => return Ok(Verdict::Pass),
     };
+    sc.mon_sid = fe.service_id;
     if !starts_flow(k.proto, tcp_flags, fe.algorithm) {
         return Ok(Verdict::Pass);
     }
     if denied_by_source_ranges(&k.daddr, &k.saddr) {
-        return Err(drop_with(TcCounter::SourceRangeDenied));
+        return Err(TcCounter::SourceRangeDenied);
     }
     let id = select(&fe, &sc.req);
     // Counted by the caller (see `count_new_flow`).
@@ -315,7 +344,7 @@ fn try_new_flow<B: Buf>(b: &B, pkt: &Pkt, tcp_flags: u8, now: u64) -> Result<Ver
     // A backend of the other family (the model never pairs them; a packet cannot change
     // family here).
     if other_family(&bk.addr, pkt.v6) {
-        return Err(drop_with(TcCounter::RewriteFailed));
+        return Err(TcCounter::RewriteFailed);
     }
     let snat = needs_snat(&fe, &bk.addr, &k.saddr, cluster_ip);
     sc.fwd = CtEntry {
@@ -340,12 +369,12 @@ fn try_new_flow<B: Buf>(b: &B, pkt: &Pkt, tcp_flags: u8, now: u64) -> Result<Ver
     };
     if snat {
         let Some(node) = TC_IFACE_ADDRS.get_ptr(ifindex) else {
-            return Err(drop_with(TcCounter::NoSnatAddress));
+            return Err(TcCounter::NoSnatAddress);
         };
         // SAFETY: value of the map, read in place.
         let node = unsafe { if pkt.v6 { &(*node).v6 } else { &(*node).v4 } };
         if !snat_addr_usable(node, pkt.v6) {
-            return Err(drop_with(TcCounter::NoSnatAddress));
+            return Err(TcCounter::NoSnatAddress);
         }
         sc.fwd.flags = CT_F_SNAT;
         sc.rev.flags = CT_F_REPLY | CT_F_SNAT;
@@ -380,7 +409,7 @@ fn try_new_flow<B: Buf>(b: &B, pkt: &Pkt, tcp_flags: u8, now: u64) -> Result<Ver
             }
         }
         if !bound {
-            return Err(drop_with(TcCounter::SnatPortsExhausted));
+            return Err(TcCounter::SnatPortsExhausted);
         }
         // The SNAT stage, applied at egress (see the module documentation).
         sc.ekey = CtKey {
@@ -402,7 +431,7 @@ fn try_new_flow<B: Buf>(b: &B, pkt: &Pkt, tcp_flags: u8, now: u64) -> Result<Ver
             .is_err()
         {
             let _ = TC_CONNTRACK.remove(&sc.rkey);
-            return Err(drop_with(TcCounter::ConntrackFull));
+            return Err(TcCounter::ConntrackFull);
         }
         if TC_CONNTRACK
             .insert(&pkt.key, &sc.fwd, BPF_ANY as u64)
@@ -410,7 +439,7 @@ fn try_new_flow<B: Buf>(b: &B, pkt: &Pkt, tcp_flags: u8, now: u64) -> Result<Ver
         {
             let _ = TC_CONNTRACK.remove(&sc.rkey);
             let _ = TC_CONNTRACK.remove(&sc.ekey);
-            return Err(drop_with(TcCounter::ConntrackFull));
+            return Err(TcCounter::ConntrackFull);
         }
         count_tc(TcCounter::Snat);
     } else {
@@ -419,18 +448,29 @@ fn try_new_flow<B: Buf>(b: &B, pkt: &Pkt, tcp_flags: u8, now: u64) -> Result<Ver
             .insert(&sc.rkey, &sc.rev, BPF_ANY as u64)
             .is_err()
         {
-            return Err(drop_with(TcCounter::ConntrackFull));
+            return Err(TcCounter::ConntrackFull);
         }
         if TC_CONNTRACK
             .insert(&pkt.key, &sc.fwd, BPF_ANY as u64)
             .is_err()
         {
             let _ = TC_CONNTRACK.remove(&sc.rkey);
-            return Err(drop_with(TcCounter::ConntrackFull));
+            return Err(TcCounter::ConntrackFull);
         }
     }
     count_tc(TcCounter::NewFlow);
     sc.count_lc = counts_connections(fe.algorithm) as u32;
+    if monitor::on() {
+        let flags = if snat { EVENT_F_SNAT } else { 0 };
+        sc.mon = monitor::word(
+            EventKind::FlowNew,
+            EventReason::None,
+            flags,
+            fe.algorithm,
+            HOOK_TC_INGRESS,
+        );
+        sc.mon_bid = id;
+    }
     Ok(rewrite(b, pkt, &sc.fwd))
 }
 
@@ -443,6 +483,11 @@ pub fn count_new_flow(pkt: &Pkt) {
     };
     // SAFETY: this CPU's slot, used only while this program runs.
     let sc = unsafe { &mut *sc };
+    if sc.mon != 0 {
+        let w = sc.mon;
+        sc.mon = 0;
+        monitor::flow_event(w, sc);
+    }
     if sc.count_sid == 0 {
         return;
     }

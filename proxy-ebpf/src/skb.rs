@@ -13,7 +13,7 @@
 use aya_ebpf::{helpers::bpf_get_socket_cookie, macros::cgroup_skb, programs::SkBuffContext};
 use proxy_common::{Counter, PROTO_TCP};
 
-use crate::{maps::STALE_SOCKETS, stats::count};
+use crate::{maps::STALE_SOCKETS, monitor, stats::count};
 
 /// Verdict "pass" of a cgroup skb program.
 const PASS: i32 = 1;
@@ -40,8 +40,14 @@ pub fn sock_egress(ctx: SkBuffContext) -> i32 {
     }
     // SAFETY: helper on our own context; 0 when the packet has no socket.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.skb.skb as *mut _) };
-    if cookie != 0 && STALE_SOCKETS.get_ptr(cookie).is_some() {
+    if cookie != 0
+        && let Some(sid) = STALE_SOCKETS.get_ptr(cookie)
+    {
         count(Counter::DroppedStaleSocket);
+        if monitor::on() {
+            // SAFETY: a value of the map, one word read.
+            monitor::stale_event(ctx.skb.skb, cookie, unsafe { *sid });
+        }
         return DROP;
     }
     PASS

@@ -25,7 +25,9 @@ use aya_ebpf::{
 use proxy_common::{
     Backend, Counter, DEFAULT_UDP_FLOW_TIMEOUT_NS, Frontend, PROTO_TCP, PROTO_UDP,
     REVNAT_F_CONNECTED, REVNAT_F_COUNTED, RevNatKey, RevNatValue, UdpFlow, UdpFlowKey, bytes_of,
-    client_of_netns, counts_connections, is_v4_mapped, v4_mapped, v4_of_mapped, words_of,
+    client_of_netns, counts_connections, is_v4_mapped,
+    monitor::{ALGORITHM_UNKNOWN as ALG_UNKNOWN, EVENT_F_DATAGRAM, EVENT_F_STALE_REPAIRED},
+    v4_mapped, v4_of_mapped, words_of,
 };
 
 use crate::{
@@ -33,6 +35,7 @@ use crate::{
     lb::{Lookup, Refusal, Request, Scope, backend, lookup, select},
     lc,
     maps::{CONFIG, REVNAT_SK, STALE_SOCKETS, UDP_FLOWS},
+    monitor,
     stats::{count, count_service},
 };
 
@@ -289,21 +292,36 @@ fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
     };
     let fe = match lookup(&req.frontend, Scope::Node) {
         Lookup::NotService => return ALLOW,
-        Lookup::Refused(r) => return deny(r),
+        Lookup::Refused(r) => {
+            monitor::sock_refused(ctx.as_ptr(), r, &req, 0, ALG_UNKNOWN);
+            return deny(r);
+        }
         Lookup::Frontend { fe, .. } => fe,
     };
     client_of::<V6>(ctx, &mut req.client);
     let id = select(&fe, &req);
     let Some(b) = backend(id).filter(|_| id != 0) else {
+        let r = Refusal::no_backend(&fe);
+        monitor::sock_refused(ctx.as_ptr(), r, &req, fe.service_id, fe.algorithm);
         return no_endpoints(&fe);
     };
     if !write_addr::<V6>(sa, &b.addr, b.port) {
+        monitor::sock_refused(
+            ctx.as_ptr(),
+            Refusal::NoEndpoints,
+            &req,
+            fe.service_id,
+            fe.algorithm,
+        );
         return deny(Refusal::NoEndpoints);
     }
     let cookie = cookie(ctx);
+    let mut mon_flags = 0;
     if proto == PROTO_UDP {
         // Connecting again is how an application recovers a socket whose endpoint left.
-        let _ = STALE_SOCKETS.remove(cookie);
+        if STALE_SOCKETS.remove(cookie).is_ok() {
+            mon_flags = EVENT_F_STALE_REPAIRED;
+        }
     }
     let counted = counts_connections(fe.algorithm);
     let flags = if counted {
@@ -317,6 +335,14 @@ fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         lc::socket_counted(cookie, id);
     }
     count(Counter::Translated);
+    monitor::sock_translated(
+        ctx.as_ptr(),
+        mon_flags,
+        &req,
+        fe.service_id,
+        id,
+        fe.algorithm,
+    );
     ALLOW
 }
 
@@ -338,7 +364,10 @@ fn on_sendmsg<const V6: bool>(ctx: &SockAddrContext) -> i32 {
     };
     let fe = match lookup(&req.frontend, Scope::Node) {
         Lookup::NotService => return ALLOW,
-        Lookup::Refused(r) => return deny(r),
+        Lookup::Refused(r) => {
+            monitor::sock_refused(ctx.as_ptr(), r, &req, 0, ALG_UNKNOWN);
+            return deny(r);
+        }
         Lookup::Frontend { fe, .. } => fe,
     };
     let cookie = cookie(ctx);
@@ -364,14 +393,34 @@ fn on_sendmsg<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         id
     };
     let Some(b) = backend(id).filter(|_| id != 0) else {
+        let r = Refusal::no_backend(&fe);
+        monitor::sock_refused(ctx.as_ptr(), r, &req, fe.service_id, fe.algorithm);
         return no_endpoints(&fe);
     };
     if !write_addr::<V6>(sa, &b.addr, b.port) {
+        monitor::sock_refused(
+            ctx.as_ptr(),
+            Refusal::NoEndpoints,
+            &req,
+            fe.service_id,
+            fe.algorithm,
+        );
         return deny(Refusal::NoEndpoints);
     }
     save_flow(&fkey, id, fe.service_id, now, &b);
     remember(cookie, &b, &req, 0, fe.service_id);
     count(Counter::Translated);
+    if chosen == 0 {
+        // A new flow (a datagram of a known flow is not an event).
+        monitor::sock_translated(
+            ctx.as_ptr(),
+            EVENT_F_DATAGRAM,
+            &req,
+            fe.service_id,
+            id,
+            fe.algorithm,
+        );
+    }
     ALLOW
 }
 
@@ -428,6 +477,9 @@ fn on_reverse<const V6: bool, const RECV: bool>(ctx: &SockAddrContext) -> i32 {
     };
     if write_addr::<V6>(sa, &v.addr, v.port) {
         count(Counter::ReverseTranslated);
+        if monitor::on() {
+            monitor::reverse_event(ctx.as_ptr(), RECV, &key, &v);
+        }
     }
     if RECV {
         // A reply keeps the UDP flow active, as it refreshes a conntrack entry.

@@ -1698,3 +1698,74 @@ fn health_check_node_port_answers_on_ipv6_and_is_retried_after_a_busy_port() {
     assert_eq!(log.matches(busy).count(), 1, "reported once:\n{log}");
     assert!(log.contains("health-check server listening"), "{log}");
 }
+
+/// `ebpf-proxy monitor` on the tc path: one `flow-new` event per connection with the
+/// client, frontend and backend (no SNAT under a Local policy), a `flow-drop` with its
+/// reason on the node without a local endpoint, and the flows' ends.
+#[test]
+fn monitor_shows_tc_flows_drops_and_flow_ends() {
+    use common::MonitorRun;
+    let mut lab = Lab::new("mon");
+    web(
+        &lab,
+        "  externalTrafficPolicy: Local\n  healthCheckNodePort: 31000\n",
+        &[(POD_B0, "node-b")],
+    );
+    lab.start_agent(0, &[]);
+    lab.start_agent(1, &[]);
+    let c = lab.client_path();
+    let mon_a = MonitorRun::start(&lab.agents[0].pin, &[]);
+    let mon_b = MonitorRun::start(&lab.agents[1].pin, &[]);
+    for _ in 0..2 {
+        let (name, peer) = tcp_whoami(&c, &format!("{NODE_B}:30080"), T).unwrap();
+        assert_eq!(name, "b0");
+        assert_eq!(ip_of(&peer), CLIENT);
+    }
+    assert!(udp_whoami(&c, &format!("{NODE_A}:30053"), SHORT).is_err());
+    let a = mon_a.stop();
+    let b = mon_b.stop();
+
+    let new: Vec<&serde_json::Value> = b.iter().filter(|e| e["type"] == "flow-new").collect();
+    assert_eq!(new.len(), 2, "{b:#?}");
+    for e in &new {
+        assert_eq!(e["frontend"], format!("{NODE_B}:30080"), "{e}");
+        assert_eq!(e["backend"], format!("{POD_B0}:8080"), "{e}");
+        assert_eq!(e["protocol"], "TCP");
+        assert_eq!(e["hook"], "tc-ingress");
+        assert_eq!(e["service"], "default/web:http/TCP/v4/ingress", "{e}");
+        assert!(e["nat"].is_null(), "Local policy: no SNAT: {e}");
+        assert!(
+            e["client"]
+                .as_str()
+                .unwrap()
+                .starts_with(&format!("{CLIENT}:")),
+            "{e}"
+        );
+    }
+    assert_ne!(new[0]["client"], new[1]["client"], "two connections");
+    let ends: Vec<&serde_json::Value> = b.iter().filter(|e| e["type"] == "flow-end").collect();
+    assert_eq!(ends.len(), 2, "{b:#?}");
+    for e in &ends {
+        let involves_client = [&e["client"], &e["frontend"]]
+            .iter()
+            .any(|v| v.as_str().unwrap().starts_with(&format!("{CLIENT}:")));
+        assert!(involves_client, "{e}");
+    }
+
+    let drops: Vec<&serde_json::Value> = a.iter().filter(|e| e["type"] == "flow-drop").collect();
+    assert!(!drops.is_empty(), "{a:#?}");
+    for e in &drops {
+        assert_eq!(e["reason"], "no-local-endpoints", "{e}");
+        assert_eq!(e["frontend"], format!("{NODE_A}:30053"), "{e}");
+        assert_eq!(e["protocol"], "UDP");
+        assert!(e["backend"].is_null(), "{e}");
+        assert!(
+            e["client"]
+                .as_str()
+                .unwrap()
+                .starts_with(&format!("{CLIENT}:")),
+            "{e}"
+        );
+    }
+    assert!(a.iter().all(|e| e["type"] == "flow-drop"), "{a:#?}");
+}

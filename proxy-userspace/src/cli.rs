@@ -54,6 +54,10 @@ pub enum Command {
     /// List ClientIP session-affinity entries (service, client, backend, age, expiry), read
     /// from the pinned maps.
     Affinity(ServicesArgs),
+    /// Stream the data path's decisions as they happen (translations, refusals and drops
+    /// with their reason, reverse translations, stale sockets, tc flows, SNAT, flow ends,
+    /// ICMP errors), one line per event; a summary line when events were lost.
+    Monitor(MonitorArgs),
     /// Detach the programs and remove the pinned maps and links (like kube-proxy --cleanup).
     Cleanup(CleanupArgs),
     /// Preflight: check that this node can run the agent (kernel, BTF, bpffs, cgroup v2,
@@ -124,6 +128,60 @@ pub struct ExplainArgs {
     /// hostname].
     #[arg(long)]
     pub hostname_override: Option<String>,
+}
+
+/// Output format of `monitor`.
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MonitorOutput {
+    /// One human-readable line per event.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Arguments of `monitor`.
+#[derive(clap::Args, Debug)]
+pub struct MonitorArgs {
+    /// The pinned data path.
+    #[command(flatten)]
+    pub pins: PinArgs,
+    /// Only events of this Service (`namespace/name`).
+    #[arg(long)]
+    pub service: Option<String>,
+    /// Only events whose client, frontend or backend has this address.
+    #[arg(long)]
+    pub address: Option<std::net::IpAddr>,
+    /// Only events whose frontend or backend has this port.
+    #[arg(long)]
+    pub port: Option<u16>,
+    /// Only events of this protocol (tcp or udp).
+    #[arg(long)]
+    pub protocol: Option<String>,
+    /// Only events of these types (comma-separated): translate, refuse, reverse,
+    /// stale-drop, flow-new, flow-drop, flow-end, icmp.
+    #[arg(long = "type", value_delimiter = ',')]
+    pub types: Vec<String>,
+    /// Only events with these reasons (comma-separated): no-endpoints, undefined-port,
+    /// no-local-endpoints, stale-socket, source-range, no-snat-address,
+    /// snat-ports-exhausted, conntrack-full, rewrite-failed.
+    #[arg(long = "reason", value_delimiter = ',')]
+    pub reasons: Vec<String>,
+    /// Output format.
+    #[arg(short = 'o', long, value_enum, default_value = "text")]
+    pub output: MonitorOutput,
+    /// Stop after this many events.
+    #[arg(long)]
+    pub count: Option<u64>,
+    /// Stop after this many seconds.
+    #[arg(long)]
+    pub duration: Option<f64>,
+    /// Events per second each CPU may emit while the monitor runs (0: no limit); the
+    /// events over it are counted as lost.
+    #[arg(long, default_value_t = proxy_common::monitor::MONITOR_DEFAULT_RATE)]
+    pub rate: u32,
+    /// Burst of events per CPU above the rate.
+    #[arg(long, default_value_t = proxy_common::monitor::MONITOR_DEFAULT_BURST)]
+    pub burst: u32,
 }
 
 /// Arguments of `cleanup`.
@@ -223,6 +281,23 @@ mod tests {
             command(&["ebpf-proxy", "cleanup", "--pin-dir", "x"]),
             Command::Cleanup(_)
         ));
+        let Command::Monitor(m) = command(&[
+            "ebpf-proxy",
+            "monitor",
+            "--type",
+            "translate,refuse",
+            "--reason=no-endpoints",
+            "-o",
+            "json",
+            "--count",
+            "3",
+        ]) else {
+            panic!("not monitor");
+        };
+        assert_eq!(m.types, ["translate", "refuse"]);
+        assert_eq!(m.reasons, ["no-endpoints"]);
+        assert_eq!(m.output, MonitorOutput::Json);
+        assert_eq!(m.count, Some(3));
         let argv = [
             "--config=/c.yaml",
             "--hostname-override=n",

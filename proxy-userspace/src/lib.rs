@@ -15,6 +15,7 @@ pub mod inspect;
 pub mod maglev;
 pub mod metrics;
 pub mod model;
+pub mod monitor;
 pub mod mounts;
 pub mod reconcile;
 pub mod servers;

@@ -8,7 +8,10 @@ use clap::{CommandFactory, FromArgMatches};
 use proxy_common::Counter;
 use proxy_userspace::{
     agent, check,
-    cli::{CheckArgs, CleanupArgs, Cli, Command, ExplainArgs, Output, ServicesArgs},
+    cli::{
+        CheckArgs, CleanupArgs, Cli, Command, ExplainArgs, MonitorArgs, MonitorOutput, Output,
+        ServicesArgs,
+    },
     config::{self, Action, AgentConfig, LogFormat, PinArgs, RunFlags},
     datapath::{ServiceMaps, loader, maps::PinnedMaps},
     model::{Model, NodeInfo},
@@ -116,6 +119,10 @@ fn main() -> ExitCode {
         Command::Explain(args) => {
             restore_sigpipe();
             explain(args)
+        }
+        Command::Monitor(args) => {
+            restore_sigpipe();
+            monitor(args)
         }
         Command::Cleanup(args) => {
             restore_sigpipe();
@@ -298,6 +305,60 @@ fn open_pins(dir: &std::path::Path) -> Result<PinnedMaps> {
             dir.display()
         )
     })
+}
+
+/// `ebpf-proxy monitor`: the filters checked, then the stream until --count, --duration
+/// or Ctrl-C.
+fn monitor(args: MonitorArgs) -> Result<()> {
+    use proxy_userspace::monitor::{self, Filter, Options};
+    let protocol = match args
+        .protocol
+        .as_deref()
+        .map(str::to_ascii_lowercase)
+        .as_deref()
+    {
+        None => None,
+        Some("tcp") => Some(proxy_common::PROTO_TCP),
+        Some("udp") => Some(proxy_common::PROTO_UDP),
+        Some(other) => anyhow::bail!("--protocol {other:?} is not tcp or udp"),
+    };
+    if let Some(s) = &args.service
+        && s.split('/').count() != 2
+    {
+        anyhow::bail!("--service {s:?} is not namespace/name");
+    }
+    let filter = Filter {
+        service: args.service.clone(),
+        address: args.address,
+        port: args.port,
+        protocol,
+        kinds: args
+            .types
+            .iter()
+            .map(|t| monitor::parse_kind(t))
+            .collect::<Result<_>>()?,
+        reasons: args
+            .reasons
+            .iter()
+            .map(|r| monitor::parse_reason(r))
+            .collect::<Result<_>>()?,
+    };
+    let duration = match args.duration {
+        Some(d) if !(d.is_finite() && d > 0.0) => {
+            anyhow::bail!("--duration must be a positive number of seconds")
+        }
+        d => d.map(std::time::Duration::from_secs_f64),
+    };
+    let opts = Options {
+        dir: args.pins.dir()?,
+        filter,
+        json: args.output == MonitorOutput::Json,
+        count: args.count,
+        duration,
+        rate: args.rate,
+        burst: args.burst,
+    };
+    monitor::run(&opts, &mut std::io::stdout().lock())
 }
 
 fn cleanup(args: CleanupArgs) -> Result<()> {

@@ -322,11 +322,55 @@ impl Collector for DatapathCounters {
                 ConstCounter::new(v).encode(m)?;
             }
         }
+        self.encode_monitor(&mut encoder)?;
         self.encode_per_service(&mut encoder)
     }
 }
 
 impl DatapathCounters {
+    /// The event stream of `ebpf-proxy monitor` (`MONITOR_CPU`, summed over CPUs): events
+    /// emitted, events lost by cause, the data path's time spent emitting, and whether a
+    /// monitor holds the lease.
+    fn encode_monitor(&self, encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Ok(t) = crate::monitor::read_cpu_totals(&self.pin_dir) else {
+            return Ok(());
+        };
+        {
+            let mut family = encoder.encode_descriptor(
+                "ebpf_proxy_monitor_events",
+                "Monitor events by outcome: emitted to the ring buffer, or dropped (rate_limited: over the per-CPU rate; ring_full: the monitor read too slowly), summed over CPUs",
+                None,
+                prometheus_client::metrics::MetricType::Counter,
+            )?;
+            for (outcome, v) in [
+                ("emitted", t.emitted),
+                ("rate_limited", t.rate_limited),
+                ("ring_full", t.ring_full),
+            ] {
+                let labels = [("outcome", outcome)];
+                let m = family.encode_family(&labels)?;
+                ConstCounter::new(v).encode(m)?;
+            }
+        }
+        {
+            let family = encoder.encode_descriptor(
+                "ebpf_proxy_monitor_emit_seconds",
+                "Time the data path spent emitting monitor events (the monitor's cost on the data path), summed over CPUs",
+                None,
+                prometheus_client::metrics::MetricType::Counter,
+            )?;
+            ConstCounter::new(t.emit_ns as f64 / 1e9).encode(family)?;
+        }
+        let active = crate::monitor::lease_held(&self.pin_dir).unwrap_or(false);
+        let family = encoder.encode_descriptor(
+            "ebpf_proxy_monitor_active",
+            "1 while an `ebpf-proxy monitor` holds the event stream's lease (events are emitted), else 0",
+            None,
+            prometheus_client::metrics::MetricType::Gauge,
+        )?;
+        prometheus_client::metrics::gauge::ConstGauge::new(active as i64).encode(family)
+    }
+
     /// Per service id and per backend counters, labelled from `SERVICE_NAMES` and
     /// `BACKENDS`. One series per service id (Service port x protocol x family x scope) and
     /// per backend (address x port x protocol): bounded by the map sizes.

@@ -544,3 +544,78 @@ pub fn slice(
     }
     s
 }
+
+/// A running `ebpf-proxy monitor -o json` on a pin directory, its output going to a file;
+/// killed on drop.
+pub struct MonitorRun {
+    child: ChildGuard,
+    out: PathBuf,
+    pin: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl MonitorRun {
+    /// Starts the monitor on `pin` (a directory under `BPFFS`) with `args`, and waits (at most
+    /// 10 s) until it holds the event stream's lease, so no event of the test is missed.
+    pub fn start(pin: &Path, args: &[&str]) -> MonitorRun {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("monitor.jsonl");
+        let f = fs::File::create(&out).unwrap();
+        let name = pin.file_name().unwrap().to_str().unwrap();
+        let child = ChildGuard::spawn_in(
+            None,
+            None,
+            Command::new(AGENT)
+                .args(["monitor", "--pin-dir", name, "-o", "json"])
+                .args(args)
+                .stdout(f)
+                .stderr(Stdio::inherit()),
+        )
+        .expect("monitor");
+        let m = MonitorRun {
+            child,
+            out,
+            pin: pin.to_path_buf(),
+            _dir: dir,
+        };
+        let start = Instant::now();
+        while !proxy_userspace::monitor::lease_held(pin).unwrap_or(false) {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "the monitor did not take the lease"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        m
+    }
+
+    /// Stops the monitor as Ctrl-C does (SIGINT) and returns its JSON lines; checks that it
+    /// exited cleanly and gave the lease back.
+    pub fn stop(mut self) -> Vec<serde_json::Value> {
+        // Events emitted just before are still being read.
+        std::thread::sleep(Duration::from_millis(500));
+        // SAFETY: kill(2) of our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
+        self.finish()
+    }
+
+    /// Waits (at most 20 s) for the monitor to end on its own (--count, --duration); its
+    /// JSON lines.
+    pub fn finish(&mut self) -> Vec<serde_json::Value> {
+        let status = self
+            .child
+            .wait_timeout(Duration::from_secs(20))
+            .unwrap()
+            .expect("the monitor did not stop");
+        assert!(status.success(), "monitor: {status:?}");
+        assert!(
+            !proxy_userspace::monitor::lease_held(&self.pin).unwrap(),
+            "the monitor left its lease set"
+        );
+        fs::read_to_string(&self.out)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad line {l:?}: {e}")))
+            .collect()
+    }
+}

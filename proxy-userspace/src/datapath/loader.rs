@@ -210,7 +210,11 @@ fn denied(e: &(dyn std::error::Error + 'static)) -> bool {
 pub fn replace_incompatible_pins(dir: &Path) -> Result<Vec<(&'static str, String)>> {
     let obj = aya_obj::Object::parse(OBJECT).context("load: parse the embedded object")?;
     let mut replaced = Vec::new();
-    for name in ALL_MAPS.iter().chain(proxy_common::nat::TC_MAPS.iter()) {
+    for name in ALL_MAPS
+        .iter()
+        .chain(proxy_common::nat::TC_MAPS.iter())
+        .chain(proxy_common::monitor::MONITOR_MAPS.iter())
+    {
         let path = dir.join(name);
         let (Some(want), Ok(have)) = (obj.maps.get(*name), aya::maps::MapInfo::from_pin(&path))
         else {
@@ -375,9 +379,12 @@ pub fn load_pinned(dir: &Path, sizes: MapSizes) -> Result<Ebpf> {
     }
     fs::create_dir_all(dir)
         .with_context(|| format!("pin: create pin directory {}", dir.display()))?;
-    let pins: Vec<(&str, PathBuf)> = (ALL_MAPS.iter().chain(proxy_common::nat::TC_MAPS.iter()))
-        .map(|m| (*m, dir.join(m)))
-        .collect();
+    let pins: Vec<(&str, PathBuf)> = (ALL_MAPS
+        .iter()
+        .chain(proxy_common::nat::TC_MAPS.iter())
+        .chain(proxy_common::monitor::MONITOR_MAPS.iter()))
+    .map(|m| (*m, dir.join(m)))
+    .collect();
     for (name, why) in replace_incompatible_pins(dir)? {
         tracing::warn!(map = name, %why, "a pinned map has another layout than this version's (an upgrade): it is created anew and its entries are lost; the old programs keep the old map until their links are replaced");
     }
@@ -543,6 +550,7 @@ pub fn cleanup(dir: &Path) -> Result<CleanupReport> {
         } else if ALL_MAPS
             .iter()
             .chain(proxy_common::nat::TC_MAPS.iter())
+            .chain(proxy_common::monitor::MONITOR_MAPS.iter())
             .any(|m| *m == name)
         {
             fs::remove_file(&path).with_context(|| format!("remove {}", path.display()))?;

@@ -352,7 +352,11 @@ impl TcKernel {
     fn ebpf(&mut self) -> Result<&mut Ebpf> {
         if self.ebpf.is_none() {
             let mut loader = EbpfLoader::new();
-            for name in ALL_MAPS.iter().chain(TC_MAPS.iter()) {
+            for name in ALL_MAPS
+                .iter()
+                .chain(TC_MAPS.iter())
+                .chain(proxy_common::monitor::MONITOR_MAPS.iter())
+            {
                 loader.map_pin_path(name, self.dir.join(name));
             }
             let mut ebpf = loader.load(OBJECT).context("load the tc programs")?;

@@ -1,0 +1,834 @@
+//! `ebpf-proxy monitor`: the data path's decisions as a stream of events, read from the
+//! pinned ring buffer `MONITOR_EVENTS` (layouts and the kernel side's rules:
+//! `proxy_common::monitor`).
+//!
+//! While it runs, the monitor holds the lease in `MONITOR_CTL` (an expiry on the clock of
+//! `bpf_ktime_get_ns`, refreshed every second, cleared on exit and on SIGINT/SIGTERM; a
+//! monitor that dies leaves an expiry that passes within [`LEASE`]), decodes each record,
+//! applies the filters, and prints one line per event (text or JSON). Events the data path
+//! could not emit (over the per-CPU rate, or no room in the ring) are counted per CPU in
+//! `MONITOR_CPU`; the monitor prints a summary line whenever that count grew, and at the end.
+//! One monitor per pin directory at a time: the ring buffer has one reader.
+
+use std::{
+    collections::BTreeMap,
+    fs::File,
+    net::IpAddr,
+    os::fd::AsRawFd,
+    path::{Path, PathBuf},
+    sync::atomic::{AtomicBool, Ordering},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use anyhow::{Context, Result, bail};
+use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray, RingBuf};
+use proxy_common::{
+    Algorithm, SERVICE_NAMES, ServiceName,
+    monitor::{
+        EVENT_F_AFFINITY_HIT, EVENT_F_AFFINITY_MISS, EVENT_F_DATAGRAM, EVENT_F_SNAT,
+        EVENT_F_STALE_REPAIRED, EVENT_F_TUPLE, EventKind, EventReason, HOOK_SKB, HOOK_SOCK,
+        HOOK_TC_EGRESS, HOOK_TC_INGRESS, MONITOR_CPU, MONITOR_CTL, MONITOR_EVENTS, MonitorCpu,
+        MonitorCtl, MonitorEvent,
+    },
+};
+use serde::Serialize;
+
+use crate::datapath::{
+    addr::{bytes_to_ip, port_from_map, proto_name},
+    decode_name,
+};
+
+/// How long a lease lasts without a refresh.
+pub const LEASE: Duration = Duration::from_secs(3);
+
+/// Which events to print. Empty lists and `None` match everything.
+#[derive(Debug, Clone, Default)]
+pub struct Filter {
+    /// `namespace/name` of a Service: events of its Service ports (any port, family, scope).
+    pub service: Option<String>,
+    /// An address the event's client, frontend or backend has.
+    pub address: Option<IpAddr>,
+    /// A port the event's frontend or backend has.
+    pub port: Option<u16>,
+    /// IANA protocol number.
+    pub protocol: Option<u8>,
+    /// Event kinds.
+    pub kinds: Vec<EventKind>,
+    /// Reasons.
+    pub reasons: Vec<EventReason>,
+}
+
+impl Filter {
+    /// Whether `e` (whose Service port is named `name`, `ns/name:port/PROTO/family[...]`)
+    /// passes.
+    pub fn matches(&self, e: &MonitorEvent, name: Option<&str>) -> bool {
+        if let Some(s) = &self.service {
+            let Some(n) = name else { return false };
+            // The Service part of the Service port's name.
+            let svc = n.split_once(':').map_or(n, |(svc, _)| svc);
+            if svc != s {
+                return false;
+            }
+        }
+        if let Some(a) = self.address {
+            let ends = [e.client, e.frontend, e.backend];
+            if !ends.iter().any(|x| bytes_to_ip(*x) == a) {
+                return false;
+            }
+        }
+        if let Some(p) = self.port
+            && port_from_map(e.frontend_port) != p
+            && port_from_map(e.backend_port) != p
+        {
+            return false;
+        }
+        if let Some(p) = self.protocol
+            && e.proto != p
+        {
+            return false;
+        }
+        if !self.kinds.is_empty() && !self.kinds.iter().any(|k| *k as u8 == e.kind) {
+            return false;
+        }
+        if !self.reasons.is_empty() && !self.reasons.iter().any(|r| *r as u8 == e.reason) {
+            return false;
+        }
+        true
+    }
+}
+
+/// Parses an event kind name (as [`EventKind::ALL`] names them).
+pub fn parse_kind(s: &str) -> Result<EventKind> {
+    EventKind::ALL
+        .iter()
+        .find(|(_, n)| *n == s)
+        .map(|(k, _)| *k)
+        .with_context(|| {
+            let names: Vec<&str> = EventKind::ALL.iter().map(|(_, n)| *n).collect();
+            format!("unknown event type {s:?} (one of {})", names.join(", "))
+        })
+}
+
+/// Parses a reason name (as [`EventReason::ALL`] names them).
+pub fn parse_reason(s: &str) -> Result<EventReason> {
+    EventReason::ALL
+        .iter()
+        .find(|(r, n)| *n == s && *r != EventReason::None)
+        .map(|(r, _)| *r)
+        .with_context(|| {
+            let names: Vec<&str> = EventReason::ALL[1..].iter().map(|(_, n)| *n).collect();
+            format!("unknown reason {s:?} (one of {})", names.join(", "))
+        })
+}
+
+/// One ring buffer record as a [`MonitorEvent`]; `None` when it has another size (a record
+/// of another build of the data path).
+pub fn decode(bytes: &[u8]) -> Option<MonitorEvent> {
+    if bytes.len() != std::mem::size_of::<MonitorEvent>() {
+        return None;
+    }
+    // SAFETY: the size matches and MonitorEvent is valid for every bit pattern.
+    Some(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<MonitorEvent>()) })
+}
+
+/// An event as the monitor prints it (`-o json`: one object per line).
+#[derive(Debug, Serialize, PartialEq)]
+pub struct Shown {
+    /// Wall-clock time, seconds since the Unix epoch.
+    pub time: f64,
+    /// Event type (`translate`, `refuse`, `reverse`, `stale-drop`, `flow-new`,
+    /// `flow-drop`, `flow-end`, `icmp`).
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// Why it was refused or dropped (absent otherwise).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<&'static str>,
+    /// Which program: `sock`, `skb`, `tc-ingress`, `tc-egress` or `tc`.
+    pub hook: &'static str,
+    /// `TCP` or `UDP`.
+    pub protocol: &'static str,
+    /// Service port name (`ns/name:port/PROTO/family`), when the event has a known one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub service: Option<String>,
+    /// Service id (0: none).
+    pub service_id: u32,
+    /// Client `addr:port`, `netns:<cookie>` for a socket the Service sees by its network
+    /// namespace; absent when not known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client: Option<String>,
+    /// Frontend `addr:port` (for tuple events: the matched tuple's destination).
+    pub frontend: String,
+    /// Backend `addr:port`; absent when refused.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backend: Option<String>,
+    /// Backend id (0: none).
+    pub backend_id: u32,
+    /// SNAT `addr:port` of a new flow, or the rewritten source of a tuple event.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nat: Option<String>,
+    /// The selection algorithm (absent when not known).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub algorithm: Option<&'static str>,
+    /// `hit` or `miss` for a frontend with ClientIP affinity.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub affinity: Option<&'static str>,
+    /// The connect() repaired a stale connected UDP socket.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub stale_repaired: bool,
+    /// An unconnected UDP datagram's flow (translate) or recvmsg() (reverse).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub datagram: bool,
+    /// Socket cookie (socket events).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub cookie: u64,
+    /// Network namespace cookie (socket events).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub netns: u64,
+    /// cgroup v2 id of the connecting process (connect/sendmsg events).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub cgroup: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+
+/// `addr:port` of a map address, `netns:<cookie>` for a namespace client id, `None` for
+/// all zero.
+fn endpoint(a: [u8; 16], port: [u8; 2]) -> Option<String> {
+    if a == [0; 16] {
+        return None;
+    }
+    if a[..8] == [0xfe, 0x80, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff] {
+        let mut c = [0u8; 8];
+        c.copy_from_slice(&a[8..]);
+        return Some(format!("netns:{}", u64::from_le_bytes(c)));
+    }
+    let p = port_from_map(port);
+    Some(match bytes_to_ip(a) {
+        IpAddr::V4(v4) => format!("{v4}:{p}"),
+        IpAddr::V6(v6) => format!("[{v6}]:{p}"),
+    })
+}
+
+/// The event `e` as printed, with its Service port name and the offset from the
+/// monotonic clock to wall-clock time (`wall_offset_ns`, may be negative).
+pub fn show(e: &MonitorEvent, service: Option<String>, wall_offset_ns: i128) -> Shown {
+    let kind = EventKind::from_u8(e.kind).map_or("?", EventKind::name);
+    let reason = EventReason::from_u8(e.reason)
+        .filter(|r| *r != EventReason::None)
+        .map(EventReason::name);
+    let hook = match e.hook {
+        HOOK_SOCK => "sock",
+        HOOK_SKB => "skb",
+        HOOK_TC_INGRESS => "tc-ingress",
+        HOOK_TC_EGRESS => "tc-egress",
+        _ => "tc",
+    };
+    let affinity = if e.flags & EVENT_F_AFFINITY_HIT != 0 {
+        Some("hit")
+    } else if e.flags & EVENT_F_AFFINITY_MISS != 0 {
+        Some("miss")
+    } else {
+        None
+    };
+    let nat = if e.flags & (EVENT_F_SNAT | EVENT_F_TUPLE) != 0 {
+        endpoint(e.nat, e.nat_port)
+    } else {
+        None
+    };
+    Shown {
+        time: (e.ts_ns as i128 + wall_offset_ns) as f64 / 1e9,
+        kind,
+        reason,
+        hook,
+        protocol: proto_name(e.proto),
+        service,
+        service_id: e.service_id,
+        client: endpoint(e.client, e.client_port),
+        frontend: endpoint(e.frontend, e.frontend_port).unwrap_or_else(|| "-".into()),
+        backend: endpoint(e.backend, e.backend_port),
+        backend_id: e.backend_id,
+        nat,
+        algorithm: Algorithm::from_u8(e.algorithm).map(Algorithm::name),
+        affinity,
+        stale_repaired: e.flags & EVENT_F_STALE_REPAIRED != 0,
+        datagram: e.flags & EVENT_F_DATAGRAM != 0,
+        cookie: e.cookie,
+        netns: e.netns,
+        cgroup: e.cgroup,
+    }
+}
+
+/// `HH:MM:SS.mmm` (UTC) of Unix time `t`.
+fn clock(t: f64) -> String {
+    let ms = (t * 1000.0) as u64;
+    let s = ms / 1000;
+    format!(
+        "{:02}:{:02}:{:02}.{:03}",
+        (s / 3600) % 24,
+        (s / 60) % 60,
+        s % 60,
+        ms % 1000
+    )
+}
+
+/// One text line: time, type, protocol, client -> frontend => backend, then the details.
+pub fn text_line(s: &Shown) -> String {
+    let mut line = format!(
+        "{} {:<10} {:<3} {} -> {}",
+        clock(s.time),
+        s.kind,
+        s.protocol,
+        s.client.as_deref().unwrap_or("-"),
+        s.frontend
+    );
+    match (&s.backend, s.kind) {
+        (Some(b), "flow-end" | "icmp") => {
+            line.push_str(&format!(
+                " rewritten {} -> {b}",
+                s.nat.as_deref().unwrap_or("-")
+            ));
+        }
+        (Some(b), _) => line.push_str(&format!(" => {b}")),
+        (None, _) => {}
+    }
+    if let Some(r) = s.reason {
+        line.push_str(&format!(" reason={r}"));
+    }
+    match &s.service {
+        Some(n) => line.push_str(&format!(" service={n}")),
+        None if s.service_id != 0 => line.push_str(&format!(" service_id={}", s.service_id)),
+        None => {}
+    }
+    if let Some(a) = s.algorithm {
+        line.push_str(&format!(" algorithm={a}"));
+    }
+    if let Some(a) = s.affinity {
+        line.push_str(&format!(" affinity={a}"));
+    }
+    if s.kind != "flow-end"
+        && s.kind != "icmp"
+        && let Some(n) = &s.nat
+    {
+        line.push_str(&format!(" snat={n}"));
+    }
+    if s.stale_repaired {
+        line.push_str(" stale-repaired");
+    }
+    if s.datagram {
+        line.push_str(" datagram");
+    }
+    line.push_str(&format!(" hook={}", s.hook));
+    if s.cookie != 0 {
+        line.push_str(&format!(" cookie={}", s.cookie));
+    }
+    if s.netns != 0 {
+        line.push_str(&format!(" netns={}", s.netns));
+    }
+    if s.cgroup != 0 {
+        line.push_str(&format!(" cgroup={}", s.cgroup));
+    }
+    line
+}
+
+/// Events the data path could not emit, summed over CPUs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Lost {
+    /// Over the per-CPU rate.
+    pub rate_limited: u64,
+    /// No room in the ring buffer.
+    pub ring_full: u64,
+}
+
+impl Lost {
+    /// Both causes.
+    pub fn total(&self) -> u64 {
+        self.rate_limited + self.ring_full
+    }
+
+    /// What was lost since `base`.
+    pub fn since(&self, base: &Lost) -> Lost {
+        Lost {
+            rate_limited: self.rate_limited.saturating_sub(base.rate_limited),
+            ring_full: self.ring_full.saturating_sub(base.ring_full),
+        }
+    }
+}
+
+/// The summary line of lost events (`-o json`: `{"lost":N,"rate_limited":..,"ring_full":..}`).
+pub fn lost_line(l: &Lost, json: bool) -> String {
+    if json {
+        serde_json::json!({"lost": l.total(), "rate_limited": l.rate_limited, "ring_full": l.ring_full})
+            .to_string()
+    } else {
+        format!(
+            "-- {} events lost (rate limit: {}, ring buffer full: {})",
+            l.total(),
+            l.rate_limited,
+            l.ring_full
+        )
+    }
+}
+
+/// The per-CPU state of `MONITOR_CPU` pinned under `dir`, summed over CPUs.
+pub fn read_cpu_totals(dir: &Path) -> Result<MonitorCpu> {
+    let path = dir.join(MONITOR_CPU);
+    let data = MapData::from_pin(&path).with_context(|| format!("open {}", path.display()))?;
+    let a: PerCpuArray<MapData, MonitorCpu> = PerCpuArray::try_from(Map::PerCpuArray(data))?;
+    let mut t = MonitorCpu::default();
+    for c in a.get(&0, 0)?.iter() {
+        t.emitted += c.emitted;
+        t.rate_limited += c.rate_limited;
+        t.ring_full += c.ring_full;
+        t.emit_ns += c.emit_ns;
+    }
+    Ok(t)
+}
+
+/// Whether a monitor holds the lease of the data path pinned under `dir` now.
+pub fn lease_held(dir: &Path) -> Result<bool> {
+    let path = dir.join(MONITOR_CTL);
+    let data = MapData::from_pin(&path).with_context(|| format!("open {}", path.display()))?;
+    let a: Array<MapData, MonitorCtl> = Array::try_from(Map::Array(data))?;
+    Ok(a.get(&0, 0)?.expiry_ns > monotonic_ns())
+}
+
+/// Nanoseconds of CLOCK_MONOTONIC, the clock of `bpf_ktime_get_ns`.
+fn monotonic_ns() -> u64 {
+    // SAFETY: clock_gettime(2) into a zeroed struct we own.
+    let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// The monitor's lease on the event stream: held from [`Lease::take`] to its drop, which
+/// clears it.
+pub struct Lease {
+    ctl: Array<MapData, MonitorCtl>,
+    rate: MonitorCtl,
+}
+
+impl Lease {
+    /// Takes the lease of the data path pinned under `dir` with `rate` events per second
+    /// and CPU (0: unlimited) and bursts of `burst`.
+    pub fn take(dir: &Path, rate: u32, burst: u32) -> Result<Lease> {
+        let path = dir.join(MONITOR_CTL);
+        let data = MapData::from_pin(&path).with_context(|| {
+            format!(
+                "open {} (no event stream: is the agent of this version running? check --bpffs/--pin-dir)",
+                path.display()
+            )
+        })?;
+        let ctl: Array<MapData, MonitorCtl> = Array::try_from(Map::Array(data))?;
+        let cost_ns = if rate == 0 {
+            0
+        } else {
+            1_000_000_000 / rate as u64
+        };
+        let mut l = Lease {
+            ctl,
+            rate: MonitorCtl {
+                expiry_ns: 0,
+                cost_ns,
+                max_credit_ns: cost_ns * burst.max(1) as u64,
+            },
+        };
+        l.refresh()?;
+        Ok(l)
+    }
+
+    /// Extends the lease by [`LEASE`] from now.
+    pub fn refresh(&mut self) -> Result<()> {
+        let v = MonitorCtl {
+            expiry_ns: monotonic_ns() + LEASE.as_nanos() as u64,
+            ..self.rate
+        };
+        self.ctl.set(0, v, 0).context("write MONITOR_CTL")
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let _ = self.ctl.set(0, MonitorCtl::default(), 0);
+    }
+}
+
+/// Options of one monitor run.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// The pin directory.
+    pub dir: PathBuf,
+    /// Which events to print.
+    pub filter: Filter,
+    /// One JSON object per line instead of text.
+    pub json: bool,
+    /// Stop after this many printed events.
+    pub count: Option<u64>,
+    /// Stop after this long.
+    pub duration: Option<Duration>,
+    /// Events per second and CPU the data path may emit (0: unlimited).
+    pub rate: u32,
+    /// Burst per CPU.
+    pub burst: u32,
+}
+
+static STOP: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    STOP.store(true, Ordering::SeqCst);
+}
+
+/// Service port names by id, read from `SERVICE_NAMES` again (at most once a second) when
+/// an event names an id it does not know.
+struct Names {
+    map: HashMap<MapData, u32, ServiceName>,
+    known: BTreeMap<u32, String>,
+    last_read: Option<Instant>,
+}
+
+impl Names {
+    fn open(dir: &Path) -> Result<Names> {
+        let path = dir.join(SERVICE_NAMES);
+        let data = MapData::from_pin(&path).with_context(|| format!("open {}", path.display()))?;
+        let map = HashMap::try_from(Map::HashMap(data))?;
+        let mut n = Names {
+            map,
+            known: BTreeMap::new(),
+            last_read: None,
+        };
+        n.reload();
+        Ok(n)
+    }
+
+    fn reload(&mut self) {
+        self.known = self
+            .map
+            .iter()
+            .filter_map(|r| r.ok())
+            .map(|(id, n)| (id, decode_name(&n)))
+            .collect();
+        self.last_read = Some(Instant::now());
+    }
+
+    fn get(&mut self, id: u32) -> Option<String> {
+        if id == 0 {
+            return None;
+        }
+        if !self.known.contains_key(&id)
+            && self
+                .last_read
+                .is_none_or(|t| t.elapsed() >= Duration::from_secs(1))
+        {
+            self.reload();
+        }
+        self.known.get(&id).cloned()
+    }
+}
+
+/// Offset from CLOCK_MONOTONIC to the Unix epoch, in nanoseconds.
+fn wall_offset_ns() -> i128 {
+    let wall = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as i128);
+    wall - monotonic_ns() as i128
+}
+
+/// An exclusive lock on the event stream of `dir` (one reader per ring buffer), held while
+/// the monitor runs: a file under /run named after the pin directory.
+fn lock(dir: &Path) -> Result<File> {
+    let name: String = dir
+        .to_string_lossy()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    let path = PathBuf::from(format!("/run/ebpf-proxy-monitor{name}.lock"));
+    let f = File::create(&path).with_context(|| format!("create {}", path.display()))?;
+    // SAFETY: flock(2) on a descriptor we own.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        bail!(
+            "another `ebpf-proxy monitor` is reading the events of {} (one reader at a time)",
+            dir.display()
+        );
+    }
+    Ok(f)
+}
+
+/// Runs the monitor until `count` events were printed, `duration` passed, or SIGINT or
+/// SIGTERM arrived; writes the lines to `out`.
+pub fn run(opts: &Options, out: &mut dyn std::io::Write) -> Result<()> {
+    let dir = &opts.dir;
+    let _lock = lock(dir)?;
+    let path = dir.join(MONITOR_EVENTS);
+    let data = MapData::from_pin(&path).with_context(|| {
+        format!(
+            "open {} (no event stream: is the agent of this version running? check --bpffs/--pin-dir)",
+            path.display()
+        )
+    })?;
+    let mut ring = RingBuf::try_from(Map::RingBuf(data))?;
+    let mut names = Names::open(dir)?;
+    // SAFETY: installing a handler that only stores to an atomic.
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+    }
+    // Records left from an earlier monitor are not this run's events.
+    while ring.next().is_some() {}
+    let base = read_cpu_totals(dir)?;
+    let base_lost = Lost {
+        rate_limited: base.rate_limited,
+        ring_full: base.ring_full,
+    };
+    let mut lease = Lease::take(dir, opts.rate, opts.burst)?;
+    let offset = wall_offset_ns();
+    let start = Instant::now();
+    let mut last_refresh = Instant::now();
+    let mut reported = Lost::default();
+    let mut printed = 0u64;
+    let fd = ring.as_raw_fd();
+    let report = |out: &mut dyn std::io::Write, reported: &mut Lost| -> Result<()> {
+        let t = read_cpu_totals(dir)?;
+        let now = Lost {
+            rate_limited: t.rate_limited,
+            ring_full: t.ring_full,
+        }
+        .since(&base_lost);
+        if now.total() > reported.total() {
+            writeln!(out, "{}", lost_line(&now, opts.json))?;
+            out.flush()?;
+            *reported = now;
+        }
+        Ok(())
+    };
+    'run: loop {
+        if STOP.load(Ordering::SeqCst) {
+            break;
+        }
+        if opts.duration.is_some_and(|d| start.elapsed() >= d) {
+            break;
+        }
+        if last_refresh.elapsed() >= Duration::from_secs(1) {
+            lease.refresh()?;
+            last_refresh = Instant::now();
+            report(out, &mut reported)?;
+        }
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: poll(2) on one descriptor we own; EINTR (a signal) just loops.
+        unsafe { libc::poll(&mut pfd, 1, 200) };
+        while let Some(item) = ring.next() {
+            let Some(e) = decode(&item) else { continue };
+            drop(item);
+            let name = names.get(e.service_id);
+            if !opts.filter.matches(&e, name.as_deref()) {
+                continue;
+            }
+            let s = show(&e, name, offset);
+            if opts.json {
+                writeln!(out, "{}", serde_json::to_string(&s)?)?;
+            } else {
+                writeln!(out, "{}", text_line(&s))?;
+            }
+            printed += 1;
+            if opts.count.is_some_and(|c| printed >= c) {
+                out.flush()?;
+                break 'run;
+            }
+        }
+        out.flush()?;
+    }
+    drop(lease);
+    report(out, &mut reported)?;
+    out.flush()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use proxy_common::{PROTO_TCP, PROTO_UDP, client_of_netns};
+
+    use super::*;
+    use crate::datapath::addr::{ip_to_bytes, port_to_map};
+
+    fn event(kind: EventKind, reason: EventReason) -> MonitorEvent {
+        MonitorEvent {
+            ts_ns: 2_000_000_000,
+            cookie: 7,
+            netns: 4026531840,
+            client: client_of_netns(4026531840),
+            frontend: ip_to_bytes("198.19.0.10".parse().unwrap()),
+            frontend_port: port_to_map(80),
+            backend: ip_to_bytes("198.18.0.2".parse().unwrap()),
+            backend_port: port_to_map(8080),
+            service_id: 3,
+            backend_id: 5,
+            kind: kind as u8,
+            reason: reason as u8,
+            proto: PROTO_TCP,
+            algorithm: Algorithm::Random as u8,
+            hook: HOOK_SOCK,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn decodes_a_record_of_the_right_size_only() {
+        let e = event(EventKind::SockTranslate, EventReason::None);
+        // SAFETY: reading the bytes of a plain struct.
+        let bytes = unsafe {
+            std::slice::from_raw_parts(
+                (&e as *const MonitorEvent).cast::<u8>(),
+                std::mem::size_of::<MonitorEvent>(),
+            )
+        };
+        assert_eq!(decode(bytes), Some(e));
+        assert_eq!(decode(&bytes[1..]), None);
+    }
+
+    #[test]
+    fn shows_socket_and_flow_events() {
+        let e = event(EventKind::SockTranslate, EventReason::None);
+        let s = show(&e, Some("default/web:http/TCP/v4".into()), 1_000_000_000);
+        assert_eq!(s.kind, "translate");
+        assert_eq!(s.reason, None);
+        assert_eq!(s.client.as_deref(), Some("netns:4026531840"));
+        assert_eq!(s.frontend, "198.19.0.10:80");
+        assert_eq!(s.backend.as_deref(), Some("198.18.0.2:8080"));
+        assert_eq!(s.algorithm, Some("random"));
+        assert_eq!(s.time, 3.0);
+        let j: serde_json::Value = serde_json::to_value(&s).unwrap();
+        assert_eq!(j["type"], "translate");
+        assert_eq!(j["service"], "default/web:http/TCP/v4");
+        assert!(j.get("reason").is_none());
+        assert!(j.get("nat").is_none());
+        let line = text_line(&s);
+        assert!(
+            line.contains("translate  TCP netns:4026531840 -> 198.19.0.10:80 => 198.18.0.2:8080"),
+            "{line}"
+        );
+        assert!(line.contains("service=default/web:http/TCP/v4"), "{line}");
+
+        let mut r = event(EventKind::SockRefuse, EventReason::NoLocalEndpoints);
+        r.backend = [0; 16];
+        r.backend_port = [0; 2];
+        r.backend_id = 0;
+        let s = show(&r, None, 0);
+        assert_eq!(s.reason, Some("no-local-endpoints"));
+        assert_eq!(s.backend, None);
+        assert!(text_line(&s).contains("reason=no-local-endpoints service_id=3"));
+
+        let mut f = event(EventKind::FlowNew, EventReason::None);
+        f.flags = EVENT_F_SNAT | EVENT_F_AFFINITY_HIT;
+        f.hook = HOOK_TC_INGRESS;
+        f.client = ip_to_bytes("2001:db8::1".parse().unwrap());
+        f.client_port = port_to_map(40000);
+        f.nat = ip_to_bytes("198.18.0.1".parse().unwrap());
+        f.nat_port = port_to_map(61000);
+        let s = show(&f, None, 0);
+        assert_eq!(s.client.as_deref(), Some("[2001:db8::1]:40000"));
+        assert_eq!(s.nat.as_deref(), Some("198.18.0.1:61000"));
+        assert_eq!(s.affinity, Some("hit"));
+        assert_eq!(s.hook, "tc-ingress");
+        assert!(text_line(&s).contains("snat=198.18.0.1:61000"));
+    }
+
+    #[test]
+    fn filters_by_every_criterion() {
+        let e = event(EventKind::SockRefuse, EventReason::NoEndpoints);
+        let name = Some("default/web:http/TCP/v4");
+        assert!(Filter::default().matches(&e, None));
+        let f = |f: Filter| f.matches(&e, name);
+        assert!(f(Filter {
+            service: Some("default/web".into()),
+            ..Default::default()
+        }));
+        assert!(!f(Filter {
+            service: Some("default/we".into()),
+            ..Default::default()
+        }));
+        assert!(
+            !Filter {
+                service: Some("default/web".into()),
+                ..Default::default()
+            }
+            .matches(&e, None)
+        );
+        assert!(f(Filter {
+            address: Some("198.18.0.2".parse().unwrap()),
+            ..Default::default()
+        }));
+        assert!(!f(Filter {
+            address: Some("198.18.0.3".parse().unwrap()),
+            ..Default::default()
+        }));
+        assert!(f(Filter {
+            port: Some(8080),
+            ..Default::default()
+        }));
+        assert!(f(Filter {
+            port: Some(80),
+            ..Default::default()
+        }));
+        assert!(!f(Filter {
+            port: Some(81),
+            ..Default::default()
+        }));
+        assert!(!f(Filter {
+            protocol: Some(PROTO_UDP),
+            ..Default::default()
+        }));
+        assert!(f(Filter {
+            kinds: vec![EventKind::SockTranslate, EventKind::SockRefuse],
+            ..Default::default()
+        }));
+        assert!(!f(Filter {
+            kinds: vec![EventKind::FlowNew],
+            ..Default::default()
+        }));
+        assert!(f(Filter {
+            reasons: vec![EventReason::NoEndpoints],
+            ..Default::default()
+        }));
+        assert!(!f(Filter {
+            reasons: vec![EventReason::UndefinedPort],
+            ..Default::default()
+        }));
+    }
+
+    #[test]
+    fn parses_names_and_reports_losses() {
+        assert_eq!(parse_kind("flow-new").unwrap(), EventKind::FlowNew);
+        assert!(parse_kind("nope").is_err());
+        assert_eq!(
+            parse_reason("undefined-port").unwrap(),
+            EventReason::UndefinedPort
+        );
+        assert!(parse_reason("").is_err());
+        for (k, n) in EventKind::ALL {
+            assert_eq!(EventKind::from_u8(k as u8), Some(k));
+            assert_eq!(k.name(), n);
+        }
+        let base = Lost {
+            rate_limited: 5,
+            ring_full: 1,
+        };
+        let now = Lost {
+            rate_limited: 12,
+            ring_full: 3,
+        };
+        let d = now.since(&base);
+        assert_eq!(d.total(), 9);
+        assert_eq!(
+            lost_line(&d, false),
+            "-- 9 events lost (rate limit: 7, ring buffer full: 2)"
+        );
+        let j: serde_json::Value = serde_json::from_str(&lost_line(&d, true)).unwrap();
+        assert_eq!(j["lost"], 9);
+        assert_eq!(j["rate_limited"], 7);
+        assert_eq!(j["ring_full"], 2);
+    }
+}
