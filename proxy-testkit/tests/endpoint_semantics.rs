@@ -397,6 +397,12 @@ fn replace_under_udp_stream(name: &str, connected: bool) {
     let changed_at = now_ms();
     apply(&env, &other, || web(&env, "", "", &[ep(1, "", "")]));
     let synced_at = now_ms();
+    // The egress program that fails a stale socket's sends is attached only for it.
+    assert_eq!(
+        env.pin_path().join("link_sock_egress").exists(),
+        connected,
+        "egress program attached only when a connected socket went stale"
+    );
     let lines = client.lines();
     assert_eq!(lines.len(), 30, "{lines:?}");
     let before: Vec<&Probe> = lines

@@ -165,6 +165,10 @@ impl Interfaces for KernelDatapath {
 
 impl super::FlowCollection for KernelDatapath {
     fn collect_lc_flows(&mut self) -> anyhow::Result<usize> {
+        // The same periodic pass takes the egress program away once no socket is stale.
+        if self.maps.detach_egress_when_idle()? {
+            tracing::debug!("no stale connected UDP socket left: egress program detached");
+        }
         self.tc.collect_lc_flows()
     }
 }
