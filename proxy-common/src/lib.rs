@@ -53,8 +53,8 @@ pub const COUNTERS: &str = "COUNTERS";
 /// was translated to leaves its service, attaching the egress program first; the egress
 /// program then fails the socket's sends (EPERM) until the application connects it again,
 /// which picks a live endpoint and removes the entry (closing it removes it too). The agent
-/// detaches the egress program when the map is empty. kube-proxy deletes the socket's UDP conntrack entries for the same
-/// reason (KEP-1669, "stale UDP flows").
+/// detaches the egress program when the map is empty. kube-proxy deletes the socket's UDP
+/// conntrack entries for the same reason (KEP-1669, "stale UDP flows").
 pub const STALE_SOCKETS: &str = "STALE_SOCKETS";
 
 /// Name of the service name map: service id `u32` -> [`ServiceName`] (BPF_MAP_TYPE_HASH).

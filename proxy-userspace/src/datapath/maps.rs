@@ -191,9 +191,9 @@ impl PinnedMaps {
     /// gives them.
     /// `UDP_FLOWS` entries of those pairs are deleted, and connected UDP sockets whose
     /// reverse-NAT entry names such a pair are put into `STALE_SOCKETS`, after the egress
-    /// program that fails their sends is attached (see [`PinnedMaps::set_cgroup`]). This is the socket
-    /// level's equivalent of kube-proxy deleting the UDP conntrack entries of a removed
-    /// endpoint. Costs one pass over `UDP_FLOWS` and `REVNAT_SK`, only when `released` is not
+    /// program that fails their sends is attached (see [`PinnedMaps::set_cgroup`]). This is
+    /// the socket level's equivalent of kube-proxy deleting the UDP conntrack entries of a
+    /// removed endpoint. Costs one pass over `UDP_FLOWS` and `REVNAT_SK`, only when `released` is not
     /// empty. TCP sockets are never touched.
     pub fn release_stale_udp(
         &self,
