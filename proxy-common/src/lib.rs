@@ -51,10 +51,11 @@ pub const COUNTERS: &str = "COUNTERS";
 
 /// Name of the stale-socket map: socket cookie `u64` -> service id `u32`
 /// (BPF_MAP_TYPE_LRU_HASH). The agent adds a connected UDP socket here when the endpoint it
-/// was translated to leaves its service; the egress program then fails the socket's sends
-/// (EPERM) until the application connects it again, which picks a live endpoint and
-/// removes the entry. kube-proxy deletes the socket's UDP conntrack entries for the same
-/// reason (KEP-1669, "stale UDP flows").
+/// was translated to leaves its service, attaching the egress program first; the egress
+/// program then fails the socket's sends (EPERM) until the application connects it again,
+/// which picks a live endpoint and removes the entry (closing it removes it too). The agent
+/// detaches the egress program when the map is empty. kube-proxy deletes the socket's UDP
+/// conntrack entries for the same reason (KEP-1669, "stale UDP flows").
 pub const STALE_SOCKETS: &str = "STALE_SOCKETS";
 
 /// Name of the service name map: service id `u32` -> [`ServiceName`] (BPF_MAP_TYPE_HASH).

@@ -118,6 +118,18 @@ pub fn lookup(dst: &L4Addr, scope: Scope) -> Lookup {
     Lookup::NotService
 }
 
+/// True when [`select`] reads the request's client for frontend `fe`: ClientIP affinity, and
+/// the algorithms that hash the client (`source-hash`, `maglev`). The socket hooks pay for
+/// finding the client (netns and socket cookies) only then.
+#[inline(always)]
+pub fn needs_client(fe: &Frontend) -> bool {
+    fe.affinity_timeout_s != 0
+        || matches!(
+            Algorithm::from_u8(fe.algorithm),
+            Some(Algorithm::SourceHash | Algorithm::Maglev)
+        )
+}
+
 /// Backend id `id`, if it still exists.
 #[inline(always)]
 pub fn backend(id: u32) -> Option<Backend> {
@@ -172,8 +184,13 @@ pub fn select(fe: &Frontend, req: &Request) -> u32 {
         return 0;
     }
     let client = &req.client;
-    // SAFETY: helper without side effects.
-    let now = unsafe { bpf_ktime_get_ns() };
+    // The clock only matters to affinity entries.
+    let now = if fe.affinity_timeout_s != 0 {
+        // SAFETY: helper without side effects.
+        unsafe { bpf_ktime_get_ns() }
+    } else {
+        0
+    };
     if fe.affinity_timeout_s != 0 {
         let id = affine(fe, &client.addr, now);
         if crate::monitor::on() {

@@ -9,6 +9,10 @@
 //! until the application connects the socket again (`connect4/6` then pick a live endpoint
 //! and clear the entry). TCP sockets are never listed: kube-proxy lets established
 //! connections to a removed endpoint end on their own.
+//!
+//! The agent attaches this program only while `STALE_SOCKETS` has entries, and detaches it
+//! once none is left (the sockets reconnected or were closed: `sock_release` removes a
+//! closed socket's entry), so the packets of a node without stale sockets pay nothing here.
 
 use aya_ebpf::{helpers::bpf_get_socket_cookie, macros::cgroup_skb, programs::SkBuffContext};
 use proxy_common::{Counter, PROTO_TCP};

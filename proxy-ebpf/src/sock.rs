@@ -9,6 +9,9 @@
 //!
 //! - `sock_release`: a released socket's reverse-NAT entry and least-connections count go.
 //!
+//! The client identity (netns cookie, socket cookie) is read only for the algorithms and
+//! the affinity that use it (`lb::needs_client`).
+//!
 //! Refusals (`lb::Refusal`: no endpoints, undefined port on a VIP) fail the syscall with
 //! ECONNREFUSED via `bpf_set_retval` (kernel >= 5.18), as kube-proxy's nftables mode rejects
 //! them. A frontend whose `Local` traffic policy leaves it without endpoints on this node
@@ -32,7 +35,7 @@ use proxy_common::{
 
 use crate::{
     addr::L4Addr,
-    lb::{Lookup, Refusal, Request, Scope, backend, lookup, select},
+    lb::{Lookup, Refusal, Request, Scope, backend, lookup, needs_client, select},
     lc,
     maps::{CONFIG, REVNAT_SK, STALE_SOCKETS, UDP_FLOWS},
     monitor,
@@ -54,7 +57,7 @@ const DENY: i32 = 0;
 pub fn sock_release(ctx: SockContext) -> i32 {
     let sk = ctx.sock;
     // SAFETY: readable fields of our context (`struct bpf_sock`).
-    let (family, dst_port) = unsafe { ((*sk).family, (*sk).dst_port) };
+    let (family, dst_port, protocol) = unsafe { ((*sk).family, (*sk).dst_port, (*sk).protocol) };
     if dst_port == 0 {
         return 1; // never connected: nothing was translated for it
     }
@@ -91,6 +94,11 @@ pub fn sock_release(ctx: SockContext) -> i32 {
         let _ = REVNAT_SK.remove(key);
         if flags & REVNAT_F_COUNTED != 0 {
             lc::socket_released(cookie);
+        }
+        if flags & REVNAT_F_CONNECTED != 0 && protocol == PROTO_UDP as u32 {
+            // A closed socket is no longer stale: once none is, the agent detaches the
+            // egress program.
+            let _ = STALE_SOCKETS.remove(cookie);
         }
     }
     // sock_release programs must return 1.
@@ -298,7 +306,9 @@ fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         }
         Lookup::Frontend { fe, .. } => fe,
     };
-    client_of::<V6>(ctx, &mut req.client);
+    if needs_client(&fe) {
+        client_of::<V6>(ctx, &mut req.client);
+    }
     let id = select(&fe, &req);
     let Some(b) = backend(id).filter(|_| id != 0) else {
         let r = Refusal::no_backend(&fe);
@@ -384,7 +394,9 @@ fn on_sendmsg<const V6: bool>(ctx: &SockAddrContext) -> i32 {
     let id = if chosen != 0 {
         chosen
     } else {
-        client_of::<V6>(ctx, &mut req.client);
+        if needs_client(&fe) {
+            client_of::<V6>(ctx, &mut req.client);
+        }
         let id = select(&fe, &req);
         if id != 0 {
             // A new flow.

@@ -397,6 +397,12 @@ fn replace_under_udp_stream(name: &str, connected: bool) {
     let changed_at = now_ms();
     apply(&env, &other, || web(&env, "", "", &[ep(1, "", "")]));
     let synced_at = now_ms();
+    // The egress program that fails a stale socket's sends is attached only for it.
+    assert_eq!(
+        env.pin_path().join("link_sock_egress").exists(),
+        connected,
+        "egress program attached only when a connected socket went stale"
+    );
     let lines = client.lines();
     assert_eq!(lines.len(), 30, "{lines:?}");
     let before: Vec<&Probe> = lines
@@ -437,6 +443,18 @@ fn replace_under_udp_stream(name: &str, connected: bool) {
         assert_eq!(errors.len(), 1, "{lines:?}");
         assert_eq!(errors[0]["reconnected_after"]["errno"], EPERM, "{errors:?}");
         assert_eq!(errors[0]["name"], "b1");
+        // The socket reconnected (and is closed now): no socket is stale, so the agent's
+        // next collection pass (every 10 s with the default UDP timeout) detaches the
+        // egress program again.
+        let link = env.pin_path().join("link_sock_egress");
+        let start = Instant::now();
+        while link.exists() {
+            assert!(
+                start.elapsed() < Duration::from_secs(15),
+                "egress program still attached with no stale socket"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 }
 

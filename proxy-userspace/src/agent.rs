@@ -249,7 +249,7 @@ pub fn init_only(config: AgentConfig) -> Result<()> {
         .build()?;
     let done = rt.block_on(async {
         loader::load_and_attach(&dir, &cgroup, sizes)?;
-        open_datapath(&dir, &config, sizes)?;
+        open_datapath(&dir, &cgroup, &config, sizes)?;
         anyhow::Ok(())
     });
     if let Err(e) = done {
@@ -304,7 +304,7 @@ pub fn run(config: AgentConfig) -> Result<()> {
         let started = async {
             loader::load_and_attach(&dir, &cgroup, sizes)?;
             info!(pin_dir = %dir.display(), cgroup = %cgroup.display(), node = %node.name, "data path attached");
-            let dp = open_datapath(&dir, &config, sizes)?;
+            let dp = open_datapath(&dir, &cgroup, &config, sizes)?;
             let reconciler = Reconciler::adopt(
                 &dp,
                 NodeConfig {
@@ -396,10 +396,12 @@ pub fn run(config: AgentConfig) -> Result<()> {
 /// maps that keep another size.
 fn open_datapath(
     dir: &std::path::Path,
+    cgroup: &std::path::Path,
     config: &AgentConfig,
     sizes: MapSizes,
 ) -> Result<KernelDatapath> {
-    let maps = PinnedMaps::open(dir).context("open the pinned maps")?;
+    let mut maps = PinnedMaps::open(dir).context("open the pinned maps")?;
+    maps.set_cgroup(cgroup);
     maps.write_config(&Config {
         udp_flow_timeout_ns: config.udp_flow_timeout.as_nanos().min(u64::MAX as u128) as u64,
         _reserved: 0,

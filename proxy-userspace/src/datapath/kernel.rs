@@ -165,6 +165,15 @@ impl Interfaces for KernelDatapath {
 
 impl super::FlowCollection for KernelDatapath {
     fn collect_lc_flows(&mut self) -> anyhow::Result<usize> {
+        // The same periodic pass takes the egress program away once no socket is stale; a
+        // failure leaves it attached (harmless) and is retried on the next pass.
+        match self.maps.detach_egress_when_idle() {
+            Ok(true) => {
+                tracing::debug!("no stale connected UDP socket left: egress program detached")
+            }
+            Ok(false) => {}
+            Err(e) => tracing::warn!(error = %e, "detaching the idle egress program failed"),
+        }
         self.tc.collect_lc_flows()
     }
 }

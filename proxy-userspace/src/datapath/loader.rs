@@ -10,6 +10,7 @@ use std::{
 use anyhow::{Context, Result, bail};
 use aya::{
     Ebpf, EbpfError, EbpfLoader,
+    maps::Map,
     maps::MapError,
     programs::{
         CgroupAttachMode, CgroupSkb, CgroupSkbAttachType, CgroupSock, CgroupSockAddr, Program,
@@ -40,7 +41,10 @@ pub const PROGRAMS: [&str; 8] = [
 ];
 
 /// The cgroup `skb` egress program (section `cgroup_skb/egress`): fails the sends of
-/// connected UDP sockets whose endpoint left their service (`STALE_SOCKETS`).
+/// connected UDP sockets whose endpoint left their service (`STALE_SOCKETS`). Attached only
+/// while `STALE_SOCKETS` has entries ([`attach_egress`], [`detach_egress`]): a cgroup skb
+/// program runs for every packet of every socket of the cgroup, which is the largest part
+/// of what a short TCP connection would pay in BPF time, for sockets that never need it.
 pub const EGRESS_PROGRAM: &str = "sock_egress";
 
 /// The cgroup `sock` release program (section `cgroup/sock_release`): gives back the
@@ -433,22 +437,13 @@ pub fn load_and_attach(dir: &Path, cgroup: &Path, sizes: MapSizes) -> Result<()>
             .context("attach: the kernel did not give a bpf_link (remedy: use Linux >= 5.7)")?;
         replace_link(dir, prog, link)?;
     }
-    let p: &mut CgroupSkb = ebpf
-        .program_mut(EGRESS_PROGRAM)
-        .with_context(|| format!("load: program {EGRESS_PROGRAM} missing from the object"))?
-        .try_into()
-        .with_context(|| format!("load: program {EGRESS_PROGRAM} is not a cgroup skb program"))?;
-    p.load()
-        .map_err(|e| program_load_error(EGRESS_PROGRAM, e))?;
-    let id = p
-        .attach(&cg, CgroupSkbAttachType::Egress, CgroupAttachMode::Single)
-        .with_context(|| format!("attach: {EGRESS_PROGRAM} to cgroup {}", cgroup.display()))?;
-    let link: FdLink = p
-        .take_link(id)
-        .context("attach: take link")?
-        .try_into()
-        .context("attach: the kernel did not give a bpf_link (needs Linux >= 5.7)")?;
-    replace_link(dir, EGRESS_PROGRAM, link)?;
+    // The egress program is needed only while some socket is stale (an adopted data path
+    // may have some); otherwise an earlier generation's link is detached.
+    if stale_sockets_listed(dir) {
+        attach_egress_of(&mut ebpf, dir, &cg, cgroup)?;
+    } else {
+        detach_egress(dir)?;
+    }
 
     let p: &mut CgroupSock = ebpf
         .program_mut(RELEASE_PROGRAM)
@@ -467,6 +462,82 @@ pub fn load_and_attach(dir: &Path, cgroup: &Path, sizes: MapSizes) -> Result<()>
         .context("attach: the kernel did not give a bpf_link (needs Linux >= 5.7)")?;
     replace_link(dir, RELEASE_PROGRAM, link)?;
     Ok(())
+}
+
+/// Loads and attaches the egress program of `ebpf` to `cg` and pins its link (replacing an
+/// earlier one without a gap).
+fn attach_egress_of(ebpf: &mut Ebpf, dir: &Path, cg: &File, cgroup: &Path) -> Result<()> {
+    let p: &mut CgroupSkb = ebpf
+        .program_mut(EGRESS_PROGRAM)
+        .with_context(|| format!("load: program {EGRESS_PROGRAM} missing from the object"))?
+        .try_into()
+        .with_context(|| format!("load: program {EGRESS_PROGRAM} is not a cgroup skb program"))?;
+    p.load()
+        .map_err(|e| program_load_error(EGRESS_PROGRAM, e))?;
+    let id = p
+        .attach(cg, CgroupSkbAttachType::Egress, CgroupAttachMode::Single)
+        .with_context(|| format!("attach: {EGRESS_PROGRAM} to cgroup {}", cgroup.display()))?;
+    let link: FdLink = p
+        .take_link(id)
+        .context("attach: take link")?
+        .try_into()
+        .context("attach: the kernel did not give a bpf_link (needs Linux >= 5.7)")?;
+    replace_link(dir, EGRESS_PROGRAM, link)
+}
+
+/// True when `STALE_SOCKETS` pinned under `dir` has an entry (false when it cannot be read:
+/// a fresh pin directory).
+pub fn stale_sockets_listed(dir: &Path) -> bool {
+    let Ok(m) = aya::maps::MapData::from_pin(dir.join(STALE_SOCKETS)) else {
+        return false;
+    };
+    let Ok(h) = aya::maps::HashMap::<_, u64, u32>::try_from(Map::LruHashMap(m)) else {
+        return false;
+    };
+    h.keys().next().is_some()
+}
+
+/// True when the egress program's link is pinned under `dir` (attached).
+pub fn egress_attached(dir: &Path) -> bool {
+    link_pin(dir, EGRESS_PROGRAM).exists()
+}
+
+/// Attaches the egress program (stale connected UDP sockets) to `cgroup` when it is not
+/// attached: loads it from the embedded object with the maps pinned under `dir` (all exist
+/// once the agent has started) and pins its link. Returns whether it attached it.
+///
+/// Errors name the step (load, verify, attach, pin).
+pub fn attach_egress(dir: &Path, cgroup: &Path) -> Result<bool> {
+    if egress_attached(dir) {
+        return Ok(false);
+    }
+    let mut loader = EbpfLoader::new();
+    for name in ALL_MAPS.iter().chain(proxy_common::nat::TC_MAPS.iter()) {
+        loader.map_pin_path(name, dir.join(name));
+    }
+    let mut ebpf = loader.load(OBJECT).map_err(|e| load_error(e, true))?;
+    let cg =
+        File::open(cgroup).with_context(|| format!("attach: open cgroup {}", cgroup.display()))?;
+    attach_egress_of(&mut ebpf, dir, &cg, cgroup)?;
+    Ok(true)
+}
+
+/// Detaches the egress program by removing its pinned link; returns whether it was attached.
+pub fn detach_egress(dir: &Path) -> Result<bool> {
+    let pin = link_pin(dir, EGRESS_PROGRAM);
+    if !pin.exists() {
+        return Ok(false);
+    }
+    match PinnedLink::from_pin(&pin) {
+        Ok(l) => l
+            .unpin()
+            .map(drop)
+            .with_context(|| format!("pin: remove {}", pin.display()))?,
+        Err(_) => {
+            fs::remove_file(&pin).with_context(|| format!("pin: remove {}", pin.display()))?
+        }
+    }
+    Ok(true)
 }
 
 /// Pins `link` as the link of `prog`, detaching the link an earlier run pinned there only

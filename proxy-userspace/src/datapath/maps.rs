@@ -23,6 +23,10 @@ pub struct PinnedMaps {
     members: HashMap<MapData, MemberKey, u32>,
     maglev: HashMap<MapData, u32, MaglevTable>,
     cap: Capacity,
+    /// The cgroup the socket programs are attached to, where the egress program goes while
+    /// some connected UDP socket is stale (`None`: never attached from here, as in the
+    /// inspection commands).
+    cgroup: Option<PathBuf>,
 }
 
 fn map_err(op: &'static str, map: &'static str, e: MapError) -> DatapathError {
@@ -80,6 +84,28 @@ impl PinnedMaps {
                 backends: b,
                 services: n,
             },
+            cgroup: None,
+        })
+    }
+
+    /// Lets [`PinnedMaps::release_stale_udp`] attach the egress program to `cgroup` when it
+    /// marks a socket stale (the agent's data path; inspection commands never set it).
+    pub fn set_cgroup(&mut self, cgroup: &Path) {
+        self.cgroup = Some(cgroup.to_path_buf());
+    }
+
+    /// Detaches the egress program once no socket is listed in `STALE_SOCKETS` (they
+    /// reconnected or were closed). Returns whether it detached it.
+    pub fn detach_egress_when_idle(&self) -> Result<bool, DatapathError> {
+        if !crate::datapath::loader::egress_attached(&self.dir)
+            || crate::datapath::loader::stale_sockets_listed(&self.dir)
+        {
+            return Ok(false);
+        }
+        crate::datapath::loader::detach_egress(&self.dir).map_err(|e| DatapathError::Map {
+            op: "detach egress program of",
+            map: STALE_SOCKETS,
+            error: std::io::Error::other(format!("{e:#}")),
         })
     }
 
@@ -164,9 +190,10 @@ impl PinnedMaps {
     /// (service id, backend id, backend) as [`crate::reconcile::services::Report::released`]
     /// gives them.
     /// `UDP_FLOWS` entries of those pairs are deleted, and connected UDP sockets whose
-    /// reverse-NAT entry names such a pair are put into `STALE_SOCKETS`. This is the socket
-    /// level's equivalent of kube-proxy deleting the UDP conntrack entries of a removed
-    /// endpoint. Costs one pass over `UDP_FLOWS` and `REVNAT_SK`, only when `released` is not
+    /// reverse-NAT entry names such a pair are put into `STALE_SOCKETS`, after the egress
+    /// program that fails their sends is attached (see [`PinnedMaps::set_cgroup`]). This is
+    /// the socket level's equivalent of kube-proxy deleting the UDP conntrack entries of a
+    /// removed endpoint. Costs one pass over `UDP_FLOWS` and `REVNAT_SK`, only when `released` is not
     /// empty. TCP sockets are never touched.
     pub fn release_stale_udp(
         &self,
@@ -209,6 +236,19 @@ impl PinnedMaps {
             })
             .map(|(k, v)| (k.cookie, v.service_id))
             .collect();
+        if !sockets.is_empty()
+            && let Some(cg) = &self.cgroup
+        {
+            // Before the first entry: the program that fails a stale socket's sends must be
+            // in place when the socket is listed.
+            crate::datapath::loader::attach_egress(&self.dir, cg).map_err(|e| {
+                DatapathError::Map {
+                    op: "attach egress program for",
+                    map: STALE_SOCKETS,
+                    error: std::io::Error::other(format!("{e:#}")),
+                }
+            })?;
+        }
         for (cookie, sid) in sockets {
             stale
                 .insert(cookie, sid, 0)
