@@ -10,7 +10,8 @@
 //! - `sock_release`: a released socket's reverse-NAT entry and least-connections count go.
 //!
 //! The client identity (netns cookie, socket cookie) is read only for the algorithms and
-//! the affinity that use it (`lb::needs_client`).
+//! the affinity that use it (`lb::needs_client`), and while a monitor runs (its events name
+//! the client).
 //!
 //! Refusals (`lb::Refusal`: no endpoints, undefined port on a VIP) fail the syscall with
 //! ECONNREFUSED via `bpf_set_retval` (kernel >= 5.18), as kube-proxy's nftables mode rejects
@@ -306,7 +307,7 @@ fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         }
         Lookup::Frontend { fe, .. } => fe,
     };
-    if needs_client(&fe) {
+    if needs_client(&fe) || monitor::on() {
         client_of::<V6>(ctx, &mut req.client);
     }
     let id = select(&fe, &req);
@@ -394,7 +395,7 @@ fn on_sendmsg<const V6: bool>(ctx: &SockAddrContext) -> i32 {
     let id = if chosen != 0 {
         chosen
     } else {
-        if needs_client(&fe) {
+        if needs_client(&fe) || monitor::on() {
             client_of::<V6>(ctx, &mut req.client);
         }
         let id = select(&fe, &req);
