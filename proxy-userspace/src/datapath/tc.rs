@@ -29,13 +29,10 @@ use aya::{
     },
 };
 use ipnet::IpNet;
-use proxy_common::{
-    ALL_MAPS,
-    nat::{
-        CONNTRACK, CtEntry, CtKey, IFACE_ADDRS, IfaceAddr, LC_FLOWS, LOCAL_ENDPOINTS,
-        SOURCE_RANGES, SourceRange, TC_CFG_CLUSTER_CIDR_V4, TC_CFG_CLUSTER_CIDR_V6,
-        TC_CFG_MASQUERADE_ALL, TC_CONFIG, TC_MAPS, TcConfig, TcCounter, ct_closed, ct_timeout_ns,
-    },
+use proxy_common::nat::{
+    CONNTRACK, CtEntry, CtKey, IFACE_ADDRS, IfaceAddr, LC_FLOWS, LOCAL_ENDPOINTS, SOURCE_RANGES,
+    SourceRange, TC_CFG_CLUSTER_CIDR_V4, TC_CFG_CLUSTER_CIDR_V6, TC_CFG_MASQUERADE_ALL, TC_CONFIG,
+    TcConfig, TcCounter, ct_closed, ct_timeout_ns,
 };
 
 use crate::datapath::{NodeSnapshot, loader::OBJECT};
@@ -352,11 +349,7 @@ impl TcKernel {
     fn ebpf(&mut self) -> Result<&mut Ebpf> {
         if self.ebpf.is_none() {
             let mut loader = EbpfLoader::new();
-            for name in ALL_MAPS
-                .iter()
-                .chain(TC_MAPS.iter())
-                .chain(proxy_common::monitor::MONITOR_MAPS.iter())
-            {
+            for name in crate::datapath::loader::pinned_maps() {
                 loader.map_pin_path(name, self.dir.join(name));
             }
             let mut ebpf = loader.load(OBJECT).context("load the tc programs")?;
