@@ -524,7 +524,7 @@ fn programs() -> Vec<CheckResult> {
             ),
         ),
         Err(e) => {
-            let msg = format!("{e:#}");
+            let msg = crate::error_chain(&e);
             let remedy = if msg.contains("Operation not permitted") {
                 ROOT.to_string()
             } else {

@@ -132,8 +132,9 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            // One line per cause, the first names the failing step.
-            eprintln!("error: {e:#}");
+            // The causes on one line, the first names the failing step; a cause that
+            // repeats the text of the one before it is printed once.
+            eprintln!("error: {}", proxy_userspace::error_chain(&e));
             ExitCode::FAILURE
         }
     }
