@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
-use crate::config::{PinArgs, RunFlags};
+use crate::config::{PinArgs, RunFlags, number_in};
 
 /// A kube-proxy replacement on eBPF: Kubernetes Services load-balanced at the socket level
 /// for clients on the node, and by tc programs for traffic entering it.
@@ -152,7 +152,7 @@ pub struct MonitorArgs {
     #[arg(long)]
     pub address: Option<std::net::IpAddr>,
     /// Only events whose frontend or backend has this port.
-    #[arg(long)]
+    #[arg(long, value_parser = number_in(1u16, u16::MAX))]
     pub port: Option<u16>,
     /// Only events of this protocol (tcp or udp).
     #[arg(long)]
@@ -170,17 +170,17 @@ pub struct MonitorArgs {
     #[arg(short = 'o', long, value_enum, default_value = "text")]
     pub output: MonitorOutput,
     /// Stop after this many events.
-    #[arg(long)]
+    #[arg(long, value_parser = number_in(0u64, u64::MAX))]
     pub count: Option<u64>,
     /// Stop after this many seconds.
     #[arg(long)]
     pub duration: Option<f64>,
     /// Events per second each CPU may emit while the monitor runs (0: no limit); the
     /// events over it are counted as lost.
-    #[arg(long, default_value_t = proxy_common::monitor::MONITOR_DEFAULT_RATE)]
+    #[arg(long, default_value_t = proxy_common::monitor::MONITOR_DEFAULT_RATE, value_parser = number_in(0u32, u32::MAX))]
     pub rate: u32,
     /// Burst of events per CPU above the rate.
-    #[arg(long, default_value_t = proxy_common::monitor::MONITOR_DEFAULT_BURST)]
+    #[arg(long, default_value_t = proxy_common::monitor::MONITOR_DEFAULT_BURST, value_parser = number_in(0u32, u32::MAX))]
     pub burst: u32,
 }
 
