@@ -9,13 +9,20 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 use crate::config::{PinArgs, RunFlags, number_in};
 
+/// What `--version` prints after the name, under either name (`ebpf-proxy 0.1.0
+/// (kube-proxy compatible flags)`): this binary's version, not a Kubernetes version as
+/// kube-proxy's `Kubernetes v1.x.y`.
+pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (kube-proxy compatible flags)");
+
 /// A kube-proxy replacement on eBPF: Kubernetes Services load-balanced at the socket level
 /// for clients on the node, and by tc programs for traffic entering it.
 #[derive(Parser, Debug)]
 // A flag given twice takes its last value, as pflag does for kube-proxy.
+// The version says what the binary is under either name: `kube-proxy --version` (the
+// image links kube-proxy to it) cannot honestly print kube-proxy's `Kubernetes vX.Y.Z`.
 #[command(
     name = "ebpf-proxy",
-    version,
+    version = VERSION,
     args_conflicts_with_subcommands = true,
     args_override_self = true
 )]
@@ -317,11 +324,20 @@ mod tests {
             panic!("not run")
         };
         assert_eq!(f.sync_period, Some(std::time::Duration::from_secs(2)));
-        // kube-proxy's --version works too.
-        let e = Cli::command()
-            .try_get_matches_from(["kube-proxy", "--version"])
-            .unwrap_err();
-        assert_eq!(e.kind(), clap::error::ErrorKind::DisplayVersion);
+        // kube-proxy's --version works too, and says what this is under either name.
+        for argv0 in ["kube-proxy", "/usr/local/bin/kube-proxy", "ebpf-proxy"] {
+            let e = Cli::command()
+                .try_get_matches_from([argv0, "--version"])
+                .unwrap_err();
+            assert_eq!(e.kind(), clap::error::ErrorKind::DisplayVersion);
+            assert_eq!(
+                e.to_string(),
+                format!(
+                    "ebpf-proxy {} (kube-proxy compatible flags)\n",
+                    env!("CARGO_PKG_VERSION")
+                )
+            );
+        }
         // Unknown flags are still refused (kube-proxy refuses them as well).
         assert!(
             Cli::command()
