@@ -133,6 +133,8 @@ pub struct Options {
     /// Probe types and helpers, and load (verify) the programs. `run` skips this: it loads
     /// them right after, and reports a failure with the step that failed.
     pub probe_programs: bool,
+    /// The north-south settings, for the size of the conntrack table.
+    pub tc: crate::datapath::tc::TcSettings,
 }
 
 /// Runs every check, in order.
@@ -142,8 +144,34 @@ pub fn run_checks(opts: &Options) -> Vec<CheckResult> {
         out.extend(programs());
     }
     out.push(memlock());
+    out.push(conntrack(
+        &opts.tc.conntrack_size(),
+        crate::datapath::tc::own_cgroup_memory_max(),
+    ));
     out.push(kube_proxy_rules());
     out
+}
+
+/// The conntrack table's size and preallocation, a warning when it is large
+/// ([`crate::datapath::tc::ConntrackSize::excess`]).
+pub fn conntrack(
+    size: &crate::datapath::tc::ConntrackSize,
+    memory_max: Option<u64>,
+) -> CheckResult {
+    let detail = size.describe();
+    let detail = detail
+        .strip_prefix("north-south conntrack table: ")
+        .unwrap_or(&detail)
+        .to_string();
+    match size.excess(memory_max) {
+        None => CheckResult::ok("conntrack", detail),
+        Some(e) => CheckResult::bad(
+            "conntrack",
+            Status::Warn,
+            format!("{detail}: {e}"),
+            crate::datapath::tc::ConntrackSize::remedy(),
+        ),
+    }
 }
 
 /// True when a check failed.

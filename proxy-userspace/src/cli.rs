@@ -104,9 +104,39 @@ pub struct CheckArgs {
     /// cgroup v2 directory the programs would attach to [default: the cgroup2 mount root].
     #[arg(long)]
     pub cgroup_path: Option<PathBuf>,
+    /// The agent's configuration file, for the settings checked (the conntrack table's
+    /// size), as `run --config` reads it.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// As `run --conntrack-max-per-core`: the conntrack table's size is checked with it.
+    #[arg(long, value_parser = number_in(0u32, crate::datapath::tc::MAX_CONNTRACK_FLOWS), value_name = "N")]
+    pub conntrack_max_per_core: Option<u32>,
+    /// As `run --conntrack-min`.
+    #[arg(long, value_parser = crate::config::parse_conntrack_min, value_name = "N")]
+    pub conntrack_min: Option<u32>,
     /// Output format.
     #[arg(short = 'o', long, value_enum, default_value = "table")]
     pub output: Output,
+}
+
+impl CheckArgs {
+    /// The north-south settings to check: `--config` and the conntrack flags merged as
+    /// `run` merges them.
+    ///
+    /// Errors: the file cannot be read or is invalid, or names a kube-proxy mode.
+    pub fn tc_settings(&self) -> anyhow::Result<crate::datapath::tc::TcSettings> {
+        let file = match &self.config {
+            Some(path) => Some(crate::config::load(path)?.settings),
+            None => None,
+        };
+        let flags = RunFlags {
+            config: self.config.clone(),
+            conntrack_max_per_core: self.conntrack_max_per_core,
+            conntrack_min: self.conntrack_min,
+            ..Default::default()
+        };
+        Ok(crate::config::AgentConfig::resolve(flags, file)?.tc)
+    }
 }
 
 /// Arguments of `explain`.

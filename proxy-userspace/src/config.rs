@@ -1203,6 +1203,10 @@ impl AgentConfig {
             ],
             show,
         )?;
+        // Whether the operator chose a per-core figure: the written file leaves it unset
+        // otherwise (see below).
+        let max_per_core_given =
+            flags.conntrack_max_per_core.is_some() || f.conntrack_max_per_core.is_some();
         let mut warnings = k.warnings();
         if k.logging_format.is_some()
             && flags.log_format.is_some()
@@ -1308,6 +1312,12 @@ impl AgentConfig {
             );
         }
         c.document = written::effective(&c, &k, &f.document);
+        // Unless given, `conntrack.maxPerCore` is written as null, so that each program
+        // applies its own default to the file: 0 here (a preallocated table), 32768 in
+        // kube-proxy, for which 0 would mean "leave nf_conntrack_max alone" after a rollback.
+        if !max_per_core_given && let Some(ct) = c.document.conntrack.as_mut() {
+            ct.max_per_core = Some(serde_yaml_ng::Value::Null);
+        }
         Ok(c)
     }
 

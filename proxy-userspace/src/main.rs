@@ -142,11 +142,19 @@ fn main() -> ExitCode {
 
 /// `ebpf-proxy check`: exit code 0 when nothing failed, 1 otherwise.
 fn check_command(args: CheckArgs) -> ExitCode {
+    let tc = match args.tc_settings() {
+        Ok(tc) => tc,
+        Err(e) => {
+            eprintln!("error: {}", proxy_userspace::error_chain(&e));
+            return ExitCode::FAILURE;
+        }
+    };
     let results = check::run_checks(&check::Options {
         bpffs: args.bpffs,
         mount_bpffs: args.mount_bpffs,
         cgroup: args.cgroup_path,
         probe_programs: true,
+        tc,
     });
     match args.output {
         Output::Json => match serde_json::to_string_pretty(&results) {

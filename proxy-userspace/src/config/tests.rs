@@ -967,6 +967,36 @@ fn written_configuration_runs_the_same_agent() {
     assert!(l.warnings.is_empty(), "{:?}", l.warnings);
 }
 
+/// `conntrack.maxPerCore` left to its default is written as null: ebpf-proxy reads it
+/// back as its 0, kube-proxy (after a rollback) as its 32768 rather than as "leave
+/// nf_conntrack_max alone". A value given, 0 included, is written as given.
+#[test]
+fn written_max_per_core_is_null_unless_given() {
+    let yaml = resolve(&[], None).unwrap().kube_proxy_configuration();
+    assert!(yaml.lines().any(|l| l == "  maxPerCore: null"), "{yaml}");
+    assert!(yaml.lines().any(|l| l == "  min: 131072"), "{yaml}");
+    let back = AgentConfig::resolve(flags(&[]), Some(parse(&yaml).unwrap().settings)).unwrap();
+    assert_eq!(back.tc.conntrack_max_per_core, 0);
+    for (argv, file, line) in [
+        (&["--conntrack-max-per-core=0"][..], None, "  maxPerCore: 0"),
+        (
+            &["--conntrack-max-per-core=32768"][..],
+            None,
+            "  maxPerCore: 32768",
+        ),
+        (
+            &[][..],
+            Some(body("conntrack:\n  maxPerCore: 0\n")),
+            "  maxPerCore: 0",
+        ),
+    ] {
+        let yaml = resolve(argv, file.as_deref())
+            .unwrap()
+            .kube_proxy_configuration();
+        assert!(yaml.lines().any(|l| l == line), "{argv:?}: {yaml}");
+    }
+}
+
 #[test]
 fn flags_given_override_the_file_even_at_their_default_value() {
     const FILE: &str = "apiVersion: kubeproxy.config.k8s.io/v1alpha1
