@@ -258,7 +258,28 @@ fn explain(args: ExplainArgs) -> Result<()> {
         (Err(_), Some(m)) => (proxy_userspace::inspect::desired_snapshot(m)?, false),
         (Err(e), None) => return Err(e),
     };
-    let mut e = proxy_userspace::inspect::explain(&dir, &snapshot, addr, proto, model.as_ref())?;
+    // The tc path's source ranges: pinned (none without a tc path), else an agent's.
+    let ranges = match (&model, pinned) {
+        (_, true) => proxy_userspace::datapath::tc::pinned_source_ranges(&dir).unwrap_or_default(),
+        (Some(m), false) => proxy_userspace::reconcile::node::source_range_entries(m),
+        (None, false) => Default::default(),
+    };
+    let node_from = if args.hostname_override.is_some() {
+        "--hostname-override"
+    } else if std::env::var("NODE_NAME").is_ok_and(|n| !n.trim().is_empty()) {
+        "$NODE_NAME"
+    } else {
+        "the hostname; set --hostname-override for another node"
+    };
+    let mut e = proxy_userspace::inspect::explain(
+        &dir,
+        &snapshot,
+        addr,
+        proto,
+        model.as_ref(),
+        &format!("{} ({node_from})", node.name),
+        &ranges,
+    )?;
     if !pinned {
         e.from = "objects";
     }
