@@ -143,9 +143,14 @@ fn preflight(config: &AgentConfig) -> Result<()> {
         mount_bpffs: true,
         cgroup: config.cgroup_path.clone(),
         probe_programs: false,
+        tc: config.tc.clone(),
     });
     for r in &results {
         match r.status {
+            // The conntrack table's size is said once at every start (a warning when large).
+            crate::check::Status::Ok if r.check == "conntrack" => {
+                info!("north-south conntrack table: {}", r.detail)
+            }
             crate::check::Status::Ok => debug!(check = r.check, "preflight: {}", r.detail),
             crate::check::Status::Warn | crate::check::Status::Skip => {
                 warn!("preflight: {}", r.message())

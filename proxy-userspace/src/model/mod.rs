@@ -1733,7 +1733,13 @@ pub(crate) mod tests {
             // No label.
             + "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-x, namespace: a}\naddressType: IPv4\nendpoints: [{addresses: [10.0.0.3]}]\nports: [{port: 8080}]\n";
         let (s, e) = build_yaml(&yaml);
-        assert_eq!(e, NO_ERRORS);
+        // The slice without the label is ignored, with one warning naming it.
+        assert_eq!(
+            e,
+            [
+                "test.yaml: EndpointSlice a/web-x: no kubernetes.io/service-name label, so it belongs to no Service; slice ignored (as kube-proxy does)"
+            ]
+        );
         assert_eq!(
             s,
             state(vec![(
