@@ -371,7 +371,8 @@ pub fn run(config: AgentConfig) -> Result<()> {
             SourceChoice::Manifests(_) => Duration::ZERO,
             SourceChoice::Api(_) => config.min_sync_period,
         };
-        let mut agent = Agent::new(Model::new(node), reconciler, dp, metrics, health, source_label, min_period);
+        let mut agent = Agent::new(Model::new(node), reconciler, dp, metrics, health, source_label, min_period)
+            .with_fresh_maps(fresh);
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         let failed = fatal.clone();
         let stop = async move {
@@ -460,6 +461,9 @@ pub struct Agent<D> {
     synced: bool,
     /// The first full pass ran.
     first_done: bool,
+    /// The maps were created empty by this run, so the first pass has nothing of an earlier
+    /// agent's to remove and skips its verification.
+    fresh_maps: bool,
     /// When the model must be programmed (changes are waiting).
     reconcile_at: Option<tokio::time::Instant>,
     last_sync: Option<tokio::time::Instant>,
@@ -522,6 +526,7 @@ impl<D: Datapath + FlowCollection> Agent<D> {
             min_period,
             synced: false,
             first_done: false,
+            fresh_maps: false,
             reconcile_at: None,
             last_sync: None,
             first_received: None,
@@ -531,6 +536,13 @@ impl<D: Datapath + FlowCollection> Agent<D> {
             pending_services: 0,
             pending_endpoints: 0,
         }
+    }
+
+    /// Tells the agent that this run created the pinned maps (they hold nothing of an
+    /// earlier agent's), which spares the first pass its verification.
+    pub fn with_fresh_maps(mut self, fresh: bool) -> Self {
+        self.fresh_maps = fresh;
+        self
     }
 
     /// Runs the event loop until `stop` completes; verifies every `sync_period`, collects
@@ -710,9 +722,11 @@ impl<D: Datapath + FlowCollection> Agent<D> {
             }
             let mut out = self.reconciler.apply_all(&mut self.dp, &self.model, now);
             // Entries nothing claims (left by an earlier agent) go now.
-            let v = self.reconciler.verify(&mut self.dp, &self.model, now);
-            out.repaired.add(v.repaired);
-            out.failed.extend(v.failed);
+            if !self.fresh_maps {
+                let v = self.reconciler.verify(&mut self.dp, &self.model, now);
+                out.repaired.add(v.repaired);
+                out.failed.extend(v.failed);
+            }
             self.first_done = true;
             give_back_heap();
             out

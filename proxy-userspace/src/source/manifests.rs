@@ -7,8 +7,9 @@
 //!   (`.foo.yaml`, `.foo.swp`, Kubernetes ConfigMap `..data` entries) and editor backups
 //!   (`foo.yaml~`) are ignored; subdirectories are not entered.
 //! - `.json` files are parsed as JSON (a stream of one or more values); every other file
-//!   as YAML (any number of `---` documents). Each document is first parsed into a
-//!   `serde_json::Value`, then dispatched on `apiVersion`/`kind`:
+//!   as YAML (any number of `---` documents). Each document is dispatched on
+//!   `apiVersion`/`kind` (a plain JSON object of a read kind straight into its type, anything
+//!   else through a `serde_json::Value`):
 //!   `v1`/`Service`, `discovery.k8s.io/v1`/`EndpointSlice` and `v1`/`Node` (for the zone
 //!   label of the agent's own node; cluster-scoped, so its namespace is ignored) are read;
 //!   `v1`/`List`, `v1`/`ServiceList`, `v1`/`NodeList` and
@@ -62,11 +63,24 @@ pub fn parse_documents(origin: &str, text: &str) -> (Vec<Object>, Vec<SourceErro
     let mut errors = Vec::new();
     if origin.to_ascii_lowercase().ends_with(".json") {
         for (i, doc) in serde_json::Deserializer::from_str(text)
-            .into_iter::<Value>()
+            .into_iter::<&serde_json::value::RawValue>()
             .enumerate()
         {
             match doc {
-                Ok(value) => dispatch(origin, i + 1, value, None, &mut objects, &mut errors),
+                Ok(raw) => match plain_object(origin, raw.get()) {
+                    Some(object) => objects.push(object),
+                    // Everything else (lists, errors) through the general path, which
+                    // words the errors.
+                    None => match serde_json::from_str::<Value>(raw.get()) {
+                        Ok(value) => {
+                            dispatch(origin, i + 1, value, None, &mut objects, &mut errors)
+                        }
+                        Err(e) => errors.push(SourceError::file(
+                            origin,
+                            format!("invalid JSON in document {}: {e}; document skipped", i + 1),
+                        )),
+                    },
+                },
                 Err(e) => {
                     errors.push(SourceError::file(
                         origin,
@@ -232,6 +246,59 @@ fn shift_lines(msg: &str, offset: usize) -> String {
     }
     out.push_str(rest);
     out
+}
+
+/// The fields of a JSON document that say what it is, borrowed from the text.
+#[derive(Deserialize)]
+struct Head<'a> {
+    #[serde(rename = "apiVersion", borrow, default)]
+    api_version: Option<std::borrow::Cow<'a, str>>,
+    #[serde(borrow, default)]
+    kind: Option<std::borrow::Cow<'a, str>>,
+    #[serde(borrow, default)]
+    metadata: Option<HeadMeta<'a>>,
+}
+
+#[derive(Deserialize)]
+struct HeadMeta<'a> {
+    #[serde(borrow, default)]
+    name: Option<std::borrow::Cow<'a, str>>,
+    #[serde(borrow, default)]
+    namespace: Option<std::borrow::Cow<'a, str>>,
+}
+
+/// The common case of a JSON document, read straight into its k8s-openapi type: one
+/// Service, EndpointSlice or Node with its apiVersion, kind and name, that deserializes.
+/// `None` for anything else, which [`dispatch`] reads (and words the errors of) through a
+/// `serde_json::Value`; the result is the same object either way, about twice as fast (no
+/// intermediate tree).
+fn plain_object(origin: &str, raw: &str) -> Option<Object> {
+    let head: Head = serde_json::from_str(raw).ok()?;
+    let meta = head.metadata?;
+    meta.name.as_deref().filter(|n| !n.is_empty())?;
+    let ns = meta
+        .namespace
+        .as_deref()
+        .filter(|n| !n.is_empty())
+        .unwrap_or("default");
+    match (head.api_version.as_deref()?, head.kind.as_deref()?) {
+        (SERVICE_API, "Service") => {
+            let mut s: Service = serde_json::from_str(raw).ok()?;
+            s.metadata.namespace = Some(ns.to_string());
+            Some(Object::Service(Sourced::new(origin, s)))
+        }
+        (ENDPOINT_SLICE_API, "EndpointSlice") => {
+            let mut s: EndpointSlice = serde_json::from_str(raw).ok()?;
+            s.metadata.namespace = Some(ns.to_string());
+            Some(Object::EndpointSlice(Sourced::new(origin, s)))
+        }
+        (SERVICE_API, "Node") => {
+            let mut n: Node = serde_json::from_str(raw).ok()?;
+            n.metadata.namespace = None;
+            Some(Object::Node(Sourced::new(origin, n)))
+        }
+        _ => None,
+    }
 }
 
 /// A string field of a JSON object, when present and a string.
