@@ -6,6 +6,7 @@
 //! [`Datapath`] is all four.
 
 pub mod addr;
+pub mod bypass;
 pub mod fake;
 pub mod kernel;
 pub mod loader;
