@@ -24,6 +24,7 @@
 
 #![no_std]
 
+pub mod bypass;
 pub mod monitor;
 pub mod nat;
 
@@ -64,7 +65,7 @@ pub const STALE_SOCKETS: &str = "STALE_SOCKETS";
 pub const SERVICE_NAMES: &str = "SERVICE_NAMES";
 
 /// Every map the agent pins, in the order the data path depends on them.
-pub const ALL_MAPS: [&str; 17] = [
+pub const ALL_MAPS: [&str; 19] = [
     FRONTENDS,
     BACKEND_SLOTS,
     BACKENDS,
@@ -82,6 +83,8 @@ pub const ALL_MAPS: [&str; 17] = [
     SERVICE_STATS,
     BACKEND_STATS,
     SERVICE_NAMES,
+    bypass::BYPASS_CONFIG,
+    bypass::BYPASS_NETNS,
 ];
 
 /// Default `max_entries` of [`FRONTENDS`] (one per VIP x port x protocol, plus one
@@ -640,11 +643,14 @@ pub enum Counter {
     DroppedNoLocalEndpoints = 6,
     /// A send of a connected UDP socket failed: its endpoint left the service.
     DroppedStaleSocket = 7,
+    /// A connect() or sendmsg() to a frontend left untouched: its workload bypasses
+    /// socket-level translation (see [`bypass`]); its packets are translated per packet.
+    Bypassed = 8,
 }
 
 impl Counter {
     /// Every counter, in index order, with its Prometheus-style name.
-    pub const ALL: [(Counter, &'static str); 8] = [
+    pub const ALL: [(Counter, &'static str); 9] = [
         (Counter::Translated, "translated"),
         (Counter::RefusedNoEndpoints, "refused_no_endpoints"),
         (Counter::RefusedUndefinedPort, "refused_undefined_port"),
@@ -656,6 +662,7 @@ impl Counter {
             "dropped_no_local_endpoints",
         ),
         (Counter::DroppedStaleSocket, "dropped_stale_socket"),
+        (Counter::Bypassed, "bypassed"),
     ];
 }
 

@@ -192,6 +192,11 @@ pub const CT_F_RST: u16 = 1 << 5;
 /// egress only, after the kernel routed the DNATed packet (a node address as source at
 /// ingress would be dropped by routing as a martian).
 pub const CT_F_EGRESS: u16 = 1 << 6;
+/// [`CtEntry::flags`]: a flow started by a workload that bypasses socket-level translation
+/// (see [`crate::bypass`]), tracked and rewritten only by the programs on that workload's
+/// interface (`pod_ingress` its original direction, `pod_egress` its replies), never by
+/// the programs of the node's external interfaces.
+pub const CT_F_POD: u16 = 1 << 7;
 
 /// An interface the tc programs are attached to (value of [`IFACE_ADDRS`]). 40 bytes.
 #[repr(C)]

@@ -15,6 +15,7 @@ use proxy_common::{
     DEFAULT_MAX_FRONTENDS, DEFAULT_MAX_MAGLEV, DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCKETS, Frontend,
     FrontendKey, MaglevTable, MemberKey, RevNatKey, RevNatValue, ServiceName, ServiceStats,
     UdpFlow, UdpFlowKey,
+    bypass::{BypassConfig, MAX_BYPASS_NETNS},
     monitor::{MONITOR_RING_BYTES, MonitorCpu, MonitorCtl, MonitorEvent},
     nat::{
         CtEntry, CtKey, DEFAULT_MAX_CONNTRACK, IfaceAddr, MAX_IFACES, MAX_LOCAL_ENDPOINTS,
@@ -126,6 +127,19 @@ pub static SERVICE_STATS: LruPerCpuHashMap<u32, ServiceStats, { DEFAULT_MAX_FRON
 #[btf_map]
 pub static BACKEND_STATS: LruPerCpuHashMap<u32, u64, { DEFAULT_MAX_BACKENDS as usize }> =
     LruPerCpuHashMap::new();
+
+// ---------------------------------------------------------------------------------------
+// Workloads that bypass socket-level translation (see `proxy_common::bypass`)
+// ---------------------------------------------------------------------------------------
+
+/// Bypass configuration (index 0); see `proxy_common::bypass::BYPASS_CONFIG`.
+#[btf_map]
+pub static BYPASS_CONFIG: Array<BypassConfig, 1> = Array::new();
+
+/// Network namespace cookie -> `BYPASS_POD` for pods opted out of socket-level
+/// translation; see `proxy_common::bypass::BYPASS_NETNS`.
+#[btf_map]
+pub static BYPASS_NETNS: HashMap<u64, u32, { MAX_BYPASS_NETNS as usize }> = HashMap::new();
 
 // ---------------------------------------------------------------------------------------
 // The packet path (tc today): conntrack, SNAT, source ranges

@@ -13,6 +13,9 @@
 //! the affinity that use it (`lb::needs_client`), and while a monitor runs (its events name
 //! the client).
 //!
+//! A socket of a workload that bypasses socket-level translation (`proxy_common::bypass`)
+//! is left untouched, refusals included: its packets are translated by `pod_ingress`.
+//!
 //! Refusals (`lb::Refusal`: no endpoints, undefined port on a VIP) fail the syscall with
 //! ECONNREFUSED via `bpf_set_retval` (kernel >= 5.18), as kube-proxy's nftables mode rejects
 //! them. A frontend whose `Local` traffic policy leaves it without endpoints on this node
@@ -28,8 +31,9 @@ use aya_ebpf::{
 };
 use proxy_common::{
     Backend, Counter, DEFAULT_UDP_FLOW_TIMEOUT_NS, Frontend, PROTO_TCP, PROTO_UDP,
-    REVNAT_F_CONNECTED, REVNAT_F_COUNTED, RevNatKey, RevNatValue, UdpFlow, UdpFlowKey, bytes_of,
-    client_of_netns, counts_connections, is_v4_mapped,
+    REVNAT_F_CONNECTED, REVNAT_F_COUNTED, RevNatKey, RevNatValue, UdpFlow, UdpFlowKey,
+    bypass::{BYPASS_CFG_HOST_ONLY, BYPASS_CFG_PODS},
+    bytes_of, client_of_netns, counts_connections, is_v4_mapped,
     monitor::{ALGORITHM_UNKNOWN as ALG_UNKNOWN, EVENT_F_DATAGRAM, EVENT_F_STALE_REPAIRED},
     v4_mapped, v4_of_mapped, words_of,
 };
@@ -38,7 +42,7 @@ use crate::{
     addr::L4Addr,
     lb::{Lookup, Refusal, Request, Scope, backend, lookup, needs_client, select},
     lc,
-    maps::{CONFIG, REVNAT_SK, STALE_SOCKETS, UDP_FLOWS},
+    maps::{BYPASS_CONFIG, BYPASS_NETNS, CONFIG, REVNAT_SK, STALE_SOCKETS, UDP_FLOWS},
     monitor,
     stats::{count, count_service},
 };
@@ -257,6 +261,28 @@ fn client_of<const V6: bool>(ctx: &SockAddrContext, out: &mut L4Addr) {
     };
 }
 
+/// Whether the socket's workload bypasses socket-level translation (see
+/// `proxy_common::bypass`): with `--socket-lb-scope host-only` every namespace but the
+/// node's own, and the namespaces of pods opted out (`BYPASS_NETNS`). Asked only for a
+/// frontend, so other connections pay nothing; with nothing bypassed it costs one array
+/// lookup. The reverse hooks (`recvmsg`, `getpeername`) and `sock_release` need no check:
+/// they touch only sockets this program translated, which a bypassed socket never is (one
+/// translated before its pod opted out keeps its reverse translation until it closes).
+#[inline(always)]
+fn bypassed(ctx: &SockAddrContext) -> bool {
+    let Some(cfg) = BYPASS_CONFIG.get(0) else {
+        return false;
+    };
+    let (flags, host) = (cfg.flags, cfg.host_netns);
+    if flags == 0 {
+        return false;
+    }
+    // SAFETY: helper on our own context.
+    let ns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    (flags & BYPASS_CFG_HOST_ONLY != 0 && ns != host)
+        || (flags & BYPASS_CFG_PODS != 0 && BYPASS_NETNS.get_ptr(ns).is_some())
+}
+
 #[inline(always)]
 fn cookie(ctx: &SockAddrContext) -> u64 {
     // SAFETY: helper on our own context.
@@ -299,7 +325,12 @@ fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         frontend: L4Addr::new(addr, port, proto),
         client: L4Addr::zero(),
     };
-    let fe = match lookup(&req.frontend, Scope::Node) {
+    let found = lookup(&req.frontend, Scope::Node);
+    if !matches!(found, Lookup::NotService) && bypassed(ctx) {
+        count(Counter::Bypassed);
+        return ALLOW;
+    }
+    let fe = match found {
         Lookup::NotService => return ALLOW,
         Lookup::Refused(r) => {
             monitor::sock_refused(ctx.as_ptr(), r, &req, 0, ALG_UNKNOWN);
@@ -373,7 +404,12 @@ fn on_sendmsg<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         frontend: L4Addr::new(addr, port, PROTO_UDP),
         client: L4Addr::zero(),
     };
-    let fe = match lookup(&req.frontend, Scope::Node) {
+    let found = lookup(&req.frontend, Scope::Node);
+    if !matches!(found, Lookup::NotService) && bypassed(ctx) {
+        count(Counter::Bypassed);
+        return ALLOW;
+    }
+    let fe = match found {
         Lookup::NotService => return ALLOW,
         Lookup::Refused(r) => {
             monitor::sock_refused(ctx.as_ptr(), r, &req, 0, ALG_UNKNOWN);

@@ -371,8 +371,17 @@ pub fn run(config: AgentConfig) -> Result<()> {
             SourceChoice::Manifests(_) => Duration::ZERO,
             SourceChoice::Api(_) => config.min_sync_period,
         };
-        let mut agent = Agent::new(Model::new(node), reconciler, dp, metrics, health, source_label, min_period)
+        let mut model = Model::new(node);
+        model.set_socket_lb_scope(config.socket_lb_scope);
+        let mut agent = Agent::new(model, reconciler, dp, metrics, health, source_label, min_period)
             .with_fresh_maps(fresh);
+        agent.set_bypass(
+            crate::datapath::bypass::BypassKernel::new(&dir, &cgroup, config.socket_lb_scope)
+                .context("open the bypass maps")?,
+        );
+        if config.socket_lb_scope != crate::model::bypass::SocketLbScope::All {
+            info!(scope = config.socket_lb_scope.as_str(), "socket-level translation only for the node's own network namespace; pods are translated per packet");
+        }
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         let failed = fatal.clone();
         let stop = async move {
@@ -474,6 +483,11 @@ pub struct Agent<D> {
     collect_failed: bool,
     pending_services: i64,
     pending_endpoints: i64,
+    /// The kernel side of the socket-level bypass (`None`: not programmed, as with the
+    /// in-memory data path).
+    bypass: Option<crate::datapath::bypass::BypassKernel>,
+    /// Bad `ebpf-proxy.io/socket-lb` values already logged.
+    logged_bypass: BTreeSet<String>,
 }
 
 /// Now, on tokio's clock (paused in tests) as a std `Instant`, so the reconciler's retry
@@ -535,6 +549,28 @@ impl<D: Datapath + FlowCollection> Agent<D> {
             collect_failed: false,
             pending_services: 0,
             pending_endpoints: 0,
+            bypass: None,
+            logged_bypass: BTreeSet::new(),
+        }
+    }
+
+    /// Programs the socket-level bypass through `bypass` from now on.
+    pub fn set_bypass(&mut self, bypass: crate::datapath::bypass::BypassKernel) {
+        self.bypass = Some(bypass);
+    }
+
+    /// Programs the pods that bypass socket-level translation; `recheck` looks every pod
+    /// up again (a verification).
+    fn sync_bypass(&mut self, recheck: bool) {
+        let errors: BTreeSet<String> = self.model.bypass().errors().into_iter().collect();
+        for e in errors.difference(&self.logged_bypass) {
+            warn!("{e}");
+        }
+        self.logged_bypass = errors;
+        if let Some(b) = self.bypass.as_mut() {
+            for e in b.sync(&self.model.bypassed(), recheck) {
+                error!("{e}");
+            }
         }
     }
 
@@ -774,6 +810,7 @@ impl<D: Datapath + FlowCollection> Agent<D> {
             "sync done"
         );
         self.after_sync(&out);
+        self.sync_bypass(false);
     }
 
     /// Health and metrics after a reconciler call.
@@ -920,6 +957,7 @@ impl<D: Datapath + FlowCollection> Agent<D> {
         give_back_heap();
         self.report(&out);
         self.after_sync(&out);
+        self.sync_bypass(true);
     }
 
     fn collect(&mut self) {

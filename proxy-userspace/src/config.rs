@@ -630,6 +630,12 @@ pub struct RunFlags {
     /// [default: random].
     #[arg(long, value_parser = parse_lb_algorithm)]
     pub lb_algorithm: Option<Algorithm>,
+    /// Which sockets the socket programs translate: `all`, or `host-only` (only the node's
+    /// own network namespace; pods are translated per packet on their interfaces, as
+    /// Cilium's `socketLB.hostNamespaceOnly`). Pods and namespaces also opt out one by one
+    /// with the label or annotation `ebpf-proxy.io/socket-lb: disabled` [default: all].
+    #[arg(long, value_enum)]
+    pub socket_lb_scope: Option<crate::model::bypass::SocketLbScope>,
     /// Size of the Maglev lookup tables of source-hash and maglev Services: a prime from 7 to
     /// 65521 (larger tables spread backends more evenly; each costs 4 bytes per entry)
     /// [default: 16381].
@@ -1024,6 +1030,8 @@ pub struct AgentConfig {
     pub lb_algorithm: Algorithm,
     /// `--maglev-table-size`.
     pub maglev_table_size: u32,
+    /// `--socket-lb-scope`.
+    pub socket_lb_scope: crate::model::bypass::SocketLbScope,
     /// `--log-level` (or `-v`).
     pub log_level: String,
     /// `-v` / `logging.verbosity` as given (for the written configuration).
@@ -1249,6 +1257,7 @@ impl AgentConfig {
             maglev_table_size: flags
                 .maglev_table_size
                 .unwrap_or(proxy_common::MAGLEV_DEFAULT),
+            socket_lb_scope: flags.socket_lb_scope.unwrap_or_default(),
             log_level,
             verbosity,
             log_format: flags

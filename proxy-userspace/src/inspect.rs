@@ -618,6 +618,8 @@ pub struct Explanation {
     /// EndpointSlices in the namespace of the matching Services that are ignored because
     /// they lack the `kubernetes.io/service-name` label (`namespace/name`; with a source).
     pub ignored_slices: Vec<String>,
+    /// Which path serves which workload of this node (see [`workload_paths`]).
+    pub paths: Vec<String>,
 }
 
 /// The verdict for traffic entering the node (the tc programs' lookup, `lb::lookup` with
@@ -831,7 +833,57 @@ pub fn explain(
         verdict,
         external_verdict,
         ignored_slices,
+        paths: workload_paths(dir, source),
     })
+}
+
+/// Which path serves which workload of this node, one line each: the socket programs
+/// (`connect`, `sendmsg`) or, for pods that bypass socket-level translation, the per-packet
+/// programs on their interface. From the pins of `dir` (the scope, how many pod namespaces
+/// are bypassed and on which interfaces) and, with `model`, the pods by name and why.
+pub fn workload_paths(dir: &Path, model: Option<&crate::model::Model>) -> Vec<String> {
+    use crate::datapath::bypass::{attached_pods, read_pinned};
+    use proxy_common::bypass::BYPASS_CFG_HOST_ONLY;
+    let mut out = Vec::new();
+    let pinned = read_pinned(dir).ok();
+    let host_only = match (pinned.as_ref(), model) {
+        (Some((cfg, _)), _) => cfg.flags & BYPASS_CFG_HOST_ONLY != 0,
+        (None, Some(m)) => m.bypass().scope() == crate::model::bypass::SocketLbScope::HostOnly,
+        (None, None) => false,
+    };
+    out.push(if host_only {
+        "socket path: the node's own network namespace only (--socket-lb-scope host-only)"
+            .to_string()
+    } else {
+        "socket path: every workload of the attached cgroup but the bypassed pods".to_string()
+    });
+    if let Some((_, cookies)) = &pinned {
+        let links = attached_pods(dir);
+        if !cookies.is_empty() || !links.is_empty() {
+            out.push(format!(
+                "per-packet path (pod_ingress/pod_egress): {} pod network namespace(s), interfaces {}",
+                cookies.len(),
+                links.into_iter().collect::<Vec<_>>().join(",")
+            ));
+        }
+    }
+    if let Some(m) = model {
+        for p in m.bypassed() {
+            let ips: Vec<String> = p.ips.iter().map(ToString::to_string).collect();
+            out.push(format!(
+                "per-packet path: pod {}/{} ({}), opted out by {}",
+                p.namespace,
+                p.name,
+                ips.join(","),
+                match p.reason {
+                    "pod" => "its ebpf-proxy.io/socket-lb label or annotation",
+                    "namespace" => "its namespace's ebpf-proxy.io/socket-lb label or annotation",
+                    _ => "--socket-lb-scope host-only",
+                }
+            ));
+        }
+    }
+    out
 }
 
 /// The service maps an agent would write for `model` (this node's view of the objects), for
@@ -870,6 +922,9 @@ pub fn print_explanation(e: &Explanation, json: bool) -> Result<()> {
     println!("{} from this node: {}", e.target, e.verdict);
     println!("{} from outside the node: {}", e.target, e.external_verdict);
     println!("node assumed: {}", e.node);
+    for p in &e.paths {
+        println!("  {p}");
+    }
     if e.from == "objects" {
         println!("(no data path pinned here: what an agent would program for these objects)");
     }

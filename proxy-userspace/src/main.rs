@@ -185,6 +185,9 @@ fn services(args: ServicesArgs) -> Result<()> {
             .map(|(idx, name)| format!("{name}={}", c.get(*idx as usize).copied().unwrap_or(0)))
             .collect();
         println!("\ncounters: {}", parts.join(" "));
+        for line in proxy_userspace::inspect::workload_paths(&dir, None) {
+            println!("{line}");
+        }
     }
     Ok(())
 }

@@ -7,6 +7,7 @@
 
 pub mod addr;
 pub mod batch;
+pub mod bypass;
 pub mod fake;
 pub mod kernel;
 pub mod loader;

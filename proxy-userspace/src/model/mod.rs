@@ -100,6 +100,7 @@
 //!   port outside 1-65535 is reported; a port asked for by two Services goes to the first in
 //!   namespace/name order, the other is reported.
 
+pub mod bypass;
 pub mod endpoints;
 pub mod explain;
 pub(crate) mod frontends;
@@ -537,6 +538,9 @@ pub struct Model {
     error_net: HashMap<ModelError, i32>,
     local_net: HashMap<IpAddr, i32>,
     pending: Delta,
+    /// Pods, Namespaces and `--socket-lb-scope`: which pods bypass socket-level
+    /// translation.
+    bypass: bypass::BypassState,
 }
 
 impl Model {
@@ -546,6 +550,23 @@ impl Model {
             config,
             ..Default::default()
         }
+    }
+
+    /// Sets `--socket-lb-scope` (see [`bypass`]).
+    pub fn set_socket_lb_scope(&mut self, scope: bypass::SocketLbScope) {
+        self.bypass.set_scope(scope);
+    }
+
+    /// The Pods, Namespaces and scope that decide which pods bypass socket-level
+    /// translation.
+    pub fn bypass(&self) -> &bypass::BypassState {
+        &self.bypass
+    }
+
+    /// The pods of this node that bypass socket-level translation, in (namespace, name)
+    /// order.
+    pub fn bypassed(&self) -> Vec<bypass::BypassedPod> {
+        self.bypass.bypassed(&self.config.name)
     }
 
     /// The node configuration.
@@ -618,6 +639,10 @@ impl Model {
                     self.set_node(None);
                 }
             }
+            Change::Apply(Object::Pod(p)) => self.bypass.apply_pod(&p.object),
+            Change::Apply(Object::Namespace(n)) => self.bypass.apply_namespace(&n.object),
+            Change::Delete(Kind::Pod, (ns, name)) => self.bypass.delete_pod(&ns, &name),
+            Change::Delete(Kind::Namespace, (_, name)) => self.bypass.delete_namespace(&name),
         }
     }
 
@@ -1289,6 +1314,12 @@ impl Model {
         let mut model = Model::new(node.clone());
         for n in objects.nodes.values() {
             model.apply(Change::Apply(Object::Node(n.clone())));
+        }
+        for n in objects.namespaces.values() {
+            model.apply(Change::Apply(Object::Namespace(n.clone())));
+        }
+        for p in objects.pods.values() {
+            model.apply(Change::Apply(Object::Pod(p.clone())));
         }
         for s in objects.endpoint_slices.values() {
             model.apply(Change::Apply(Object::EndpointSlice(s.clone())));

@@ -43,7 +43,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use serde::Deserialize;
 use serde_json::Value;
@@ -409,7 +409,9 @@ fn dispatch(
     match (api.as_str(), kind.as_str()) {
         (SERVICE_API, "Service")
         | (ENDPOINT_SLICE_API, "EndpointSlice")
-        | (SERVICE_API, "Node") => {}
+        | (SERVICE_API, "Node")
+        | (SERVICE_API, "Pod")
+        | (SERVICE_API, "Namespace") => {}
         _ => {
             errors.push(SourceError::object(
                 origin,
@@ -418,7 +420,7 @@ fn dispatch(
                 name,
                 format!(
                     "unsupported kind {api} {kind} (only v1 Service, discovery.k8s.io/v1 \
-                     EndpointSlice and v1 Node are read); object skipped"
+                     EndpointSlice, v1 Node, v1 Pod and v1 Namespace are read); object skipped"
                 ),
             ));
             return;
@@ -434,7 +436,17 @@ fn dispatch(
         ));
         return;
     }
-    let result = if kind == "Node" {
+    let result = if kind == "Pod" {
+        serde_json::from_value::<Pod>(value).map(|mut p| {
+            p.metadata.namespace = Some(ns.clone());
+            Object::Pod(Sourced::new(origin, p))
+        })
+    } else if kind == "Namespace" {
+        serde_json::from_value::<Namespace>(value).map(|mut n| {
+            n.metadata.namespace = None;
+            Object::Namespace(Sourced::new(origin, n))
+        })
+    } else if kind == "Node" {
         serde_json::from_value::<Node>(value).map(|mut n| {
             n.metadata.namespace = None;
             Object::Node(Sourced::new(origin, n))
@@ -1719,9 +1731,9 @@ metadata: {name: nokind}
         assert_eq!(
             lines(&errors),
             vec![
-                "k.yaml: Deployment shop/web: unsupported kind apps/v1 Deployment (only v1 Service, discovery.k8s.io/v1 EndpointSlice and v1 Node are read); object skipped",
-                "k.yaml: EndpointSlice default/old: unsupported kind discovery.k8s.io/v1beta1 EndpointSlice (only v1 Service, discovery.k8s.io/v1 EndpointSlice and v1 Node are read); object skipped",
-                "k.yaml: Sevrice default/typo: unsupported kind v1 Sevrice (only v1 Service, discovery.k8s.io/v1 EndpointSlice and v1 Node are read); object skipped",
+                "k.yaml: Deployment shop/web: unsupported kind apps/v1 Deployment (only v1 Service, discovery.k8s.io/v1 EndpointSlice, v1 Node, v1 Pod and v1 Namespace are read); object skipped",
+                "k.yaml: EndpointSlice default/old: unsupported kind discovery.k8s.io/v1beta1 EndpointSlice (only v1 Service, discovery.k8s.io/v1 EndpointSlice, v1 Node, v1 Pod and v1 Namespace are read); object skipped",
+                "k.yaml: Sevrice default/typo: unsupported kind v1 Sevrice (only v1 Service, discovery.k8s.io/v1 EndpointSlice, v1 Node, v1 Pod and v1 Namespace are read); object skipped",
                 "k.yaml: default/nokind: missing kind; object skipped",
                 "k.yaml: document 5 is not an object (expected a Kubernetes manifest)",
             ]
