@@ -5,7 +5,10 @@
 //! - `sendmsg4/6`: unconnected UDP; one backend per (socket, frontend) flow, kept while the
 //!   flow is active (idle timeout from `CONFIG`, default 30 s as `nf_conntrack_udp_timeout`).
 //! - `recvmsg4/6`, `getpeername4/6`: the peer a socket reached through a VIP is shown as the
-//!   VIP again; peers the socket addressed directly are never touched.
+//!   VIP again; peers the socket addressed directly are never touched. What counts is the
+//!   socket's most recent datagram to that peer: a datagram sent straight to a backend's
+//!   address ends the VIP's reverse translation for that peer, and the next datagram
+//!   through the VIP brings it back.
 //!
 //! - `sock_release`: a released socket's reverse-NAT entry and least-connections count go.
 //!
@@ -286,6 +289,31 @@ fn remember(cookie: u64, b: &Backend, req: &Request, flags: u8, service_id: u32)
     }
 }
 
+/// A datagram this socket sends to `addr`:`port` itself, not through a frontend: replies
+/// from that peer are shown as coming from that peer again (the socket addressed it last,
+/// so a reply is an answer to that datagram). Drops the socket's
+/// reverse-NAT entry for that peer unless it belongs to a connect()ed socket (whose
+/// peer is the frontend for its lifetime, and whose entry carries its accounting).
+///
+/// Cost for every datagram to an address that is no frontend: one `REVNAT_SK` lookup,
+/// a miss unless the socket reached the same peer through a VIP before (the socket cookie
+/// it needs is read once per socket, then cached by the kernel). Not inlined (stack).
+#[inline(never)]
+fn forget_direct(cookie: u64, addr: &[u8; 16], port: [u8; 2]) {
+    let key = RevNatKey {
+        cookie,
+        addr: *addr,
+        port,
+        _pad: [0; 6],
+    };
+    // SAFETY: copied out at once.
+    if let Some(flags) = unsafe { REVNAT_SK.get(key).map(|v| v.flags) }
+        && flags & REVNAT_F_CONNECTED == 0
+    {
+        let _ = REVNAT_SK.remove(key);
+    }
+}
+
 #[inline(always)]
 fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
     let sa = ctx.sock_addr;
@@ -374,7 +402,10 @@ fn on_sendmsg<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         client: L4Addr::zero(),
     };
     let fe = match lookup(&req.frontend, Scope::Node) {
-        Lookup::NotService => return ALLOW,
+        Lookup::NotService => {
+            forget_direct(cookie(ctx), &addr, port);
+            return ALLOW;
+        }
         Lookup::Refused(r) => {
             monitor::sock_refused(ctx.as_ptr(), r, &req, 0, ALG_UNKNOWN);
             return deny(r);
