@@ -10,7 +10,8 @@
 //!   address ends the VIP's reverse translation for that peer, and the next datagram
 //!   through the VIP brings it back.
 //!
-//! - `sock_release`: a released socket's reverse-NAT entry and least-connections count go.
+//! - `sock_release`: a released socket's reverse-NAT entry and least-connections count go
+//!   (a connected UDP socket's is a `flow-end` event of the monitor).
 //!
 //! The client identity (netns cookie, socket cookie) is read only for the algorithms and
 //! the affinity that use it (`lb::needs_client`), and while a monitor runs (its events name
@@ -94,15 +95,18 @@ pub fn sock_release(ctx: SockContext) -> i32 {
         _pad: [0; 6],
     };
     // SAFETY: copied out at once.
-    if let Some(flags) = unsafe { REVNAT_SK.get(key).map(|v| v.flags) } {
+    if let Some(v) = unsafe { REVNAT_SK.get(key).copied() } {
         let _ = REVNAT_SK.remove(key);
-        if flags & REVNAT_F_COUNTED != 0 {
+        if v.flags & REVNAT_F_COUNTED != 0 {
             lc::socket_released(cookie);
         }
-        if flags & REVNAT_F_CONNECTED != 0 && protocol == PROTO_UDP as u32 {
+        if v.flags & REVNAT_F_CONNECTED != 0 && protocol == PROTO_UDP as u32 {
             // A closed socket is no longer stale: once none is, the agent detaches the
             // egress program.
             let _ = STALE_SOCKETS.remove(cookie);
+            if monitor::on() {
+                monitor::sock_flow_end(&key, &v);
+            }
         }
     }
     // sock_release programs must return 1.
