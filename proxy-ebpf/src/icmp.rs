@@ -281,16 +281,34 @@ const ICMP_PORT_UNREACH: u8 = 3;
 const ICMP6_PORT_UNREACH: u8 = 4;
 /// TTL / hop limit of a generated error (the kernel's `IPDEFTTL`).
 const REJECT_TTL: u8 = 64;
-/// Bytes of the rejected packet's L4 header quoted: the 8 that RFC 792 requires, which
-/// hold the ports the client's stack matches the error to its socket by.
-const QUOTED_L4: usize = 8;
+/// Bytes of the rejected packet's L4 header quoted: at least the 8 that RFC 792 requires
+/// (the ports the client's stack matches the error to its socket by), and for TCP its
+/// whole 20-byte fixed header: a packet whose checksum is left to the device
+/// (`CHECKSUM_PARTIAL`, e.g. from a local veth) cannot be cut short of its checksum field.
+const QUOTED_UDP: usize = 8;
+/// See [`QUOTED_UDP`].
+const QUOTED_TCP: usize = 20;
+
+/// The first bytes of the L4 header to quote (see [`QUOTED_UDP`]), zero-padded to 20, and
+/// how many they are.
+#[inline(always)]
+fn quoted_l4<B: Buf>(b: &B, pkt: &Pkt) -> Option<([u8; QUOTED_TCP], usize)> {
+    if pkt.key.proto == PROTO_TCP {
+        Some((b.load::<[u8; QUOTED_TCP]>(pkt.l4)?, QUOTED_TCP))
+    } else {
+        let a = b.load::<[u8; QUOTED_UDP]>(pkt.l4)?;
+        let mut l4 = [0u8; QUOTED_TCP];
+        l4[..QUOTED_UDP].copy_from_slice(&a);
+        Some((l4, QUOTED_UDP))
+    }
+}
 
 /// Answers the first packet `pkt` of a flow to a frontend without endpoints, on the
 /// interface it came in on, as kube-proxy's nftables mode does (its `reject` sends an
 /// ICMP port unreachable for IPv4 and an ICMPv6 port unreachable for IPv6, for TCP too:
 /// the client's connect() fails with ECONNREFUSED at once, a UDP socket gets ECONNREFUSED
 /// on its next call). The packet becomes the error in place: cut to its IP header and the
-/// first [`QUOTED_L4`] bytes of its L4 header, an IP and an ICMP header inserted after the
+/// first bytes of its L4 header ([`QUOTED_UDP`]), an IP and an ICMP header inserted after the
 /// Ethernet header (MAC addresses swapped, IP addresses swapped: the error comes from the
 /// frontend address the client addressed), and sent back out of the same interface.
 ///
@@ -351,10 +369,10 @@ fn swapped_eth(macs: &[u8; 12], out: &mut [u8]) {
 fn reject4<B: Buf>(b: &B, pkt: &Pkt) -> bool {
     // The quote: the IP header (options included) and the first bytes of the L4 header.
     let ip_len = pkt.l4 - ETH_HLEN;
-    let quote = ip_len + QUOTED_L4;
-    let (Some(macs), Some(l4)) = (b.load::<[u8; 12]>(0), b.load::<[u8; QUOTED_L4]>(pkt.l4)) else {
+    let (Some(macs), Some((l4, l4_len))) = (b.load::<[u8; 12]>(0), quoted_l4(b, pkt)) else {
         return false;
     };
+    let quote = ip_len + l4_len;
     if !b.truncate((ETH_HLEN + quote) as u32) || !b.grow_after_l2(20 + 8) {
         return false;
     }
@@ -392,15 +410,15 @@ fn reject6<B: Buf>(b: &B, pkt: &Pkt) -> bool {
     if pkt.l4 != ETH_HLEN + IP6_HLEN {
         return false; // extension headers: see `reject`
     }
-    let quote = IP6_HLEN + QUOTED_L4;
     // The fixed header's first 8 bytes (version .. hop limit), then the L4 bytes.
-    let (Some(macs), Some(first), Some(l4)) = (
+    let (Some(macs), Some(first), Some((l4, l4_len))) = (
         b.load::<[u8; 12]>(0),
         b.load::<[u8; 8]>(ETH_HLEN),
-        b.load::<[u8; QUOTED_L4]>(pkt.l4),
+        quoted_l4(b, pkt),
     ) else {
         return false;
     };
+    let quote = IP6_HLEN + l4_len;
     if !b.truncate((ETH_HLEN + quote) as u32) || !b.grow_after_l2((IP6_HLEN + 8) as u32) {
         return false;
     }

@@ -611,8 +611,8 @@ fn policies_source_ranges_and_services_without_endpoints() {
 /// What the tc ingress program answers to `p` (a TCP or UDP packet from a client) when it
 /// rejects it, built here from scratch: an ICMP (3/3) or ICMPv6 (1/4) port unreachable from
 /// the address `p` was sent to, back to its sender, quoting `p`'s IP header (options and
-/// all) and the first 8 bytes of its L4 header, Ethernet addresses swapped, TTL 64, IPv4
-/// identification 0.
+/// all) and the first bytes of its L4 header (UDP 8, TCP its 20-byte header), Ethernet
+/// addresses swapped, TTL 64, IPv4 identification 0.
 fn port_unreachable(p: &Packet) -> Vec<u8> {
     let ip = p.ip();
     let hl = if p.v6() {
@@ -627,7 +627,7 @@ fn port_unreachable(p: &Packet) -> Vec<u8> {
         ty,
         code,
         &ip,
-        hl + 8,
+        hl + if p.proto == TCP { 20 } else { 8 },
     );
     let mut f = e.frame();
     f[..6].copy_from_slice(&SRC_MAC);
