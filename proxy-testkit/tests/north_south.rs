@@ -1454,8 +1454,10 @@ fn services_without_endpoints_are_rejected_from_outside_in_both_families() {
             Some(111),
             "TCP to {tcp}: ECONNREFUSED (took {took:?})"
         );
+        // Refused, not timed out (5 s); the first IPv6 exchange also waits for neighbour
+        // discovery (about 1 s in this lab).
         assert!(
-            took < Duration::from_secs(1),
+            took < Duration::from_secs(3),
             "TCP to {tcp}: refused at once, took {took:?}"
         );
         assert_eq!(
