@@ -123,6 +123,14 @@ pub const FRONTEND_F_LOCAL_ONLY: u32 = 1 << 1;
 /// services.
 pub const FRONTEND_F_EXTERNAL: u32 = 1 << 2;
 
+/// [`Frontend::flags`] bit, only with [`FRONTEND_F_LOCAL_ONLY`]: the Service port has no
+/// usable endpoint on any node (kube-proxy's `hasEndpoints` false: no ready endpoint and no
+/// serving terminating one). kube-proxy's nftables mode then rejects the traffic, as for any
+/// Service without endpoints, where a `Local` policy without local endpoints while other
+/// nodes have some is a drop (pkg/proxy/nftables/proxier.go, `syncProxyRules`: the
+/// `reject-chain` verdict when `!hasEndpoints`, `drop` when only the local ones are missing).
+pub const FRONTEND_F_NO_ENDPOINTS: u32 = 1 << 3;
+
 /// [`FrontendKey::scope`] of frontends for traffic that starts on this node (the socket
 /// programs: pods and host processes, which reach external addresses and node ports with the
 /// Cluster endpoints, kube-proxy's short-circuit).

@@ -50,6 +50,18 @@ pub const SOURCE_RANGES: &str = "TC_SOURCE_RANGES";
 /// `BPF_PROG_TEST_RUN`) when its conntrack entry timed out or was evicted.
 pub const LC_FLOWS: &str = "TC_LC_FLOWS";
 
+/// Name of the tail-call table of the tc programs (BPF_MAP_TYPE_PROG_ARRAY, `u32` slot ->
+/// program, [`TAIL_SLOTS`] entries). Not pinned: whoever loads `tc_ingress` fills the
+/// table of its own load ([`TAIL_REJECT`]).
+pub const TAILS: &str = "TC_TAILS";
+/// Number of slots of [`TAILS`].
+pub const TAIL_SLOTS: u32 = 1;
+/// Slot of [`TAILS`] holding `tc_reject`, the program that answers a packet to a frontend
+/// without endpoints with an ICMP / ICMPv6 port unreachable. A program of its own, reached
+/// by a tail call, so its instructions are verified once and not on each of `tc_ingress`'s
+/// paths (whose verification is close to the kernel's limit of one million instructions).
+pub const TAIL_REJECT: u32 = 0;
+
 /// Every map of the tc data path, pinned next to the maps of [`crate::ALL_MAPS`].
 pub const TC_MAPS: [&str; 7] = [
     CONNTRACK,
@@ -299,7 +311,9 @@ pub enum TcCounter {
     Translated = 2,
     /// Dropped: `externalTrafficPolicy: Local` and no endpoint on this node.
     DroppedNoLocalEndpoints = 3,
-    /// Dropped: the frontend has no endpoints at all.
+    /// Dropped: the frontend has no endpoints at all and the reject (see
+    /// [`TcCounter::RejectedNoEndpoints`]) could not be built: an IPv6 packet with
+    /// extension headers, or a helper failure.
     DroppedNoEndpoints = 4,
     /// Dropped: no free SNAT port after [`SNAT_PORT_TRIES`] tries.
     SnatPortsExhausted = 5,
@@ -330,11 +344,16 @@ pub enum TcCounter {
     /// consistent (source-hash, maglev, destination-hash): its backend was picked again,
     /// which gives the one a lost or never-seen flow already has, so the flow carries on.
     ReselectedUntracked = 13,
+    /// Rejected: the first packet of a flow to a frontend without any endpoint was answered
+    /// with an ICMP / ICMPv6 port unreachable sent back out of the interface it came in on,
+    /// as kube-proxy's nftables mode rejects it (a failure to build the answer is counted as
+    /// [`TcCounter::DroppedNoEndpoints`]).
+    RejectedNoEndpoints = 14,
 }
 
 impl TcCounter {
     /// Every counter, in index order, with its Prometheus-style name.
-    pub const ALL: [(TcCounter, &'static str); 14] = [
+    pub const ALL: [(TcCounter, &'static str); 15] = [
         (TcCounter::NewFlow, "tc_new_flow"),
         (TcCounter::Snat, "tc_snat"),
         (TcCounter::Translated, "tc_translated"),
@@ -352,6 +371,7 @@ impl TcCounter {
         (TcCounter::SnatBindingLost, "tc_snat_binding_lost"),
         (TcCounter::PassedUntracked, "tc_untracked_passed"),
         (TcCounter::ReselectedUntracked, "tc_untracked_reselected"),
+        (TcCounter::RejectedNoEndpoints, "tc_rejected_no_endpoints"),
     ];
 }
 

@@ -6,7 +6,8 @@
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     btf_maps::{
-        Array, HashMap, LpmTrie, LruHashMap, LruPerCpuHashMap, PerCpuArray, PerCpuHashMap, RingBuf,
+        Array, HashMap, LpmTrie, LruHashMap, LruPerCpuHashMap, PerCpuArray, PerCpuHashMap,
+        ProgramArray, RingBuf,
     },
     macros::btf_map,
 };
@@ -19,7 +20,7 @@ use proxy_common::{
     monitor::{MONITOR_RING_BYTES, MonitorCpu, MonitorCtl, MonitorEvent},
     nat::{
         CtEntry, CtKey, DEFAULT_MAX_CONNTRACK, IfaceAddr, MAX_IFACES, MAX_LOCAL_ENDPOINTS,
-        MAX_SOURCE_RANGES, SourceRange, TC_COUNTER_MAX, TcConfig,
+        MAX_SOURCE_RANGES, SourceRange, TAIL_SLOTS, TC_COUNTER_MAX, TcConfig,
     },
 };
 
@@ -163,6 +164,10 @@ pub static TC_IFACE_ADDRS: HashMap<u32, IfaceAddr, { MAX_IFACES as usize }> = Ha
 /// tc configuration (index 0).
 #[btf_map]
 pub static TC_CONFIG: Array<TcConfig, 1> = Array::new();
+
+/// Tail-call table of the tc programs; see `proxy_common::nat::TAILS`.
+#[btf_map]
+pub static TC_TAILS: ProgramArray<{ TAIL_SLOTS as usize }> = ProgramArray::new();
 
 /// Per-CPU counters indexed by `proxy_common::nat::TcCounter`.
 #[btf_map]

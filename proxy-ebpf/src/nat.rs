@@ -16,8 +16,9 @@
 //! at ingress, routing would drop it as a martian. Replies of source-NATed flows are sent
 //! on from ingress with `fib::redirect_out` for the same reason.
 //!
-//! Drops, each counted in `TC_COUNTERS`: a refusal of `lb` (`Refusal::NoLocalEndpoints`,
-//! `Refusal::NoEndpoints`), a client outside the source ranges of an LB IP, no SNAT address
+//! A frontend without any endpoint is rejected ([`Verdict::Reject`], answered by
+//! `icmp::reject`). Drops, each counted in `TC_COUNTERS`: `Refusal::NoLocalEndpoints`, a
+//! client outside the source ranges of an LB IP, no SNAT address
 //! on the interface, no free SNAT port, a conntrack write failure, a lost SNAT binding.
 
 // Map keys and values are passed by reference on purpose: by value, each 40- or 56-byte
@@ -65,9 +66,12 @@ pub fn drop_with(c: TcCounter) -> Verdict {
     Verdict::Drop
 }
 
-/// The packet hooks' answer to a [`Refusal`]: a drop counted by reason (kube-proxy drops a
-/// Local policy without local endpoints and rejects the rest; a packet program cannot
-/// answer cheaply, so it drops).
+/// The packet hooks' answer to a [`Refusal`], as kube-proxy's nftables mode answers it
+/// (pkg/proxy/nftables/proxier.go, `syncProxyRules`): a Service without any endpoint is
+/// rejected (`goto reject-chain`, whose plain `reject` sends an ICMP / ICMPv6 port
+/// unreachable whatever the protocol, TCP included), a `Local` policy without local
+/// endpoints while other nodes have some is dropped. [`new_flow`] turns the first into
+/// [`Verdict::Reject`].
 #[inline(always)]
 fn refused(r: Refusal) -> TcCounter {
     match r {
@@ -297,10 +301,14 @@ fn on_new_flow(r: Result<Verdict, TcCounter>) -> Verdict {
     match r {
         Ok(v) => v,
         Err(c) => {
-            count_tc(c);
             if monitor::on() {
                 monitor::note_flow_drop(c as u32);
             }
+            if c == TcCounter::DroppedNoEndpoints {
+                // Built and counted by the entry point (`icmp::reject`).
+                return Verdict::Reject;
+            }
+            count_tc(c);
             Verdict::Drop
         }
     }

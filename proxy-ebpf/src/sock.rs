@@ -5,9 +5,13 @@
 //! - `sendmsg4/6`: unconnected UDP; one backend per (socket, frontend) flow, kept while the
 //!   flow is active (idle timeout from `CONFIG`, default 30 s as `nf_conntrack_udp_timeout`).
 //! - `recvmsg4/6`, `getpeername4/6`: the peer a socket reached through a VIP is shown as the
-//!   VIP again; peers the socket addressed directly are never touched.
+//!   VIP again; peers the socket addressed directly are never touched. What counts is the
+//!   socket's most recent datagram to that peer: a datagram sent straight to a backend's
+//!   address ends the VIP's reverse translation for that peer, and the next datagram
+//!   through the VIP brings it back.
 //!
-//! - `sock_release`: a released socket's reverse-NAT entry and least-connections count go.
+//! - `sock_release`: a released socket's reverse-NAT entry and least-connections count go
+//!   (a connected UDP socket's is a `flow-end` event of the monitor).
 //!
 //! The client identity (netns cookie, socket cookie) is read only for the algorithms and
 //! the affinity that use it (`lb::needs_client`), and while a monitor runs (its events name
@@ -95,15 +99,18 @@ pub fn sock_release(ctx: SockContext) -> i32 {
         _pad: [0; 6],
     };
     // SAFETY: copied out at once.
-    if let Some(flags) = unsafe { REVNAT_SK.get(key).map(|v| v.flags) } {
+    if let Some(v) = unsafe { REVNAT_SK.get(key).copied() } {
         let _ = REVNAT_SK.remove(key);
-        if flags & REVNAT_F_COUNTED != 0 {
+        if v.flags & REVNAT_F_COUNTED != 0 {
             lc::socket_released(cookie);
         }
-        if flags & REVNAT_F_CONNECTED != 0 && protocol == PROTO_UDP as u32 {
+        if v.flags & REVNAT_F_CONNECTED != 0 && protocol == PROTO_UDP as u32 {
             // A closed socket is no longer stale: once none is, the agent detaches the
             // egress program.
             let _ = STALE_SOCKETS.remove(cookie);
+            if monitor::on() {
+                monitor::sock_flow_end(&key, &v);
+            }
         }
     }
     // sock_release programs must return 1.
@@ -312,6 +319,31 @@ fn remember(cookie: u64, b: &Backend, req: &Request, flags: u8, service_id: u32)
     }
 }
 
+/// A datagram this socket sends to `addr`:`port` itself, not through a frontend: replies
+/// from that peer are shown as coming from that peer again (the socket addressed it last,
+/// so a reply is an answer to that datagram). Drops the socket's
+/// reverse-NAT entry for that peer unless it belongs to a connect()ed socket (whose
+/// peer is the frontend for its lifetime, and whose entry carries its accounting).
+///
+/// Cost for every datagram to an address that is no frontend: one `REVNAT_SK` lookup,
+/// a miss unless the socket reached the same peer through a VIP before (the socket cookie
+/// it needs is read once per socket, then cached by the kernel). Not inlined (stack).
+#[inline(never)]
+fn forget_direct(cookie: u64, addr: &[u8; 16], port: [u8; 2]) {
+    let key = RevNatKey {
+        cookie,
+        addr: *addr,
+        port,
+        _pad: [0; 6],
+    };
+    // SAFETY: copied out at once.
+    if let Some(flags) = unsafe { REVNAT_SK.get(key).map(|v| v.flags) }
+        && flags & REVNAT_F_CONNECTED == 0
+    {
+        let _ = REVNAT_SK.remove(key);
+    }
+}
+
 #[inline(always)]
 fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
     let sa = ctx.sock_addr;
@@ -410,7 +442,10 @@ fn on_sendmsg<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         return ALLOW;
     }
     let fe = match found {
-        Lookup::NotService => return ALLOW,
+        Lookup::NotService => {
+            forget_direct(cookie(ctx), &addr, port);
+            return ALLOW;
+        }
         Lookup::Refused(r) => {
             monitor::sock_refused(ctx.as_ptr(), r, &req, 0, ALG_UNKNOWN);
             return deny(r);

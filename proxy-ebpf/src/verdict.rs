@@ -14,6 +14,10 @@ pub enum Verdict {
     Drop = 1,
     /// It was handed to another interface (`bpf_redirect` and friends succeeded).
     Redirect = 2,
+    /// Answer it with an ICMP / ICMPv6 port unreachable (`icmp::reject`), which the entry
+    /// point has built outside the deep frame that decided it (tc: by a tail call to
+    /// `tc_reject`); a hook that cannot drops it.
+    Reject = 3,
 }
 
 impl Verdict {
@@ -26,7 +30,7 @@ impl Verdict {
     pub fn tc(self) -> i32 {
         match self {
             Verdict::Pass => TC_ACT_UNSPEC,
-            Verdict::Drop => TC_ACT_SHOT,
+            Verdict::Drop | Verdict::Reject => TC_ACT_SHOT,
             Verdict::Redirect => TC_ACT_REDIRECT,
         }
     }

@@ -82,7 +82,7 @@ pub struct ServiceRow {
     pub algorithm: &'static str,
     /// ClientIP affinity timeout in seconds, 0 without affinity.
     pub affinity_timeout_s: u32,
-    /// `local-only` and/or `external`.
+    /// `local-only`, `external`, `no-endpoints` (a Local policy without endpoints on any node).
     pub flags: Vec<&'static str>,
     /// Backends in slot order (repeated by weight for weighted round-robin).
     pub backends: Vec<String>,
@@ -113,6 +113,9 @@ pub fn service_rows(snap: &Snapshot) -> Vec<ServiceRow> {
         }
         if f.flags & FRONTEND_F_EXTERNAL != 0 {
             flags.push("external");
+        }
+        if f.flags & proxy_common::FRONTEND_F_NO_ENDPOINTS != 0 {
+            flags.push("no-endpoints");
         }
         rows.push(ServiceRow {
             service: snap
@@ -797,7 +800,10 @@ pub fn explain(
                 String::new()
             }
         ),
-        Some(f) if f.frontend.flags.contains(&"local-only") => {
+        Some(f)
+            if f.frontend.flags.contains(&"local-only")
+                && !f.frontend.flags.contains(&"no-endpoints") =>
+        {
             "fails with EHOSTUNREACH: Local traffic policy and no endpoint on this node".into()
         }
         Some(_) => "refused (ECONNREFUSED): the Service has no endpoints".into(),

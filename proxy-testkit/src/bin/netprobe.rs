@@ -96,8 +96,10 @@ enum Cmd {
     },
     /// Send UDP datagrams from one socket and wait for each reply; one JSON line per attempt.
     Udp {
-        #[arg(long)]
-        to: SocketAddr,
+        /// Destination; repeated, attempt i sends to the (i mod n)-th (one socket talking
+        /// to several addresses, one family). With --connected only the first is used.
+        #[arg(long, required = true)]
+        to: Vec<SocketAddr>,
         #[arg(long, default_value_t = 1)]
         count: u32,
         /// connect() the socket and use send(); otherwise sendto() on the same socket.
@@ -545,13 +547,14 @@ fn tcp_interactive(to: SocketAddr, timeout: Duration) -> Result<bool> {
 }
 
 fn udp_probe(
-    to: SocketAddr,
+    dests: Vec<SocketAddr>,
     count: u32,
     connected: bool,
     reconnect: bool,
     interval: Duration,
     timeout: Duration,
 ) -> Result<bool> {
+    let to = dests[0];
     let bind: SocketAddr = if to.is_ipv4() {
         (Ipv4Addr::UNSPECIFIED, 0).into()
     } else {
@@ -582,7 +585,7 @@ fn udp_probe(
                     sock.send(b"ping")?;
                 }
             } else {
-                sock.send_to(b"ping", to)?;
+                sock.send_to(b"ping", dests[i as usize % dests.len()])?;
             }
             let (n, from) = sock.recv_from(&mut buf)?;
             let mut v = json!({

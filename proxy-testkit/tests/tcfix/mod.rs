@@ -261,6 +261,7 @@ impl Harness {
                 .expect("a tc program");
             p.load().unwrap_or_else(|e| panic!("load {prog}: {e:#}"));
         }
+        proxy_userspace::datapath::tc::install_tail_calls(&mut ebpf).expect("tail calls");
         Harness { dir, ebpf }
     }
 

@@ -236,6 +236,29 @@ pub fn parse_memory_max(text: &str) -> Option<u64> {
 
 /// Name of the ingress program in the object.
 pub const INGRESS_PROGRAM: &str = "tc_ingress";
+/// The program `tc_ingress` tail-calls to reject a packet to a frontend without endpoints.
+pub const REJECT_PROGRAM: &str = "tc_reject";
+
+/// Loads the programs `tc_ingress` tail-calls (`tc_reject`) and writes them into the
+/// tail-call table `TC_TAILS` of the same load, `ebpf` (the table is not pinned: each load
+/// of `tc_ingress` has its own). Without it `tc_ingress` drops what it would reject.
+pub fn install_tail_calls(ebpf: &mut Ebpf) -> Result<()> {
+    let p: &mut SchedClassifier = ebpf
+        .program_mut(REJECT_PROGRAM)
+        .with_context(|| format!("program {REJECT_PROGRAM} missing from the object"))?
+        .try_into()?;
+    p.load()
+        .map_err(|e| anyhow::anyhow!("verify: program {REJECT_PROGRAM} was rejected: {e:#}"))?;
+    let fd = p.fd()?.try_clone().context("duplicate the tc_reject fd")?;
+    let map = ebpf
+        .map_mut(proxy_common::nat::TAILS)
+        .context("map TC_TAILS missing from the object")?;
+    let mut tails = aya::maps::ProgramArray::try_from(map)?;
+    tails
+        .set(proxy_common::nat::TAIL_REJECT, &fd, 0)
+        .context("write TC_TAILS")?;
+    Ok(())
+}
 /// Name of the egress program in the object.
 pub const EGRESS_PROGRAM: &str = "tc_egress";
 /// Name of the least-connections collection program in the object (never attached; run by
@@ -503,6 +526,7 @@ impl TcKernel {
                 p.load()
                     .map_err(|e| anyhow::anyhow!("verify: program {prog} was rejected: {e:#}"))?;
             }
+            install_tail_calls(&mut ebpf)?;
             self.ebpf = Some(ebpf);
         }
         Ok(self.ebpf.as_mut().expect("loaded above"))

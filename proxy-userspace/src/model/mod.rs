@@ -50,7 +50,9 @@
 //!   kube-proxy short-circuits traffic from inside the cluster to external addresses.
 //! - `internalTrafficPolicy: Local` (KEP-2086) gives the cluster IPs only this node's
 //!   endpoints, flagged `FRONTEND_F_LOCAL_ONLY` (with none, the data path fails with
-//!   EHOSTUNREACH where kube-proxy drops). A policy other than `Cluster`/`Local` skips the
+//!   EHOSTUNREACH where kube-proxy drops). When the Service port has no usable endpoint on
+//!   any node the frontend is also flagged `FRONTEND_F_NO_ENDPOINTS`: kube-proxy rejects
+//!   that whatever the policy (ECONNREFUSED at the socket, an ICMP error from tc). A policy other than `Cluster`/`Local` skips the
 //!   Service with an error.
 //!
 //! Endpoints
@@ -1239,8 +1241,18 @@ fn service_sets(
             // Local policy, no local endpoint, endpoints elsewhere (kube-proxy's
             // CategorizeEndpoints: hasAnyEndpoints without local ones).
             let no_local = cats.local.is_empty() && !cats.cluster.is_empty();
+            // No usable endpoint anywhere (kube-proxy's !hasEndpoints): rejected whatever
+            // the policy, so a Local frontend says so.
+            let none = if cats.cluster.is_empty() {
+                proxy_common::FRONTEND_F_NO_ENDPOINTS
+            } else {
+                0
+            };
             let (backends, flags) = if info.internal_local {
-                (cats.local.clone(), proxy_common::FRONTEND_F_LOCAL_ONLY)
+                (
+                    cats.local.clone(),
+                    proxy_common::FRONTEND_F_LOCAL_ONLY | none,
+                )
             } else {
                 (cats.cluster.clone(), 0)
             };
@@ -1274,7 +1286,9 @@ fn service_sets(
                 let (ingress_backends, ingress_flags) = if info.external_local {
                     (
                         cats.local.clone(),
-                        proxy_common::FRONTEND_F_EXTERNAL | proxy_common::FRONTEND_F_LOCAL_ONLY,
+                        proxy_common::FRONTEND_F_EXTERNAL
+                            | proxy_common::FRONTEND_F_LOCAL_ONLY
+                            | none,
                     )
                 } else {
                     (cats.cluster.clone(), proxy_common::FRONTEND_F_EXTERNAL)
@@ -2358,6 +2372,18 @@ pub(crate) mod tests {
         let (d, _) = web_backends("  internalTrafficPolicy: Local\n", &eps[1..]);
         assert!(d.backends.is_empty());
         assert_eq!(d.flags, proxy_common::FRONTEND_F_LOCAL_ONLY);
+        // No usable endpoint on any node (a not-ready one only): kube-proxy rejects, so the
+        // frontend says there are none at all.
+        let not_ready = [ep("10.0.0.2", "node-2", "ready: false", "")];
+        let (d, _) = web_backends("  internalTrafficPolicy: Local\n", &not_ready);
+        assert!(d.backends.is_empty());
+        assert_eq!(
+            d.flags,
+            proxy_common::FRONTEND_F_LOCAL_ONLY | proxy_common::FRONTEND_F_NO_ENDPOINTS
+        );
+        // Cluster policy without endpoints carries no policy flag.
+        let (d, _) = web_backends("", &not_ready);
+        assert_eq!(d.flags, 0);
         // Local falls back to this node's serving terminating endpoints, independently of
         // the cluster-wide ready ones.
         let eps = [
