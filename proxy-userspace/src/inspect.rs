@@ -646,10 +646,12 @@ pub fn external_verdict(
     };
     let r = &f.frontend;
     let local = r.flags.contains(&"local-only");
-    let mut v = if r.backends.is_empty() && local {
+    // Endpoints elsewhere only: dropped, as kube-proxy; none anywhere: rejected.
+    let nowhere = r.flags.contains(&"no-endpoints") || !local;
+    let mut v = if r.backends.is_empty() && !nowhere {
         format!("dropped{what}: Local traffic policy and no endpoint on this node")
     } else if r.backends.is_empty() {
-        format!("dropped{what}: the Service has no endpoints")
+        format!("rejected{what} (ICMP port unreachable): the Service has no endpoints")
     } else {
         format!(
             "translated by the tc programs{what} to one of {} backend(s) by {}{}",
