@@ -38,11 +38,7 @@ use anyhow::{Context, Result, bail};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap, MapData},
-    programs::{
-        LinkOrder, SchedClassifier, TcAttachType,
-        links::{FdLink, PinnedLink},
-        tc::TcAttachOptions,
-    },
+    programs::{SchedClassifier, TcAttachType, links::PinnedLink},
 };
 use proxy_common::{
     ALL_MAPS,
@@ -419,32 +415,15 @@ impl BypassKernel {
     fn attach(&mut self, ifname: &str) -> Result<()> {
         let dir = self.dir.clone();
         let ebpf = self.ebpf()?;
-        for (prog, ty) in [
-            (POD_EGRESS_PROGRAM, TcAttachType::Egress),
-            (POD_INGRESS_PROGRAM, TcAttachType::Ingress),
-        ] {
-            let p: &mut SchedClassifier = ebpf
-                .program_mut(prog)
-                .context("program missing")?
-                .try_into()?;
-            let id = p
-                .attach_with_options(ifname, ty, TcAttachOptions::TcxOrder(LinkOrder::default()))
-                .with_context(|| format!("attach {prog} to {ifname} (tcx needs Linux >= 6.6)"))?;
-            let link: FdLink = p.take_link(id)?.try_into()?;
-            let pin = dir.join(link_name(prog, ifname));
-            let next = dir.join(format!("next_{prog}_{ifname}"));
-            let _ = fs::remove_file(&next);
-            link.pin(&next)
-                .with_context(|| format!("pin {}", next.display()))?;
-            if pin.exists() {
-                match PinnedLink::from_pin(&pin) {
-                    Ok(old) => drop(old.unpin()),
-                    Err(_) => drop(fs::remove_file(&pin)),
-                }
-            }
-            fs::rename(&next, &pin).with_context(|| format!("pin {}", pin.display()))?;
-        }
-        Ok(())
+        crate::datapath::tc::attach_pinned(
+            ebpf,
+            &dir,
+            ifname,
+            [
+                (POD_EGRESS_PROGRAM, TcAttachType::Egress),
+                (POD_INGRESS_PROGRAM, TcAttachType::Ingress),
+            ],
+        )
     }
 
     /// Detaches the pod programs from `ifname` (ingress first: no new flow starts whose

@@ -599,32 +599,15 @@ impl TcKernel {
     pub fn attach(&mut self, ifname: &str) -> Result<()> {
         let dir = self.dir.clone();
         let ebpf = self.ebpf()?;
-        for (prog, ty) in [
-            (EGRESS_PROGRAM, TcAttachType::Egress),
-            (INGRESS_PROGRAM, TcAttachType::Ingress),
-        ] {
-            let p: &mut SchedClassifier = ebpf
-                .program_mut(prog)
-                .context("program missing")?
-                .try_into()?;
-            let id = p
-                .attach_with_options(ifname, ty, TcAttachOptions::TcxOrder(LinkOrder::default()))
-                .with_context(|| format!("attach {prog} to {ifname} (tcx needs Linux >= 6.6)"))?;
-            let link: FdLink = p.take_link(id)?.try_into()?;
-            let pin = dir.join(link_name(prog, ifname));
-            let next = dir.join(format!("next_{prog}_{ifname}"));
-            let _ = fs::remove_file(&next);
-            link.pin(&next)
-                .with_context(|| format!("pin {}", next.display()))?;
-            if pin.exists() {
-                match PinnedLink::from_pin(&pin) {
-                    Ok(old) => drop(old.unpin()),
-                    Err(_) => drop(fs::remove_file(&pin)),
-                }
-            }
-            fs::rename(&next, &pin).with_context(|| format!("pin {}", pin.display()))?;
-        }
-        Ok(())
+        attach_pinned(
+            ebpf,
+            &dir,
+            ifname,
+            [
+                (EGRESS_PROGRAM, TcAttachType::Egress),
+                (INGRESS_PROGRAM, TcAttachType::Ingress),
+            ],
+        )
     }
 
     /// Detaches the programs from `ifname` (removes its pinned links).
@@ -753,6 +736,41 @@ pub fn counters(dir: &Path) -> Result<BTreeMap<&'static str, u64>> {
         .iter()
         .map(|(c, name)| (*name, values.get(*c as usize).copied().unwrap_or(0)))
         .collect())
+}
+
+/// Attaches each `(program, direction)` of `ebpf` to `ifname` with tcx, in order, and pins
+/// its link as `link_<program>_<ifname>` under `dir`, replacing the link an earlier agent
+/// pinned there only once the new one is in place (so the interface is never left without
+/// the program). Errors: attaching (tcx needs Linux >= 6.6) or pinning.
+pub(crate) fn attach_pinned(
+    ebpf: &mut Ebpf,
+    dir: &Path,
+    ifname: &str,
+    progs: [(&str, TcAttachType); 2],
+) -> Result<()> {
+    for (prog, ty) in progs {
+        let p: &mut SchedClassifier = ebpf
+            .program_mut(prog)
+            .context("program missing")?
+            .try_into()?;
+        let id = p
+            .attach_with_options(ifname, ty, TcAttachOptions::TcxOrder(LinkOrder::default()))
+            .with_context(|| format!("attach {prog} to {ifname} (tcx needs Linux >= 6.6)"))?;
+        let link: FdLink = p.take_link(id)?.try_into()?;
+        let pin = dir.join(link_name(prog, ifname));
+        let next = dir.join(format!("next_{prog}_{ifname}"));
+        let _ = fs::remove_file(&next);
+        link.pin(&next)
+            .with_context(|| format!("pin {}", next.display()))?;
+        if pin.exists() {
+            match PinnedLink::from_pin(&pin) {
+                Ok(old) => drop(old.unpin()),
+                Err(_) => drop(fs::remove_file(&pin)),
+            }
+        }
+        fs::rename(&next, &pin).with_context(|| format!("pin {}", pin.display()))?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
