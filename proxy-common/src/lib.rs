@@ -50,6 +50,15 @@ pub const CONFIG: &str = "CONFIG";
 /// (BPF_MAP_TYPE_PERCPU_ARRAY, [`COUNTER_MAX`] entries).
 pub const COUNTERS: &str = "COUNTERS";
 
+/// Name of the kernel log ring buffer (BPF_MAP_TYPE_RINGBUF, 128 KiB) of aya-log records
+/// (`--kernel-log-level`; the name and layout are aya-log-ebpf's). Pinned with the other
+/// maps, so the programs of every load (socket, egress, tc, bypassed pods', and those of
+/// an earlier agent until their links are replaced) write into one ring the agent reads.
+pub const KERNEL_LOGS: &str = "AYA_LOGS";
+/// Name of aya-log-ebpf's global log level (`u8` in `.rodata`: 0 off, 1 error, 2 warn,
+/// 3 info, 4 debug, 5 trace), set by the agent at every load of the object.
+pub const KERNEL_LOG_LEVEL: &str = "AYA_LOG_LEVEL";
+
 /// Name of the stale-socket map: socket cookie `u64` -> service id `u32`
 /// (BPF_MAP_TYPE_LRU_HASH). The agent adds a connected UDP socket here when the endpoint it
 /// was translated to leaves its service, attaching the egress program first; the egress

@@ -327,6 +327,7 @@ pub fn reject<B: Buf>(b: &B, pkt: &Pkt) -> Verdict {
     } else {
         reject4(b, pkt)
     };
+    crate::klog::rejected(&pkt.key, built);
     if built {
         count_tc(TcCounter::RejectedNoEndpoints);
         b.redirect(b.ifindex())

@@ -27,6 +27,7 @@
 //! - [`icmp`]: translation of ICMP and ICMPv6 errors quoting a translated packet;
 //! - [`fib`]: sending a packet on to its next hop with a FIB lookup;
 //! - [`stats`]: per-CPU counters; [`monitor`]: the event stream of `ebpf-proxy monitor`;
+//!   [`klog`]: debug lines for `--kernel-log-level` (aya-log, pruned when off);
 //!   [`maps`]: every map.
 //!
 //! Layouts of map keys and values come from `proxy-common` only.
@@ -43,6 +44,7 @@ mod csum;
 mod ct;
 mod fib;
 mod icmp;
+mod klog;
 mod lb;
 mod lc;
 mod maps;

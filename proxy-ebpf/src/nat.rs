@@ -48,6 +48,7 @@ use crate::{
     csum::rewrite,
     ct::{SHARED_FLAGS, alive, is_closed, peer_key, timeout_of, touch_peer, track},
     fib::redirect_out,
+    klog,
     lb::{self, Lookup, Refusal, Request, Scope, backend, select},
     lc,
     maps::{
@@ -304,6 +305,7 @@ fn on_new_flow(r: Result<Verdict, TcCounter>) -> Verdict {
             if monitor::on() {
                 monitor::note_flow_drop(c as u32);
             }
+            klog::flow_drop(c as u32);
             if c == TcCounter::DroppedNoEndpoints {
                 // Built and counted by the entry point (`icmp::reject`).
                 return Verdict::Reject;
@@ -542,6 +544,7 @@ fn try_new_flow<B: Buf, const POD: bool>(
         );
         sc.mon_bid = id;
     }
+    klog::flow_new(&pkt.key, &bk.addr, bk.port, fe.service_id, snat);
     Ok(rewrite(b, pkt, &sc.fwd))
 }
 

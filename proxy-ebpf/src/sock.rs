@@ -44,6 +44,7 @@ use proxy_common::{
 
 use crate::{
     addr::L4Addr,
+    klog,
     lb::{Lookup, Refusal, Request, Scope, backend, lookup, needs_client, select},
     lc,
     maps::{BYPASS_CONFIG, BYPASS_NETNS, CONFIG, REVNAT_SK, STALE_SOCKETS, UDP_FLOWS},
@@ -363,9 +364,13 @@ fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         return ALLOW;
     }
     let fe = match found {
-        Lookup::NotService => return ALLOW,
+        Lookup::NotService => {
+            klog::sock_not_frontend(&req.frontend);
+            return ALLOW;
+        }
         Lookup::Refused(r) => {
             monitor::sock_refused(ctx.as_ptr(), r, &req, 0, ALG_UNKNOWN);
+            klog::sock_refused(&req.frontend, monitor::reason_of(r) as u8, 0);
             return deny(r);
         }
         Lookup::Frontend { fe, .. } => fe,
@@ -377,6 +382,7 @@ fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
     let Some(b) = backend(id).filter(|_| id != 0) else {
         let r = Refusal::no_backend(&fe);
         monitor::sock_refused(ctx.as_ptr(), r, &req, fe.service_id, fe.algorithm);
+        klog::sock_refused(&req.frontend, monitor::reason_of(r) as u8, fe.service_id);
         return no_endpoints(&fe);
     };
     if !write_addr::<V6>(sa, &b.addr, b.port) {
@@ -417,6 +423,7 @@ fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         id,
         fe.algorithm,
     );
+    klog::sock_translated(&req.frontend, &b.addr, b.port, fe.service_id, id);
     ALLOW
 }
 
@@ -448,6 +455,7 @@ fn on_sendmsg<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         }
         Lookup::Refused(r) => {
             monitor::sock_refused(ctx.as_ptr(), r, &req, 0, ALG_UNKNOWN);
+            klog::sock_refused(&req.frontend, monitor::reason_of(r) as u8, 0);
             return deny(r);
         }
         Lookup::Frontend { fe, .. } => fe,
@@ -479,6 +487,7 @@ fn on_sendmsg<const V6: bool>(ctx: &SockAddrContext) -> i32 {
     let Some(b) = backend(id).filter(|_| id != 0) else {
         let r = Refusal::no_backend(&fe);
         monitor::sock_refused(ctx.as_ptr(), r, &req, fe.service_id, fe.algorithm);
+        klog::sock_refused(&req.frontend, monitor::reason_of(r) as u8, fe.service_id);
         return no_endpoints(&fe);
     };
     if !write_addr::<V6>(sa, &b.addr, b.port) {
@@ -504,6 +513,7 @@ fn on_sendmsg<const V6: bool>(ctx: &SockAddrContext) -> i32 {
             id,
             fe.algorithm,
         );
+        klog::sock_translated(&req.frontend, &b.addr, b.port, fe.service_id, id);
     }
     ALLOW
 }

@@ -82,7 +82,8 @@ fn check_passes_on_this_machine() {
             "programs",
             "memlock",
             "conntrack",
-            "kube-proxy rules"
+            "kube-proxy rules",
+            "socket destroy"
         ]
     );
     for r in &rows {

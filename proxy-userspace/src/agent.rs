@@ -21,7 +21,7 @@
 //! servers bind in the background and are retried while the data path runs.
 
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeSet, HashMap, HashSet},
     sync::{Arc, Mutex},
     time::{Duration, Instant, SystemTime},
 };
@@ -33,6 +33,7 @@ use tracing::{debug, error, info, warn};
 
 use crate::{
     config::{AgentConfig, NodePortAddresses, SourceChoice},
+    datapath::addr::ip_to_bytes,
     datapath::{
         Datapath, FlowCollection, ServiceMaps,
         kernel::KernelDatapath,
@@ -42,7 +43,7 @@ use crate::{
     },
     healthcheck::HealthCheckServers,
     metrics::{Metrics, node_families},
-    model::{Delta, Model, NodeInfo, Scope},
+    model::{Delta, Model, NodeInfo, Protocol, Scope, ServicePortKey},
     reconcile::{NodeConfig, Outcome, Reconciler},
     servers::{self, Fatal},
     source::{Batch, KubeSource, ManifestSource, Source, SourceError},
@@ -210,6 +211,8 @@ fn prepare(config: &AgentConfig) -> Result<Prepared> {
     }
     crate::datapath::tc::check_interfaces(&config.tc.interfaces)?;
     preflight(config)?;
+    // Before the first load: every load of the object sets the programs' log level.
+    loader::set_kernel_log_level(config.kernel_log_level);
     let cgroup = match &config.cgroup_path {
         Some(p) => p.clone(),
         None => {
@@ -253,7 +256,8 @@ pub fn init_only(config: AgentConfig) -> Result<()> {
         .enable_all()
         .build()?;
     let done = rt.block_on(async {
-        loader::load_and_attach(&dir, &cgroup, sizes)?;
+        // Nobody reads kernel log lines here; the next run's agent does.
+        drop(loader::load_and_attach(&dir, &cgroup, sizes)?);
         open_datapath(&dir, &cgroup, &config, sizes)?;
         anyhow::Ok(())
     });
@@ -307,7 +311,14 @@ pub fn run(config: AgentConfig) -> Result<()> {
         // Start-up: on failure, a pin directory this run created is removed again (one that
         // was adopted keeps serving the node).
         let started = async {
-            loader::load_and_attach(&dir, &cgroup, sizes)?;
+            if let Some(logs) = loader::load_and_attach(&dir, &cgroup, sizes)? {
+                logs.spawn()?;
+                info!(
+                    level = config.kernel_log_level.as_str(),
+                    target = crate::kernel_log::TARGET,
+                    "kernel log lines forwarded"
+                );
+            }
             info!(pin_dir = %dir.display(), cgroup = %cgroup.display(), node = %node.name, "data path attached");
             let dp = open_datapath(&dir, &cgroup, &config, sizes)?;
             let reconciler = Reconciler::adopt(
@@ -374,7 +385,15 @@ pub fn run(config: AgentConfig) -> Result<()> {
         let mut model = Model::new(node);
         model.set_socket_lb_scope(config.socket_lb_scope);
         let mut agent = Agent::new(model, reconciler, dp, metrics, health, source_label, min_period)
-            .with_fresh_maps(fresh);
+            .with_fresh_maps(fresh)
+            .with_close_connections(
+                config
+                    .close_connections_to_removed_endpoints
+                    .then(|| dir.clone()),
+            );
+        if config.close_connections_to_removed_endpoints {
+            info!("TCP connections to endpoints that leave their Service are closed (--close-connections-to-removed-endpoints)");
+        }
         agent.set_bypass(
             crate::datapath::bypass::BypassKernel::new(&dir, &cgroup, config.socket_lb_scope)
                 .context("open the bypass maps")?,
@@ -488,6 +507,9 @@ pub struct Agent<D> {
     bypass: Option<crate::datapath::bypass::BypassKernel>,
     /// Bad `ebpf-proxy.io/socket-lb` values already logged.
     logged_bypass: BTreeSet<String>,
+    /// `--close-connections-to-removed-endpoints`: the pin directory whose `REVNAT_SK`
+    /// names the connections (`None`: off, kube-proxy's behaviour).
+    close_connections: Option<std::path::PathBuf>,
 }
 
 /// Now, on tokio's clock (paused in tests) as a std `Instant`, so the reconciler's retry
@@ -551,6 +573,7 @@ impl<D: Datapath + FlowCollection> Agent<D> {
             pending_endpoints: 0,
             bypass: None,
             logged_bypass: BTreeSet::new(),
+            close_connections: None,
         }
     }
 
@@ -572,6 +595,14 @@ impl<D: Datapath + FlowCollection> Agent<D> {
                 error!("{e}");
             }
         }
+    }
+
+    /// `--close-connections-to-removed-endpoints`: after each sync, the TCP connections
+    /// the socket programs translated to an endpoint that left its Service are closed (see
+    /// [`Agent::close_removed`]); `dir` is the pin directory.
+    pub fn with_close_connections(mut self, dir: Option<std::path::PathBuf>) -> Self {
+        self.close_connections = dir;
+        self
     }
 
     /// Tells the agent that this run created the pinned maps (they hold nothing of an
@@ -745,6 +776,19 @@ impl<D: Datapath + FlowCollection> Agent<D> {
         let model_us = model_start.elapsed().as_micros() as u64;
         self.log_model_errors(&delta);
         let now = clock();
+        // The TCP Service ports whose connections may have lost their endpoint, with their
+        // ids taken before the sync (a removed port's id is gone after it). The first pass
+        // looks at every port (endpoints may have left while no agent ran).
+        let closing: Vec<(ServicePortKey, u32)> = match &self.close_connections {
+            Some(_) if self.first_done => delta
+                .ports
+                .iter()
+                .filter(|k| k.protocol == Protocol::Tcp)
+                .filter_map(|k| Some((k.clone(), self.reconciler.services.id_of(k)?)))
+                .collect(),
+            _ => Vec::new(),
+        };
+        let first_pass = !self.first_done;
         let out = if self.first_done {
             self.reconciler
                 .apply(&mut self.dp, &self.model, &delta, now)
@@ -768,6 +812,19 @@ impl<D: Datapath + FlowCollection> Agent<D> {
             out
         };
         self.report(&out);
+        if self.close_connections.is_some() {
+            let closing = if first_pass {
+                self.model
+                    .ports()
+                    .keys()
+                    .filter(|k| k.protocol == Protocol::Tcp)
+                    .filter_map(|k| Some((k.clone(), self.reconciler.services.id_of(k)?)))
+                    .collect()
+            } else {
+                closing
+            };
+            self.close_removed(closing);
+        }
         let done = Instant::now();
         self.last_sync = Some(tokio::time::Instant::now());
         let latency = self
@@ -946,6 +1003,69 @@ impl<D: Datapath + FlowCollection> Agent<D> {
             Some(Err(e)) => error!(error = %e, "releasing UDP flows of removed endpoints failed"),
             None => {}
         }
+    }
+
+    /// `--close-connections-to-removed-endpoints`: closes the TCP connections the socket
+    /// programs translated, for one of `ports` (Service port, its service id), to an
+    /// endpoint that is no longer live there. Live means in one of the Service's
+    /// EndpointSlices for that port and ready or serving, on any node: a terminating
+    /// endpoint that still serves keeps its connections (kube-proxy never cuts them, and
+    /// the endpoint is draining them), one that is gone or neither ready nor serving loses
+    /// them; every endpoint of a removed Service port does. Narrowing by topology, traffic
+    /// policy or weight 0 changes where new connections go, never closes one.
+    ///
+    /// Finds the sockets in `REVNAT_SK` (one pass, only when some TCP port changed), then
+    /// closes them by cookie on a thread of its own (sock_diag in every network namespace,
+    /// see [`crate::sockdiag`]), so the sync loop does not wait for it. Only connections of
+    /// the socket path: flows the tc programs translate (from outside the node, or from
+    /// pods that bypass the socket programs) are not closed.
+    fn close_removed(&mut self, ports: Vec<(ServicePortKey, u32)>) {
+        let Some(dir) = self.close_connections.clone() else {
+            return;
+        };
+        if ports.is_empty() {
+            return;
+        }
+        let mut live: HashMap<u32, HashSet<([u8; 16], [u8; 2])>> = HashMap::new();
+        for (k, id) in ports {
+            let set = live.entry(id).or_default();
+            if !self.model.ports().contains_key(&k) {
+                continue; // the port is gone: nothing is live
+            }
+            let eps =
+                self.model
+                    .endpoints_of(&k.namespace, &k.name, &k.port_name, k.protocol, k.family);
+            set.extend(
+                eps.iter()
+                    .filter(|(_, e)| e.ready || e.serving)
+                    .map(|(a, _)| (ip_to_bytes(a.ip()), a.port().to_be_bytes())),
+            );
+        }
+        let cookies = match crate::datapath::maps::tcp_sockets_to_removed(&dir, &live) {
+            Ok(c) => c,
+            Err(e) => {
+                error!(error = %e, "closing connections to removed endpoints: reading REVNAT_SK failed");
+                return;
+            }
+        };
+        if cookies.is_empty() {
+            return;
+        }
+        let closed = self.metrics.connections_closed.clone();
+        std::thread::spawn(move || {
+            let r = crate::sockdiag::destroy(&cookies);
+            closed.inc_by(r.closed as u64);
+            info!(
+                sockets = cookies.len(),
+                closed = r.closed,
+                not_found = r.not_found,
+                namespaces = r.namespaces,
+                "closed TCP connections to removed endpoints"
+            );
+            for e in r.errors.iter().take(5) {
+                warn!(error = %e, "closing a connection to a removed endpoint failed");
+            }
+        });
     }
 
     /// The periodic verification.

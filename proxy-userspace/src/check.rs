@@ -232,8 +232,34 @@ pub fn run_checks(opts: &Options) -> Vec<CheckResult> {
     ));
     if allowed {
         out.push(kube_proxy_rules());
+        out.push(socket_destroy());
     }
     out
+}
+
+/// Whether `--close-connections-to-removed-endpoints` can close connections here
+/// (sock_diag `SOCK_DESTROY`, `CONFIG_INET_DIAG_DESTROY`). A warning, not a failure: the
+/// option is off by default.
+pub fn socket_destroy() -> CheckResult {
+    const NAME: &str = "socket destroy";
+    match crate::sockdiag::destroy_supported() {
+        Ok(true) => CheckResult::ok(
+            NAME,
+            "sock_diag SOCK_DESTROY works (--close-connections-to-removed-endpoints)".to_string(),
+        ),
+        Ok(false) => CheckResult::bad(
+            NAME,
+            Status::Warn,
+            "sock_diag SOCK_DESTROY is not supported: --close-connections-to-removed-endpoints cannot close connections".to_string(),
+            "a kernel built with CONFIG_INET_DIAG_DESTROY=y (and inet_diag/tcp_diag loaded), or leave the option off",
+        ),
+        Err(e) => CheckResult::bad(
+            NAME,
+            Status::Warn,
+            format!("sock_diag cannot be used: {e}"),
+            "load the inet_diag and tcp_diag modules, and run with CAP_NET_ADMIN; or leave --close-connections-to-removed-endpoints off",
+        ),
+    }
 }
 
 /// The conntrack table's size and preallocation, a warning when it is large

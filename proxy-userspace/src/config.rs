@@ -636,6 +636,20 @@ pub struct RunFlags {
     /// with the label or annotation `ebpf-proxy.io/socket-lb: disabled` [default: all].
     #[arg(long, value_enum)]
     pub socket_lb_scope: Option<crate::model::bypass::SocketLbScope>,
+    /// Level of the kernel programs' own log lines (aya-log), forwarded to the agent's log
+    /// under the target `ebpf_proxy::kernel` whatever `--log-level` says: off, error, warn,
+    /// info, debug (one line per decision: a connection translated or refused, a packet
+    /// flow started, dropped or rejected) or trace (also every connect() to an address
+    /// that is no frontend). Off costs nothing: the verifier removes the disabled lines
+    /// [default: off].
+    #[arg(long, value_enum)]
+    pub kernel_log_level: Option<crate::datapath::loader::KernelLogLevel>,
+    /// Close the TCP connections of client sockets translated to an endpoint that left its
+    /// Service (gone from the EndpointSlices, or neither ready nor serving), with sock_diag's
+    /// SOCK_DESTROY in the socket's network namespace, as `ss -K` does. Off by default, as
+    /// kube-proxy leaves established connections alone [default: false].
+    #[arg(long)]
+    pub close_connections_to_removed_endpoints: bool,
     /// Size of the Maglev lookup tables of source-hash and maglev Services: a prime from 7 to
     /// 65521 (larger tables spread backends more evenly; each costs 4 bytes per entry)
     /// [default: 16381].
@@ -1032,6 +1046,10 @@ pub struct AgentConfig {
     pub maglev_table_size: u32,
     /// `--socket-lb-scope`.
     pub socket_lb_scope: crate::model::bypass::SocketLbScope,
+    /// `--kernel-log-level`.
+    pub kernel_log_level: crate::datapath::loader::KernelLogLevel,
+    /// `--close-connections-to-removed-endpoints`.
+    pub close_connections_to_removed_endpoints: bool,
     /// `--log-level` (or `-v`).
     pub log_level: String,
     /// `-v` / `logging.verbosity` as given (for the written configuration).
@@ -1258,6 +1276,8 @@ impl AgentConfig {
                 .maglev_table_size
                 .unwrap_or(proxy_common::MAGLEV_DEFAULT),
             socket_lb_scope: flags.socket_lb_scope.unwrap_or_default(),
+            kernel_log_level: flags.kernel_log_level.unwrap_or_default(),
+            close_connections_to_removed_endpoints: flags.close_connections_to_removed_endpoints,
             log_level,
             verbosity,
             log_format: flags

@@ -12,6 +12,7 @@ pub mod config;
 pub mod datapath;
 pub mod healthcheck;
 pub mod inspect;
+pub mod kernel_log;
 pub mod maglev;
 pub mod metrics;
 pub mod model;
@@ -19,6 +20,7 @@ pub mod monitor;
 pub mod mounts;
 pub mod reconcile;
 pub mod servers;
+pub mod sockdiag;
 pub mod source;
 
 /// An error and its causes on one line, joined by `": "` as `{:#}` prints them, each text

@@ -64,7 +64,16 @@ fn start_run(flags: RunFlags) -> Result<()> {
         restore_sigpipe();
         return cleanup_pins(&config.pins);
     }
-    init_logs(log_filter(&config.log_level)?, config.log_format);
+    let mut filter = log_filter(&config.log_level)?;
+    if config.kernel_log_level != loader::KernelLogLevel::Off {
+        // The kernel's lines were asked for by their own flag: --log-level does not hide them.
+        filter = filter.add_directive(
+            format!("{}=trace", proxy_userspace::kernel_log::TARGET)
+                .parse()
+                .context("kernel log directive")?,
+        );
+    }
+    init_logs(filter, config.log_format);
     for w in &warnings {
         warn!("{w}");
     }

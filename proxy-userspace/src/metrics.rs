@@ -280,6 +280,9 @@ pub struct Metrics {
     pub change_latency: Family<[(&'static str, &'static str); 1], Histogram>,
     /// `ebpf_proxy_service_ports{status}`: Service ports applied and failed now.
     pub service_ports: Family<[(&'static str, &'static str); 1], Gauge>,
+    /// `ebpf_proxy_connections_closed_total`: TCP connections closed because their endpoint
+    /// left the Service (`--close-connections-to-removed-endpoints`).
+    pub connections_closed: Counter,
 }
 
 /// Reads the data path's per-CPU counters at scrape time (`ebpf_proxy_datapath_events_total`
@@ -538,6 +541,12 @@ impl Metrics {
             "Service ports (Service port x protocol x family x scope) by status: applied, or failed (retried with backoff, see the agent log)",
             service_ports.clone(),
         );
+        let connections_closed = Counter::default();
+        registry.register(
+            "ebpf_proxy_connections_closed",
+            "TCP connections closed because their endpoint left the Service (--close-connections-to-removed-endpoints)",
+            connections_closed.clone(),
+        );
         registry.register_collector(Box::new(DatapathCounters { pin_dir }));
         Self {
             registry,
@@ -549,6 +558,7 @@ impl Metrics {
             map_capacity,
             change_latency,
             service_ports,
+            connections_closed,
         }
     }
 

@@ -36,16 +36,12 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use aya::{
-    Ebpf, EbpfLoader,
+    Ebpf,
     maps::{Array, HashMap, MapData},
     programs::{SchedClassifier, TcAttachType, links::PinnedLink},
 };
-use proxy_common::{
-    ALL_MAPS,
-    bypass::{
-        BYPASS_CFG_HOST_ONLY, BYPASS_CFG_PODS, BYPASS_CONFIG, BYPASS_NETNS, BYPASS_POD,
-        BypassConfig,
-    },
+use proxy_common::bypass::{
+    BYPASS_CFG_HOST_ONLY, BYPASS_CFG_PODS, BYPASS_CONFIG, BYPASS_NETNS, BYPASS_POD, BypassConfig,
 };
 use tracing::info;
 
@@ -387,12 +383,8 @@ impl BypassKernel {
 
     fn ebpf(&mut self) -> Result<&mut Ebpf> {
         if self.ebpf.is_none() {
-            let mut loader = EbpfLoader::new();
-            for name in ALL_MAPS
-                .iter()
-                .chain(proxy_common::nat::TC_MAPS.iter())
-                .chain(proxy_common::monitor::MONITOR_MAPS.iter())
-            {
+            let mut loader = crate::datapath::loader::new_loader();
+            for name in crate::datapath::loader::pinned_maps() {
                 loader.map_pin_path(name, self.dir.join(name));
             }
             let mut ebpf = loader.load(OBJECT).context("load the pod programs")?;

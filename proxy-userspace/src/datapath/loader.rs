@@ -51,6 +51,80 @@ pub const EGRESS_PROGRAM: &str = "sock_egress";
 /// least-connections count of closed sockets.
 pub const RELEASE_PROGRAM: &str = "sock_release";
 
+/// `--kernel-log-level`: which of the kernel programs' aya-log lines are written
+/// (`proxy_common::KERNEL_LOG_LEVEL`, set at every load). The numbers are aya-log's levels.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]
+#[repr(u8)]
+pub enum KernelLogLevel {
+    /// No line: the verifier removes every log call.
+    #[default]
+    Off = 0,
+    /// Errors only (none today).
+    Error = 1,
+    /// Warnings and errors (none today).
+    Warn = 2,
+    /// Information (none today).
+    Info = 3,
+    /// One line per decision: translated or refused at the socket, tc flow started,
+    /// dropped or rejected.
+    Debug = 4,
+    /// Debug, and every connect() to an address that is no frontend.
+    Trace = 5,
+}
+
+impl KernelLogLevel {
+    /// The flag's spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KernelLogLevel::Off => "off",
+            KernelLogLevel::Error => "error",
+            KernelLogLevel::Warn => "warn",
+            KernelLogLevel::Info => "info",
+            KernelLogLevel::Debug => "debug",
+            KernelLogLevel::Trace => "trace",
+        }
+    }
+}
+
+/// The level every load of the object in this process gets (see [`set_kernel_log_level`]).
+static KERNEL_LOG_LEVEL: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+/// The values [`new_loader`] points the global at (a loader borrows the value for its life).
+static KERNEL_LOG_LEVELS: [u8; 6] = [0, 1, 2, 3, 4, 5];
+
+/// Sets the kernel log level of every later load of the object by this process (the
+/// agent sets it once, before the first load).
+pub fn set_kernel_log_level(level: KernelLogLevel) {
+    KERNEL_LOG_LEVEL.store(level as u8, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The kernel log level loads get now.
+pub fn kernel_log_level() -> KernelLogLevel {
+    match KERNEL_LOG_LEVEL.load(std::sync::atomic::Ordering::Relaxed) {
+        1 => KernelLogLevel::Error,
+        2 => KernelLogLevel::Warn,
+        3 => KernelLogLevel::Info,
+        4 => KernelLogLevel::Debug,
+        5 => KernelLogLevel::Trace,
+        _ => KernelLogLevel::Off,
+    }
+}
+
+/// A loader for the embedded object with the kernel log level set
+/// ([`set_kernel_log_level`]). Every load of the object goes through here: the global's
+/// default in the object is aya-log-ebpf's "everything", so a load that forgot it would
+/// run the programs with every log line.
+pub fn new_loader() -> EbpfLoader<'static> {
+    let mut loader = EbpfLoader::new();
+    let level = kernel_log_level() as usize;
+    loader.override_global(
+        proxy_common::KERNEL_LOG_LEVEL,
+        &KERNEL_LOG_LEVELS[level],
+        true,
+    );
+    loader
+}
+
 /// Map sizes (`max_entries`) used when the maps are created. Maps adopted from an earlier
 /// run keep the size they were created with.
 #[derive(Clone, Copy, Debug)]
@@ -206,13 +280,18 @@ fn denied(e: &(dyn std::error::Error + 'static)) -> bool {
 }
 
 /// Every map the programs share through the pin directory: the socket path's, the tc
-/// path's and the monitor's. Every load of the object pins exactly these, so programs loaded
-/// later (the egress program attached on demand) see the same maps as the first load.
+/// path's, the monitor's and the kernel log ring (`AYA_LOGS`). Every load of the object
+/// pins exactly these, so programs loaded later (the egress program attached on demand,
+/// the tc and bypassed pods' programs) see the same maps as the first load. The log ring is
+/// pinned rather than created per load for the same reason: with one ring per load the
+/// agent would need a reader per load, and the lines of programs loaded by an earlier
+/// agent (attached until the new links replace theirs) would go nowhere.
 pub fn pinned_maps() -> impl Iterator<Item = &'static str> {
     ALL_MAPS
         .iter()
         .chain(proxy_common::nat::TC_MAPS.iter())
         .chain(proxy_common::monitor::MONITOR_MAPS.iter())
+        .chain(std::iter::once(&proxy_common::KERNEL_LOGS))
         .copied()
 }
 
@@ -301,7 +380,7 @@ fn program_load_error(prog: &str, e: ProgramError) -> anyhow::Error {
 
 /// A loader for the embedded object with the given map sizes.
 fn object_loader(sizes: MapSizes) -> EbpfLoader<'static> {
-    let mut loader = EbpfLoader::new();
+    let mut loader = new_loader();
     loader
         .map_max_entries(FRONTENDS, sizes.frontends)
         .map_max_entries(SERVICE_NAMES, sizes.frontends)
@@ -408,7 +487,13 @@ pub fn load_pinned(dir: &Path, sizes: MapSizes) -> Result<Ebpf> {
 ///
 /// Errors name the step that failed (load, verify, attach, pin) and a remedy; a verifier
 /// rejection carries the end of the verifier log.
-pub fn load_and_attach(dir: &Path, cgroup: &Path, sizes: MapSizes) -> Result<()> {
+///
+/// Returns the reader of the kernel log ring when the kernel log level is not off.
+pub fn load_and_attach(
+    dir: &Path,
+    cgroup: &Path,
+    sizes: MapSizes,
+) -> Result<Option<crate::kernel_log::KernelLogs>> {
     let mut ebpf = load_pinned(dir, sizes)?;
     let cg = File::open(cgroup).with_context(|| {
         format!(
@@ -463,7 +548,10 @@ pub fn load_and_attach(dir: &Path, cgroup: &Path, sizes: MapSizes) -> Result<()>
         .try_into()
         .context("attach: the kernel did not give a bpf_link (needs Linux >= 5.7)")?;
     replace_link(dir, RELEASE_PROGRAM, link)?;
-    Ok(())
+    if kernel_log_level() == KernelLogLevel::Off {
+        return Ok(None);
+    }
+    crate::kernel_log::KernelLogs::new(&mut ebpf).map(Some)
 }
 
 /// Loads and attaches the egress program of `ebpf` to `cg` and pins its link (replacing an
@@ -513,7 +601,7 @@ pub fn attach_egress(dir: &Path, cgroup: &Path) -> Result<bool> {
     if egress_attached(dir) {
         return Ok(false);
     }
-    let mut loader = EbpfLoader::new();
+    let mut loader = new_loader();
     for name in pinned_maps() {
         loader.map_pin_path(name, dir.join(name));
     }

@@ -334,6 +334,30 @@ impl PinnedMaps {
     }
 }
 
+/// The client sockets `connect()` translated over TCP to a backend that is not live for
+/// its service id: cookies of the `REVNAT_SK` entries (`REVNAT_F_CONNECTED`, TCP) whose
+/// service id is a key of `live` and whose backend (address, port in network order) is
+/// not in that key's set. Service ids not in `live` are not looked at. One pass over
+/// `REVNAT_SK` in the pin directory `dir`.
+pub fn tcp_sockets_to_removed(
+    dir: &Path,
+    live: &std::collections::HashMap<u32, std::collections::HashSet<([u8; 16], [u8; 2])>>,
+) -> Result<std::collections::BTreeSet<u64>, DatapathError> {
+    let (revnat, _) = hash::<RevNatKey, RevNatValue>(dir, REVNAT_SK)?;
+    Ok(revnat
+        .iter()
+        .filter_map(Result::ok)
+        .filter(|(k, v)| {
+            v.proto == proxy_common::PROTO_TCP
+                && v.flags & REVNAT_F_CONNECTED != 0
+                && live
+                    .get(&v.service_id)
+                    .is_some_and(|l| !l.contains(&(k.addr, k.port)))
+        })
+        .map(|(k, _)| k.cookie)
+        .collect())
+}
+
 fn ignore_missing(r: Result<(), MapError>) -> Result<(), MapError> {
     match r {
         Err(MapError::KeyNotFound) | Err(MapError::ElementNotFound) => Ok(()),

@@ -20,7 +20,7 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 use aya::{
-    Ebpf, EbpfLoader,
+    Ebpf,
     maps::{Array, HashMap, LpmTrie, MapData},
     programs::{
         LinkOrder, SchedClassifier, TcAttachType, TestRun, TestRunOptions,
@@ -513,7 +513,7 @@ impl TcKernel {
     /// Loads the tc programs once (maps adopted from the pins).
     fn ebpf(&mut self) -> Result<&mut Ebpf> {
         if self.ebpf.is_none() {
-            let mut loader = EbpfLoader::new();
+            let mut loader = crate::datapath::loader::new_loader();
             for name in crate::datapath::loader::pinned_maps() {
                 loader.map_pin_path(name, self.dir.join(name));
             }

@@ -1135,7 +1135,8 @@ impl Model {
     }
 
     /// Every endpoint of one Service port and family as this node reads it (all slices
-    /// merged as for the backend sets), for `ebpf-proxy explain`.
+    /// merged as for the backend sets), for `ebpf-proxy explain` and for the endpoints
+    /// whose connections `--close-connections-to-removed-endpoints` keeps.
     pub fn endpoints_of(
         &self,
         namespace: &str,
