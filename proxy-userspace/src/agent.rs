@@ -21,7 +21,7 @@
 //! servers bind in the background and are retried while the data path runs.
 
 use std::{
-    collections::{BTreeSet, HashMap, HashSet},
+    collections::BTreeSet,
     sync::{Arc, Mutex},
     time::{Duration, Instant, SystemTime},
 };
@@ -1026,7 +1026,7 @@ impl<D: Datapath + FlowCollection> Agent<D> {
         if ports.is_empty() {
             return;
         }
-        let mut live: HashMap<u32, HashSet<([u8; 16], [u8; 2])>> = HashMap::new();
+        let mut live = crate::datapath::maps::LiveBackends::new();
         for (k, id) in ports {
             let set = live.entry(id).or_default();
             if !self.model.ports().contains_key(&k) {

@@ -334,6 +334,11 @@ impl PinnedMaps {
     }
 }
 
+/// The backends still live per service id, as (address, port) in `REVNAT_SK`'s byte
+/// order: see [`tcp_sockets_to_removed`].
+pub type LiveBackends =
+    std::collections::HashMap<u32, std::collections::HashSet<([u8; 16], [u8; 2])>>;
+
 /// The client sockets `connect()` translated over TCP to a backend that is not live for
 /// its service id: cookies of the `REVNAT_SK` entries (`REVNAT_F_CONNECTED`, TCP) whose
 /// service id is a key of `live` and whose backend (address, port in network order) is
@@ -341,7 +346,7 @@ impl PinnedMaps {
 /// `REVNAT_SK` in the pin directory `dir`.
 pub fn tcp_sockets_to_removed(
     dir: &Path,
-    live: &std::collections::HashMap<u32, std::collections::HashSet<([u8; 16], [u8; 2])>>,
+    live: &LiveBackends,
 ) -> Result<std::collections::BTreeSet<u64>, DatapathError> {
     let (revnat, _) = hash::<RevNatKey, RevNatValue>(dir, REVNAT_SK)?;
     Ok(revnat
