@@ -842,7 +842,11 @@ fn pod_path(h: &Harness, f: Fam, pod: &str, cluster: [&str; 3]) {
             Some("tc_translated"),
         );
     }
-    assert_eq!(h.counters()["tc_snat"], 0, "a bypassed pod's flows keep its address");
+    assert_eq!(
+        h.counters()["tc_snat"],
+        0,
+        "a bypassed pod's flows keep its address"
+    );
 }
 
 #[test]
