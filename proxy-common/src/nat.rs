@@ -51,14 +51,14 @@ pub const SOURCE_RANGES: &str = "TC_SOURCE_RANGES";
 pub const LC_FLOWS: &str = "TC_LC_FLOWS";
 
 /// Name of the tail-call table of the tc programs (BPF_MAP_TYPE_PROG_ARRAY, `u32` slot ->
-/// program, [`TAIL_SLOTS`] entries). Not pinned: whoever loads `tc_ingress` fills the
-/// table of its own load ([`TAIL_REJECT`]).
+/// program, [`TAIL_SLOTS`] entries). Not pinned: whoever loads `tc_ingress` or
+/// `pod_ingress` fills the table of its own load ([`TAIL_REJECT`]).
 pub const TAILS: &str = "TC_TAILS";
 /// Number of slots of [`TAILS`].
 pub const TAIL_SLOTS: u32 = 1;
 /// Slot of [`TAILS`] holding `tc_reject`, the program that answers a packet to a frontend
 /// without endpoints with an ICMP / ICMPv6 port unreachable. A program of its own, reached
-/// by a tail call, so its instructions are verified once and not on each of `tc_ingress`'s
+/// by a tail call, so its instructions are verified once and not on each of its callers'
 /// paths (whose verification is close to the kernel's limit of one million instructions).
 pub const TAIL_REJECT: u32 = 0;
 

@@ -287,8 +287,9 @@ pub fn new_flow<B: Buf>(b: &B, pkt: &Pkt, tcp_flags: u8, now: u64) -> Verdict {
 /// interface (`pod_ingress`): the frontends its sockets would have reached
 /// ([`Scope::Node`]: cluster IPs, and external IPs, LB IPs and node ports with the Cluster
 /// endpoints, kube-proxy's short-circuit for traffic from inside the cluster), the same
-/// selection, affinity, policies and refusals (dropped here: an undefined port of a cluster
-/// IP, no endpoints, no local endpoint). Never source-NATed: the replies come back to the
+/// selection, affinity, policies and refusals (an undefined port of a cluster IP and no
+/// endpoints are rejected, [`Verdict::Reject`], as the socket path refuses them; no local
+/// endpoint is dropped). Never source-NATed: the replies come back to the
 /// pod through this interface, where `pod_egress` reverses them. Both entries carry
 /// [`CT_F_POD`]. Its own BPF function, as [`new_flow`].
 #[inline(never)]

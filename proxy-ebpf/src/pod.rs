@@ -5,7 +5,13 @@
 //! - `pod_ingress` (tcx ingress of the host-side interface: packets leaving the workload):
 //!   packets of the workload's tracked flows are rewritten (client -> frontend becomes
 //!   client -> backend); a first packet to a frontend starts a flow (`nat::new_pod_flow`:
-//!   the frontends and rules of the socket path, no SNAT); anything else passes.
+//!   the frontends and rules of the socket path, no SNAT); anything else passes. A first
+//!   packet to a frontend without any endpoint (or to an undefined port of a cluster IP) is
+//!   answered with an ICMP / ICMPv6 port unreachable, as kube-proxy's nftables mode rejects
+//!   it and as the socket path refuses the `connect()`: `tc_reject` (a tail call through
+//!   `TC_TAILS`, the same program as the node's interfaces) builds it in place and sends it
+//!   out of this interface's egress, that is into the workload, whose socket then fails
+//!   with `ECONNREFUSED` (TCP) or gets the error on its next receive (connected UDP).
 //! - `pod_egress` (tcx egress: packets entering the workload): replies of its flows
 //!   (backend -> client) become frontend -> client, whichever way they came (a local
 //!   backend on the same bridge, or routed from another node).
@@ -17,10 +23,12 @@
 //! return codes.
 
 use aya_ebpf::{helpers::bpf_ktime_get_ns, macros::classifier, programs::TcContext};
+use proxy_common::nat::{TAIL_REJECT, TcCounter};
 
 use crate::{
     icmp::{on_icmp, on_icmp6},
-    nat::{count_new_flow, new_pod_flow, tracked_pod},
+    maps::TC_TAILS,
+    nat::{count_new_flow, drop_with, new_pod_flow, tracked_pod},
     packet::{Kind, Pkt, parse, tcp_flags},
     verdict::Verdict,
 };
@@ -59,5 +67,11 @@ fn on_packet<const FROM_POD: bool>(ctx: &TcContext) -> Verdict {
     }
     let v = new_pod_flow(ctx, &pkt, flags, now);
     count_new_flow(&pkt);
+    if v == Verdict::Reject {
+        // SAFETY: a tail call with our own context; it returns only when it fails (no
+        // `tc_reject` in this load's table), and the packet is then dropped, counted.
+        unsafe { TC_TAILS.tail_call(ctx, TAIL_REJECT) };
+        return drop_with(TcCounter::DroppedNoEndpoints);
+    }
     v
 }

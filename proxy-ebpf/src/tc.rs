@@ -14,7 +14,8 @@
 //!   conntrack carries the connection on (`nat::starts_flow`). A new packet to a frontend
 //!   without any endpoint is answered with an ICMP / ICMPv6 port unreachable, sent back
 //!   out of the interface it came in on (`tc_reject`, a tail call).
-//! - `tc_reject`: reached only by `tc_ingress`'s tail call (the agent fills `TC_TAILS`).
+//! - `tc_reject`: reached only by the tail calls of `tc_ingress` and of `pod_ingress` (the
+//!   agent fills `TC_TAILS` of each load).
 //! - `tc_egress` (tcx egress of each external interface): the SNAT stage of source-NATed
 //!   flows, and replies of flows that were not source-NATed (backend on this node), which
 //!   become frontend -> client. No flow starts here.
@@ -76,10 +77,12 @@ fn on_packet<const INGRESS: bool>(ctx: &TcContext) -> Verdict {
     v
 }
 
-/// Answers a packet of a new flow to a frontend without endpoints (`tc_ingress` decided
-/// so, see `nat::new_flow`) with an ICMP / ICMPv6 port unreachable (`icmp::reject`).
-/// Reached only by `tc_ingress`'s tail call through `TC_TAILS` (slot `TAIL_REJECT`), so
-/// its instructions are verified once, apart from `tc_ingress`'s paths.
+/// Answers a packet of a new flow to a frontend without endpoints (`tc_ingress` or
+/// `pod_ingress` decided so, see `nat::new_flow` and `nat::new_pod_flow`) with an ICMP /
+/// ICMPv6 port unreachable (`icmp::reject`), sent out of the egress of the interface the
+/// packet came in on: back to the client on a node interface, into the workload on a
+/// bypassed pod's. Reached only by those tail calls through `TC_TAILS` (slot
+/// `TAIL_REJECT`), so its instructions are verified once, apart from the callers' paths.
 #[classifier]
 pub fn tc_reject(ctx: TcContext) -> i32 {
     let mut pkt = Pkt::new();

@@ -43,6 +43,9 @@ pub const LAB_GATEWAY_V6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x198, 0x18, 0, 0, 0,
 pub const LAB_PREFIX_V6: u8 = 64;
 /// Name of the bridge inside the lab's node namespace.
 pub const LAB_BRIDGE: &str = "br0";
+/// The lab bridge's MAC address (locally administered, unicast), set explicitly so it never
+/// follows its ports' (see [`Lab::new`]).
+pub const LAB_BRIDGE_MAC: &str = "02:eb:70:00:00:01";
 
 // ---------------------------------------------------------------------------------------
 // Processes
@@ -502,6 +505,11 @@ impl Lab {
             "forward_delay",
             "0",
         ])?;
+        // A MAC of its own, as CNI's bridge plugin gives its bridge: otherwise the bridge
+        // takes the lowest of its ports' MACs and changes it when that port goes (a pod
+        // deleted), and the other pods' neighbour entries for the gateway go stale, their
+        // traffic through the node stalling until they resolve it again.
+        node.ip(&["link", "set", LAB_BRIDGE, "address", LAB_BRIDGE_MAC])?;
         node.ip(&[
             "addr",
             "add",
@@ -601,6 +609,18 @@ impl Lab {
         };
         self.pods.push(ns);
         Ok(pod)
+    }
+
+    /// Deletes pod `name`'s namespace (`ip netns del`), as when its sandbox goes away: once
+    /// no process holds it any more, its `eth0` and with it the node end of the veth pair
+    /// are gone. [`Lab::add_pod`] may then add a pod of the same name (a new namespace and
+    /// a new veth). Returns whether the lab had such a pod.
+    pub fn remove_pod(&mut self, name: &str) -> bool {
+        let netns = format!("{}-{name}", self.prefix);
+        let before = self.pods.len();
+        // Dropping the `Netns` deletes it.
+        self.pods.retain(|ns| ns.name() != netns);
+        self.pods.len() != before
     }
 }
 

@@ -12,7 +12,7 @@ mod common;
 use std::{
     collections::BTreeMap,
     fs,
-    net::{IpAddr, Ipv4Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     process::{Command, Stdio},
     time::{Duration, Instant},
 };
@@ -28,7 +28,7 @@ const NODE: &str = "node-a";
 /// `n` backends, each pod with a kubelet-like cgroup holding a process of its namespace.
 struct Bed {
     // Dropped first: the pause processes go before their cgroups and namespaces.
-    _pause: Vec<ChildGuard>,
+    pause: Vec<ChildGuard>,
     env: Env,
     other: Pod,
 }
@@ -37,33 +37,45 @@ fn uid(pod: &str) -> String {
     format!("0000-{pod}-uid")
 }
 
+/// A pod's sandbox as a kubelet lays it out for the agent to find: the cgroup `pod<uid>`
+/// under the test cgroup, holding a process of the pod's namespace.
+fn sandbox(env: &Env, pod: &Pod, uid: &str) -> ChildGuard {
+    let cg = env.cg.path().join(format!("pod{uid}"));
+    fs::create_dir(&cg).expect("pod cgroup");
+    pod.spawn(Some(&cg), Command::new("sleep").arg("600"))
+        .expect("pause process")
+}
+
 impl Bed {
-    fn new(name: &str, n: usize) -> Bed {
-        let mut env = Env::new(name, n, false);
+    /// With `ipv6`, a dual-stack lab: the pods get IPv6 addresses too (`fd00:198:18::2`,
+    /// `::3`, backends from `::10`) and the node forwards IPv6.
+    fn new(name: &str, n: usize, ipv6: bool) -> Bed {
+        let mut env = Env::new(name, n, ipv6);
         let other = env
             .lab
-            .add_pod("other", Ipv4Addr::new(198, 18, 0, 3), None)
+            .add_pod(
+                "other",
+                Ipv4Addr::new(198, 18, 0, 3),
+                ipv6.then(|| Ipv6Addr::new(0xfd00, 0x198, 0x18, 0, 0, 0, 0, 3)),
+            )
             .expect("pod other");
         env.lab
             .node()
             .sysctl("net/ipv4/ip_forward", "1")
             .expect("ip_forward");
-        let mut pause = Vec::new();
-        for pod in [env.client.clone(), other.clone()] {
-            let cg = env.cg.path().join(format!("pod{}", uid(&pod.name)));
-            fs::create_dir(&cg).expect("pod cgroup");
-            pause.push(
-                pod.spawn(Some(&cg), Command::new("sleep").arg("600"))
-                    .expect("pause process"),
-            );
+        if ipv6 {
+            env.lab
+                .node()
+                .sysctl("net/ipv6/conf/all/forwarding", "1")
+                .expect("IPv6 forwarding");
         }
+        let pause = [env.client.clone(), other.clone()]
+            .iter()
+            .map(|pod| sandbox(&env, pod, &uid(&pod.name)))
+            .collect();
         env.write_manifest("svc.yaml", &service_yaml());
         env.write_manifest("eps.yaml", &slice_yaml(n));
-        Bed {
-            _pause: pause,
-            env,
-            other,
-        }
+        Bed { pause, env, other }
     }
 
     /// Starts the agent in the node namespace with `args` and waits for its first sync.
@@ -173,9 +185,16 @@ fn slice_yaml(n: usize) -> String {
 }
 
 fn pod_yaml(name: &str, ip: &str, labels: &str) -> String {
+    pod_yaml_as(name, &uid(name), &[ip], labels)
+}
+
+/// A Pod of this node with UID `uid` and addresses `ips` (the first is `podIP`).
+fn pod_yaml_as(name: &str, uid: &str, ips: &[&str], labels: &str) -> String {
+    let pod_ips: Vec<String> = ips.iter().map(|ip| format!("{{ip: \"{ip}\"}}")).collect();
     format!(
-        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  namespace: default\n  uid: {}\n  labels: {{{labels}}}\nspec:\n  nodeName: {NODE}\n  containers: [{{name: app, image: app}}]\nstatus:\n  podIP: {ip}\n  podIPs: [{{ip: {ip}}}]\n",
-        uid(name)
+        "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  namespace: default\n  uid: {uid}\n  labels: {{{labels}}}\nspec:\n  nodeName: {NODE}\n  containers: [{{name: app, image: app}}]\nstatus:\n  podIP: \"{}\"\n  podIPs: [{}]\n",
+        ips[0],
+        pod_ips.join(", ")
     )
 }
 
@@ -192,7 +211,7 @@ fn spread(probes: &[Probe]) -> BTreeMap<String, usize> {
 /// the socket path and adding it again moves it out, live.
 #[test]
 fn bypassed_and_socket_pods_share_a_service() {
-    let mut bed = Bed::new("bypass-share", 2);
+    let mut bed = Bed::new("bypass-share", 2, false);
     bed.pods(OPTED_OUT);
     bed.start(&[]);
     bed.wait_bypassed(1);
@@ -329,7 +348,7 @@ fn bypassed_and_socket_pods_share_a_service() {
 /// backends, the replies coming back through it.
 #[test]
 fn sidecar_sees_the_cluster_ip_once_opted_out() {
-    let mut bed = Bed::new("bypass-sidecar", 2);
+    let mut bed = Bed::new("bypass-sidecar", 2, false);
     bed.pods("");
     bed.start(&[]);
     let client = bed.env.client.clone();
@@ -418,7 +437,7 @@ fn sidecar_sees_the_cluster_ip_once_opted_out() {
 /// every pod per packet.
 #[test]
 fn host_only_scope_translates_pods_per_packet() {
-    let mut bed = Bed::new("bypass-hostonly", 2);
+    let mut bed = Bed::new("bypass-hostonly", 2, false);
     bed.pods("");
     bed.start(&["--socket-lb-scope", "host-only"]);
     bed.wait_bypassed(2);
@@ -452,4 +471,322 @@ fn host_only_scope_translates_pods_per_packet() {
         "the node at the socket"
     );
     assert_eq!(bed.tc_new_flows() - flows0, 40);
+}
+
+const ECONNREFUSED: i64 = 111;
+const EMPTY_VIP: &str = "198.19.0.20";
+
+/// A Service without endpoints, as the socket path and kube-proxy's nftables mode answer
+/// it: a bypassed pod's `connect()` fails at once with `ECONNREFUSED` (an ICMP port
+/// unreachable from the ClusterIP, sent back into the pod by `pod_ingress`), and so does a
+/// connected UDP socket's receive after its query; each is counted as rejected and shown by
+/// the monitor as a `flow-drop` for lack of endpoints. The socket-path pod is refused by
+/// its `connect()` as before.
+#[test]
+fn bypassed_pod_is_refused_by_a_service_without_endpoints() {
+    let mut bed = Bed::new("bypass-reject", 1, false);
+    bed.env.write_manifest(
+        "empty.yaml",
+        &service(
+            "default",
+            "empty",
+            &[EMPTY_VIP],
+            &[("http", 80, 8080, "TCP"), ("dns", 53, 5353, "UDP")],
+        ),
+    );
+    bed.pods(OPTED_OUT);
+    bed.start(&[]);
+    bed.wait_bypassed(1);
+    let pin = bed.env.pin_path();
+    let before = tc::counters(&pin).expect("tc counters");
+    let (_, byp0) = bed.socket_counters();
+    let mon = MonitorRun::start(&pin, &["--type", "flow-drop"]);
+
+    let start = Instant::now();
+    let tcp = bed.env.tcp(&format!("{EMPTY_VIP}:80"), 3);
+    let took = start.elapsed();
+    println!("bypassed pod, TCP: {tcp:?} in {took:?}");
+    assert_eq!(tcp.len(), 3, "{tcp:?}");
+    assert!(
+        tcp.iter().all(|p| errno(p) == Some(ECONNREFUSED)),
+        "refused, not timed out: {tcp:?}"
+    );
+    // Three refusals well within one SYN retransmission (1 s): answered, not dropped.
+    assert!(
+        took < Duration::from_millis(900),
+        "refused at once: {took:?}"
+    );
+    let udp = bed.env.udp(&format!("{EMPTY_VIP}:53"), 2, true);
+    println!("bypassed pod, connected UDP: {udp:?}");
+    assert!(
+        udp.iter().all(|p| errno(p) == Some(ECONNREFUSED)),
+        "port unreachable for the query: {udp:?}"
+    );
+    let events = mon.stop();
+
+    let after = tc::counters(&pin).expect("tc counters");
+    assert_eq!(
+        after["tc_rejected_no_endpoints"] - before["tc_rejected_no_endpoints"],
+        5,
+        "each packet rejected and counted: {after:?}"
+    );
+    assert_eq!(
+        after["tc_dropped_no_endpoints"], before["tc_dropped_no_endpoints"],
+        "none dropped: {after:?}"
+    );
+    assert_eq!(after["tc_new_flow"], before["tc_new_flow"], "no flow");
+    // Three TCP connect()s and the UDP socket's one connect() (a connected socket's
+    // sends do not run the sendmsg hook).
+    assert_eq!(
+        bed.socket_counters().1 - byp0,
+        4,
+        "the pod's connect()s left to the per-packet path"
+    );
+    let drops: Vec<&Probe> = events
+        .iter()
+        .filter(|e| e["reason"] == "no-endpoints")
+        .collect();
+    assert_eq!(drops.len(), 5, "{events:#?}");
+    for e in &drops {
+        assert_eq!(e["type"], "flow-drop", "{e}");
+        assert!(
+            e["client"].as_str().unwrap().starts_with("198.18.0.2:"),
+            "{e}"
+        );
+        assert!(
+            e["frontend"]
+                .as_str()
+                .unwrap()
+                .starts_with(&format!("{EMPTY_VIP}:")),
+            "{e}"
+        );
+    }
+
+    // The socket-path pod: refused by its connect(), nothing on the per-packet path.
+    let other = bed.probe_from(
+        &bed.other,
+        &["tcp", "--to", &format!("{EMPTY_VIP}:80"), "--count", "2"],
+    );
+    assert!(
+        other.iter().all(|p| errno(p) == Some(ECONNREFUSED)),
+        "{other:?}"
+    );
+    let last = tc::counters(&pin).expect("tc counters");
+    assert_eq!(
+        last["tc_rejected_no_endpoints"], after["tc_rejected_no_endpoints"],
+        "the socket path refuses the other pod before any packet"
+    );
+}
+
+/// A bypassed pod deleted and recreated (a StatefulSet's pod: same name, labels and
+/// address, a new UID, so a new cgroup, namespace and veth): while it is gone its
+/// interface's programs go, and the new pod is found and translated per packet again.
+/// Meanwhile another bypassed pod's established connection (per packet, on its own
+/// interface) goes on untouched.
+#[test]
+fn recreated_bypassed_pod_is_translated_per_packet_again() {
+    use std::io::{BufRead, BufReader, Write};
+
+    let mut bed = Bed::new("bypass-restart", 2, false);
+    // Both pods bypassed; the client with UID `client`, or deleted.
+    let pods = |bed: &Bed, client: Option<&str>| {
+        let mut docs = vec![pod_yaml("other", "198.18.0.3", OPTED_OUT)];
+        if let Some(uid) = client {
+            docs.push(pod_yaml_as("client", uid, &["198.18.0.2"], OPTED_OUT));
+        }
+        bed.env.write_manifest("pods.yaml", &docs.join("---\n"));
+    };
+    pods(&bed, Some(&uid("client")));
+    bed.start(&[]);
+    bed.wait_bypassed(2);
+    let to = format!("{VIP}:80");
+    let first_links = bypass::attached_pods(&bed.env.pin_path());
+
+    // The other pod's connection, translated per packet on its interface, held open.
+    let mut held = bed
+        .other
+        .spawn(
+            Some(bed.env.cg.path()),
+            Command::new(NETPROBE)
+                // A reply within 10 s: a loaded machine is no broken connection.
+                .args(["tcp", "--to", &to, "--interactive", "--timeout-ms", "10000"])
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped()),
+        )
+        .expect("interactive client");
+    let child = held.child_mut();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    stdout.read_line(&mut line).unwrap();
+    let first: Probe = serde_json::from_str(&line).unwrap();
+    assert_eq!(first["ok"], true, "{first}");
+    assert_eq!(first["peer"], to.as_str(), "per packet: {first}");
+    let backend = first["name"].as_str().unwrap().to_string();
+    let mut ask = |msg: &str| -> Probe {
+        writeln!(stdin, "{msg}").unwrap();
+        let mut l = String::new();
+        stdout.read_line(&mut l).unwrap();
+        serde_json::from_str(&l).unwrap_or_else(|e| panic!("{l:?}: {e}"))
+    };
+    assert_eq!(ask("before")["reply"], format!("{backend} before"));
+
+    // The client pod goes: its sandbox (process, cgroup, namespace and veth), then its
+    // object.
+    drop(bed.pause.remove(0));
+    let cg = bed.env.cg.path().join(format!("pod{}", uid("client")));
+    let t = Instant::now();
+    while let Err(e) = fs::remove_dir(&cg) {
+        assert!(t.elapsed() < Duration::from_secs(2), "rmdir {cg:?}: {e}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(bed.env.lab.remove_pod("client"));
+    pods(&bed, None);
+    bed.wait_bypassed(1);
+    let t = Instant::now();
+    let gone = ask("while-gone");
+    assert_eq!(
+        gone["reply"],
+        format!("{backend} while-gone"),
+        "{gone} after {:?}",
+        t.elapsed()
+    );
+
+    // It comes back under a new UID.
+    let new_uid = "0000-client-uid-2";
+    let client = bed
+        .env
+        .lab
+        .add_pod("client", Ipv4Addr::new(198, 18, 0, 2), None)
+        .expect("client pod again");
+    assert_eq!(client, bed.env.client, "same name and address");
+    bed.pause.push(sandbox(&bed.env, &client, new_uid));
+    pods(&bed, Some(new_uid));
+    bed.wait_bypassed(2);
+    let links = bypass::attached_pods(&bed.env.pin_path());
+    println!("interfaces before {first_links:?}, after {links:?}");
+    assert_ne!(
+        links, first_links,
+        "the new pod's veth is another interface"
+    );
+
+    let flows0 = bed.tc_new_flows();
+    let (sock0, _) = bed.socket_counters();
+    let probes = bed.env.tcp(&to, 20);
+    assert_eq!(spread(&probes).len(), 2, "{probes:?}");
+    for p in &probes {
+        assert_eq!(p["peer"], to.as_str(), "{p}");
+    }
+    assert_eq!(bed.tc_new_flows() - flows0, 20, "per packet again");
+    assert_eq!(bed.socket_counters().0, sock0, "nothing at the socket");
+    let udp = bed.env.udp(&format!("{VIP}:53"), 3, false);
+    for p in &udp {
+        assert_eq!(p["from"], format!("{VIP}:53"), "{p}");
+    }
+    let after = ask("after");
+    assert_eq!(after["reply"], format!("{backend} after"), "{after}");
+}
+
+const VIP6: &str = "fd00:96::10";
+const EMPTY_VIP6: &str = "fd00:96::20";
+
+/// IPv6 in a dual-stack lab: the bypassed pod's TCP connections and UDP datagrams to an
+/// IPv6 ClusterIP are translated per packet (both backends, replies from the ClusterIP),
+/// the socket-path pod's at the socket, and a Service without endpoints refuses the
+/// bypassed pod with an ICMPv6 port unreachable (`ECONNREFUSED`).
+#[test]
+fn ipv6_bypassed_pod_is_translated_per_packet_and_refused_without_endpoints() {
+    let mut bed = Bed::new("bypass-v6", 2, true);
+    let ports = [("http", 80, 8080, "TCP"), ("dns", 53, 5353, "UDP")];
+    let eps: Vec<(IpAddr, bool)> = (0..2).map(|i| (IpAddr::V6(backend_v6(i)), true)).collect();
+    bed.env.write_manifest(
+        "web6.yaml",
+        &format!(
+            "{}---\n{}---\n{}",
+            service("default", "web6", &[VIP6], &ports),
+            slice(
+                "default",
+                "web6-1",
+                "web6",
+                "IPv6",
+                &[("http", 8080, "TCP"), ("dns", 5353, "UDP")],
+                &eps
+            ),
+            service("default", "empty6", &[EMPTY_VIP6], &ports),
+        ),
+    );
+    bed.env.write_manifest(
+        "pods.yaml",
+        &format!(
+            "{}---\n{}",
+            pod_yaml_as(
+                "client",
+                &uid("client"),
+                &["198.18.0.2", "fd00:198:18::2"],
+                OPTED_OUT
+            ),
+            pod_yaml_as(
+                "other",
+                &uid("other"),
+                &["198.18.0.3", "fd00:198:18::3"],
+                ""
+            ),
+        ),
+    );
+    bed.start(&[]);
+    bed.wait_bypassed(1);
+
+    let to = format!("[{VIP6}]:80");
+    let flows0 = bed.tc_new_flows();
+    let (sock0, _) = bed.socket_counters();
+    let tcp = bed.env.tcp(&to, 20);
+    assert_eq!(spread(&tcp).len(), 2, "{tcp:?}");
+    for p in &tcp {
+        assert_eq!(p["peer"], to.as_str(), "{p}");
+    }
+    let dns = format!("[{VIP6}]:53");
+    let udp = bed.env.udp(&dns, 3, false);
+    for p in &udp {
+        assert_eq!(p["ok"], true, "{p}");
+        assert_eq!(p["from"], dns.as_str(), "reply from the ClusterIP: {p}");
+    }
+    assert_eq!(
+        bed.tc_new_flows() - flows0,
+        21,
+        "a packet flow per connection, one for the UDP socket"
+    );
+    assert_eq!(
+        bed.socket_counters().0,
+        sock0,
+        "the bypassed pod not at the socket"
+    );
+    let other = bed.probe_from(&bed.other, &["tcp", "--to", &to, "--count", "10"]);
+    assert_eq!(spread(&other).len(), 2, "{other:?}");
+    assert_eq!(
+        bed.socket_counters().0 - sock0,
+        10,
+        "the other pod at the socket"
+    );
+
+    let pin = bed.env.pin_path();
+    let before = tc::counters(&pin).expect("tc counters")["tc_rejected_no_endpoints"];
+    let t = Instant::now();
+    let r = bed.env.tcp(&format!("[{EMPTY_VIP6}]:80"), 2);
+    println!(
+        "TCP to a Service without endpoints: {r:?} in {:?}",
+        t.elapsed()
+    );
+    assert!(r.iter().all(|p| errno(p) == Some(ECONNREFUSED)), "{r:?}");
+    let r = bed.env.udp(&format!("[{EMPTY_VIP6}]:53"), 1, true);
+    assert!(r.iter().all(|p| errno(p) == Some(ECONNREFUSED)), "{r:?}");
+    let after = tc::counters(&pin).expect("tc counters")["tc_rejected_no_endpoints"];
+    // Each SYN and the datagram rejected. The kernel may take a connect()'s first ICMPv6
+    // error as a soft one (it arrives while connect() still holds the socket: observed
+    // here, not for IPv4) and fail the connection at the SYN's first retransmission, 1 s
+    // later, whose error it takes: then two rejections for that connect().
+    assert!(
+        (3..=5).contains(&(after - before)),
+        "each rejected with an ICMPv6 port unreachable: {}",
+        after - before
+    );
 }

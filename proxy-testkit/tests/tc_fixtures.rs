@@ -720,6 +720,159 @@ fn ipv6_services_without_endpoints_are_rejected_with_port_unreachable() {
     in_private_netns(|| rejects(&seeded("reject6"), V6));
 }
 
+const POD_INGRESS: &str = "pod_ingress";
+const POD_EGRESS: &str = "pod_egress";
+
+/// The per-packet path of a bypassed pod (`pod_ingress` on its interface's node side:
+/// packets leaving the pod; `pod_egress`: packets entering it), for one family, with the
+/// pod at `pod` and the cluster IPs of [`OBJECTS`]' `local`, `remote` and `empty` Services:
+/// - a first packet to a Service without endpoints, or to an undefined port of a cluster
+///   IP, is rejected as the socket path refuses it and as kube-proxy's nftables mode does:
+///   an ICMP / ICMPv6 port unreachable from the cluster IP, sent back into the pod
+///   (redirected to the interface's egress), counted; no flow starts;
+/// - a first packet to a cluster IP is translated to the backend, never source-NATed (the
+///   remote backend too: its replies come back through the pod's interface), and the
+///   replies entering the pod come from the cluster IP again;
+/// - nothing starts on the way into the pod.
+fn pod_path(h: &Harness, f: Fam, pod: &str, cluster: [&str; 3]) {
+    let [local, remote, empty] = cluster;
+    let rejected = [
+        (
+            "TCP SYN to a cluster IP without endpoints",
+            Packet::tcp(&sock(pod, 45000), &sock(empty, 80), SYN),
+        ),
+        (
+            "UDP to a cluster IP without endpoints",
+            Packet::udp(&sock(pod, 45001), &sock(empty, 53)),
+        ),
+        (
+            "TCP SYN to an undefined port of a cluster IP",
+            Packet::tcp(&sock(pod, 45002), &sock(local, 81), SYN),
+        ),
+    ];
+    for (what, p) in &rejected {
+        let out = step(
+            h,
+            &format!("{what}, from a bypassed pod"),
+            POD_INGRESS,
+            &p.frame(),
+            REDIRECT,
+            Some(&port_unreachable(p)),
+            Some("tc_rejected_no_endpoints"),
+        );
+        let d = decode(&out).expect("decodable");
+        assert_eq!(d.proto, if p.v6() { ICMPV6 } else { ICMP }, "{what}");
+    }
+    assert!(
+        h.conntrack().is_empty(),
+        "a rejected packet starts no flow: {:?}",
+        h.conntrack()
+    );
+    let into_pod = Packet::tcp(&sock(f.client, 45003), &sock(local, 80), SYN);
+    step(
+        h,
+        "TCP SYN to a cluster IP on its way into the pod",
+        POD_EGRESS,
+        &into_pod.frame(),
+        PASS,
+        None,
+        None,
+    );
+    assert!(h.conntrack().is_empty(), "no flow starts into the pod");
+
+    for (i, (what, vip, backend)) in [("local", local, f.local), ("remote", remote, f.remote)]
+        .into_iter()
+        .enumerate()
+    {
+        let port = 45100 + i as u16;
+        let syn = Packet::tcp(&sock(pod, port), &sock(vip, 80), SYN);
+        let want = Packet {
+            dst: sock(backend, 8080).parse().unwrap(),
+            ..syn.clone()
+        };
+        step(
+            h,
+            &format!("TCP SYN from the pod to the cluster IP of the {what} backend"),
+            POD_INGRESS,
+            &syn.frame(),
+            PASS,
+            Some(&want.frame()),
+            Some("tc_new_flow"),
+        );
+        let synack = Packet::tcp(&sock(backend, 8080), &sock(pod, port), SYN | ACK);
+        let want = Packet {
+            src: sock(vip, 80).parse().unwrap(),
+            ..synack.clone()
+        };
+        step(
+            h,
+            &format!("TCP SYN-ACK of the {what} backend into the pod"),
+            POD_EGRESS,
+            &synack.frame(),
+            PASS,
+            Some(&want.frame()),
+            Some("tc_translated"),
+        );
+        let dgram = Packet::udp(&sock(pod, port), &sock(vip, 53));
+        let want = Packet {
+            dst: sock(backend, 5353).parse().unwrap(),
+            ..dgram.clone()
+        };
+        step(
+            h,
+            &format!("UDP from the pod to the cluster IP of the {what} backend"),
+            POD_INGRESS,
+            &dgram.frame(),
+            PASS,
+            Some(&want.frame()),
+            Some("tc_new_flow"),
+        );
+        let reply = Packet::udp(&sock(backend, 5353), &sock(pod, port));
+        let want = Packet {
+            src: sock(vip, 53).parse().unwrap(),
+            ..reply.clone()
+        };
+        step(
+            h,
+            &format!("UDP reply of the {what} backend into the pod"),
+            POD_EGRESS,
+            &reply.frame(),
+            PASS,
+            Some(&want.frame()),
+            Some("tc_translated"),
+        );
+    }
+    assert_eq!(
+        h.counters()["tc_snat"],
+        0,
+        "a bypassed pod's flows keep its address"
+    );
+}
+
+#[test]
+fn ipv4_bypassed_pod_translation_and_rejects() {
+    in_private_netns(|| {
+        pod_path(
+            &seeded("pod4"),
+            V4,
+            "10.0.1.20",
+            ["10.96.0.10", "10.96.0.11", "10.96.0.15"],
+        )
+    });
+}
+
+#[test]
+fn ipv6_bypassed_pod_translation_and_rejects() {
+    in_private_netns(|| {
+        pod_path(
+            &seeded("pod6"),
+            V6,
+            "fd00:1::20",
+            ["fd00:96::10", "fd00:96::11", "fd00:96::15"],
+        )
+    });
+}
+
 /// TCP packets that do not open a connection (no SYN, or SYN with ACK) and match no tracked
 /// flow, for one family: the kernel gets them untouched (its conntrack may know the flow: one
 /// kube-proxy's rules translated before ebpf-proxy started), no flow is started, and the

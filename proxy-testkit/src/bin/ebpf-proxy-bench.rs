@@ -9,7 +9,10 @@
 //!   it from its `sync done` line: `latency_us`, `model_us`, `duration_us`; peers: their
 //!   incremental update);
 //! - data path: new TCP connections per second and per-connection latency (connect, one
-//!   request line, one reply line, close) from a client pod to one ClusterIP;
+//!   request line, one reply line, close) from a client pod to one ClusterIP; for
+//!   ebpf-proxy both at the socket and per packet (case `bypass`: a client pod labelled
+//!   `ebpf-proxy.io/socket-lb: disabled`, with the agent in the lab's node namespace where
+//!   the pod's veth has its node side);
 //! - memory: agent RSS after the first sync (and, at some Ns, after its first periodic
 //!   verification) and the memlock of its BPF maps;
 //! - the control-plane targets, each met or missed (report.rs).
@@ -108,11 +111,11 @@ struct Opts {
     /// Seconds per data path case (upper bound).
     #[arg(long, default_value_t = 3.0)]
     conn_secs: f64,
-    /// Cases to run (ebpf, iptables, nftables, direct).
+    /// Cases to run (ebpf, bypass, iptables, nftables, direct).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "ebpf,iptables,nftables,direct"
+        default_value = "ebpf,bypass,iptables,nftables,direct"
     )]
     cases: Vec<String>,
     /// Output directory.
@@ -388,7 +391,7 @@ fn bench(mut o: Opts) -> Result<()> {
     for c in &o.cases {
         ensure!(
             Case::parse(c).is_some(),
-            "unknown case {c:?} (ebpf, iptables, nftables, direct)"
+            "unknown case {c:?} (ebpf, bypass, iptables, nftables, direct)"
         );
     }
     let cases: Vec<Case> = o.cases.iter().filter_map(|c| Case::parse(c)).collect();
@@ -477,6 +480,7 @@ fn cluster_ip_part(
                 }
                 let r = match case {
                     Case::Ebpf => run_ebpf(&mut env, o, &svcs, real, change_svc, results, run),
+                    Case::Bypass => run_bypass(&mut env, o, &svcs, real, results, run),
                     Case::Iptables | Case::Nftables => {
                         run_rules(&env, o, case, &svcs, real, change_svc, results, run)
                     }
@@ -547,6 +551,20 @@ fn setup(o: &Opts, me: PathBuf, agent_bin: PathBuf) -> Result<Env> {
         manifests,
     };
     env.agent_log = env.scratch.path().join("agent.log");
+    // The bypassed client's sandbox as a kubelet lays it out for the agent to find: the
+    // cgroup `pod<uid>` holding a process of the pod's namespace. The node namespace
+    // forwards: the pod's packets to a ClusterIP reach its node side through the gateway.
+    let bypass_cg = env.cg.path().join(format!("pod{BYPASS_UID}"));
+    fs::create_dir_all(&bypass_cg)?;
+    let pause = env.clients[&Case::Bypass].spawn(
+        Some(&bypass_cg),
+        Command::new("sleep")
+            .arg("86400")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null()),
+    )?;
+    env.servers.push(pause);
+    env.lab.node().sysctl("net/ipv4/ip_forward", "1")?;
     for j in 0..rules::ENDPOINTS {
         let pod = env
             .lab
@@ -605,7 +623,7 @@ fn run_client(
     warmup: usize,
 ) -> Result<ClientResult> {
     let pod = &env.clients[&case];
-    let cg = (case == Case::Ebpf).then(|| env.cg.path());
+    let cg = matches!(case, Case::Ebpf | Case::Bypass).then(|| env.cg.path());
     run_client_in(&env.me, &pod.path(), cg, to, count, secs, warmup)
 }
 
@@ -657,7 +675,7 @@ fn data_path(
     check_stop()?;
     let warmup = 200;
     // The kernel's statistics of ebpf-proxy's programs over the client's run.
-    let progs = (case == Case::Ebpf).then(|| progstats::attached(&env.pins.0));
+    let progs = matches!(case, Case::Ebpf | Case::Bypass).then(|| progstats::attached(&env.pins.0));
     let before = progs.as_ref().map(progstats::snapshot);
     let r = run_client(env, case, to, o.conn_count, o.conn_secs, warmup)?;
     if let (Some(ids), Some(before)) = (&progs, &before) {
@@ -721,6 +739,95 @@ fn run_direct(env: &Env, o: &Opts, n: usize, results: &mut Results, run: usize) 
         .map(|j| format!("{}:{}", rules::real_backend(j), rules::REAL_PORT))
         .collect();
     data_path(env, o, Case::Direct, &to.join(","), n, results, run)
+}
+
+/// UID of the bypassed client pod (`Case::Bypass`).
+const BYPASS_UID: &str = "00000000-bench-bypass";
+/// The node name the agent of the `bypass` case runs as (the Pod's `spec.nodeName`).
+const BYPASS_NODE: &str = "bench-node";
+
+/// ebpf-proxy's per-packet path: the agent with the same manifests plus the client pod
+/// `c-bypass` opted out of socket-level translation, started in the lab's node namespace
+/// (where the pod's veth has its node side), once its programs are on the pod's interface;
+/// then the same data-path run as the other cases, from that pod (in the bench cgroup, so
+/// the socket programs see its connections and leave them alone).
+fn run_bypass(
+    env: &mut Env,
+    o: &Opts,
+    svcs: &[Svc],
+    real: usize,
+    results: &mut Results,
+    run: usize,
+) -> Result<()> {
+    let r = run_bypass_inner(env, o, svcs, real, results, run);
+    stop_agent(env);
+    r
+}
+
+fn run_bypass_inner(
+    env: &mut Env,
+    o: &Opts,
+    svcs: &[Svc],
+    real: usize,
+    results: &mut Results,
+    run: usize,
+) -> Result<()> {
+    let n = svcs.len();
+    stop_agent(env);
+    let change_svc = if real == 0 { 1.min(n - 1) } else { 0 };
+    write_manifests(&env.manifests, svcs, change_svc)?;
+    let pod = &env.clients[&Case::Bypass];
+    write_atomic(
+        &env.manifests.join("pod-bypass.yaml"),
+        &format!(
+            "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {}\n  namespace: default\n  uid: {BYPASS_UID}\n  labels: {{ebpf-proxy.io/socket-lb: disabled}}\nspec:\n  nodeName: {BYPASS_NODE}\n  containers: [{{name: client, image: client}}]\nstatus:\n  podIP: {}\n  podIPs: [{{ip: {}}}]\n",
+            pod.name, pod.ipv4, pod.ipv4
+        ),
+    )?;
+    let node = env.lab.node().path();
+    start_agent(
+        env,
+        o,
+        n,
+        &[
+            "--manifests".into(),
+            env.manifests.display().to_string(),
+            "--hostname-override".into(),
+            BYPASS_NODE.into(),
+        ],
+        Some(&node),
+    )?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        check_stop()?;
+        let listed = proxy_userspace::datapath::bypass::read_pinned(&env.pins.0)
+            .map(|(_, cookies)| cookies.len())
+            .unwrap_or(0);
+        if listed == 1 && proxy_userspace::datapath::bypass::attached_pods(&env.pins.0).len() == 1 {
+            break;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "the bypassed pod was not programmed within 30 s: {}",
+            agent_log(env)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let flows = || {
+        proxy_userspace::datapath::tc::counters(&env.pins.0)
+            .map(|c| c["tc_new_flow"])
+            .unwrap_or(0)
+    };
+    let before = flows();
+    data_path(env, o, Case::Bypass, &vip_target(real), n, results, run)?;
+    // The connections were the per-packet path's, not the socket's.
+    let per_packet = flows() - before;
+    eprintln!("  Bypass: {per_packet} packet flows started by pod_ingress");
+    ensure!(
+        per_packet > 0,
+        "no packet flow: the bypassed pod's connections were not translated per packet"
+    );
+    Ok(())
 }
 
 fn vip_target(real: usize) -> String {
@@ -936,6 +1043,7 @@ fn run_api_changes(
             "--metrics-bind-address".into(),
             "127.0.0.1:10249".into(),
         ],
+        None,
     )?;
     eprintln!(
         "  Ebpf (API source) cold: wall (start to sync done) {:.1} ms",
@@ -1055,6 +1163,7 @@ fn run_ebpf_inner(
         o,
         n,
         &["--manifests".into(), env.manifests.display().to_string()],
+        None,
     )?;
     let log = agent_log(env);
     // Kept for a look at where the start-up time went (the last run's of each N).
@@ -1210,14 +1319,21 @@ fn run_ebpf_inner(
 /// Starts the agent on a fresh pin directory with `source` (its source flags) and extra
 /// flags, sized for `n` services, and waits for its first `sync done`. Returns the wall
 /// time from the start to that line and the agent's pid.
-fn start_agent(env: &mut Env, o: &Opts, n: usize, source: &[String]) -> Result<(Duration, u32)> {
+/// `netns`: the network namespace to run it in (the bench's own when `None`).
+fn start_agent(
+    env: &mut Env,
+    o: &Opts,
+    n: usize,
+    source: &[String],
+    netns: Option<&Path>,
+) -> Result<(Duration, u32)> {
     let room = |need: usize, default: u32| -> String {
         (((need as f64 * 1.25) as u32).max(default)).to_string()
     };
     let log = fs::File::create(&env.agent_log)?;
     let t0 = Instant::now();
-    let child = Command::new(&env.agent_bin)
-        .arg("run")
+    let mut cmd = Command::new(&env.agent_bin);
+    cmd.arg("run")
         .args(source)
         .arg("--cgroup-path")
         .arg(env.cg.path())
@@ -1244,9 +1360,8 @@ fn start_agent(env: &mut Env, o: &Opts, n: usize, source: &[String]) -> Result<(
         .args(&o.agent_arg)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .context("start the agent")?;
+        .stderr(log);
+    let child = testbed::spawn_in(netns, None, &mut cmd).context("start the agent")?;
     let pid = child.id();
     env.agent = Some(ChildGuard::new(child));
     let deadline = t0 + Duration::from_secs(o.load_timeout);

@@ -229,7 +229,8 @@ pub struct Harness {
 
 impl Harness {
     /// Loads the embedded object with small maps pinned under `/sys/fs/bpf/<name>` (a
-    /// leftover of an earlier run removed first) and loads the tc programs into the kernel.
+    /// leftover of an earlier run removed first) and loads the tc programs and those of the
+    /// bypassed pods' interfaces (`pod_ingress`, `pod_egress`) into the kernel.
     ///
     /// Must run in a private network namespace ([`in_private_netns`]), so the programs'
     /// FIB lookups see an empty namespace.
@@ -253,7 +254,13 @@ impl Harness {
             conntrack_flows: 1024,
         };
         let mut ebpf = loader::load_pinned(&dir, sizes).expect("load the object with pinned maps");
-        for prog in ["tc_ingress", "tc_egress", "tc_lc_gc"] {
+        for prog in [
+            "tc_ingress",
+            "tc_egress",
+            "tc_lc_gc",
+            "pod_ingress",
+            "pod_egress",
+        ] {
             let p: &mut SchedClassifier = ebpf
                 .program_mut(prog)
                 .expect("program in the object")

@@ -1212,3 +1212,46 @@ fn file_warnings_name_the_file() {
         "{e}"
     );
 }
+
+/// `--socket-lb-scope` is ebpf-proxy's own, as the map sizes: `KubeProxyConfiguration` has
+/// no field for it, so `--write-config-to` leaves it out (the written file runs kube-proxy
+/// too) and a file cannot set it: a field of that name is reported as unknown and
+/// ignored. The flag keeps its effect next to `--config`.
+#[test]
+fn socket_lb_scope_is_a_flag_only() {
+    use crate::model::bypass::SocketLbScope;
+    let c = resolve(&["--socket-lb-scope=host-only"], None).unwrap();
+    assert_eq!(c.socket_lb_scope, SocketLbScope::HostOnly);
+    let yaml = c.kube_proxy_configuration();
+    let lower = yaml.to_lowercase();
+    assert!(
+        !lower.contains("socketlb") && !lower.contains("host-only"),
+        "{yaml}"
+    );
+    let back = AgentConfig::resolve(flags(&[]), Some(parse(&yaml).unwrap().settings)).unwrap();
+    assert_eq!(
+        back.socket_lb_scope,
+        SocketLbScope::All,
+        "not carried by the file"
+    );
+    let both = AgentConfig::resolve(
+        flags(&["--socket-lb-scope=host-only"]),
+        Some(parse(&yaml).unwrap().settings),
+    )
+    .unwrap();
+    assert_eq!(
+        both.socket_lb_scope,
+        SocketLbScope::HostOnly,
+        "the flag with --config"
+    );
+
+    let loaded = parse(&body("socketLBScope: host-only\n")).unwrap();
+    assert_eq!(
+        loaded.warnings,
+        [format!(
+            "--config: unknown field \"socketLBScope\" (not in {API_VERSION} {KIND}): ignored"
+        )]
+    );
+    let c = AgentConfig::resolve(flags(&[]), Some(loaded.settings)).unwrap();
+    assert_eq!(c.socket_lb_scope, SocketLbScope::All);
+}

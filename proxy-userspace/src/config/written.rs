@@ -4,8 +4,8 @@
 //! (`pkg/proxy/apis/config/v1alpha1/defaults.go`). `mode` is written empty, so the file runs
 //! ebpf-proxy and kube-proxy alike; the sync periods and `masqueradeAll` are written in every
 //! mode's section. Settings of ebpf-proxy alone (map sizes, `--lb-algorithm random`,
-//! `--maglev-table-size`, `--cgroup-path`, `--interfaces`, the pin directory, `--manifests`)
-//! have no field and are not written.
+//! `--maglev-table-size`, `--cgroup-path`, `--interfaces`, `--socket-lb-scope`, the pin
+//! directory, `--manifests`) have no field and are not written.
 
 use std::time::Duration;
 

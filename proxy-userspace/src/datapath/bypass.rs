@@ -396,6 +396,9 @@ impl BypassKernel {
                 p.load()
                     .map_err(|e| anyhow::anyhow!("verify: program {prog} was rejected: {e:#}"))?;
             }
+            // `pod_ingress` rejects a first packet to a Service without endpoints through
+            // the tail-call table of this load.
+            crate::datapath::tc::install_tail_calls(&mut ebpf)?;
             self.ebpf = Some(ebpf);
         }
         Ok(self.ebpf.as_mut().expect("loaded above"))

@@ -239,9 +239,10 @@ pub const INGRESS_PROGRAM: &str = "tc_ingress";
 /// The program `tc_ingress` tail-calls to reject a packet to a frontend without endpoints.
 pub const REJECT_PROGRAM: &str = "tc_reject";
 
-/// Loads the programs `tc_ingress` tail-calls (`tc_reject`) and writes them into the
-/// tail-call table `TC_TAILS` of the same load, `ebpf` (the table is not pinned: each load
-/// of `tc_ingress` has its own). Without it `tc_ingress` drops what it would reject.
+/// Loads the programs `tc_ingress` and `pod_ingress` tail-call (`tc_reject`) and writes
+/// them into the tail-call table `TC_TAILS` of the same load, `ebpf` (the table is not
+/// pinned: each load has its own). Without it they drop what they would reject (counted as
+/// `tc_dropped_no_endpoints`).
 pub fn install_tail_calls(ebpf: &mut Ebpf) -> Result<()> {
     let p: &mut SchedClassifier = ebpf
         .program_mut(REJECT_PROGRAM)

@@ -12,17 +12,30 @@ use plotters::prelude::*;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Case {
     Ebpf,
+    /// ebpf-proxy's per-packet path: a client pod that bypasses socket-level translation
+    /// (`ebpf-proxy.io/socket-lb: disabled`), translated by `pod_ingress`/`pod_egress` on
+    /// its interface. Data path only (its control plane is `Ebpf`'s).
+    Bypass,
     Iptables,
     Nftables,
     Direct,
 }
 
 impl Case {
-    pub const ALL: [Case; 4] = [Case::Ebpf, Case::Iptables, Case::Nftables, Case::Direct];
+    /// Every case; the order gives the client pods their addresses (the bypassed pod's last,
+    /// so the others keep theirs).
+    pub const ALL: [Case; 5] = [
+        Case::Ebpf,
+        Case::Iptables,
+        Case::Nftables,
+        Case::Direct,
+        Case::Bypass,
+    ];
 
     pub fn parse(s: &str) -> Option<Case> {
         Some(match s {
             "ebpf" => Case::Ebpf,
+            "bypass" => Case::Bypass,
             "iptables" => Case::Iptables,
             "nftables" => Case::Nftables,
             "direct" => Case::Direct,
@@ -33,6 +46,7 @@ impl Case {
     pub fn key(self) -> &'static str {
         match self {
             Case::Ebpf => "ebpf",
+            Case::Bypass => "bypass",
             Case::Iptables => "iptables",
             Case::Nftables => "nftables",
             Case::Direct => "direct",
@@ -43,6 +57,7 @@ impl Case {
     pub fn pod(self) -> &'static str {
         match self {
             Case::Ebpf => "c-ebpf",
+            Case::Bypass => "c-bypass",
             Case::Iptables => "c-ipt",
             Case::Nftables => "c-nft",
             Case::Direct => "c-direct",
@@ -52,6 +67,7 @@ impl Case {
     pub fn label(self) -> &'static str {
         match self {
             Case::Ebpf => "ebpf-proxy",
+            Case::Bypass => "ebpf-proxy per packet (bypassed pod)",
             Case::Iptables => "kube-proxy iptables rules",
             Case::Nftables => "kube-proxy nftables rules",
             Case::Direct => "direct to pod IP",
@@ -61,6 +77,7 @@ impl Case {
     fn color(self) -> RGBColor {
         match self {
             Case::Ebpf => RGBColor(0x1f, 0x77, 0xb4),
+            Case::Bypass => RGBColor(0x94, 0x67, 0xbd),
             Case::Iptables => RGBColor(0xd6, 0x27, 0x28),
             Case::Nftables => RGBColor(0xff, 0x7f, 0x0e),
             Case::Direct => RGBColor(0x2c, 0xa0, 0x2c),
@@ -622,9 +639,9 @@ impl Results {
         );
         let _ = writeln!(
             o,
-            "| N | direct p50 / p99 | ebpf-proxy p50 / p99 | iptables p50 / p99 | nftables p50 / p99 |"
+            "| N | direct p50 / p99 | ebpf-proxy p50 / p99 | ebpf-proxy per packet (bypassed pod) p50 / p99 | iptables p50 / p99 | nftables p50 / p99 |"
         );
-        let _ = writeln!(o, "| ---: | ---: | ---: | ---: | ---: |");
+        let _ = writeln!(o, "| ---: | ---: | ---: | ---: | ---: | ---: |");
         for &n in &self.services {
             let c = |case| {
                 format!(
@@ -635,9 +652,10 @@ impl Results {
             };
             let _ = writeln!(
                 o,
-                "| {n} | {} | {} | {} | {} |",
+                "| {n} | {} | {} | {} | {} | {} |",
                 c(Case::Direct),
                 c(Case::Ebpf),
+                c(Case::Bypass),
                 c(Case::Iptables),
                 c(Case::Nftables)
             );
@@ -770,8 +788,11 @@ impl Results {
             o,
             "\n### Data path: new TCP connections per second to one ClusterIP (ratio to direct)\n"
         );
-        let _ = writeln!(o, "| N | direct | ebpf-proxy | iptables | nftables |");
-        let _ = writeln!(o, "| ---: | ---: | ---: | ---: | ---: |");
+        let _ = writeln!(
+            o,
+            "| N | direct | ebpf-proxy | ebpf-proxy per packet (bypassed pod) | iptables | nftables |"
+        );
+        let _ = writeln!(o, "| ---: | ---: | ---: | ---: | ---: | ---: |");
         for &n in &self.services {
             let c = |case| {
                 format!(
@@ -782,9 +803,10 @@ impl Results {
             };
             let _ = writeln!(
                 o,
-                "| {n} | {} | {} | {} | {} |",
+                "| {n} | {} | {} | {} | {} | {} |",
                 self.cell(Case::Direct, n, "cps", 0),
                 c(Case::Ebpf),
+                c(Case::Bypass),
                 c(Case::Iptables),
                 c(Case::Nftables)
             );
@@ -940,6 +962,8 @@ fn ns_label(c: Case) -> &'static str {
     match c {
         Case::Direct => "plain routing (floor)",
         Case::Ebpf => "ebpf-proxy (tc)",
+        // Not a north-south case (see `northsouth::run`).
+        Case::Bypass => "ebpf-proxy per packet (bypassed pod)",
         Case::Nftables => "kube-proxy nftables rules",
         Case::Iptables => "kube-proxy iptables rules",
     }
