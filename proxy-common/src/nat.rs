@@ -325,11 +325,18 @@ pub enum TcCounter {
     /// consistent (source-hash, maglev, destination-hash): its backend was picked again,
     /// which gives the one a lost or never-seen flow already has, so the flow carries on.
     ReselectedUntracked = 13,
+    /// A packet translated in XDP and sent out of the node with `XDP_TX` or `XDP_REDIRECT`
+    /// (the next hop from a FIB lookup), without the kernel's stack.
+    XdpForwarded = 14,
+    /// A packet XDP would have sent out itself, handed to the stack instead because the FIB
+    /// lookup gave no next hop (no neighbour entry yet, no route, MTU exceeded): the tcx
+    /// programs and the kernel finish it (they resolve the neighbour or answer with ICMP).
+    XdpToStack = 15,
 }
 
 impl TcCounter {
     /// Every counter, in index order, with its Prometheus-style name.
-    pub const ALL: [(TcCounter, &'static str); 14] = [
+    pub const ALL: [(TcCounter, &'static str); 16] = [
         (TcCounter::NewFlow, "tc_new_flow"),
         (TcCounter::Snat, "tc_snat"),
         (TcCounter::Translated, "tc_translated"),
@@ -347,6 +354,8 @@ impl TcCounter {
         (TcCounter::SnatBindingLost, "tc_snat_binding_lost"),
         (TcCounter::PassedUntracked, "tc_untracked_passed"),
         (TcCounter::ReselectedUntracked, "tc_untracked_reselected"),
+        (TcCounter::XdpForwarded, "xdp_forwarded"),
+        (TcCounter::XdpToStack, "xdp_to_stack"),
     ];
 }
 

@@ -14,7 +14,7 @@
 //! no live reply entry holds it; [`SNAT_PORT_TRIES`] tries). The source is rewritten at
 //! egress, after the kernel routed the DNATed packet: with a node address as source already
 //! at ingress, routing would drop it as a martian. Replies of source-NATed flows are sent
-//! on from ingress with `fib::redirect_out` for the same reason.
+//! on from ingress (`Buf::send_out`: a FIB lookup and a redirect) for the same reason.
 //!
 //! Drops, each counted in `TC_COUNTERS`: a refusal of `lb` (`Refusal::NoLocalEndpoints`,
 //! `Refusal::NoEndpoints`), a client outside the source ranges of an LB IP, no SNAT address
@@ -46,7 +46,6 @@ use crate::{
     addr::L4Addr,
     csum::rewrite,
     ct::{SHARED_FLAGS, alive, is_closed, peer_key, timeout_of, touch_peer, track},
-    fib::redirect_out,
     lb::{self, Lookup, Refusal, Request, Scope, backend, select},
     lc,
     maps::{
@@ -143,7 +142,7 @@ pub fn tracked<B: Buf>(
         && ingress
         && entry.flags & (CT_F_REPLY | CT_F_SNAT) == (CT_F_REPLY | CT_F_SNAT)
     {
-        return Some(redirect_out(b, &entry.saddr, &entry.daddr));
+        return Some(b.send_out(&entry.saddr, &entry.daddr));
     }
     Some(v)
 }
