@@ -80,7 +80,8 @@ fn check_passes_on_this_machine() {
             "helpers",
             "programs",
             "memlock",
-            "kube-proxy rules"
+            "kube-proxy rules",
+            "xdp"
         ]
     );
     for r in &rows {

@@ -362,6 +362,10 @@ pub fn verify_programs() -> Result<Vec<String>> {
                 p.load().map_err(|e| program_load_error(&name, e))?;
                 loaded.push(format!("{name} (cgroup_sock)"));
             }
+            Program::Xdp(p) => {
+                p.load().map_err(|e| program_load_error(&name, e))?;
+                loaded.push(format!("{name} (xdp)"));
+            }
             other => {
                 let t = other.prog_type();
                 loaded.push(format!("{name} ({t:?}, not loaded by the check)"));
