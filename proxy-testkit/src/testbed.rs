@@ -405,6 +405,47 @@ impl Netns {
         ChildGuard::spawn_in(Some(&self.path()), cgroup, cmd)
     }
 
+    /// Turns GRO on for interface `ifname` of the namespace (ethtool's `ETHTOOL_SGRO`
+    /// ioctl, as `ethtool -K IF gro on`). A veth whose peer sends frames with `XDP_TX` or
+    /// `XDP_REDIRECT` receives them only with GRO on (NAPI) or an XDP program of its own
+    /// (drivers/net/veth.c, `veth_xdp_xmit`).
+    pub fn set_gro(&self, ifname: &str) -> Result<()> {
+        let name = ifname.to_string();
+        let r = in_netns(&self.path(), move || -> io::Result<()> {
+            #[repr(C)]
+            struct EthtoolValue {
+                cmd: u32,
+                data: u32,
+            }
+            const ETHTOOL_SGRO: u32 = 0x2c;
+            let mut v = EthtoolValue {
+                cmd: ETHTOOL_SGRO,
+                data: 1,
+            };
+            // SAFETY: an ifreq we own, the name NUL-terminated within IFNAMSIZ, the data
+            // pointer to `v` for the duration of the call; the socket is closed below.
+            unsafe {
+                let mut ifr: libc::ifreq = std::mem::zeroed();
+                for (d, s) in ifr.ifr_name.iter_mut().zip(name.bytes().take(15)) {
+                    *d = s as libc::c_char;
+                }
+                ifr.ifr_ifru.ifru_data = (&mut v as *mut EthtoolValue).cast();
+                let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM, 0);
+                if fd < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                let r = libc::ioctl(fd, libc::SIOCETHTOOL, &mut ifr);
+                let e = io::Error::last_os_error();
+                libc::close(fd);
+                if r != 0 {
+                    return Err(e);
+                }
+            }
+            Ok(())
+        })?;
+        r.with_context(|| format!("GRO on for {ifname} in netns {}", self.name))
+    }
+
     /// Writes a sysctl (e.g. `net/ipv6/conf/default/accept_dad`) inside the namespace.
     pub fn sysctl(&self, key: &str, value: &str) -> Result<()> {
         let script = format!("echo {value} > /proc/sys/{key}");
