@@ -26,9 +26,11 @@ pub fn check_objects(origin: &str, objects: &[Object], errors: &[SourceError]) {
             Object::Service(s) => s.object.metadata.namespace.clone(),
             Object::EndpointSlice(s) => s.object.metadata.namespace.clone(),
             Object::Node(n) => n.object.metadata.namespace.clone(),
+            Object::Pod(p) => p.object.metadata.namespace.clone(),
+            Object::Namespace(n) => n.object.metadata.namespace.clone(),
         };
         match o {
-            Object::Node(_) => {
+            Object::Node(_) | Object::Namespace(_) => {
                 assert_eq!(meta_ns, None, "a Node has no namespace: {o:?}");
                 assert_eq!(ns, "");
             }

@@ -24,6 +24,7 @@
 
 #![no_std]
 
+pub mod bypass;
 pub mod monitor;
 pub mod nat;
 
@@ -64,7 +65,7 @@ pub const STALE_SOCKETS: &str = "STALE_SOCKETS";
 pub const SERVICE_NAMES: &str = "SERVICE_NAMES";
 
 /// Every map the agent pins, in the order the data path depends on them.
-pub const ALL_MAPS: [&str; 17] = [
+pub const ALL_MAPS: [&str; 19] = [
     FRONTENDS,
     BACKEND_SLOTS,
     BACKENDS,
@@ -82,6 +83,8 @@ pub const ALL_MAPS: [&str; 17] = [
     SERVICE_STATS,
     BACKEND_STATS,
     SERVICE_NAMES,
+    bypass::BYPASS_CONFIG,
+    bypass::BYPASS_NETNS,
 ];
 
 /// Default `max_entries` of [`FRONTENDS`] (one per VIP x port x protocol, plus one
@@ -119,6 +122,14 @@ pub const FRONTEND_F_LOCAL_ONLY: u32 = 1 << 1;
 /// mode rejects undefined ports on cluster IPs only, and a node IP carries the node's own
 /// services.
 pub const FRONTEND_F_EXTERNAL: u32 = 1 << 2;
+
+/// [`Frontend::flags`] bit, only with [`FRONTEND_F_LOCAL_ONLY`]: the Service port has no
+/// usable endpoint on any node (kube-proxy's `hasEndpoints` false: no ready endpoint and no
+/// serving terminating one). kube-proxy's nftables mode then rejects the traffic, as for any
+/// Service without endpoints, where a `Local` policy without local endpoints while other
+/// nodes have some is a drop (pkg/proxy/nftables/proxier.go, `syncProxyRules`: the
+/// `reject-chain` verdict when `!hasEndpoints`, `drop` when only the local ones are missing).
+pub const FRONTEND_F_NO_ENDPOINTS: u32 = 1 << 3;
 
 /// [`FrontendKey::scope`] of frontends for traffic that starts on this node (the socket
 /// programs: pods and host processes, which reach external addresses and node ports with the
@@ -640,11 +651,14 @@ pub enum Counter {
     DroppedNoLocalEndpoints = 6,
     /// A send of a connected UDP socket failed: its endpoint left the service.
     DroppedStaleSocket = 7,
+    /// A connect() or sendmsg() to a frontend left untouched: its workload bypasses
+    /// socket-level translation (see [`bypass`]); its packets are translated per packet.
+    Bypassed = 8,
 }
 
 impl Counter {
     /// Every counter, in index order, with its Prometheus-style name.
-    pub const ALL: [(Counter, &'static str); 8] = [
+    pub const ALL: [(Counter, &'static str); 9] = [
         (Counter::Translated, "translated"),
         (Counter::RefusedNoEndpoints, "refused_no_endpoints"),
         (Counter::RefusedUndefinedPort, "refused_undefined_port"),
@@ -656,6 +670,7 @@ impl Counter {
             "dropped_no_local_endpoints",
         ),
         (Counter::DroppedStaleSocket, "dropped_stale_socket"),
+        (Counter::Bypassed, "bypassed"),
     ];
 }
 

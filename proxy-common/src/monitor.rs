@@ -90,7 +90,9 @@ pub enum EventKind {
     FlowNew = 5,
     /// A packet that would start a flow was dropped ([`MonitorEvent::reason`]).
     FlowDrop = 6,
-    /// A tracked TCP flow closed (FIN both ways or RST).
+    /// A flow ended: a tracked TCP flow closed (FIN both ways or RST; no reason), or a
+    /// connected UDP socket's translation went with the socket
+    /// ([`EventReason::SocketClosed`]).
     FlowEnd = 7,
     /// An ICMP or ICMPv6 error quoting a translated packet was translated.
     IcmpTranslate = 8,
@@ -151,11 +153,13 @@ pub enum EventReason {
     ConntrackFull = 8,
     /// The backend is of the other address family, or a rewrite failed.
     RewriteFailed = 9,
+    /// The socket was closed (released): its translation state went with it.
+    SocketClosed = 10,
 }
 
 impl EventReason {
     /// Every reason with its name (as the monitor prints and filters it).
-    pub const ALL: [(EventReason, &'static str); 10] = [
+    pub const ALL: [(EventReason, &'static str); 11] = [
         (EventReason::None, ""),
         (EventReason::NoEndpoints, "no-endpoints"),
         (EventReason::UndefinedPort, "undefined-port"),
@@ -166,6 +170,7 @@ impl EventReason {
         (EventReason::SnatPortsExhausted, "snat-ports-exhausted"),
         (EventReason::ConntrackFull, "conntrack-full"),
         (EventReason::RewriteFailed, "rewrite-failed"),
+        (EventReason::SocketClosed, "socket-closed"),
     ];
 
     /// The reason numbered `v`.

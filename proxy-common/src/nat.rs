@@ -50,6 +50,18 @@ pub const SOURCE_RANGES: &str = "TC_SOURCE_RANGES";
 /// `BPF_PROG_TEST_RUN`) when its conntrack entry timed out or was evicted.
 pub const LC_FLOWS: &str = "TC_LC_FLOWS";
 
+/// Name of the tail-call table of the tc programs (BPF_MAP_TYPE_PROG_ARRAY, `u32` slot ->
+/// program, [`TAIL_SLOTS`] entries). Not pinned: whoever loads `tc_ingress` fills the
+/// table of its own load ([`TAIL_REJECT`]).
+pub const TAILS: &str = "TC_TAILS";
+/// Number of slots of [`TAILS`].
+pub const TAIL_SLOTS: u32 = 1;
+/// Slot of [`TAILS`] holding `tc_reject`, the program that answers a packet to a frontend
+/// without endpoints with an ICMP / ICMPv6 port unreachable. A program of its own, reached
+/// by a tail call, so its instructions are verified once and not on each of `tc_ingress`'s
+/// paths (whose verification is close to the kernel's limit of one million instructions).
+pub const TAIL_REJECT: u32 = 0;
+
 /// Every map of the tc data path, pinned next to the maps of [`crate::ALL_MAPS`].
 pub const TC_MAPS: [&str; 7] = [
     CONNTRACK,
@@ -192,6 +204,11 @@ pub const CT_F_RST: u16 = 1 << 5;
 /// egress only, after the kernel routed the DNATed packet (a node address as source at
 /// ingress would be dropped by routing as a martian).
 pub const CT_F_EGRESS: u16 = 1 << 6;
+/// [`CtEntry::flags`]: a flow started by a workload that bypasses socket-level translation
+/// (see [`crate::bypass`]), tracked and rewritten only by the programs on that workload's
+/// interface (`pod_ingress` its original direction, `pod_egress` its replies), never by
+/// the programs of the node's external interfaces.
+pub const CT_F_POD: u16 = 1 << 7;
 
 /// An interface the tc programs are attached to (value of [`IFACE_ADDRS`]). 40 bytes.
 #[repr(C)]
@@ -294,7 +311,9 @@ pub enum TcCounter {
     Translated = 2,
     /// Dropped: `externalTrafficPolicy: Local` and no endpoint on this node.
     DroppedNoLocalEndpoints = 3,
-    /// Dropped: the frontend has no endpoints at all.
+    /// Dropped: the frontend has no endpoints at all and the reject (see
+    /// [`TcCounter::RejectedNoEndpoints`]) could not be built: an IPv6 packet with
+    /// extension headers, or a helper failure.
     DroppedNoEndpoints = 4,
     /// Dropped: no free SNAT port after [`SNAT_PORT_TRIES`] tries.
     SnatPortsExhausted = 5,
@@ -325,18 +344,23 @@ pub enum TcCounter {
     /// consistent (source-hash, maglev, destination-hash): its backend was picked again,
     /// which gives the one a lost or never-seen flow already has, so the flow carries on.
     ReselectedUntracked = 13,
+    /// Rejected: the first packet of a flow to a frontend without any endpoint was answered
+    /// with an ICMP / ICMPv6 port unreachable sent back out of the interface it came in on,
+    /// as kube-proxy's nftables mode rejects it (a failure to build the answer is counted as
+    /// [`TcCounter::DroppedNoEndpoints`]).
+    RejectedNoEndpoints = 14,
     /// A packet translated in XDP and sent out of the node with `XDP_TX` or `XDP_REDIRECT`
     /// (the next hop from a FIB lookup), without the kernel's stack.
-    XdpForwarded = 14,
+    XdpForwarded = 15,
     /// A packet XDP would have sent out itself, handed to the stack instead because the FIB
     /// lookup gave no next hop (no neighbour entry yet, no route, MTU exceeded): the tcx
     /// programs and the kernel finish it (they resolve the neighbour or answer with ICMP).
-    XdpToStack = 15,
+    XdpToStack = 16,
 }
 
 impl TcCounter {
     /// Every counter, in index order, with its Prometheus-style name.
-    pub const ALL: [(TcCounter, &'static str); 16] = [
+    pub const ALL: [(TcCounter, &'static str); 17] = [
         (TcCounter::NewFlow, "tc_new_flow"),
         (TcCounter::Snat, "tc_snat"),
         (TcCounter::Translated, "tc_translated"),
@@ -354,6 +378,7 @@ impl TcCounter {
         (TcCounter::SnatBindingLost, "tc_snat_binding_lost"),
         (TcCounter::PassedUntracked, "tc_untracked_passed"),
         (TcCounter::ReselectedUntracked, "tc_untracked_reselected"),
+        (TcCounter::RejectedNoEndpoints, "tc_rejected_no_endpoints"),
         (TcCounter::XdpForwarded, "xdp_forwarded"),
         (TcCounter::XdpToStack, "xdp_to_stack"),
     ];

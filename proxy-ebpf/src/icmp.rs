@@ -31,7 +31,10 @@ use crate::{
     csum::{BPF_F_PSEUDO_HDR, failed, l4_csum6, ok, store_addr4, store_addr6},
     fib::redirect_out,
     maps::{TC_CONNTRACK, TC_SCRATCH},
-    packet::{Buf, IP_DST_OFF, IP_SRC_OFF, IP6_DST_OFF, IP6_HLEN, IP6_SRC_OFF, Pkt},
+    packet::{
+        Buf, ETH_HLEN, IP_DST_OFF, IP_SRC_OFF, IP6_DST_OFF, IP6_HLEN, IP6_SRC_OFF, PROTO_ICMP,
+        PROTO_ICMPV6, Pkt,
+    },
     stats::count_tc,
     verdict::Verdict,
 };
@@ -266,4 +269,185 @@ fn icmp_word() -> u64 {
         ALGORITHM_UNKNOWN,
         0,
     )
+}
+
+// ---------------------------------------------------------------------------------------
+// Rejecting a flow: ICMP / ICMPv6 port unreachable built from the packet itself
+// ---------------------------------------------------------------------------------------
+
+/// ICMP destination unreachable code "port unreachable" (RFC 792).
+const ICMP_PORT_UNREACH: u8 = 3;
+/// ICMPv6 destination unreachable code "port unreachable" (RFC 4443 section 3.1).
+const ICMP6_PORT_UNREACH: u8 = 4;
+/// TTL / hop limit of a generated error (the kernel's `IPDEFTTL`).
+const REJECT_TTL: u8 = 64;
+/// Bytes of the rejected packet's L4 header quoted: at least the 8 that RFC 792 requires
+/// (the ports the client's stack matches the error to its socket by), and for TCP its
+/// whole 20-byte fixed header: a packet whose checksum is left to the device
+/// (`CHECKSUM_PARTIAL`, e.g. from a local veth) cannot be cut short of its checksum field.
+const QUOTED_UDP: usize = 8;
+/// See [`QUOTED_UDP`].
+const QUOTED_TCP: usize = 20;
+
+/// The first bytes of the L4 header to quote (see [`QUOTED_UDP`]), zero-padded to 20, and
+/// how many they are.
+#[inline(always)]
+fn quoted_l4<B: Buf>(b: &B, pkt: &Pkt) -> Option<([u8; QUOTED_TCP], usize)> {
+    if pkt.key.proto == PROTO_TCP {
+        Some((b.load::<[u8; QUOTED_TCP]>(pkt.l4)?, QUOTED_TCP))
+    } else {
+        let a = b.load::<[u8; QUOTED_UDP]>(pkt.l4)?;
+        let mut l4 = [0u8; QUOTED_TCP];
+        l4[..QUOTED_UDP].copy_from_slice(&a);
+        Some((l4, QUOTED_UDP))
+    }
+}
+
+/// Answers the first packet `pkt` of a flow to a frontend without endpoints, on the
+/// interface it came in on, as kube-proxy's nftables mode does (its `reject` sends an
+/// ICMP port unreachable for IPv4 and an ICMPv6 port unreachable for IPv6, for TCP too:
+/// the client's connect() fails with ECONNREFUSED at once, a UDP socket gets ECONNREFUSED
+/// on its next call). The packet becomes the error in place: cut to its IP header and the
+/// first bytes of its L4 header ([`QUOTED_UDP`]), an IP and an ICMP header inserted after the
+/// Ethernet header (MAC addresses swapped, IP addresses swapped: the error comes from the
+/// frontend address the client addressed), and sent back out of the same interface.
+///
+/// Checksums without reading the quote back: a valid IPv4 header sums to zero in one's
+/// complement, so the ICMP checksum of the quote is that of the quoted L4 bytes; the
+/// ICMPv6 one adds the quoted IPv6 header, known field by field. An IPv6 packet with
+/// extension headers (whose bytes would have to be summed too) is dropped instead. Counted
+/// as `RejectedNoEndpoints`, or `DroppedNoEndpoints` when the answer cannot be built.
+///
+/// Run by `tc_reject`, the program `tc_ingress` tail-calls after `nat::new_flow` returned
+/// [`Verdict::Reject`], so none of this adds to `tc_ingress`'s verification.
+#[inline(never)]
+pub fn reject<B: Buf>(b: &B, pkt: &Pkt) -> Verdict {
+    let built = if pkt.v6 {
+        reject6(b, pkt)
+    } else {
+        reject4(b, pkt)
+    };
+    if built {
+        count_tc(TcCounter::RejectedNoEndpoints);
+        b.redirect(b.ifindex())
+    } else {
+        count_tc(TcCounter::DroppedNoEndpoints);
+        Verdict::Drop
+    }
+}
+
+/// One's complement sum of the big-endian 16-bit words of `a`.
+#[inline(always)]
+fn sum16<const N: usize>(a: &[u8; N]) -> u32 {
+    let mut s = 0u32;
+    let mut i = 0;
+    while i + 1 < N {
+        s += u16::from_be_bytes([a[i], a[i + 1]]) as u32;
+        i += 2;
+    }
+    s
+}
+
+/// The Internet checksum (RFC 1071) of a sum of words.
+#[inline(always)]
+fn finish(mut s: u32) -> [u8; 2] {
+    s = (s & 0xffff) + (s >> 16);
+    s = (s & 0xffff) + (s >> 16);
+    (!(s as u16)).to_be_bytes()
+}
+
+/// The Ethernet header of the answer to a frame whose header was `macs` (destination,
+/// source) followed by `ethertype`: the addresses swapped.
+#[inline(always)]
+fn swapped_eth(macs: &[u8; 12], out: &mut [u8]) {
+    out[..6].copy_from_slice(&macs[6..12]);
+    out[6..12].copy_from_slice(&macs[..6]);
+}
+
+/// Builds the ICMP port unreachable for IPv4 packet `pkt` in place.
+#[inline(always)]
+fn reject4<B: Buf>(b: &B, pkt: &Pkt) -> bool {
+    // The quote: the IP header (options included) and the first bytes of the L4 header.
+    let ip_len = pkt.l4 - ETH_HLEN;
+    let (Some(macs), Some((l4, l4_len))) = (b.load::<[u8; 12]>(0), quoted_l4(b, pkt)) else {
+        return false;
+    };
+    let quote = ip_len + l4_len;
+    if !b.truncate((ETH_HLEN + quote) as u32) || !b.grow_after_l2(20 + 8) {
+        return false;
+    }
+    let k = &pkt.key;
+    // Ethernet (14), IPv4 (20), ICMP (8).
+    let mut h = [0u8; ETH_HLEN + 28];
+    swapped_eth(&macs, &mut h);
+    h[12] = 0x08;
+    h[13] = 0x00;
+    let total = (28 + quote) as u16;
+    h[14] = 0x45;
+    h[16..18].copy_from_slice(&total.to_be_bytes());
+    h[22] = REJECT_TTL;
+    h[23] = PROTO_ICMP;
+    // Source: the address the client sent to; destination: the client.
+    h[26..30].copy_from_slice(&k.daddr[12..16]);
+    h[30..34].copy_from_slice(&k.saddr[12..16]);
+    let mut ip = [0u8; 20];
+    ip.copy_from_slice(&h[14..34]);
+    let c = finish(sum16(&ip));
+    h[24] = c[0];
+    h[25] = c[1];
+    h[34] = ICMP_DEST_UNREACH;
+    h[35] = ICMP_PORT_UNREACH;
+    // The quoted IP header sums to zero; the quoted L4 bytes remain.
+    let c = finish(((ICMP_DEST_UNREACH as u32) << 8 | ICMP_PORT_UNREACH as u32) + sum16(&l4));
+    h[36] = c[0];
+    h[37] = c[1];
+    b.store(0, &h)
+}
+
+/// Builds the ICMPv6 port unreachable for IPv6 packet `pkt` in place.
+#[inline(always)]
+fn reject6<B: Buf>(b: &B, pkt: &Pkt) -> bool {
+    if pkt.l4 != ETH_HLEN + IP6_HLEN {
+        return false; // extension headers: see `reject`
+    }
+    // The fixed header's first 8 bytes (version .. hop limit), then the L4 bytes.
+    let (Some(macs), Some(first), Some((l4, l4_len))) = (
+        b.load::<[u8; 12]>(0),
+        b.load::<[u8; 8]>(ETH_HLEN),
+        quoted_l4(b, pkt),
+    ) else {
+        return false;
+    };
+    let quote = IP6_HLEN + l4_len;
+    if !b.truncate((ETH_HLEN + quote) as u32) || !b.grow_after_l2((IP6_HLEN + 8) as u32) {
+        return false;
+    }
+    let k = &pkt.key;
+    // Ethernet (14), IPv6 (40), ICMPv6 (8).
+    let mut h = [0u8; ETH_HLEN + IP6_HLEN + 8];
+    swapped_eth(&macs, &mut h);
+    h[12] = 0x86;
+    h[13] = 0xdd;
+    h[14] = 0x60;
+    let payload = (8 + quote) as u16;
+    h[18..20].copy_from_slice(&payload.to_be_bytes());
+    h[20] = PROTO_ICMPV6;
+    h[21] = REJECT_TTL;
+    h[22..38].copy_from_slice(&k.daddr);
+    h[38..54].copy_from_slice(&k.saddr);
+    h[54] = ICMP6_DEST_UNREACH;
+    h[55] = ICMP6_PORT_UNREACH;
+    // Pseudo-header (the answer's addresses, length, next header), the ICMPv6 header, and
+    // the quote: the original header (the same two addresses again) and the L4 bytes.
+    let addrs = sum16(&k.saddr) + sum16(&k.daddr);
+    let s = 2 * addrs
+        + payload as u32
+        + PROTO_ICMPV6 as u32
+        + ((ICMP6_DEST_UNREACH as u32) << 8 | ICMP6_PORT_UNREACH as u32)
+        + sum16(&first)
+        + sum16(&l4);
+    let c = finish(s);
+    h[56] = c[0];
+    h[57] = c[1];
+    b.store(0, &h)
 }

@@ -10,8 +10,8 @@
 use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns};
 use proxy_common::{
     AffinityKey, AffinityValue, Algorithm, Backend, BackendSlotKey, Counter, FRONTEND_F_EXTERNAL,
-    FRONTEND_F_LOCAL_ONLY, FRONTEND_F_VIP_MARKER, Frontend, FrontendKey, LC_SCAN_MAX, MAGLEV_MAX,
-    MemberKey, SCOPE_INGRESS, SCOPE_NODE,
+    FRONTEND_F_LOCAL_ONLY, FRONTEND_F_NO_ENDPOINTS, FRONTEND_F_VIP_MARKER, Frontend, FrontendKey,
+    LC_SCAN_MAX, MAGLEV_MAX, MemberKey, SCOPE_INGRESS, SCOPE_NODE,
 };
 
 use crate::{
@@ -55,16 +55,18 @@ pub enum Refusal {
     UndefinedPort,
     /// The Service has no endpoints (kube-proxy rejects).
     NoEndpoints,
-    /// A `Local` traffic policy and no endpoint on this node (kube-proxy drops; KEP-2086 for
-    /// `internalTrafficPolicy`, KEP-1672 for `externalTrafficPolicy`).
+    /// A `Local` traffic policy and no endpoint on this node while other nodes have some
+    /// (kube-proxy drops; KEP-2086 for `internalTrafficPolicy`, KEP-1672 for
+    /// `externalTrafficPolicy`).
     NoLocalEndpoints,
 }
 
 impl Refusal {
-    /// Why frontend `fe` has no backend to give.
+    /// Why frontend `fe` has no backend to give: a `Local` policy without local endpoints
+    /// while other nodes have some, else no endpoints at all.
     #[inline(always)]
     pub fn no_backend(fe: &Frontend) -> Refusal {
-        if fe.flags & FRONTEND_F_LOCAL_ONLY != 0 {
+        if fe.flags & (FRONTEND_F_LOCAL_ONLY | FRONTEND_F_NO_ENDPOINTS) == FRONTEND_F_LOCAL_ONLY {
             Refusal::NoLocalEndpoints
         } else {
             Refusal::NoEndpoints

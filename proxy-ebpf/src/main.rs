@@ -6,6 +6,8 @@
 //! - [`sock`]: cgroup `sock_addr` hooks (`connect4/6`, `sendmsg4/6`, `recvmsg4/6`,
 //!   `getpeername4/6`) and cgroup `sock_release`;
 //! - [`skb`]: the cgroup `skb` egress hook (stale connected UDP sockets);
+//! - [`pod`]: the tcx hooks of bypassed workloads' interfaces (`pod_ingress`,
+//!   `pod_egress`): per-packet translation for workloads that bypass the socket hooks;
 //! - [`tc`]: the tcx hooks of the node's interfaces (`tc_ingress`, `tc_egress`) and the
 //!   least-connections collection program `tc_lc_gc` run by the agent;
 //! - [`xdp`]: the XDP program of the external interfaces (`xdp_ingress`), which finishes
@@ -48,6 +50,7 @@ mod maps;
 mod monitor;
 mod nat;
 mod packet;
+mod pod;
 mod skb;
 mod sock;
 mod stats;

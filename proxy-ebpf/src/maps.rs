@@ -6,7 +6,8 @@
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     btf_maps::{
-        Array, HashMap, LpmTrie, LruHashMap, LruPerCpuHashMap, PerCpuArray, PerCpuHashMap, RingBuf,
+        Array, HashMap, LpmTrie, LruHashMap, LruPerCpuHashMap, PerCpuArray, PerCpuHashMap,
+        ProgramArray, RingBuf,
     },
     macros::btf_map,
 };
@@ -15,10 +16,11 @@ use proxy_common::{
     DEFAULT_MAX_FRONTENDS, DEFAULT_MAX_MAGLEV, DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCKETS, Frontend,
     FrontendKey, MaglevTable, MemberKey, RevNatKey, RevNatValue, ServiceName, ServiceStats,
     UdpFlow, UdpFlowKey,
+    bypass::{BypassConfig, MAX_BYPASS_NETNS},
     monitor::{MONITOR_RING_BYTES, MonitorCpu, MonitorCtl, MonitorEvent},
     nat::{
         CtEntry, CtKey, DEFAULT_MAX_CONNTRACK, IfaceAddr, MAX_IFACES, MAX_LOCAL_ENDPOINTS,
-        MAX_SOURCE_RANGES, SourceRange, TC_COUNTER_MAX, TcConfig,
+        MAX_SOURCE_RANGES, SourceRange, TAIL_SLOTS, TC_COUNTER_MAX, TcConfig,
     },
 };
 
@@ -128,6 +130,19 @@ pub static BACKEND_STATS: LruPerCpuHashMap<u32, u64, { DEFAULT_MAX_BACKENDS as u
     LruPerCpuHashMap::new();
 
 // ---------------------------------------------------------------------------------------
+// Workloads that bypass socket-level translation (see `proxy_common::bypass`)
+// ---------------------------------------------------------------------------------------
+
+/// Bypass configuration (index 0); see `proxy_common::bypass::BYPASS_CONFIG`.
+#[btf_map]
+pub static BYPASS_CONFIG: Array<BypassConfig, 1> = Array::new();
+
+/// Network namespace cookie -> `BYPASS_POD` for pods opted out of socket-level
+/// translation; see `proxy_common::bypass::BYPASS_NETNS`.
+#[btf_map]
+pub static BYPASS_NETNS: HashMap<u64, u32, { MAX_BYPASS_NETNS as usize }> = HashMap::new();
+
+// ---------------------------------------------------------------------------------------
 // The packet path (tc today): conntrack, SNAT, source ranges
 // ---------------------------------------------------------------------------------------
 
@@ -149,6 +164,10 @@ pub static TC_IFACE_ADDRS: HashMap<u32, IfaceAddr, { MAX_IFACES as usize }> = Ha
 /// tc configuration (index 0).
 #[btf_map]
 pub static TC_CONFIG: Array<TcConfig, 1> = Array::new();
+
+/// Tail-call table of the tc programs; see `proxy_common::nat::TAILS`.
+#[btf_map]
+pub static TC_TAILS: ProgramArray<{ TAIL_SLOTS as usize }> = ProgramArray::new();
 
 /// Per-CPU counters indexed by `proxy_common::nat::TcCounter`.
 #[btf_map]

@@ -231,6 +231,37 @@ pub fn reverse_event(ctx: *mut c_void, recv: bool, key: &RevNatKey, v: &RevNatVa
     submit(e, now, cpu);
 }
 
+/// The end of a connected UDP socket's translation: socket `cookie` was released, and its
+/// reverse-NAT entry `key` -> `v` (backend -> frontend) went with it.
+#[inline(never)]
+pub fn sock_flow_end(key: &RevNatKey, v: &RevNatValue) {
+    let Some((now, cpu)) = admit() else {
+        return;
+    };
+    let w = word(
+        EventKind::FlowEnd,
+        EventReason::SocketClosed,
+        0,
+        proxy_common::monitor::ALGORITHM_UNKNOWN,
+        HOOK_SOCK,
+    );
+    let Some(mut e) = reserve(w, now, cpu) else {
+        return;
+    };
+    let p = e.as_mut_ptr();
+    // SAFETY: the reserved record.
+    unsafe {
+        (*p).cookie = key.cookie;
+        (*p).backend = key.addr;
+        (*p).backend_port = key.port;
+        (*p).frontend = v.addr;
+        (*p).frontend_port = v.port;
+        (*p).proto = v.proto;
+        (*p).service_id = v.service_id;
+    }
+    submit(e, now, cpu);
+}
+
 /// A send of the stale connected UDP socket `cookie` (of service `service_id`) dropped by
 /// the cgroup skb program `skb` (its packet's destination is the backend that left).
 #[inline(never)]

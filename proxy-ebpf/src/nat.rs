@@ -16,8 +16,9 @@
 //! at ingress, routing would drop it as a martian. Replies of source-NATed flows are sent
 //! on from ingress (`Buf::send_out`: a FIB lookup and a redirect) for the same reason.
 //!
-//! Drops, each counted in `TC_COUNTERS`: a refusal of `lb` (`Refusal::NoLocalEndpoints`,
-//! `Refusal::NoEndpoints`), a client outside the source ranges of an LB IP, no SNAT address
+//! A frontend without any endpoint is rejected ([`Verdict::Reject`], answered by
+//! `icmp::reject`). Drops, each counted in `TC_COUNTERS`: `Refusal::NoLocalEndpoints`, a
+//! client outside the source ranges of an LB IP, no SNAT address
 //! on the interface, no free SNAT port, a conntrack write failure, a lost SNAT binding.
 
 // Map keys and values are passed by reference on purpose: by value, each 40- or 56-byte
@@ -36,7 +37,7 @@ use proxy_common::{
         HOOK_TC_INGRESS,
     },
     nat::{
-        CT_F_EGRESS, CT_F_REPLY, CT_F_SNAT, CtEntry, CtKey, IFACE_F_POD, SNAT_PORT_COUNT,
+        CT_F_EGRESS, CT_F_POD, CT_F_REPLY, CT_F_SNAT, CtEntry, CtKey, IFACE_F_POD, SNAT_PORT_COUNT,
         SNAT_PORT_MIN, SNAT_PORT_TRIES, SOURCE_RANGE_RESTRICTED, SourceRange,
         TC_CFG_CLUSTER_CIDR_V4, TC_CFG_CLUSTER_CIDR_V6, TC_CFG_MASQUERADE_ALL, TcCounter,
     },
@@ -64,9 +65,12 @@ pub fn drop_with(c: TcCounter) -> Verdict {
     Verdict::Drop
 }
 
-/// The packet hooks' answer to a [`Refusal`]: a drop counted by reason (kube-proxy drops a
-/// Local policy without local endpoints and rejects the rest; a packet program cannot
-/// answer cheaply, so it drops).
+/// The packet hooks' answer to a [`Refusal`], as kube-proxy's nftables mode answers it
+/// (pkg/proxy/nftables/proxier.go, `syncProxyRules`): a Service without any endpoint is
+/// rejected (`goto reject-chain`, whose plain `reject` sends an ICMP / ICMPv6 port
+/// unreachable whatever the protocol, TCP included), a `Local` policy without local
+/// endpoints while other nodes have some is dropped. [`new_flow`] turns the first into
+/// [`Verdict::Reject`].
 #[inline(always)]
 fn refused(r: Refusal) -> TcCounter {
     match r {
@@ -79,8 +83,34 @@ fn refused(r: Refusal) -> TcCounter {
 /// the TCP state, and rewrites the packet. `None` when there is no live entry for it (a new
 /// flow, if anything), or when a TCP SYN reopens a closed flow's tuple. Its own BPF function
 /// (stack frame).
-#[inline(never)]
+#[inline(always)]
 pub fn tracked<B: Buf>(
+    b: &B,
+    pkt: &Pkt,
+    tcp_flags: u8,
+    now: u64,
+    ingress: bool,
+) -> Option<Verdict> {
+    tracked_as::<B, false>(b, pkt, tcp_flags, now, ingress)
+}
+
+/// [`tracked`] for the programs on a bypassed workload's interface (`pod_ingress` with
+/// `from_pod`, `pod_egress` without): only the flows that workload started ([`CT_F_POD`]),
+/// their original direction on the way out of it and their replies on the way in.
+#[inline(always)]
+pub fn tracked_pod<B: Buf>(
+    b: &B,
+    pkt: &Pkt,
+    tcp_flags: u8,
+    now: u64,
+    from_pod: bool,
+) -> Option<Verdict> {
+    tracked_as::<B, true>(b, pkt, tcp_flags, now, from_pod)
+}
+
+/// [`tracked`] and [`tracked_pod`]: `POD` says which programs ask. Its own BPF function.
+#[inline(never)]
+fn tracked_as<B: Buf, const POD: bool>(
     b: &B,
     pkt: &Pkt,
     tcp_flags: u8,
@@ -95,8 +125,14 @@ pub fn tracked<B: Buf>(
     let reopened = entry.flags & (CT_F_REPLY | CT_F_EGRESS) == 0
         && tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
         && is_closed(entry.flags);
-    // The SNAT stage of a flow is for its packets on their way out only.
-    let wrong_side = ingress && entry.flags & CT_F_EGRESS != 0;
+    // The SNAT stage of a flow is for its packets on their way out only. A bypassed
+    // workload's flow belongs to the programs of its interface, whatever else its packets
+    // cross (a remote backend's replies enter through an external interface first): the
+    // original direction leaving the workload, the replies entering it.
+    let pod_flow = entry.flags & CT_F_POD != 0;
+    let wrong_side = (ingress && entry.flags & CT_F_EGRESS != 0)
+        || pod_flow != POD
+        || (POD && (entry.flags & CT_F_REPLY != 0) == ingress);
     if !live || reopened || wrong_side {
         return None;
     }
@@ -242,13 +278,36 @@ fn snat_binding_held(key: &CtKey, entry: &CtEntry, now: u64) -> bool {
 /// outside this deep frame.
 #[inline(never)]
 pub fn new_flow<B: Buf>(b: &B, pkt: &Pkt, tcp_flags: u8, now: u64) -> Verdict {
-    match try_new_flow(b, pkt, tcp_flags, now) {
+    on_new_flow(try_new_flow::<B, false>(b, pkt, tcp_flags, now))
+}
+
+/// A first packet leaving a workload that bypasses socket-level translation, on its
+/// interface (`pod_ingress`): the frontends its sockets would have reached
+/// ([`Scope::Node`]: cluster IPs, and external IPs, LB IPs and node ports with the Cluster
+/// endpoints, kube-proxy's short-circuit for traffic from inside the cluster), the same
+/// selection, affinity, policies and refusals (dropped here: an undefined port of a cluster
+/// IP, no endpoints, no local endpoint). Never source-NATed: the replies come back to the
+/// pod through this interface, where `pod_egress` reverses them. Both entries carry
+/// [`CT_F_POD`]. Its own BPF function, as [`new_flow`].
+#[inline(never)]
+pub fn new_pod_flow<B: Buf>(b: &B, pkt: &Pkt, tcp_flags: u8, now: u64) -> Verdict {
+    on_new_flow(try_new_flow::<B, true>(b, pkt, tcp_flags, now))
+}
+
+/// The verdict of a new flow, a drop counted by reason.
+#[inline(always)]
+fn on_new_flow(r: Result<Verdict, TcCounter>) -> Verdict {
+    match r {
         Ok(v) => v,
         Err(c) => {
-            count_tc(c);
             if monitor::on() {
                 monitor::note_flow_drop(c as u32);
             }
+            if c == TcCounter::DroppedNoEndpoints {
+                // Built and counted by the entry point (`icmp::reject`).
+                return Verdict::Reject;
+            }
+            count_tc(c);
             Verdict::Drop
         }
     }
@@ -297,17 +356,25 @@ fn consistent(algorithm: u8) -> bool {
 }
 
 /// A drop is `Err` with the counter of its reason (counted by [`new_flow`]).
+/// `POD`: a flow of a bypassed workload ([`new_pod_flow`]).
 #[inline(always)]
-fn try_new_flow<B: Buf>(b: &B, pkt: &Pkt, tcp_flags: u8, now: u64) -> Result<Verdict, TcCounter> {
+fn try_new_flow<B: Buf, const POD: bool>(
+    b: &B,
+    pkt: &Pkt,
+    tcp_flags: u8,
+    now: u64,
+) -> Result<Verdict, TcCounter> {
     let k = &pkt.key;
     let ifindex = b.ifindex();
-    // SAFETY: value of the map, one word read.
-    let iface_flags = TC_IFACE_ADDRS
-        .get_ptr(ifindex)
-        .map(|p| unsafe { (*p).flags })
-        .unwrap_or(0);
-    if iface_flags & IFACE_F_POD != 0 {
-        return Ok(Verdict::Pass); // pods start flows at the socket, not here
+    if !POD {
+        // SAFETY: value of the map, one word read.
+        let iface_flags = TC_IFACE_ADDRS
+            .get_ptr(ifindex)
+            .map(|p| unsafe { (*p).flags })
+            .unwrap_or(0);
+        if iface_flags & IFACE_F_POD != 0 {
+            return Ok(Verdict::Pass); // pods start flows at the socket, not here
+        }
     }
     // The request, and below the entries, live in a per-CPU scratch slot, not on the
     // 512-byte stack.
@@ -320,8 +387,11 @@ fn try_new_flow<B: Buf>(b: &B, pkt: &Pkt, tcp_flags: u8, now: u64) -> Result<Ver
         frontend: L4Addr::new(k.daddr, k.dport, k.proto),
         client: L4Addr::new(k.saddr, k.sport, k.proto),
     };
-    let (fe, cluster_ip) = match lb::lookup(&sc.req.frontend, Scope::Ingress) {
+    let scope = if POD { Scope::Node } else { Scope::Ingress };
+    let (fe, cluster_ip) = match lb::lookup(&sc.req.frontend, scope) {
         Lookup::Frontend { fe, cluster_ip } => (fe, cluster_ip),
+        // An undefined port of a cluster IP, refused at the socket, is dropped here.
+        Lookup::Refused(r) if POD => return Err(refused(r)),
         // Undefined ports of cluster IPs reached from outside are left alone.
         Lookup::NotService | Lookup::Refused(_) => return Ok(Verdict::Pass),
     };
@@ -345,13 +415,14 @@ fn try_new_flow<B: Buf>(b: &B, pkt: &Pkt, tcp_flags: u8, now: u64) -> Result<Ver
     if other_family(&bk.addr, pkt.v6) {
         return Err(TcCounter::RewriteFailed);
     }
-    let snat = needs_snat(&fe, &bk.addr, &k.saddr, cluster_ip);
+    let snat = !POD && needs_snat(&fe, &bk.addr, &k.saddr, cluster_ip);
+    let pod_flag = if POD { CT_F_POD } else { 0 };
     sc.fwd = CtEntry {
         saddr: k.saddr,
         daddr: bk.addr,
         sport: k.sport,
         dport: bk.port,
-        flags: 0,
+        flags: pod_flag,
         _pad: 0,
         service_id: fe.service_id,
         last_seen_ns: now,
@@ -361,7 +432,7 @@ fn try_new_flow<B: Buf>(b: &B, pkt: &Pkt, tcp_flags: u8, now: u64) -> Result<Ver
         daddr: k.saddr,
         sport: k.dport,
         dport: k.sport,
-        flags: CT_F_REPLY,
+        flags: CT_F_REPLY | pod_flag,
         _pad: 0,
         service_id: fe.service_id,
         last_seen_ns: now,

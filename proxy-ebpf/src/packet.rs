@@ -16,8 +16,10 @@
 //! untouched and the kernel's own checks drop it.
 
 use aya_ebpf::{
-    bindings::bpf_fib_lookup as FibParams,
-    helpers::{bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh, bpf_skb_load_bytes},
+    bindings::{bpf_adj_room_mode, bpf_fib_lookup as FibParams},
+    helpers::{
+        bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh, bpf_skb_change_tail, bpf_skb_load_bytes,
+    },
     programs::TcContext,
 };
 use proxy_common::{PROTO_TCP, PROTO_UDP, is_v4_mapped, nat::CtKey, v4_mapped};
@@ -96,6 +98,11 @@ pub trait Buf {
     {
         crate::fib::redirect_out(self, src, dst)
     }
+    /// Inserts `len` bytes right after the Ethernet header (their content is undefined until
+    /// written); the rest of the frame moves back by `len`.
+    fn grow_after_l2(&self, len: u32) -> bool;
+    /// Cuts the frame to its first `len` bytes.
+    fn truncate(&self, len: u32) -> bool;
 }
 
 impl Buf for TcContext {
@@ -166,6 +173,18 @@ impl Buf for TcContext {
     fn redirect_neigh(&self, ifindex: u32) -> Verdict {
         // SAFETY: helper without memory arguments (no explicit next hop).
         Verdict::of_redirect(unsafe { bpf_redirect_neigh(ifindex, core::ptr::null_mut(), 0, 0) })
+    }
+
+    #[inline(always)]
+    fn grow_after_l2(&self, len: u32) -> bool {
+        // `bpf_skb_adjust_room` in MAC mode: room between the L2 and the L3 header.
+        TcContext::adjust_room(self, len as i32, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, 0).is_ok()
+    }
+
+    #[inline(always)]
+    fn truncate(&self, len: u32) -> bool {
+        // SAFETY: helper on our own context, no memory arguments.
+        unsafe { bpf_skb_change_tail(self.skb.skb as *mut _, len, 0) == 0 }
     }
 }
 

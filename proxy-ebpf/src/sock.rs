@@ -5,13 +5,20 @@
 //! - `sendmsg4/6`: unconnected UDP; one backend per (socket, frontend) flow, kept while the
 //!   flow is active (idle timeout from `CONFIG`, default 30 s as `nf_conntrack_udp_timeout`).
 //! - `recvmsg4/6`, `getpeername4/6`: the peer a socket reached through a VIP is shown as the
-//!   VIP again; peers the socket addressed directly are never touched.
+//!   VIP again; peers the socket addressed directly are never touched. What counts is the
+//!   socket's most recent datagram to that peer: a datagram sent straight to a backend's
+//!   address ends the VIP's reverse translation for that peer, and the next datagram
+//!   through the VIP brings it back.
 //!
-//! - `sock_release`: a released socket's reverse-NAT entry and least-connections count go.
+//! - `sock_release`: a released socket's reverse-NAT entry and least-connections count go
+//!   (a connected UDP socket's is a `flow-end` event of the monitor).
 //!
 //! The client identity (netns cookie, socket cookie) is read only for the algorithms and
 //! the affinity that use it (`lb::needs_client`), and while a monitor runs (its events name
 //! the client).
+//!
+//! A socket of a workload that bypasses socket-level translation (`proxy_common::bypass`)
+//! is left untouched, refusals included: its packets are translated by `pod_ingress`.
 //!
 //! Refusals (`lb::Refusal`: no endpoints, undefined port on a VIP) fail the syscall with
 //! ECONNREFUSED via `bpf_set_retval` (kernel >= 5.18), as kube-proxy's nftables mode rejects
@@ -28,8 +35,9 @@ use aya_ebpf::{
 };
 use proxy_common::{
     Backend, Counter, DEFAULT_UDP_FLOW_TIMEOUT_NS, Frontend, PROTO_TCP, PROTO_UDP,
-    REVNAT_F_CONNECTED, REVNAT_F_COUNTED, RevNatKey, RevNatValue, UdpFlow, UdpFlowKey, bytes_of,
-    client_of_netns, counts_connections, is_v4_mapped,
+    REVNAT_F_CONNECTED, REVNAT_F_COUNTED, RevNatKey, RevNatValue, UdpFlow, UdpFlowKey,
+    bypass::{BYPASS_CFG_HOST_ONLY, BYPASS_CFG_PODS},
+    bytes_of, client_of_netns, counts_connections, is_v4_mapped,
     monitor::{ALGORITHM_UNKNOWN as ALG_UNKNOWN, EVENT_F_DATAGRAM, EVENT_F_STALE_REPAIRED},
     v4_mapped, v4_of_mapped, words_of,
 };
@@ -38,7 +46,7 @@ use crate::{
     addr::L4Addr,
     lb::{Lookup, Refusal, Request, Scope, backend, lookup, needs_client, select},
     lc,
-    maps::{CONFIG, REVNAT_SK, STALE_SOCKETS, UDP_FLOWS},
+    maps::{BYPASS_CONFIG, BYPASS_NETNS, CONFIG, REVNAT_SK, STALE_SOCKETS, UDP_FLOWS},
     monitor,
     stats::{count, count_service},
 };
@@ -91,15 +99,18 @@ pub fn sock_release(ctx: SockContext) -> i32 {
         _pad: [0; 6],
     };
     // SAFETY: copied out at once.
-    if let Some(flags) = unsafe { REVNAT_SK.get(key).map(|v| v.flags) } {
+    if let Some(v) = unsafe { REVNAT_SK.get(key).copied() } {
         let _ = REVNAT_SK.remove(key);
-        if flags & REVNAT_F_COUNTED != 0 {
+        if v.flags & REVNAT_F_COUNTED != 0 {
             lc::socket_released(cookie);
         }
-        if flags & REVNAT_F_CONNECTED != 0 && protocol == PROTO_UDP as u32 {
+        if v.flags & REVNAT_F_CONNECTED != 0 && protocol == PROTO_UDP as u32 {
             // A closed socket is no longer stale: once none is, the agent detaches the
             // egress program.
             let _ = STALE_SOCKETS.remove(cookie);
+            if monitor::on() {
+                monitor::sock_flow_end(&key, &v);
+            }
         }
     }
     // sock_release programs must return 1.
@@ -257,6 +268,28 @@ fn client_of<const V6: bool>(ctx: &SockAddrContext, out: &mut L4Addr) {
     };
 }
 
+/// Whether the socket's workload bypasses socket-level translation (see
+/// `proxy_common::bypass`): with `--socket-lb-scope host-only` every namespace but the
+/// node's own, and the namespaces of pods opted out (`BYPASS_NETNS`). Asked only for a
+/// frontend, so other connections pay nothing; with nothing bypassed it costs one array
+/// lookup. The reverse hooks (`recvmsg`, `getpeername`) and `sock_release` need no check:
+/// they touch only sockets this program translated, which a bypassed socket never is (one
+/// translated before its pod opted out keeps its reverse translation until it closes).
+#[inline(always)]
+fn bypassed(ctx: &SockAddrContext) -> bool {
+    let Some(cfg) = BYPASS_CONFIG.get(0) else {
+        return false;
+    };
+    let (flags, host) = (cfg.flags, cfg.host_netns);
+    if flags == 0 {
+        return false;
+    }
+    // SAFETY: helper on our own context.
+    let ns = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    (flags & BYPASS_CFG_HOST_ONLY != 0 && ns != host)
+        || (flags & BYPASS_CFG_PODS != 0 && BYPASS_NETNS.get_ptr(ns).is_some())
+}
+
 #[inline(always)]
 fn cookie(ctx: &SockAddrContext) -> u64 {
     // SAFETY: helper on our own context.
@@ -286,6 +319,31 @@ fn remember(cookie: u64, b: &Backend, req: &Request, flags: u8, service_id: u32)
     }
 }
 
+/// A datagram this socket sends to `addr`:`port` itself, not through a frontend: replies
+/// from that peer are shown as coming from that peer again (the socket addressed it last,
+/// so a reply is an answer to that datagram). Drops the socket's
+/// reverse-NAT entry for that peer unless it belongs to a connect()ed socket (whose
+/// peer is the frontend for its lifetime, and whose entry carries its accounting).
+///
+/// Cost for every datagram to an address that is no frontend: one `REVNAT_SK` lookup,
+/// a miss unless the socket reached the same peer through a VIP before (the socket cookie
+/// it needs is read once per socket, then cached by the kernel). Not inlined (stack).
+#[inline(never)]
+fn forget_direct(cookie: u64, addr: &[u8; 16], port: [u8; 2]) {
+    let key = RevNatKey {
+        cookie,
+        addr: *addr,
+        port,
+        _pad: [0; 6],
+    };
+    // SAFETY: copied out at once.
+    if let Some(flags) = unsafe { REVNAT_SK.get(key).map(|v| v.flags) }
+        && flags & REVNAT_F_CONNECTED == 0
+    {
+        let _ = REVNAT_SK.remove(key);
+    }
+}
+
 #[inline(always)]
 fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
     let sa = ctx.sock_addr;
@@ -299,7 +357,12 @@ fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         frontend: L4Addr::new(addr, port, proto),
         client: L4Addr::zero(),
     };
-    let fe = match lookup(&req.frontend, Scope::Node) {
+    let found = lookup(&req.frontend, Scope::Node);
+    if !matches!(found, Lookup::NotService) && bypassed(ctx) {
+        count(Counter::Bypassed);
+        return ALLOW;
+    }
+    let fe = match found {
         Lookup::NotService => return ALLOW,
         Lookup::Refused(r) => {
             monitor::sock_refused(ctx.as_ptr(), r, &req, 0, ALG_UNKNOWN);
@@ -373,8 +436,16 @@ fn on_sendmsg<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         frontend: L4Addr::new(addr, port, PROTO_UDP),
         client: L4Addr::zero(),
     };
-    let fe = match lookup(&req.frontend, Scope::Node) {
-        Lookup::NotService => return ALLOW,
+    let found = lookup(&req.frontend, Scope::Node);
+    if !matches!(found, Lookup::NotService) && bypassed(ctx) {
+        count(Counter::Bypassed);
+        return ALLOW;
+    }
+    let fe = match found {
+        Lookup::NotService => {
+            forget_direct(cookie(ctx), &addr, port);
+            return ALLOW;
+        }
         Lookup::Refused(r) => {
             monitor::sock_refused(ctx.as_ptr(), r, &req, 0, ALG_UNKNOWN);
             return deny(r);

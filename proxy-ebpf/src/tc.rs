@@ -11,7 +11,10 @@
 //!   kube-proxy). A TCP packet in the middle of a connection this conntrack does not know
 //!   (one kube-proxy's rules translated before ebpf-proxy started) starts no flow unless
 //!   the Service's selection is consistent: it goes to the kernel untouched, whose
-//!   conntrack carries the connection on (`nat::starts_flow`).
+//!   conntrack carries the connection on (`nat::starts_flow`). A new packet to a frontend
+//!   without any endpoint is answered with an ICMP / ICMPv6 port unreachable, sent back
+//!   out of the interface it came in on (`tc_reject`, a tail call).
+//! - `tc_reject`: reached only by `tc_ingress`'s tail call (the agent fills `TC_TAILS`).
 //! - `tc_egress` (tcx egress of each external interface): the SNAT stage of source-NATed
 //!   flows, and replies of flows that were not source-NATed (backend on this node), which
 //!   become frontend -> client. No flow starts here.
@@ -23,12 +26,13 @@
 //! `lc`); this file maps their [`Verdict`] to tc's return codes.
 
 use aya_ebpf::{helpers::bpf_ktime_get_ns, macros::classifier, programs::TcContext};
-use proxy_common::nat::CtKey;
+use proxy_common::nat::{CtKey, TAIL_REJECT, TcCounter};
 
 use crate::{
-    icmp::{on_icmp, on_icmp6},
+    icmp::{on_icmp, on_icmp6, reject},
     lc,
-    nat::{count_new_flow, flow_open, new_flow, tracked},
+    maps::TC_TAILS,
+    nat::{count_new_flow, drop_with, flow_open, new_flow, tracked},
     packet::{ETH_HLEN, Kind, Pkt, parse, tcp_flags},
     verdict::Verdict,
 };
@@ -64,7 +68,25 @@ fn on_packet<const INGRESS: bool>(ctx: &TcContext) -> Verdict {
     }
     let v = new_flow(ctx, &pkt, flags, now);
     count_new_flow(&pkt);
+    if v == Verdict::Reject {
+        // SAFETY: a tail call with our own context; it returns only when it fails.
+        unsafe { TC_TAILS.tail_call(ctx, TAIL_REJECT) };
+        return drop_with(TcCounter::DroppedNoEndpoints);
+    }
     v
+}
+
+/// Answers a packet of a new flow to a frontend without endpoints (`tc_ingress` decided
+/// so, see `nat::new_flow`) with an ICMP / ICMPv6 port unreachable (`icmp::reject`).
+/// Reached only by `tc_ingress`'s tail call through `TC_TAILS` (slot `TAIL_REJECT`), so
+/// its instructions are verified once, apart from `tc_ingress`'s paths.
+#[classifier]
+pub fn tc_reject(ctx: TcContext) -> i32 {
+    let mut pkt = Pkt::new();
+    if parse(&ctx, &mut pkt) != Kind::Flow {
+        return drop_with(TcCounter::DroppedNoEndpoints).tc();
+    }
+    reject(&ctx, &pkt).tc()
 }
 
 /// Least-connections collection, run by the agent through `BPF_PROG_TEST_RUN` (never

@@ -18,6 +18,10 @@ pub enum Verdict {
     Drop = 1,
     /// It was handed to another interface (`bpf_redirect` and friends succeeded).
     Redirect = 2,
+    /// Answer it with an ICMP / ICMPv6 port unreachable (`icmp::reject`), which the entry
+    /// point has built outside the deep frame that decided it (tc: by a tail call to
+    /// `tc_reject`); a hook that cannot drops it.
+    Reject = 3,
 }
 
 impl Verdict {
@@ -30,18 +34,19 @@ impl Verdict {
     pub fn tc(self) -> i32 {
         match self {
             Verdict::Pass => TC_ACT_UNSPEC,
-            Verdict::Drop => TC_ACT_SHOT,
+            Verdict::Drop | Verdict::Reject => TC_ACT_SHOT,
             Verdict::Redirect => TC_ACT_REDIRECT,
         }
     }
 
     /// The return code of an XDP program: `XDP_PASS` (the stack, where the tcx programs
     /// see the frame next), `XDP_DROP`, `XDP_REDIRECT` (after a successful `bpf_redirect`).
-    /// `XDP_TX` is chosen by the XDP entry point itself.
+    /// `XDP_TX` is chosen by the XDP entry point itself. A packet to reject passes: tcx
+    /// ingress builds the ICMP answer (it sees the same untranslated packet).
     #[inline(always)]
     pub fn xdp(self) -> u32 {
         match self {
-            Verdict::Pass => XDP_PASS,
+            Verdict::Pass | Verdict::Reject => XDP_PASS,
             Verdict::Drop => XDP_DROP,
             Verdict::Redirect => XDP_REDIRECT,
         }

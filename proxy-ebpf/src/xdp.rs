@@ -37,8 +37,8 @@ use aya_ebpf::{
         xdp_action::{XDP_DROP, XDP_PASS, XDP_REDIRECT, XDP_TX},
     },
     helpers::{
-        bpf_fib_lookup, bpf_ktime_get_ns, bpf_redirect, bpf_xdp_get_buff_len, bpf_xdp_load_bytes,
-        bpf_xdp_store_bytes,
+        bpf_fib_lookup, bpf_ktime_get_ns, bpf_redirect, bpf_xdp_adjust_head, bpf_xdp_adjust_tail,
+        bpf_xdp_get_buff_len, bpf_xdp_load_bytes, bpf_xdp_store_bytes,
     },
     macros::xdp,
     programs::XdpContext,
@@ -119,6 +119,16 @@ fn on_frame(ctx: &XdpContext) -> u32 {
             // SAFETY: this CPU's slot.
             unsafe { (*sc).fwd.last_seen_ns = 0 };
             let v = new_flow(ctx, &pkt, flags, now);
+            if v == Verdict::Reject {
+                // tcx ingress sees the same packet, answers it, and counts and reports it
+                // then: nothing of this run's decision is kept.
+                // SAFETY: as above.
+                unsafe {
+                    (*sc).mon = 0;
+                    (*sc).count_sid = 0;
+                }
+                return XDP_PASS;
+            }
             count_new_flow(&pkt);
             if v != Verdict::Pass {
                 return v.xdp();
@@ -425,6 +435,26 @@ impl Buf for XdpContext {
         // XDP has no neighbour resolution: the stack gets the packet (the XDP entry point
         // never translates a packet it cannot send out, see `send_out`).
         Verdict::Pass
+    }
+
+    #[inline(always)]
+    fn grow_after_l2(&self, len: u32) -> bool {
+        // Room at the head, then the Ethernet header moved back to the front.
+        let Some(eth) = self.load::<[u8; ETH_HLEN]>(len as usize) else {
+            return false;
+        };
+        // SAFETY: helper on our own context, no memory arguments.
+        if unsafe { bpf_xdp_adjust_head(self.ctx, -(len as i32)) } != 0 {
+            return false;
+        }
+        self.store(0, &eth)
+    }
+
+    #[inline(always)]
+    fn truncate(&self, len: u32) -> bool {
+        let delta = len as i32 - Buf::len(self) as i32;
+        // SAFETY: helper on our own context, no memory arguments.
+        unsafe { bpf_xdp_adjust_tail(self.ctx, delta) == 0 }
     }
 
     #[inline(always)]

@@ -1,6 +1,6 @@
 //! Test support: an in-process fake Kubernetes API server speaking the list/watch
 //! protocol the way kube-apiserver does, for the resources the agent watches
-//! (`Service`, `discovery.k8s.io/v1` `EndpointSlice`, `Node`).
+//! (`Service`, `discovery.k8s.io/v1` `EndpointSlice`, `Node`, `Pod`, `Namespace`).
 //!
 //! No kube-apiserver can be installed on the build machines, so the agent's
 //! Kubernetes source (kube-rs `watcher`s) is exercised against this server instead,
@@ -13,10 +13,11 @@
 //!   `/api/v1/services`, `/api/v1/namespaces/{ns}/services[/{name}]`,
 //!   `/apis/discovery.k8s.io/v1/endpointslices`,
 //!   `/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices[/{name}]`,
-//!   `/api/v1/nodes`, `/api/v1/nodes/{name}`. Anything else is a `404` `Status`.
+//!   `/api/v1/nodes`, `/api/v1/nodes/{name}`, `/api/v1/pods`, `/api/v1/namespaces/{ns}/pods[/{name}]`,
+//!   `/api/v1/namespaces`, `/api/v1/namespaces/{name}`. Anything else is a `404` `Status`.
 //! * List: `labelSelector` (equality/existence terms: `k=v`, `k==v`, `k!=v`, `k`, `!k`;
-//!   set-based terms are rejected with 400), `fieldSelector` (`metadata.name` and
-//!   `metadata.namespace` with `=`, `==`, `!=`; other fields are rejected with 400 like
+//!   set-based terms are rejected with 400), `fieldSelector` (`metadata.name`,
+//!   `metadata.namespace` and `spec.nodeName` with `=`, `==`, `!=`; other fields are rejected with 400 like
 //!   the real server), `limit` + `continue` (pagination; continued pages report the
 //!   first page's resourceVersion and answer `410 Expired` once that version is
 //!   compacted), `resourceVersion` + `resourceVersionMatch` (served from the current
@@ -105,11 +106,21 @@ pub enum ResourceKind {
     EndpointSlice,
     /// core/v1 `Node` (cluster-scoped).
     Node,
+    /// core/v1 `Pod` (namespaced).
+    Pod,
+    /// core/v1 `Namespace` (cluster-scoped).
+    Namespace,
 }
 
 impl ResourceKind {
     /// Every kind, in routing order.
-    pub const ALL: [ResourceKind; 3] = [Self::Service, Self::EndpointSlice, Self::Node];
+    pub const ALL: [ResourceKind; 5] = [
+        Self::Service,
+        Self::EndpointSlice,
+        Self::Node,
+        Self::Pod,
+        Self::Namespace,
+    ];
 
     /// The `kind` field of one object.
     pub fn kind(self) -> &'static str {
@@ -117,6 +128,8 @@ impl ResourceKind {
             Self::Service => "Service",
             Self::EndpointSlice => "EndpointSlice",
             Self::Node => "Node",
+            Self::Pod => "Pod",
+            Self::Namespace => "Namespace",
         }
     }
 
@@ -126,13 +139,15 @@ impl ResourceKind {
             Self::Service => "ServiceList",
             Self::EndpointSlice => "EndpointSliceList",
             Self::Node => "NodeList",
+            Self::Pod => "PodList",
+            Self::Namespace => "NamespaceList",
         }
     }
 
     /// The `apiVersion` field.
     pub fn api_version(self) -> &'static str {
         match self {
-            Self::Service | Self::Node => "v1",
+            Self::Service | Self::Node | Self::Pod | Self::Namespace => "v1",
             Self::EndpointSlice => "discovery.k8s.io/v1",
         }
     }
@@ -143,17 +158,19 @@ impl ResourceKind {
             Self::Service => "services",
             Self::EndpointSlice => "endpointslices",
             Self::Node => "nodes",
+            Self::Pod => "pods",
+            Self::Namespace => "namespaces",
         }
     }
 
     /// Whether objects of this kind live in a namespace.
     pub fn namespaced(self) -> bool {
-        !matches!(self, Self::Node)
+        !matches!(self, Self::Node | Self::Namespace)
     }
 
     fn url_prefix(self) -> &'static str {
         match self {
-            Self::Service | Self::Node => "/api/v1",
+            Self::Service | Self::Node | Self::Pod | Self::Namespace => "/api/v1",
             Self::EndpointSlice => "/apis/discovery.k8s.io/v1",
         }
     }
@@ -940,7 +957,12 @@ impl Filter {
         if let Some(sel) = fields {
             for term in sel.split(',').map(str::trim).filter(|t| !t.is_empty()) {
                 let req = parse_term(term, false)?;
-                if !matches!(req.0.as_str(), "metadata.name" | "metadata.namespace") {
+                // `spec.nodeName` as the real server offers it for Pods (a node's agents
+                // watch their own pods).
+                if !matches!(
+                    req.0.as_str(),
+                    "metadata.name" | "metadata.namespace" | "spec.nodeName"
+                ) {
                     return Err(format!("field label not supported: {}", req.0));
                 }
                 f.fields.push(req);
@@ -971,6 +993,7 @@ impl Filter {
         let field_ok = self.fields.iter().all(|(k, op, v)| {
             let have = match k.as_str() {
                 "metadata.name" => meta["name"].as_str().unwrap_or(""),
+                "spec.nodeName" => obj["spec"]["nodeName"].as_str().unwrap_or(""),
                 _ => meta["namespace"].as_str().unwrap_or(""),
             };
             match op {

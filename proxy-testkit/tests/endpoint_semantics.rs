@@ -159,11 +159,12 @@ fn internal_traffic_policy_local_uses_each_nodes_endpoints_and_fails_fast_withou
     assert!(r.iter().all(|p| errno(p) == Some(EHOSTUNREACH)), "{r:?}");
     assert_eq!(names(&tcp_from(&env, &bnode, &to, 10)), set(&["b1"]));
 
-    // Without any endpoint at all, Local is still EHOSTUNREACH (no local endpoint), while a
-    // Cluster Service without endpoints is ECONNREFUSED.
+    // Without any endpoint at all, Local is ECONNREFUSED like a Cluster Service without
+    // endpoints: kube-proxy rejects a Service without endpoints whatever its policy, and
+    // drops only when other nodes have endpoints.
     apply(&env, &other, || web(&env, local, "", &[]));
     let r = tcp_from(&env, &bnode, &to, 1);
-    assert_eq!(errno(&r[0]), Some(EHOSTUNREACH), "{r:?}");
+    assert_eq!(errno(&r[0]), Some(ECONNREFUSED), "{r:?}");
     apply(&env, &other, || web(&env, "", "", &[]));
     let r = tcp_from(&env, &bnode, &to, 1);
     assert_eq!(errno(&r[0]), Some(ECONNREFUSED), "{r:?}");

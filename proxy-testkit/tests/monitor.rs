@@ -212,8 +212,22 @@ fn one_event_per_connection_with_frontend_backend_and_reason() {
         "{rev:#?}"
     );
 
+    // The connected UDP socket's flow ended with the socket: one flow-end event with its
+    // cookie, the frontend and the backend it last had. The TCP connection's and the
+    // unconnected flow's end are not socket-path UDP flow ends (the unconnected flow's
+    // state ages out).
+    let ends = of_type(&events, "flow-end");
+    assert_eq!(ends.len(), 1, "{events:#?}");
+    assert_eq!(ends[0]["reason"], "socket-closed");
+    assert_eq!(ends[0]["hook"], "sock");
+    assert_eq!(ends[0]["protocol"], "UDP");
+    assert_eq!(ends[0]["frontend"], web_udp);
+    assert_eq!(ends[0]["backend"], format!("{}:5353", b(2)));
+    assert_eq!(ends[0]["cookie"], connects[0]["cookie"]);
+    assert_eq!(ends[0]["service"], "default/web:dns/UDP/v4");
+
     // Nothing else, and nothing lost.
-    let kinds = ["translate", "refuse", "stale-drop", "reverse"];
+    let kinds = ["translate", "refuse", "stale-drop", "reverse", "flow-end"];
     assert!(
         events
             .iter()

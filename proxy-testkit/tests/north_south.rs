@@ -1469,6 +1469,76 @@ fn ipv6_local_policy_keeps_the_client_address_and_drops_without_local_endpoint()
     );
 }
 
+/// One TCP connect() from the client namespace: the errno it failed with (`None` when it
+/// connected) and how long it took.
+fn tcp_connect_errno(client: &Path, to: &str, timeout: Duration) -> (Option<i32>, Duration) {
+    let to: SocketAddr = to.parse().unwrap();
+    in_netns(client, move || {
+        let started = Instant::now();
+        let r = TcpStream::connect_timeout(&to, timeout);
+        (
+            r.err().map(|e| e.raw_os_error().unwrap_or(-1)),
+            started.elapsed(),
+        )
+    })
+    .unwrap()
+}
+
+/// A Service without any endpoint, reached from outside the node, is rejected as
+/// kube-proxy's nftables mode rejects it: the tc program answers with an ICMP / ICMPv6 port
+/// unreachable from the frontend address, so a TCP client gets ECONNREFUSED at once (not a
+/// timeout) and a UDP client gets ECONNREFUSED on its connected socket; IPv4 and IPv6, node
+/// port, external IP and LB IP. A `Local` policy without endpoints anywhere is a Service
+/// without endpoints too.
+#[test]
+fn services_without_endpoints_are_rejected_from_outside_in_both_families() {
+    let mut lab = Lab::new("rj");
+    lab.add_ipv6();
+    // No EndpointSlice at all.
+    lab.write(
+        "web.yaml",
+        &format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: default}}\nspec:\n  type: LoadBalancer\n  externalTrafficPolicy: Local\n  ipFamilyPolicy: RequireDualStack\n  ipFamilies: [IPv4, IPv6]\n  clusterIP: 198.19.0.30\n  clusterIPs: [198.19.0.30, '{CLUSTER_IP6}']\n  externalIPs: [{EXTERNAL_IP}, '{EXTERNAL_IP6}']\n  ports:\n  - {{name: http, port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP}}\n  - {{name: dns, port: 53, targetPort: 5353, nodePort: 30053, protocol: UDP}}\nstatus:\n  loadBalancer:\n    ingress: [{{ip: {LB_IP}}}, {{ip: '{LB_IP6}'}}]\n"
+        ),
+    );
+    lab.start_agent(0, &[]);
+    let c = lab.client_path();
+    let fes = [
+        (format!("{NODE_A}:30080"), format!("{NODE_A}:30053")),
+        (format!("{EXTERNAL_IP}:80"), format!("{EXTERNAL_IP}:53")),
+        (format!("{LB_IP}:80"), format!("{LB_IP}:53")),
+        (v6(NODE_A6, 30080), v6(NODE_A6, 30053)),
+        (v6(EXTERNAL_IP6, 80), v6(EXTERNAL_IP6, 53)),
+        (v6(LB_IP6, 80), v6(LB_IP6, 53)),
+    ];
+    for (tcp, udp) in &fes {
+        let (errno, took) = tcp_connect_errno(&c, tcp, Duration::from_secs(5));
+        assert_eq!(
+            errno,
+            Some(111),
+            "TCP to {tcp}: ECONNREFUSED (took {took:?})"
+        );
+        // Refused, not timed out (5 s); the first IPv6 exchange also waits for neighbour
+        // discovery (about 1 s in this lab).
+        assert!(
+            took < Duration::from_secs(3),
+            "TCP to {tcp}: refused at once, took {took:?}"
+        );
+        assert_eq!(
+            udp_whoami(&c, udp, T),
+            Err(111),
+            "UDP to {udp}: the ICMP error fails the connected socket"
+        );
+    }
+    let counters = tc::counters(&lab.agents[0].pin).unwrap();
+    assert!(
+        counters["tc_rejected_no_endpoints"] >= 2 * fes.len() as u64,
+        "{counters:?}"
+    );
+    assert_eq!(counters["tc_dropped_no_local_endpoints"], 0, "{counters:?}");
+    assert_eq!(counters["tc_new_flow"], 0, "{counters:?}");
+}
+
 #[test]
 fn ipv6_load_balancer_source_ranges() {
     let mut lab = Lab::new("s6");

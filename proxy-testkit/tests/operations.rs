@@ -75,11 +75,13 @@ fn check_passes_on_this_machine() {
             "btf",
             "bpffs",
             "cgroup v2",
+            "privileges",
             "program types",
             "map types",
             "helpers",
             "programs",
             "memlock",
+            "conntrack",
             "kube-proxy rules",
             "xdp"
         ]

@@ -154,12 +154,61 @@ fn pod_ip_addressed_directly_is_never_translated() {
         assert_eq!(p["peer"], target, "getpeername untouched: {p}");
     }
     let target = format!("{}:5353", backend_v4(0));
-    // The same socket first reaches b0 through the VIP, then b0 directly: only the reply to
-    // the VIP datagram is shown as the VIP... netprobe uses one destination per run, so
-    // check both runs separately.
     for p in env.udp(&target, 3, false) {
         assert_eq!(p["ok"], true, "{p}");
         assert_eq!(p["from"], target, "recvfrom untouched: {p}");
+    }
+}
+
+/// One unconnected UDP socket alternates between a VIP and the address of the VIP's only
+/// endpoint: each reply is shown as coming from where the socket's last datagram to that
+/// peer went (the VIP, then the pod, then the VIP again), in both families.
+#[test]
+fn udp_reply_source_follows_the_last_datagram_to_the_peer() {
+    let mut env = Env::new("lastsend", 1, true);
+    let vip6 = "fd00:96::10";
+    let svc = service("default", "web", &[VIP], &[("dns", 53, 5353, "UDP")]);
+    let sl = slice(
+        "default",
+        "web-1",
+        "web",
+        "IPv4",
+        &[("dns", 5353, "UDP")],
+        &[(b(0), true)],
+    );
+    let svc6 = service("default", "web6", &[vip6], &[("dns", 53, 5353, "UDP")]);
+    let sl6 = slice(
+        "default",
+        "web6-1",
+        "web6",
+        "IPv6",
+        &[("dns", 5353, "UDP")],
+        &[(IpAddr::V6(backend_v6(0)), true)],
+    );
+    env.write_manifest("web.yaml", &format!("{svc}---\n{sl}---\n{svc6}---\n{sl6}"));
+    env.start_agent();
+    for (vip, pod) in [
+        (format!("{VIP}:53"), format!("{}:5353", backend_v4(0))),
+        (format!("[{vip6}]:53"), format!("[{}]:5353", backend_v6(0))),
+    ] {
+        let r = env.probe(&[
+            "udp",
+            "--to",
+            &vip,
+            "--to",
+            &pod,
+            "--count",
+            "6",
+            "--timeout-ms",
+            "2000",
+        ]);
+        assert_eq!(r.len(), 6, "{r:?}");
+        for (i, p) in r.iter().enumerate() {
+            assert_eq!(p["ok"], true, "{p}");
+            assert_eq!(p["name"], "b0", "{p}");
+            let want = if i % 2 == 0 { &vip } else { &pod };
+            assert_eq!(p["from"], want.as_str(), "datagram {i}: {r:?}");
+        }
     }
 }
 

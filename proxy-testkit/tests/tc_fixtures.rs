@@ -12,8 +12,9 @@ mod sched;
 mod tcfix;
 
 use tcfix::{
-    ACK, DROP, FIN, Harness, ICMP, PASS, Packet, REDIRECT, RST, SYN, TCP, TcOptions, UDP, XDP,
-    XDP_PASS, XDP_REDIRECT, diff, ether, in_private_netns, requote, show, sock, verify,
+    ACK, DROP, DST_MAC, FIN, Harness, ICMP, ICMPV6, PASS, Packet, REDIRECT, RST, SRC_MAC, SYN, TCP,
+    TcOptions, UDP, XDP, XDP_PASS, XDP_REDIRECT, checksum, decode, diff, ether, in_private_netns,
+    requote, show, sock, verify,
 };
 
 /// Node `node-1` (this node) and `node-2`; Services with one endpoint per family so every
@@ -25,7 +26,8 @@ use tcfix::{
 ///   used, client kept): node port 30082;
 /// - `gone`: `externalTrafficPolicy: Local`, endpoint on node-2 only: node port 30086;
 /// - `ranges`: LB IP 203.0.113.30 admitting 198.51.100.0/24 only;
-/// - `empty`: no endpoints: node port 30085.
+/// - `empty`: no endpoints, dual-stack: node ports 30085/TCP, 30087/UDP;
+/// - `lonely`: `externalTrafficPolicy: Local` and no endpoints on any node: node port 30088.
 const OBJECTS: &str = r#"
 apiVersion: v1
 kind: Node
@@ -138,8 +140,20 @@ kind: Service
 metadata: {name: empty, namespace: default}
 spec:
   type: NodePort
+  ipFamilyPolicy: RequireDualStack
+  ipFamilies: [IPv4, IPv6]
   clusterIP: 10.96.0.15
-  ports: [{port: 80, nodePort: 30085}]
+  clusterIPs: [10.96.0.15, "fd00:96::15"]
+  ports: [{name: http, port: 80, protocol: TCP, nodePort: 30085}, {name: dns, port: 53, protocol: UDP, nodePort: 30087}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: lonely, namespace: default}
+spec:
+  type: NodePort
+  externalTrafficPolicy: Local
+  clusterIP: 10.96.0.17
+  ports: [{port: 80, nodePort: 30088}]
 "#;
 
 const INGRESS: &str = "tc_ingress";
@@ -549,9 +563,9 @@ fn policies_source_ranges_and_services_without_endpoints() {
             "a Service without endpoints",
             INGRESS,
             &syn.frame(),
-            DROP,
-            None,
-            Some("tc_dropped_no_endpoints"),
+            REDIRECT,
+            Some(&port_unreachable(&syn)),
+            Some("tc_rejected_no_endpoints"),
         );
         let syn = Packet::tcp(&sock(c, 44003), "203.0.113.30:80", SYN);
         let want = Packet {
@@ -595,6 +609,118 @@ fn policies_source_ranges_and_services_without_endpoints() {
     });
 }
 
+/// What the tc ingress program answers to `p` (a TCP or UDP packet from a client) when it
+/// rejects it, built here from scratch: an ICMP (3/3) or ICMPv6 (1/4) port unreachable from
+/// the address `p` was sent to, back to its sender, quoting `p`'s IP header (options and
+/// all) and the first bytes of its L4 header (UDP 8, TCP its 20-byte header), Ethernet
+/// addresses swapped, TTL 64, IPv4 identification 0.
+fn port_unreachable(p: &Packet) -> Vec<u8> {
+    let ip = p.ip();
+    let hl = if p.v6() {
+        40
+    } else {
+        ((ip[0] & 0x0f) as usize) * 4
+    };
+    let (ty, code) = if p.v6() { (1, 4) } else { (3, 3) };
+    let e = Packet::icmp_error(
+        &p.dst.ip().to_string(),
+        &p.src.ip().to_string(),
+        ty,
+        code,
+        &ip,
+        hl + if p.proto == TCP { 20 } else { 8 },
+    );
+    let mut f = e.frame();
+    f[..6].copy_from_slice(&SRC_MAC);
+    f[6..12].copy_from_slice(&DST_MAC);
+    if !p.v6() {
+        f[18..20].copy_from_slice(&[0, 0]);
+        f[24..26].copy_from_slice(&[0, 0]);
+        let c = checksum(&f[14..34]);
+        f[24..26].copy_from_slice(&c.to_be_bytes());
+    }
+    f
+}
+
+/// A new TCP or UDP flow to a frontend without any endpoint, for one family: rejected as
+/// kube-proxy's nftables mode does (its plain `reject`: an ICMP / ICMPv6 port unreachable
+/// for TCP and UDP alike), sent back out of the interface it came in on; no flow is
+/// tracked. A `Local` policy without endpoints on any node is a Service without endpoints
+/// too (rejected); with endpoints on other nodes only it stays a drop.
+fn rejects(h: &Harness, f: Fam) {
+    let mut cases = vec![
+        (
+            "TCP SYN",
+            Packet::tcp(&sock(f.client, 44100), &sock(f.node, 30085), SYN),
+        ),
+        (
+            "UDP datagram",
+            Packet::udp(&sock(f.client, 44101), &sock(f.node, 30087)),
+        ),
+    ];
+    if f.node.contains(':') {
+        let mut p = Packet::udp(&sock(f.client, 44102), &sock(f.node, 30087));
+        // Extension headers would have to be summed into the checksum: dropped instead.
+        p.ext = vec![(60, vec![1, 4, 0, 0, 0, 0])];
+        step(
+            h,
+            "UDP with a destination options header to a Service without endpoints",
+            INGRESS,
+            &p.frame(),
+            DROP,
+            None,
+            Some("tc_dropped_no_endpoints"),
+        );
+    } else {
+        // Options are quoted with the header (which sums to zero with its checksum).
+        let mut p = Packet::tcp(&sock(f.client, 44103), &sock(f.node, 30085), SYN);
+        p.ip_options = vec![1, 1, 1, 0];
+        cases.push(("TCP SYN with IP options", p));
+        cases.push((
+            "TCP SYN to a Local node port without endpoints anywhere",
+            Packet::tcp(&sock(f.client, 44104), &sock(f.node, 30088), SYN),
+        ));
+        let syn = Packet::tcp(&sock(f.client, 44105), &sock(f.node, 30086), SYN);
+        step(
+            h,
+            "TCP SYN to a Local node port whose endpoints are on other nodes",
+            INGRESS,
+            &syn.frame(),
+            DROP,
+            None,
+            Some("tc_dropped_no_local_endpoints"),
+        );
+    }
+    for (what, p) in &cases {
+        let out = step(
+            h,
+            &format!("{what} to a Service without endpoints"),
+            INGRESS,
+            &p.frame(),
+            REDIRECT,
+            Some(&port_unreachable(p)),
+            Some("tc_rejected_no_endpoints"),
+        );
+        let d = decode(&out).expect("decodable");
+        assert_eq!(d.proto, if p.v6() { ICMPV6 } else { ICMP }, "{what}");
+    }
+    assert!(
+        h.conntrack().is_empty(),
+        "a rejected packet starts no flow: {:?}",
+        h.conntrack()
+    );
+}
+
+#[test]
+fn ipv4_services_without_endpoints_are_rejected_with_port_unreachable() {
+    in_private_netns(|| rejects(&seeded("reject4"), V4));
+}
+
+#[test]
+fn ipv6_services_without_endpoints_are_rejected_with_port_unreachable() {
+    in_private_netns(|| rejects(&seeded("reject6"), V6));
+}
+
 /// TCP packets that do not open a connection (no SYN, or SYN with ACK) and match no tracked
 /// flow, for one family: the kernel gets them untouched (its conntrack may know the flow: one
 /// kube-proxy's rules translated before ebpf-proxy started), no flow is started, and the
@@ -607,10 +733,7 @@ fn untracked_mid_flow(h: &Harness, f: Fam) {
         ("external IP", sock(f.external, 80)),
         ("LB IP", sock(f.lb, 80)),
     ];
-    if !f.node.contains(':') {
-        // `empty` is an IPv4 Service.
-        frontends.push(("node port without endpoints", sock(f.node, 30085)));
-    }
+    frontends.push(("node port without endpoints", sock(f.node, 30085)));
     let mut cport = 48000;
     for (what, fe) in &frontends {
         for (flags, name) in [
@@ -1230,7 +1353,8 @@ fn random_packet(r: &mut Rng) -> Packet {
         f.node, f.client, f.local, f.remote, f.external, f.lb, f.router,
     ];
     let ports = [
-        30080u16, 30053, 30081, 30054, 30082, 30084, 30085, 30086, 80, 53, 8080, 5353, 40000, 45000,
+        30080u16, 30053, 30081, 30054, 30082, 30084, 30085, 30086, 30087, 30088, 80, 53, 8080,
+        5353, 40000, 45000,
     ];
     let frontends = [
         (TCP, f.node, 30080u16),
@@ -1239,6 +1363,7 @@ fn random_packet(r: &mut Rng) -> Packet {
         (UDP, f.node, 30054),
         (TCP, f.node, 30082),
         (TCP, f.node, 30085),
+        (UDP, f.node, 30087),
         (TCP, f.node, 30086),
         (TCP, f.external, 80),
         (UDP, f.external, 53),
@@ -1355,7 +1480,7 @@ fn random_and_mutated_packets_always_get_a_verdict_and_rewrites_keep_checksums()
             for prog in [INGRESS, EGRESS] {
                 let (v, out) = h.run(prog, &input);
                 assert!(
-                    matches!(v, PASS | DROP | tcfix::REDIRECT),
+                    matches!(v, PASS | DROP | REDIRECT),
                     "seed {seed:#x} packet {i}: {prog} returned {v} for {}",
                     show(&input)
                 );
@@ -1364,11 +1489,17 @@ fn random_and_mutated_packets_always_get_a_verdict_and_rewrites_keep_checksums()
                 }
                 if out != input {
                     translated += 1;
-                    assert_eq!(
-                        out.len(),
-                        input.len(),
-                        "seed {seed:#x} packet {i}: length changed"
-                    );
+                    // A reject answers with an ICMP error of its own length.
+                    let rejected = v == REDIRECT
+                        && decode(&out).is_some_and(|d| matches!(d.proto, ICMP | ICMPV6))
+                        && decode(&input).is_some_and(|d| matches!(d.proto, TCP | UDP));
+                    if !rejected {
+                        assert_eq!(
+                            out.len(),
+                            input.len(),
+                            "seed {seed:#x} packet {i}: length changed"
+                        );
+                    }
                     if verify(&input).is_ok() {
                         verify(&out).unwrap_or_else(|e| {
                             panic!(

@@ -143,9 +143,14 @@ fn preflight(config: &AgentConfig) -> Result<()> {
         mount_bpffs: true,
         cgroup: config.cgroup_path.clone(),
         probe_programs: false,
+        tc: config.tc.clone(),
     });
     for r in &results {
         match r.status {
+            // The conntrack table's size is said once at every start (a warning when large).
+            crate::check::Status::Ok if r.check == "conntrack" => {
+                info!("north-south conntrack table: {}", r.detail)
+            }
             crate::check::Status::Ok => debug!(check = r.check, "preflight: {}", r.detail),
             crate::check::Status::Warn | crate::check::Status::Skip => {
                 warn!("preflight: {}", r.message())
@@ -366,7 +371,17 @@ pub fn run(config: AgentConfig) -> Result<()> {
             SourceChoice::Manifests(_) => Duration::ZERO,
             SourceChoice::Api(_) => config.min_sync_period,
         };
-        let mut agent = Agent::new(Model::new(node), reconciler, dp, metrics, health, source_label, min_period);
+        let mut model = Model::new(node);
+        model.set_socket_lb_scope(config.socket_lb_scope);
+        let mut agent = Agent::new(model, reconciler, dp, metrics, health, source_label, min_period)
+            .with_fresh_maps(fresh);
+        agent.set_bypass(
+            crate::datapath::bypass::BypassKernel::new(&dir, &cgroup, config.socket_lb_scope)
+                .context("open the bypass maps")?,
+        );
+        if config.socket_lb_scope != crate::model::bypass::SocketLbScope::All {
+            info!(scope = config.socket_lb_scope.as_str(), "socket-level translation only for the node's own network namespace; pods are translated per packet");
+        }
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         let failed = fatal.clone();
         let stop = async move {
@@ -455,6 +470,9 @@ pub struct Agent<D> {
     synced: bool,
     /// The first full pass ran.
     first_done: bool,
+    /// The maps were created empty by this run, so the first pass has nothing of an earlier
+    /// agent's to remove and skips its verification.
+    fresh_maps: bool,
     /// When the model must be programmed (changes are waiting).
     reconcile_at: Option<tokio::time::Instant>,
     last_sync: Option<tokio::time::Instant>,
@@ -465,6 +483,11 @@ pub struct Agent<D> {
     collect_failed: bool,
     pending_services: i64,
     pending_endpoints: i64,
+    /// The kernel side of the socket-level bypass (`None`: not programmed, as with the
+    /// in-memory data path).
+    bypass: Option<crate::datapath::bypass::BypassKernel>,
+    /// Bad `ebpf-proxy.io/socket-lb` values already logged.
+    logged_bypass: BTreeSet<String>,
 }
 
 /// Now, on tokio's clock (paused in tests) as a std `Instant`, so the reconciler's retry
@@ -517,6 +540,7 @@ impl<D: Datapath + FlowCollection> Agent<D> {
             min_period,
             synced: false,
             first_done: false,
+            fresh_maps: false,
             reconcile_at: None,
             last_sync: None,
             first_received: None,
@@ -525,7 +549,36 @@ impl<D: Datapath + FlowCollection> Agent<D> {
             collect_failed: false,
             pending_services: 0,
             pending_endpoints: 0,
+            bypass: None,
+            logged_bypass: BTreeSet::new(),
         }
+    }
+
+    /// Programs the socket-level bypass through `bypass` from now on.
+    pub fn set_bypass(&mut self, bypass: crate::datapath::bypass::BypassKernel) {
+        self.bypass = Some(bypass);
+    }
+
+    /// Programs the pods that bypass socket-level translation; `recheck` looks every pod
+    /// up again (a verification).
+    fn sync_bypass(&mut self, recheck: bool) {
+        let errors: BTreeSet<String> = self.model.bypass().errors().into_iter().collect();
+        for e in errors.difference(&self.logged_bypass) {
+            warn!("{e}");
+        }
+        self.logged_bypass = errors;
+        if let Some(b) = self.bypass.as_mut() {
+            for e in b.sync(&self.model.bypassed(), recheck) {
+                error!("{e}");
+            }
+        }
+    }
+
+    /// Tells the agent that this run created the pinned maps (they hold nothing of an
+    /// earlier agent's), which spares the first pass its verification.
+    pub fn with_fresh_maps(mut self, fresh: bool) -> Self {
+        self.fresh_maps = fresh;
+        self
     }
 
     /// Runs the event loop until `stop` completes; verifies every `sync_period`, collects
@@ -705,9 +758,11 @@ impl<D: Datapath + FlowCollection> Agent<D> {
             }
             let mut out = self.reconciler.apply_all(&mut self.dp, &self.model, now);
             // Entries nothing claims (left by an earlier agent) go now.
-            let v = self.reconciler.verify(&mut self.dp, &self.model, now);
-            out.repaired.add(v.repaired);
-            out.failed.extend(v.failed);
+            if !self.fresh_maps {
+                let v = self.reconciler.verify(&mut self.dp, &self.model, now);
+                out.repaired.add(v.repaired);
+                out.failed.extend(v.failed);
+            }
             self.first_done = true;
             give_back_heap();
             out
@@ -755,6 +810,7 @@ impl<D: Datapath + FlowCollection> Agent<D> {
             "sync done"
         );
         self.after_sync(&out);
+        self.sync_bypass(false);
     }
 
     /// Health and metrics after a reconciler call.
@@ -901,6 +957,7 @@ impl<D: Datapath + FlowCollection> Agent<D> {
         give_back_heap();
         self.report(&out);
         self.after_sync(&out);
+        self.sync_bypass(true);
     }
 
     fn collect(&mut self) {

@@ -84,7 +84,8 @@ pub struct CheckResult {
     pub status: Status,
     /// What was found.
     pub detail: String,
-    /// What to do about it (set when the status is not `ok`; `null` in JSON otherwise).
+    /// What to do about it (set when the status is `warn` or `fail`, and for a `skip` that
+    /// can be remedied; `null` in JSON otherwise).
     pub remedy: Option<String>,
 }
 
@@ -133,18 +134,129 @@ pub struct Options {
     /// Probe types and helpers, and load (verify) the programs. `run` skips this: it loads
     /// them right after, and reports a failure with the step that failed.
     pub probe_programs: bool,
+    /// The north-south settings, for the size of the conntrack table.
+    pub tc: crate::datapath::tc::TcSettings,
 }
 
-/// Runs every check, in order.
+/// Capabilities the agent needs (the DaemonSet grants exactly these): CAP_BPF loads
+/// programs and creates maps, CAP_NET_ADMIN attaches them, CAP_SYS_ADMIN covers the bpf(2)
+/// commands that still require it (getting objects by id), CAP_PERFMON makes the verifier
+/// trust the loader. CAP_SYS_ADMIN also grants what CAP_BPF and CAP_PERFMON do.
+pub const CAPABILITIES: [(&str, u32); 4] = [
+    ("CAP_BPF", 39),
+    ("CAP_NET_ADMIN", 12),
+    ("CAP_SYS_ADMIN", 21),
+    ("CAP_PERFMON", 38),
+];
+
+/// The needed capabilities ([`CAPABILITIES`]) missing from an effective set (`CapEff` of
+/// /proc/self/status); CAP_SYS_ADMIN stands in for CAP_BPF and CAP_PERFMON, as in the
+/// kernel's `bpf_capable()` and `perfmon_capable()`.
+pub fn missing_capabilities(effective: u64) -> Vec<&'static str> {
+    let has = |bit: u32| effective & (1u64 << bit) != 0;
+    CAPABILITIES
+        .iter()
+        .filter(|(name, bit)| {
+            let by_sys_admin = matches!(*name, "CAP_BPF" | "CAP_PERFMON") && has(21);
+            !(has(*bit) || by_sys_admin)
+        })
+        .map(|(name, _)| *name)
+        .collect()
+}
+
+/// `CapEff` of a /proc/PID/status text.
+pub fn effective_capabilities(status: &str) -> Option<u64> {
+    let hex = status.lines().find_map(|l| l.strip_prefix("CapEff:"))?;
+    u64::from_str_radix(hex.trim(), 16).ok()
+}
+
+/// Whether this process has the capabilities: a failure naming those missing when it
+/// cannot load or attach programs, a warning when it lacks only CAP_SYS_ADMIN or
+/// CAP_PERFMON.
+fn privileges() -> CheckResult {
+    const CHECK: &str = "privileges";
+    let Some(eff) = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .as_deref()
+        .and_then(effective_capabilities)
+    else {
+        return CheckResult::bad(
+            CHECK,
+            Status::Warn,
+            "cannot read CapEff from /proc/self/status",
+            "mount /proc",
+        );
+    };
+    // SAFETY: geteuid(2) cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    let missing = missing_capabilities(eff);
+    if missing.is_empty() {
+        let all: Vec<&str> = CAPABILITIES.iter().map(|(n, _)| *n).collect();
+        return CheckResult::ok(CHECK, format!("uid {uid} with {}", all.join(", ")));
+    }
+    let remedy = "run as root (e.g. `sudo ebpf-proxy check`), or with CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN and CAP_PERFMON (the DaemonSet's capabilities)";
+    // Without CAP_BPF (or CAP_SYS_ADMIN) nothing loads and without CAP_NET_ADMIN nothing
+    // attaches; the other two are needed by some bpf(2) commands and the verifier.
+    if missing.contains(&"CAP_BPF") || missing.contains(&"CAP_NET_ADMIN") {
+        return CheckResult::bad(
+            CHECK,
+            Status::Fail,
+            format!(
+                "uid {uid} without {}: the agent cannot load or attach its programs; the program probes and the kube-proxy rules are not checked",
+                missing.join(", ")
+            ),
+            remedy,
+        );
+    }
+    CheckResult::bad(
+        CHECK,
+        Status::Warn,
+        format!("uid {uid} without {}", missing.join(", ")),
+        remedy,
+    )
+}
+
+/// Runs every check, in order. Without the privileges the agent needs, the checks that
+/// need them (program probes, kube-proxy's rules) are not run: the privileges row says so.
 pub fn run_checks(opts: &Options) -> Vec<CheckResult> {
-    let mut out = vec![kernel(), btf(), bpffs(opts), cgroup(opts)];
-    if opts.probe_programs {
+    let privileged = privileges();
+    let allowed = privileged.status != Status::Fail;
+    let mut out = vec![kernel(), btf(), bpffs(opts), cgroup(opts), privileged];
+    if opts.probe_programs && allowed {
         out.extend(programs());
     }
     out.push(memlock());
-    out.push(kube_proxy_rules());
+    out.push(conntrack(
+        &opts.tc.conntrack_size(),
+        crate::datapath::tc::own_cgroup_memory_max(),
+    ));
+    if allowed {
+        out.push(kube_proxy_rules());
+    }
     out.push(xdp());
     out
+}
+
+/// The conntrack table's size and preallocation, a warning when it is large
+/// ([`crate::datapath::tc::ConntrackSize::excess`]).
+pub fn conntrack(
+    size: &crate::datapath::tc::ConntrackSize,
+    memory_max: Option<u64>,
+) -> CheckResult {
+    let detail = size.describe();
+    let detail = detail
+        .strip_prefix("north-south conntrack table: ")
+        .unwrap_or(&detail)
+        .to_string();
+    match size.excess(memory_max) {
+        None => CheckResult::ok("conntrack", detail),
+        Some(e) => CheckResult::bad(
+            "conntrack",
+            Status::Warn,
+            format!("{detail}: {e}"),
+            crate::datapath::tc::ConntrackSize::remedy(),
+        ),
+    }
 }
 
 /// True when a check failed.
@@ -525,7 +637,7 @@ fn programs() -> Vec<CheckResult> {
             ),
         ),
         Err(e) => {
-            let msg = format!("{e:#}");
+            let msg = crate::error_chain(&e);
             let remedy = if msg.contains("Operation not permitted") {
                 ROOT.to_string()
             } else {
@@ -538,6 +650,37 @@ fn programs() -> Vec<CheckResult> {
         }
     });
     out
+}
+
+/// Probe errors (`name: message`) grouped by message, each name once:
+/// `bpf_prog_load failed: a, b, c`.
+pub fn group_errors(errors: &[String]) -> String {
+    let mut groups: Vec<(String, Vec<String>)> = Vec::new();
+    for e in errors {
+        let (name, msg) = e.split_once(": ").unwrap_or(("", e));
+        let msg = msg.replace('`', "");
+        let names = match groups.iter_mut().find(|(m, _)| *m == msg) {
+            Some((_, names)) => names,
+            None => {
+                groups.push((msg, Vec::new()));
+                &mut groups.last_mut().expect("just pushed").1
+            }
+        };
+        if !name.is_empty() && !names.iter().any(|n| n == name) {
+            names.push(name.to_string());
+        }
+    }
+    groups
+        .iter()
+        .map(|(msg, names)| {
+            if names.is_empty() {
+                msg.clone()
+            } else {
+                format!("{msg} for {}", names.join(", "))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 fn probe_result(
@@ -561,7 +704,7 @@ fn probe_result(
         return CheckResult::bad(
             check,
             Status::Fail,
-            format!("probing failed: {}", errors.join("; ")),
+            format!("probing failed: {}", group_errors(errors)),
             root,
         );
     }
@@ -689,11 +832,17 @@ fn kube_proxy_rules() -> CheckResult {
         );
     }
     if checked.is_empty() {
+        // A tool that is installed but failed usually lacks privileges.
+        let remedy = if not_checked.iter().all(|e| e.ends_with("not installed")) {
+            "install iptables or nftables to check for kube-proxy's rules"
+        } else {
+            "run `ebpf-proxy check` as root: reading the rules needs CAP_NET_ADMIN"
+        };
         return CheckResult::bad(
             CHECK,
             Status::Skip,
             format!("not checked ({})", not_checked.join("; ")),
-            "install iptables or nftables to check for kube-proxy's rules",
+            remedy,
         );
     }
     let mut detail = format!("none ({})", checked.join(", "));
@@ -706,6 +855,74 @@ fn kube_proxy_rules() -> CheckResult {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn privileges_name_the_missing_capabilities() {
+        let status = "Name:\tx\nCapInh:\t0000000000000000\nCapEff:\t000001ffffffffff\n";
+        let root = effective_capabilities(status).unwrap();
+        assert!(missing_capabilities(root).is_empty());
+        assert_eq!(
+            missing_capabilities(0),
+            ["CAP_BPF", "CAP_NET_ADMIN", "CAP_SYS_ADMIN", "CAP_PERFMON"]
+        );
+        // CAP_SYS_ADMIN stands in for CAP_BPF and CAP_PERFMON, as in the kernel.
+        assert_eq!(missing_capabilities(1 << 21), ["CAP_NET_ADMIN"]);
+        // The DaemonSet's set.
+        let ds = (1u64 << 39) | (1 << 12) | (1 << 21) | (1 << 38);
+        assert!(missing_capabilities(ds).is_empty());
+        assert_eq!(
+            missing_capabilities((1 << 39) | (1 << 12)),
+            ["CAP_SYS_ADMIN", "CAP_PERFMON"]
+        );
+        assert_eq!(effective_capabilities("Name:\tx\n"), None);
+    }
+
+    #[test]
+    fn probe_errors_are_grouped_with_each_name_once() {
+        let errors: Vec<String> = [
+            "map_lookup_elem: `bpf_prog_load` failed",
+            "get_socket_cookie: `bpf_prog_load` failed",
+            "map_lookup_elem: `bpf_prog_load` failed",
+            "set_retval: something else",
+        ]
+        .map(String::from)
+        .to_vec();
+        assert_eq!(
+            group_errors(&errors),
+            "bpf_prog_load failed for map_lookup_elem, get_socket_cookie; something else for set_retval"
+        );
+    }
+
+    /// The rows of a run without privileges: one failure naming the capabilities and the
+    /// remedy, no probe rows repeating it. Run as root, the privileges row is ok.
+    #[test]
+    fn without_privileges_one_row_says_what_is_missing() {
+        let rows = run_checks(&Options {
+            bpffs: "/nonexistent-bpffs".into(),
+            mount_bpffs: false,
+            cgroup: None,
+            probe_programs: false,
+            tc: crate::datapath::tc::TcSettings::default(),
+        });
+        let p = rows.iter().find(|r| r.check == "privileges").unwrap();
+        let eff =
+            effective_capabilities(&std::fs::read_to_string("/proc/self/status").unwrap()).unwrap();
+        if missing_capabilities(eff).is_empty() {
+            assert_eq!(p.status, Status::Ok, "{p:?}");
+            assert!(rows.iter().any(|r| r.check == "kube-proxy rules"));
+        } else {
+            assert_ne!(p.status, Status::Ok, "{p:?}");
+            assert!(p.remedy.as_deref().unwrap().starts_with("run as root"));
+            if p.status == Status::Fail {
+                assert!(!rows.iter().any(|r| r.check == "kube-proxy rules"));
+            }
+        }
+        let c = rows.iter().find(|r| r.check == "conntrack").unwrap();
+        assert!(
+            c.detail.starts_with("131072 flows, 40 MiB preallocated"),
+            "{c:?}"
+        );
+    }
 
     #[test]
     fn kernel_releases() {

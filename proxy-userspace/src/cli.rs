@@ -7,15 +7,22 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
-use crate::config::{PinArgs, RunFlags};
+use crate::config::{PinArgs, RunFlags, number_in};
+
+/// What `--version` prints after the name, under either name (`ebpf-proxy 0.1.0
+/// (kube-proxy compatible flags)`): this binary's version, not a Kubernetes version as
+/// kube-proxy's `Kubernetes v1.x.y`.
+pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (kube-proxy compatible flags)");
 
 /// A kube-proxy replacement on eBPF: Kubernetes Services load-balanced at the socket level
 /// for clients on the node, and by tc programs for traffic entering it.
 #[derive(Parser, Debug)]
 // A flag given twice takes its last value, as pflag does for kube-proxy.
+// The version says what the binary is under either name: `kube-proxy --version` (the
+// image links kube-proxy to it) cannot honestly print kube-proxy's `Kubernetes vX.Y.Z`.
 #[command(
     name = "ebpf-proxy",
-    version,
+    version = VERSION,
     args_conflicts_with_subcommands = true,
     args_override_self = true
 )]
@@ -97,9 +104,39 @@ pub struct CheckArgs {
     /// cgroup v2 directory the programs would attach to [default: the cgroup2 mount root].
     #[arg(long)]
     pub cgroup_path: Option<PathBuf>,
+    /// The agent's configuration file, for the settings checked (the conntrack table's
+    /// size), as `run --config` reads it.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// As `run --conntrack-max-per-core`: the conntrack table's size is checked with it.
+    #[arg(long, value_parser = number_in(0u32, crate::datapath::tc::MAX_CONNTRACK_FLOWS), value_name = "N")]
+    pub conntrack_max_per_core: Option<u32>,
+    /// As `run --conntrack-min`.
+    #[arg(long, value_parser = crate::config::parse_conntrack_min, value_name = "N")]
+    pub conntrack_min: Option<u32>,
     /// Output format.
     #[arg(short = 'o', long, value_enum, default_value = "table")]
     pub output: Output,
+}
+
+impl CheckArgs {
+    /// The north-south settings to check: `--config` and the conntrack flags merged as
+    /// `run` merges them.
+    ///
+    /// Errors: the file cannot be read or is invalid, or names a kube-proxy mode.
+    pub fn tc_settings(&self) -> anyhow::Result<crate::datapath::tc::TcSettings> {
+        let file = match &self.config {
+            Some(path) => Some(crate::config::load(path)?.settings),
+            None => None,
+        };
+        let flags = RunFlags {
+            config: self.config.clone(),
+            conntrack_max_per_core: self.conntrack_max_per_core,
+            conntrack_min: self.conntrack_min,
+            ..Default::default()
+        };
+        Ok(crate::config::AgentConfig::resolve(flags, file)?.tc)
+    }
 }
 
 /// Arguments of `explain`.
@@ -152,7 +189,7 @@ pub struct MonitorArgs {
     #[arg(long)]
     pub address: Option<std::net::IpAddr>,
     /// Only events whose frontend or backend has this port.
-    #[arg(long)]
+    #[arg(long, value_parser = number_in(1u16, u16::MAX))]
     pub port: Option<u16>,
     /// Only events of this protocol (tcp or udp).
     #[arg(long)]
@@ -170,17 +207,17 @@ pub struct MonitorArgs {
     #[arg(short = 'o', long, value_enum, default_value = "text")]
     pub output: MonitorOutput,
     /// Stop after this many events.
-    #[arg(long)]
+    #[arg(long, value_parser = number_in(0u64, u64::MAX))]
     pub count: Option<u64>,
     /// Stop after this many seconds.
     #[arg(long)]
     pub duration: Option<f64>,
     /// Events per second each CPU may emit while the monitor runs (0: no limit); the
     /// events over it are counted as lost.
-    #[arg(long, default_value_t = proxy_common::monitor::MONITOR_DEFAULT_RATE)]
+    #[arg(long, default_value_t = proxy_common::monitor::MONITOR_DEFAULT_RATE, value_parser = number_in(0u32, u32::MAX))]
     pub rate: u32,
     /// Burst of events per CPU above the rate.
-    #[arg(long, default_value_t = proxy_common::monitor::MONITOR_DEFAULT_BURST)]
+    #[arg(long, default_value_t = proxy_common::monitor::MONITOR_DEFAULT_BURST, value_parser = number_in(0u32, u32::MAX))]
     pub burst: u32,
 }
 
@@ -317,11 +354,20 @@ mod tests {
             panic!("not run")
         };
         assert_eq!(f.sync_period, Some(std::time::Duration::from_secs(2)));
-        // kube-proxy's --version works too.
-        let e = Cli::command()
-            .try_get_matches_from(["kube-proxy", "--version"])
-            .unwrap_err();
-        assert_eq!(e.kind(), clap::error::ErrorKind::DisplayVersion);
+        // kube-proxy's --version works too, and says what this is under either name.
+        for argv0 in ["kube-proxy", "/usr/local/bin/kube-proxy", "ebpf-proxy"] {
+            let e = Cli::command()
+                .try_get_matches_from([argv0, "--version"])
+                .unwrap_err();
+            assert_eq!(e.kind(), clap::error::ErrorKind::DisplayVersion);
+            assert_eq!(
+                e.to_string(),
+                format!(
+                    "ebpf-proxy {} (kube-proxy compatible flags)\n",
+                    env!("CARGO_PKG_VERSION")
+                )
+            );
+        }
         // Unknown flags are still refused (kube-proxy refuses them as well).
         assert!(
             Cli::command()

@@ -330,17 +330,86 @@ impl FromStr for ServerAddress {
 ///
 /// Errors: the file cannot be read or parsed, `apiVersion`/`kind` are not kube-proxy's
 /// v1alpha1 configuration, or a field has an invalid value (the message names the field).
+/// Warnings name the file (`--config PATH: field ...`).
 pub fn load(path: &Path) -> Result<Loaded> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("--config {}: cannot read the file", path.display()))?;
-    parse(&text).with_context(|| format!("--config {}", path.display()))
+    let mut loaded = parse(&text).with_context(|| format!("--config {}", path.display()))?;
+    for w in &mut loaded.warnings {
+        if let Some(rest) = w.strip_prefix("--config: ") {
+            *w = format!("--config {}: {rest}", path.display());
+        }
+    }
+    Ok(loaded)
 }
 
-/// Parses and validates a configuration file's text (see [`load`]).
+/// Parses and validates a configuration file's text (see [`load`]). A value of the wrong
+/// type is reported with its field's path and the kind expected, in words
+/// ([`plain_type_error`]).
 pub fn parse(text: &str) -> Result<Loaded> {
-    let file: KubeProxyConfiguration =
-        serde_yaml_ng::from_str(text).context("not a KubeProxyConfiguration document")?;
+    let de = serde_yaml_ng::Deserializer::from_str(text);
+    let file: KubeProxyConfiguration = serde_path_to_error::deserialize(de).map_err(|e| {
+        let line = e.inner().location().map(|l| l.line());
+        let field = e.path().to_string();
+        // serde_yaml_ng names the field itself when it knows it: once is enough.
+        let inner = e.inner().to_string();
+        let inner = inner.strip_prefix(&format!("{field}: ")).unwrap_or(&inner);
+        let mut msg = plain_type_error(inner);
+        if field != "." && field != "?" {
+            msg = format!("{field}: {msg}");
+        }
+        if let Some(line) = line {
+            msg = format!("{msg} (line {line})");
+        }
+        anyhow::anyhow!("not a KubeProxyConfiguration document: {msg}")
+    })?;
     file::validate(&file)
+}
+
+/// A serde or YAML error message without Rust's type names: "invalid type: string "yes",
+/// expected a boolean at line 3 column 5" becomes "expected true or false, found the
+/// string "yes"". Messages of other shapes are kept, without their position.
+pub fn plain_type_error(msg: &str) -> String {
+    let msg = match msg.rfind(" at line ") {
+        Some(i) if msg[i..].contains(" column ") => &msg[..i],
+        _ => msg,
+    };
+    let Some(rest) = msg.strip_prefix("invalid type: ") else {
+        return msg.to_string();
+    };
+    let Some((found, expected)) = rest.rsplit_once(", expected ") else {
+        return msg.to_string();
+    };
+    let expected = match expected.trim() {
+        "a boolean" => "true or false".to_string(),
+        "a string" | "a borrowed string" | "a character" => "a string".to_string(),
+        "a sequence" => "a list".to_string(),
+        "a map" => "a mapping of names to values".to_string(),
+        e if e.starts_with("struct ") => "a mapping of fields".to_string(),
+        "u8" | "u16" | "u32" | "u64" | "i8" | "i16" | "i32" | "i64" | "an integer" => {
+            "a whole number".to_string()
+        }
+        "f32" | "f64" => "a number".to_string(),
+        e => e.to_string(),
+    };
+    let found = if let Some(v) = found.strip_prefix("string ") {
+        format!("the string {v}")
+    } else if let Some(v) = found
+        .strip_prefix("integer ")
+        .or_else(|| found.strip_prefix("floating point "))
+    {
+        format!("the number {}", v.trim_matches('`'))
+    } else if let Some(v) = found.strip_prefix("boolean ") {
+        format!("the boolean {}", v.trim_matches('`'))
+    } else {
+        match found {
+            "sequence" => "a list".to_string(),
+            "map" => "a mapping".to_string(),
+            "unit value" => "null".to_string(),
+            other => other.to_string(),
+        }
+    };
+    format!("expected {expected}, found {found}")
 }
 
 /// Mount point of the BPF file system by default.
@@ -427,7 +496,55 @@ pub fn parse_timeout(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
-fn parse_conntrack_min(s: &str) -> Result<u32, String> {
+/// A value parser for an integer flag from `min` to `max` whose error says so in words
+/// ("must be a number from 0 to 65535") rather than in clap's range syntax (`0..=65535`) or
+/// Rust's parse errors. Every ranged integer flag uses it.
+pub fn number_in<T>(min: T, max: T) -> impl Fn(&str) -> Result<T, String> + Clone + Send + Sync
+where
+    T: FromStr + PartialOrd + fmt::Display + Copy + Send + Sync + 'static,
+{
+    move |s: &str| match s.trim().parse::<T>() {
+        Ok(n) if n >= min && n <= max => Ok(n),
+        _ => Err(format!("must be a number from {min} to {max}")),
+    }
+}
+
+/// kube-proxy's values of `--detect-local-mode` / `detectLocalMode` (its validation,
+/// `validateDetectLocalMode` in pkg/proxy/apis/config/validation); empty is valid too.
+/// Only `ClusterCIDR` has an effect here (what `--cluster-cidr` does).
+pub const DETECT_LOCAL_MODES: [&str; 4] = [
+    "ClusterCIDR",
+    "NodeCIDR",
+    "BridgeInterface",
+    "InterfaceNamePrefix",
+];
+
+/// Checks a local-traffic detection mode as kube-proxy does: one of [`DETECT_LOCAL_MODES`]
+/// (case-sensitive) or empty; anything else is refused.
+pub fn check_detect_local_mode(s: &str) -> Result<(), String> {
+    if s.is_empty() || DETECT_LOCAL_MODES.contains(&s) {
+        return Ok(());
+    }
+    Err(format!(
+        "{s:?} is not a local-traffic detection mode: use {} (or leave it empty)",
+        DETECT_LOCAL_MODES.join(", ")
+    ))
+}
+
+fn parse_qps(s: &str) -> Result<f32, String> {
+    match s.trim().parse::<f32>() {
+        Ok(n) if n.is_finite() && n >= 0.0 => Ok(n),
+        _ => Err("must be a number of queries per second (0 or more, e.g. 5 or 0.5)".into()),
+    }
+}
+
+fn parse_detect_local_mode(s: &str) -> Result<String, String> {
+    check_detect_local_mode(s).map(|()| s.to_string())
+}
+
+/// `--conntrack-min`: 0 (the default) or a number of flows from [`MIN_CONNTRACK_FLOWS`] to
+/// [`MAX_CONNTRACK_FLOWS`].
+pub fn parse_conntrack_min(s: &str) -> Result<u32, String> {
     match s.trim().parse::<u32>() {
         Ok(n) if n == 0 || (MIN_CONNTRACK_FLOWS..=MAX_CONNTRACK_FLOWS).contains(&n) => Ok(n),
         _ => Err(format!(
@@ -513,6 +630,12 @@ pub struct RunFlags {
     /// [default: random].
     #[arg(long, value_parser = parse_lb_algorithm)]
     pub lb_algorithm: Option<Algorithm>,
+    /// Which sockets the socket programs translate: `all`, or `host-only` (only the node's
+    /// own network namespace; pods are translated per packet on their interfaces, as
+    /// Cilium's `socketLB.hostNamespaceOnly`). Pods and namespaces also opt out one by one
+    /// with the label or annotation `ebpf-proxy.io/socket-lb: disabled` [default: all].
+    #[arg(long, value_enum)]
+    pub socket_lb_scope: Option<crate::model::bypass::SocketLbScope>,
     /// Size of the Maglev lookup tables of source-hash and maglev Services: a prime from 7 to
     /// 65521 (larger tables spread backends more evenly; each costs 4 bytes per entry)
     /// [default: 16381].
@@ -543,19 +666,19 @@ pub struct RunFlags {
     pub nodeport_addresses: Option<NodePortAddresses>,
     /// Size of the frontend map (VIP x port x protocol, plus one entry per VIP) when created
     /// [default: 65536].
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, value_parser = number_in(1u32, u32::MAX))]
     pub max_frontends: Option<u32>,
     /// Size of the backend slot map (sum of all services' endpoint counts) when created
     /// [default: 524288].
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, value_parser = number_in(1u32, u32::MAX))]
     pub max_backend_slots: Option<u32>,
     /// Size of the backend map (distinct endpoint address x port x protocol) when created
     /// [default: 262144].
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, value_parser = number_in(1u32, u32::MAX))]
     pub max_backends: Option<u32>,
     /// Size of the per-socket reverse-NAT and UDP flow maps (LRU) when created
     /// [default: 262144].
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, value_parser = number_in(1u32, u32::MAX))]
     pub max_sockets: Option<u32>,
     /// Idle time after which an unconnected UDP flow picks a backend anew, like conntrack's
     /// nf_conntrack_udp_timeout (e.g. 30s, 2m; kube-proxy's --conntrack-udp-timeout)
@@ -584,7 +707,7 @@ pub struct RunFlags {
     /// The table is preallocated (about 320 bytes per flow), unlike the kernel's conntrack
     /// limit kube-proxy sets, so the default is 0: --conntrack-min alone, whatever the core
     /// count. Fixed when the pinned table is created [default: 0].
-    #[arg(long, value_parser = clap::value_parser!(u32).range(..=MAX_CONNTRACK_FLOWS as i64))]
+    #[arg(long, value_parser = number_in(0u32, MAX_CONNTRACK_FLOWS), value_name = "N")]
     pub conntrack_max_per_core: Option<u32>,
     /// Least number of flows of the north-south conntrack table (kube-proxy's
     /// --conntrack-min), from 1024 (smaller LRU tables lose live flows to the kernel's batch
@@ -653,19 +776,19 @@ pub struct KubeProxyFlags {
     #[arg(long, value_parser = parse_timeout, value_name = "DURATION")]
     pub conntrack_udp_timeout: Option<Duration>,
     /// oom_score_adj of the agent process, -1000..=1000 [default: -999].
-    #[arg(long, allow_hyphen_values = true, value_parser = clap::value_parser!(i32).range(-1000..=1000), value_name = "N")]
+    #[arg(long, allow_hyphen_values = true, value_parser = number_in(-1000i32, 1000), value_name = "N")]
     pub oom_score_adj: Option<i32>,
     /// Deprecated in kube-proxy: port of the health server (0 disables it).
-    #[arg(long, value_name = "PORT")]
+    #[arg(long, value_name = "PORT", value_parser = number_in(0u16, u16::MAX))]
     pub healthz_port: Option<u16>,
     /// Deprecated in kube-proxy: port of the metrics server (0 disables it).
-    #[arg(long, value_name = "PORT")]
+    #[arg(long, value_name = "PORT", value_parser = number_in(0u16, u16::MAX))]
     pub metrics_port: Option<u16>,
     /// Same as --log-format.
     #[arg(long, value_enum, value_name = "FORMAT")]
     pub logging_format: Option<LogFormat>,
     /// klog verbosity: 0-2 is --log-level info, 3-4 debug, 5 and more trace.
-    #[arg(short = 'v', long = "v", value_name = "N")]
+    #[arg(short = 'v', long = "v", value_name = "N", value_parser = number_in(0u32, u32::MAX))]
     pub verbosity: Option<u32>,
     /// kube-proxy's idea of the node's primary IP; only its family is used here (the
     /// default server addresses are IPv6 when it is IPv6).
@@ -678,10 +801,10 @@ pub struct KubeProxyFlags {
     #[arg(long, value_name = "TYPE")]
     pub kube_api_content_type: Option<String>,
     /// No effect here (the client does not throttle).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = number_in(0i32, i32::MAX))]
     pub kube_api_burst: Option<i32>,
     /// No effect here (the client does not throttle).
-    #[arg(long, value_name = "QPS")]
+    #[arg(long, value_name = "QPS", value_parser = parse_qps)]
     pub kube_api_qps: Option<f32>,
     /// No effect here (no /debug/pprof).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
@@ -690,7 +813,7 @@ pub struct KubeProxyFlags {
     #[arg(long, value_name = "VERSION")]
     pub show_hidden_metrics_for_version: Option<String>,
     /// No effect here (no fwmark).
-    #[arg(long, value_name = "BIT")]
+    #[arg(long, value_name = "BIT", value_parser = number_in(0i32, 31))]
     pub iptables_masquerade_bit: Option<i32>,
     /// No effect here: node ports are never served on loopback (as kube-proxy's nftables
     /// mode).
@@ -711,8 +834,10 @@ pub struct KubeProxyFlags {
     /// No effect here.
     #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
     pub ipvs_udp_timeout: Option<Duration>,
-    /// No effect here unless ClusterCIDR (what --cluster-cidr does here).
-    #[arg(long, value_name = "MODE")]
+    /// How kube-proxy tells local traffic: ClusterCIDR (what --cluster-cidr does here),
+    /// NodeCIDR, BridgeInterface or InterfaceNamePrefix (accepted, no effect here); any
+    /// other value stops start-up, as in kube-proxy.
+    #[arg(long, value_name = "MODE", value_parser = parse_detect_local_mode)]
     pub detect_local_mode: Option<String>,
     /// No effect here.
     #[arg(long, value_name = "NAME")]
@@ -913,6 +1038,8 @@ pub struct AgentConfig {
     pub lb_algorithm: Algorithm,
     /// `--maglev-table-size`.
     pub maglev_table_size: u32,
+    /// `--socket-lb-scope`.
+    pub socket_lb_scope: crate::model::bypass::SocketLbScope,
     /// `--log-level` (or `-v`).
     pub log_level: String,
     /// `-v` / `logging.verbosity` as given (for the written configuration).
@@ -1092,6 +1219,10 @@ impl AgentConfig {
             ],
             show,
         )?;
+        // Whether the operator chose a per-core figure: the written file leaves it unset
+        // otherwise (see below).
+        let max_per_core_given =
+            flags.conntrack_max_per_core.is_some() || f.conntrack_max_per_core.is_some();
         let mut warnings = k.warnings();
         if k.logging_format.is_some()
             && flags.log_format.is_some()
@@ -1134,6 +1265,7 @@ impl AgentConfig {
             maglev_table_size: flags
                 .maglev_table_size
                 .unwrap_or(proxy_common::MAGLEV_DEFAULT),
+            socket_lb_scope: flags.socket_lb_scope.unwrap_or_default(),
             log_level,
             verbosity,
             log_format: flags
@@ -1198,6 +1330,12 @@ impl AgentConfig {
             );
         }
         c.document = written::effective(&c, &k, &f.document);
+        // Unless given, `conntrack.maxPerCore` is written as null, so that each program
+        // applies its own default to the file: 0 here (a preallocated table), 32768 in
+        // kube-proxy, for which 0 would mean "leave nf_conntrack_max alone" after a rollback.
+        if !max_per_core_given && let Some(ct) = c.document.conntrack.as_mut() {
+            ct.max_per_core = Some(serde_yaml_ng::Value::Null);
+        }
         Ok(c)
     }
 

@@ -82,7 +82,7 @@ pub struct ServiceRow {
     pub algorithm: &'static str,
     /// ClientIP affinity timeout in seconds, 0 without affinity.
     pub affinity_timeout_s: u32,
-    /// `local-only` and/or `external`.
+    /// `local-only`, `external`, `no-endpoints` (a Local policy without endpoints on any node).
     pub flags: Vec<&'static str>,
     /// Backends in slot order (repeated by weight for weighted round-robin).
     pub backends: Vec<String>,
@@ -113,6 +113,9 @@ pub fn service_rows(snap: &Snapshot) -> Vec<ServiceRow> {
         }
         if f.flags & FRONTEND_F_EXTERNAL != 0 {
             flags.push("external");
+        }
+        if f.flags & proxy_common::FRONTEND_F_NO_ENDPOINTS != 0 {
+            flags.push("no-endpoints");
         }
         rows.push(ServiceRow {
             service: snap
@@ -605,21 +608,92 @@ pub struct Explanation {
     /// (no data path is pinned here: what an agent would program for the objects given,
     /// counters all zero).
     pub from: &'static str,
+    /// The node name assumed for Local traffic policies and topology, and where it came
+    /// from (e.g. `worker-1 (--hostname-override)`).
+    pub node: String,
     /// The frontends of that address, port and protocol (one per scope).
     pub frontends: Vec<ExplainedFrontend>,
     /// What happens to a connection from this node, in words.
     pub verdict: String,
+    /// What happens to a packet to the address entering the node from outside (the tc
+    /// path: node ports, external and LB IPs, a cluster IP routed to the node), in words.
+    pub external_verdict: String,
+    /// EndpointSlices in the namespace of the matching Services that are ignored because
+    /// they lack the `kubernetes.io/service-name` label (`namespace/name`; with a source).
+    pub ignored_slices: Vec<String>,
+    /// Which path serves which workload of this node (see [`workload_paths`]).
+    pub paths: Vec<String>,
+}
+
+/// The verdict for traffic entering the node (the tc programs' lookup, `lb::lookup` with
+/// the ingress scope): the ingress frontend of the address, else a cluster IP's frontend
+/// (not an external address), else nothing; with the backends, the Local policy and the
+/// source ranges of the address (`ranges`: `None` when unrestricted).
+pub fn external_verdict(
+    frontends: &[ExplainedFrontend],
+    ranges: Option<&[ipnet::IpNet]>,
+) -> String {
+    let ingress = frontends.iter().find(|f| f.frontend.scope == "ingress");
+    let cluster_ip = frontends
+        .iter()
+        .find(|f| f.frontend.scope == "node" && !f.frontend.flags.contains(&"external"));
+    let (f, what) = match (ingress, cluster_ip) {
+        (Some(f), _) => (f, ""),
+        (None, Some(f)) => (f, " (a cluster IP routed to this node)"),
+        (None, None) => {
+            return "not a frontend for traffic entering the node: passed on untouched".into();
+        }
+    };
+    let r = &f.frontend;
+    let local = r.flags.contains(&"local-only");
+    // Endpoints elsewhere only: dropped, as kube-proxy; none anywhere: rejected.
+    let nowhere = r.flags.contains(&"no-endpoints") || !local;
+    let mut v = if r.backends.is_empty() && !nowhere {
+        format!("dropped{what}: Local traffic policy and no endpoint on this node")
+    } else if r.backends.is_empty() {
+        format!("rejected{what} (ICMP port unreachable): the Service has no endpoints")
+    } else {
+        format!(
+            "translated by the tc programs{what} to one of {} backend(s) by {}{}",
+            r.backends.len(),
+            r.algorithm,
+            if local {
+                " (Local traffic policy: endpoints on this node only, the client address is kept)"
+            } else {
+                ""
+            }
+        )
+    };
+    match ranges {
+        None => {}
+        Some([]) => v.push_str(
+            "; loadBalancerSourceRanges admit no client of this family: every packet is dropped",
+        ),
+        Some(r) => {
+            let r: Vec<String> = r.iter().map(ToString::to_string).collect();
+            v.push_str(&format!(
+                "; only from {} (loadBalancerSourceRanges), other clients are dropped",
+                r.join(", ")
+            ));
+        }
+    }
+    v
 }
 
 /// Explains `addr`/`proto` from the pinned maps of `dir`, and with `source` (a model fed
 /// the objects, as this node reads them) also which endpoints are eligible and why the
 /// others are not.
+///
+/// `node`: the node name assumed, as shown; `source_ranges`: the `TC_SOURCE_RANGES`
+/// entries (pinned, or those an agent would write for `source`).
 pub fn explain(
     dir: &Path,
     snap: &Snapshot,
     addr: std::net::SocketAddr,
     proto: u8,
     source: Option<&crate::model::Model>,
+    node: &str,
+    source_ranges: &std::collections::BTreeMap<crate::datapath::SourceRangeKey, u32>,
 ) -> Result<Explanation> {
     use crate::datapath::addr::{ip_to_bytes, port_to_map};
     let stats = crate::datapath::maps::read_service_stats(dir).unwrap_or_default();
@@ -728,7 +802,10 @@ pub fn explain(
                 String::new()
             }
         ),
-        Some(f) if f.frontend.flags.contains(&"local-only") => {
+        Some(f)
+            if f.frontend.flags.contains(&"local-only")
+                && !f.frontend.flags.contains(&"no-endpoints") =>
+        {
             "fails with EHOSTUNREACH: Local traffic policy and no endpoint on this node".into()
         }
         Some(_) => "refused (ECONNREFUSED): the Service has no endpoints".into(),
@@ -737,12 +814,84 @@ pub fn explain(
         }
         None => "not a frontend: left alone by ebpf-proxy".into(),
     };
+    let ranges = crate::datapath::tc::allowed_ranges(source_ranges, addr.ip());
+    let external_verdict = external_verdict(&frontends, ranges.as_deref());
+    let namespaces: std::collections::BTreeSet<&str> = frontends
+        .iter()
+        .filter_map(|f| f.frontend.service.split('/').next())
+        .collect();
+    let ignored_slices = source
+        .map(|m| {
+            m.errors()
+                .into_iter()
+                .filter(|e| {
+                    e.kind == "EndpointSlice"
+                        && e.reason == crate::model::endpoints::UNLABELED_SLICE
+                        && namespaces.contains(e.namespace.as_str())
+                })
+                .map(|e| format!("{}/{}", e.namespace, e.name))
+                .collect()
+        })
+        .unwrap_or_default();
     Ok(Explanation {
         target: format!("{addr}/{}", proto_name(proto)),
         from: "pinned maps",
+        node: node.to_string(),
         frontends,
         verdict,
+        external_verdict,
+        ignored_slices,
+        paths: workload_paths(dir, source),
     })
+}
+
+/// Which path serves which workload of this node, one line each: the socket programs
+/// (`connect`, `sendmsg`) or, for pods that bypass socket-level translation, the per-packet
+/// programs on their interface. From the pins of `dir` (the scope, how many pod namespaces
+/// are bypassed and on which interfaces) and, with `model`, the pods by name and why.
+pub fn workload_paths(dir: &Path, model: Option<&crate::model::Model>) -> Vec<String> {
+    use crate::datapath::bypass::{attached_pods, read_pinned};
+    use proxy_common::bypass::BYPASS_CFG_HOST_ONLY;
+    let mut out = Vec::new();
+    let pinned = read_pinned(dir).ok();
+    let host_only = match (pinned.as_ref(), model) {
+        (Some((cfg, _)), _) => cfg.flags & BYPASS_CFG_HOST_ONLY != 0,
+        (None, Some(m)) => m.bypass().scope() == crate::model::bypass::SocketLbScope::HostOnly,
+        (None, None) => false,
+    };
+    out.push(if host_only {
+        "socket path: the node's own network namespace only (--socket-lb-scope host-only)"
+            .to_string()
+    } else {
+        "socket path: every workload of the attached cgroup but the bypassed pods".to_string()
+    });
+    if let Some((_, cookies)) = &pinned {
+        let links = attached_pods(dir);
+        if !cookies.is_empty() || !links.is_empty() {
+            out.push(format!(
+                "per-packet path (pod_ingress/pod_egress): {} pod network namespace(s), interfaces {}",
+                cookies.len(),
+                links.into_iter().collect::<Vec<_>>().join(",")
+            ));
+        }
+    }
+    if let Some(m) = model {
+        for p in m.bypassed() {
+            let ips: Vec<String> = p.ips.iter().map(ToString::to_string).collect();
+            out.push(format!(
+                "per-packet path: pod {}/{} ({}), opted out by {}",
+                p.namespace,
+                p.name,
+                ips.join(","),
+                match p.reason {
+                    "pod" => "its ebpf-proxy.io/socket-lb label or annotation",
+                    "namespace" => "its namespace's ebpf-proxy.io/socket-lb label or annotation",
+                    _ => "--socket-lb-scope host-only",
+                }
+            ));
+        }
+    }
+    out
 }
 
 /// The service maps an agent would write for `model` (this node's view of the objects), for
@@ -778,9 +927,20 @@ pub fn print_explanation(e: &Explanation, json: bool) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(e)?);
         return Ok(());
     }
-    println!("{}: {}", e.target, e.verdict);
+    println!("{} from this node: {}", e.target, e.verdict);
+    println!("{} from outside the node: {}", e.target, e.external_verdict);
+    println!("node assumed: {}", e.node);
+    for p in &e.paths {
+        println!("  {p}");
+    }
     if e.from == "objects" {
         println!("(no data path pinned here: what an agent would program for these objects)");
+    }
+    for s in &e.ignored_slices {
+        println!(
+            "EndpointSlice {s} is ignored: it has no {} label",
+            crate::model::SERVICE_NAME_LABEL
+        );
     }
     for f in &e.frontends {
         let r = &f.frontend;
@@ -896,7 +1056,14 @@ endpoints:
         let snap = desired_snapshot(&model).unwrap();
         let nowhere = dir.path().join("no-pins");
         let target: std::net::SocketAddr = "10.96.0.10:80".parse().unwrap();
-        let e = explain(&nowhere, &snap, target, 6, Some(&model)).unwrap();
+        let none = Default::default();
+        let e = explain(&nowhere, &snap, target, 6, Some(&model), "n1 (test)", &none).unwrap();
+        assert_eq!(e.node, "n1 (test)");
+        assert_eq!(
+            e.external_verdict,
+            "translated by the tc programs (a cluster IP routed to this node) to one of 1 backend(s) by random"
+        );
+        assert!(e.ignored_slices.is_empty());
         assert_eq!(
             e.verdict, "translated to one of 1 backend(s) by random",
             "{e:?}"
@@ -917,12 +1084,110 @@ endpoints:
             "10.96.0.10:81".parse().unwrap(),
             6,
             Some(&model),
+            "n1",
+            &none,
         )
         .unwrap();
         assert!(
             e.verdict.contains("does not define this port"),
             "{}",
             e.verdict
+        );
+    }
+
+    /// From outside the node: the ingress frontend with the external policy's backends,
+    /// the Local policy, the LB IP's source ranges; and a slice without the service-name
+    /// label in the Service's namespace is named.
+    #[test]
+    fn explain_says_what_happens_to_traffic_from_outside_and_names_ignored_slices() {
+        let text = "apiVersion: v1
+kind: Service
+metadata: {name: lb, namespace: shop}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.0.20
+  externalTrafficPolicy: Local
+  loadBalancerSourceRanges: [192.0.2.0/24]
+  ports: [{port: 80, targetPort: 8080, nodePort: 30080}]
+status: {loadBalancer: {ingress: [{ip: 203.0.113.9}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: lb-1, namespace: shop, labels: {kubernetes.io/service-name: lb}}
+addressType: IPv4
+ports: [{port: 8080}]
+endpoints:
+- {addresses: [10.0.0.7], nodeName: n1}
+- {addresses: [10.0.0.8], nodeName: n2}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: orphan-1, namespace: shop}
+addressType: IPv4
+ports: [{port: 8080}]
+endpoints:
+- {addresses: [10.0.0.9], nodeName: n1}
+";
+        let (objects, errors) = crate::source::manifests::parse_documents("t.yaml", text);
+        assert!(errors.is_empty(), "{errors:?}");
+        let mut set = crate::source::ObjectSet::default();
+        for o in objects {
+            set.insert(o);
+        }
+        let explain_on = |node: &str| {
+            let model = Model::from_objects(
+                &set,
+                &NodeInfo {
+                    name: node.into(),
+                    ..Default::default()
+                },
+            );
+            // The unlabeled slice is reported once, by namespace/name.
+            let unlabeled: Vec<String> = model
+                .errors()
+                .iter()
+                .filter(|e| e.reason == crate::model::endpoints::UNLABELED_SLICE)
+                .map(ToString::to_string)
+                .collect();
+            assert_eq!(
+                unlabeled,
+                [
+                    "t.yaml: EndpointSlice shop/orphan-1: no kubernetes.io/service-name label, so it belongs to no Service; slice ignored (as kube-proxy does)"
+                ]
+            );
+            let snap = desired_snapshot(&model).unwrap();
+            let ranges = crate::reconcile::node::source_range_entries(&model);
+            let e = explain(
+                Path::new("/nonexistent"),
+                &snap,
+                "203.0.113.9:80".parse().unwrap(),
+                6,
+                Some(&model),
+                node,
+                &ranges,
+            )
+            .unwrap();
+            assert_eq!(e.ignored_slices, ["shop/orphan-1"]);
+            e
+        };
+        let e = explain_on("n1");
+        assert_eq!(
+            e.external_verdict,
+            "translated by the tc programs to one of 1 backend(s) by random (Local traffic policy: endpoints on this node only, the client address is kept); only from 192.0.2.0/24 (loadBalancerSourceRanges), other clients are dropped"
+        );
+        // From this node, the Cluster endpoints (kube-proxy's short-circuit).
+        assert_eq!(e.verdict, "translated to one of 2 backend(s) by random");
+        let e = explain_on("n3");
+        assert!(
+            e.external_verdict.starts_with(
+                "dropped: Local traffic policy and no endpoint on this node; only from 192.0.2.0/24"
+            ),
+            "{}",
+            e.external_verdict
+        );
+        assert_eq!(
+            external_verdict(&[], None),
+            "not a frontend for traffic entering the node: passed on untouched"
         );
     }
 }

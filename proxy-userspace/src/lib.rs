@@ -20,3 +20,64 @@ pub mod mounts;
 pub mod reconcile;
 pub mod servers;
 pub mod source;
+
+/// An error and its causes on one line, joined by `": "` as `{:#}` prints them, each text
+/// once: a cause whose text the cause before it already contains is left out. Libraries
+/// often print their source inside their own message too (kube-rs' kubeconfig errors, aya's
+/// map errors), which would otherwise show the same text two or three times.
+pub fn error_chain(e: &anyhow::Error) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        let text = text.trim();
+        if text.is_empty() || parts.last().is_some_and(|prev| prev.contains(text)) {
+            continue;
+        }
+        parts.push(text.to_string());
+    }
+    parts.join(": ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::error_chain;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("failed to read kubeconfig {path:?}: {source}")]
+    struct Echoing {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    }
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("failed to create map `X`")]
+    struct Repeating(#[source] Inner);
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("failed to create map `X`")]
+    struct Inner(#[source] std::io::Error);
+
+    #[test]
+    fn error_chain_prints_each_cause_text_once() {
+        let io = || std::io::Error::new(std::io::ErrorKind::NotFound, "No such file or directory");
+        let e = anyhow::Error::new(Echoing {
+            path: "/k".into(),
+            source: io(),
+        })
+        .context("explain --api");
+        assert_eq!(
+            error_chain(&e),
+            "explain --api: failed to read kubeconfig \"/k\": No such file or directory"
+        );
+        let e = anyhow::Error::new(Repeating(Inner(io()))).context("load");
+        assert_eq!(
+            error_chain(&e),
+            "load: failed to create map `X`: No such file or directory"
+        );
+        // Different texts are all kept, in order.
+        let e = anyhow::anyhow!("c").context("b").context("a");
+        assert_eq!(error_chain(&e), "a: b: c");
+        assert_eq!(format!("{e:#}"), error_chain(&e));
+    }
+}

@@ -132,8 +132,9 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            // One line per cause, the first names the failing step.
-            eprintln!("error: {e:#}");
+            // The causes on one line, the first names the failing step; a cause that
+            // repeats the text of the one before it is printed once.
+            eprintln!("error: {}", proxy_userspace::error_chain(&e));
             ExitCode::FAILURE
         }
     }
@@ -141,11 +142,19 @@ fn main() -> ExitCode {
 
 /// `ebpf-proxy check`: exit code 0 when nothing failed, 1 otherwise.
 fn check_command(args: CheckArgs) -> ExitCode {
+    let tc = match args.tc_settings() {
+        Ok(tc) => tc,
+        Err(e) => {
+            eprintln!("error: {}", proxy_userspace::error_chain(&e));
+            return ExitCode::FAILURE;
+        }
+    };
     let results = check::run_checks(&check::Options {
         bpffs: args.bpffs,
         mount_bpffs: args.mount_bpffs,
         cgroup: args.cgroup_path,
         probe_programs: true,
+        tc,
     });
     match args.output {
         Output::Json => match serde_json::to_string_pretty(&results) {
@@ -176,6 +185,9 @@ fn services(args: ServicesArgs) -> Result<()> {
             .map(|(idx, name)| format!("{name}={}", c.get(*idx as usize).copied().unwrap_or(0)))
             .collect();
         println!("\ncounters: {}", parts.join(" "));
+        for line in proxy_userspace::inspect::workload_paths(&dir, None) {
+            println!("{line}");
+        }
     }
     if args.output == Output::Table {
         use proxy_userspace::datapath::tc;
@@ -263,7 +275,28 @@ fn explain(args: ExplainArgs) -> Result<()> {
         (Err(_), Some(m)) => (proxy_userspace::inspect::desired_snapshot(m)?, false),
         (Err(e), None) => return Err(e),
     };
-    let mut e = proxy_userspace::inspect::explain(&dir, &snapshot, addr, proto, model.as_ref())?;
+    // The tc path's source ranges: pinned (none without a tc path), else an agent's.
+    let ranges = match (&model, pinned) {
+        (_, true) => proxy_userspace::datapath::tc::pinned_source_ranges(&dir).unwrap_or_default(),
+        (Some(m), false) => proxy_userspace::reconcile::node::source_range_entries(m),
+        (None, false) => Default::default(),
+    };
+    let node_from = if args.hostname_override.is_some() {
+        "--hostname-override"
+    } else if std::env::var("NODE_NAME").is_ok_and(|n| !n.trim().is_empty()) {
+        "$NODE_NAME"
+    } else {
+        "the hostname; set --hostname-override for another node"
+    };
+    let mut e = proxy_userspace::inspect::explain(
+        &dir,
+        &snapshot,
+        addr,
+        proto,
+        model.as_ref(),
+        &format!("{} ({node_from})", node.name),
+        &ranges,
+    )?;
     if !pinned {
         e.from = "objects";
     }

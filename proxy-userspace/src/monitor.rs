@@ -284,7 +284,7 @@ pub fn text_line(s: &Shown) -> String {
         s.frontend
     );
     match (&s.backend, s.kind) {
-        (Some(b), "flow-end" | "icmp") => {
+        (Some(b), "flow-end" | "icmp") if s.hook != "sock" => {
             line.push_str(&format!(
                 " rewritten {} -> {b}",
                 s.nat.as_deref().unwrap_or("-")

@@ -40,7 +40,7 @@ const EVENT_ACCESS: &[(&str, &str, &[&str])] = &[
 ];
 
 /// Linux capabilities the agent container must have.
-const CAPABILITIES: &[&str] = &["BPF", "NET_ADMIN", "SYS_ADMIN", "PERFMON"];
+const CAPABILITIES: &[&str] = &["BPF", "NET_ADMIN", "SYS_ADMIN", "PERFMON", "SYS_PTRACE"];
 
 /// Namespaces every cluster has, which the manifests need not create.
 const BUILTIN_NAMESPACES: &[&str] = &["kube-system", "default"];
@@ -367,6 +367,8 @@ fn daemon_set_runs_the_agent_on_every_node_from_the_api() {
     let m = load();
     let (_, pod) = daemon_set(&m);
     assert_eq!(pod.host_network, Some(true), "hostNetwork");
+    // Pods opting out of socket-level translation are found through their processes.
+    assert_eq!(pod.host_pid, Some(true), "hostPID");
     assert_eq!(
         pod.priority_class_name.as_deref(),
         Some("system-node-critical")

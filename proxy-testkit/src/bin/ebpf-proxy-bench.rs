@@ -882,7 +882,159 @@ fn run_ebpf(
 ) -> Result<()> {
     let r = run_ebpf_inner(env, o, svcs, real, change_svc, results, run);
     stop_agent(env);
-    r
+    r?;
+    if o.change_at.contains(&svcs.len()) {
+        let r = run_api_changes(env, o, svcs, change_svc, results, run);
+        stop_agent(env);
+        r?;
+    }
+    Ok(())
+}
+
+/// Seconds between two endpoint changes through the API source: more than kube-proxy's
+/// default `--min-sync-period` (1 s), so each change is programmed alone and unpaced, as a
+/// lone change in a cluster is.
+const API_CHANGE_GAP: Duration = Duration::from_millis(1100);
+
+/// The agent with the Kubernetes API source (the in-process fake API server holding the
+/// same Services and EndpointSlices): one endpoint change at a time, each applied with an
+/// `endpoints.kubernetes.io/last-change-trigger-time` of its apply time, measured until the
+/// pinned maps show it, by the agent (`latency_us`), and by kube-proxy's
+/// `kubeproxy_network_programming_duration_seconds` (its mean: the buckets start at
+/// 250 ms).
+fn run_api_changes(
+    env: &mut Env,
+    o: &Opts,
+    svcs: &[Svc],
+    change_svc: usize,
+    results: &mut Results,
+    run: usize,
+) -> Result<()> {
+    use k8s_openapi::api::{core::v1::Service, discovery::v1::EndpointSlice};
+    use proxy_testkit::fakeapi::FakeApiServer;
+    let n = svcs.len();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let api = rt.block_on(FakeApiServer::start("127.0.0.1:0".parse()?))?;
+    for s in svcs {
+        api.apply_service(serde_json::from_str::<Service>(&rules::service_json(s))?);
+        api.apply_endpoint_slice(serde_json::from_str::<EndpointSlice>(&rules::slice_json(
+            s,
+        ))?);
+    }
+    let kubeconfig = env.scratch.path().join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig)?;
+    let (wall, _) = start_agent(
+        env,
+        o,
+        n,
+        &[
+            "--kubeconfig".into(),
+            kubeconfig.display().to_string(),
+            "--metrics-bind-address".into(),
+            "127.0.0.1:10249".into(),
+        ],
+    )?;
+    eprintln!(
+        "  Ebpf (API source) cold: wall (start to sync done) {:.1} ms",
+        wall.as_secs_f64() * 1e3
+    );
+    results.add(
+        Case::Ebpf,
+        n,
+        run,
+        Sample::ApiColdWallMs(wall.as_secs_f64() * 1e3),
+    );
+    let maps = Maps::open(&env.pins.0)?;
+    let before = programming_sum_count()?;
+    let mut svc = svcs[change_svc].clone();
+    let changes = o.changes.div_ceil(2);
+    for k in 0..changes {
+        check_stop()?;
+        std::thread::sleep(API_CHANGE_GAP);
+        let new_ip = rules::change_addr(k);
+        svc.endpoints[rules::ENDPOINTS - 1].0 = new_ip;
+        let mut slice: EndpointSlice = serde_json::from_str(&rules::slice_json(&svc))?;
+        let now = humantime::format_rfc3339_nanos(std::time::SystemTime::now()).to_string();
+        slice.metadata.annotations = Some(
+            [(
+                "endpoints.kubernetes.io/last-change-trigger-time".to_string(),
+                now,
+            )]
+            .into(),
+        );
+        let syncs = SyncLine::count(&agent_log(env));
+        let t = Instant::now();
+        api.apply_endpoint_slice(slice);
+        let want = v4_mapped(new_ip);
+        let lat = loop {
+            if maps.backends_of(svc.vip).contains(&want) {
+                break t.elapsed();
+            }
+            ensure!(
+                t.elapsed() < Duration::from_secs(30),
+                "API change {k} not in the maps after 30 s"
+            );
+            std::thread::sleep(Duration::from_micros(100));
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let sync = loop {
+            if let Some(l) = SyncLine::nth(&agent_log(env), syncs) {
+                break l;
+            }
+            ensure!(
+                Instant::now() < deadline,
+                "no sync done after API change {k}"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        results.add(
+            Case::Ebpf,
+            n,
+            run,
+            Sample::ApiChangeMs(lat.as_secs_f64() * 1e3),
+        );
+        results.add(
+            Case::Ebpf,
+            n,
+            run,
+            Sample::ApiChangeLatencyMs(sync.latency_us as f64 / 1e3),
+        );
+    }
+    let after = programming_sum_count()?;
+    let count = after.1 - before.1;
+    if count > 0.0 {
+        results.add(
+            Case::Ebpf,
+            n,
+            run,
+            Sample::ApiProgrammingMeanMs((after.0 - before.0) / count * 1e3),
+        );
+    }
+    results.log_api_change(n);
+    Ok(())
+}
+
+/// `_sum` and `_count` of `kubeproxy_network_programming_duration_seconds` (every family)
+/// from the agent's `/metrics` on 127.0.0.1:10249.
+fn programming_sum_count() -> Result<(f64, f64)> {
+    let mut c = TcpStream::connect("127.0.0.1:10249").context("connect to the agent's /metrics")?;
+    c.set_read_timeout(Some(Duration::from_secs(5)))?;
+    c.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")?;
+    let mut text = String::new();
+    c.read_to_string(&mut text)?;
+    let (mut sum, mut count) = (0.0, 0.0);
+    for l in text.lines() {
+        let value = |l: &str| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
+        if l.starts_with("kubeproxy_network_programming_duration_seconds_sum") {
+            sum += value(l).unwrap_or(0.0);
+        } else if l.starts_with("kubeproxy_network_programming_duration_seconds_count") {
+            count += value(l).unwrap_or(0.0);
+        }
+    }
+    Ok((sum, count))
 }
 
 fn run_ebpf_inner(
@@ -897,61 +1049,13 @@ fn run_ebpf_inner(
     let n = svcs.len();
     stop_agent(env);
     write_manifests(&env.manifests, svcs, change_svc)?;
-    let room = |need: usize, default: u32| -> String {
-        (((need as f64 * 1.25) as u32).max(default)).to_string()
-    };
-    let log = fs::File::create(&env.agent_log)?;
     let t0 = Instant::now();
-    let child = Command::new(&env.agent_bin)
-        .args(["run", "--manifests"])
-        .arg(&env.manifests)
-        .arg("--cgroup-path")
-        .arg(env.cg.path())
-        .args([
-            "--pin-dir",
-            PIN_DIR,
-            "--healthz-bind-address",
-            "127.0.0.1:0",
-            "--sync-period",
-            &format!("{}s", VERIFY_PERIOD.as_secs()),
-        ])
-        .args([
-            "--max-frontends",
-            &room(2 * n, proxy_common::DEFAULT_MAX_FRONTENDS),
-        ])
-        .args([
-            "--max-backend-slots",
-            &room(n * rules::ENDPOINTS, proxy_common::DEFAULT_MAX_SLOTS),
-        ])
-        .args([
-            "--max-backends",
-            &room(n * rules::ENDPOINTS, proxy_common::DEFAULT_MAX_BACKENDS),
-        ])
-        .args(&o.agent_arg)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .context("start the agent")?;
-    let pid = child.id();
-    env.agent = Some(ChildGuard::new(child));
-    let deadline = t0 + Duration::from_secs(o.load_timeout);
-    let wall = loop {
-        check_stop()?;
-        if agent_log(env).contains("sync done") {
-            break t0.elapsed();
-        }
-        if let Some(s) = env.agent.as_mut().unwrap().try_wait()? {
-            bail!("agent exited ({s}): {}", agent_log(env));
-        }
-        ensure!(
-            Instant::now() < deadline,
-            "no sync within {}s: {}",
-            o.load_timeout,
-            agent_log(env)
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    };
+    let (wall, pid) = start_agent(
+        env,
+        o,
+        n,
+        &["--manifests".into(), env.manifests.display().to_string()],
+    )?;
     let log = agent_log(env);
     // Kept for a look at where the start-up time went (the last run's of each N).
     let _ = fs::write(o.out.join(format!("agent-cold-{n}.log")), &log);
@@ -1101,6 +1205,68 @@ fn run_ebpf_inner(
         );
     }
     Ok(())
+}
+
+/// Starts the agent on a fresh pin directory with `source` (its source flags) and extra
+/// flags, sized for `n` services, and waits for its first `sync done`. Returns the wall
+/// time from the start to that line and the agent's pid.
+fn start_agent(env: &mut Env, o: &Opts, n: usize, source: &[String]) -> Result<(Duration, u32)> {
+    let room = |need: usize, default: u32| -> String {
+        (((need as f64 * 1.25) as u32).max(default)).to_string()
+    };
+    let log = fs::File::create(&env.agent_log)?;
+    let t0 = Instant::now();
+    let child = Command::new(&env.agent_bin)
+        .arg("run")
+        .args(source)
+        .arg("--cgroup-path")
+        .arg(env.cg.path())
+        .args([
+            "--pin-dir",
+            PIN_DIR,
+            "--healthz-bind-address",
+            "127.0.0.1:0",
+            "--sync-period",
+            &format!("{}s", VERIFY_PERIOD.as_secs()),
+        ])
+        .args([
+            "--max-frontends",
+            &room(2 * n, proxy_common::DEFAULT_MAX_FRONTENDS),
+        ])
+        .args([
+            "--max-backend-slots",
+            &room(n * rules::ENDPOINTS, proxy_common::DEFAULT_MAX_SLOTS),
+        ])
+        .args([
+            "--max-backends",
+            &room(n * rules::ENDPOINTS, proxy_common::DEFAULT_MAX_BACKENDS),
+        ])
+        .args(&o.agent_arg)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .context("start the agent")?;
+    let pid = child.id();
+    env.agent = Some(ChildGuard::new(child));
+    let deadline = t0 + Duration::from_secs(o.load_timeout);
+    let wall = loop {
+        check_stop()?;
+        if agent_log(env).contains("sync done") {
+            break t0.elapsed();
+        }
+        if let Some(s) = env.agent.as_mut().unwrap().try_wait()? {
+            bail!("agent exited ({s}): {}", agent_log(env));
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "no sync within {}s: {}",
+            o.load_timeout,
+            agent_log(env)
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    Ok((wall, pid))
 }
 
 /// The fields of one `sync done` line of the agent's log.

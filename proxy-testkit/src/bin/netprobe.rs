@@ -96,8 +96,10 @@ enum Cmd {
     },
     /// Send UDP datagrams from one socket and wait for each reply; one JSON line per attempt.
     Udp {
-        #[arg(long)]
-        to: SocketAddr,
+        /// Destination; repeated, attempt i sends to the (i mod n)-th (one socket talking
+        /// to several addresses, one family). With --connected only the first is used.
+        #[arg(long, required = true)]
+        to: Vec<SocketAddr>,
         #[arg(long, default_value_t = 1)]
         count: u32,
         /// connect() the socket and use send(); otherwise sendto() on the same socket.
@@ -111,6 +113,19 @@ enum Cmd {
         /// application does to recover a socket whose endpoint went away) and retry once.
         #[arg(long)]
         reconnect: bool,
+    },
+    /// A sidecar proxy as a service mesh runs one: accepts the TCP connections an iptables
+    /// `REDIRECT` sends to `--listen`, reads each one's original destination
+    /// (`SO_ORIGINAL_DST`), prints it as JSON (`original_dst`), connects onward to it with
+    /// `SO_MARK` `--mark` (which the REDIRECT rule must exclude) and relays both ways.
+    Sidecar {
+        #[arg(long)]
+        listen: SocketAddr,
+        #[arg(long, default_value_t = 1337)]
+        mark: u32,
+        /// Exit after this many connections ended.
+        #[arg(long, default_value_t = 1)]
+        count: u32,
     },
     /// Run the end-to-end demo (needs root): a lab of pod namespaces, the agent, traffic.
     Demo {
@@ -180,6 +195,11 @@ fn main() -> ExitCode {
             Duration::from_millis(interval_ms),
             Duration::from_millis(timeout_ms),
         ),
+        Cmd::Sidecar {
+            listen,
+            mark,
+            count,
+        } => sidecar(listen, mark, count).map(|()| true),
         Cmd::Demo { agent, manifests } => demo::run(&agent, &manifests).map(|()| true),
     };
     match r {
@@ -527,13 +547,14 @@ fn tcp_interactive(to: SocketAddr, timeout: Duration) -> Result<bool> {
 }
 
 fn udp_probe(
-    to: SocketAddr,
+    dests: Vec<SocketAddr>,
     count: u32,
     connected: bool,
     reconnect: bool,
     interval: Duration,
     timeout: Duration,
 ) -> Result<bool> {
+    let to = dests[0];
     let bind: SocketAddr = if to.is_ipv4() {
         (Ipv4Addr::UNSPECIFIED, 0).into()
     } else {
@@ -564,7 +585,7 @@ fn udp_probe(
                     sock.send(b"ping")?;
                 }
             } else {
-                sock.send_to(b"ping", to)?;
+                sock.send_to(b"ping", dests[i as usize % dests.len()])?;
             }
             let (n, from) = sock.recv_from(&mut buf)?;
             let mut v = json!({
@@ -1128,4 +1149,71 @@ mod demo {
         std::thread::sleep(Duration::from_secs(1));
         Ok(())
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// sidecar
+// ---------------------------------------------------------------------------------------
+
+/// The original destination of a connection an iptables `REDIRECT` (IPv4) sent here.
+fn original_dst(s: &TcpStream) -> io::Result<SocketAddr> {
+    use std::os::fd::AsRawFd;
+    /// `SO_ORIGINAL_DST` (`linux/netfilter_ipv4.h`).
+    const SO_ORIGINAL_DST: libc::c_int = 80;
+    // SAFETY: a zeroed sockaddr_in is valid.
+    let mut sa: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: getsockopt(2) into a sockaddr_in we own, with its size.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::SOL_IP,
+            SO_ORIGINAL_DST,
+            (&mut sa as *mut libc::sockaddr_in).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let ip = Ipv4Addr::from(u32::from_be(sa.sin_addr.s_addr));
+    Ok(SocketAddr::from((ip, u16::from_be(sa.sin_port))))
+}
+
+/// See `Cmd::Sidecar`.
+fn sidecar(listen: SocketAddr, mark: u32, count: u32) -> Result<()> {
+    let l = std::net::TcpListener::bind(listen).with_context(|| format!("bind {listen}"))?;
+    let mut relays = Vec::new();
+    for _ in 0..count {
+        let (inbound, _) = l.accept()?;
+        let dst = original_dst(&inbound).context("SO_ORIGINAL_DST")?;
+        let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+        sock.set_mark(mark)?;
+        let onward = sock
+            .connect_timeout(&dst.into(), Duration::from_secs(2))
+            .map(|()| TcpStream::from(sock));
+        let peer = onward
+            .as_ref()
+            .ok()
+            .and_then(|o| o.peer_addr().ok())
+            .map(|a| a.to_string());
+        print_json(
+            &json!({ "ok": onward.is_ok(), "original_dst": dst.to_string(), "onward_peer": peer }),
+        );
+        let Ok(onward) = onward else { continue };
+        let (mut a_r, mut a_w) = (inbound.try_clone()?, inbound);
+        let (mut b_r, mut b_w) = (onward.try_clone()?, onward);
+        relays.push(std::thread::spawn(move || {
+            let _ = io::copy(&mut a_r, &mut b_w);
+            let _ = b_w.shutdown(std::net::Shutdown::Write);
+        }));
+        relays.push(std::thread::spawn(move || {
+            let _ = io::copy(&mut b_r, &mut a_w);
+            let _ = a_w.shutdown(std::net::Shutdown::Write);
+        }));
+    }
+    for r in relays {
+        let _ = r.join();
+    }
+    Ok(())
 }

@@ -278,6 +278,7 @@ impl Harness {
             .try_into()
             .expect("an XDP program");
         p.load().unwrap_or_else(|e| panic!("load {XDP}: {e:#}"));
+        proxy_userspace::datapath::tc::install_tail_calls(&mut ebpf).expect("tail calls");
         Harness { dir, ebpf }
     }
 

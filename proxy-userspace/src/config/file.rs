@@ -751,7 +751,11 @@ pub fn validate(file: &KubeProxyConfiguration) -> Result<Loaded> {
         );
         w.unknown("detectLocal.", &d.other);
     }
-    // ClusterCIDR is what ebpf-proxy does with clusterCIDR; the other modes are not.
+    // kube-proxy refuses a mode it does not know; ClusterCIDR is what ebpf-proxy does with
+    // clusterCIDR, the other modes are not.
+    if let Some(m) = text(&file.detect_local_mode) {
+        super::check_detect_local_mode(m).map_err(|e| anyhow::anyhow!("detectLocalMode: {e}"))?;
+    }
     w.inert(
         "detectLocalMode",
         text(&file.detect_local_mode).is_some_and(|m| m != "ClusterCIDR"),

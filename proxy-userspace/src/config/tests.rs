@@ -264,11 +264,27 @@ fn each_invalid_value_names_the_field() {
         ),
         (
             "hostnameOverride: [a]\n",
-            "not a KubeProxyConfiguration document",
+            "not a KubeProxyConfiguration document: hostnameOverride: expected a string, found a list",
         ),
         (
             "enableProfiling: yes please\n",
-            "not a KubeProxyConfiguration document",
+            "enableProfiling: expected true or false, found the string \"yes please\" (line 3)",
+        ),
+        (
+            "conntrack:\n  tcpBeLiberal: 1\n",
+            "conntrack.tcpBeLiberal: expected true or false, found the number 1",
+        ),
+        (
+            "conntrack: 5\n",
+            "conntrack: expected a mapping of fields, found the number 5",
+        ),
+        (
+            "nodePortAddresses: 10.0.0.0/8\n",
+            "nodePortAddresses: expected a list, found the string \"10.0.0.0/8\"",
+        ),
+        (
+            "detectLocalMode: Bogus\n",
+            "detectLocalMode: \"Bogus\" is not a local-traffic detection mode: use ClusterCIDR, NodeCIDR, BridgeInterface, InterfaceNamePrefix (or leave it empty)",
         ),
     ] {
         let e = format!("{:#}", parse(&body(text)).unwrap_err());
@@ -951,6 +967,36 @@ fn written_configuration_runs_the_same_agent() {
     assert!(l.warnings.is_empty(), "{:?}", l.warnings);
 }
 
+/// `conntrack.maxPerCore` left to its default is written as null: ebpf-proxy reads it
+/// back as its 0, kube-proxy (after a rollback) as its 32768 rather than as "leave
+/// nf_conntrack_max alone". A value given, 0 included, is written as given.
+#[test]
+fn written_max_per_core_is_null_unless_given() {
+    let yaml = resolve(&[], None).unwrap().kube_proxy_configuration();
+    assert!(yaml.lines().any(|l| l == "  maxPerCore: null"), "{yaml}");
+    assert!(yaml.lines().any(|l| l == "  min: 131072"), "{yaml}");
+    let back = AgentConfig::resolve(flags(&[]), Some(parse(&yaml).unwrap().settings)).unwrap();
+    assert_eq!(back.tc.conntrack_max_per_core, 0);
+    for (argv, file, line) in [
+        (&["--conntrack-max-per-core=0"][..], None, "  maxPerCore: 0"),
+        (
+            &["--conntrack-max-per-core=32768"][..],
+            None,
+            "  maxPerCore: 32768",
+        ),
+        (
+            &[][..],
+            Some(body("conntrack:\n  maxPerCore: 0\n")),
+            "  maxPerCore: 0",
+        ),
+    ] {
+        let yaml = resolve(argv, file.as_deref())
+            .unwrap()
+            .kube_proxy_configuration();
+        assert!(yaml.lines().any(|l| l == line), "{argv:?}: {yaml}");
+    }
+}
+
 #[test]
 fn flags_given_override_the_file_even_at_their_default_value() {
     const FILE: &str = "apiVersion: kubeproxy.config.k8s.io/v1alpha1
@@ -1044,4 +1090,125 @@ fn readme_example_is_valid_and_quiet() {
     assert_eq!(l.warnings, Vec::<String>::new());
     assert_eq!(l.settings.log_format, Some(LogFormat::Json));
     assert_eq!(l.settings.sync_period, Some(Duration::from_secs(30)));
+}
+
+#[test]
+fn type_errors_of_the_file_name_no_rust_types() {
+    for text in [
+        "enableProfiling: 3\n",
+        "clientConnection:\n  kubeconfig: [x]\n",
+        "featureGates: {A: maybe}\n",
+        "ipvs: [1]\n",
+        "bindAddressHardFail: null\nmode: {a: 1}\n",
+    ] {
+        let e = format!("{:#}", parse(&body(text)).unwrap_err());
+        for rust in ["invalid type", "u32", "i64", "struct ", "bool", "column"] {
+            assert!(!e.contains(rust), "{text:?}: {e}");
+        }
+        assert!(e.contains("expected "), "{text:?}: {e}");
+    }
+    assert_eq!(
+        plain_type_error("invalid type: string \"x\", expected u32 at line 4 column 7"),
+        "expected a whole number, found the string \"x\""
+    );
+    assert_eq!(plain_type_error("something else"), "something else");
+}
+
+#[test]
+fn ranged_flags_say_their_range_in_words() {
+    for (arg, expected) in [
+        ("--max-frontends=0", "must be a number from 1 to 4294967295"),
+        ("--max-sockets=x", "must be a number from 1 to 4294967295"),
+        ("--healthz-port=70000", "must be a number from 0 to 65535"),
+        ("--metrics-port=-1", "must be a number from 0 to 65535"),
+        (
+            "--oom-score-adj=5000",
+            "must be a number from -1000 to 1000",
+        ),
+        (
+            "--conntrack-max-per-core=-1",
+            "must be a number from 0 to 16777216",
+        ),
+        ("-v=x", "must be a number from 0 to 4294967295"),
+        (
+            "--iptables-masquerade-bit=32",
+            "must be a number from 0 to 31",
+        ),
+        (
+            "--kube-api-burst=-1",
+            "must be a number from 0 to 2147483647",
+        ),
+        (
+            "--kube-api-qps=fast",
+            "must be a number of queries per second",
+        ),
+    ] {
+        let e = flags_err(&[arg]);
+        assert!(e.contains(expected), "{arg}: {e}");
+        assert!(!e.contains("..="), "{arg}: {e}");
+        assert!(!e.contains("invalid digit"), "{arg}: {e}");
+    }
+    // In range, the value is taken.
+    let f = flags(&[
+        "--healthz-port=0",
+        "--oom-score-adj=-1000",
+        "--max-frontends=7",
+    ]);
+    assert_eq!(f.kube_proxy.healthz_port, Some(0));
+    assert_eq!(f.kube_proxy.oom_score_adj, Some(-1000));
+    assert_eq!(f.max_frontends, Some(7));
+}
+
+#[test]
+fn unknown_detect_local_modes_are_refused_as_kube_proxy_does() {
+    let e = flags_err(&["--detect-local-mode=Bogus"]);
+    assert!(
+        e.contains(
+            "\"Bogus\" is not a local-traffic detection mode: use ClusterCIDR, NodeCIDR, BridgeInterface, InterfaceNamePrefix (or leave it empty)"
+        ),
+        "{e}"
+    );
+    // Case matters, as in kube-proxy.
+    assert!(flags_err(&["--detect-local-mode=clustercidr"]).contains("not a local-traffic"));
+    for m in DETECT_LOCAL_MODES.iter().chain(&[""]) {
+        let c = resolve(&[&format!("--detect-local-mode={m}")], None).unwrap();
+        // Only the modes without an effect here are warned about.
+        assert_eq!(
+            c.warnings.len(),
+            usize::from(!m.is_empty() && *m != "ClusterCIDR"),
+            "{m}: {:?}",
+            c.warnings
+        );
+    }
+    for m in DETECT_LOCAL_MODES {
+        parse(&body(&format!("detectLocalMode: {m}\n"))).unwrap();
+    }
+}
+
+#[test]
+fn file_warnings_name_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.conf");
+    std::fs::write(&path, body("fooBar: 1\nenableProfiling: true\n")).unwrap();
+    let l = load(&path).unwrap();
+    assert_eq!(
+        l.warnings,
+        [
+            format!(
+                "--config {}: field \"enableProfiling\" has no effect in ebpf-proxy: ignored",
+                path.display()
+            ),
+            format!(
+                "--config {}: unknown field \"fooBar\" (not in kubeproxy.config.k8s.io/v1alpha1 KubeProxyConfiguration): ignored",
+                path.display()
+            ),
+        ]
+    );
+    // A type error names the file, the field and the line.
+    std::fs::write(&path, body("conntrack:\n  maxPerCore: []\n")).unwrap();
+    let e = format!("{:#}", load(&path).unwrap_err());
+    assert!(
+        e.starts_with(&format!("--config {}: ", path.display())),
+        "{e}"
+    );
 }

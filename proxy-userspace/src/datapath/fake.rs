@@ -70,6 +70,11 @@ pub struct FakeDatapath {
     pub collections: usize,
     /// When set, the service-map write after this many more succeeds fails (EIO), once.
     pub fail_after: Option<usize>,
+    /// Batch as the kernel data path does: between [`ServiceMaps::begin_bulk`] and
+    /// [`ServiceMaps::end_bulk`], puts are buffered and written (and logged) in its order.
+    /// Off: every put is written at once.
+    pub batching: bool,
+    bulk: Option<Vec<Op>>,
 }
 
 impl FakeDatapath {
@@ -88,7 +93,53 @@ impl FakeDatapath {
             busy_ports: BTreeSet::new(),
             collections: 0,
             fail_after: None,
+            batching: false,
+            bulk: None,
         }
+    }
+
+    /// Buffers a put during a bulk write; false when it is to be written now.
+    fn buffered(&mut self, op: impl FnOnce() -> Op) -> bool {
+        match &mut self.bulk {
+            Some(b) => {
+                b.push(op());
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Writes the buffered puts in the kernel data path's order (backends, memberships,
+    /// slots, names, frontends; each map's in the order made).
+    fn flush(&mut self) -> Result<(), DatapathError> {
+        let Some(mut ops) = self.bulk.as_mut().map(std::mem::take) else {
+            return Ok(());
+        };
+        let rank = |op: &Op| match op {
+            Op::PutBackend(..) => 0,
+            Op::PutMember(..) => 1,
+            Op::PutSlot(..) => 2,
+            Op::PutName(..) => 3,
+            _ => 4,
+        };
+        ops.sort_by_key(rank);
+        let bulk = self.bulk.take();
+        let mut r = Ok(());
+        for op in ops {
+            r = match op {
+                Op::PutBackend(id, v) => self.put_backend(id, &v),
+                Op::PutMember(k, w) => self.put_member(&k, w),
+                Op::PutSlot(k, b) => self.put_slot(&k, b),
+                Op::PutName(id, n) => self.put_name(id, &n),
+                Op::PutFrontend(k, v) => self.put_frontend(&k, &v),
+                other => unreachable!("only puts are buffered: {other:?}"),
+            };
+            if r.is_err() {
+                break;
+            }
+        }
+        self.bulk = bulk;
+        r
     }
 
     /// Counts down [`FakeDatapath::fail_after`]; an error when it reaches zero.
@@ -133,7 +184,20 @@ impl ServiceMaps for FakeDatapath {
     fn snapshot(&self) -> Result<Snapshot, DatapathError> {
         Ok(self.state.clone())
     }
+    fn begin_bulk(&mut self) {
+        if self.batching {
+            self.bulk.get_or_insert_with(Vec::new);
+        }
+    }
+    fn end_bulk(&mut self) -> Result<(), DatapathError> {
+        let r = self.flush();
+        self.bulk = None;
+        r
+    }
     fn put_frontend(&mut self, key: &FrontendKey, value: &Frontend) -> Result<(), DatapathError> {
+        if self.buffered(|| Op::PutFrontend(*key, *value)) {
+            return Ok(());
+        }
         self.injected("FRONTENDS")?;
         let m = &mut self.state.frontends;
         if !m.contains_key(key) && m.len() >= self.cap.frontends as usize {
@@ -144,11 +208,15 @@ impl ServiceMaps for FakeDatapath {
         Ok(())
     }
     fn delete_frontend(&mut self, key: &FrontendKey) -> Result<(), DatapathError> {
+        self.flush()?;
         self.state.frontends.remove(key);
         self.log.push(Op::DeleteFrontend(*key));
         Ok(())
     }
     fn put_slot(&mut self, key: &BackendSlotKey, backend_id: u32) -> Result<(), DatapathError> {
+        if self.buffered(|| Op::PutSlot(*key, backend_id)) {
+            return Ok(());
+        }
         self.injected("BACKEND_SLOTS")?;
         let m = &mut self.state.slots;
         if !m.contains_key(key) && m.len() >= self.cap.slots as usize {
@@ -159,11 +227,15 @@ impl ServiceMaps for FakeDatapath {
         Ok(())
     }
     fn delete_slot(&mut self, key: &BackendSlotKey) -> Result<(), DatapathError> {
+        self.flush()?;
         self.state.slots.remove(key);
         self.log.push(Op::DeleteSlot(*key));
         Ok(())
     }
     fn put_backend(&mut self, id: u32, value: &Backend) -> Result<(), DatapathError> {
+        if self.buffered(|| Op::PutBackend(id, *value)) {
+            return Ok(());
+        }
         self.injected("BACKENDS")?;
         let m = &mut self.state.backends;
         if !m.contains_key(&id) && m.len() >= self.cap.backends as usize {
@@ -174,11 +246,15 @@ impl ServiceMaps for FakeDatapath {
         Ok(())
     }
     fn delete_backend(&mut self, id: u32) -> Result<(), DatapathError> {
+        self.flush()?;
         self.state.backends.remove(&id);
         self.log.push(Op::DeleteBackend(id));
         Ok(())
     }
     fn put_name(&mut self, service_id: u32, name: &str) -> Result<(), DatapathError> {
+        if self.buffered(|| Op::PutName(service_id, name.to_string())) {
+            return Ok(());
+        }
         self.injected("SERVICE_NAMES")?;
         let m = &mut self.state.names;
         if !m.contains_key(&service_id) && m.len() >= self.cap.services as usize {
@@ -189,11 +265,15 @@ impl ServiceMaps for FakeDatapath {
         Ok(())
     }
     fn delete_name(&mut self, service_id: u32) -> Result<(), DatapathError> {
+        self.flush()?;
         self.state.names.remove(&service_id);
         self.log.push(Op::DeleteName(service_id));
         Ok(())
     }
     fn put_member(&mut self, key: &MemberKey, weight: u32) -> Result<(), DatapathError> {
+        if self.buffered(|| Op::PutMember(*key, weight)) {
+            return Ok(());
+        }
         self.injected("MEMBERS")?;
         let m = &mut self.state.members;
         if !m.contains_key(key) && m.len() >= self.cap.slots as usize {
@@ -204,6 +284,7 @@ impl ServiceMaps for FakeDatapath {
         Ok(())
     }
     fn delete_member(&mut self, key: &MemberKey) -> Result<(), DatapathError> {
+        self.flush()?;
         self.state.members.remove(key);
         self.log.push(Op::DeleteMember(*key));
         Ok(())
@@ -212,12 +293,14 @@ impl ServiceMaps for FakeDatapath {
         Ok(self.tables.get(&service_id).cloned())
     }
     fn put_maglev(&mut self, service_id: u32, table: &[u32]) -> Result<(), DatapathError> {
+        self.flush()?;
         self.tables.insert(service_id, table.to_vec());
         self.state.maglev.insert(service_id);
         self.log.push(Op::PutMaglev(service_id, table.to_vec()));
         Ok(())
     }
     fn delete_maglev(&mut self, service_id: u32) -> Result<(), DatapathError> {
+        self.flush()?;
         self.tables.remove(&service_id);
         self.state.maglev.remove(&service_id);
         self.log.push(Op::DeleteMaglev(service_id));
@@ -227,6 +310,7 @@ impl ServiceMaps for FakeDatapath {
         &mut self,
         released: &[(u32, u32, Backend)],
     ) -> Result<Released, DatapathError> {
+        self.flush()?;
         self.log.push(Op::Release(released.to_vec()));
         Ok(Released::default())
     }

@@ -55,6 +55,12 @@ impl ServiceMaps for KernelDatapath {
     fn snapshot(&self) -> Result<Snapshot, DatapathError> {
         self.maps.snapshot()
     }
+    fn begin_bulk(&mut self) {
+        self.maps.begin_bulk()
+    }
+    fn end_bulk(&mut self) -> Result<(), DatapathError> {
+        self.maps.end_bulk()
+    }
     fn put_frontend(&mut self, key: &FrontendKey, value: &Frontend) -> Result<(), DatapathError> {
         self.maps.put_frontend(key, value)
     }

@@ -205,6 +205,17 @@ fn denied(e: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
+/// Every map the programs share through the pin directory: the socket path's, the tc
+/// path's and the monitor's. Every load of the object pins exactly these, so programs loaded
+/// later (the egress program attached on demand) see the same maps as the first load.
+pub fn pinned_maps() -> impl Iterator<Item = &'static str> {
+    ALL_MAPS
+        .iter()
+        .chain(proxy_common::nat::TC_MAPS.iter())
+        .chain(proxy_common::monitor::MONITOR_MAPS.iter())
+        .copied()
+}
+
 /// Removes the pins of maps whose layout differs from this binary's object: map type, key
 /// size, value size or creation flags (an agent upgrade across a layout change). The load
 /// that follows creates them anew; adopting them instead would make the programs fail
@@ -214,13 +225,9 @@ fn denied(e: &(dyn std::error::Error + 'static)) -> bool {
 pub fn replace_incompatible_pins(dir: &Path) -> Result<Vec<(&'static str, String)>> {
     let obj = aya_obj::Object::parse(OBJECT).context("load: parse the embedded object")?;
     let mut replaced = Vec::new();
-    for name in ALL_MAPS
-        .iter()
-        .chain(proxy_common::nat::TC_MAPS.iter())
-        .chain(proxy_common::monitor::MONITOR_MAPS.iter())
-    {
+    for name in pinned_maps() {
         let path = dir.join(name);
-        let (Some(want), Ok(have)) = (obj.maps.get(*name), aya::maps::MapInfo::from_pin(&path))
+        let (Some(want), Ok(have)) = (obj.maps.get(name), aya::maps::MapInfo::from_pin(&path))
         else {
             continue;
         };
@@ -238,7 +245,7 @@ pub fn replace_incompatible_pins(dir: &Path) -> Result<Vec<(&'static str, String
         if !diffs.is_empty() {
             fs::remove_file(&path)
                 .with_context(|| format!("pin: remove incompatible {}", path.display()))?;
-            replaced.push((*name, diffs.join(", ")));
+            replaced.push((name, diffs.join(", ")));
         }
     }
     Ok(replaced)
@@ -387,12 +394,7 @@ pub fn load_pinned(dir: &Path, sizes: MapSizes) -> Result<Ebpf> {
     }
     fs::create_dir_all(dir)
         .with_context(|| format!("pin: create pin directory {}", dir.display()))?;
-    let pins: Vec<(&str, PathBuf)> = (ALL_MAPS
-        .iter()
-        .chain(proxy_common::nat::TC_MAPS.iter())
-        .chain(proxy_common::monitor::MONITOR_MAPS.iter()))
-    .map(|m| (*m, dir.join(m)))
-    .collect();
+    let pins: Vec<(&str, PathBuf)> = pinned_maps().map(|m| (m, dir.join(m))).collect();
     for (name, why) in replace_incompatible_pins(dir)? {
         tracing::warn!(map = name, %why, "a pinned map has another layout than this version's (an upgrade): it is created anew and its entries are lost; the old programs keep the old map until their links are replaced");
     }
@@ -516,7 +518,7 @@ pub fn attach_egress(dir: &Path, cgroup: &Path) -> Result<bool> {
         return Ok(false);
     }
     let mut loader = EbpfLoader::new();
-    for name in ALL_MAPS.iter().chain(proxy_common::nat::TC_MAPS.iter()) {
+    for name in pinned_maps() {
         loader.map_pin_path(name, dir.join(name));
     }
     let mut ebpf = loader.load(OBJECT).map_err(|e| load_error(e, true))?;
@@ -622,12 +624,7 @@ pub fn cleanup(dir: &Path) -> Result<CleanupReport> {
                 Err(_) => drop(fs::remove_file(&path)),
             }
             r.links.push(path);
-        } else if ALL_MAPS
-            .iter()
-            .chain(proxy_common::nat::TC_MAPS.iter())
-            .chain(proxy_common::monitor::MONITOR_MAPS.iter())
-            .any(|m| *m == name)
-        {
+        } else if pinned_maps().any(|m| m == name) {
             fs::remove_file(&path).with_context(|| format!("remove {}", path.display()))?;
             r.maps.push(path);
         }

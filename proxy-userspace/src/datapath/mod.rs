@@ -6,6 +6,8 @@
 //! [`Datapath`] is all four.
 
 pub mod addr;
+pub mod batch;
+pub mod bypass;
 pub mod fake;
 pub mod kernel;
 pub mod loader;
@@ -88,6 +90,17 @@ pub trait ServiceMaps {
     fn capacity(&self) -> Capacity;
     /// Reads every service map.
     fn snapshot(&self) -> Result<Snapshot, DatapathError>;
+    /// Starts a bulk write: the puts that follow may be buffered and written together (one
+    /// system call per few thousand entries) by [`ServiceMaps::end_bulk`], or before any
+    /// other operation, in the order backends, memberships, slots, names, frontends, so a
+    /// frontend is never visible before what it points to. The default writes each put at
+    /// once.
+    fn begin_bulk(&mut self) {}
+    /// Writes what the bulk write buffered and ends it. Errors: the first failed batch; the
+    /// buffered puts after it are not written (verify the maps to repair).
+    fn end_bulk(&mut self) -> Result<(), DatapathError> {
+        Ok(())
+    }
     /// Creates or replaces a frontend.
     fn put_frontend(&mut self, key: &FrontendKey, value: &Frontend) -> Result<(), DatapathError>;
     /// Removes a frontend (absent is not an error).

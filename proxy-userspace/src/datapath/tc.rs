@@ -35,13 +35,10 @@ use aya::{
     },
 };
 use ipnet::IpNet;
-use proxy_common::{
-    ALL_MAPS,
-    nat::{
-        CONNTRACK, CtEntry, CtKey, IFACE_ADDRS, IfaceAddr, LC_FLOWS, LOCAL_ENDPOINTS,
-        SOURCE_RANGES, SourceRange, TC_CFG_CLUSTER_CIDR_V4, TC_CFG_CLUSTER_CIDR_V6,
-        TC_CFG_MASQUERADE_ALL, TC_CONFIG, TC_MAPS, TcConfig, TcCounter, ct_closed, ct_timeout_ns,
-    },
+use proxy_common::nat::{
+    CONNTRACK, CtEntry, CtKey, IFACE_ADDRS, IfaceAddr, LC_FLOWS, LOCAL_ENDPOINTS, SOURCE_RANGES,
+    SourceRange, TC_CFG_CLUSTER_CIDR_V4, TC_CFG_CLUSTER_CIDR_V6, TC_CFG_MASQUERADE_ALL, TC_CONFIG,
+    TcConfig, TcCounter, ct_closed, ct_timeout_ns,
 };
 
 use crate::datapath::{NodeSnapshot, loader::OBJECT};
@@ -123,9 +120,10 @@ impl Default for TcSettings {
 }
 
 /// Default of `--conntrack-max-per-core`: 0, not kube-proxy's 32768, because the table is
-/// preallocated (a 64-core node would get 2M flows, about 670 MiB).
+/// preallocated (a 64-core node would get 2M flows, about 640 MiB).
 pub const DEFAULT_CONNTRACK_MAX_PER_CORE: u32 = 0;
-/// Default of `--conntrack-min` (kube-proxy's): 131072 flows, about 42 MiB.
+/// Default of `--conntrack-min` (kube-proxy's): 131072 flows, about 40 MiB
+/// ([`conntrack_prealloc_bytes`]).
 pub const DEFAULT_CONNTRACK_MIN: u32 = 131072;
 /// Smallest conntrack table in flows: the kernel's LRU maps evict in per-CPU batches, and
 /// much smaller tables lose flows that are in use.
@@ -138,16 +136,180 @@ impl TcSettings {
     /// `nf_conntrack_max` (pkg/proxy/conntrack: `getConntrackMax`), within
     /// [`MIN_CONNTRACK_FLOWS`]..=[`MAX_CONNTRACK_FLOWS`].
     pub fn conntrack_flows(&self) -> u32 {
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
-        let per_core = self.conntrack_max_per_core as u64 * cpus;
-        per_core
-            .max(self.conntrack_min as u64)
-            .clamp(MIN_CONNTRACK_FLOWS as u64, MAX_CONNTRACK_FLOWS as u64) as u32
+        self.conntrack_size().flows
     }
+
+    /// The conntrack table's size on this node (CPUs from `available_parallelism`).
+    pub fn conntrack_size(&self) -> ConntrackSize {
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        self.conntrack_size_for(u32::try_from(cpus).unwrap_or(u32::MAX))
+    }
+
+    /// The conntrack table's size for `cpus` CPUs: see [`TcSettings::conntrack_flows`].
+    pub fn conntrack_size_for(&self, cpus: u32) -> ConntrackSize {
+        let per_core = self.conntrack_max_per_core as u64 * cpus as u64;
+        let flows = per_core
+            .max(self.conntrack_min as u64)
+            .clamp(MIN_CONNTRACK_FLOWS as u64, MAX_CONNTRACK_FLOWS as u64)
+            as u32;
+        ConntrackSize {
+            flows,
+            cpus,
+            max_per_core: self.conntrack_max_per_core,
+            min: self.conntrack_min,
+            from_per_core: per_core > self.conntrack_min as u64,
+            bytes: conntrack_prealloc_bytes(flows),
+        }
+    }
+}
+
+/// Bytes the kernel adds to each element of a preallocated hash map: `struct htab_elem`
+/// (kernel/bpf/hashtab.c: list node, LRU node, hash; 48 bytes on 64-bit kernels), before
+/// the key and the value, each rounded up to 8 bytes.
+pub const HTAB_ELEM_OVERHEAD: u64 = 48;
+/// Bytes of one hash bucket (`struct bucket`: list head and lock); a map has
+/// `roundup_pow_of_two(max_entries)` of them.
+pub const HTAB_BUCKET_BYTES: u64 = 16;
+/// Preallocation above which the agent and `check` warn about the conntrack table.
+pub const CONNTRACK_WARN_BYTES: u64 = 256 << 20;
+/// Share of the agent's cgroup `memory.max` above which they warn (BPF maps are charged
+/// to the memory cgroup of the process that creates them): a quarter.
+pub const CONNTRACK_WARN_MEMORY_SHARE: u64 = 4;
+
+/// Bytes the kernel preallocates for a conntrack table of `flows` flows: `TC_CONNTRACK`
+/// (an LRU hash: two entries per flow, each [`HTAB_ELEM_OVERHEAD`] + [`CtKey`] + [`CtEntry`],
+/// and its buckets). `TC_LC_FLOWS` is not preallocated (`BPF_F_NO_PREALLOC`).
+pub fn conntrack_prealloc_bytes(flows: u32) -> u64 {
+    let round8 = |n: usize| (n as u64).div_ceil(8) * 8;
+    let entries = (flows as u64 * 2).max(2);
+    let elem = HTAB_ELEM_OVERHEAD + round8(size_of::<CtKey>()) + round8(size_of::<CtEntry>());
+    entries * elem + entries.next_power_of_two() * HTAB_BUCKET_BYTES
+}
+
+/// The north-south conntrack table's size and where it came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConntrackSize {
+    /// Flows it holds (twice as many map entries).
+    pub flows: u32,
+    /// CPUs counted.
+    pub cpus: u32,
+    /// `--conntrack-max-per-core` / `conntrack.maxPerCore`.
+    pub max_per_core: u32,
+    /// `--conntrack-min` / `conntrack.min`.
+    pub min: u32,
+    /// The size is per-core x CPUs (else the minimum decided).
+    pub from_per_core: bool,
+    /// Bytes preallocated ([`conntrack_prealloc_bytes`]).
+    pub bytes: u64,
+}
+
+/// `bytes` in MiB, rounded to the nearest.
+fn mib(bytes: u64) -> u64 {
+    (bytes + (1 << 19)) >> 20
+}
+
+impl ConntrackSize {
+    /// One line: flows, MiB preallocated, and the rule that gave the size.
+    pub fn describe(&self) -> String {
+        let origin = if self.from_per_core {
+            format!(
+                "conntrack.maxPerCore (--conntrack-max-per-core) {} x {} CPUs, above conntrack.min {}",
+                self.max_per_core, self.cpus, self.min
+            )
+        } else if self.max_per_core == 0 {
+            format!(
+                "conntrack.min (--conntrack-min) {}; conntrack.maxPerCore is 0",
+                self.min
+            )
+        } else {
+            format!(
+                "conntrack.min (--conntrack-min) {}, above conntrack.maxPerCore {} x {} CPUs",
+                self.min, self.max_per_core, self.cpus
+            )
+        };
+        let clamp = if self.flows as u64
+            != (self.max_per_core as u64 * self.cpus as u64).max(self.min as u64)
+        {
+            format!(" (limited to {MIN_CONNTRACK_FLOWS}..{MAX_CONNTRACK_FLOWS} flows)")
+        } else {
+            String::new()
+        };
+        format!(
+            "north-south conntrack table: {} flows, {} MiB preallocated, from {origin}{clamp}",
+            self.flows,
+            mib(self.bytes)
+        )
+    }
+
+    /// Why the preallocation is large: above [`CONNTRACK_WARN_BYTES`], or
+    /// above a [`CONNTRACK_WARN_MEMORY_SHARE`]th of `memory_max` (the agent's cgroup
+    /// `memory.max` in bytes, when it has one); `None` otherwise.
+    pub fn excess(&self, memory_max: Option<u64>) -> Option<String> {
+        let share = memory_max.filter(|m| self.bytes > m / CONNTRACK_WARN_MEMORY_SHARE);
+        if self.bytes <= CONNTRACK_WARN_BYTES && share.is_none() {
+            return None;
+        }
+        let why = match share {
+            Some(m) => format!(
+                "more than a quarter of this container's memory limit (memory.max {} MiB), to which BPF maps are charged",
+                mib(m)
+            ),
+            None => format!("more than {} MiB", mib(CONNTRACK_WARN_BYTES)),
+        };
+        Some(format!(
+            "{why}; unlike the kernel's conntrack limit that kube-proxy sets from the same settings, this memory is taken at start whatever the traffic"
+        ))
+    }
+
+    /// What to do about a large table.
+    pub fn remedy() -> String {
+        format!(
+            "set conntrack.maxPerCore: 0 (--conntrack-max-per-core=0) and size the table with conntrack.min (--conntrack-min), e.g. {DEFAULT_CONNTRACK_MIN} flows = {} MiB",
+            mib(conntrack_prealloc_bytes(DEFAULT_CONNTRACK_MIN))
+        )
+    }
+}
+
+/// `memory.max` of this process's cgroup v2 in bytes (`/proc/self/cgroup`, under the
+/// cgroup2 mount); `None` when unlimited (`max`) or not readable.
+pub fn own_cgroup_memory_max() -> Option<u64> {
+    let root = crate::mounts::cgroup2_root().ok()?;
+    let own = fs::read_to_string("/proc/self/cgroup").ok()?;
+    let rel = own.lines().find_map(|l| l.strip_prefix("0::"))?;
+    let path = root.join(rel.trim().trim_start_matches('/'));
+    parse_memory_max(&fs::read_to_string(path.join("memory.max")).ok()?)
+}
+
+/// A cgroup v2 `memory.max` file's content: bytes, or `None` for `max`.
+pub fn parse_memory_max(text: &str) -> Option<u64> {
+    text.trim().parse().ok()
 }
 
 /// Name of the ingress program in the object.
 pub const INGRESS_PROGRAM: &str = "tc_ingress";
+/// The program `tc_ingress` tail-calls to reject a packet to a frontend without endpoints.
+pub const REJECT_PROGRAM: &str = "tc_reject";
+
+/// Loads the programs `tc_ingress` tail-calls (`tc_reject`) and writes them into the
+/// tail-call table `TC_TAILS` of the same load, `ebpf` (the table is not pinned: each load
+/// of `tc_ingress` has its own). Without it `tc_ingress` drops what it would reject.
+pub fn install_tail_calls(ebpf: &mut Ebpf) -> Result<()> {
+    let p: &mut SchedClassifier = ebpf
+        .program_mut(REJECT_PROGRAM)
+        .with_context(|| format!("program {REJECT_PROGRAM} missing from the object"))?
+        .try_into()?;
+    p.load()
+        .map_err(|e| anyhow::anyhow!("verify: program {REJECT_PROGRAM} was rejected: {e:#}"))?;
+    let fd = p.fd()?.try_clone().context("duplicate the tc_reject fd")?;
+    let map = ebpf
+        .map_mut(proxy_common::nat::TAILS)
+        .context("map TC_TAILS missing from the object")?;
+    let mut tails = aya::maps::ProgramArray::try_from(map)?;
+    tails
+        .set(proxy_common::nat::TAIL_REJECT, &fd, 0)
+        .context("write TC_TAILS")?;
+    Ok(())
+}
 /// Name of the egress program in the object.
 pub const EGRESS_PROGRAM: &str = "tc_egress";
 /// Name of the XDP program in the object.
@@ -442,11 +604,7 @@ impl TcKernel {
     fn ebpf(&mut self) -> Result<&mut Ebpf> {
         if self.ebpf.is_none() {
             let mut loader = EbpfLoader::new();
-            for name in ALL_MAPS
-                .iter()
-                .chain(TC_MAPS.iter())
-                .chain(proxy_common::monitor::MONITOR_MAPS.iter())
-            {
+            for name in crate::datapath::loader::pinned_maps() {
                 loader.map_pin_path(name, self.dir.join(name));
             }
             let mut ebpf = loader.load(OBJECT).context("load the tc programs")?;
@@ -468,6 +626,7 @@ impl TcKernel {
                     anyhow::anyhow!("verify: program {XDP_PROGRAM} was rejected: {e:#}")
                 })?;
             }
+            install_tail_calls(&mut ebpf)?;
             self.ebpf = Some(ebpf);
         }
         Ok(self.ebpf.as_mut().expect("loaded above"))
@@ -550,32 +709,15 @@ impl TcKernel {
     fn attach_tc(&mut self, ifname: &str) -> Result<()> {
         let dir = self.dir.clone();
         let ebpf = self.ebpf()?;
-        for (prog, ty) in [
-            (EGRESS_PROGRAM, TcAttachType::Egress),
-            (INGRESS_PROGRAM, TcAttachType::Ingress),
-        ] {
-            let p: &mut SchedClassifier = ebpf
-                .program_mut(prog)
-                .context("program missing")?
-                .try_into()?;
-            let id = p
-                .attach_with_options(ifname, ty, TcAttachOptions::TcxOrder(LinkOrder::default()))
-                .with_context(|| format!("attach {prog} to {ifname} (tcx needs Linux >= 6.6)"))?;
-            let link: FdLink = p.take_link(id)?.try_into()?;
-            let pin = dir.join(link_name(prog, ifname));
-            let next = dir.join(format!("next_{prog}_{ifname}"));
-            let _ = fs::remove_file(&next);
-            link.pin(&next)
-                .with_context(|| format!("pin {}", next.display()))?;
-            if pin.exists() {
-                match PinnedLink::from_pin(&pin) {
-                    Ok(old) => drop(old.unpin()),
-                    Err(_) => drop(fs::remove_file(&pin)),
-                }
-            }
-            fs::rename(&next, &pin).with_context(|| format!("pin {}", pin.display()))?;
-        }
-        Ok(())
+        attach_pinned(
+            ebpf,
+            &dir,
+            ifname,
+            [
+                (EGRESS_PROGRAM, TcAttachType::Egress),
+                (INGRESS_PROGRAM, TcAttachType::Ingress),
+            ],
+        )
     }
 
     /// Attaches the XDP program to external interface `ifname` as `--xdp` says: native,
@@ -706,6 +848,48 @@ fn open<T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>>(
     T::try_from(map).with_context(|| format!("open {name}"))
 }
 
+/// The `TC_SOURCE_RANGES` entries pinned under `dir`.
+///
+/// Errors: the map is not pinned there (no tc path) or cannot be read.
+pub fn pinned_source_ranges(dir: &Path) -> Result<BTreeMap<crate::datapath::SourceRangeKey, u32>> {
+    let m: LpmTrie<MapData, SourceRange, u32> = open(dir, SOURCE_RANGES)?;
+    let mut out = BTreeMap::new();
+    for kv in m.iter() {
+        let (k, v) = kv.context("iterate TC_SOURCE_RANGES")?;
+        out.insert((k.prefix_len(), k.data()), v);
+    }
+    Ok(out)
+}
+
+/// The client ranges `TC_SOURCE_RANGES` admits to load balancer IP `lb`: `None` when the
+/// IP is not restricted (no marker), else the allowed prefixes (empty: nobody).
+pub fn allowed_ranges(
+    entries: &BTreeMap<crate::datapath::SourceRangeKey, u32>,
+    lb: IpAddr,
+) -> Option<Vec<IpNet>> {
+    use proxy_common::nat::{SOURCE_RANGE_ALLOW, SOURCE_RANGE_RESTRICTED};
+    let lb_addr = crate::datapath::addr::ip_to_bytes(lb);
+    let restricted = entries
+        .iter()
+        .any(|((len, k), v)| *len == 128 && k.lb_addr == lb_addr && *v == SOURCE_RANGE_RESTRICTED);
+    if !restricted {
+        return None;
+    }
+    let ranges = entries
+        .iter()
+        .filter(|((len, k), v)| *len > 128 && k.lb_addr == lb_addr && **v == SOURCE_RANGE_ALLOW)
+        .filter_map(|((len, k), _)| {
+            let bits = (len - 128) as u8;
+            let ip = Ipv6Addr::from(k.client);
+            match ip.to_ipv4_mapped() {
+                Some(v4) if bits >= 96 => IpNet::new(IpAddr::V4(v4), bits - 96).ok(),
+                _ => IpNet::new(IpAddr::V6(ip), bits).ok(),
+            }
+        })
+        .collect();
+    Some(ranges)
+}
+
 /// Number of live entries of the conntrack map pinned under `dir` (both directions).
 pub fn conntrack_entries(dir: &Path) -> Result<usize> {
     let m: HashMap<MapData, CtKey, CtEntry> = open(dir, CONNTRACK)?;
@@ -721,9 +905,118 @@ pub fn counters(dir: &Path) -> Result<BTreeMap<&'static str, u64>> {
         .collect())
 }
 
+/// Attaches each `(program, direction)` of `ebpf` to `ifname` with tcx, in order, and pins
+/// its link as `link_<program>_<ifname>` under `dir`, replacing the link an earlier agent
+/// pinned there only once the new one is in place (so the interface is never left without
+/// the program). Errors: attaching (tcx needs Linux >= 6.6) or pinning.
+pub(crate) fn attach_pinned(
+    ebpf: &mut Ebpf,
+    dir: &Path,
+    ifname: &str,
+    progs: [(&str, TcAttachType); 2],
+) -> Result<()> {
+    for (prog, ty) in progs {
+        let p: &mut SchedClassifier = ebpf
+            .program_mut(prog)
+            .context("program missing")?
+            .try_into()?;
+        let id = p
+            .attach_with_options(ifname, ty, TcAttachOptions::TcxOrder(LinkOrder::default()))
+            .with_context(|| format!("attach {prog} to {ifname} (tcx needs Linux >= 6.6)"))?;
+        let link: FdLink = p.take_link(id)?.try_into()?;
+        let pin = dir.join(link_name(prog, ifname));
+        let next = dir.join(format!("next_{prog}_{ifname}"));
+        let _ = fs::remove_file(&next);
+        link.pin(&next)
+            .with_context(|| format!("pin {}", next.display()))?;
+        if pin.exists() {
+            match PinnedLink::from_pin(&pin) {
+                Ok(old) => drop(old.unpin()),
+                Err(_) => drop(fs::remove_file(&pin)),
+            }
+        }
+        fs::rename(&next, &pin).with_context(|| format!("pin {}", pin.display()))?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn conntrack_size_says_its_memory_and_origin_and_warns_when_large() {
+        // Per element: htab_elem + CtKey (40) + CtEntry (56), two entries per flow.
+        assert_eq!(
+            conntrack_prealloc_bytes(131072),
+            262144 * (48 + 40 + 56) + 262144 * 16
+        );
+        let default = TcSettings::default().conntrack_size_for(64);
+        assert_eq!(default.flows, DEFAULT_CONNTRACK_MIN);
+        assert!(!default.from_per_core);
+        assert_eq!(
+            default.describe(),
+            "north-south conntrack table: 131072 flows, 40 MiB preallocated, from conntrack.min (--conntrack-min) 131072; conntrack.maxPerCore is 0"
+        );
+        assert_eq!(default.excess(None), None);
+        // kube-proxy's ConfigMap value on 64 cores.
+        let migrated = TcSettings {
+            conntrack_max_per_core: 32768,
+            ..Default::default()
+        }
+        .conntrack_size_for(64);
+        assert_eq!(migrated.flows, 32768 * 64);
+        assert_eq!(
+            migrated.describe(),
+            "north-south conntrack table: 2097152 flows, 640 MiB preallocated, from conntrack.maxPerCore (--conntrack-max-per-core) 32768 x 64 CPUs, above conntrack.min 131072"
+        );
+        let w = crate::check::conntrack(&migrated, None);
+        assert_eq!(w.status, crate::check::Status::Warn);
+        assert!(
+            w.detail.starts_with("2097152 flows, 640 MiB preallocated, from conntrack.maxPerCore (--conntrack-max-per-core) 32768 x 64 CPUs, above conntrack.min 131072: more than 256 MiB; "),
+            "{}",
+            w.detail
+        );
+        let remedy = w.remedy.unwrap();
+        assert!(
+            remedy.contains("conntrack.maxPerCore: 0 (--conntrack-max-per-core=0)"),
+            "{remedy}"
+        );
+        assert!(remedy.contains("131072 flows = 40 MiB"), "{remedy}");
+        assert_eq!(
+            crate::check::conntrack(&default, None).status,
+            crate::check::Status::Ok
+        );
+        // Small on few CPUs: the minimum decides, and it says so.
+        let small = TcSettings {
+            conntrack_max_per_core: 32768,
+            ..Default::default()
+        }
+        .conntrack_size_for(2);
+        assert_eq!(small.flows, 131072);
+        assert!(small.describe().contains(
+            "from conntrack.min (--conntrack-min) 131072, above conntrack.maxPerCore 32768 x 2 CPUs"
+        ));
+        // Within a memory limit: a quarter of memory.max is the bound.
+        assert_eq!(small.excess(Some(1 << 30)), None);
+        let w = small.excess(Some(128 << 20)).unwrap();
+        assert!(w.contains("memory.max 128 MiB"), "{w}");
+        // Clamped sizes say so.
+        let huge = TcSettings {
+            conntrack_max_per_core: MAX_CONNTRACK_FLOWS,
+            ..Default::default()
+        }
+        .conntrack_size_for(4);
+        assert_eq!(huge.flows, MAX_CONNTRACK_FLOWS);
+        assert!(
+            huge.describe()
+                .ends_with("(limited to 1024..16777216 flows)"),
+            "{}",
+            huge.describe()
+        );
+        assert_eq!(parse_memory_max("max\n"), None);
+        assert_eq!(parse_memory_max("536870912\n"), Some(512 << 20));
+    }
 
     #[test]
     fn ipv6_routes_and_dual_stack_cluster_cidr() {

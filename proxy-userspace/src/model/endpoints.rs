@@ -63,6 +63,10 @@ pub type PortEndpoints = BTreeMap<SocketAddr, EndpointInfo>;
 /// Endpoints of one Service by (slice port name, protocol, family).
 pub(crate) type ServiceEndpoints = BTreeMap<(String, Protocol, Family), PortEndpoints>;
 
+/// The reason of the error of an EndpointSlice without the `kubernetes.io/service-name`
+/// label.
+pub const UNLABELED_SLICE: &str = "no kubernetes.io/service-name label, so it belongs to no Service; slice ignored (as kube-proxy does)";
+
 /// What one EndpointSlice gives: the Service it belongs to, its family, ports (name,
 /// protocol, number) and endpoints (first address, as this node judges it), plus the
 /// addresses of its endpoints on this node and the errors reading it gave. Equality tells a
@@ -100,13 +104,25 @@ impl SliceInfo {
             .flat_map(|ep| ep.addresses.iter().filter_map(|a| a.parse::<IpAddr>().ok()))
             .collect();
         local_addrs.shrink_to_fit();
+        let service = slice
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(SERVICE_NAME_LABEL))
+            .cloned();
+        if service.is_none() {
+            // kube-proxy ignores such a slice too, silently; one warning says why its
+            // endpoints are not used.
+            errors.push(ModelError::object(
+                origin.to_string(),
+                "EndpointSlice",
+                ns,
+                slice.metadata.name.clone().unwrap_or_default(),
+                UNLABELED_SLICE,
+            ));
+        }
         SliceInfo {
-            service: slice
-                .metadata
-                .labels
-                .as_ref()
-                .and_then(|l| l.get(SERVICE_NAME_LABEL))
-                .cloned(),
+            service,
             parsed,
             local_addrs,
             errors,

@@ -50,7 +50,9 @@
 //!   kube-proxy short-circuits traffic from inside the cluster to external addresses.
 //! - `internalTrafficPolicy: Local` (KEP-2086) gives the cluster IPs only this node's
 //!   endpoints, flagged `FRONTEND_F_LOCAL_ONLY` (with none, the data path fails with
-//!   EHOSTUNREACH where kube-proxy drops). A policy other than `Cluster`/`Local` skips the
+//!   EHOSTUNREACH where kube-proxy drops). When the Service port has no usable endpoint on
+//!   any node the frontend is also flagged `FRONTEND_F_NO_ENDPOINTS`: kube-proxy rejects
+//!   that whatever the policy (ECONNREFUSED at the socket, an ICMP error from tc). A policy other than `Cluster`/`Local` skips the
 //!   Service with an error.
 //!
 //! Endpoints
@@ -100,6 +102,7 @@
 //!   port outside 1-65535 is reported; a port asked for by two Services goes to the first in
 //!   namespace/name order, the other is reported.
 
+pub mod bypass;
 pub mod endpoints;
 pub mod explain;
 pub(crate) mod frontends;
@@ -537,6 +540,9 @@ pub struct Model {
     error_net: HashMap<ModelError, i32>,
     local_net: HashMap<IpAddr, i32>,
     pending: Delta,
+    /// Pods, Namespaces and `--socket-lb-scope`: which pods bypass socket-level
+    /// translation.
+    bypass: bypass::BypassState,
 }
 
 impl Model {
@@ -546,6 +552,23 @@ impl Model {
             config,
             ..Default::default()
         }
+    }
+
+    /// Sets `--socket-lb-scope` (see [`bypass`]).
+    pub fn set_socket_lb_scope(&mut self, scope: bypass::SocketLbScope) {
+        self.bypass.set_scope(scope);
+    }
+
+    /// The Pods, Namespaces and scope that decide which pods bypass socket-level
+    /// translation.
+    pub fn bypass(&self) -> &bypass::BypassState {
+        &self.bypass
+    }
+
+    /// The pods of this node that bypass socket-level translation, in (namespace, name)
+    /// order.
+    pub fn bypassed(&self) -> Vec<bypass::BypassedPod> {
+        self.bypass.bypassed(&self.config.name)
     }
 
     /// The node configuration.
@@ -618,6 +641,10 @@ impl Model {
                     self.set_node(None);
                 }
             }
+            Change::Apply(Object::Pod(p)) => self.bypass.apply_pod(&p.object),
+            Change::Apply(Object::Namespace(n)) => self.bypass.apply_namespace(&n.object),
+            Change::Delete(Kind::Pod, (ns, name)) => self.bypass.delete_pod(&ns, &name),
+            Change::Delete(Kind::Namespace, (_, name)) => self.bypass.delete_namespace(&name),
         }
     }
 
@@ -1214,8 +1241,18 @@ fn service_sets(
             // Local policy, no local endpoint, endpoints elsewhere (kube-proxy's
             // CategorizeEndpoints: hasAnyEndpoints without local ones).
             let no_local = cats.local.is_empty() && !cats.cluster.is_empty();
+            // No usable endpoint anywhere (kube-proxy's !hasEndpoints): rejected whatever
+            // the policy, so a Local frontend says so.
+            let none = if cats.cluster.is_empty() {
+                proxy_common::FRONTEND_F_NO_ENDPOINTS
+            } else {
+                0
+            };
             let (backends, flags) = if info.internal_local {
-                (cats.local.clone(), proxy_common::FRONTEND_F_LOCAL_ONLY)
+                (
+                    cats.local.clone(),
+                    proxy_common::FRONTEND_F_LOCAL_ONLY | none,
+                )
             } else {
                 (cats.cluster.clone(), 0)
             };
@@ -1249,7 +1286,9 @@ fn service_sets(
                 let (ingress_backends, ingress_flags) = if info.external_local {
                     (
                         cats.local.clone(),
-                        proxy_common::FRONTEND_F_EXTERNAL | proxy_common::FRONTEND_F_LOCAL_ONLY,
+                        proxy_common::FRONTEND_F_EXTERNAL
+                            | proxy_common::FRONTEND_F_LOCAL_ONLY
+                            | none,
                     )
                 } else {
                     (cats.cluster.clone(), proxy_common::FRONTEND_F_EXTERNAL)
@@ -1289,6 +1328,12 @@ impl Model {
         let mut model = Model::new(node.clone());
         for n in objects.nodes.values() {
             model.apply(Change::Apply(Object::Node(n.clone())));
+        }
+        for n in objects.namespaces.values() {
+            model.apply(Change::Apply(Object::Namespace(n.clone())));
+        }
+        for p in objects.pods.values() {
+            model.apply(Change::Apply(Object::Pod(p.clone())));
         }
         for s in objects.endpoint_slices.values() {
             model.apply(Change::Apply(Object::EndpointSlice(s.clone())));
@@ -1733,7 +1778,13 @@ pub(crate) mod tests {
             // No label.
             + "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-x, namespace: a}\naddressType: IPv4\nendpoints: [{addresses: [10.0.0.3]}]\nports: [{port: 8080}]\n";
         let (s, e) = build_yaml(&yaml);
-        assert_eq!(e, NO_ERRORS);
+        // The slice without the label is ignored, with one warning naming it.
+        assert_eq!(
+            e,
+            [
+                "test.yaml: EndpointSlice a/web-x: no kubernetes.io/service-name label, so it belongs to no Service; slice ignored (as kube-proxy does)"
+            ]
+        );
         assert_eq!(
             s,
             state(vec![(
@@ -2321,6 +2372,18 @@ pub(crate) mod tests {
         let (d, _) = web_backends("  internalTrafficPolicy: Local\n", &eps[1..]);
         assert!(d.backends.is_empty());
         assert_eq!(d.flags, proxy_common::FRONTEND_F_LOCAL_ONLY);
+        // No usable endpoint on any node (a not-ready one only): kube-proxy rejects, so the
+        // frontend says there are none at all.
+        let not_ready = [ep("10.0.0.2", "node-2", "ready: false", "")];
+        let (d, _) = web_backends("  internalTrafficPolicy: Local\n", &not_ready);
+        assert!(d.backends.is_empty());
+        assert_eq!(
+            d.flags,
+            proxy_common::FRONTEND_F_LOCAL_ONLY | proxy_common::FRONTEND_F_NO_ENDPOINTS
+        );
+        // Cluster policy without endpoints carries no policy flag.
+        let (d, _) = web_backends("", &not_ready);
+        assert_eq!(d.flags, 0);
         // Local falls back to this node's serving terminating endpoints, independently of
         // the cluster-wide ready ones.
         let eps = [

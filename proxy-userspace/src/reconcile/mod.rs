@@ -156,7 +156,15 @@ impl Reconciler {
         let mut out = Outcome::default();
         let mut keys: BTreeSet<ServicePortKey> = model.ports().keys().cloned().collect();
         keys.extend(self.services.keys().cloned());
+        // Every Service at once (the first sync): batched writes.
+        dp.begin_bulk();
         self.apply_keys(dp, model, keys.iter(), now, &mut out);
+        if let Err(e) = dp.end_bulk() {
+            // Which Service ports lost writes is not known: the verification finds and
+            // repairs them entry by entry, reporting what still fails.
+            out.failed.push(("(batched write)".into(), e.to_string()));
+            self.verify_into(dp, model, &mut out);
+        }
         Self::node_result(&mut out, "local endpoints", self.node.sync_local(dp, model));
         Self::node_result(&mut out, "source ranges", self.node.sync_ranges(dp, model));
         self.node.sync_health(dp, model);
@@ -414,6 +422,95 @@ mod tests {
         assert_eq!(dp.state.slots.len(), 3);
         assert_eq!(
             r.verify(&mut dp, &m, f.retry_at).repaired,
+            Report::default()
+        );
+    }
+
+    /// A restarted agent's first pass over adopted maps is written in batches: buffered
+    /// puts go out in dependency order and before any delete, so the data path is
+    /// consistent after every single write, whatever changed while no agent ran (Services
+    /// gone, grown, shrunk, moved to Maglev, new).
+    #[test]
+    fn batched_first_pass_over_adopted_maps_is_consistent_at_every_write() {
+        let before = [
+            svc("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2", "10.0.0.3"]),
+            svc("b", "10.96.0.2", &["10.0.0.4", "10.0.0.5"]),
+            svc("c", "10.96.0.3", &["10.0.0.6"]),
+            svc("d", "10.96.0.4", &["10.0.0.7", "10.0.0.8"]),
+        ]
+        .concat();
+        let mut dp = FakeDatapath::new(cap(100));
+        let mut r = Reconciler::adopt(&dp, NodeConfig::default(), Duration::from_secs(30)).unwrap();
+        let mut m = model_of(&before);
+        m.commit();
+        assert!(r.apply_all(&mut dp, &m, Instant::now()).failed.is_empty());
+
+        let maglev = svc("d", "10.96.0.4", &["10.0.0.7", "10.0.0.9"]).replacen(
+            "metadata: {name: d, namespace: ns}",
+            "metadata: {name: d, namespace: ns, annotations: {ebpf-proxy.io/lb-algorithm: maglev}}",
+            1,
+        );
+        let after = [
+            svc("a", "10.96.0.1", &["10.0.0.3"]),
+            svc(
+                "b",
+                "10.96.0.2",
+                &["10.0.0.4", "10.0.0.5", "10.0.0.10", "10.0.0.11"],
+            ),
+            maglev,
+            svc("e", "10.96.0.5", &["10.0.0.1", "10.0.0.12"]),
+        ]
+        .concat();
+        let mut m = model_of(&after);
+        m.commit();
+        dp.batching = true;
+        dp.log.clear();
+        let (start, tables) = (dp.state.clone(), dp.tables.clone());
+        let mut r = Reconciler::adopt(&dp, NodeConfig::default(), Duration::from_secs(30)).unwrap();
+        let out = r.apply_all(&mut dp, &m, Instant::now());
+        assert!(out.failed.is_empty(), "{:?}", out.failed);
+        services::tests::assert_every_step_consistent(&dp.log, &start, &tables);
+        // The same maps as an agent writing entry by entry from empty maps.
+        let mut fresh = FakeDatapath::new(cap(100));
+        let mut fr =
+            Reconciler::adopt(&fresh, NodeConfig::default(), Duration::from_secs(30)).unwrap();
+        fr.apply_all(&mut fresh, &m, Instant::now());
+        assert_eq!(dp.state.frontends.len(), fresh.state.frontends.len());
+        assert_eq!(dp.state.slots.len(), fresh.state.slots.len());
+        assert_eq!(dp.state.backends.len(), fresh.state.backends.len());
+        assert_eq!(dp.tables.len(), 1);
+        assert!(r.verify(&mut dp, &m, Instant::now()).repaired == Report::default());
+    }
+
+    /// A batch that fails is repaired entry by entry at once and reported.
+    #[test]
+    fn failed_batch_is_verified_and_reported() {
+        let mut dp = FakeDatapath::new(cap(100));
+        dp.batching = true;
+        dp.fail_after = Some(2);
+        let mut r = Reconciler::adopt(&dp, NodeConfig::default(), Duration::from_secs(30)).unwrap();
+        let mut m = model_of(
+            &[
+                svc("a", "10.96.0.1", &["10.0.0.1", "10.0.0.2"]),
+                svc("b", "10.96.0.2", &["10.0.0.3"]),
+            ]
+            .concat(),
+        );
+        m.commit();
+        let out = r.apply_all(&mut dp, &m, Instant::now());
+        assert!(
+            out.failed.iter().any(|(what, _)| what == "(batched write)"),
+            "{:?}",
+            out.failed
+        );
+        assert!(
+            dp.consistency_violations().is_empty(),
+            "{:?}",
+            dp.consistency_violations()
+        );
+        assert_eq!(dp.state.slots.len(), 3);
+        assert_eq!(
+            r.verify(&mut dp, &m, Instant::now()).repaired,
             Report::default()
         );
     }

@@ -1224,14 +1224,14 @@ impl ServiceReconciler {
     }
 }
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::datapath::{
         Capacity,
         fake::{FakeDatapath, Moment, Op, consistency_violations},
     };
 
-    type Tables = BTreeMap<u32, Vec<u32>>;
+    pub(crate) type Tables = BTreeMap<u32, Vec<u32>>;
     use crate::model::DesiredState;
 
     /// The old whole-state entry point, for tests: applies every key of `d` and removes the
@@ -1312,7 +1312,11 @@ mod tests {
 
     /// Replays the op log and checks the maps after every single write
     /// ([`consistency_violations`] at [`Moment::AnyWrite`]), then at rest after the last.
-    fn assert_every_step_consistent(log: &[Op], start: &Snapshot, start_tables: &Tables) {
+    pub(crate) fn assert_every_step_consistent(
+        log: &[Op],
+        start: &Snapshot,
+        start_tables: &Tables,
+    ) {
         let mut s = start.clone();
         let mut tables = start_tables.clone();
         for (i, op) in log.iter().enumerate() {

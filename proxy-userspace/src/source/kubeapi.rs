@@ -28,7 +28,10 @@ use std::collections::HashSet;
 
 use futures::StreamExt;
 use k8s_openapi::{
-    api::{core::v1::Node, core::v1::Service, discovery::v1::EndpointSlice},
+    api::{
+        core::v1::{Namespace, Node, Pod, Service},
+        discovery::v1::EndpointSlice,
+    },
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 use kube::{
@@ -45,6 +48,8 @@ pub const API_ACCESS: &[(&str, &str, &[&str])] = &[
     ("", "services", &["list", "watch"]),
     ("discovery.k8s.io", "endpointslices", &["list", "watch"]),
     ("", "nodes", &["list", "watch"]),
+    ("", "pods", &["list", "watch"]),
+    ("", "namespaces", &["list", "watch"]),
 ];
 
 /// Origin recorded on objects from the API (appears in skipped-object messages).
@@ -109,7 +114,7 @@ impl Tracker {
         let key = |o: &K| {
             let m = o.meta();
             (
-                if kind == Kind::Node {
+                if matches!(kind, Kind::Node | Kind::Namespace) {
                     String::new()
                 } else {
                     m.namespace.clone().unwrap_or_default()
@@ -223,7 +228,7 @@ async fn merge(mut parts: mpsc::Receiver<Part>, tx: mpsc::Sender<Batch>) {
             match p.kind {
                 Kind::Service => services = true,
                 Kind::EndpointSlice => slices = true,
-                Kind::Node => {}
+                Kind::Node | Kind::Pod | Kind::Namespace => {}
             }
         }
         if !synced && services && slices {
@@ -249,6 +254,9 @@ pub fn watch_config(kind: Kind, node_name: &str) -> watcher::Config {
     match kind {
         Kind::Service | Kind::EndpointSlice => cfg.labels(crate::model::PROXY_LABEL_SELECTOR),
         Kind::Node => cfg.fields(&format!("metadata.name={node_name}")),
+        // This node's pods only (as kubelet watches its own), for the socket-level bypass.
+        Kind::Pod => cfg.fields(&format!("spec.nodeName={node_name}")),
+        Kind::Namespace => cfg,
     }
 }
 
@@ -274,6 +282,20 @@ impl Source for KubeSource {
             Api::<Node>::all(self.client.clone()),
             watch_config(Kind::Node, &self.node_name),
             |o| Object::Node(Sourced::new(API_ORIGIN, o)),
+            part_tx.clone(),
+        ));
+        tokio::spawn(drive(
+            Kind::Pod,
+            Api::<Pod>::all(self.client.clone()),
+            watch_config(Kind::Pod, &self.node_name),
+            |o| Object::Pod(Sourced::new(API_ORIGIN, o)),
+            part_tx.clone(),
+        ));
+        tokio::spawn(drive(
+            Kind::Namespace,
+            Api::<Namespace>::all(self.client.clone()),
+            watch_config(Kind::Namespace, &self.node_name),
+            |o| Object::Namespace(Sourced::new(API_ORIGIN, o)),
             part_tx,
         ));
         let (tx, rx) = mpsc::channel(64);

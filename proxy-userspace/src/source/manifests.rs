@@ -7,8 +7,9 @@
 //!   (`.foo.yaml`, `.foo.swp`, Kubernetes ConfigMap `..data` entries) and editor backups
 //!   (`foo.yaml~`) are ignored; subdirectories are not entered.
 //! - `.json` files are parsed as JSON (a stream of one or more values); every other file
-//!   as YAML (any number of `---` documents). Each document is first parsed into a
-//!   `serde_json::Value`, then dispatched on `apiVersion`/`kind`:
+//!   as YAML (any number of `---` documents). Each document is dispatched on
+//!   `apiVersion`/`kind` (a plain JSON object of a read kind straight into its type, anything
+//!   else through a `serde_json::Value`):
 //!   `v1`/`Service`, `discovery.k8s.io/v1`/`EndpointSlice` and `v1`/`Node` (for the zone
 //!   label of the agent's own node; cluster-scoped, so its namespace is ignored) are read;
 //!   `v1`/`List`, `v1`/`ServiceList`, `v1`/`NodeList` and
@@ -42,7 +43,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use serde::Deserialize;
 use serde_json::Value;
@@ -62,11 +63,24 @@ pub fn parse_documents(origin: &str, text: &str) -> (Vec<Object>, Vec<SourceErro
     let mut errors = Vec::new();
     if origin.to_ascii_lowercase().ends_with(".json") {
         for (i, doc) in serde_json::Deserializer::from_str(text)
-            .into_iter::<Value>()
+            .into_iter::<&serde_json::value::RawValue>()
             .enumerate()
         {
             match doc {
-                Ok(value) => dispatch(origin, i + 1, value, None, &mut objects, &mut errors),
+                Ok(raw) => match plain_object(origin, raw.get()) {
+                    Some(object) => objects.push(object),
+                    // Everything else (lists, errors) through the general path, which
+                    // words the errors.
+                    None => match serde_json::from_str::<Value>(raw.get()) {
+                        Ok(value) => {
+                            dispatch(origin, i + 1, value, None, &mut objects, &mut errors)
+                        }
+                        Err(e) => errors.push(SourceError::file(
+                            origin,
+                            format!("invalid JSON in document {}: {e}; document skipped", i + 1),
+                        )),
+                    },
+                },
                 Err(e) => {
                     errors.push(SourceError::file(
                         origin,
@@ -234,6 +248,59 @@ fn shift_lines(msg: &str, offset: usize) -> String {
     out
 }
 
+/// The fields of a JSON document that say what it is, borrowed from the text.
+#[derive(Deserialize)]
+struct Head<'a> {
+    #[serde(rename = "apiVersion", borrow, default)]
+    api_version: Option<std::borrow::Cow<'a, str>>,
+    #[serde(borrow, default)]
+    kind: Option<std::borrow::Cow<'a, str>>,
+    #[serde(borrow, default)]
+    metadata: Option<HeadMeta<'a>>,
+}
+
+#[derive(Deserialize)]
+struct HeadMeta<'a> {
+    #[serde(borrow, default)]
+    name: Option<std::borrow::Cow<'a, str>>,
+    #[serde(borrow, default)]
+    namespace: Option<std::borrow::Cow<'a, str>>,
+}
+
+/// The common case of a JSON document, read straight into its k8s-openapi type: one
+/// Service, EndpointSlice or Node with its apiVersion, kind and name, that deserializes.
+/// `None` for anything else, which [`dispatch`] reads (and words the errors of) through a
+/// `serde_json::Value`; the result is the same object either way, about twice as fast (no
+/// intermediate tree).
+fn plain_object(origin: &str, raw: &str) -> Option<Object> {
+    let head: Head = serde_json::from_str(raw).ok()?;
+    let meta = head.metadata?;
+    meta.name.as_deref().filter(|n| !n.is_empty())?;
+    let ns = meta
+        .namespace
+        .as_deref()
+        .filter(|n| !n.is_empty())
+        .unwrap_or("default");
+    match (head.api_version.as_deref()?, head.kind.as_deref()?) {
+        (SERVICE_API, "Service") => {
+            let mut s: Service = serde_json::from_str(raw).ok()?;
+            s.metadata.namespace = Some(ns.to_string());
+            Some(Object::Service(Sourced::new(origin, s)))
+        }
+        (ENDPOINT_SLICE_API, "EndpointSlice") => {
+            let mut s: EndpointSlice = serde_json::from_str(raw).ok()?;
+            s.metadata.namespace = Some(ns.to_string());
+            Some(Object::EndpointSlice(Sourced::new(origin, s)))
+        }
+        (SERVICE_API, "Node") => {
+            let mut n: Node = serde_json::from_str(raw).ok()?;
+            n.metadata.namespace = None;
+            Some(Object::Node(Sourced::new(origin, n)))
+        }
+        _ => None,
+    }
+}
+
 /// A string field of a JSON object, when present and a string.
 fn str_field<'a>(value: &'a Value, field: &str) -> Option<&'a str> {
     value.get(field).and_then(Value::as_str)
@@ -342,7 +409,9 @@ fn dispatch(
     match (api.as_str(), kind.as_str()) {
         (SERVICE_API, "Service")
         | (ENDPOINT_SLICE_API, "EndpointSlice")
-        | (SERVICE_API, "Node") => {}
+        | (SERVICE_API, "Node")
+        | (SERVICE_API, "Pod")
+        | (SERVICE_API, "Namespace") => {}
         _ => {
             errors.push(SourceError::object(
                 origin,
@@ -351,7 +420,7 @@ fn dispatch(
                 name,
                 format!(
                     "unsupported kind {api} {kind} (only v1 Service, discovery.k8s.io/v1 \
-                     EndpointSlice and v1 Node are read); object skipped"
+                     EndpointSlice, v1 Node, v1 Pod and v1 Namespace are read); object skipped"
                 ),
             ));
             return;
@@ -367,7 +436,17 @@ fn dispatch(
         ));
         return;
     }
-    let result = if kind == "Node" {
+    let result = if kind == "Pod" {
+        serde_json::from_value::<Pod>(value).map(|mut p| {
+            p.metadata.namespace = Some(ns.clone());
+            Object::Pod(Sourced::new(origin, p))
+        })
+    } else if kind == "Namespace" {
+        serde_json::from_value::<Namespace>(value).map(|mut n| {
+            n.metadata.namespace = None;
+            Object::Namespace(Sourced::new(origin, n))
+        })
+    } else if kind == "Node" {
         serde_json::from_value::<Node>(value).map(|mut n| {
             n.metadata.namespace = None;
             Object::Node(Sourced::new(origin, n))
@@ -1652,9 +1731,9 @@ metadata: {name: nokind}
         assert_eq!(
             lines(&errors),
             vec![
-                "k.yaml: Deployment shop/web: unsupported kind apps/v1 Deployment (only v1 Service, discovery.k8s.io/v1 EndpointSlice and v1 Node are read); object skipped",
-                "k.yaml: EndpointSlice default/old: unsupported kind discovery.k8s.io/v1beta1 EndpointSlice (only v1 Service, discovery.k8s.io/v1 EndpointSlice and v1 Node are read); object skipped",
-                "k.yaml: Sevrice default/typo: unsupported kind v1 Sevrice (only v1 Service, discovery.k8s.io/v1 EndpointSlice and v1 Node are read); object skipped",
+                "k.yaml: Deployment shop/web: unsupported kind apps/v1 Deployment (only v1 Service, discovery.k8s.io/v1 EndpointSlice, v1 Node, v1 Pod and v1 Namespace are read); object skipped",
+                "k.yaml: EndpointSlice default/old: unsupported kind discovery.k8s.io/v1beta1 EndpointSlice (only v1 Service, discovery.k8s.io/v1 EndpointSlice, v1 Node, v1 Pod and v1 Namespace are read); object skipped",
+                "k.yaml: Sevrice default/typo: unsupported kind v1 Sevrice (only v1 Service, discovery.k8s.io/v1 EndpointSlice, v1 Node, v1 Pod and v1 Namespace are read); object skipped",
                 "k.yaml: default/nokind: missing kind; object skipped",
                 "k.yaml: document 5 is not an object (expected a Kubernetes manifest)",
             ]

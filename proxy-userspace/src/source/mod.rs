@@ -15,7 +15,7 @@ pub mod manifests;
 use std::collections::BTreeMap;
 use std::fmt;
 
-use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 
 pub use kubeapi::KubeSource;
@@ -64,6 +64,12 @@ pub enum Object {
     /// A `v1` `Node` (cluster-scoped: its namespace is `""`). The agent reads its own
     /// node's zone label from it.
     Node(Sourced<Node>),
+    /// A `v1` `Pod`: which workloads of this node bypass socket-level translation
+    /// (`model::bypass`).
+    Pod(Sourced<Pod>),
+    /// A `v1` `Namespace` (cluster-scoped: its namespace is `""`), for the same choice made
+    /// per namespace.
+    Namespace(Sourced<Namespace>),
 }
 
 /// Kind of an object a source delivers.
@@ -75,6 +81,10 @@ pub enum Kind {
     EndpointSlice,
     /// `v1` `Node`.
     Node,
+    /// `v1` `Pod`.
+    Pod,
+    /// `v1` `Namespace`.
+    Namespace,
 }
 
 impl Kind {
@@ -84,6 +94,8 @@ impl Kind {
             Kind::Service => "Service",
             Kind::EndpointSlice => "EndpointSlice",
             Kind::Node => "Node",
+            Kind::Pod => "Pod",
+            Kind::Namespace => "Namespace",
         }
     }
 }
@@ -118,6 +130,8 @@ impl Object {
             Object::Service(_) => Kind::Service,
             Object::EndpointSlice(_) => Kind::EndpointSlice,
             Object::Node(_) => Kind::Node,
+            Object::Pod(_) => Kind::Pod,
+            Object::Namespace(_) => Kind::Namespace,
         }
     }
 
@@ -127,6 +141,8 @@ impl Object {
             Object::Service(_) => "Service",
             Object::EndpointSlice(_) => "EndpointSlice",
             Object::Node(_) => "Node",
+            Object::Pod(_) => "Pod",
+            Object::Namespace(_) => "Namespace",
         }
     }
 
@@ -136,6 +152,8 @@ impl Object {
             Object::Service(s) => &s.origin,
             Object::EndpointSlice(s) => &s.origin,
             Object::Node(s) => &s.origin,
+            Object::Pod(s) => &s.origin,
+            Object::Namespace(s) => &s.origin,
         }
     }
 
@@ -145,6 +163,13 @@ impl Object {
         let meta = match self {
             Object::Service(s) => &s.object.metadata,
             Object::EndpointSlice(s) => &s.object.metadata,
+            Object::Pod(p) => &p.object.metadata,
+            Object::Namespace(n) => {
+                return (
+                    String::new(),
+                    n.object.metadata.name.clone().unwrap_or_default(),
+                );
+            }
             Object::Node(n) => {
                 return (
                     String::new(),
@@ -172,6 +197,10 @@ pub struct ObjectSet {
     /// Nodes by name: the API source watches this node's only; manifests may hold several
     /// (agents of different nodes can share one directory).
     pub nodes: BTreeMap<String, Sourced<Node>>,
+    /// Pods by (namespace, name): the API source watches this node's only.
+    pub pods: BTreeMap<(String, String), Sourced<Pod>>,
+    /// Namespaces by name.
+    pub namespaces: BTreeMap<String, Sourced<Namespace>>,
 }
 
 impl ObjectSet {
@@ -183,6 +212,8 @@ impl ObjectSet {
             Object::Service(s) => self.services.insert(key, s).map(|old| old.origin),
             Object::EndpointSlice(s) => self.endpoint_slices.insert(key, s).map(|old| old.origin),
             Object::Node(n) => self.nodes.insert(key.1, n).map(|old| old.origin),
+            Object::Pod(p) => self.pods.insert(key, p).map(|old| old.origin),
+            Object::Namespace(n) => self.namespaces.insert(key.1, n).map(|old| old.origin),
         }
     }
 
@@ -201,12 +232,22 @@ impl ObjectSet {
             Change::Delete(Kind::Node, (_, name)) => {
                 self.nodes.remove(&name);
             }
+            Change::Delete(Kind::Pod, k) => {
+                self.pods.remove(&k);
+            }
+            Change::Delete(Kind::Namespace, (_, name)) => {
+                self.namespaces.remove(&name);
+            }
         }
     }
 
     /// Number of objects of every kind.
     pub fn len(&self) -> usize {
-        self.services.len() + self.endpoint_slices.len() + self.nodes.len()
+        self.services.len()
+            + self.endpoint_slices.len()
+            + self.nodes.len()
+            + self.pods.len()
+            + self.namespaces.len()
     }
 
     /// True when the set holds no object.

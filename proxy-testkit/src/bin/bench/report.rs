@@ -86,6 +86,16 @@ pub enum Sample {
     ChangeLatencyMs(f64),
     /// ebpf-proxy: the model's part of one change (`model_us`).
     ChangeModelMs(f64),
+    /// ebpf-proxy with the API source: from starting the agent to its first `sync done`.
+    ApiColdWallMs(f64),
+    /// ebpf-proxy with the API source: one EndpointSlice applied on the API server until
+    /// the maps show it.
+    ApiChangeMs(f64),
+    /// ebpf-proxy with the API source: the agent's `latency_us` of one change.
+    ApiChangeLatencyMs(f64),
+    /// ebpf-proxy with the API source: mean of kube-proxy's network-programming latency
+    /// over one run's changes.
+    ApiProgrammingMeanMs(f64),
     /// A cold load that did not finish within this many seconds.
     TimedOutS(f64),
     Cps(f64),
@@ -122,6 +132,10 @@ impl Sample {
             Sample::ChangeSyncMs(v) => ("change_sync_ms", v),
             Sample::ChangeLatencyMs(v) => ("change_latency_ms", v),
             Sample::ChangeModelMs(v) => ("change_model_ms", v),
+            Sample::ApiColdWallMs(v) => ("api_cold_wall_ms", v),
+            Sample::ApiChangeMs(v) => ("api_change_ms", v),
+            Sample::ApiChangeLatencyMs(v) => ("api_change_latency_ms", v),
+            Sample::ApiProgrammingMeanMs(v) => ("api_programming_mean_ms", v),
             Sample::TimedOutS(v) => ("timed_out_s", v),
             Sample::Cps(v) => ("cps", v),
             Sample::P50Us(v) => ("p50_us", v),
@@ -318,6 +332,27 @@ impl Results {
         }
     }
 
+    pub fn log_api_change(&self, n: usize) {
+        for (m, what) in [
+            ("api_change_ms", "API source: slice applied → maps show it"),
+            (
+                "api_change_latency_ms",
+                "API source: agent, event received → maps written",
+            ),
+            (
+                "api_programming_mean_ms",
+                "API source: network-programming latency, mean",
+            ),
+        ] {
+            if let Some(s) = self.get(Case::Ebpf, n, m) {
+                eprintln!(
+                    "  {what} at N={n}: median {:.2} ms, p99 {:.2} ms",
+                    s.med, s.p99
+                );
+            }
+        }
+    }
+
     pub fn write(&self, dir: &Path) -> Result<()> {
         fs::write(
             dir.join("results.json"),
@@ -453,7 +488,7 @@ impl Results {
         let _ = writeln!(o, "| --- | ---: | ---: | ---: | --- |");
         // (what, metric, N, statistic, limit, unit); `p99` over every change, else the
         // median over runs (min–max shown).
-        let rows: [(&str, &str, usize, &str, f64, &str); 9] = [
+        let rows: [(&str, &str, usize, &str, f64, &str); 11] = [
             (
                 "one endpoint change, watch event → maps written (agent), p99",
                 "change_latency_ms",
@@ -476,6 +511,22 @@ impl Results {
                 10000,
                 "med",
                 20.0,
+                "ms",
+            ),
+            (
+                "one endpoint change, API source: watch event → maps written (agent), p99",
+                "api_change_latency_ms",
+                10000,
+                "p99",
+                5.0,
+                "ms",
+            ),
+            (
+                "one endpoint change, API source: watch event → maps written (agent), p99",
+                "api_change_latency_ms",
+                30000,
+                "p99",
+                5.0,
                 "ms",
             ),
             (
@@ -678,6 +729,27 @@ impl Results {
                 Case::Ebpf,
                 "change_sync_ms",
                 "of which the map writes (`duration_us`)",
+            );
+            row(
+                &mut o,
+                "ebpf-proxy, API source",
+                Case::Ebpf,
+                "api_change_ms",
+                "EndpointSlice applied on the (in-process) API server → new endpoint readable in the pinned maps",
+            );
+            row(
+                &mut o,
+                "ebpf-proxy, API source (agent)",
+                Case::Ebpf,
+                "api_change_latency_ms",
+                "the agent's `latency_us`: watch event received → maps written",
+            );
+            row(
+                &mut o,
+                "ebpf-proxy, API source (metric)",
+                Case::Ebpf,
+                "api_programming_mean_ms",
+                "`kubeproxy_network_programming_duration_seconds`, mean per run (its buckets start at 250 ms)",
             );
             row(
                 &mut o,

@@ -1,0 +1,63 @@
+//! tcx entry points on the node side of a bypassed workload's interface (the host end of
+//! its veth): per-packet Service translation for workloads that bypass socket-level
+//! translation (see `proxy_common::bypass`), as Cilium's per-endpoint programs do.
+//!
+//! - `pod_ingress` (tcx ingress of the host-side interface: packets leaving the workload):
+//!   packets of the workload's tracked flows are rewritten (client -> frontend becomes
+//!   client -> backend); a first packet to a frontend starts a flow (`nat::new_pod_flow`:
+//!   the frontends and rules of the socket path, no SNAT); anything else passes.
+//! - `pod_egress` (tcx egress: packets entering the workload): replies of its flows
+//!   (backend -> client) become frontend -> client, whichever way they came (a local
+//!   backend on the same bridge, or routed from another node).
+//! - ICMP and ICMPv6 errors entering the workload that quote a translated packet: `icmp`.
+//!
+//! The agent attaches these programs to bypassed workloads' interfaces only, so the
+//! packets of other pods pay nothing. Conntrack, selection and rewriting are the shared
+//! modules' (`nat`, `ct`, `lb`, `csum`, `icmp`); this file maps their [`Verdict`] to tc's
+//! return codes.
+
+use aya_ebpf::{helpers::bpf_ktime_get_ns, macros::classifier, programs::TcContext};
+
+use crate::{
+    icmp::{on_icmp, on_icmp6},
+    nat::{count_new_flow, new_pod_flow, tracked_pod},
+    packet::{Kind, Pkt, parse, tcp_flags},
+    verdict::Verdict,
+};
+
+#[classifier]
+pub fn pod_ingress(ctx: TcContext) -> i32 {
+    on_packet::<true>(&ctx).tc()
+}
+
+#[classifier]
+pub fn pod_egress(ctx: TcContext) -> i32 {
+    on_packet::<false>(&ctx).tc()
+}
+
+/// `FROM_POD`: the packet leaves the workload (ingress of the host-side interface).
+#[inline(always)]
+fn on_packet<const FROM_POD: bool>(ctx: &TcContext) -> Verdict {
+    let mut pkt = Pkt::new();
+    match parse(ctx, &mut pkt) {
+        Kind::Flow => {}
+        // Errors about the workload's flows are translated on the way in (a port
+        // unreachable from a backend reaches the socket as from the frontend); errors it
+        // sends pass, as the north-south programs leave them to their own hooks.
+        Kind::Icmp if !FROM_POD => return on_icmp(ctx, &pkt, false),
+        Kind::Icmp6 if !FROM_POD => return on_icmp6(ctx, &pkt, false),
+        Kind::Icmp | Kind::Icmp6 | Kind::Other => return Verdict::Pass,
+    }
+    let flags = tcp_flags(ctx, &pkt);
+    // SAFETY: helper without side effects.
+    let now = unsafe { bpf_ktime_get_ns() };
+    if let Some(v) = tracked_pod(ctx, &pkt, flags, now, FROM_POD) {
+        return v;
+    }
+    if !FROM_POD {
+        return Verdict::Pass;
+    }
+    let v = new_pod_flow(ctx, &pkt, flags, now);
+    count_new_flow(&pkt);
+    v
+}
