@@ -83,7 +83,7 @@ pub const MAX_IFACES: u32 = 64;
 /// `max_entries` of [`SOURCE_RANGES`].
 pub const MAX_SOURCE_RANGES: u32 = 16384;
 /// Number of entries in [`TC_COUNTERS`].
-pub const TC_COUNTER_MAX: u32 = 16;
+pub const TC_COUNTER_MAX: u32 = 32;
 
 /// Lowest SNAT source port (the kernel's default `ip_local_port_range` starts at 32768).
 pub const SNAT_PORT_MIN: u16 = 32768;

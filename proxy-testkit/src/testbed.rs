@@ -442,7 +442,12 @@ impl Netns {
             attr[68..72].copy_from_slice(&BPF_XDP.to_ne_bytes());
             // SAFETY: the attribute buffer and what it points to outlive the call.
             let fd = unsafe {
-                libc::syscall(libc::SYS_bpf, BPF_PROG_LOAD, attr.as_ptr(), attr.len() as u32)
+                libc::syscall(
+                    libc::SYS_bpf,
+                    BPF_PROG_LOAD,
+                    attr.as_ptr(),
+                    attr.len() as u32,
+                )
             };
             if fd < 0 {
                 return Err(io::Error::last_os_error());
@@ -458,7 +463,12 @@ impl Netns {
             attr[12..16].copy_from_slice(&XDP_FLAGS_DRV_MODE.to_ne_bytes());
             // SAFETY: as above.
             let link = unsafe {
-                libc::syscall(libc::SYS_bpf, BPF_LINK_CREATE, attr.as_ptr(), attr.len() as u32)
+                libc::syscall(
+                    libc::SYS_bpf,
+                    BPF_LINK_CREATE,
+                    attr.as_ptr(),
+                    attr.len() as u32,
+                )
             };
             if link < 0 {
                 return Err(io::Error::last_os_error());
@@ -466,7 +476,12 @@ impl Netns {
             // SAFETY: as above.
             Ok(unsafe { OwnedFd::from_raw_fd(link as i32) })
         })?;
-        r.with_context(|| format!("pass-through XDP program on {ifname} in netns {}", self.name))
+        r.with_context(|| {
+            format!(
+                "pass-through XDP program on {ifname} in netns {}",
+                self.name
+            )
+        })
     }
 
     /// Turns transmit checksum offload off for interface `ifname` of the namespace
@@ -479,7 +494,12 @@ impl Netns {
     pub fn set_tx_checksum_off(&self, ifname: &str) -> Result<()> {
         const ETHTOOL_STXCSUM: u32 = 0x17;
         self.ethtool_set(ifname, ETHTOOL_STXCSUM, 0)
-            .with_context(|| format!("tx checksum offload off for {ifname} in netns {}", self.name))
+            .with_context(|| {
+                format!(
+                    "tx checksum offload off for {ifname} in netns {}",
+                    self.name
+                )
+            })
     }
 
     /// One ethtool "set value" ioctl (`struct ethtool_value`: `cmd`, `data`) on `ifname`

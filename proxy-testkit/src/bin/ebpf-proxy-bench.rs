@@ -108,11 +108,12 @@ struct Opts {
     /// Seconds per data path case (upper bound).
     #[arg(long, default_value_t = 3.0)]
     conn_secs: f64,
-    /// Cases to run (ebpf, iptables, nftables, direct).
+    /// Cases to run (ebpf, xdp, iptables, nftables, direct; xdp = ebpf-proxy with
+    /// `--xdp native`, in the north-south part only).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "ebpf,iptables,nftables,direct"
+        default_value = "ebpf,xdp,iptables,nftables,direct"
     )]
     cases: Vec<String>,
     /// Output directory.
@@ -388,7 +389,7 @@ fn bench(mut o: Opts) -> Result<()> {
     for c in &o.cases {
         ensure!(
             Case::parse(c).is_some(),
-            "unknown case {c:?} (ebpf, iptables, nftables, direct)"
+            "unknown case {c:?} (ebpf, xdp, iptables, nftables, direct)"
         );
     }
     let cases: Vec<Case> = o.cases.iter().filter_map(|c| Case::parse(c)).collect();
@@ -481,6 +482,8 @@ fn cluster_ip_part(
                         run_rules(&env, o, case, &svcs, real, change_svc, results, run)
                     }
                     Case::Direct => run_direct(&env, o, n, results, run),
+                    // XDP serves traffic entering the node, not the socket path.
+                    Case::Xdp => continue,
                 };
                 if let Err(e) = r {
                     if STOP.load(Ordering::SeqCst) {
