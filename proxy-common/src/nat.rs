@@ -83,7 +83,7 @@ pub const MAX_IFACES: u32 = 64;
 /// `max_entries` of [`SOURCE_RANGES`].
 pub const MAX_SOURCE_RANGES: u32 = 16384;
 /// Number of entries in [`TC_COUNTERS`].
-pub const TC_COUNTER_MAX: u32 = 16;
+pub const TC_COUNTER_MAX: u32 = 32;
 
 /// Lowest SNAT source port (the kernel's default `ip_local_port_range` starts at 32768).
 pub const SNAT_PORT_MIN: u16 = 32768;
@@ -349,11 +349,18 @@ pub enum TcCounter {
     /// as kube-proxy's nftables mode rejects it (a failure to build the answer is counted as
     /// [`TcCounter::DroppedNoEndpoints`]).
     RejectedNoEndpoints = 14,
+    /// A packet translated in XDP and sent out of the node with `XDP_TX` or `XDP_REDIRECT`
+    /// (the next hop from a FIB lookup), without the kernel's stack.
+    XdpForwarded = 15,
+    /// A packet XDP would have sent out itself, handed to the stack instead because the FIB
+    /// lookup gave no next hop (no neighbour entry yet, no route, MTU exceeded): the tcx
+    /// programs and the kernel finish it (they resolve the neighbour or answer with ICMP).
+    XdpToStack = 16,
 }
 
 impl TcCounter {
     /// Every counter, in index order, with its Prometheus-style name.
-    pub const ALL: [(TcCounter, &'static str); 15] = [
+    pub const ALL: [(TcCounter, &'static str); 17] = [
         (TcCounter::NewFlow, "tc_new_flow"),
         (TcCounter::Snat, "tc_snat"),
         (TcCounter::Translated, "tc_translated"),
@@ -372,6 +379,8 @@ impl TcCounter {
         (TcCounter::PassedUntracked, "tc_untracked_passed"),
         (TcCounter::ReselectedUntracked, "tc_untracked_reselected"),
         (TcCounter::RejectedNoEndpoints, "tc_rejected_no_endpoints"),
+        (TcCounter::XdpForwarded, "xdp_forwarded"),
+        (TcCounter::XdpToStack, "xdp_to_stack"),
     ];
 }
 

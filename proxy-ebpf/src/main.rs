@@ -9,11 +9,12 @@
 //! - [`pod`]: the tcx hooks of bypassed workloads' interfaces (`pod_ingress`,
 //!   `pod_egress`): per-packet translation for workloads that bypass the socket hooks;
 //! - [`tc`]: the tcx hooks of the node's interfaces (`tc_ingress`, `tc_egress`) and the
-//!   least-connections collection program `tc_lc_gc` run by the agent.
+//!   least-connections collection program `tc_lc_gc` run by the agent;
+//! - [`xdp`]: the XDP program of the external interfaces (`xdp_ingress`), which finishes
+//!   the flows it can send out of the node itself and hands everything else to `tc`.
 //!
 //! Shared logic, one module per concern, written against [`packet::Buf`] (the packet
-//! operations a hook offers) rather than a tc context, so another packet hook (XDP) reuses it
-//! unchanged:
+//! operations a hook offers) rather than a tc context, so the XDP hook reuses it unchanged:
 //! - [`addr`]: the L4 address (address, port, protocol) every module passes around;
 //! - [`verdict`]: what happens to a packet ([`verdict::Verdict`]), hook-neutral;
 //! - [`lb`]: the frontend lookup with its scope policy, the classification of refusals, and
@@ -57,6 +58,7 @@ mod sock;
 mod stats;
 mod tc;
 mod verdict;
+mod xdp;
 
 #[cfg(not(test))]
 #[panic_handler]

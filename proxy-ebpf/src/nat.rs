@@ -14,7 +14,7 @@
 //! no live reply entry holds it; [`SNAT_PORT_TRIES`] tries). The source is rewritten at
 //! egress, after the kernel routed the DNATed packet: with a node address as source already
 //! at ingress, routing would drop it as a martian. Replies of source-NATed flows are sent
-//! on from ingress with `fib::redirect_out` for the same reason.
+//! on from ingress (`Buf::send_out`: a FIB lookup and a redirect) for the same reason.
 //!
 //! A frontend without any endpoint is rejected ([`Verdict::Reject`], answered by
 //! `icmp::reject`). Drops, each counted in `TC_COUNTERS`: `Refusal::NoLocalEndpoints`, a
@@ -47,7 +47,6 @@ use crate::{
     addr::L4Addr,
     csum::rewrite,
     ct::{SHARED_FLAGS, alive, is_closed, peer_key, timeout_of, touch_peer, track},
-    fib::redirect_out,
     klog,
     lb::{self, Lookup, Refusal, Request, Scope, backend, select},
     lc,
@@ -180,7 +179,7 @@ fn tracked_as<B: Buf, const POD: bool>(
         && ingress
         && entry.flags & (CT_F_REPLY | CT_F_SNAT) == (CT_F_REPLY | CT_F_SNAT)
     {
-        return Some(redirect_out(b, &entry.saddr, &entry.daddr));
+        return Some(b.send_out(&entry.saddr, &entry.daddr));
     }
     Some(v)
 }

@@ -1,8 +1,7 @@
 //! Packet access and parsing, for every packet hook.
 //!
 //! [`Buf`] is what a hook offers to read and change a packet (the tc context implements it
-//! with the skb helpers; an XDP context would with direct packet access and
-//! `bpf_csum_diff`). [`parse`] finds the tuple of an Ethernet frame carrying IPv4 or IPv6:
+//! with the skb helpers, the XDP context in `xdp` with direct packet access). [`parse`] finds the tuple of an Ethernet frame carrying IPv4 or IPv6:
 //! - IPv4: version 4, a header length of at least 20 bytes (options are skipped, never
 //!   read), a total length that fits the frame; a fragment other than the first has no ports
 //!   and is left alone (its verdict is "other");
@@ -86,6 +85,19 @@ pub trait Buf {
     fn redirect(&self, ifindex: u32) -> Verdict;
     /// Sends the packet out of `ifindex`, the kernel resolving the next hop's address.
     fn redirect_neigh(&self, ifindex: u32) -> Verdict;
+    /// Sends a packet translated at ingress whose source is now one of this node's
+    /// addresses (the stack would drop it as a martian) on to its next hop, the route from
+    /// `src` to `dst`. By default [`crate::fib::redirect_out`] (FIB lookup, then a redirect;
+    /// the kernel resolves a missing neighbour). A hook that must know the next hop before
+    /// it translates (XDP: it cannot resolve neighbours, and an untranslated packet is what
+    /// it hands to the stack) looks it up first and uses that result here.
+    #[inline(always)]
+    fn send_out(&self, src: &[u8; 16], dst: &[u8; 16]) -> Verdict
+    where
+        Self: Sized,
+    {
+        crate::fib::redirect_out(self, src, dst)
+    }
     /// Inserts `len` bytes right after the Ethernet header (their content is undefined until
     /// written); the rest of the frame moves back by `len`.
     fn grow_after_l2(&self, len: u32) -> bool;

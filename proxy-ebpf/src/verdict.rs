@@ -1,7 +1,11 @@
 //! What happens to a packet, independent of the hook: every shared module returns a
-//! [`Verdict`], and each entry point maps it to its hook's return code (tc: [`Verdict::tc`]).
+//! [`Verdict`], and each entry point maps it to its hook's return code (tc: [`Verdict::tc`];
+//! XDP: [`Verdict::xdp`]).
 
-use aya_ebpf::bindings::{TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC};
+use aya_ebpf::bindings::{
+    TC_ACT_REDIRECT, TC_ACT_SHOT, TC_ACT_UNSPEC,
+    xdp_action::{XDP_DROP, XDP_PASS, XDP_REDIRECT},
+};
 
 /// The fate of a packet. Fieldless, so `Option<Verdict>` and `Result<(), Verdict>` are one
 /// scalar each (the niche), which BPF subprograms can return in a register.
@@ -32,6 +36,19 @@ impl Verdict {
             Verdict::Pass => TC_ACT_UNSPEC,
             Verdict::Drop | Verdict::Reject => TC_ACT_SHOT,
             Verdict::Redirect => TC_ACT_REDIRECT,
+        }
+    }
+
+    /// The return code of an XDP program: `XDP_PASS` (the stack, where the tcx programs
+    /// see the frame next), `XDP_DROP`, `XDP_REDIRECT` (after a successful `bpf_redirect`).
+    /// `XDP_TX` is chosen by the XDP entry point itself. A packet to reject passes: tcx
+    /// ingress builds the ICMP answer (it sees the same untranslated packet).
+    #[inline(always)]
+    pub fn xdp(self) -> u32 {
+        match self {
+            Verdict::Pass | Verdict::Reject => XDP_PASS,
+            Verdict::Drop => XDP_DROP,
+            Verdict::Redirect => XDP_REDIRECT,
         }
     }
 

@@ -408,6 +408,138 @@ impl Netns {
         ChildGuard::spawn_in(Some(&self.path()), cgroup, cmd)
     }
 
+    /// Attaches a pass-through XDP program (`r0 = XDP_PASS; exit`, loaded here through
+    /// `BPF_PROG_LOAD`) to interface `ifname` of the namespace in native mode, by an XDP
+    /// link (`BPF_LINK_CREATE`); the link lasts while the returned descriptor is open (or
+    /// the interface exists). A veth whose peer sends frames with `XDP_TX` gets them
+    /// promptly only with an XDP program of its own: the transmit side schedules the
+    /// receiver's NAPI only then (drivers/net/veth.c, `veth_xdp_flush`), and with GRO
+    /// alone the frames wait in its ring until other traffic wakes it.
+    pub fn attach_xdp_pass(&self, ifname: &str) -> Result<std::os::fd::OwnedFd> {
+        use std::os::fd::{FromRawFd, OwnedFd};
+        const BPF_PROG_LOAD: libc::c_long = 5;
+        const BPF_LINK_CREATE: libc::c_long = 28;
+        const BPF_PROG_TYPE_XDP: u32 = 6;
+        const BPF_XDP: u32 = 37;
+        const XDP_FLAGS_DRV_MODE: u32 = 1 << 2;
+        // mov64 r0, XDP_PASS (2); exit
+        let insns: [u64; 2] = [0x0000_0002_0000_00b7, 0x95];
+        let license = c"GPL";
+        let name = ifname.to_string();
+        let r = in_netns(&self.path(), move || -> io::Result<OwnedFd> {
+            let ifindex = {
+                let c = std::ffi::CString::new(name.as_str()).map_err(io::Error::other)?;
+                // SAFETY: a NUL-terminated name.
+                unsafe { libc::if_nametoindex(c.as_ptr()) }
+            };
+            if ifindex == 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // `union bpf_attr` as BPF_PROG_LOAD reads it: prog_type @0, insn_cnt @4,
+            // insns @8, license @16, expected_attach_type @68; the rest zero.
+            let mut attr = [0u8; 128];
+            attr[0..4].copy_from_slice(&BPF_PROG_TYPE_XDP.to_ne_bytes());
+            attr[4..8].copy_from_slice(&(insns.len() as u32).to_ne_bytes());
+            attr[8..16].copy_from_slice(&(insns.as_ptr() as u64).to_ne_bytes());
+            attr[16..24].copy_from_slice(&(license.as_ptr() as u64).to_ne_bytes());
+            attr[68..72].copy_from_slice(&BPF_XDP.to_ne_bytes());
+            // SAFETY: the attribute buffer and what it points to outlive the call.
+            let fd = unsafe {
+                libc::syscall(
+                    libc::SYS_bpf,
+                    BPF_PROG_LOAD,
+                    attr.as_ptr(),
+                    attr.len() as u32,
+                )
+            };
+            if fd < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // SAFETY: a descriptor the kernel just gave us.
+            let prog = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+            // link_create: prog_fd @0, target_ifindex @4, attach_type @8, flags @12.
+            let mut attr = [0u8; 64];
+            use std::os::fd::AsRawFd;
+            attr[0..4].copy_from_slice(&(prog.as_raw_fd() as u32).to_ne_bytes());
+            attr[4..8].copy_from_slice(&ifindex.to_ne_bytes());
+            attr[8..12].copy_from_slice(&BPF_XDP.to_ne_bytes());
+            attr[12..16].copy_from_slice(&XDP_FLAGS_DRV_MODE.to_ne_bytes());
+            // SAFETY: as above.
+            let link = unsafe {
+                libc::syscall(
+                    libc::SYS_bpf,
+                    BPF_LINK_CREATE,
+                    attr.as_ptr(),
+                    attr.len() as u32,
+                )
+            };
+            if link < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // SAFETY: as above.
+            Ok(unsafe { OwnedFd::from_raw_fd(link as i32) })
+        })?;
+        r.with_context(|| {
+            format!(
+                "pass-through XDP program on {ifname} in netns {}",
+                self.name
+            )
+        })
+    }
+
+    /// Turns transmit checksum offload off for interface `ifname` of the namespace
+    /// (`ETHTOOL_STXCSUM`, as `ethtool -K IF tx off`), so the frames it sends carry complete
+    /// TCP and UDP checksums, as frames from a physical wire do. With offload on, a veth
+    /// hands its peer packets whose L4 checksum holds only the pseudo-header sum
+    /// (`CHECKSUM_PARTIAL`); an XDP program sees the bytes without that state, and a frame
+    /// it sends on with `XDP_TX` or `XDP_REDIRECT` becomes a new packet whose checksum the
+    /// receiver verifies, and drops.
+    pub fn set_tx_checksum_off(&self, ifname: &str) -> Result<()> {
+        const ETHTOOL_STXCSUM: u32 = 0x17;
+        self.ethtool_set(ifname, ETHTOOL_STXCSUM, 0)
+            .with_context(|| {
+                format!(
+                    "tx checksum offload off for {ifname} in netns {}",
+                    self.name
+                )
+            })
+    }
+
+    /// One ethtool "set value" ioctl (`struct ethtool_value`: `cmd`, `data`) on `ifname`
+    /// inside the namespace.
+    fn ethtool_set(&self, ifname: &str, cmd: u32, data: u32) -> Result<()> {
+        let name = ifname.to_string();
+        let r = in_netns(&self.path(), move || -> io::Result<()> {
+            #[repr(C)]
+            struct EthtoolValue {
+                cmd: u32,
+                data: u32,
+            }
+            let mut v = EthtoolValue { cmd, data };
+            // SAFETY: an ifreq we own, the name NUL-terminated within IFNAMSIZ, the data
+            // pointer to `v` for the duration of the call; the socket is closed below.
+            unsafe {
+                let mut ifr: libc::ifreq = std::mem::zeroed();
+                for (d, s) in ifr.ifr_name.iter_mut().zip(name.bytes().take(15)) {
+                    *d = s as libc::c_char;
+                }
+                ifr.ifr_ifru.ifru_data = (&mut v as *mut EthtoolValue).cast();
+                let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM, 0);
+                if fd < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                let r = libc::ioctl(fd, libc::SIOCETHTOOL, &mut ifr);
+                let e = io::Error::last_os_error();
+                libc::close(fd);
+                if r != 0 {
+                    return Err(e);
+                }
+            }
+            Ok(())
+        })?;
+        Ok(r?)
+    }
+
     /// Writes a sysctl (e.g. `net/ipv6/conf/default/accept_dad`) inside the namespace.
     pub fn sysctl(&self, key: &str, value: &str) -> Result<()> {
         let script = format!("echo {value} > /proc/sys/{key}");

@@ -18,7 +18,11 @@
 //! child cgroup and pin directory. Nothing touches the root namespace or root cgroup.
 //!
 //! The `ipv6_*` tests add IPv6 to the same topology (`Lab::add_ipv6`, at the end of this
-//! file).
+//! file). The `xdp_*` tests run the same bodies with `--xdp native` on both agents (veth has
+//! native XDP) and check that XDP sent packets out itself. Their wire's ports run a
+//! pass-through XDP program, without which a veth leaves frames sent to it with `XDP_TX`
+//! waiting in its ring, and every lab interface sends complete checksums (a physical wire's
+//! frames; XDP cannot see a veth's partial ones).
 
 mod common;
 
@@ -92,12 +96,24 @@ struct Lab {
     tag: String,
     // Field order is drop order: processes, then namespaces.
     agents: Vec<Agent>,
+    /// `--xdp native` for every agent.
+    xdp: Xdp,
     servers: Vec<ChildGuard>,
     manifests: tempfile::TempDir,
     pods: Vec<Netns>,
     nodes: Vec<Netns>,
     client: Netns,
+    /// The wire's pass-through XDP links (`--xdp native` labs), before the wire so they
+    /// are released first.
+    _wire_xdp: Vec<std::os::fd::OwnedFd>,
     _wire: Netns,
+}
+
+/// Whether the agents of a lab run with `--xdp native`.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Xdp {
+    Off,
+    Native,
 }
 
 fn ns(tag: &str, what: &str) -> Netns {
@@ -106,6 +122,11 @@ fn ns(tag: &str, what: &str) -> Netns {
 
 impl Lab {
     fn new(tag: &str) -> Lab {
+        Lab::with_xdp(tag, Xdp::Off)
+    }
+
+    /// The lab, its agents running with `--xdp native` when `xdp` says so.
+    fn with_xdp(tag: &str, xdp: Xdp) -> Lab {
         assert!(is_root(), "the north-south tests need root");
         assert!(
             !loader::OBJECT.is_empty(),
@@ -124,6 +145,7 @@ impl Lab {
         ])
         .unwrap();
         wire.ip(&["link", "set", "wire0", "up"]).unwrap();
+        let mut wire_xdp = Vec::new();
         let client = ns(tag, "c");
         let a = ns(tag, "a");
         let b = ns(tag, "b");
@@ -136,6 +158,13 @@ impl Lab {
             n.ip(&["addr", "add", &format!("{addr}/24"), "dev", "eth0"])
                 .unwrap();
             n.ip(&["link", "set", "eth0", "up"]).unwrap();
+            if xdp == Xdp::Native {
+                // XDP_TX'd frames reach the bridge promptly only through a port with an
+                // XDP program; every sender completes its checksums, as on a physical wire.
+                wire_xdp.push(wire.attach_xdp_pass(&port).unwrap());
+                wire.set_tx_checksum_off(&port).unwrap();
+                n.set_tx_checksum_off("eth0").unwrap();
+            }
         }
         for (n, gw, other_subnet, other_node) in [
             (&a, "198.18.1.1/24", "198.18.2.0/24", NODE_B),
@@ -153,6 +182,7 @@ impl Lab {
             .ip(&["route", "add", "198.19.100.0/24", "via", NODE_A])
             .unwrap();
         let mut lab = Lab {
+            xdp,
             tag: tag.into(),
             agents: Vec::new(),
             servers: Vec::new(),
@@ -160,6 +190,7 @@ impl Lab {
             pods: Vec::new(),
             nodes: vec![a, b],
             client,
+            _wire_xdp: wire_xdp,
             _wire: wire,
         };
         lab.add_pod(0, "a0", POD_A0, "198.18.1.1");
@@ -183,6 +214,10 @@ impl Lab {
             .unwrap();
         pod.ip(&["link", "set", "eth0", "up"]).unwrap();
         pod.ip(&["route", "add", "default", "via", gw]).unwrap();
+        if self.xdp == Xdp::Native {
+            pod.set_tx_checksum_off("eth0").unwrap();
+            n.set_tx_checksum_off(&veth).unwrap();
+        }
         let server = pod
             .spawn(
                 None,
@@ -252,6 +287,10 @@ impl Lab {
                     .args(["--pin-dir", &pin_dir, "--hostname-override", node])
                     .args(["--healthz-bind-address", "127.0.0.1:0"])
                     .args(["--metrics-bind-address", "127.0.0.1:0"])
+                    .args(match self.xdp {
+                        Xdp::Native => &["--xdp", "native"][..],
+                        Xdp::Off => &[],
+                    })
                     .args(extra)
                     .stdout(Stdio::null())
                     .stderr(logf),
@@ -443,7 +482,33 @@ const BOTH: [(&str, &str); 2] = [(POD_A0, "node-a"), (POD_B0, "node-b")];
 
 #[test]
 fn nodeport_external_and_lb_ips_with_snat_to_remote_backends() {
-    let mut lab = Lab::new("np");
+    nodeport_external_and_lb_ips(Xdp::Off);
+}
+
+#[test]
+fn xdp_nodeport_external_and_lb_ips_with_snat_to_remote_backends() {
+    nodeport_external_and_lb_ips(Xdp::Native);
+}
+
+/// With XDP: it runs natively on node-a's interface (the pin says so) and sent packets out
+/// itself, and every translated packet's checksums held (no rewrite failed).
+fn assert_xdp_worked(lab: &Lab, xdp: Xdp) {
+    if xdp == Xdp::Off {
+        return;
+    }
+    let modes = tc::xdp_modes(&lab.agents[0].pin);
+    assert_eq!(
+        modes.get("eth0"),
+        Some(&tc::XdpMode::Native),
+        "XDP links: {modes:?}"
+    );
+    let counters = tc::counters(&lab.agents[0].pin).unwrap();
+    assert!(counters["xdp_forwarded"] > 0, "{counters:?}");
+}
+
+fn nodeport_external_and_lb_ips(xdp: Xdp) {
+    let tag = if xdp == Xdp::Off { "np" } else { "xnp" };
+    let mut lab = Lab::with_xdp(tag, xdp);
     web(&lab, "", &BOTH);
     lab.start_agent(0, &[]);
     lab.start_agent(1, &[]);
@@ -483,11 +548,22 @@ fn nodeport_external_and_lb_ips_with_snat_to_remote_backends() {
         c > 0 && p >= c && b > p * 20,
         "connections {c}, packets {p}, bytes {b}"
     );
+    assert_xdp_worked(&lab, xdp);
 }
 
 #[test]
 fn long_lived_tcp_stream_and_icmp_port_unreachable() {
-    let mut lab = Lab::new("st");
+    long_lived_tcp_stream(Xdp::Off);
+}
+
+#[test]
+fn xdp_long_lived_tcp_stream_and_icmp_port_unreachable() {
+    long_lived_tcp_stream(Xdp::Native);
+}
+
+fn long_lived_tcp_stream(xdp: Xdp) {
+    let tag = if xdp == Xdp::Off { "st" } else { "xst" };
+    let mut lab = Lab::with_xdp(tag, xdp);
     web(&lab, "", &BOTH);
     lab.start_agent(0, &[]);
     lab.start_agent(1, &[]);
@@ -542,6 +618,7 @@ fn long_lived_tcp_stream_and_icmp_port_unreachable() {
     assert_eq!(refused, 6);
     let counters = tc::counters(&lab.agents[0].pin).unwrap();
     assert!(counters["tc_icmp_translated"] >= 6, "{counters:?}");
+    assert_xdp_worked(&lab, xdp);
 }
 
 #[test]

@@ -83,7 +83,8 @@ fn check_passes_on_this_machine() {
             "memlock",
             "conntrack",
             "kube-proxy rules",
-            "socket destroy"
+            "socket destroy",
+            "xdp"
         ]
     );
     for r in &rows {
@@ -689,4 +690,50 @@ fn grafana_dashboard_uses_only_metrics_the_agent_exports() {
     ] {
         assert!(used.contains(family), "{family} not on the dashboard");
     }
+}
+
+/// An upgrade whose build counts more things: a pinned counter array smaller than this
+/// build's is replaced (its new counters would never count), one of the right size is kept,
+/// and a pinned map sized by the agent's flags keeps any size.
+#[test]
+fn smaller_pinned_counter_arrays_are_replaced_on_upgrade() {
+    require_root();
+    testbed::ensure_bpffs().unwrap();
+    let dir = loader::pin_dir(
+        Path::new(testbed::BPFFS_PATH),
+        "ebpf-proxy-test-upgrade-pins",
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    struct Rm(std::path::PathBuf);
+    impl Drop for Rm {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let _rm = Rm(dir.clone());
+    let tc_counters = proxy_common::nat::TC_COUNTERS;
+    let mut ebpf = aya::EbpfLoader::new()
+        .map_max_entries(tc_counters, 16)
+        .map_max_entries(proxy_common::FRONTENDS, 7)
+        .load(loader::OBJECT)
+        .unwrap();
+    for name in [tc_counters, proxy_common::COUNTERS, proxy_common::FRONTENDS] {
+        ebpf.map_mut(name).unwrap().pin(dir.join(name)).unwrap();
+    }
+    drop(ebpf);
+    let replaced = loader::replace_incompatible_pins(&dir).unwrap();
+    assert_eq!(
+        replaced,
+        vec![(
+            tc_counters,
+            format!(
+                "16 entries pinned, {} now",
+                proxy_common::nat::TC_COUNTER_MAX
+            )
+        )]
+    );
+    assert!(!dir.join(tc_counters).exists());
+    assert!(dir.join(proxy_common::COUNTERS).exists());
+    assert!(dir.join(proxy_common::FRONTENDS).exists());
 }

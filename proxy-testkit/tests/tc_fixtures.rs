@@ -13,7 +13,8 @@ mod tcfix;
 
 use tcfix::{
     ACK, DROP, DST_MAC, FIN, Harness, ICMP, ICMPV6, PASS, Packet, REDIRECT, RST, SRC_MAC, SYN, TCP,
-    TcOptions, UDP, checksum, decode, diff, ether, in_private_netns, requote, show, sock, verify,
+    TcOptions, UDP, XDP, XDP_PASS, XDP_REDIRECT, checksum, decode, diff, ether, in_private_netns,
+    requote, show, sock, verify,
 };
 
 /// Node `node-1` (this node) and `node-2`; Services with one endpoint per family so every
@@ -1840,5 +1841,261 @@ fn ipvs_destination_hash_maps_each_frontend_address_to_one_backend() {
         assert!(used.len() >= 2, "{per_frontend:?}");
         // dh counts nothing.
         assert_eq!(open_flows(&h), 0);
+    });
+}
+
+// ---------------------------------------------------------------------------------------
+// XDP
+// ---------------------------------------------------------------------------------------
+
+/// MAC address of the fixture's output interface `xf0` and of the two next hops behind it.
+const XF0_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x50];
+const BACKEND_HOP_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x22];
+const CLIENT_HOP_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x11];
+
+/// Routes for the XDP fixtures, in the fixture's private namespace: an interface `xf0`
+/// (a veth, [`XF0_MAC`]; its peer `xf1` only gives it a carrier) on the node's network, the other node's pod network behind a
+/// router with a known neighbour entry ([`BACKEND_HOP_MAC`]), the client's network behind
+/// another ([`CLIENT_HOP_MAC`]), and a second client network (`far`) behind a router with no
+/// neighbour entry. Forwarding on (the FIB lookup refuses otherwise).
+struct Routes {
+    far_client: &'static str,
+}
+
+fn ip(args: &str) {
+    let st = std::process::Command::new("ip")
+        .args(args.split_whitespace())
+        .status()
+        .expect("run ip");
+    assert!(st.success(), "ip {args}");
+}
+
+fn xdp_routes(f: Fam) -> Routes {
+    std::fs::write("/proc/sys/net/ipv4/ip_forward", "1").expect("ip_forward");
+    std::fs::write("/proc/sys/net/ipv6/conf/all/forwarding", "1").expect("ipv6 forwarding");
+    ip("link add xf0 address 02:00:00:00:00:50 type veth peer name xf1");
+    ip("link set lo up");
+    ip("link set xf1 up");
+    ip("link set xf0 up");
+    if f.node == V4.node {
+        ip("addr add 192.0.2.50/24 dev xf0");
+        ip("route add 10.0.2.0/24 via 192.0.2.2 dev xf0");
+        ip("route add 198.51.100.0/24 via 192.0.2.1 dev xf0");
+        ip("route add 100.64.0.0/24 via 192.0.2.3 dev xf0");
+        ip("neigh add 192.0.2.2 lladdr 02:00:00:00:00:22 dev xf0 nud permanent");
+        ip("neigh add 192.0.2.1 lladdr 02:00:00:00:00:11 dev xf0 nud permanent");
+        Routes {
+            far_client: "100.64.0.7",
+        }
+    } else {
+        ip("addr add fd00:100::50/64 dev xf0 nodad");
+        ip("route add fd00:2::/64 via fd00:100::2 dev xf0");
+        ip("route add 2001:db8:c::/48 via fd00:100::1 dev xf0");
+        ip("route add 2001:db8:d::/48 via fd00:100::3 dev xf0");
+        ip("neigh add fd00:100::2 lladdr 02:00:00:00:00:22 dev xf0 nud permanent");
+        ip("neigh add fd00:100::1 lladdr 02:00:00:00:00:11 dev xf0 nud permanent");
+        Routes {
+            far_client: "2001:db8:d::7",
+        }
+    }
+}
+
+/// `p` as XDP sends it on: TTL (hop limit) one less, addressed to the next hop `dmac`
+/// from `xf0`.
+fn forwarded(p: &Packet, dmac: [u8; 6]) -> Vec<u8> {
+    let mut f = Packet {
+        ttl: p.ttl - 1,
+        ..p.clone()
+    }
+    .frame();
+    f[0..6].copy_from_slice(&dmac);
+    f[6..12].copy_from_slice(&XF0_MAC);
+    f
+}
+
+/// The XDP program on flows of one family: a flow to a remote backend translated both ways
+/// at once and sent out with `XDP_REDIRECT` (the next hop is on `xf0`, not on the interface
+/// the frame arrived on) in both directions; a flow to a local backend DNATed and handed to
+/// the stack, where the tc program finds nothing more to do; a reply without a neighbour
+/// entry and a packet whose TTL expires left untouched for the tc program; a flow started
+/// by the tc programs continued by XDP (one conntrack).
+fn xdp_flows(h: &Harness, f: Fam, r: &Routes) {
+    let client = sock(f.client, 45000);
+    let backend = sock(f.remote, 8080);
+    let syn = Packet::tcp(&client, &sock(f.node, 30081), SYN);
+    let before = h.counters();
+    let (v, out) = h.run(XDP, &syn.frame());
+    assert_eq!(v, XDP_REDIRECT, "SYN to a remote backend: {}", show(&out));
+    let port = h
+        .snat_port(client.parse().unwrap(), backend.parse().unwrap(), TCP)
+        .expect("the SNAT stage of the flow");
+    let want = Packet {
+        src: sock(f.node, port).parse().unwrap(),
+        dst: backend.parse().unwrap(),
+        ..syn.clone()
+    };
+    assert!(
+        out == forwarded(&want, BACKEND_HOP_MAC),
+        "SYN to a remote backend: {} differs: {}",
+        show(&out),
+        diff(&out, &forwarded(&want, BACKEND_HOP_MAC))
+    );
+    verify(&out).expect("checksums of the forwarded SYN");
+    let after = h.counters();
+    for c in ["tc_new_flow", "tc_snat", "xdp_forwarded"] {
+        assert_eq!(after[c], before[c] + 1, "counter {c}");
+    }
+
+    let synack = Packet::tcp(&backend, &sock(f.node, port), SYN | ACK);
+    let want = Packet {
+        src: sock(f.node, 30081).parse().unwrap(),
+        dst: client.parse().unwrap(),
+        ..synack.clone()
+    };
+    step(
+        h,
+        "the backend's SYN-ACK (reverse SNAT and DNAT, sent on)",
+        XDP,
+        &synack.frame(),
+        XDP_REDIRECT,
+        Some(&forwarded(&want, CLIENT_HOP_MAC)),
+        Some("xdp_forwarded"),
+    );
+    let ack = Packet::tcp(&client, &sock(f.node, 30081), ACK);
+    let want = Packet {
+        src: sock(f.node, port).parse().unwrap(),
+        dst: backend.parse().unwrap(),
+        ..ack.clone()
+    };
+    step(
+        h,
+        "the client's ACK of the tracked flow",
+        XDP,
+        &ack.frame(),
+        XDP_REDIRECT,
+        Some(&forwarded(&want, BACKEND_HOP_MAC)),
+        Some("xdp_forwarded"),
+    );
+
+    // A local backend: DNAT in XDP, then the stack; the tc program leaves it alone.
+    let syn = Packet::tcp(&sock(f.client, 45001), &sock(f.node, 30080), SYN);
+    let dnat = Packet {
+        dst: sock(f.local, 8080).parse().unwrap(),
+        ..syn.clone()
+    };
+    let out = step(
+        h,
+        "SYN to a local backend (DNAT, to the stack)",
+        XDP,
+        &syn.frame(),
+        XDP_PASS,
+        Some(&dnat.frame()),
+        Some("tc_new_flow"),
+    );
+    step(
+        h,
+        "the DNATed SYN at tc ingress (not translated twice)",
+        INGRESS,
+        &out,
+        PASS,
+        None,
+        None,
+    );
+    let ack = Packet::tcp(&sock(f.client, 45001), &sock(f.node, 30080), ACK);
+    step(
+        h,
+        "a packet of a flow to a local backend (left to tc)",
+        XDP,
+        &ack.frame(),
+        XDP_PASS,
+        None,
+        None,
+    );
+
+    // No neighbour entry for the far client's router: its reply goes to tc untouched,
+    // which sends it with bpf_redirect_neigh.
+    let far = sock(r.far_client, 45002);
+    let syn = Packet::tcp(&far, &sock(f.node, 30081), SYN);
+    let (v, _) = h.run(XDP, &syn.frame());
+    assert_eq!(v, XDP_REDIRECT, "SYN of the far client");
+    let port = h
+        .snat_port(far.parse().unwrap(), backend.parse().unwrap(), TCP)
+        .expect("the SNAT stage of the far client's flow");
+    let synack = Packet::tcp(&backend, &sock(f.node, port), SYN | ACK);
+    step(
+        h,
+        "a reply towards a next hop without a neighbour entry",
+        XDP,
+        &synack.frame(),
+        XDP_PASS,
+        None,
+        Some("xdp_to_stack"),
+    );
+    let want = Packet {
+        src: sock(f.node, 30081).parse().unwrap(),
+        dst: far.parse().unwrap(),
+        ..synack.clone()
+    };
+    step(
+        h,
+        "the same reply at tc ingress",
+        INGRESS,
+        &synack.frame(),
+        REDIRECT,
+        Some(&want.frame()),
+        Some("tc_translated"),
+    );
+
+    // A TTL about to expire: the stack answers it.
+    let mut last = Packet::tcp(&sock(f.client, 45003), &sock(f.node, 30081), SYN);
+    last.ttl = 1;
+    step(h, "TTL 1", XDP, &last.frame(), XDP_PASS, None, None);
+
+    // A flow the tc programs started, continued in XDP.
+    let client = sock(f.client, 45004);
+    let syn = Packet::tcp(&client, &sock(f.node, 30081), SYN);
+    let (v, dnat) = h.run(INGRESS, &syn.frame());
+    assert_eq!(v, PASS, "tc ingress: SYN");
+    let (v, _) = h.run(EGRESS, &dnat);
+    assert_eq!(v, PASS, "tc egress: SNAT stage");
+    let port = h
+        .snat_port(client.parse().unwrap(), backend.parse().unwrap(), TCP)
+        .expect("the SNAT stage of the tc flow");
+    let ack = Packet::tcp(&client, &sock(f.node, 30081), ACK);
+    let want = Packet {
+        src: sock(f.node, port).parse().unwrap(),
+        dst: backend.parse().unwrap(),
+        ..ack.clone()
+    };
+    step(
+        h,
+        "an ACK of a flow started by tc, in XDP",
+        XDP,
+        &ack.frame(),
+        XDP_REDIRECT,
+        Some(&forwarded(&want, BACKEND_HOP_MAC)),
+        Some("xdp_forwarded"),
+    );
+
+    // UDP to a remote backend.
+    let dgram = Packet::udp(&sock(f.client, 45005), &sock(f.node, 30054));
+    let (v, out) = h.run(XDP, &dgram.frame());
+    assert_eq!(v, XDP_REDIRECT, "UDP to a remote backend: {}", show(&out));
+    verify(&out).expect("checksums of the forwarded datagram");
+}
+
+#[test]
+fn ipv4_xdp_forwards_remote_flows_and_leaves_the_rest_to_tc() {
+    in_private_netns(|| {
+        let r = xdp_routes(V4);
+        xdp_flows(&seeded("xdp4"), V4, &r)
+    });
+}
+
+#[test]
+fn ipv6_xdp_forwards_remote_flows_and_leaves_the_rest_to_tc() {
+    in_private_netns(|| {
+        let r = xdp_routes(V6);
+        xdp_flows(&seeded("xdp6"), V6, &r)
     });
 }

@@ -31,7 +31,7 @@ pub use self::file::{FileSettings, KubeProxyConfiguration, Loaded};
 use self::go::{FeatureGates, format_go_duration, parse_go_bool, parse_go_duration};
 use crate::datapath::tc::{
     DEFAULT_CONNTRACK_MAX_PER_CORE, DEFAULT_CONNTRACK_MIN, MAX_CONNTRACK_FLOWS,
-    MIN_CONNTRACK_FLOWS, TcSettings,
+    MIN_CONNTRACK_FLOWS, TcSettings, XdpSetting,
 };
 use proxy_common::{
     Algorithm, DEFAULT_MAX_BACKENDS, DEFAULT_MAX_FRONTENDS, DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCKETS,
@@ -704,6 +704,14 @@ pub struct RunFlags {
     /// carry one of this node's InternalIP/ExternalIP addresses from its Node object].
     #[arg(long, value_delimiter = ',')]
     pub interfaces: Vec<String>,
+    /// XDP in front of the tcx programs on the external interfaces, for the same
+    /// NodePorts, external IPs and LB IPs with the same conntrack: `native` (driver XDP on
+    /// every external interface; an interface without it is an error), `best-effort`
+    /// (native where the driver supports it, else generic XDP, else the tcx programs
+    /// alone) or `disabled`. `ebpf-proxy check` tells which interfaces have native XDP
+    /// [default: disabled].
+    #[arg(long, value_enum, value_name = "MODE")]
+    pub xdp: Option<XdpSetting>,
     /// Source-NAT every external flow of a Cluster-policy Service to the node address, also
     /// when the backend runs on this node (kube-proxy's --masquerade-all).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
@@ -1302,6 +1310,7 @@ impl AgentConfig {
                 .unwrap_or(DEFAULT_UDP_FLOW_TIMEOUT),
             tc: TcSettings {
                 interfaces: flags.interfaces,
+                xdp: flags.xdp.unwrap_or_default(),
                 masquerade_all: flags.masquerade_all.or(f.masquerade_all).unwrap_or(false),
                 conntrack_max_per_core: flags
                     .conntrack_max_per_core

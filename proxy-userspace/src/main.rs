@@ -198,6 +198,20 @@ fn services(args: ServicesArgs) -> Result<()> {
             println!("{line}");
         }
     }
+    if args.output == Output::Table {
+        use proxy_userspace::datapath::tc;
+        let xdp = tc::xdp_modes(&dir);
+        let parts: Vec<String> = tc::tc_interfaces(&dir)
+            .iter()
+            .map(|i| {
+                let mode = xdp.get(i).map_or("none", |m| m.as_str());
+                format!("{i} (tcx, xdp {mode})")
+            })
+            .collect();
+        if !parts.is_empty() {
+            println!("north-south interfaces: {}", parts.join(", "));
+        }
+    }
     Ok(())
 }
 

@@ -111,11 +111,12 @@ struct Opts {
     /// Seconds per data path case (upper bound).
     #[arg(long, default_value_t = 3.0)]
     conn_secs: f64,
-    /// Cases to run (ebpf, bypass, iptables, nftables, direct).
+    /// Cases to run (ebpf, xdp, bypass, iptables, nftables, direct; xdp = ebpf-proxy with
+    /// `--xdp native`, in the north-south part only; bypass in the cluster-IP part only).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "ebpf,bypass,iptables,nftables,direct"
+        default_value = "ebpf,xdp,bypass,iptables,nftables,direct"
     )]
     cases: Vec<String>,
     /// Output directory.
@@ -391,7 +392,7 @@ fn bench(mut o: Opts) -> Result<()> {
     for c in &o.cases {
         ensure!(
             Case::parse(c).is_some(),
-            "unknown case {c:?} (ebpf, bypass, iptables, nftables, direct)"
+            "unknown case {c:?} (ebpf, xdp, bypass, iptables, nftables, direct)"
         );
     }
     let cases: Vec<Case> = o.cases.iter().filter_map(|c| Case::parse(c)).collect();
@@ -485,6 +486,8 @@ fn cluster_ip_part(
                         run_rules(&env, o, case, &svcs, real, change_svc, results, run)
                     }
                     Case::Direct => run_direct(&env, o, n, results, run),
+                    // XDP serves traffic entering the node, not the socket path.
+                    Case::Xdp => continue,
                 };
                 if let Err(e) = r {
                     if STOP.load(Ordering::SeqCst) {

@@ -22,7 +22,7 @@ use std::{
 use aya::{
     Ebpf,
     maps::{HashMap, MapData},
-    programs::{SchedClassifier, TestRun, TestRunOptions},
+    programs::{SchedClassifier, TestRun, TestRunOptions, Xdp},
 };
 use proxy_common::{
     Backend, BackendSlotKey, Config, Frontend, FrontendKey, MemberKey,
@@ -50,6 +50,13 @@ pub const BPFFS: &str = "/sys/fs/bpf";
 pub const PASS: i32 = -1;
 pub const DROP: i32 = 2;
 pub const REDIRECT: i32 = 7;
+/// XDP return codes.
+pub const XDP_DROP: i32 = 1;
+pub const XDP_PASS: i32 = 2;
+pub const XDP_TX: i32 = 3;
+pub const XDP_REDIRECT: i32 = 4;
+/// The XDP program of the external interfaces.
+pub const XDP: &str = "xdp_ingress";
 /// The ifindex `BPF_PROG_TEST_RUN` gives a tc program: the namespace's loopback device.
 pub const TEST_IFINDEX: u32 = 1;
 /// Name under which the fixture's data path reports the interface of [`TEST_IFINDEX`].
@@ -198,10 +205,14 @@ impl Interfaces for FixtureDatapath {
     fn attached(&self) -> BTreeSet<String> {
         self.attached.clone()
     }
-    fn attach(&mut self, name: &str) -> anyhow::Result<()> {
+    fn attach(
+        &mut self,
+        name: &str,
+        _external: bool,
+    ) -> anyhow::Result<Option<proxy_userspace::datapath::tc::XdpMode>> {
         anyhow::ensure!(name == TEST_IFNAME, "no interface {name:?} in the fixture");
         self.attached.insert(name.to_string());
-        Ok(())
+        Ok(None)
     }
     fn detach(&mut self, name: &str) -> anyhow::Result<()> {
         self.attached.remove(name);
@@ -268,6 +279,12 @@ impl Harness {
                 .expect("a tc program");
             p.load().unwrap_or_else(|e| panic!("load {prog}: {e:#}"));
         }
+        let p: &mut Xdp = ebpf
+            .program_mut(XDP)
+            .expect("program in the object")
+            .try_into()
+            .expect("an XDP program");
+        p.load().unwrap_or_else(|e| panic!("load {XDP}: {e:#}"));
         proxy_userspace::datapath::tc::install_tail_calls(&mut ebpf).expect("tail calls");
         Harness { dir, ebpf }
     }
@@ -371,25 +388,27 @@ impl Harness {
             .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN of {prog} on {} bytes: {e}", frame.len()))
     }
 
-    /// [`Harness::run`], with the kernel's refusal as an error.
+    /// [`Harness::run`], with the kernel's refusal as an error. `prog` is a tc program or
+    /// [`XDP`] (which sees the frame arrive on [`TEST_IFINDEX`] too).
     pub fn try_run(&self, prog: &str, frame: &[u8]) -> std::io::Result<(i32, Vec<u8>)> {
-        let p: &SchedClassifier = self
-            .ebpf
-            .program(prog)
-            .expect("program")
-            .try_into()
-            .expect("tc");
         let mut out = vec![0u8; frame.len() + 256];
-        let r = p
-            .test_run(TestRunOptions {
-                data_in: Some(frame),
-                data_out: Some(&mut out),
-                ..TestRunOptions::new()
-            })
-            .map_err(|e| match e {
-                aya::programs::ProgramError::SyscallError(s) => s.io_error,
-                e => std::io::Error::other(e.to_string()),
-            })?;
+        let opts = TestRunOptions {
+            data_in: Some(frame),
+            data_out: Some(&mut out),
+            ..TestRunOptions::new()
+        };
+        let program = self.ebpf.program(prog).expect("program");
+        let r = if prog == XDP {
+            let p: &Xdp = program.try_into().expect("xdp");
+            p.test_run(opts)
+        } else {
+            let p: &SchedClassifier = program.try_into().expect("tc");
+            p.test_run(opts)
+        };
+        let r = r.map_err(|e| match e {
+            aya::programs::ProgramError::SyscallError(s) => s.io_error,
+            e => std::io::Error::other(e.to_string()),
+        })?;
         out.truncate(r.data_size_out as usize);
         Ok((r.return_value as i32, out))
     }

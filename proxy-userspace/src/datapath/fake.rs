@@ -371,11 +371,15 @@ impl Interfaces for FakeDatapath {
     fn attached(&self) -> BTreeSet<String> {
         self.attached.clone()
     }
-    fn attach(&mut self, name: &str) -> anyhow::Result<()> {
+    fn attach(
+        &mut self,
+        name: &str,
+        _external: bool,
+    ) -> anyhow::Result<Option<super::tc::XdpMode>> {
         anyhow::ensure!(self.interfaces.contains_key(name), "no interface {name}");
         self.attached.insert(name.to_string());
         self.log.push(Op::Attach(name.to_string()));
-        Ok(())
+        Ok(None)
     }
     fn detach(&mut self, name: &str) -> anyhow::Result<()> {
         self.attached.remove(name);

@@ -8,6 +8,7 @@ use std::net::IpAddr;
 use aya::maps::lpm_trie::Key;
 use proxy_common::{Backend, BackendSlotKey, Frontend, FrontendKey, MemberKey, nat::IfaceAddr};
 
+use super::tc::XdpMode;
 use super::{
     Capacity, DatapathError, HealthServers, Interface, Interfaces, NodeMaps, NodeSnapshot,
     Released, ServiceMaps, Snapshot, SourceRangeKey,
@@ -161,8 +162,8 @@ impl Interfaces for KernelDatapath {
     fn attached(&self) -> BTreeSet<String> {
         self.tc.attached()
     }
-    fn attach(&mut self, name: &str) -> anyhow::Result<()> {
-        self.tc.attach(name)
+    fn attach(&mut self, name: &str, external: bool) -> anyhow::Result<Option<XdpMode>> {
+        self.tc.attach(name, external)
     }
     fn detach(&mut self, name: &str) -> anyhow::Result<()> {
         self.tc.detach(name)

@@ -295,12 +295,17 @@ pub fn pinned_maps() -> impl Iterator<Item = &'static str> {
         .copied()
 }
 
+/// Arrays indexed by a fixed list of this build (the counters), whose size is the list's.
+pub const FIXED_INDEX_MAPS: [&str; 2] = [proxy_common::COUNTERS, proxy_common::nat::TC_COUNTERS];
+
 /// Removes the pins of maps whose layout differs from this binary's object: map type, key
 /// size, value size or creation flags (an agent upgrade across a layout change). The load
 /// that follows creates them anew; adopting them instead would make the programs fail
 /// verification or misread their values. `max_entries` is not a layout: a map keeps the size
-/// it was created with (see [`MapSizes`]). Returns each replaced map's name and why. A pin
-/// that cannot be read is left for the load to report.
+/// it was created with (see [`MapSizes`]), except the counter arrays indexed by a fixed list
+/// ([`FIXED_INDEX_MAPS`]), replaced when smaller than this build's (a newer build counts
+/// more things; its new counters would otherwise never count). Returns each replaced map's
+/// name and why. A pin that cannot be read is left for the load to report.
 pub fn replace_incompatible_pins(dir: &Path) -> Result<Vec<(&'static str, String)>> {
     let obj = aya_obj::Object::parse(OBJECT).context("load: parse the embedded object")?;
     let mut replaced = Vec::new();
@@ -320,6 +325,17 @@ pub fn replace_incompatible_pins(dir: &Path) -> Result<Vec<(&'static str, String
         .iter()
         .filter(|(_, h, w)| h != w)
         .map(|(what, h, w)| format!("{what} {h} pinned, {w} now"))
+        .chain(
+            (FIXED_INDEX_MAPS.contains(&name) && have.max_entries() < want.max_entries()).then(
+                || {
+                    format!(
+                        "{} entries pinned, {} now",
+                        have.max_entries(),
+                        want.max_entries()
+                    )
+                },
+            ),
+        )
         .collect();
         if !diffs.is_empty() {
             fs::remove_file(&path)
@@ -447,6 +463,10 @@ pub fn verify_programs() -> Result<Vec<String>> {
             Program::CgroupSock(p) => {
                 p.load().map_err(|e| program_load_error(&name, e))?;
                 loaded.push(format!("{name} (cgroup_sock)"));
+            }
+            Program::Xdp(p) => {
+                p.load().map_err(|e| program_load_error(&name, e))?;
+                loaded.push(format!("{name} (xdp)"));
             }
             other => {
                 let t = other.prog_type();

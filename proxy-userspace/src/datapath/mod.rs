@@ -187,8 +187,10 @@ pub trait Interfaces {
     fn route_device(&self, ip: &IpAddr) -> Option<String>;
     /// The interfaces that have the programs attached (by this agent or an earlier one).
     fn attached(&self) -> BTreeSet<String>;
-    /// Attaches the ingress and egress programs to an interface.
-    fn attach(&mut self, name: &str) -> anyhow::Result<()>;
+    /// Attaches the ingress and egress programs to an interface, and for an `external` one
+    /// (not pod-facing) the XDP program as `--xdp` says. Returns the XDP mode it runs in
+    /// (`None`: the tcx programs alone).
+    fn attach(&mut self, name: &str, external: bool) -> anyhow::Result<Option<tc::XdpMode>>;
     /// Detaches them.
     fn detach(&mut self, name: &str) -> anyhow::Result<()>;
 }

@@ -4,8 +4,14 @@
 //! the collection of ended least-connections flows. What to attach where and what to write
 //! is the reconciler's ([`crate::reconcile::node`]).
 //!
+//! The XDP program `xdp_ingress` (`proxy-ebpf/src/xdp.rs`) goes in front of the tcx ingress
+//! program of the external interfaces when `--xdp` asks for it ([`XdpSetting`]); the tcx
+//! programs stay attached behind it and remain the complete path, so an interface without
+//! XDP, or a moment without it (an agent restart replaces the XDP link), only costs speed.
+//!
 //! Links are pinned as `link_tc_ingress_<ifname>` and `link_tc_egress_<ifname>` in the pin
-//! directory, so they survive agent restarts and `ebpf-proxy cleanup` detaches them (it
+//! directory, the XDP link as `link_xdp_<mode>_<ifname>` (mode `native` or `generic`, so
+//! `services` and the metrics read the mode from the pin's name), so they survive agent restarts and `ebpf-proxy cleanup` detaches them (it
 //! removes every `link_*` pin). A restarted agent attaches its own links before it removes
 //! the old pins; tcx runs both meanwhile, and the second program finds nothing to do on a
 //! packet the first one translated.
@@ -23,7 +29,7 @@ use aya::{
     Ebpf,
     maps::{Array, HashMap, LpmTrie, MapData},
     programs::{
-        LinkOrder, SchedClassifier, TcAttachType, TestRun, TestRunOptions,
+        LinkOrder, SchedClassifier, TcAttachType, TestRun, TestRunOptions, Xdp,
         links::{FdLink, PinnedLink},
         tc::TcAttachOptions,
     },
@@ -37,12 +43,56 @@ use proxy_common::nat::{
 
 use crate::datapath::{NodeSnapshot, loader::OBJECT};
 
-/// Settings of the north-south data path (flags `--interfaces`, `--masquerade-all` and
-/// `--conntrack-*`, merged with the configuration file by [`crate::config::AgentConfig`]).
+/// `--xdp`: whether the external interfaces get the XDP program in front of the tcx
+/// programs (kube-proxy-replacement style, as Cilium's `loadBalancer.acceleration`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum XdpSetting {
+    /// Native (driver) XDP on every external interface; an interface whose driver has none
+    /// is an error of the interfaces step (reported, retried; its tcx programs serve it).
+    Native,
+    /// Native XDP where the driver supports it, else generic (skb) XDP, else the tcx
+    /// programs alone (logged).
+    BestEffort,
+    /// No XDP: the tcx programs alone.
+    #[default]
+    Disabled,
+}
+
+/// How XDP runs on an interface.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum XdpMode {
+    /// In the driver, before an skb exists (`XDP_FLAGS_DRV_MODE`).
+    Native,
+    /// On the skb, in the generic receive path (`XDP_FLAGS_SKB_MODE`).
+    Generic,
+}
+
+impl XdpMode {
+    /// `native` or `generic`, as in the pins, logs, metrics and `services`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            XdpMode::Native => "native",
+            XdpMode::Generic => "generic",
+        }
+    }
+
+    fn aya(self) -> aya::programs::xdp::XdpMode {
+        match self {
+            XdpMode::Native => aya::programs::xdp::XdpMode::Driver,
+            XdpMode::Generic => aya::programs::xdp::XdpMode::Skb,
+        }
+    }
+}
+
+/// Settings of the north-south data path (flags `--interfaces`, `--xdp`, `--masquerade-all`
+/// and `--conntrack-*`, merged with the configuration file by
+/// [`crate::config::AgentConfig`]).
 #[derive(Debug, Clone)]
 pub struct TcSettings {
     /// `--interfaces`: the external interfaces, when given.
     pub interfaces: Vec<String>,
+    /// `--xdp`.
+    pub xdp: XdpSetting,
     /// `--masquerade-all`.
     pub masquerade_all: bool,
     /// `--conntrack-max-per-core`.
@@ -59,6 +109,7 @@ impl Default for TcSettings {
     fn default() -> Self {
         TcSettings {
             interfaces: Vec::new(),
+            xdp: XdpSetting::Disabled,
             masquerade_all: false,
             conntrack_max_per_core: DEFAULT_CONNTRACK_MAX_PER_CORE,
             conntrack_min: DEFAULT_CONNTRACK_MIN,
@@ -262,6 +313,8 @@ pub fn install_tail_calls(ebpf: &mut Ebpf) -> Result<()> {
 }
 /// Name of the egress program in the object.
 pub const EGRESS_PROGRAM: &str = "tc_egress";
+/// Name of the XDP program in the object.
+pub const XDP_PROGRAM: &str = "xdp_ingress";
 /// Name of the least-connections collection program in the object (never attached; run by
 /// [`TcPath::collect_lc_flows`] through `BPF_PROG_TEST_RUN`).
 pub const LC_GC_PROGRAM: &str = "tc_lc_gc";
@@ -289,6 +342,40 @@ pub fn monotonic_ns() -> u64 {
 
 fn link_name(prog: &str, ifname: &str) -> String {
     format!("link_{prog}_{ifname}")
+}
+
+fn xdp_link_name(mode: XdpMode, ifname: &str) -> String {
+    format!("link_xdp_{}_{ifname}", mode.as_str())
+}
+
+/// The interfaces with a pinned tcx ingress link under the pin directory `dir` (those with
+/// the north-south programs).
+pub fn tc_interfaces(dir: &Path) -> BTreeSet<String> {
+    let prefix = format!("link_{INGRESS_PROGRAM}_");
+    fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter_map(|n| n.strip_prefix(&prefix).map(str::to_string))
+        .collect()
+}
+
+/// The interfaces with a pinned XDP link under the pin directory `dir`, with the mode each
+/// runs in (from the pins' names).
+pub fn xdp_modes(dir: &Path) -> BTreeMap<String, XdpMode> {
+    let mut out = BTreeMap::new();
+    for name in fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+    {
+        for mode in [XdpMode::Native, XdpMode::Generic] {
+            if let Some(ifname) = name.strip_prefix(&xdp_link_name(mode, "")) {
+                out.insert(ifname.to_string(), mode);
+            }
+        }
+    }
+    out
 }
 
 /// Interface names and their IPv4 and IPv6 addresses in this network namespace
@@ -462,6 +549,8 @@ pub fn route_device(ip: &IpAddr) -> Option<String> {
 /// writes.
 pub struct TcKernel {
     dir: PathBuf,
+    /// `--xdp`.
+    xdp: XdpSetting,
     /// What was written to `TC_CONFIG` (timeouts for the collection of flows).
     config: TcConfig,
     ebpf: Option<Ebpf>,
@@ -494,6 +583,7 @@ impl TcKernel {
         cfg.set(0, config, 0).context("write TC_CONFIG")?;
         Ok(Self {
             config,
+            xdp: args.xdp,
             dir: dir.to_path_buf(),
             ebpf: None,
             local: open(dir, LOCAL_ENDPOINTS)?,
@@ -526,6 +616,16 @@ impl TcKernel {
                     .try_into()?;
                 p.load()
                     .map_err(|e| anyhow::anyhow!("verify: program {prog} was rejected: {e:#}"))?;
+            }
+            // Only when asked for: a kernel that rejects it still runs the tcx path.
+            if self.xdp != XdpSetting::Disabled {
+                let p: &mut Xdp = ebpf
+                    .program_mut(XDP_PROGRAM)
+                    .with_context(|| format!("program {XDP_PROGRAM} missing from the object"))?
+                    .try_into()?;
+                p.load().map_err(|e| {
+                    anyhow::anyhow!("verify: program {XDP_PROGRAM} was rejected: {e:#}")
+                })?;
             }
             install_tail_calls(&mut ebpf)?;
             self.ebpf = Some(ebpf);
@@ -596,8 +696,18 @@ impl TcKernel {
 
     /// Attaches the egress and ingress programs to `ifname` (replacing pinned links of an
     /// earlier agent only once the new ones are pinned). Egress first, so that no flow the
-    /// ingress program translates has its replies leave untranslated.
-    pub fn attach(&mut self, ifname: &str) -> Result<()> {
+    /// ingress program translates has its replies leave untranslated. Then, for an
+    /// `external` interface, the XDP program as `--xdp` says ([`TcKernel::attach_xdp`]).
+    /// Returns the XDP mode the interface runs in (`None`: the tcx programs alone).
+    ///
+    /// Errors: a tcx attachment or pin failed; with `--xdp native`, the interface has no
+    /// native XDP.
+    pub fn attach(&mut self, ifname: &str, external: bool) -> Result<Option<XdpMode>> {
+        self.attach_tc(ifname)?;
+        self.attach_xdp(ifname, external)
+    }
+
+    fn attach_tc(&mut self, ifname: &str) -> Result<()> {
         let dir = self.dir.clone();
         let ebpf = self.ebpf()?;
         attach_pinned(
@@ -611,8 +721,71 @@ impl TcKernel {
         )
     }
 
+    /// Attaches the XDP program to external interface `ifname` as `--xdp` says: native,
+    /// else (best-effort) generic, else none. An XDP link of an earlier agent on the
+    /// interface is removed first: an interface holds one XDP program, and the tcx programs
+    /// (attached before this) serve it meanwhile. A pod-facing interface (`external` false)
+    /// or `--xdp disabled` gets none (and loses an earlier agent's).
+    pub fn attach_xdp(&mut self, ifname: &str, external: bool) -> Result<Option<XdpMode>> {
+        self.detach_xdp(ifname)?;
+        let modes: &[XdpMode] = match self.xdp {
+            _ if !external => &[],
+            XdpSetting::Disabled => &[],
+            XdpSetting::Native => &[XdpMode::Native],
+            XdpSetting::BestEffort => &[XdpMode::Native, XdpMode::Generic],
+        };
+        let setting = self.xdp;
+        let dir = self.dir.clone();
+        let mut errors = Vec::new();
+        for &mode in modes {
+            let ebpf = self.ebpf()?;
+            let p: &mut Xdp = ebpf
+                .program_mut(XDP_PROGRAM)
+                .context("program missing")?
+                .try_into()?;
+            match p.attach(ifname, mode.aya()) {
+                Ok(id) => {
+                    let link: FdLink = p.take_link(id)?.try_into()?;
+                    let pin = dir.join(xdp_link_name(mode, ifname));
+                    link.pin(&pin)
+                        .with_context(|| format!("pin {}", pin.display()))?;
+                    return Ok(Some(mode));
+                }
+                Err(e) => errors.push(format!("{}: {e:#}", mode.as_str())),
+            }
+        }
+        match setting {
+            XdpSetting::Native => bail!(
+                "--xdp native: {ifname}: cannot attach XDP in native mode (does its driver support XDP? `ebpf-proxy check` tells): {}",
+                errors.join("; ")
+            ),
+            XdpSetting::BestEffort => {
+                tracing::warn!(interface = %ifname, errors = %errors.join("; "), "--xdp best-effort: no XDP on this interface, the tcx programs serve it alone");
+                Ok(None)
+            }
+            XdpSetting::Disabled => Ok(None),
+        }
+    }
+
+    /// Removes the XDP link of `ifname` (any mode), if pinned.
+    fn detach_xdp(&mut self, ifname: &str) -> Result<()> {
+        for mode in [XdpMode::Native, XdpMode::Generic] {
+            let pin = self.dir.join(xdp_link_name(mode, ifname));
+            if let Ok(l) = PinnedLink::from_pin(&pin) {
+                drop(l.unpin());
+            }
+            match fs::remove_file(&pin) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e).with_context(|| format!("remove {}", pin.display())),
+            }
+        }
+        Ok(())
+    }
+
     /// Detaches the programs from `ifname` (removes its pinned links).
     pub fn detach(&mut self, ifname: &str) -> Result<()> {
+        self.detach_xdp(ifname)?;
         for prog in [INGRESS_PROGRAM, EGRESS_PROGRAM] {
             let pin = self.dir.join(link_name(prog, ifname));
             if let Ok(l) = PinnedLink::from_pin(&pin) {
@@ -629,13 +802,7 @@ impl TcKernel {
 
     /// Interfaces with a pinned ingress link in the pin directory.
     pub fn attached(&self) -> BTreeSet<String> {
-        let prefix = format!("link_{INGRESS_PROGRAM}_");
-        fs::read_dir(&self.dir)
-            .into_iter()
-            .flatten()
-            .filter_map(|e| e.ok()?.file_name().into_string().ok())
-            .filter_map(|n| n.strip_prefix(&prefix).map(str::to_string))
-            .collect()
+        tc_interfaces(&self.dir)
     }
 
     /// Reads the tc maps the agent writes.

@@ -393,11 +393,12 @@ impl NodeReconciler {
                 n += 1;
             }
             if had.is_none() {
-                dp.attach(name)?;
+                let xdp = dp.attach(name, value.flags & IFACE_F_POD == 0)?;
                 let shown = |a: [u8; 16]| {
                     (a != [0; 16]).then(|| crate::datapath::addr::bytes_to_ip(a).to_string())
                 };
-                tracing::info!(interface = %name, address = ?shown(value.v4), address_v6 = ?shown(value.v6), "north-south programs attached (tcx ingress and egress)");
+                let xdp = xdp.map_or("none", |m| m.as_str());
+                tracing::info!(interface = %name, address = ?shown(value.v4), address_v6 = ?shown(value.v6), xdp, "north-south programs attached (tcx ingress and egress, XDP mode as `xdp` says)");
                 n += 1;
             }
             self.ifaces.insert(name.clone(), (*index, *value));

@@ -10,7 +10,10 @@
 //!   node-b: br0 198.18.2.1/24 ── pod b0 198.18.2.10   (the remote backend)
 //! ```
 //!
-//! Only node-a translates. Four NodePort Services (`externalTrafficPolicy: Cluster`), one
+//! Only node-a translates; ebpf-proxy runs twice, with its tc programs alone and with
+//! `--xdp native` in front of them. The wire's ports run a pass-through XDP program and
+//! every interface sends complete checksums, in every case (a veth needs both for frames
+//! that XDP sends back out; see `Netns::attach_xdp_pass`). Four NodePort Services (`externalTrafficPolicy: Cluster`), one
 //! backend each: TCP 30080 → a0:8080, TCP 30081 → b0:8080, UDP 30053 → a0:5353, UDP 30054 →
 //! b0:5353, next to N ClusterIP Services with 10 synthetic endpoints each (the rest of a
 //! cluster, which kube-proxy's rules walk or look up before they reach the node ports). A
@@ -163,6 +166,8 @@ struct Topology {
     node_a: Netns,
     node_b: Netns,
     client: Netns,
+    /// The wire's pass-through XDP links, released before the wire.
+    _wire_xdp: Vec<std::os::fd::OwnedFd>,
     _wire: Netns,
 }
 
@@ -194,13 +199,21 @@ impl Topology {
         let client = ns("c")?;
         let node_a = ns("a")?;
         let node_b = ns("b")?;
+        let mut wire_xdp = Vec::new();
         for (i, (n, addr)) in [(&node_a, NODE_A), (&node_b, NODE_B), (&client, CLIENT)]
             .into_iter()
             .enumerate()
         {
-            wire.add_bridge_port(&format!("p{i}"), "wire0", n)?;
+            let port = format!("p{i}");
+            wire.add_bridge_port(&port, "wire0", n)?;
             n.ip(&["addr", "add", &format!("{addr}/24"), "dev", "eth0"])?;
             n.ip(&["link", "set", "eth0", "up"])?;
+            // For the XDP case, in every case (one topology): frames node-a's XDP sends
+            // back with XDP_TX reach the bridge promptly only through a port with an XDP
+            // program, and XDP needs complete checksums, as a physical wire delivers.
+            wire_xdp.push(wire.attach_xdp_pass(&port)?);
+            wire.set_tx_checksum_off(&port)?;
+            n.set_tx_checksum_off("eth0")?;
         }
         for (n, gw, other_subnet, other_node) in [
             (&node_a, "198.18.1.1/24", "198.18.2.0/24", NODE_B),
@@ -233,6 +246,7 @@ impl Topology {
             node_a,
             node_b,
             client,
+            _wire_xdp: wire_xdp,
             _wire: wire,
         };
         for (node, name, addr, gw) in [
@@ -245,6 +259,8 @@ impl Topology {
             pod.ip(&["addr", "add", &format!("{addr}/24"), "dev", "eth0"])?;
             pod.ip(&["link", "set", "eth0", "up"])?;
             pod.ip(&["route", "add", "default", "via", gw])?;
+            pod.set_tx_checksum_off("eth0")?;
+            n.set_tx_checksum_off(&format!("v{name}"))?;
             for (sub, listen) in [
                 ("serve", format!("0.0.0.0:{TCP_PORT}")),
                 ("serve-udp", format!("0.0.0.0:{UDP_PORT}")),
@@ -368,17 +384,18 @@ fn one_case(
         Case::Direct => measure(t, o, me, case, n, results),
         // Not run here (see `run`).
         Case::Bypass => Ok(()),
-        Case::Ebpf => {
-            start_agent(t, o, agent_bin, &svcs).and_then(|()| measure(t, o, me, case, n, results))
-        }
+        Case::Ebpf | Case::Xdp => start_agent(t, o, agent_bin, &svcs, case == Case::Xdp)
+            .and_then(|()| measure(t, o, me, case, n, results)),
         Case::Iptables | Case::Nftables => {
             apply_rules(t, o, case, &svcs).and_then(|()| measure(t, o, me, case, n, results))
         }
     };
     // The next case starts from a node without translation (not timed).
     let reset = match case {
-        Case::Direct | Case::Bypass => Ok(()),
-        Case::Ebpf => {
+        // Not run here (see `run`).
+        Case::Bypass => Ok(()),
+        Case::Ebpf | Case::Xdp => start_agent(t, o, agent_bin, &svcs, case == Case::Xdp)
+            .and_then(|()| measure(t, o, me, case, n, results)),
             stop_agent(t);
             Ok(())
         }
@@ -387,7 +404,15 @@ fn one_case(
     r.and(reset)
 }
 
-fn start_agent(t: &mut Topology, o: &Opts, agent_bin: &Path, svcs: &[Svc]) -> Result<()> {
+/// Starts the agent in node-a's namespace with `svcs`; with `xdp`, `--xdp native` (and the
+/// run fails unless node-a's `eth0` runs it natively).
+fn start_agent(
+    t: &mut Topology,
+    o: &Opts,
+    agent_bin: &Path,
+    svcs: &[Svc],
+    xdp: bool,
+) -> Result<()> {
     stop_agent(t);
     let dir = t.file("manifests");
     let _ = fs::remove_dir_all(&dir);
@@ -437,6 +462,7 @@ fn start_agent(t: &mut Topology, o: &Opts, agent_bin: &Path, svcs: &[Svc]) -> Re
                 "--max-backends",
                 &room(endpoints, proxy_common::DEFAULT_MAX_BACKENDS),
             ])
+            .args(if xdp { &["--xdp", "native"][..] } else { &[] })
             .args(&o.agent_arg)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -524,12 +550,18 @@ fn measure(
     n: usize,
     results: &mut Results,
 ) -> Result<()> {
-    let progs = (case == Case::Ebpf).then(|| progstats::attached(&t.pins.0));
+    let progs = matches!(case, Case::Ebpf | Case::Xdp).then(|| progstats::attached(&t.pins.0));
     if let Some(p) = &progs {
         ensure!(
             p.contains_key("tc_ingress"),
             "tc_ingress is not among the agent's attached programs: {p:?}"
         );
+        if case == Case::Xdp {
+            ensure!(
+                p.contains_key("xdp_ingress"),
+                "xdp_ingress is not among the agent's attached programs: {p:?}"
+            );
+        }
     }
     for p in NsPath::ALL {
         check_stop()?;

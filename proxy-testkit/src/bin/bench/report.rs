@@ -16,13 +16,16 @@ pub enum Case {
     /// (`ebpf-proxy.io/socket-lb: disabled`), translated by `pod_ingress`/`pod_egress` on
     /// its interface. Data path only (its control plane is `Ebpf`'s).
     Bypass,
+    /// ebpf-proxy with `--xdp native` (north-south only: XDP serves traffic entering the
+    /// node, not the socket path).
+    Xdp,
     Iptables,
     Nftables,
     Direct,
 }
 
 impl Case {
-    /// Every case; the order gives the client pods their addresses (the bypassed pod's last,
+    /// The cases of the cluster-IP part (every case but [`Case::Xdp`]); the order gives the client pods their addresses (the bypassed pod's last,
     /// so the others keep theirs).
     pub const ALL: [Case; 5] = [
         Case::Ebpf,
@@ -36,6 +39,7 @@ impl Case {
         Some(match s {
             "ebpf" => Case::Ebpf,
             "bypass" => Case::Bypass,
+            "xdp" => Case::Xdp,
             "iptables" => Case::Iptables,
             "nftables" => Case::Nftables,
             "direct" => Case::Direct,
@@ -47,6 +51,7 @@ impl Case {
         match self {
             Case::Ebpf => "ebpf",
             Case::Bypass => "bypass",
+            Case::Xdp => "xdp",
             Case::Iptables => "iptables",
             Case::Nftables => "nftables",
             Case::Direct => "direct",
@@ -58,6 +63,7 @@ impl Case {
         match self {
             Case::Ebpf => "c-ebpf",
             Case::Bypass => "c-bypass",
+            Case::Xdp => "c-xdp",
             Case::Iptables => "c-ipt",
             Case::Nftables => "c-nft",
             Case::Direct => "c-direct",
@@ -68,6 +74,7 @@ impl Case {
         match self {
             Case::Ebpf => "ebpf-proxy",
             Case::Bypass => "ebpf-proxy per packet (bypassed pod)",
+            Case::Xdp => "ebpf-proxy XDP",
             Case::Iptables => "kube-proxy iptables rules",
             Case::Nftables => "kube-proxy nftables rules",
             Case::Direct => "direct to pod IP",
@@ -78,6 +85,7 @@ impl Case {
         match self {
             Case::Ebpf => RGBColor(0x1f, 0x77, 0xb4),
             Case::Bypass => RGBColor(0x94, 0x67, 0xbd),
+            Case::Xdp => RGBColor(0x8c, 0x56, 0x4b),
             Case::Iptables => RGBColor(0xd6, 0x27, 0x28),
             Case::Nftables => RGBColor(0xff, 0x7f, 0x0e),
             Case::Direct => RGBColor(0x2c, 0xa0, 0x2c),
@@ -842,7 +850,13 @@ impl Results {
     /// latency, ebpf-proxy's tc program costs, and losses.
     pub fn north_south_tables(&self) -> String {
         let mut o = String::new();
-        const CASES: [Case; 4] = [Case::Direct, Case::Ebpf, Case::Nftables, Case::Iptables];
+        const CASES: [Case; 5] = [
+            Case::Direct,
+            Case::Xdp,
+            Case::Ebpf,
+            Case::Nftables,
+            Case::Iptables,
+        ];
         for &n in &self.north_south {
             let _ = writeln!(
                 o,
@@ -854,7 +868,7 @@ impl Results {
                 32
             );
             let _ = writeln!(o, "| path | {} |", CASES.map(ns_label).join(" | "));
-            let _ = writeln!(o, "| --- | ---: | ---: | ---: | ---: |");
+            let _ = writeln!(o, "| --- | ---: | ---: | ---: | ---: | ---: |");
             for (path, label) in NS_PATHS {
                 let m = format!("ns:{path}:rate");
                 let cells: Vec<String> = CASES
@@ -872,7 +886,7 @@ impl Results {
             }
             let _ = writeln!(
                 o,
-                "\nTCP latency per connection, p50 / p99 (µs):\n\n| path | {} |\n| --- | ---: | ---: | ---: | ---: |",
+                "\nTCP latency per connection, p50 / p99 (µs):\n\n| path | {} |\n| --- | ---: | ---: | ---: | ---: | ---: |",
                 CASES.map(ns_label).join(" | ")
             );
             for (path, label) in NS_PATHS.iter().filter(|(p, _)| p.starts_with("tcp")) {
@@ -888,35 +902,43 @@ impl Results {
                     .collect();
                 let _ = writeln!(o, "| {label} | {} |", cells.join(" | "));
             }
-            let any_bpf = NS_PATHS.iter().any(|(p, _)| {
-                self.get(Case::Ebpf, n, &format!("ns:{p}:bpf_ns_per_flow"))
-                    .is_some()
-            });
-            if any_bpf {
+            let bpf_cases: Vec<Case> = [Case::Ebpf, Case::Xdp]
+                .into_iter()
+                .filter(|&c| {
+                    NS_PATHS
+                        .iter()
+                        .any(|(p, _)| self.get(c, n, &format!("ns:{p}:bpf_ns_per_flow")).is_some())
+                })
+                .collect();
+            if !bpf_cases.is_empty() {
                 let _ = writeln!(
                     o,
-                    "\nebpf-proxy's tc programs (kernel program statistics): ns per packet x packets per TCP connection or UDP exchange, and BPF ns per connection or exchange (warm-up included):\n"
+                    "\nebpf-proxy's programs (kernel program statistics): ns per packet x packets per TCP connection or UDP exchange, and BPF ns per connection or exchange (warm-up included):\n"
                 );
                 let _ = writeln!(
                     o,
-                    "| path | tc_ingress | tc_egress | BPF ns per connection / exchange |"
+                    "| path | xdp_ingress | tc_ingress | tc_egress | BPF ns per connection / exchange |"
                 );
-                let _ = writeln!(o, "| --- | ---: | ---: | ---: |");
-                for (path, label) in NS_PATHS {
-                    let prog = |name: &str| {
-                        let g = |m: &str| self.get(Case::Ebpf, n, &format!("ns:{path}:{m}:{name}"));
-                        match (g("ns_per_run"), g("runs_per_flow")) {
-                            (Some(a), Some(b)) => format!("{:.0} x {:.2}", a.med, b.med),
-                            _ => "–".into(),
-                        }
-                    };
-                    let _ = writeln!(
-                        o,
-                        "| {label} | {} | {} | {} |",
-                        prog("tc_ingress"),
-                        prog("tc_egress"),
-                        self.ns_cell(Case::Ebpf, n, path, "bpf_ns_per_flow", 0)
-                    );
+                let _ = writeln!(o, "| --- | ---: | ---: | ---: | ---: |");
+                for &c in &bpf_cases {
+                    for (path, label) in NS_PATHS {
+                        let prog = |name: &str| {
+                            let g = |m: &str| self.get(c, n, &format!("ns:{path}:{m}:{name}"));
+                            match (g("ns_per_run"), g("runs_per_flow")) {
+                                (Some(a), Some(b)) => format!("{:.0} x {:.2}", a.med, b.med),
+                                _ => "–".into(),
+                            }
+                        };
+                        let _ = writeln!(
+                            o,
+                            "| {}: {label} | {} | {} | {} | {} |",
+                            ns_label(c),
+                            prog("xdp_ingress"),
+                            prog("tc_ingress"),
+                            prog("tc_egress"),
+                            self.ns_cell(c, n, path, "bpf_ns_per_flow", 0)
+                        );
+                    }
                 }
             }
             let mut problems = Vec::new();
@@ -964,6 +986,7 @@ fn ns_label(c: Case) -> &'static str {
         Case::Ebpf => "ebpf-proxy (tc)",
         // Not a north-south case (see `northsouth::run`).
         Case::Bypass => "ebpf-proxy per packet (bypassed pod)",
+        Case::Xdp => "ebpf-proxy (XDP)",
         Case::Nftables => "kube-proxy nftables rules",
         Case::Iptables => "kube-proxy iptables rules",
     }
@@ -1195,7 +1218,13 @@ fn cluster_ip_charts(r: &Results, dir: &Path) -> Result<()> {
 /// Writes `north_south.png`: the north-south rates at N (bars: median, whiskers: min–max
 /// over runs), TCP and UDP side by side, each with the local and the remote backend.
 fn north_south_chart(r: &Results, n: usize, dir: &Path) -> Result<()> {
-    const CASES: [Case; 4] = [Case::Direct, Case::Ebpf, Case::Nftables, Case::Iptables];
+    const CASES: [Case; 5] = [
+        Case::Direct,
+        Case::Xdp,
+        Case::Ebpf,
+        Case::Nftables,
+        Case::Iptables,
+    ];
     let file = dir.join("north_south.png");
     let root = BitMapBackend::new(&file, (1200, 560)).into_drawing_area();
     root.fill(&WHITE)?;
