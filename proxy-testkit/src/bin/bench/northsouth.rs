@@ -392,10 +392,8 @@ fn one_case(
     };
     // The next case starts from a node without translation (not timed).
     let reset = match case {
-        // Not run here (see `run`).
-        Case::Bypass => Ok(()),
-        Case::Ebpf | Case::Xdp => start_agent(t, o, agent_bin, &svcs, case == Case::Xdp)
-            .and_then(|()| measure(t, o, me, case, n, results)),
+        Case::Direct | Case::Bypass => Ok(()),
+        Case::Ebpf | Case::Xdp => {
             stop_agent(t);
             Ok(())
         }
