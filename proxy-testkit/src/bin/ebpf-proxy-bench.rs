@@ -1079,28 +1079,8 @@ fn run_api_changes(
         let syncs = SyncLine::count(&agent_log(env));
         let t = Instant::now();
         api.apply_endpoint_slice(slice);
-        let want = v4_mapped(new_ip);
-        let lat = loop {
-            if maps.backends_of(svc.vip).contains(&want) {
-                break t.elapsed();
-            }
-            ensure!(
-                t.elapsed() < Duration::from_secs(30),
-                "API change {k} not in the maps after 30 s"
-            );
-            std::thread::sleep(Duration::from_micros(100));
-        };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let sync = loop {
-            if let Some(l) = SyncLine::nth(&agent_log(env), syncs) {
-                break l;
-            }
-            ensure!(
-                Instant::now() < deadline,
-                "no sync done after API change {k}"
-            );
-            std::thread::sleep(Duration::from_millis(1));
-        };
+        let (lat, sync) = await_change(env, &maps, svc.vip, new_ip, t, syncs)
+            .with_context(|| format!("API change {k}"))?;
         results.add(
             Case::Ebpf,
             n,
@@ -1126,6 +1106,40 @@ fn run_api_changes(
     }
     results.log_api_change(n);
     Ok(())
+}
+
+/// Waits for one endpoint change started at `t`: until `vip`'s backends in the maps hold
+/// `new_ip` (polled one key at a time every 100 µs; a poll is about 20 map lookups), then
+/// for the agent's own account of it, the first `sync done` line after the `syncs` the
+/// log held before the change. Returns the time to the maps and that line; errors after
+/// 30 s of either wait.
+fn await_change(
+    env: &Env,
+    maps: &Maps,
+    vip: Ipv4Addr,
+    new_ip: Ipv4Addr,
+    t: Instant,
+    syncs: usize,
+) -> Result<(Duration, SyncLine)> {
+    let want = v4_mapped(new_ip);
+    let lat = loop {
+        if maps.backends_of(vip).contains(&want) {
+            break t.elapsed();
+        }
+        ensure!(
+            t.elapsed() < Duration::from_secs(30),
+            "not in the maps after 30 s"
+        );
+        std::thread::sleep(Duration::from_micros(100));
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(l) = SyncLine::nth(&agent_log(env), syncs) {
+            return Ok((lat, l));
+        }
+        ensure!(Instant::now() < deadline, "no sync done after 30 s");
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 /// `_sum` and `_count` of `kubeproxy_network_programming_duration_seconds` (every family)
@@ -1241,27 +1255,8 @@ fn run_ebpf_inner(
             let syncs = SyncLine::count(&agent_log(env));
             let t = Instant::now();
             write_atomic(&file, &(rules::slice_json(&svc) + "\n"))?;
-            let want = v4_mapped(new_ip);
-            // Polled one key at a time, every 100 µs (a poll is about 20 map lookups).
-            let lat = loop {
-                if maps.backends_of(svc.vip).contains(&want) {
-                    break t.elapsed();
-                }
-                ensure!(
-                    t.elapsed() < Duration::from_secs(30),
-                    "change {k} not in the maps after 30 s"
-                );
-                std::thread::sleep(Duration::from_micros(100));
-            };
-            // The agent's own account of that change: the first sync after the rename.
-            let deadline = Instant::now() + Duration::from_secs(30);
-            let sync = loop {
-                if let Some(l) = SyncLine::nth(&agent_log(env), syncs) {
-                    break l;
-                }
-                ensure!(Instant::now() < deadline, "no sync done after change {k}");
-                std::thread::sleep(Duration::from_millis(1));
-            };
+            let (lat, sync) = await_change(env, &maps, svc.vip, new_ip, t, syncs)
+                .with_context(|| format!("change {k}"))?;
             let ms = |us: u64| us as f64 / 1e3;
             results.add(
                 Case::Ebpf,
