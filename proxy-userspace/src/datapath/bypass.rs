@@ -324,13 +324,7 @@ fn open<T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>>(
 
 /// Interfaces with a pinned `pod_ingress` link in pin directory `dir`.
 pub fn attached_pods(dir: &Path) -> BTreeSet<String> {
-    let prefix = format!("link_{POD_INGRESS_PROGRAM}_");
-    fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .filter_map(|n| n.strip_prefix(&prefix).map(str::to_string))
-        .collect()
+    super::tc::linked_interfaces(dir, POD_INGRESS_PROGRAM)
 }
 
 /// The bypass configuration and namespaces pinned under `dir`: (config, cookies).

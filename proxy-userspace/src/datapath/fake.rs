@@ -62,6 +62,8 @@ pub struct FakeDatapath {
     pub routes: Vec<(IpAddr, u8, String)>,
     /// Interfaces with the programs attached.
     pub attached: BTreeSet<String>,
+    /// Interfaces whose attach fails (as `--xdp native` on a driver without native XDP).
+    pub refuse_attach: BTreeSet<String>,
     /// Health-check servers running.
     pub health: BTreeMap<u16, HealthCheck>,
     /// Ports a server cannot bind (in use by another process).
@@ -89,6 +91,7 @@ impl FakeDatapath {
             interfaces: BTreeMap::new(),
             routes: Vec::new(),
             attached: BTreeSet::new(),
+            refuse_attach: BTreeSet::new(),
             health: BTreeMap::new(),
             busy_ports: BTreeSet::new(),
             collections: 0,
@@ -377,6 +380,10 @@ impl Interfaces for FakeDatapath {
         _external: bool,
     ) -> anyhow::Result<Option<super::tc::XdpMode>> {
         anyhow::ensure!(self.interfaces.contains_key(name), "no interface {name}");
+        anyhow::ensure!(
+            !self.refuse_attach.contains(name),
+            "{name}: cannot attach XDP in native mode"
+        );
         self.attached.insert(name.to_string());
         self.log.push(Op::Attach(name.to_string()));
         Ok(None)

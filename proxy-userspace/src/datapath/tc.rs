@@ -351,13 +351,31 @@ fn xdp_link_name(mode: XdpMode, ifname: &str) -> String {
 /// The interfaces with a pinned tcx ingress link under the pin directory `dir` (those with
 /// the north-south programs).
 pub fn tc_interfaces(dir: &Path) -> BTreeSet<String> {
-    let prefix = format!("link_{INGRESS_PROGRAM}_");
+    linked_interfaces(dir, INGRESS_PROGRAM)
+}
+
+/// The interfaces with a pinned link of program `prog` under the pin directory `dir`
+/// (pins named `link_<prog>_<interface>`).
+pub fn linked_interfaces(dir: &Path, prog: &str) -> BTreeSet<String> {
+    let prefix = format!("link_{prog}_");
     fs::read_dir(dir)
         .into_iter()
         .flatten()
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
         .filter_map(|n| n.strip_prefix(&prefix).map(str::to_string))
         .collect()
+}
+
+/// Detaches and removes the pinned link at `pin`, if any (a missing pin is no error).
+fn remove_link_pin(pin: &Path) -> Result<()> {
+    if let Ok(l) = PinnedLink::from_pin(pin) {
+        drop(l.unpin());
+    }
+    match fs::remove_file(pin) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e).with_context(|| format!("remove {}", pin.display())),
+    }
 }
 
 /// The interfaces with a pinned XDP link under the pin directory `dir`, with the mode each
@@ -554,6 +572,9 @@ pub struct TcKernel {
     /// What was written to `TC_CONFIG` (timeouts for the collection of flows).
     config: TcConfig,
     ebpf: Option<Ebpf>,
+    /// Interfaces whose tcx programs this load attached (a second attach of the same
+    /// program to a hook fails with EEXIST: a retry after an XDP failure attaches XDP only).
+    tc_attached: BTreeSet<String>,
     local: HashMap<MapData, [u8; 16], u32>,
     ranges: LpmTrie<MapData, SourceRange, u32>,
     addrs: HashMap<MapData, u32, IfaceAddr>,
@@ -586,6 +607,7 @@ impl TcKernel {
             xdp: args.xdp,
             dir: dir.to_path_buf(),
             ebpf: None,
+            tc_attached: BTreeSet::new(),
             local: open(dir, LOCAL_ENDPOINTS)?,
             ranges: open(dir, SOURCE_RANGES)?,
             addrs: open(dir, IFACE_ADDRS)?,
@@ -703,7 +725,10 @@ impl TcKernel {
     /// Errors: a tcx attachment or pin failed; with `--xdp native`, the interface has no
     /// native XDP.
     pub fn attach(&mut self, ifname: &str, external: bool) -> Result<Option<XdpMode>> {
-        self.attach_tc(ifname)?;
+        if !self.tc_attached.contains(ifname) {
+            self.attach_tc(ifname)?;
+            self.tc_attached.insert(ifname.to_string());
+        }
         self.attach_xdp(ifname, external)
     }
 
@@ -770,32 +795,17 @@ impl TcKernel {
     /// Removes the XDP link of `ifname` (any mode), if pinned.
     fn detach_xdp(&mut self, ifname: &str) -> Result<()> {
         for mode in [XdpMode::Native, XdpMode::Generic] {
-            let pin = self.dir.join(xdp_link_name(mode, ifname));
-            if let Ok(l) = PinnedLink::from_pin(&pin) {
-                drop(l.unpin());
-            }
-            match fs::remove_file(&pin) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(e).with_context(|| format!("remove {}", pin.display())),
-            }
+            remove_link_pin(&self.dir.join(xdp_link_name(mode, ifname)))?;
         }
         Ok(())
     }
 
     /// Detaches the programs from `ifname` (removes its pinned links).
     pub fn detach(&mut self, ifname: &str) -> Result<()> {
+        self.tc_attached.remove(ifname);
         self.detach_xdp(ifname)?;
         for prog in [INGRESS_PROGRAM, EGRESS_PROGRAM] {
-            let pin = self.dir.join(link_name(prog, ifname));
-            if let Ok(l) = PinnedLink::from_pin(&pin) {
-                drop(l.unpin());
-            }
-            match fs::remove_file(&pin) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(e).with_context(|| format!("remove {}", pin.display())),
-            }
+            remove_link_pin(&self.dir.join(link_name(prog, ifname)))?;
         }
         Ok(())
     }

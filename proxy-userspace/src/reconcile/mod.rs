@@ -672,6 +672,32 @@ mod tests {
     }
 
     #[test]
+    fn an_interface_that_fails_to_attach_does_not_hold_up_the_others() {
+        let mut dp = lab();
+        dp.refuse_attach.insert("eth0".into());
+        let config = NodeConfig {
+            interfaces: vec!["eth0".into(), "eth1".into()],
+            snat_local: false,
+        };
+        let mut r = Reconciler::adopt(&dp, config, Duration::from_secs(30)).unwrap();
+        let mut m = model_of("");
+        m.commit();
+        r.apply_all(&mut dp, &m, Instant::now());
+        assert_eq!(dp.attached, BTreeSet::from(["eth1".to_string()]));
+        let e = r.node.errors();
+        assert_eq!(e.len(), 1);
+        assert!(e.iter().next().unwrap().contains("eth0"), "{e:?}");
+        // Retried until it works.
+        dp.refuse_attach.clear();
+        r.verify(&mut dp, &m, Instant::now());
+        assert!(r.node.errors().is_empty());
+        assert_eq!(
+            dp.attached,
+            BTreeSet::from(["eth0".to_string(), "eth1".to_string()])
+        );
+    }
+
+    #[test]
     fn a_missing_interface_is_reported_until_it_appears() {
         let mut dp = lab();
         let config = NodeConfig {

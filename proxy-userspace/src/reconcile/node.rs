@@ -381,6 +381,9 @@ impl NodeReconciler {
     ) -> anyhow::Result<usize> {
         let wanted = wanted_interfaces(dp, model, &self.config)?;
         let mut n = 0;
+        // One interface's failure (e.g. no native XDP with `--xdp native`) is reported and
+        // retried without holding up the others.
+        let mut failed = Vec::new();
         for (name, (index, value)) in &wanted {
             let had = self.ifaces.get(name);
             if had.map(|(i, v)| (i, v)) != Some((index, value)) {
@@ -393,7 +396,13 @@ impl NodeReconciler {
                 n += 1;
             }
             if had.is_none() {
-                let xdp = dp.attach(name, value.flags & IFACE_F_POD == 0)?;
+                let xdp = match dp.attach(name, value.flags & IFACE_F_POD == 0) {
+                    Ok(x) => x,
+                    Err(e) => {
+                        failed.push(format!("{e:#}"));
+                        continue;
+                    }
+                };
                 let shown = |a: [u8; 16]| {
                     (a != [0; 16]).then(|| crate::datapath::addr::bytes_to_ip(a).to_string())
                 };
@@ -424,6 +433,9 @@ impl NodeReconciler {
                 tracing::info!(interface = %name, "north-south programs of an earlier agent detached");
                 n += 1;
             }
+        }
+        if !failed.is_empty() {
+            anyhow::bail!("{}", failed.join("; "));
         }
         Ok(n)
     }
