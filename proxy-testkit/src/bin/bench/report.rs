@@ -850,13 +850,7 @@ impl Results {
     /// latency, ebpf-proxy's tc program costs, and losses.
     pub fn north_south_tables(&self) -> String {
         let mut o = String::new();
-        const CASES: [Case; 5] = [
-            Case::Direct,
-            Case::Xdp,
-            Case::Ebpf,
-            Case::Nftables,
-            Case::Iptables,
-        ];
+        const CASES: [Case; 5] = NS_CASES;
         for &n in &self.north_south {
             let _ = writeln!(
                 o,
@@ -967,6 +961,15 @@ impl Results {
         o
     }
 }
+
+/// The north-south cases, in the order of the tables' columns and the chart's bars.
+const NS_CASES: [Case; 5] = [
+    Case::Direct,
+    Case::Xdp,
+    Case::Ebpf,
+    Case::Nftables,
+    Case::Iptables,
+];
 
 /// The north-south paths: metric key and label.
 const NS_PATHS: [(&str, &str); 4] = [
@@ -1218,13 +1221,7 @@ fn cluster_ip_charts(r: &Results, dir: &Path) -> Result<()> {
 /// Writes `north_south.png`: the north-south rates at N (bars: median, whiskers: min–max
 /// over runs), TCP and UDP side by side, each with the local and the remote backend.
 fn north_south_chart(r: &Results, n: usize, dir: &Path) -> Result<()> {
-    const CASES: [Case; 5] = [
-        Case::Direct,
-        Case::Xdp,
-        Case::Ebpf,
-        Case::Nftables,
-        Case::Iptables,
-    ];
+    const CASES: [Case; 5] = NS_CASES;
     let file = dir.join("north_south.png");
     let root = BitMapBackend::new(&file, (1200, 560)).into_drawing_area();
     root.fill(&WHITE)?;
