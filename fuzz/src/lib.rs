@@ -604,6 +604,7 @@ fn node_info(s: &Scenario) -> NodeInfo {
         nodeport_primary: s.nodeport_primary,
         default_algorithm: parse_algorithm(pick(&ALGORITHMS[..6], s.default_algorithm))
             .expect("an algorithm of the pool"),
+        north_south_mode: Default::default(),
     }
 }
 

@@ -140,6 +140,15 @@ pub const FRONTEND_F_EXTERNAL: u32 = 1 << 2;
 /// `reject-chain` verdict when `!hasEndpoints`, `drop` when only the local ones are missing).
 pub const FRONTEND_F_NO_ENDPOINTS: u32 = 1 << 3;
 
+/// [`Frontend::flags`] bit, on `SCOPE_INGRESS` frontends only: direct server return. A new
+/// flow from outside to a backend on another node is not source-NATed: the client's packet
+/// is sent to the backend encapsulated (IPIP / IPv6-in-IPv6, see
+/// `proxy_common::nat::DSR`), unchanged inside, and the backend's node translates it and
+/// answers the client directly from the frontend address. Set from `--north-south-mode`
+/// (`dsr`: TCP and UDP; `hybrid`: TCP only) or the Service's north-south mode annotation,
+/// never with `externalTrafficPolicy: Local` (which keeps the client address anyway).
+pub const FRONTEND_F_DSR: u32 = 1 << 4;
+
 /// [`FrontendKey::scope`] of frontends for traffic that starts on this node (the socket
 /// programs: pods and host processes, which reach external addresses and node ports with the
 /// Cluster endpoints, kube-proxy's short-circuit).

@@ -61,9 +61,37 @@ pub const TAIL_SLOTS: u32 = 1;
 /// by a tail call, so its instructions are verified once and not on each of its callers'
 /// paths (whose verification is close to the kernel's limit of one million instructions).
 pub const TAIL_REJECT: u32 = 0;
+/// Name of the direct server return map: [`DsrKey`] -> [`DsrTarget`] (BPF_MAP_TYPE_HASH,
+/// [`MAX_DSR`] entries), written by the agent of the backend's node.
+///
+/// Direct server return (DSR): the node a client's packet enters (the entry node) picks a
+/// backend on another node as usual, then, instead of source-NATing the flow, sends the
+/// client's packet on *unchanged*, encapsulated in an outer IP header of the same family
+/// (IPIP, protocol 4, for IPv4; IPv6-in-IPv6, next header 41, for IPv6; RFC 2003 / RFC
+/// 2473): outer source the entry node's address, outer destination the backend's address,
+/// routed as any packet to that pod. The original frontend address and port travel as the
+/// inner packet's destination, the client's address and port as its source, so nothing
+/// else needs carrying. The backend's node finds the encapsulated packet at tcx ingress of
+/// its external interface (outer destination one of its endpoints), looks the frontend and
+/// the backend up here, strips the outer header, translates the inner packet to the backend
+/// and tracks the flow, whose replies leave that node with the frontend as their source,
+/// straight to the client. The backend sees the client's address; the entry node never
+/// sees a reply.
+///
+/// One entry per (frontend of a DSR Service port, endpoint of it on this node): a node
+/// port's frontend address is all zero (a node port is served on every node's addresses,
+/// and the packet names the entry node's), an external or load balancer IP's is that
+/// address. Only packets whose (frontend, outer destination) pair is listed are accepted.
+pub const DSR: &str = "TC_DSR";
+/// `max_entries` of [`DSR`].
+pub const MAX_DSR: u32 = 65536;
+/// Bytes the DSR encapsulation adds to an IPv4 packet (the outer IPv4 header).
+pub const DSR_OVERHEAD_V4: u32 = 20;
+/// Bytes the DSR encapsulation adds to an IPv6 packet (the outer IPv6 header).
+pub const DSR_OVERHEAD_V6: u32 = 40;
 
 /// Every map of the tc data path, pinned next to the maps of [`crate::ALL_MAPS`].
-pub const TC_MAPS: [&str; 7] = [
+pub const TC_MAPS: [&str; 8] = [
     CONNTRACK,
     LOCAL_ENDPOINTS,
     IFACE_ADDRS,
@@ -71,6 +99,7 @@ pub const TC_MAPS: [&str; 7] = [
     TC_COUNTERS,
     SOURCE_RANGES,
     LC_FLOWS,
+    DSR,
 ];
 
 /// Default `max_entries` of [`CONNTRACK`] (two entries per flow, three with SNAT). The agent
@@ -209,6 +238,16 @@ pub const CT_F_EGRESS: u16 = 1 << 6;
 /// interface (`pod_ingress` its original direction, `pod_egress` its replies), never by
 /// the programs of the node's external interfaces.
 pub const CT_F_POD: u16 = 1 << 7;
+/// [`CtEntry::flags`]: the original entry of a direct server return flow on the entry node
+/// (see [`DSR`]): its packets are sent encapsulated, outer source `saddr` (the node
+/// address), outer destination `daddr` (the backend), untranslated inside. The flow has no
+/// reply entry there (its replies go straight to the client).
+pub const CT_F_DSR_ENCAP: u16 = 1 << 8;
+/// [`CtEntry::flags`]: both entries of a direct server return flow on the backend's node,
+/// which arrived encapsulated (see [`DSR`]). The reply entry's SYN-ACK has its MSS option
+/// lowered by the encapsulation's overhead ([`DSR_OVERHEAD_V4`], [`DSR_OVERHEAD_V6`]), so
+/// that the client's segments still fit the path once encapsulated.
+pub const CT_F_DSR_DECAP: u16 = 1 << 9;
 
 /// An interface the tc programs are attached to (value of [`IFACE_ADDRS`]). 40 bytes.
 #[repr(C)]
@@ -299,6 +338,33 @@ pub const SOURCE_RANGE_RESTRICTED: u32 = 2;
 /// Value of an allowed range in [`SOURCE_RANGES`].
 pub const SOURCE_RANGE_ALLOW: u32 = 1;
 
+/// Key of [`DSR`]. 36 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct DsrKey {
+    /// Frontend address (network byte order, IPv4-mapped); all zero for a node port.
+    pub frontend: [u8; 16],
+    /// The backend's address (the outer destination), network byte order, IPv4-mapped.
+    pub backend: [u8; 16],
+    /// Frontend port, network byte order.
+    pub port: [u8; 2],
+    /// IANA protocol number.
+    pub proto: u8,
+    /// Reserved; always 0.
+    pub _pad: u8,
+}
+
+/// Value of [`DSR`]: where the backend listens. 4 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct DsrTarget {
+    /// The backend's port (the Service port's target port on that endpoint), network byte
+    /// order.
+    pub port: [u8; 2],
+    /// Reserved; always 0.
+    pub _pad: [u8; 2],
+}
+
 /// Indices of [`TC_COUNTERS`] (per-CPU `u64`): what the tc programs did.
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -356,11 +422,24 @@ pub enum TcCounter {
     /// lookup gave no next hop (no neighbour entry yet, no route, MTU exceeded): the tcx
     /// programs and the kernel finish it (they resolve the neighbour or answer with ICMP).
     XdpToStack = 16,
+    /// A packet of a direct server return flow was sent to its backend's node encapsulated
+    /// (entry node).
+    DsrEncapsulated = 17,
+    /// An encapsulated packet of a direct server return flow was accepted and translated to
+    /// its backend (backend's node).
+    DsrDecapsulated = 18,
+    /// Dropped: an encapsulated packet to an endpoint of this node whose frontend and
+    /// backend are not a direct server return pair of [`DSR`].
+    DsrUnknown = 19,
+    /// A packet of a direct server return flow too big for the path once encapsulated:
+    /// answered with ICMP "fragmentation needed" / ICMPv6 "packet too big" naming the MTU
+    /// left after the encapsulation (or dropped when an IPv4 packet allows fragmentation).
+    DsrTooBig = 20,
 }
 
 impl TcCounter {
     /// Every counter, in index order, with its Prometheus-style name.
-    pub const ALL: [(TcCounter, &'static str); 17] = [
+    pub const ALL: [(TcCounter, &'static str); 21] = [
         (TcCounter::NewFlow, "tc_new_flow"),
         (TcCounter::Snat, "tc_snat"),
         (TcCounter::Translated, "tc_translated"),
@@ -381,6 +460,10 @@ impl TcCounter {
         (TcCounter::RejectedNoEndpoints, "tc_rejected_no_endpoints"),
         (TcCounter::XdpForwarded, "xdp_forwarded"),
         (TcCounter::XdpToStack, "xdp_to_stack"),
+        (TcCounter::DsrEncapsulated, "tc_dsr_encapsulated"),
+        (TcCounter::DsrDecapsulated, "tc_dsr_decapsulated"),
+        (TcCounter::DsrUnknown, "tc_dsr_unknown"),
+        (TcCounter::DsrTooBig, "tc_dsr_too_big"),
     ];
 }
 
@@ -393,6 +476,8 @@ mod user {
     unsafe impl aya::Pod for IfaceAddr {}
     unsafe impl aya::Pod for TcConfig {}
     unsafe impl aya::Pod for SourceRange {}
+    unsafe impl aya::Pod for DsrKey {}
+    unsafe impl aya::Pod for DsrTarget {}
 }
 
 const _: () = {
@@ -401,4 +486,6 @@ const _: () = {
     assert!(core::mem::size_of::<IfaceAddr>() == 40);
     assert!(core::mem::size_of::<TcConfig>() == 56);
     assert!(core::mem::size_of::<SourceRange>() == 32);
+    assert!(core::mem::size_of::<DsrKey>() == 36);
+    assert!(core::mem::size_of::<DsrTarget>() == 4);
 };

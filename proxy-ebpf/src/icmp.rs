@@ -277,6 +277,8 @@ fn icmp_word() -> u64 {
 
 /// ICMP destination unreachable code "port unreachable" (RFC 792).
 const ICMP_PORT_UNREACH: u8 = 3;
+/// ICMP destination unreachable code "fragmentation needed and DF set" (RFC 792, RFC 1191).
+const ICMP_FRAG_NEEDED: u8 = 4;
 /// ICMPv6 destination unreachable code "port unreachable" (RFC 4443 section 3.1).
 const ICMP6_PORT_UNREACH: u8 = 4;
 /// TTL / hop limit of a generated error (the kernel's `IPDEFTTL`).
@@ -318,15 +320,27 @@ fn quoted_l4<B: Buf>(b: &B, pkt: &Pkt) -> Option<([u8; QUOTED_TCP], usize)> {
 /// extension headers (whose bytes would have to be summed too) is dropped instead. Counted
 /// as `RejectedNoEndpoints`, or `DroppedNoEndpoints` when the answer cannot be built.
 ///
-/// Run by `tc_reject`, the program `tc_ingress` tail-calls after `nat::new_flow` returned
-/// [`Verdict::Reject`], so none of this adds to `tc_ingress`'s verification.
+/// With `mtu` other than 0 the answer is an ICMP "fragmentation needed" (type 3, code 4)
+/// or ICMPv6 "packet too big" naming that MTU instead (RFC 1191, RFC 8201): a direct server
+/// return packet too big for the path once encapsulated (`dsr::encap`, counted there).
+///
+/// Run by `tc_reject`, the program `tc_ingress` tail-calls after `nat::new_flow` or a
+/// tracked DSR flow returned [`Verdict::Reject`], so none of this adds to `tc_ingress`'s
+/// verification.
 #[inline(never)]
-pub fn reject<B: Buf>(b: &B, pkt: &Pkt) -> Verdict {
+pub fn reject<B: Buf>(b: &B, pkt: &Pkt, mtu: u32) -> Verdict {
     let built = if pkt.v6 {
-        reject6(b, pkt)
+        reject6(b, pkt, mtu)
     } else {
-        reject4(b, pkt)
+        reject4(b, pkt, mtu)
     };
+    if mtu != 0 {
+        return if built {
+            b.redirect(b.ifindex())
+        } else {
+            Verdict::Drop
+        };
+    }
     crate::klog::rejected(&pkt.key, built);
     if built {
         count_tc(TcCounter::RejectedNoEndpoints);
@@ -339,7 +353,7 @@ pub fn reject<B: Buf>(b: &B, pkt: &Pkt) -> Verdict {
 
 /// One's complement sum of the big-endian 16-bit words of `a`.
 #[inline(always)]
-fn sum16<const N: usize>(a: &[u8; N]) -> u32 {
+pub(crate) fn sum16<const N: usize>(a: &[u8; N]) -> u32 {
     let mut s = 0u32;
     let mut i = 0;
     while i + 1 < N {
@@ -351,7 +365,7 @@ fn sum16<const N: usize>(a: &[u8; N]) -> u32 {
 
 /// The Internet checksum (RFC 1071) of a sum of words.
 #[inline(always)]
-fn finish(mut s: u32) -> [u8; 2] {
+pub(crate) fn finish(mut s: u32) -> [u8; 2] {
     s = (s & 0xffff) + (s >> 16);
     s = (s & 0xffff) + (s >> 16);
     (!(s as u16)).to_be_bytes()
@@ -365,9 +379,10 @@ fn swapped_eth(macs: &[u8; 12], out: &mut [u8]) {
     out[6..12].copy_from_slice(&macs[..6]);
 }
 
-/// Builds the ICMP port unreachable for IPv4 packet `pkt` in place.
+/// Builds the ICMP port unreachable (or, with `mtu`, fragmentation needed) for IPv4 packet
+/// `pkt` in place.
 #[inline(always)]
-fn reject4<B: Buf>(b: &B, pkt: &Pkt) -> bool {
+fn reject4<B: Buf>(b: &B, pkt: &Pkt, mtu: u32) -> bool {
     // The quote: the IP header (options included) and the first bytes of the L4 header.
     let ip_len = pkt.l4 - ETH_HLEN;
     let (Some(macs), Some((l4, l4_len))) = (b.load::<[u8; 12]>(0), quoted_l4(b, pkt)) else {
@@ -396,18 +411,28 @@ fn reject4<B: Buf>(b: &B, pkt: &Pkt) -> bool {
     let c = finish(sum16(&ip));
     h[24] = c[0];
     h[25] = c[1];
+    let code = if mtu != 0 {
+        ICMP_FRAG_NEEDED
+    } else {
+        ICMP_PORT_UNREACH
+    };
     h[34] = ICMP_DEST_UNREACH;
-    h[35] = ICMP_PORT_UNREACH;
+    h[35] = code;
+    // Next-hop MTU (RFC 1191), after 16 unused bits.
+    let m = (mtu as u16).to_be_bytes();
+    h[40] = m[0];
+    h[41] = m[1];
     // The quoted IP header sums to zero; the quoted L4 bytes remain.
-    let c = finish(((ICMP_DEST_UNREACH as u32) << 8 | ICMP_PORT_UNREACH as u32) + sum16(&l4));
+    let c = finish(((ICMP_DEST_UNREACH as u32) << 8 | code as u32) + (mtu & 0xffff) + sum16(&l4));
     h[36] = c[0];
     h[37] = c[1];
     b.store(0, &h)
 }
 
-/// Builds the ICMPv6 port unreachable for IPv6 packet `pkt` in place.
+/// Builds the ICMPv6 port unreachable (or, with `mtu`, packet too big) for IPv6 packet
+/// `pkt` in place.
 #[inline(always)]
-fn reject6<B: Buf>(b: &B, pkt: &Pkt) -> bool {
+fn reject6<B: Buf>(b: &B, pkt: &Pkt, mtu: u32) -> bool {
     if pkt.l4 != ETH_HLEN + IP6_HLEN {
         return false; // extension headers: see `reject`
     }
@@ -436,15 +461,24 @@ fn reject6<B: Buf>(b: &B, pkt: &Pkt) -> bool {
     h[21] = REJECT_TTL;
     h[22..38].copy_from_slice(&k.daddr);
     h[38..54].copy_from_slice(&k.saddr);
-    h[54] = ICMP6_DEST_UNREACH;
-    h[55] = ICMP6_PORT_UNREACH;
+    let (ty, code) = if mtu != 0 {
+        (ICMP6_PACKET_TOO_BIG, 0)
+    } else {
+        (ICMP6_DEST_UNREACH, ICMP6_PORT_UNREACH)
+    };
+    h[54] = ty;
+    h[55] = code;
+    // The MTU (RFC 4443 section 3.2) where the port unreachable has 32 unused bits.
+    h[58..62].copy_from_slice(&mtu.to_be_bytes());
     // Pseudo-header (the answer's addresses, length, next header), the ICMPv6 header, and
     // the quote: the original header (the same two addresses again) and the L4 bytes.
     let addrs = sum16(&k.saddr) + sum16(&k.daddr);
     let s = 2 * addrs
         + payload as u32
         + PROTO_ICMPV6 as u32
-        + ((ICMP6_DEST_UNREACH as u32) << 8 | ICMP6_PORT_UNREACH as u32)
+        + ((ty as u32) << 8 | code as u32)
+        + (mtu >> 16)
+        + (mtu & 0xffff)
         + sum16(&first)
         + sum16(&l4);
     let c = finish(s);

@@ -25,6 +25,8 @@
 //! - [`ct`]: the conntrack entries of packet flows (state, timeouts, both directions);
 //! - [`nat`]: DNAT and SNAT of packet flows (new flows, SNAT ports and bindings, tracked
 //!   packets);
+//! - [`dsr`]: direct server return (the encapsulation on the entry node, the decapsulation
+//!   and the replies' MSS on the backend's node);
 //! - [`icmp`]: translation of ICMP and ICMPv6 errors quoting a translated packet;
 //! - [`fib`]: sending a packet on to its next hop with a FIB lookup;
 //! - [`stats`]: per-CPU counters; [`monitor`]: the event stream of `ebpf-proxy monitor`;
@@ -43,6 +45,7 @@
 mod addr;
 mod csum;
 mod ct;
+mod dsr;
 mod fib;
 mod icmp;
 mod klog;

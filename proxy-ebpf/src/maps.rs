@@ -19,8 +19,8 @@ use proxy_common::{
     bypass::{BypassConfig, MAX_BYPASS_NETNS},
     monitor::{MONITOR_RING_BYTES, MonitorCpu, MonitorCtl, MonitorEvent},
     nat::{
-        CtEntry, CtKey, DEFAULT_MAX_CONNTRACK, IfaceAddr, MAX_IFACES, MAX_LOCAL_ENDPOINTS,
-        MAX_SOURCE_RANGES, SourceRange, TAIL_SLOTS, TC_COUNTER_MAX, TcConfig,
+        CtEntry, CtKey, DEFAULT_MAX_CONNTRACK, DsrKey, DsrTarget, IfaceAddr, MAX_DSR, MAX_IFACES,
+        MAX_LOCAL_ENDPOINTS, MAX_SOURCE_RANGES, SourceRange, TAIL_SLOTS, TC_COUNTER_MAX, TcConfig,
     },
 };
 
@@ -178,6 +178,16 @@ pub static TC_COUNTERS: PerCpuArray<u64, { TC_COUNTER_MAX as usize }> = PerCpuAr
 pub static TC_SOURCE_RANGES: LpmTrie<SourceRange, u32, { MAX_SOURCE_RANGES as usize }> =
     LpmTrie::new();
 
+/// (frontend, backend) -> backend port of the direct server return flows this node
+/// accepts encapsulated; see `proxy_common::nat::DSR`.
+#[btf_map]
+pub static TC_DSR: HashMap<
+    DsrKey,
+    DsrTarget,
+    { MAX_DSR as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
+
 /// Original-direction key -> backend id of the tc flows counted for least-connections; see
 /// `proxy_common::nat::LC_FLOWS`.
 #[btf_map]
@@ -221,6 +231,14 @@ pub struct Scratch {
     pub mon_sid: u32,
     /// Backend id of that decision (0: none).
     pub mon_bid: u32,
+    /// For `tc_reject`: 0 to answer with a port unreachable; else the MTU to name in an
+    /// ICMP "fragmentation needed" / ICMPv6 "packet too big" (a direct server return packet
+    /// too big once encapsulated). Read and cleared by `tc_reject`.
+    pub reject_mtu: u32,
+    /// The outer destination (the backend) of the encapsulated packet being accepted.
+    pub dsr_backend: [u8; 16],
+    /// Its port (network byte order), from `TC_DSR`.
+    pub dsr_port: [u8; 2],
 }
 
 /// One [`Scratch`] per CPU.

@@ -37,9 +37,10 @@ use proxy_common::{
         HOOK_TC_INGRESS,
     },
     nat::{
-        CT_F_EGRESS, CT_F_POD, CT_F_REPLY, CT_F_SNAT, CtEntry, CtKey, IFACE_F_POD, SNAT_PORT_COUNT,
-        SNAT_PORT_MIN, SNAT_PORT_TRIES, SOURCE_RANGE_RESTRICTED, SourceRange,
-        TC_CFG_CLUSTER_CIDR_V4, TC_CFG_CLUSTER_CIDR_V6, TC_CFG_MASQUERADE_ALL, TcCounter,
+        CT_F_DSR_DECAP, CT_F_DSR_ENCAP, CT_F_EGRESS, CT_F_FIN_REPLY, CT_F_POD, CT_F_REPLY,
+        CT_F_SEEN_REPLY, CT_F_SNAT, CtEntry, CtKey, IFACE_F_POD, SNAT_PORT_COUNT, SNAT_PORT_MIN,
+        SNAT_PORT_TRIES, SOURCE_RANGE_RESTRICTED, SourceRange, TC_CFG_CLUSTER_CIDR_V4,
+        TC_CFG_CLUSTER_CIDR_V6, TC_CFG_MASQUERADE_ALL, TcCounter,
     },
 };
 
@@ -47,14 +48,14 @@ use crate::{
     addr::L4Addr,
     csum::rewrite,
     ct::{SHARED_FLAGS, alive, is_closed, peer_key, timeout_of, touch_peer, track},
-    klog,
+    dsr, klog,
     lb::{self, Lookup, Refusal, Request, Scope, backend, select},
     lc,
     maps::{
         TC_CONFIG, TC_CONNTRACK, TC_IFACE_ADDRS, TC_LOCAL_ENDPOINTS, TC_SCRATCH, TC_SOURCE_RANGES,
     },
     monitor,
-    packet::{Buf, Pkt, TCP_ACK, TCP_SYN},
+    packet::{Buf, Pkt, TCP_ACK, TCP_FIN, TCP_SYN},
     stats::{count_packet, count_service, count_tc},
     verdict::Verdict,
 };
@@ -143,7 +144,17 @@ fn tracked_as<B: Buf, const POD: bool>(
     {
         return Some(drop_with(TcCounter::SnatBindingLost));
     }
-    let flags = track(&entry, tcp_flags);
+    let mut flags = track(&entry, tcp_flags);
+    if entry.flags & CT_F_DSR_ENCAP != 0 {
+        // The entry node of a DSR flow never sees a reply: the client acknowledging
+        // (TCP), or sending again (UDP), shows the flow is established; its FIN ends it.
+        if proto != PROTO_TCP || tcp_flags & TCP_ACK != 0 {
+            flags |= CT_F_SEEN_REPLY;
+        }
+        if tcp_flags & TCP_FIN != 0 {
+            flags |= CT_F_FIN_REPLY;
+        }
+    }
     // SAFETY: as above; word-sized stores.
     unsafe {
         (*e).last_seen_ns = now;
@@ -174,7 +185,21 @@ fn tracked_as<B: Buf, const POD: bool>(
     if entry.flags & CT_F_EGRESS == 0 {
         count_packet(entry.service_id, b.len());
     }
+    if entry.flags & CT_F_DSR_ENCAP != 0 {
+        // Sent on encapsulated by a hook that can (tcx), untouched by one that cannot.
+        return Some(if B::ENCAPSULATES {
+            dsr::encap(b, pkt, &entry)
+        } else {
+            Verdict::Pass
+        });
+    }
     let v = rewrite(b, pkt, &entry);
+    if v == Verdict::Pass
+        && entry.flags & (CT_F_REPLY | CT_F_DSR_DECAP) == (CT_F_REPLY | CT_F_DSR_DECAP)
+        && tcp_flags & TCP_SYN != 0
+    {
+        dsr::clamp_mss(b, pkt);
+    }
     if v == Verdict::Pass
         && ingress
         && entry.flags & (CT_F_REPLY | CT_F_SNAT) == (CT_F_REPLY | CT_F_SNAT)
@@ -419,6 +444,18 @@ fn try_new_flow<B: Buf, const POD: bool>(
         return Err(TcCounter::RewriteFailed);
     }
     let snat = !POD && needs_snat(&fe, &bk.addr, &k.saddr, cluster_ip);
+    if snat && dsr::applies(&fe, &bk.addr, cluster_ip) {
+        sc.fwd.daddr = bk.addr;
+        sc.fwd.dport = bk.port;
+        if let Some(c) = dsr_flow(b, pkt, fe.service_id, fe.algorithm, now) {
+            return Err(c);
+        }
+        return Ok(if B::ENCAPSULATES {
+            dsr::encap(b, pkt, &sc.fwd)
+        } else {
+            Verdict::Pass
+        });
+    }
     let pod_flag = if POD { CT_F_POD } else { 0 };
     sc.fwd = CtEntry {
         saddr: k.saddr,
@@ -546,6 +583,62 @@ fn try_new_flow<B: Buf, const POD: bool>(
     }
     klog::flow_new(&pkt.key, &bk.addr, bk.port, fe.service_id, snat);
     Ok(rewrite(b, pkt, &sc.fwd))
+}
+
+/// A new flow of Service port `service_id` (its frontend's `algorithm`) to the backend in
+/// the scratch slot's `fwd.daddr` / `fwd.dport` (on another node; its id in `count_bid`),
+/// sent by direct server return ([`dsr::applies`]): one entry in `fwd`, keyed by the
+/// client's packet, whose addresses are the outer header's (this node's address on the
+/// interface, the backend). The caller then sends the packet out encapsulated
+/// (`dsr::encap`), or untouched from a hook that does not encapsulate (XDP: tcx ingress
+/// finds the entry). `Some` is the counter of a drop. Its own BPF function (stack).
+#[inline(never)]
+fn dsr_flow<B: Buf>(
+    b: &B,
+    pkt: &Pkt,
+    service_id: u32,
+    algorithm: u8,
+    now: u64,
+) -> Option<TcCounter> {
+    let sc = TC_SCRATCH.get_ptr_mut(0)?;
+    // SAFETY: this CPU's slot, used only while this program runs.
+    let sc = unsafe { &mut *sc };
+    let Some(node) = TC_IFACE_ADDRS.get_ptr(b.ifindex()) else {
+        return Some(TcCounter::NoSnatAddress);
+    };
+    // SAFETY: value of the map, read in place.
+    let node = unsafe { if pkt.v6 { &(*node).v6 } else { &(*node).v4 } };
+    if !snat_addr_usable(node, pkt.v6) {
+        return Some(TcCounter::NoSnatAddress);
+    }
+    // The source port stays zero: the entry's reversed tuple (`ct::peer_key`) must not name
+    // another flow's entry, and nothing is rewritten by it.
+    sc.fwd.saddr = *node;
+    sc.fwd.sport = [0; 2];
+    sc.fwd.flags = CT_F_DSR_ENCAP;
+    sc.fwd._pad = 0;
+    sc.fwd.service_id = service_id;
+    sc.fwd.last_seen_ns = now;
+    if TC_CONNTRACK
+        .insert(&pkt.key, &sc.fwd, BPF_ANY as u64)
+        .is_err()
+    {
+        return Some(TcCounter::ConntrackFull);
+    }
+    count_tc(TcCounter::NewFlow);
+    sc.count_lc = counts_connections(algorithm) as u32;
+    if monitor::on() {
+        sc.mon = monitor::word(
+            EventKind::FlowNew,
+            EventReason::None,
+            0,
+            algorithm,
+            HOOK_TC_INGRESS,
+        );
+        sc.mon_bid = sc.count_bid;
+    }
+    klog::flow_new(&pkt.key, &sc.fwd.daddr, sc.fwd.dport, service_id, false);
+    None
 }
 
 /// The counting of a new flow [`new_flow`] decided on (per service and backend, and its

@@ -34,6 +34,16 @@ const ETH_P_IPV6: u16 = 0x86DD;
 pub const PROTO_ICMP: u8 = 1;
 /// IANA protocol number of ICMPv6.
 pub const PROTO_ICMPV6: u8 = 58;
+/// IANA protocol number of IPv4 encapsulated in IP (RFC 2003): DSR's IPv4 encapsulation.
+pub const PROTO_IPIP: u8 = 4;
+/// IANA protocol number of IPv6 encapsulated in IP (RFC 2473): DSR's IPv6 encapsulation.
+pub const PROTO_IPV6: u8 = 41;
+/// `bpf_skb_adjust_room` flags: the room is an outer IPv4 / IPv6 header (GSO and the
+/// inner header offsets follow), or an outer one removed.
+const BPF_F_ADJ_ROOM_ENCAP_L3_IPV4: u64 = 1 << 1;
+const BPF_F_ADJ_ROOM_ENCAP_L3_IPV6: u64 = 1 << 2;
+const BPF_F_ADJ_ROOM_DECAP_L3_IPV4: u64 = 1 << 7;
+const BPF_F_ADJ_ROOM_DECAP_L3_IPV6: u64 = 1 << 8;
 /// Length of the fixed IPv6 header (RFC 8200 section 3).
 pub const IP6_HLEN: usize = 40;
 /// Offset of the IPv6 source address in the frame.
@@ -103,6 +113,19 @@ pub trait Buf {
     fn grow_after_l2(&self, len: u32) -> bool;
     /// Cuts the frame to its first `len` bytes.
     fn truncate(&self, len: u32) -> bool;
+    /// Whether the packet is a GSO packet (several segments, cut to size on the way out).
+    fn is_gso(&self) -> bool {
+        false
+    }
+    /// Whether the hook sends direct server return flows encapsulated itself (`dsr`);
+    /// a hook that does not leaves their packets to one that does (XDP to tcx).
+    const ENCAPSULATES: bool;
+    /// Inserts room for an outer IPv6 (`v6`) or IPv4 header of `len` bytes right after the
+    /// Ethernet header, as [`Buf::grow_after_l2`], telling the packet's metadata (GSO) that
+    /// it is now encapsulated.
+    fn encap_room(&self, len: u32, v6: bool) -> bool;
+    /// Removes the `len` bytes of an outer header right after the Ethernet header.
+    fn decap_room(&self, len: u32, v6: bool) -> bool;
 }
 
 impl Buf for TcContext {
@@ -186,6 +209,40 @@ impl Buf for TcContext {
         // SAFETY: helper on our own context, no memory arguments.
         unsafe { bpf_skb_change_tail(self.skb.skb as *mut _, len, 0) == 0 }
     }
+
+    const ENCAPSULATES: bool = true;
+
+    #[inline(always)]
+    fn is_gso(&self) -> bool {
+        // SAFETY: a field of our own context.
+        unsafe { (*self.skb.skb).gso_size != 0 }
+    }
+
+    #[inline(always)]
+    fn encap_room(&self, len: u32, v6: bool) -> bool {
+        let flags = if v6 {
+            BPF_F_ADJ_ROOM_ENCAP_L3_IPV6
+        } else {
+            BPF_F_ADJ_ROOM_ENCAP_L3_IPV4
+        };
+        TcContext::adjust_room(self, len as i32, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, flags).is_ok()
+    }
+
+    #[inline(always)]
+    fn decap_room(&self, len: u32, v6: bool) -> bool {
+        let flags = if v6 {
+            BPF_F_ADJ_ROOM_DECAP_L3_IPV6
+        } else {
+            BPF_F_ADJ_ROOM_DECAP_L3_IPV4
+        };
+        TcContext::adjust_room(
+            self,
+            -(len as i32),
+            bpf_adj_room_mode::BPF_ADJ_ROOM_MAC,
+            flags,
+        )
+        .is_ok()
+    }
 }
 
 /// A parsed IPv4 or IPv6 packet: its tuple (for TCP and UDP) and where its fields are.
@@ -219,6 +276,10 @@ pub enum Kind {
     Icmp,
     /// ICMPv6: `l4` and `v6` are set.
     Icmp6,
+    /// An IP packet carrying an IP packet of the same family (IPIP, IPv6-in-IPv6: direct
+    /// server return's encapsulation): `key.saddr` and `key.daddr` are the outer addresses,
+    /// `l4` the offset of the inner header, `v6` set for IPv6.
+    Encap,
     /// Anything else, malformed input included: left alone.
     Other,
 }
@@ -270,11 +331,17 @@ fn parse_v4<B: Buf>(b: &B, pkt: &mut Pkt) -> Option<Kind> {
     if proto == PROTO_ICMP {
         return Some(Kind::Icmp);
     }
+    let saddr: u32 = b.load(IP_SRC_OFF)?;
+    let daddr: u32 = b.load(IP_DST_OFF)?;
+    if proto == PROTO_IPIP {
+        pkt.key.saddr = v4_mapped(saddr);
+        pkt.key.daddr = v4_mapped(daddr);
+        pkt.key.proto = proto;
+        return Some(Kind::Encap);
+    }
     if proto != PROTO_TCP && proto != PROTO_UDP {
         return None;
     }
-    let saddr: u32 = b.load(IP_SRC_OFF)?;
-    let daddr: u32 = b.load(IP_DST_OFF)?;
     let ports: [u8; 4] = b.load(l4)?;
     pkt.key = CtKey {
         saddr: v4_mapped(saddr),
@@ -306,7 +373,7 @@ fn try_parse_v6<B: Buf>(b: &B, pkt: &mut Pkt) -> Option<Kind> {
     let mut off = ETH_HLEN + IP6_HLEN;
     for _ in 0..MAX_EXT_HEADERS {
         match next {
-            PROTO_TCP | PROTO_UDP | PROTO_ICMPV6 => break,
+            PROTO_TCP | PROTO_UDP | PROTO_ICMPV6 | PROTO_IPV6 => break,
             IP6_HOPOPTS | IP6_DSTOPTS | IP6_ROUTING => {
                 // Next header, length in 8-octet units after the first 8; for routing, the
                 // type and the segments left.
@@ -338,6 +405,14 @@ fn try_parse_v6<B: Buf>(b: &B, pkt: &mut Pkt) -> Option<Kind> {
     if next == PROTO_ICMPV6 {
         return Some(Kind::Icmp6);
     }
+    if next == PROTO_IPV6 {
+        if !b.load16(IP6_SRC_OFF, &mut pkt.key.saddr) || !b.load16(IP6_DST_OFF, &mut pkt.key.daddr)
+        {
+            return None;
+        }
+        pkt.key.proto = next;
+        return Some(Kind::Encap);
+    }
     if next != PROTO_TCP && next != PROTO_UDP {
         return None;
     }
@@ -361,6 +436,8 @@ fn min_l4_len(proto: u8) -> usize {
     match proto {
         PROTO_TCP => 20,
         PROTO_UDP | PROTO_ICMP | PROTO_ICMPV6 => 8,
+        PROTO_IPIP => 20,
+        PROTO_IPV6 => IP6_HLEN,
         _ => 0,
     }
 }

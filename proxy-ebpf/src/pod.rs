@@ -54,7 +54,7 @@ fn on_packet<const FROM_POD: bool>(ctx: &TcContext) -> Verdict {
         // sends pass, as the north-south programs leave them to their own hooks.
         Kind::Icmp if !FROM_POD => return on_icmp(ctx, &pkt, false),
         Kind::Icmp6 if !FROM_POD => return on_icmp6(ctx, &pkt, false),
-        Kind::Icmp | Kind::Icmp6 | Kind::Other => return Verdict::Pass,
+        Kind::Icmp | Kind::Icmp6 | Kind::Encap | Kind::Other => return Verdict::Pass,
     }
     let flags = tcp_flags(ctx, &pkt);
     // SAFETY: helper without side effects.

@@ -30,9 +30,10 @@ use aya_ebpf::{helpers::bpf_ktime_get_ns, macros::classifier, programs::TcContex
 use proxy_common::nat::{CtKey, TAIL_REJECT, TcCounter};
 
 use crate::{
+    dsr,
     icmp::{on_icmp, on_icmp6, reject},
     lc,
-    maps::TC_TAILS,
+    maps::{TC_SCRATCH, TC_TAILS},
     nat::{count_new_flow, drop_with, flow_open, new_flow, tracked},
     packet::{ETH_HLEN, Kind, Pkt, parse, tcp_flags},
     verdict::Verdict,
@@ -52,44 +53,81 @@ pub fn tc_egress(ctx: TcContext) -> i32 {
 fn on_packet<const INGRESS: bool>(ctx: &TcContext) -> Verdict {
     // One `Pkt` for both families, in this frame (stack).
     let mut pkt = Pkt::new();
+    // SAFETY: helper without side effects.
+    let now = unsafe { bpf_ktime_get_ns() };
+    // A direct server return packet, decapsulated: its flow starts here if it is new.
+    let mut decapsulated = false;
     match parse(ctx, &mut pkt) {
         Kind::Flow => {}
         Kind::Icmp => return on_icmp(ctx, &pkt, INGRESS),
         Kind::Icmp6 => return on_icmp6(ctx, &pkt, INGRESS),
-        Kind::Other => return Verdict::Pass,
+        Kind::Encap if INGRESS => {
+            if let Some(v) = dsr::decap(ctx, &mut pkt) {
+                return v;
+            }
+            decapsulated = true;
+        }
+        Kind::Encap | Kind::Other => return Verdict::Pass,
     }
     let flags = tcp_flags(ctx, &pkt);
-    // SAFETY: helper without side effects.
-    let now = unsafe { bpf_ktime_get_ns() };
     if let Some(v) = tracked(ctx, &pkt, flags, now, INGRESS) {
+        if v == Verdict::Reject {
+            // A DSR packet too big once encapsulated: `tc_reject` answers it.
+            // SAFETY: a tail call with our own context; it returns only when it fails.
+            unsafe { TC_TAILS.tail_call(ctx, TAIL_REJECT) };
+            clear_reject_mtu();
+            return Verdict::Drop;
+        }
         return v;
     }
     if !INGRESS {
         return Verdict::Pass;
+    }
+    if decapsulated {
+        return dsr::accept(ctx, &pkt, now);
     }
     let v = new_flow(ctx, &pkt, flags, now);
     count_new_flow(&pkt);
     if v == Verdict::Reject {
         // SAFETY: a tail call with our own context; it returns only when it fails.
         unsafe { TC_TAILS.tail_call(ctx, TAIL_REJECT) };
+        clear_reject_mtu();
         return drop_with(TcCounter::DroppedNoEndpoints);
     }
     v
 }
 
+/// Forgets a "fragmentation needed" answer that was not sent, so that the next reject is a
+/// port unreachable.
+#[inline(always)]
+fn clear_reject_mtu() {
+    if let Some(sc) = TC_SCRATCH.get_ptr_mut(0) {
+        // SAFETY: this CPU's slot.
+        unsafe { (*sc).reject_mtu = 0 };
+    }
+}
+
 /// Answers a packet of a new flow to a frontend without endpoints (`tc_ingress` or
 /// `pod_ingress` decided so, see `nat::new_flow` and `nat::new_pod_flow`) with an ICMP /
-/// ICMPv6 port unreachable (`icmp::reject`), sent out of the egress of the interface the
+/// ICMPv6 port unreachable (`icmp::reject`), or a direct server return packet too big once
+/// encapsulated with a "fragmentation needed" / "packet too big" (`dsr::encap` left the MTU
+/// in the scratch slot's `reject_mtu`), sent out of the egress of the interface the
 /// packet came in on: back to the client on a node interface, into the workload on a
 /// bypassed pod's. Reached only by those tail calls through `TC_TAILS` (slot
 /// `TAIL_REJECT`), so its instructions are verified once, apart from the callers' paths.
 #[classifier]
 pub fn tc_reject(ctx: TcContext) -> i32 {
+    // What to answer: a port unreachable, or the MTU a DSR packet must fit.
+    let mtu = match TC_SCRATCH.get_ptr_mut(0) {
+        // SAFETY: this CPU's slot, written by the caller before its tail call.
+        Some(sc) => unsafe { core::mem::replace(&mut (*sc).reject_mtu, 0) },
+        None => 0,
+    };
     let mut pkt = Pkt::new();
     if parse(&ctx, &mut pkt) != Kind::Flow {
         return drop_with(TcCounter::DroppedNoEndpoints).tc();
     }
-    reject(&ctx, &pkt).tc()
+    reject(&ctx, &pkt, mtu).tc()
 }
 
 /// Least-connections collection, run by the agent through `BPF_PROG_TEST_RUN` (never

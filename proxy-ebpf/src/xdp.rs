@@ -457,6 +457,27 @@ impl Buf for XdpContext {
         unsafe { bpf_xdp_adjust_tail(self.ctx, delta) == 0 }
     }
 
+    /// XDP leaves direct server return flows to tcx (`plan` hands their packets to the
+    /// stack), which encapsulates them with the skb's GSO metadata kept right.
+    const ENCAPSULATES: bool = false;
+
+    #[inline(always)]
+    fn encap_room(&self, len: u32, _v6: bool) -> bool {
+        self.grow_after_l2(len)
+    }
+
+    #[inline(always)]
+    fn decap_room(&self, len: u32, _v6: bool) -> bool {
+        let Some(eth) = self.load::<[u8; ETH_HLEN]>(0) else {
+            return false;
+        };
+        // SAFETY: helper on our own context, no memory arguments.
+        if unsafe { bpf_xdp_adjust_head(self.ctx, len as i32) } != 0 {
+            return false;
+        }
+        self.store(0, &eth)
+    }
+
     #[inline(always)]
     fn send_out(&self, _src: &[u8; 16], _dst: &[u8; 16]) -> Verdict {
         // The entry point looked the next hop up before the rewrite (`reply`).

@@ -2099,3 +2099,368 @@ fn ipv6_xdp_forwards_remote_flows_and_leaves_the_rest_to_tc() {
         xdp_flows(&seeded("xdp6"), V6, &r)
     });
 }
+
+// ---------------------------------------------------------------------------------------
+// Direct server return
+// ---------------------------------------------------------------------------------------
+
+/// Node `node-1` of [`OBJECTS`] and two Services in `dsr` mode (the annotation):
+/// - `dsr-out`: endpoints on node-2 only (this node is the entry node): node ports
+///   30091/TCP, 30092/UDP, LB IPs 203.0.113.40 and 2001:db8:f::40;
+/// - `dsr-in`: endpoints on node-1 (this node is the backend's node for another entry
+///   node): node ports 30093/TCP, 30094/UDP, external IPs 203.0.113.41 and 2001:db8:e::41.
+const DSR_OBJECTS: &str = r#"
+apiVersion: v1
+kind: Node
+metadata: {name: node-1}
+status: {addresses: [{type: InternalIP, address: 192.0.2.50}, {type: InternalIP, address: "fd00:100::50"}]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: dsr-out, namespace: default, annotations: {ebpf-proxy.io/north-south-mode: dsr}}
+spec:
+  type: LoadBalancer
+  ipFamilyPolicy: RequireDualStack
+  ipFamilies: [IPv4, IPv6]
+  clusterIP: 10.96.0.40
+  clusterIPs: [10.96.0.40, "fd00:96::40"]
+  ports: [{name: http, port: 80, protocol: TCP, nodePort: 30091}, {name: dns, port: 53, protocol: UDP, nodePort: 30092}]
+status: {loadBalancer: {ingress: [{ip: 203.0.113.40}, {ip: "2001:db8:f::40"}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: dsr-out-v4, namespace: default, labels: {kubernetes.io/service-name: dsr-out}}
+addressType: IPv4
+ports: [{name: http, port: 8080, protocol: TCP}, {name: dns, port: 5353, protocol: UDP}]
+endpoints: [{addresses: [10.0.2.7], nodeName: node-2}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: dsr-out-v6, namespace: default, labels: {kubernetes.io/service-name: dsr-out}}
+addressType: IPv6
+ports: [{name: http, port: 8080, protocol: TCP}, {name: dns, port: 5353, protocol: UDP}]
+endpoints: [{addresses: ["fd00:2::7"], nodeName: node-2}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: dsr-in, namespace: default, annotations: {ebpf-proxy.io/north-south-mode: dsr}}
+spec:
+  type: NodePort
+  ipFamilyPolicy: RequireDualStack
+  ipFamilies: [IPv4, IPv6]
+  clusterIP: 10.96.0.41
+  clusterIPs: [10.96.0.41, "fd00:96::41"]
+  externalIPs: [203.0.113.41, "2001:db8:e::41"]
+  ports: [{name: http, port: 80, protocol: TCP, nodePort: 30093}, {name: dns, port: 53, protocol: UDP, nodePort: 30094}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: dsr-in-v4, namespace: default, labels: {kubernetes.io/service-name: dsr-in}}
+addressType: IPv4
+ports: [{name: http, port: 8080, protocol: TCP}, {name: dns, port: 5353, protocol: UDP}]
+endpoints: [{addresses: [10.0.1.5], nodeName: node-1}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: dsr-in-v6, namespace: default, labels: {kubernetes.io/service-name: dsr-in}}
+addressType: IPv6
+ports: [{name: http, port: 8080, protocol: TCP}, {name: dns, port: 5353, protocol: UDP}]
+endpoints: [{addresses: ["fd00:1::5"], nodeName: node-1}]
+"#;
+
+/// Another node of the family (the entry node of the flows this node accepts).
+fn other_node(f: Fam) -> &'static str {
+    if f.node == V4.node {
+        "192.0.2.60"
+    } else {
+        "fd00:100::60"
+    }
+}
+
+/// IP packet `inner` inside the outer header ebpf-proxy's DSR writes: IPv4 (TOS copied, DF,
+/// TTL 64, protocol 4) or IPv6 (first word copied, hop limit 64, next header 41) from
+/// `src` to `dst`.
+fn encapsulated(inner: &[u8], src: &str, dst: &str) -> Vec<u8> {
+    let (s, d): (std::net::IpAddr, std::net::IpAddr) = (src.parse().unwrap(), dst.parse().unwrap());
+    let mut h = match (s, d) {
+        (std::net::IpAddr::V4(s), std::net::IpAddr::V4(d)) => {
+            let mut h = vec![0u8; 20];
+            h[0] = 0x45;
+            h[1] = inner[1];
+            h[2..4].copy_from_slice(&((20 + inner.len()) as u16).to_be_bytes());
+            h[6] = 0x40;
+            h[8] = 64;
+            h[9] = 4;
+            h[12..16].copy_from_slice(&s.octets());
+            h[16..20].copy_from_slice(&d.octets());
+            let c = checksum(&h);
+            h[10..12].copy_from_slice(&c.to_be_bytes());
+            h
+        }
+        (std::net::IpAddr::V6(s), std::net::IpAddr::V6(d)) => {
+            let mut h = vec![0u8; 40];
+            h[..4].copy_from_slice(&inner[..4]);
+            h[4..6].copy_from_slice(&(inner.len() as u16).to_be_bytes());
+            h[6] = 41;
+            h[7] = 64;
+            h[8..24].copy_from_slice(&s.octets());
+            h[24..40].copy_from_slice(&d.octets());
+            h
+        }
+        _ => panic!("mixed families"),
+    };
+    h.extend_from_slice(inner);
+    h
+}
+
+/// An Ethernet frame from `xf0` to the next hop `dmac` carrying `ip`.
+fn sent_on(ip: &[u8], v6: bool, dmac: [u8; 6]) -> Vec<u8> {
+    let mut f = ether(ip, v6);
+    f[0..6].copy_from_slice(&dmac);
+    f[6..12].copy_from_slice(&XF0_MAC);
+    f
+}
+
+/// A TCP MSS option.
+fn mss(v: u16) -> Vec<u8> {
+    let b = v.to_be_bytes();
+    vec![2, 4, b[0], b[1]]
+}
+
+/// Both ends of direct server return for one family.
+fn dsr_flows(h: &Harness, f: Fam) {
+    let v6 = f.node.contains(':');
+    let lb = if v6 { "2001:db8:f::40" } else { "203.0.113.40" };
+    let ext = if v6 { "2001:db8:e::41" } else { "203.0.113.41" };
+    let other = other_node(f);
+
+    // Entry node: a new flow to a remote backend goes out encapsulated, untranslated
+    // inside, towards the backend's next hop; so does every later packet of it.
+    let client = sock(f.client, 46000);
+    for (what, p) in [
+        (
+            "SYN to the node port",
+            Packet::tcp(&client, &sock(f.node, 30091), SYN),
+        ),
+        (
+            "the client's ACK",
+            Packet::tcp(&client, &sock(f.node, 30091), ACK),
+        ),
+        (
+            "UDP to the LB IP",
+            Packet::udp(&sock(f.client, 46001), &sock(lb, 53)),
+        ),
+    ] {
+        let want = sent_on(
+            &encapsulated(&p.ip(), f.node, f.remote),
+            v6,
+            BACKEND_HOP_MAC,
+        );
+        step(
+            h,
+            what,
+            INGRESS,
+            &p.frame(),
+            REDIRECT,
+            Some(&want),
+            Some("tc_dsr_encapsulated"),
+        );
+    }
+    let ct = h.conntrack();
+    let entries: Vec<_> = ct
+        .iter()
+        .filter(|(k, _)| k.sport == 46000u16.to_be_bytes())
+        .collect();
+    assert_eq!(entries.len(), 1, "one entry, no reply entry: {entries:?}");
+    assert_ne!(entries[0].1.flags & proxy_common::nat::CT_F_DSR_ENCAP, 0);
+    assert_ne!(
+        entries[0].1.flags & proxy_common::nat::CT_F_SEEN_REPLY,
+        0,
+        "the client's ACK established the flow"
+    );
+
+    // XDP starts the flow and leaves the packet to tc, which encapsulates it.
+    let syn = Packet::tcp(&sock(f.client, 46002), &sock(f.node, 30091), SYN);
+    step(
+        h,
+        "SYN in XDP",
+        XDP,
+        &syn.frame(),
+        XDP_PASS,
+        None,
+        Some("tc_new_flow"),
+    );
+    let want = sent_on(
+        &encapsulated(&syn.ip(), f.node, f.remote),
+        v6,
+        BACKEND_HOP_MAC,
+    );
+    step(
+        h,
+        "the same SYN at tc ingress",
+        INGRESS,
+        &syn.frame(),
+        REDIRECT,
+        Some(&want),
+        Some("tc_translated"),
+    );
+
+    // Too big once encapsulated: "fragmentation needed" / "packet too big" with the MTU
+    // left for the inner packet, back to the client.
+    let mut big = Packet::udp(&sock(f.client, 46003), &sock(f.node, 30092));
+    big.payload = vec![7; if v6 { 1500 - 40 - 8 } else { 1500 - 20 - 8 }];
+    big.frag = 0x4000; // DF
+    let before = h.counters();
+    let (v, out) = h.run(INGRESS, &big.frame());
+    assert_eq!(v, REDIRECT, "too big: {}", show(&out));
+    verify(&out).expect("checksums of the ICMP error");
+    let d = decode(&out).expect("an IP frame");
+    assert_eq!(d.dst, f.client.parse::<std::net::IpAddr>().unwrap());
+    let icmp = &out[d.l4..];
+    if v6 {
+        assert_eq!(
+            (d.proto, icmp[0], icmp[1]),
+            (ICMPV6, 2, 0),
+            "packet too big"
+        );
+        assert_eq!(u32::from_be_bytes(icmp[4..8].try_into().unwrap()), 1460);
+    } else {
+        assert_eq!(
+            (d.proto, icmp[0], icmp[1]),
+            (ICMP, 3, 4),
+            "fragmentation needed"
+        );
+        assert_eq!(u16::from_be_bytes([icmp[6], icmp[7]]), 1480);
+    }
+    assert_eq!(h.counters()["tc_dsr_too_big"], before["tc_dsr_too_big"] + 1);
+    // A packet that fits goes through.
+    big.payload
+        .truncate(big.payload.len() - if v6 { 40 } else { 20 });
+    let (v, _) = h.run(INGRESS, &big.frame());
+    assert_eq!(v, REDIRECT, "a datagram that fits");
+
+    // Backend's node: an encapsulated SYN to another node's node port, for an endpoint
+    // here: the outer header goes, the inner packet is DNATed to the endpoint.
+    let client = sock(f.client, 46010);
+    let syn = Packet::tcp(&client, &sock(other, 30093), SYN);
+    let frame = ether(&encapsulated(&syn.ip(), other, f.local), v6);
+    let dnat = Packet {
+        dst: sock(f.local, 8080).parse().unwrap(),
+        ..syn.clone()
+    };
+    step(
+        h,
+        "an encapsulated SYN to a node port of another node",
+        INGRESS,
+        &frame,
+        PASS,
+        Some(&dnat.frame()),
+        Some("tc_dsr_decapsulated"),
+    );
+    // The backend's SYN-ACK leaves from the frontend, its MSS lowered by the overhead.
+    let synack = Packet {
+        tcp_options: mss(1460),
+        ..Packet::tcp(&sock(f.local, 8080), &client, SYN | ACK)
+    };
+    let want = Packet {
+        src: sock(other, 30093).parse().unwrap(),
+        tcp_options: mss(if v6 { 1420 } else { 1440 }),
+        ..synack.clone()
+    };
+    step(
+        h,
+        "the backend's SYN-ACK (from the frontend, MSS lowered)",
+        EGRESS,
+        &synack.frame(),
+        PASS,
+        Some(&want.frame()),
+        Some("tc_translated"),
+    );
+    // Later packets arrive encapsulated too.
+    let ack = Packet::tcp(&client, &sock(other, 30093), ACK);
+    let frame = ether(&encapsulated(&ack.ip(), other, f.local), v6);
+    let dnat = Packet {
+        dst: sock(f.local, 8080).parse().unwrap(),
+        ..ack.clone()
+    };
+    step(
+        h,
+        "the client's encapsulated ACK",
+        INGRESS,
+        &frame,
+        PASS,
+        Some(&dnat.frame()),
+        Some("tc_translated"),
+    );
+    // An external IP (the same address on every node), UDP.
+    let dgram = Packet::udp(&sock(f.client, 46011), &sock(ext, 53));
+    let frame = ether(&encapsulated(&dgram.ip(), other, f.local), v6);
+    let dnat = Packet {
+        dst: sock(f.local, 5353).parse().unwrap(),
+        ..dgram.clone()
+    };
+    step(
+        h,
+        "an encapsulated datagram to an external IP",
+        INGRESS,
+        &frame,
+        PASS,
+        Some(&dnat.frame()),
+        Some("tc_dsr_decapsulated"),
+    );
+
+    // Not ours: a pair this node does not accept (the frontend's endpoints are elsewhere),
+    // and a tunnel to an address that is no endpoint here: untouched.
+    let stray = Packet::tcp(&sock(f.client, 46012), &sock(other, 30091), SYN);
+    let frame = ether(&encapsulated(&stray.ip(), other, f.local), v6);
+    step(
+        h,
+        "an unknown pair",
+        INGRESS,
+        &frame,
+        PASS,
+        None,
+        Some("tc_dsr_unknown"),
+    );
+    let frame = ether(&encapsulated(&stray.ip(), other, f.remote), v6);
+    step(
+        h,
+        "a tunnel to another address",
+        INGRESS,
+        &frame,
+        PASS,
+        None,
+        None,
+    );
+    // tc egress leaves encapsulated packets alone (the entry node's own, on their way out).
+    let frame = ether(&encapsulated(&syn.ip(), f.node, f.remote), v6);
+    step(
+        h,
+        "an encapsulated packet at egress",
+        EGRESS,
+        &frame,
+        PASS,
+        None,
+        None,
+    );
+}
+
+#[test]
+fn ipv4_direct_server_return_encapsulation_and_decapsulation() {
+    in_private_netns(|| {
+        let _r = xdp_routes(V4);
+        let h = Harness::new("dsr4");
+        h.seed(DSR_OBJECTS, "node-1", &TcOptions::default());
+        dsr_flows(&h, V4)
+    });
+}
+
+#[test]
+fn ipv6_direct_server_return_encapsulation_and_decapsulation() {
+    in_private_netns(|| {
+        let _r = xdp_routes(V6);
+        let h = Harness::new("dsr6");
+        h.seed(DSR_OBJECTS, "node-1", &TcOptions::default());
+        dsr_flows(&h, V6)
+    });
+}

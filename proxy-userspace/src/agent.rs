@@ -183,6 +183,7 @@ pub fn node_info(config: &AgentConfig) -> NodeInfo {
     };
     NodeInfo {
         default_algorithm: config.lb_algorithm,
+        north_south_mode: config.north_south_mode,
         nodeport_addresses,
         nodeport_primary,
         name: config.node_name(),

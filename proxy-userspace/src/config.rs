@@ -565,6 +565,12 @@ fn parse_scheduler_flag(s: &str) -> Result<SchedulerFlag, String> {
     s.parse().map(|sch| SchedulerFlag(Some(sch)))
 }
 
+/// `--north-south-mode`: `snat`, `dsr` or `hybrid`.
+fn parse_north_south_mode(s: &str) -> Result<crate::model::NorthSouthMode, String> {
+    crate::model::NorthSouthMode::from_name(s.trim())
+        .ok_or_else(|| format!("{s:?} is not a north-south mode (snat, dsr, hybrid)"))
+}
+
 fn parse_lb_algorithm(s: &str) -> Result<proxy_common::Algorithm, String> {
     crate::model::parse_algorithm(s)
         .ok_or_else(|| format!("{s:?} is not one of {}", crate::model::algorithm_names()))
@@ -636,6 +642,16 @@ pub struct RunFlags {
     /// with the label or annotation `ebpf-proxy.io/socket-lb: disabled` [default: all].
     #[arg(long, value_enum)]
     pub socket_lb_scope: Option<crate::model::bypass::SocketLbScope>,
+    /// How a flow from outside (node port, external or LB IP, `externalTrafficPolicy:
+    /// Cluster`) reaches a backend on another node: `snat` (source-NAT to this node's
+    /// address, kube-proxy's), `dsr` (direct server return: the packet is forwarded
+    /// encapsulated, IPIP or IPv6-in-IPv6, and the backend's node answers the client
+    /// directly; the backend sees the client's address), or `hybrid` (DSR for TCP, SNAT for
+    /// UDP). Every node must run the same mode (a DSR packet is accepted by the backend's
+    /// node only when it runs DSR for that Service too). Services override it with the
+    /// annotation `ebpf-proxy.io/north-south-mode` [default: snat].
+    #[arg(long, value_name = "MODE", value_parser = parse_north_south_mode)]
+    pub north_south_mode: Option<crate::model::NorthSouthMode>,
     /// Level of the kernel programs' own log lines (aya-log), forwarded to the agent's log
     /// under the target `ebpf_proxy::kernel` whatever `--log-level` says: off, error, warn,
     /// info, debug (one line per decision: a connection translated or refused, a packet
@@ -1054,6 +1070,8 @@ pub struct AgentConfig {
     pub maglev_table_size: u32,
     /// `--socket-lb-scope`.
     pub socket_lb_scope: crate::model::bypass::SocketLbScope,
+    /// `--north-south-mode`.
+    pub north_south_mode: crate::model::NorthSouthMode,
     /// `--kernel-log-level`.
     pub kernel_log_level: crate::datapath::loader::KernelLogLevel,
     /// `--close-connections-to-removed-endpoints`.
@@ -1284,6 +1302,7 @@ impl AgentConfig {
                 .maglev_table_size
                 .unwrap_or(proxy_common::MAGLEV_DEFAULT),
             socket_lb_scope: flags.socket_lb_scope.unwrap_or_default(),
+            north_south_mode: flags.north_south_mode.unwrap_or_default(),
             kernel_log_level: flags.kernel_log_level.unwrap_or_default(),
             close_connections_to_removed_endpoints: flags.close_connections_to_removed_endpoints,
             log_level,

@@ -26,7 +26,7 @@ use aya::{
 };
 use proxy_common::{
     Backend, BackendSlotKey, Config, Frontend, FrontendKey, MemberKey,
-    nat::{CONNTRACK, CtEntry, CtKey, IfaceAddr},
+    nat::{CONNTRACK, CtEntry, CtKey, DsrKey, DsrTarget, IfaceAddr},
 };
 use proxy_userspace::{
     config::DEFAULT_UDP_FLOW_TIMEOUT,
@@ -189,6 +189,12 @@ impl NodeMaps for FixtureDatapath {
     }
     fn delete_iface_addr(&mut self, ifindex: u32) -> Result<(), DatapathError> {
         self.kernel.delete_iface_addr(ifindex)
+    }
+    fn put_dsr(&mut self, key: &DsrKey, value: &DsrTarget) -> Result<(), DatapathError> {
+        self.kernel.put_dsr(key, value)
+    }
+    fn delete_dsr(&mut self, key: &DsrKey) -> Result<(), DatapathError> {
+        self.kernel.delete_dsr(key)
     }
 }
 
@@ -493,6 +499,8 @@ pub struct Packet {
     /// (`icmp_rest`).
     pub icmp: (u8, u8),
     pub icmp_rest: [u8; 4],
+    /// TCP options (a multiple of 4 bytes).
+    pub tcp_options: Vec<u8>,
 }
 
 impl Packet {
@@ -510,6 +518,7 @@ impl Packet {
             ext: Vec::new(),
             icmp: (0, 0),
             icmp_rest: [0; 4],
+            tcp_options: Vec::new(),
         }
     }
 
@@ -562,10 +571,12 @@ impl Packet {
                     })
                     .to_be_bytes(),
                 );
-                l4.push(5 << 4);
+                assert_eq!(self.tcp_options.len() % 4, 0, "TCP options length");
+                l4.push((5 + self.tcp_options.len() as u8 / 4) << 4);
                 l4.push(self.tcp_flags);
                 l4.extend_from_slice(&64240u16.to_be_bytes());
                 l4.extend_from_slice(&[0, 0, 0, 0]); // checksum, urgent
+                l4.extend_from_slice(&self.tcp_options);
                 l4.extend_from_slice(&self.payload);
             }
             UDP => {

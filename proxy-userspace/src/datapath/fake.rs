@@ -11,7 +11,10 @@ use super::{
     Released, ServiceMaps, Snapshot, SourceRangeKey,
 };
 use crate::model::HealthCheck;
-use proxy_common::{Backend, BackendSlotKey, Frontend, FrontendKey, MemberKey, nat::IfaceAddr};
+use proxy_common::{
+    Backend, BackendSlotKey, Frontend, FrontendKey, MemberKey,
+    nat::{DsrKey, DsrTarget, IfaceAddr},
+};
 
 /// One write, as logged by [`FakeDatapath`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -35,6 +38,8 @@ pub enum Op {
     DeleteSourceRange(SourceRangeKey),
     PutIfaceAddr(u32, IfaceAddr),
     DeleteIfaceAddr(u32),
+    PutDsr(DsrKey, DsrTarget),
+    DeleteDsr(DsrKey),
     Attach(String),
     Detach(String),
     ServeHealth(u16, HealthCheck),
@@ -351,6 +356,16 @@ impl NodeMaps for FakeDatapath {
     fn delete_iface_addr(&mut self, ifindex: u32) -> Result<(), DatapathError> {
         self.node.iface_addrs.remove(&ifindex);
         self.log.push(Op::DeleteIfaceAddr(ifindex));
+        Ok(())
+    }
+    fn put_dsr(&mut self, key: &DsrKey, value: &DsrTarget) -> Result<(), DatapathError> {
+        self.node.dsr.insert(*key, *value);
+        self.log.push(Op::PutDsr(*key, *value));
+        Ok(())
+    }
+    fn delete_dsr(&mut self, key: &DsrKey) -> Result<(), DatapathError> {
+        self.node.dsr.remove(key);
+        self.log.push(Op::DeleteDsr(*key));
         Ok(())
     }
 }

@@ -6,7 +6,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
 use aya::maps::lpm_trie::Key;
-use proxy_common::{Backend, BackendSlotKey, Frontend, FrontendKey, MemberKey, nat::IfaceAddr};
+use proxy_common::{
+    Backend, BackendSlotKey, Frontend, FrontendKey, MemberKey,
+    nat::{DsrKey, DsrTarget, IfaceAddr},
+};
 
 use super::tc::XdpMode;
 use super::{
@@ -143,6 +146,15 @@ impl NodeMaps for KernelDatapath {
     fn delete_iface_addr(&mut self, ifindex: u32) -> Result<(), DatapathError> {
         absent_ok(self.tc.iface_addrs().remove(&ifindex))
             .map_err(|e| tc_err("delete", "TC_IFACE_ADDRS", e))
+    }
+    fn put_dsr(&mut self, key: &DsrKey, value: &DsrTarget) -> Result<(), DatapathError> {
+        self.tc
+            .dsr()
+            .insert(key, value, 0)
+            .map_err(|e| tc_err("update", "TC_DSR", e))
+    }
+    fn delete_dsr(&mut self, key: &DsrKey) -> Result<(), DatapathError> {
+        absent_ok(self.tc.dsr().remove(key)).map_err(|e| tc_err("delete", "TC_DSR", e))
     }
 }
 

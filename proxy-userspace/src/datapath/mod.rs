@@ -19,7 +19,7 @@ use std::net::IpAddr;
 
 use proxy_common::{
     Backend, BackendSlotKey, Frontend, FrontendKey, MemberKey, ServiceName,
-    nat::{IfaceAddr, SourceRange},
+    nat::{DsrKey, DsrTarget, IfaceAddr, SourceRange},
 };
 
 use crate::model::HealthCheck;
@@ -150,6 +150,8 @@ pub struct NodeSnapshot {
     pub source_ranges: BTreeMap<SourceRangeKey, u32>,
     /// `TC_IFACE_ADDRS` by interface index.
     pub iface_addrs: BTreeMap<u32, IfaceAddr>,
+    /// `TC_DSR`.
+    pub dsr: BTreeMap<DsrKey, DsrTarget>,
 }
 
 /// The north-south maps the agent writes. Every write is one map operation.
@@ -168,6 +170,10 @@ pub trait NodeMaps {
     fn put_iface_addr(&mut self, ifindex: u32, value: &IfaceAddr) -> Result<(), DatapathError>;
     /// Removes them (absent is not an error).
     fn delete_iface_addr(&mut self, ifindex: u32) -> Result<(), DatapathError>;
+    /// Creates or replaces a direct server return pair this node accepts.
+    fn put_dsr(&mut self, key: &DsrKey, value: &DsrTarget) -> Result<(), DatapathError>;
+    /// Removes one (absent is not an error).
+    fn delete_dsr(&mut self, key: &DsrKey) -> Result<(), DatapathError>;
 }
 
 /// One interface of the agent's network namespace.

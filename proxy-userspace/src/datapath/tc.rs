@@ -36,9 +36,9 @@ use aya::{
 };
 use ipnet::IpNet;
 use proxy_common::nat::{
-    CONNTRACK, CtEntry, CtKey, IFACE_ADDRS, IfaceAddr, LC_FLOWS, LOCAL_ENDPOINTS, SOURCE_RANGES,
-    SourceRange, TC_CFG_CLUSTER_CIDR_V4, TC_CFG_CLUSTER_CIDR_V6, TC_CFG_MASQUERADE_ALL, TC_CONFIG,
-    TcConfig, TcCounter, ct_closed, ct_timeout_ns,
+    CONNTRACK, CtEntry, CtKey, DSR, DsrKey, DsrTarget, IFACE_ADDRS, IfaceAddr, LC_FLOWS,
+    LOCAL_ENDPOINTS, SOURCE_RANGES, SourceRange, TC_CFG_CLUSTER_CIDR_V4, TC_CFG_CLUSTER_CIDR_V6,
+    TC_CFG_MASQUERADE_ALL, TC_CONFIG, TcConfig, TcCounter, ct_closed, ct_timeout_ns,
 };
 
 use crate::datapath::{NodeSnapshot, loader::OBJECT};
@@ -578,6 +578,7 @@ pub struct TcKernel {
     local: HashMap<MapData, [u8; 16], u32>,
     ranges: LpmTrie<MapData, SourceRange, u32>,
     addrs: HashMap<MapData, u32, IfaceAddr>,
+    dsr: HashMap<MapData, DsrKey, DsrTarget>,
 }
 
 impl TcKernel {
@@ -611,6 +612,7 @@ impl TcKernel {
             local: open(dir, LOCAL_ENDPOINTS)?,
             ranges: open(dir, SOURCE_RANGES)?,
             addrs: open(dir, IFACE_ADDRS)?,
+            dsr: open(dir, DSR)?,
         })
     }
 
@@ -830,7 +832,16 @@ impl TcKernel {
             let (k, v) = kv.context("iterate TC_IFACE_ADDRS")?;
             s.iface_addrs.insert(k, v);
         }
+        for kv in self.dsr.iter() {
+            let (k, v) = kv.context("iterate TC_DSR")?;
+            s.dsr.insert(k, v);
+        }
         Ok(s)
+    }
+
+    /// `TC_DSR`.
+    pub fn dsr(&mut self) -> &mut HashMap<MapData, DsrKey, DsrTarget> {
+        &mut self.dsr
     }
 
     /// `TC_LOCAL_ENDPOINTS`.

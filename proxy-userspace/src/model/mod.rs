@@ -263,6 +263,9 @@ pub struct DesiredService {
     /// the Service has endpoints on other nodes: kube-proxy counts these in
     /// `kubeproxy_sync_proxy_rules_no_local_endpoints_total`.
     pub no_local_endpoints: bool,
+    /// With `FRONTEND_F_DSR` (an `Ingress` set): the direct server return pairs this node
+    /// accepts for it.
+    pub dsr: Option<Box<DsrPairs>>,
 }
 
 pub use proxy_common::Algorithm;
@@ -279,6 +282,76 @@ pub const ALGORITHM_ANNOTATION: &str = "ebpf-proxy.io/lb-algorithm";
 /// endpoint out of new connections with every algorithm (established ones are untouched),
 /// as IPVS quiesces a server of weight 0.
 pub const WEIGHTS_ANNOTATION: &str = "ebpf-proxy.io/weights";
+/// Service annotation choosing how flows from outside the cluster reach a backend on
+/// another node: `snat`, `dsr` or `hybrid` ([`NorthSouthMode`]); without it,
+/// `--north-south-mode` decides.
+pub const NORTH_SOUTH_MODE_ANNOTATION: &str = "ebpf-proxy.io/north-south-mode";
+
+/// How a flow entering the node from outside (node port, external or load balancer IP, with
+/// `externalTrafficPolicy: Cluster`) reaches a backend on another node (`--north-south-mode`,
+/// or a Service's [`NORTH_SOUTH_MODE_ANNOTATION`]). A backend on the entry node, and every
+/// flow of a `Local` policy, keep the client address in every mode.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum NorthSouthMode {
+    /// Source-NAT to the entry node's address, replies back through it (kube-proxy's
+    /// behaviour; the backend sees the entry node as the client).
+    #[default]
+    Snat,
+    /// Direct server return for TCP and UDP: the client's packet is forwarded encapsulated
+    /// to the backend, whose node answers the client directly from the frontend address
+    /// (`proxy_common::nat::DSR`); the backend sees the client's address.
+    Dsr,
+    /// Direct server return for TCP, SNAT for UDP (Cilium's hybrid mode: a UDP flow has no
+    /// handshake whose MSS could be lowered for the encapsulation, and its datagrams are
+    /// often large).
+    Hybrid,
+}
+
+impl NorthSouthMode {
+    /// Every mode with its name.
+    pub const ALL: [(NorthSouthMode, &'static str); 3] = [
+        (NorthSouthMode::Snat, "snat"),
+        (NorthSouthMode::Dsr, "dsr"),
+        (NorthSouthMode::Hybrid, "hybrid"),
+    ];
+
+    /// The mode named `s` (`snat`, `dsr`, `hybrid`).
+    pub fn from_name(s: &str) -> Option<NorthSouthMode> {
+        Self::ALL.iter().find(|(_, n)| *n == s).map(|(m, _)| *m)
+    }
+
+    /// Its name.
+    pub fn name(self) -> &'static str {
+        Self::ALL
+            .iter()
+            .find(|(m, _)| *m == self)
+            .map_or("snat", |(_, n)| n)
+    }
+
+    /// Whether flows of `protocol` go by direct server return in this mode.
+    pub fn dsr_for(self, protocol: Protocol) -> bool {
+        match self {
+            NorthSouthMode::Snat => false,
+            NorthSouthMode::Dsr => true,
+            NorthSouthMode::Hybrid => protocol == Protocol::Tcp,
+        }
+    }
+}
+
+/// The direct server return pairs one `Ingress` backend set accepts on this node (see
+/// `proxy_common::nat::DSR`): packets another node encapsulated to one of `local`, naming
+/// one of `external` or, on any node's address, `node_port`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DsrPairs {
+    /// The Service port's `nodePort`, if any (another node's address is in the packet).
+    pub node_port: Option<u16>,
+    /// The external and load balancer IPs of the set's family, with the Service port.
+    pub external: BTreeSet<SocketAddr>,
+    /// Endpoints of the Service port on this node that an entry node may have chosen
+    /// (ready, or serving while terminating), whatever this node's own topology filtering.
+    pub local: BTreeSet<SocketAddr>,
+}
+
 /// Highest weight an endpoint may have (bounds the slots a service uses).
 pub const MAX_WEIGHT: u32 = 100;
 /// Default `sessionAffinityConfig.clientIP.timeoutSeconds` (Kubernetes API: 3 hours).
@@ -399,6 +472,8 @@ pub struct NodeInfo {
     pub nodeport_primary: bool,
     /// `--lb-algorithm`: the algorithm of Services without [`ALGORITHM_ANNOTATION`].
     pub default_algorithm: Algorithm,
+    /// `--north-south-mode`: the mode of Services without [`NORTH_SOUTH_MODE_ANNOTATION`].
+    pub north_south_mode: NorthSouthMode,
 }
 
 /// The label holding a Node's zone.
@@ -591,6 +666,7 @@ impl Model {
                     Arc::from(s.origin.as_str()),
                     &s.object,
                     self.config.default_algorithm,
+                    self.config.north_south_mode,
                 );
                 self.set_service(key, Some(info));
             }
@@ -1203,6 +1279,7 @@ fn service_sets(
             affinity_timeout_s: f.affinity,
             weights: BTreeMap::new(),
             no_local_endpoints: false,
+            dsr: None,
         };
         if !info.weights.is_empty() {
             let weight = |a: &SocketAddr| {
@@ -1291,11 +1368,32 @@ fn service_sets(
                             | proxy_common::FRONTEND_F_LOCAL_ONLY
                             | none,
                     )
+                } else if info.north_south.dsr_for(*protocol) {
+                    (
+                        cats.cluster.clone(),
+                        proxy_common::FRONTEND_F_EXTERNAL | proxy_common::FRONTEND_F_DSR,
+                    )
                 } else {
                     (cats.cluster.clone(), proxy_common::FRONTEND_F_EXTERNAL)
                 };
                 let mut ingress = policy(ingress_backends, eps, ext.clone(), ingress_flags);
                 ingress.no_local_endpoints = info.external_local && no_local;
+                if ingress_flags & proxy_common::FRONTEND_F_DSR != 0 {
+                    ingress.dsr = Some(Box::new(DsrPairs {
+                        node_port: f.node_ports.get(port_name).copied(),
+                        external: r
+                            .external
+                            .iter()
+                            .filter(|(ip, _)| Family::of(ip) == family)
+                            .map(|(ip, _)| SocketAddr::new(*ip, *port))
+                            .collect(),
+                        local: eps
+                            .iter()
+                            .filter(|(_, e)| e.local && (e.ready || (e.serving && e.terminating)))
+                            .map(|(a, _)| *a)
+                            .collect(),
+                    }));
+                }
                 sets.insert(
                     ServicePortKey {
                         scope: Scope::Ingress,

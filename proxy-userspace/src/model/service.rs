@@ -10,8 +10,9 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 use super::{
-    ALGORITHM_ANNOTATION, Algorithm, DEFAULT_AFFINITY_TIMEOUT_S, Family, MAX_WEIGHT, Protocol,
-    WEIGHTS_ANNOTATION, algorithm_names, parse_algorithm,
+    ALGORITHM_ANNOTATION, Algorithm, DEFAULT_AFFINITY_TIMEOUT_S, Family, MAX_WEIGHT,
+    NORTH_SOUTH_MODE_ANNOTATION, NorthSouthMode, Protocol, WEIGHTS_ANNOTATION, algorithm_names,
+    parse_algorithm,
 };
 
 /// What a Service offers, once it passed validation: cluster IPs (at most one per family,
@@ -50,6 +51,8 @@ pub(crate) struct ServiceInfo {
     pub algorithm: Algorithm,
     /// Endpoint weights by pod name or address ([`WEIGHTS_ANNOTATION`]).
     pub weights: BTreeMap<String, u32>,
+    /// North-south mode ([`NORTH_SOUTH_MODE_ANNOTATION`] or the default).
+    pub north_south: NorthSouthMode,
     /// Problems with the selection annotations (reported after the frontend errors).
     pub selection_warnings: Vec<String>,
     /// `healthCheckNodePort` of an `externalTrafficPolicy: Local` Service: `Ok(port)`, or
@@ -98,9 +101,14 @@ pub(crate) fn parse_ip(s: &str) -> Result<IpAddr, String> {
 }
 
 impl ServiceInfo {
-    /// Reads a Service (`origin`: its file or "api") with the algorithm of Services without
-    /// the annotation.
-    pub fn read(origin: Arc<str>, svc: &Service, default_algorithm: Algorithm) -> ServiceInfo {
+    /// Reads a Service (`origin`: its file or "api") with the algorithm and the north-south
+    /// mode of Services without the annotations.
+    pub fn read(
+        origin: Arc<str>,
+        svc: &Service,
+        default_algorithm: Algorithm,
+        default_mode: NorthSouthMode,
+    ) -> ServiceInfo {
         let mut warnings = Vec::new();
         let frontends = frontends(svc, &mut warnings);
         let spec = svc.spec.as_ref();
@@ -110,6 +118,7 @@ impl ServiceInfo {
             spec.and_then(|s| s.internal_traffic_policy.as_deref()) == Some("Local");
         let mut selection_warnings = Vec::new();
         let (algorithm, weights) = selection(svc, default_algorithm, &mut selection_warnings);
+        let north_south = north_south_mode(svc, default_mode, &mut selection_warnings);
         let health_check = spec
             .filter(|_| external_local)
             .and_then(|s| s.health_check_node_port)
@@ -145,6 +154,7 @@ impl ServiceInfo {
             external_local,
             algorithm,
             weights,
+            north_south,
             selection_warnings,
             health_check,
             source_ranges,
@@ -334,6 +344,30 @@ fn frontends(svc: &Service, warnings: &mut Vec<String>) -> Result<Option<Fronten
 /// A Service's algorithm ([`ALGORITHM_ANNOTATION`], else `default`) and endpoint weights
 /// ([`WEIGHTS_ANNOTATION`], by pod name or address). A bad annotation is reported through
 /// `warn` and ignored (default algorithm, weight 1), the rest of the Service still works.
+/// The Service's [`NORTH_SOUTH_MODE_ANNOTATION`], else `default`; a value that is not a mode
+/// is reported in `warn` and `default` used.
+fn north_south_mode(
+    svc: &Service,
+    default: NorthSouthMode,
+    warn: &mut Vec<String>,
+) -> NorthSouthMode {
+    let Some(v) = svc
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(NORTH_SOUTH_MODE_ANNOTATION))
+    else {
+        return default;
+    };
+    NorthSouthMode::from_name(v.trim()).unwrap_or_else(|| {
+        warn.push(format!(
+            "annotation {NORTH_SOUTH_MODE_ANNOTATION} {v:?} is not one of snat, dsr, hybrid; using {}",
+            default.name()
+        ));
+        default
+    })
+}
+
 fn selection(
     svc: &Service,
     default: Algorithm,

@@ -114,10 +114,18 @@ fn service_yaml(r: &mut Rng, ns: &str, name: &str) -> String {
         "dh",
         "nonsense",
     ]);
+    let mut annotations = Vec::new();
     if !alg.is_empty() {
-        meta += &format!(
-            ", annotations: {{ebpf-proxy.io/lb-algorithm: {alg}, ebpf-proxy.io/weights: '{{\"10.0.0.1\": 3, \"10.0.0.2\": 0}}'}}"
-        );
+        annotations.push(format!(
+            "ebpf-proxy.io/lb-algorithm: {alg}, ebpf-proxy.io/weights: '{{\"10.0.0.1\": 3, \"10.0.0.2\": 0}}'"
+        ));
+    }
+    let north_south = r.pick(&["", "dsr", "hybrid", "snat", "bogus"]);
+    if !north_south.is_empty() {
+        annotations.push(format!("ebpf-proxy.io/north-south-mode: {north_south}"));
+    }
+    if !annotations.is_empty() {
+        meta += &format!(", annotations: {{{}}}", annotations.join(", "));
     }
     let lb = r.pick(&["203.0.113.9", "203.0.113.10", "192.0.2.7"]);
     let mode = r.pick(&["", ", ipMode: Proxy"]);

@@ -123,6 +123,10 @@ impl Reconciler {
         let start = Instant::now();
         let mut out = Outcome::default();
         self.apply_keys(dp, model, delta.ports.iter(), now, &mut out);
+        if !delta.ports.is_empty() {
+            let r = self.node.apply_dsr(dp, model, delta.ports.iter());
+            Self::node_result(&mut out, "direct server return", r);
+        }
         if delta.local_endpoints_changed {
             let r = self.node.apply_local(
                 dp,
@@ -167,6 +171,11 @@ impl Reconciler {
         }
         Self::node_result(&mut out, "local endpoints", self.node.sync_local(dp, model));
         Self::node_result(&mut out, "source ranges", self.node.sync_ranges(dp, model));
+        Self::node_result(
+            &mut out,
+            "direct server return",
+            self.node.sync_dsr(dp, model),
+        );
         self.node.sync_health(dp, model);
         out.node_changes += self.node.sync_interfaces(dp, model);
         self.release(dp, &mut out);
@@ -669,6 +678,108 @@ mod tests {
         assert!(!dp.node.iface_addrs.contains_key(&2));
         assert!(dp.log.contains(&Op::Detach("eth0".into())));
         assert_eq!(r.verify(&mut dp, &m, Instant::now()).node_changes, 0);
+    }
+
+    /// A LoadBalancer Service with a node port, one endpoint on this node and one elsewhere,
+    /// the north-south mode annotation `mode` ("" for none).
+    fn dsr_svc(mode: &str, local_ready: bool) -> String {
+        let ann = if mode.is_empty() {
+            String::new()
+        } else {
+            format!(", annotations: {{ebpf-proxy.io/north-south-mode: {mode}}}")
+        };
+        format!(
+            "---\napiVersion: v1\nkind: Service\nmetadata: {{name: lb, namespace: ns{ann}}}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.9\n  ports: [{{name: http, port: 80, nodePort: 30080}}, {{name: dns, port: 53, protocol: UDP, nodePort: 30053}}]\nstatus: {{loadBalancer: {{ingress: [{{ip: 203.0.113.9}}]}}}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: lb-1, namespace: ns, labels: {{kubernetes.io/service-name: lb}}}}\naddressType: IPv4\nendpoints: [{{addresses: [10.0.1.5], nodeName: node-1, conditions: {{ready: {local_ready}}}}}, {{addresses: [10.0.2.5], nodeName: node-2}}]\nports: [{{name: http, port: 8080}}, {{name: dns, port: 5353, protocol: UDP}}]\n"
+        )
+    }
+
+    fn dsr_key(frontend: &str, port: u16, proto: u8) -> proxy_common::nat::DsrKey {
+        use crate::datapath::addr::ip_to_bytes;
+        proxy_common::nat::DsrKey {
+            frontend: if frontend.is_empty() {
+                [0; 16]
+            } else {
+                ip_to_bytes(frontend.parse().unwrap())
+            },
+            backend: ip_to_bytes("10.0.1.5".parse().unwrap()),
+            port: port.to_be_bytes(),
+            proto,
+            _pad: 0,
+        }
+    }
+
+    #[test]
+    fn direct_server_return_pairs_follow_the_mode_and_the_local_endpoints() {
+        use proxy_common::{FRONTEND_F_DSR, PROTO_TCP, PROTO_UDP, nat::DsrTarget};
+        let mut dp = FakeDatapath::new(cap(100));
+        let mut r = Reconciler::adopt(&dp, NodeConfig::default(), Duration::from_secs(30)).unwrap();
+        // An earlier agent left a pair nothing asks for.
+        dp.node
+            .dsr
+            .insert(dsr_key("192.0.2.1", 80, PROTO_TCP), DsrTarget::default());
+        let mut r2 =
+            Reconciler::adopt(&dp, NodeConfig::default(), Duration::from_secs(30)).unwrap();
+        std::mem::swap(&mut r, &mut r2);
+        // Hybrid: TCP only. The LB IP and the node port (any node's address) are accepted
+        // for the endpoint on this node, giving its port.
+        let mut m = model_of(&dsr_svc("hybrid", true));
+        m.commit();
+        r.apply_all(&mut dp, &m, Instant::now());
+        let t = DsrTarget {
+            port: 8080u16.to_be_bytes(),
+            _pad: [0; 2],
+        };
+        assert_eq!(
+            dp.node.dsr,
+            BTreeMap::from([
+                (dsr_key("203.0.113.9", 80, PROTO_TCP), t),
+                (dsr_key("", 30080, PROTO_TCP), t),
+            ])
+        );
+        let dsr_frontends = |dp: &FakeDatapath| {
+            dp.state
+                .frontends
+                .iter()
+                .filter(|(_, f)| f.flags & FRONTEND_F_DSR != 0)
+                .map(|(k, _)| (k.proto, u16::from_be_bytes(k.port)))
+                .collect::<BTreeSet<_>>()
+        };
+        // (No Node object: this node serves no node port itself, yet accepts the node
+        // port's pairs, which name another node's address.)
+        assert_eq!(
+            dsr_frontends(&dp),
+            BTreeSet::from([(PROTO_TCP, 80)]),
+            "ingress frontends of TCP only carry the flag"
+        );
+        // dsr: UDP too.
+        apply(&mut m, &dsr_svc("dsr", true));
+        let d = m.commit();
+        r.apply(&mut dp, &m, &d, Instant::now());
+        assert_eq!(dp.node.dsr.len(), 4);
+        assert!(dp.node.dsr.contains_key(&dsr_key("", 30053, PROTO_UDP)));
+        // The local endpoint neither ready nor serving: nothing to accept.
+        apply(&mut m, &dsr_svc("dsr", false));
+        let d = m.commit();
+        r.apply(&mut dp, &m, &d, Instant::now());
+        assert!(dp.node.dsr.is_empty(), "{:?}", dp.node.dsr);
+        // Back, then snat: the pairs and the flags go.
+        apply(&mut m, &dsr_svc("dsr", true));
+        let d = m.commit();
+        r.apply(&mut dp, &m, &d, Instant::now());
+        assert_eq!(dp.node.dsr.len(), 4);
+        apply(&mut m, &dsr_svc("", true));
+        let d = m.commit();
+        r.apply(&mut dp, &m, &d, Instant::now());
+        assert!(dp.node.dsr.is_empty());
+        assert!(dsr_frontends(&dp).is_empty());
+        // Verification repairs a pair removed behind the agent's back.
+        apply(&mut m, &dsr_svc("dsr", true));
+        let d = m.commit();
+        r.apply(&mut dp, &m, &d, Instant::now());
+        let good = dp.node.dsr.clone();
+        dp.node.dsr.pop_first();
+        r.verify(&mut dp, &m, Instant::now());
+        assert_eq!(dp.node.dsr, good);
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! The node's part of the data path reconciled from the model: the interfaces that get the
 //! north-south programs and their SNAT addresses (`TC_IFACE_ADDRS`), this node's endpoint
-//! addresses (`TC_LOCAL_ENDPOINTS`), `loadBalancerSourceRanges` (`TC_SOURCE_RANGES`) and
-//! the `healthCheckNodePort` servers.
+//! addresses (`TC_LOCAL_ENDPOINTS`), `loadBalancerSourceRanges` (`TC_SOURCE_RANGES`), the
+//! direct server return pairs this node accepts (`TC_DSR`) and the `healthCheckNodePort`
+//! servers.
 //!
 //! Interfaces: `--interfaces` names them; by default they are the interfaces of the agent's
 //! network namespace (not `lo`) that carry one of this node's addresses (its Node object's
@@ -21,13 +22,45 @@ use std::{
 
 use ipnet::IpNet;
 use proxy_common::nat::{
-    IFACE_F_POD, IfaceAddr, SOURCE_RANGE_ALLOW, SOURCE_RANGE_RESTRICTED, SourceRange,
+    DsrKey, DsrTarget, IFACE_F_POD, IfaceAddr, SOURCE_RANGE_ALLOW, SOURCE_RANGE_RESTRICTED,
+    SourceRange,
 };
 
 use crate::{
     datapath::{Datapath, DatapathError, SourceRangeKey, addr::ip_to_bytes},
-    model::{HealthCheck, Model},
+    model::{DesiredService, HealthCheck, Model, Scope, ServicePortKey},
 };
+
+/// The `TC_DSR` entries of one backend set of protocol number `proto` (none without direct
+/// server return): for each endpoint of the set on this node, one per external or load
+/// balancer IP (that address and the Service port) and one for the node port (all-zero
+/// frontend address, the node port), each giving the endpoint's port.
+pub fn dsr_entries(set: Option<&DesiredService>, proto: u8) -> Vec<(DsrKey, DsrTarget)> {
+    let Some(pairs) = set.and_then(|s| s.dsr.as_deref()) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for b in &pairs.local {
+        let target = DsrTarget {
+            port: b.port().to_be_bytes(),
+            _pad: [0; 2],
+        };
+        let key = |frontend: [u8; 16], port: u16| DsrKey {
+            frontend,
+            backend: ip_to_bytes(b.ip()),
+            port: port.to_be_bytes(),
+            proto,
+            _pad: 0,
+        };
+        for fe in &pairs.external {
+            out.push((key(ip_to_bytes(fe.ip()), fe.port()), target));
+        }
+        if let Some(np) = pairs.node_port {
+            out.push((key([0; 16], np), target));
+        }
+    }
+    out
+}
 
 /// What shapes the node's part beyond the objects.
 #[derive(Clone, Debug, Default)]
@@ -176,6 +209,11 @@ pub struct NodeReconciler {
     health_failed: BTreeMap<u16, (HealthCheck, String)>,
     /// Failures of the interfaces step, until it works again.
     iface_error: Option<String>,
+    /// `TC_DSR` as applied, and what each `Ingress` backend set asks of it (a key two sets
+    /// ask for, which the model's frontend ownership prevents, gets the first set's value).
+    dsr: BTreeMap<DsrKey, DsrTarget>,
+    dsr_sets: BTreeMap<ServicePortKey, Vec<(DsrKey, DsrTarget)>>,
+    dsr_claims: BTreeMap<DsrKey, BTreeMap<ServicePortKey, DsrTarget>>,
 }
 
 impl NodeReconciler {
@@ -187,8 +225,103 @@ impl NodeReconciler {
             config,
             local: snap.local_endpoints,
             ranges: snap.source_ranges,
+            dsr: snap.dsr,
             ..Default::default()
         })
+    }
+
+    /// Writes the `TC_DSR` entries of the backend sets `keys` (a commit's changed sets; the
+    /// others are skipped cheaply).
+    pub fn apply_dsr<'a>(
+        &mut self,
+        dp: &mut impl Datapath,
+        model: &Model,
+        keys: impl Iterator<Item = &'a ServicePortKey>,
+    ) -> Result<usize, DatapathError> {
+        let mut touched = BTreeSet::new();
+        for key in keys.filter(|k| k.scope == Scope::Ingress) {
+            let want = dsr_entries(model.port(key), key.protocol.number());
+            let old = self.dsr_sets.get(key).map(Vec::as_slice).unwrap_or(&[]);
+            if old == want.as_slice() {
+                continue;
+            }
+            for (k, _) in old {
+                if let Some(c) = self.dsr_claims.get_mut(k) {
+                    c.remove(key);
+                    if c.is_empty() {
+                        self.dsr_claims.remove(k);
+                    }
+                }
+                touched.insert(*k);
+            }
+            for (k, v) in &want {
+                self.dsr_claims
+                    .entry(*k)
+                    .or_default()
+                    .insert(key.clone(), *v);
+                touched.insert(*k);
+            }
+            if want.is_empty() {
+                self.dsr_sets.remove(key);
+            } else {
+                self.dsr_sets.insert(key.clone(), want);
+            }
+        }
+        let mut n = 0;
+        for k in touched {
+            let want = self.dsr_wanted(&k);
+            match (want, self.dsr.get(&k)) {
+                (Some(v), cur) if cur != Some(&v) => {
+                    dp.put_dsr(&k, &v)?;
+                    self.dsr.insert(k, v);
+                    n += 1;
+                }
+                (None, Some(_)) => {
+                    dp.delete_dsr(&k)?;
+                    self.dsr.remove(&k);
+                    n += 1;
+                }
+                _ => {}
+            }
+        }
+        Ok(n)
+    }
+
+    /// Makes `TC_DSR` hold every backend set's entries (the first pass: also removes what an
+    /// earlier agent left that no set asks for).
+    pub fn sync_dsr(
+        &mut self,
+        dp: &mut impl Datapath,
+        model: &Model,
+    ) -> Result<usize, DatapathError> {
+        let mut keys: BTreeSet<ServicePortKey> = model
+            .ports()
+            .keys()
+            .filter(|k| k.scope == Scope::Ingress)
+            .cloned()
+            .collect();
+        keys.extend(self.dsr_sets.keys().cloned());
+        let mut n = self.apply_dsr(dp, model, keys.iter())?;
+        let stale: Vec<DsrKey> = self
+            .dsr
+            .keys()
+            .filter(|k| !self.dsr_claims.contains_key(*k))
+            .copied()
+            .collect();
+        for k in stale {
+            dp.delete_dsr(&k)?;
+            self.dsr.remove(&k);
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    /// The value backend sets ask `TC_DSR` to hold at `k`.
+    fn dsr_wanted(&self, k: &DsrKey) -> Option<DsrTarget> {
+        self.dsr_claims
+            .get(k)
+            .and_then(|c| c.values().next())
+            .copied()
     }
 
     /// Interfaces with the programs attached by this agent.
@@ -477,6 +610,22 @@ impl NodeReconciler {
             dp.delete_source_range(k)?;
             n += 1;
         }
+        let want_dsr: BTreeMap<DsrKey, DsrTarget> = self
+            .dsr_claims
+            .keys()
+            .filter_map(|k| Some((*k, self.dsr_wanted(k)?)))
+            .collect();
+        for (k, v) in &want_dsr {
+            if snap.dsr.get(k) != Some(v) {
+                dp.put_dsr(k, v)?;
+                n += 1;
+            }
+        }
+        for k in snap.dsr.keys().filter(|k| !want_dsr.contains_key(*k)) {
+            dp.delete_dsr(k)?;
+            n += 1;
+        }
+        self.dsr = want_dsr;
         let want_addrs: BTreeMap<u32, IfaceAddr> = self.ifaces.values().copied().collect();
         for (i, v) in &want_addrs {
             if snap.iface_addrs.get(i) != Some(v) {
