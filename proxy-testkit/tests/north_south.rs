@@ -417,6 +417,31 @@ fn both_backends_with_snat_to_remote_ones(
     nodes: [&str; 2],
     client: &str,
 ) {
+    both_backends(c, fes, nodes, client, Mode::Snat)
+}
+
+/// How the lab's agents reach a backend on the other node.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mode {
+    /// Source-NAT (the default).
+    Snat,
+    /// `--north-south-mode dsr`: every backend sees the client.
+    Dsr,
+}
+
+impl Mode {
+    /// The agents' flags for the mode.
+    fn flags(self) -> &'static [&'static str] {
+        match self {
+            Mode::Snat => &[],
+            Mode::Dsr => &["--north-south-mode", "dsr"],
+        }
+    }
+}
+
+/// [`both_backends_with_snat_to_remote_ones`] in `mode`: with DSR every backend sees the
+/// client's address.
+fn both_backends(c: &Path, fes: &[String], nodes: [&str; 2], client: &str, mode: Mode) {
     let want = |fe: &str, name: &str| {
         let entry = if fe.contains(nodes[1]) {
             nodes[1]
@@ -424,7 +449,7 @@ fn both_backends_with_snat_to_remote_ones(
             nodes[0]
         };
         let backend_node = if name == "a0" { nodes[0] } else { nodes[1] };
-        if entry == backend_node {
+        if entry == backend_node || mode == Mode::Dsr {
             client.to_string()
         } else {
             entry.to_string()
@@ -482,17 +507,37 @@ const BOTH: [(&str, &str); 2] = [(POD_A0, "node-a"), (POD_B0, "node-b")];
 
 #[test]
 fn nodeport_external_and_lb_ips_with_snat_to_remote_backends() {
-    nodeport_external_and_lb_ips(Xdp::Off);
+    nodeport_external_and_lb_ips(Xdp::Off, Mode::Snat);
 }
 
 #[test]
 fn xdp_nodeport_external_and_lb_ips_with_snat_to_remote_backends() {
-    nodeport_external_and_lb_ips(Xdp::Native);
+    nodeport_external_and_lb_ips(Xdp::Native, Mode::Snat);
+}
+
+#[test]
+fn dsr_nodeport_external_and_lb_ips_keep_the_client_address() {
+    nodeport_external_and_lb_ips(Xdp::Off, Mode::Dsr);
+}
+
+#[test]
+fn xdp_dsr_nodeport_external_and_lb_ips_keep_the_client_address() {
+    nodeport_external_and_lb_ips(Xdp::Native, Mode::Dsr);
 }
 
 /// With XDP: it runs natively on node-a's interface (the pin says so) and sent packets out
 /// itself, and every translated packet's checksums held (no rewrite failed).
 fn assert_xdp_worked(lab: &Lab, xdp: Xdp) {
+    if xdp == Xdp::Off {
+        return;
+    }
+    assert_xdp_mode(lab, xdp);
+    let counters = tc::counters(&lab.agents[0].pin).unwrap();
+    assert!(counters["xdp_forwarded"] > 0, "{counters:?}");
+}
+
+/// With XDP: it runs natively on node-a's interface (the pin says so).
+fn assert_xdp_mode(lab: &Lab, xdp: Xdp) {
     if xdp == Xdp::Off {
         return;
     }
@@ -502,16 +547,19 @@ fn assert_xdp_worked(lab: &Lab, xdp: Xdp) {
         Some(&tc::XdpMode::Native),
         "XDP links: {modes:?}"
     );
-    let counters = tc::counters(&lab.agents[0].pin).unwrap();
-    assert!(counters["xdp_forwarded"] > 0, "{counters:?}");
 }
 
-fn nodeport_external_and_lb_ips(xdp: Xdp) {
-    let tag = if xdp == Xdp::Off { "np" } else { "xnp" };
+fn nodeport_external_and_lb_ips(xdp: Xdp, mode: Mode) {
+    let tag = match (xdp, mode) {
+        (Xdp::Off, Mode::Snat) => "np",
+        (Xdp::Native, Mode::Snat) => "xnp",
+        (Xdp::Off, Mode::Dsr) => "dnp",
+        (Xdp::Native, Mode::Dsr) => "xdnp",
+    };
     let mut lab = Lab::with_xdp(tag, xdp);
     web(&lab, "", &BOTH);
-    lab.start_agent(0, &[]);
-    lab.start_agent(1, &[]);
+    lab.start_agent(0, mode.flags());
+    lab.start_agent(1, mode.flags());
     let c = lab.client_path();
     let fes = [
         format!("{NODE_A}:30080"),
@@ -519,13 +567,24 @@ fn nodeport_external_and_lb_ips(xdp: Xdp) {
         format!("{EXTERNAL_IP}:80"),
         format!("{LB_IP}:80"),
     ];
-    both_backends_with_snat_to_remote_ones(&c, &fes, [NODE_A, NODE_B], CLIENT);
+    both_backends(&c, &fes, [NODE_A, NODE_B], CLIENT, mode);
     let counters = tc::counters(&lab.agents[0].pin).unwrap();
+    let (sent_on, other) = match mode {
+        Mode::Snat => ("tc_snat", "tc_dsr_encapsulated"),
+        Mode::Dsr => ("tc_dsr_encapsulated", "tc_snat"),
+    };
     assert!(
-        counters["tc_new_flow"] > 0 && counters["tc_snat"] > 0,
+        counters["tc_new_flow"] > 0 && counters[sent_on] > 0 && counters[other] == 0,
         "{counters:?}"
     );
     assert_eq!(counters["tc_rewrite_failed"], 0, "{counters:?}");
+    if mode == Mode::Dsr {
+        // node-b accepted what node-a encapsulated, and node-a what node-b did.
+        let b = tc::counters(&lab.agents[1].pin).unwrap();
+        assert!(b["tc_dsr_decapsulated"] > 0, "{b:?}");
+        assert!(counters["tc_dsr_decapsulated"] > 0, "{counters:?}");
+        assert_eq!(b["tc_dsr_unknown"] + counters["tc_dsr_unknown"], 0);
+    }
     // Per-frontend connections, packets and bytes of the ingress sets.
     let per = proxy_userspace::datapath::maps::read_service_stats(&lab.agents[0].pin).unwrap();
     let names = proxy_userspace::datapath::maps::PinnedMaps::open(&lab.agents[0].pin)
@@ -548,7 +607,12 @@ fn nodeport_external_and_lb_ips(xdp: Xdp) {
         c > 0 && p >= c && b > p * 20,
         "connections {c}, packets {p}, bytes {b}"
     );
-    assert_xdp_worked(&lab, xdp);
+    if mode == Mode::Dsr {
+        // XDP leaves DSR flows to tcx: it forwards nothing itself here.
+        assert_xdp_mode(&lab, xdp);
+    } else {
+        assert_xdp_worked(&lab, xdp);
+    }
 }
 
 #[test]
@@ -889,7 +953,19 @@ fn fragmentation_needed_reaches_the_client_for_path_mtu_discovery() {
 /// backend, so this works only when the ICMP error about it (fragmentation needed, packet
 /// too big) reached the client translated, which node-a's counter confirms.
 fn large_line_comes_back(lab: &Lab, client: &Path, to: SocketAddr) {
-    let echoed = in_netns(client, move || {
+    assert_eq!(
+        large_line_echo(client, to),
+        Ok(3 + 6000),
+        "the large line came back"
+    );
+    let counters = tc::counters(&lab.agents[0].pin).unwrap();
+    assert!(counters["tc_icmp_translated"] > 0, "{counters:?}");
+}
+
+/// Sends a 6000-byte line over one TCP connection from the client namespace to `to`: the
+/// length of the line that came back (the backend's name, a space, the line).
+fn large_line_echo(client: &Path, to: SocketAddr) -> Result<usize, String> {
+    in_netns(client, move || {
         let s = TcpStream::connect_timeout(&to, T).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         let mut w = s.try_clone().unwrap();
@@ -903,10 +979,7 @@ fn large_line_comes_back(lab: &Lab, client: &Path, to: SocketAddr) {
             .map(|_| l.trim().len())
             .map_err(|e| e.to_string())
     })
-    .unwrap();
-    assert_eq!(echoed, Ok(3 + 6000), "the large line came back");
-    let counters = tc::counters(&lab.agents[0].pin).unwrap();
-    assert!(counters["tc_icmp_translated"] > 0, "{counters:?}");
+    .unwrap()
 }
 
 /// A TCP connection from the client namespace held open: the stream and the backend's name
@@ -1915,4 +1988,299 @@ fn monitor_shows_tc_flows_drops_and_flow_ends() {
         );
     }
     assert!(a.iter().all(|e| e["type"] == "flow-drop"), "{a:#?}");
+}
+
+// ---------------------------------------------------------------------------------------
+// Direct server return
+// ---------------------------------------------------------------------------------------
+
+/// `tcpdump` on a node's `eth0`, one line per IP packet to or from an address, killed on
+/// drop.
+struct Capture {
+    child: Option<ChildGuard>,
+    out: PathBuf,
+}
+
+impl Capture {
+    /// Starts capturing on node `node`'s `eth0` the packets to or from `host` (`ip` or
+    /// `ip6` by its family); returns once tcpdump listens (bounded).
+    fn start(lab: &Lab, node: usize, host: &str, name: &str) -> Capture {
+        let out = lab.manifests.path().with_extension(format!("{name}.cap"));
+        let err = lab
+            .manifests
+            .path()
+            .with_extension(format!("{name}.cap.err"));
+        let family = if host.contains(':') { "ip6" } else { "ip" };
+        let child = lab.nodes[node]
+            .spawn(
+                None,
+                Command::new("tcpdump")
+                    .args(["-i", "eth0", "-n", "-l", "--immediate-mode"])
+                    .arg(format!("{family} host {host}"))
+                    .stdout(std::fs::File::create(&out).unwrap())
+                    .stderr(std::fs::File::create(&err).unwrap()),
+            )
+            .expect("tcpdump");
+        let start = Instant::now();
+        while !std::fs::read_to_string(&err)
+            .unwrap_or_default()
+            .contains("listening on")
+        {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "tcpdump did not start: {}",
+                std::fs::read_to_string(&err).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Capture {
+            child: Some(child),
+            out,
+        }
+    }
+
+    /// Stops the capture: the lines it printed.
+    fn stop(&mut self) -> Vec<String> {
+        std::thread::sleep(Duration::from_millis(300));
+        if let Some(mut c) = self.child.take() {
+            c.kill();
+        }
+        std::fs::read_to_string(&self.out)
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_string)
+            .collect()
+    }
+}
+
+/// Lines of a capture whose packet goes to `host` (tcpdump -n: `src.port > dst.port:`).
+fn to_host(lines: &[String], host: &str) -> usize {
+    lines
+        .iter()
+        .filter(|l| l.contains(&format!("> {host}.")))
+        .count()
+}
+
+/// Lines of a capture whose packet comes from `host`.
+fn from_host(lines: &[String], host: &str) -> usize {
+    lines
+        .iter()
+        .filter(|l| l.contains(&format!(" {host}.")) && !l.contains(&format!("> {host}.")))
+        .count()
+}
+
+/// Direct server return, IPv4, with the backend on node-b only, so every flow entering
+/// node-a is forwarded encapsulated: the backend sees the client's address for TCP and UDP
+/// to the node port, the external IP and the LB IP; captures show requests but no reply on
+/// node-a's interface and the replies leaving node-b; a 6000-byte line crosses the
+/// encapsulation whole (the SYN-ACK's MSS was lowered); a UDP datagram that fills the wire's
+/// MTU gets "fragmentation needed" naming the MTU left after the outer header, which the
+/// client's stack applies; a TCP stream survives a restart of each agent.
+#[test]
+fn dsr_replies_bypass_the_entry_node_and_mtu_and_restarts_hold() {
+    let mut lab = Lab::new("dsr");
+    web(&lab, "", &[(POD_B0, "node-b")]);
+    lab.start_agent(0, Mode::Dsr.flags());
+    lab.start_agent(1, Mode::Dsr.flags());
+    let c = lab.client_path();
+    let mut cap_a = Capture::start(&lab, 0, CLIENT, "a");
+    let mut cap_b = Capture::start(&lab, 1, CLIENT, "b");
+    for fe in [
+        format!("{NODE_A}:30080"),
+        format!("{EXTERNAL_IP}:80"),
+        format!("{LB_IP}:80"),
+    ] {
+        for _ in 0..4 {
+            let (name, peer) =
+                tcp_whoami(&c, &fe, T).unwrap_or_else(|e| panic!("TCP to {fe}: {e}"));
+            assert_eq!(
+                (name.as_str(), ip_of(&peer).as_str()),
+                ("b0", CLIENT),
+                "{fe}"
+            );
+        }
+        let ufe = fe.replace(":30080", ":30053").replace(":80", ":53");
+        for _ in 0..4 {
+            let (name, peer) =
+                udp_whoami(&c, &ufe, T).unwrap_or_else(|e| panic!("UDP to {ufe}: errno {e}"));
+            assert_eq!(
+                (name.as_str(), ip_of(&peer).as_str()),
+                ("b0", CLIENT),
+                "{ufe}"
+            );
+        }
+    }
+    let to: SocketAddr = format!("{NODE_A}:30080").parse().unwrap();
+    assert_eq!(
+        large_line_echo(&c, to),
+        Ok(3 + 6000),
+        "the large line came back"
+    );
+    let a = cap_a.stop();
+    let b = cap_b.stop();
+    assert!(from_host(&a, CLIENT) > 0, "node-a saw the requests: {a:#?}");
+    assert_eq!(to_host(&a, CLIENT), 0, "no reply left node-a: {a:#?}");
+    assert!(
+        to_host(&b, CLIENT) > 0,
+        "node-b answered the client itself: {b:#?}"
+    );
+    let ca = tc::counters(&lab.agents[0].pin).unwrap();
+    let cb = tc::counters(&lab.agents[1].pin).unwrap();
+    assert!(
+        ca["tc_dsr_encapsulated"] > 0 && ca["tc_snat"] == 0,
+        "{ca:?}"
+    );
+    assert!(
+        cb["tc_dsr_decapsulated"] > 0 && cb["tc_dsr_unknown"] == 0,
+        "{cb:?}"
+    );
+    assert_eq!(ca["tc_rewrite_failed"] + cb["tc_rewrite_failed"], 0);
+
+    // Path MTU: 1472 bytes of UDP fill the wire's 1500; encapsulated they would not fit.
+    let to: SocketAddr = format!("{NODE_A}:30053").parse().unwrap();
+    let (first, then, mtu) = in_netns(&c, move || {
+        use std::os::fd::AsRawFd;
+        let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+        let v: libc::c_int = libc::IP_PMTUDISC_DO;
+        // SAFETY: setsockopt(IP_MTU_DISCOVER) on our socket with an int.
+        let r = unsafe {
+            libc::setsockopt(
+                s.as_raw_fd(),
+                libc::IPPROTO_IP,
+                libc::IP_MTU_DISCOVER,
+                &v as *const _ as *const libc::c_void,
+                std::mem::size_of::<libc::c_int>() as u32,
+            )
+        };
+        assert_eq!(r, 0, "IP_MTU_DISCOVER");
+        s.connect(to).unwrap();
+        s.set_read_timeout(Some(T)).unwrap();
+        s.send(&[b'x'; 1472]).unwrap();
+        let mut buf = [0u8; 2048];
+        let first = s.recv(&mut buf).map_err(|e| e.raw_os_error().unwrap_or(-1));
+        // The route now knows the smaller MTU: a datagram that fits it gets its answer.
+        let then = s
+            .send(&[b'x'; 1452])
+            .and_then(|_| s.recv(&mut buf))
+            .map(|n| String::from_utf8_lossy(&buf[..n]).into_owned())
+            .map_err(|e| e.raw_os_error().unwrap_or(-1));
+        let mut mtu: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as u32;
+        // SAFETY: getsockopt(IP_MTU) into an int on our connected socket.
+        unsafe {
+            libc::getsockopt(
+                s.as_raw_fd(),
+                libc::IPPROTO_IP,
+                libc::IP_MTU,
+                &mut mtu as *mut _ as *mut libc::c_void,
+                &mut len,
+            )
+        };
+        (first.map(|_| ()), then, mtu)
+    })
+    .unwrap();
+    assert_eq!(
+        first,
+        Err(libc::EMSGSIZE),
+        "fragmentation needed reached the socket"
+    );
+    assert_eq!(mtu, 1480, "the MTU left after the outer header");
+    assert!(
+        then.as_deref().is_ok_and(|t| t.starts_with("b0")),
+        "{then:?}"
+    );
+    let ca = tc::counters(&lab.agents[0].pin).unwrap();
+    assert!(ca["tc_dsr_too_big"] > 0, "{ca:?}");
+
+    // A stream through node-a to b0 while node-a's agent, then node-b's, restarts.
+    let to: SocketAddr = format!("{NODE_A}:30080").parse().unwrap();
+    let c2 = c.clone();
+    let stream = std::thread::spawn(move || {
+        in_netns(&c2, move || {
+            let s = TcpStream::connect_timeout(&to, T).unwrap();
+            s.set_read_timeout(Some(T)).unwrap();
+            let mut w = s.try_clone().unwrap();
+            let mut r = BufReader::new(s);
+            let mut name = String::new();
+            r.read_line(&mut name).unwrap();
+            for i in 0..300 {
+                w.write_all(format!("line-{i}\n").as_bytes()).unwrap();
+                let mut l = String::new();
+                r.read_line(&mut l).unwrap();
+                assert_eq!(l.trim(), format!("{} line-{i}", name.trim()));
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        })
+        .unwrap()
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    lab.restart_agent(0);
+    std::thread::sleep(Duration::from_millis(300));
+    lab.restart_agent(1);
+    stream
+        .join()
+        .expect("the stream survived both agents' restarts");
+}
+
+/// The per-Service annotation, IPv4 and IPv6: `hybrid` on a Service while the agents run
+/// the default (SNAT): TCP goes by direct server return (the backend sees the client), UDP
+/// is source-NATed (it sees node-a); in IPv6 a 6000-byte line crosses the encapsulation
+/// (the MSS lowered by the 40-byte outer header) and no TCP reply leaves node-a.
+#[test]
+fn dsr_hybrid_annotation_in_both_families() {
+    let mut lab = Lab::new("dh");
+    lab.add_ipv6();
+    web_dual(&lab, "", &[(POD_B0, "node-b")], &[(POD_B06, "node-b")]);
+    // The annotation, added to the dual-stack Service.
+    let path = lab.manifests.path().join("web.yaml");
+    let text = std::fs::read_to_string(&path).unwrap().replacen(
+        "metadata: {name: web, namespace: default}",
+        "metadata: {name: web, namespace: default, annotations: {ebpf-proxy.io/north-south-mode: hybrid}}",
+        1,
+    );
+    lab.write("web.yaml", &text);
+    lab.start_agent(0, &[]);
+    lab.start_agent(1, &[]);
+    let c = lab.client_path();
+    let mut cap = Capture::start(&lab, 0, CLIENT6, "a6");
+    for (tcp, udp, client, node) in [
+        (
+            format!("{NODE_A}:30080"),
+            format!("{NODE_A}:30053"),
+            CLIENT,
+            NODE_A,
+        ),
+        (v6(NODE_A6, 30080), v6(NODE_A6, 30053), CLIENT6, NODE_A6),
+        (v6(LB_IP6, 80), v6(LB_IP6, 53), CLIENT6, NODE_A6),
+    ] {
+        for _ in 0..3 {
+            let (name, peer) = tcp_whoami(&c, &tcp, T).unwrap_or_else(|e| panic!("TCP {tcp}: {e}"));
+            assert_eq!(
+                (name.as_str(), ip_of(&peer).as_str()),
+                ("b0", client),
+                "{tcp}"
+            );
+            let (name, peer) =
+                udp_whoami(&c, &udp, T).unwrap_or_else(|e| panic!("UDP {udp}: errno {e}"));
+            assert_eq!(
+                (name.as_str(), ip_of(&peer).as_str()),
+                ("b0", node),
+                "{udp}"
+            );
+        }
+    }
+    let to: SocketAddr = v6(NODE_A6, 30080).parse().unwrap();
+    assert_eq!(
+        large_line_echo(&c, to),
+        Ok(3 + 6000),
+        "the large line came back"
+    );
+    let lines = cap.stop();
+    let tcp_replies = lines
+        .iter()
+        .filter(|l| l.contains(&format!("> {CLIENT6}.")) && l.contains("Flags"))
+        .count();
+    assert_eq!(tcp_replies, 0, "no TCP reply left node-a: {lines:#?}");
+    let ca = tc::counters(&lab.agents[0].pin).unwrap();
+    assert!(ca["tc_dsr_encapsulated"] > 0 && ca["tc_snat"] > 0, "{ca:?}");
 }
