@@ -205,6 +205,10 @@ pub const EVENT_F_DATAGRAM: u8 = 16;
 /// `frontend` is the tuple of the entry that matched, `nat` -> `backend` what it rewrites
 /// the packet to.
 pub const EVENT_F_TUPLE: u8 = 32;
+/// [`EventKind::FlowNew`]: the flow goes by direct server return (sent encapsulated to a
+/// backend on another node, which answers the client itself; see
+/// `crate::nat::DSR`).
+pub const EVENT_F_DSR: u8 = 64;
 
 /// [`MonitorEvent::hook`]: which program emitted the event.
 pub const HOOK_SOCK: u8 = 1;

@@ -33,7 +33,7 @@ use aya_ebpf::{
 use proxy_common::{
     Algorithm, FRONTEND_F_LOCAL_ONLY, Frontend, PROTO_TCP, counts_connections, is_v4_mapped,
     monitor::{
-        ALGORITHM_UNKNOWN, EVENT_F_SNAT, EVENT_F_TUPLE, EventKind, EventReason, HOOK_TC_EGRESS,
+        ALGORITHM_UNKNOWN, EVENT_F_DSR, EVENT_F_SNAT, EVENT_F_TUPLE, EventKind, EventReason, HOOK_TC_EGRESS,
         HOOK_TC_INGRESS,
     },
     nat::{
@@ -631,7 +631,7 @@ fn dsr_flow<B: Buf>(
         sc.mon = monitor::word(
             EventKind::FlowNew,
             EventReason::None,
-            0,
+            EVENT_F_DSR,
             algorithm,
             HOOK_TC_INGRESS,
         );

@@ -117,6 +117,9 @@ pub fn service_rows(snap: &Snapshot) -> Vec<ServiceRow> {
         if f.flags & proxy_common::FRONTEND_F_NO_ENDPOINTS != 0 {
             flags.push("no-endpoints");
         }
+        if f.flags & proxy_common::FRONTEND_F_DSR != 0 {
+            flags.push("dsr");
+        }
         rows.push(ServiceRow {
             service: snap
                 .names

@@ -25,7 +25,7 @@ use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray, RingBuf};
 use proxy_common::{
     Algorithm, SERVICE_NAMES, ServiceName,
     monitor::{
-        EVENT_F_AFFINITY_HIT, EVENT_F_AFFINITY_MISS, EVENT_F_DATAGRAM, EVENT_F_SNAT,
+        EVENT_F_AFFINITY_HIT, EVENT_F_AFFINITY_MISS, EVENT_F_DATAGRAM, EVENT_F_DSR, EVENT_F_SNAT,
         EVENT_F_STALE_REPAIRED, EVENT_F_TUPLE, EventKind, EventReason, HOOK_SKB, HOOK_SOCK,
         HOOK_TC_EGRESS, HOOK_TC_INGRESS, MONITOR_CPU, MONITOR_CTL, MONITOR_EVENTS, MonitorCpu,
         MonitorCtl, MonitorEvent,
@@ -178,6 +178,9 @@ pub struct Shown {
     /// An unconnected UDP datagram's flow (translate) or recvmsg() (reverse).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub datagram: bool,
+    /// A flow sent by direct server return (flow-new).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub dsr: bool,
     /// Socket cookie (socket events).
     #[serde(skip_serializing_if = "is_zero")]
     pub cookie: u64,
@@ -254,6 +257,7 @@ pub fn show(e: &MonitorEvent, service: Option<String>, wall_offset_ns: i128) -> 
         affinity,
         stale_repaired: e.flags & EVENT_F_STALE_REPAIRED != 0,
         datagram: e.flags & EVENT_F_DATAGRAM != 0,
+        dsr: e.flags & EVENT_F_DSR != 0,
         cookie: e.cookie,
         netns: e.netns,
         cgroup: e.cgroup,
@@ -318,6 +322,9 @@ pub fn text_line(s: &Shown) -> String {
     }
     if s.datagram {
         line.push_str(" datagram");
+    }
+    if s.dsr {
+        line.push_str(" dsr");
     }
     line.push_str(&format!(" hook={}", s.hook));
     if s.cookie != 0 {
