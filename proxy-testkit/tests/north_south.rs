@@ -2116,6 +2116,14 @@ fn dsr_replies_bypass_the_entry_node_and_mtu_and_restarts_hold() {
         Ok(3 + 6000),
         "the large line came back"
     );
+    // Nothing listens on b0:5999: b0's port unreachable, translated on node-b (from the
+    // frontend, quoting the client's datagram to it), fails the client's socket.
+    for _ in 0..3 {
+        assert_eq!(
+            udp_whoami(&c, &format!("{NODE_A}:30054"), SHORT),
+            Err(libc::ECONNREFUSED)
+        );
+    }
     let a = cap_a.stop();
     let b = cap_b.stop();
     assert!(from_host(&a, CLIENT) > 0, "node-a saw the requests: {a:#?}");
@@ -2134,6 +2142,7 @@ fn dsr_replies_bypass_the_entry_node_and_mtu_and_restarts_hold() {
         cb["tc_dsr_decapsulated"] > 0 && cb["tc_dsr_unknown"] == 0,
         "{cb:?}"
     );
+    assert!(cb["tc_icmp_translated"] >= 3, "{cb:?}");
     assert_eq!(ca["tc_rewrite_failed"] + cb["tc_rewrite_failed"], 0);
 
     // Path MTU: 1472 bytes of UDP fill the wire's 1500; encapsulated they would not fit.
