@@ -941,6 +941,15 @@ impl Results {
                 for (c, node, row) in &bpf_rows {
                     let c = *c;
                     for (path, label) in NS_PATHS {
+                        // node-b has no part in flows to a0: no row where none of its
+                        // programs ran.
+                        if !node.is_empty()
+                            && self
+                                .get(c, n, &format!("ns:{path}:{node}bpf_ns_per_flow"))
+                                .is_none_or(|s| s.max == 0.0)
+                        {
+                            continue;
+                        }
                         let prog = |name: &str| {
                             let g =
                                 |m: &str| self.get(c, n, &format!("ns:{path}:{m}:{node}{name}"));
