@@ -111,12 +111,13 @@ struct Opts {
     /// Seconds per data path case (upper bound).
     #[arg(long, default_value_t = 3.0)]
     conn_secs: f64,
-    /// Cases to run (ebpf, xdp, bypass, iptables, nftables, direct; xdp = ebpf-proxy with
-    /// `--xdp native`, in the north-south part only; bypass in the cluster-IP part only).
+    /// Cases to run (ebpf, xdp, dsr, bypass, iptables, nftables, direct; xdp = ebpf-proxy
+    /// with `--xdp native` and dsr = ebpf-proxy with `--north-south-mode dsr` on both nodes,
+    /// in the north-south part only; bypass in the cluster-IP part only).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "ebpf,xdp,bypass,iptables,nftables,direct"
+        default_value = "ebpf,xdp,dsr,bypass,iptables,nftables,direct"
     )]
     cases: Vec<String>,
     /// Output directory.
@@ -392,7 +393,7 @@ fn bench(mut o: Opts) -> Result<()> {
     for c in &o.cases {
         ensure!(
             Case::parse(c).is_some(),
-            "unknown case {c:?} (ebpf, xdp, bypass, iptables, nftables, direct)"
+            "unknown case {c:?} (ebpf, xdp, dsr, bypass, iptables, nftables, direct)"
         );
     }
     let cases: Vec<Case> = o.cases.iter().filter_map(|c| Case::parse(c)).collect();
@@ -487,7 +488,7 @@ fn cluster_ip_part(
                     }
                     Case::Direct => run_direct(&env, o, n, results, run),
                     // XDP serves traffic entering the node, not the socket path.
-                    Case::Xdp => continue,
+                    Case::Xdp | Case::Dsr => continue,
                 };
                 if let Err(e) = r {
                     if STOP.load(Ordering::SeqCst) {

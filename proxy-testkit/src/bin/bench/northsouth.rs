@@ -10,30 +10,40 @@
 //!   node-b: br0 198.18.2.1/24 ── pod b0 198.18.2.10   (the remote backend)
 //! ```
 //!
-//! Only node-a translates; ebpf-proxy runs twice, with its tc programs alone and with
-//! `--xdp native` in front of them. The wire's ports run a pass-through XDP program and
-//! every interface sends complete checksums, in every case (a veth needs both for frames
-//! that XDP sends back out; see `Netns::attach_xdp_pass`). Four NodePort Services (`externalTrafficPolicy: Cluster`), one
-//! backend each: TCP 30080 → a0:8080, TCP 30081 → b0:8080, UDP 30053 → a0:5353, UDP 30054 →
-//! b0:5353, next to N ClusterIP Services with 10 synthetic endpoints each (the rest of a
-//! cluster, which kube-proxy's rules walk or look up before they reach the node ports). A
-//! flow to the remote backend leaves node-a source-NATed to node-a (both proxies); kube-proxy
-//! also masquerades flows to the local backend, ebpf-proxy keeps the client address. The
-//! floor sends to the pod addresses, routed through node-a (replies from b0 come back
-//! straight from node-b).
+//! Only node-a translates, except with DSR; ebpf-proxy runs three times: with its tc
+//! programs alone, with `--xdp native` in front of them, and with `--north-south-mode dsr`
+//! (direct server return) on node-a and on node-b, where a second agent decapsulates the
+//! flows to b0 and answers the client straight from node-b. The wire's ports run a
+//! pass-through XDP program and every interface sends complete checksums, in every case (a
+//! veth needs both for frames that XDP sends back out; see `Netns::attach_xdp_pass`). Four
+//! NodePort Services (`externalTrafficPolicy: Cluster`), one backend each: TCP 30080 →
+//! a0:8080, TCP 30081 → b0:8080, UDP 30053 → a0:5353, UDP 30054 → b0:5353, next to N
+//! ClusterIP Services with 10 synthetic endpoints each (the rest of a cluster, which
+//! kube-proxy's rules walk or look up before they reach the node ports). A
+//! flow to the remote backend leaves node-a source-NATed to node-a (both proxies), so its
+//! replies come back through node-a; with DSR it leaves node-a IPIP-encapsulated to b0
+//! (the client's packet unchanged inside), node-b decapsulates and translates it, and b0's
+//! replies go from node-b to the client directly, with the node port as their source.
+//! kube-proxy also masquerades flows to the local backend, ebpf-proxy keeps the client
+//! address. The floor sends to the pod addresses, routed through node-a (replies from b0
+//! come back straight from node-b).
 //!
 //! Measured per case: new TCP connections per second with one small request each (the
 //! bench's client: connect, one line each way, close), and UDP request/reply exchanges per
 //! second on one flow (32-byte datagrams, 32 in flight), each bounded by `--conn-secs` and a
 //! count; for ebpf-proxy, the kernel's run count and run time of its tc programs (ns per
-//! packet, packets per connection or exchange).
+//! packet, packets per connection or exchange), node-b's too with DSR. After each DSR path,
+//! node-a's counters must show the remote backend's flows encapsulated and none
+//! source-NATed, and node-b's must show them decapsulated.
 //!
-//! Safety: namespaces `epbns-*`, the cgroup and pin directory `ebpf-proxy-bench-ns`, all
-//! removed on drop (also on error, panic and Ctrl-C); nft and iptables-restore run only in
-//! node-a's namespace; the agent runs inside node-a's namespace (so its tc programs attach to
-//! node-a's `eth0` only) with its cgroup programs on the empty child cgroup; traffic starts in
-//! the client namespace towards lab addresses only.
+//! Safety: namespaces `epbns-*`, the cgroups and pin directories `ebpf-proxy-bench-ns`
+//! (node-a's agent) and `ebpf-proxy-bench-ns-b` (node-b's, DSR only), all removed on drop
+//! (also on error, panic and Ctrl-C); nft and iptables-restore run only in node-a's
+//! namespace; each agent runs inside its node's namespace (so its tc programs attach to that
+//! node's interfaces only) with its cgroup programs on its own empty child cgroup; traffic
+//! starts in the client namespace towards lab addresses only.
 
+use std::collections::BTreeMap;
 use std::fs;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -45,12 +55,15 @@ use proxy_testkit::kube_proxy_rules::{self as rules, Proto, Svc};
 use proxy_testkit::testbed::{self, ChildGuard, Netns, TestCgroup};
 use proxy_userspace::datapath::{loader, tc};
 
-use crate::report::{Case, Results, Sample};
+use crate::report::{Case, NODE_B_PREFIX, Results, Sample};
 use crate::{ClientResult, Opts, PinGuard, check_stop, progstats};
 
 const PREFIX: &str = "epbns";
 const PIN_DIR: &str = "ebpf-proxy-bench-ns";
 const CGROUP: &str = "ebpf-proxy-bench-ns";
+/// node-b's agent (the DSR case): its pin directory and cgroup.
+const PIN_DIR_B: &str = "ebpf-proxy-bench-ns-b";
+const CGROUP_B: &str = "ebpf-proxy-bench-ns-b";
 const CLIENT: &str = "198.18.100.100";
 const NODE_A: &str = "198.18.100.1";
 const NODE_B: &str = "198.18.100.2";
@@ -92,9 +105,9 @@ impl NsPath {
     pub fn label(self) -> &'static str {
         match self {
             NsPath::TcpLocal => "TCP, backend on the node",
-            NsPath::TcpRemote => "TCP, backend on another node (SNAT)",
+            NsPath::TcpRemote => "TCP, backend on another node (SNAT or DSR)",
             NsPath::UdpLocal => "UDP, backend on the node",
-            NsPath::UdpRemote => "UDP, backend on another node (SNAT)",
+            NsPath::UdpRemote => "UDP, backend on another node (SNAT or DSR)",
         }
     }
 
@@ -154,14 +167,19 @@ impl NsPath {
     }
 }
 
-/// The topology. Field order is drop order: processes, pins, scratch files, the cgroup,
+/// The topology. Field order is drop order: processes, pins, scratch files, the cgroups,
 /// then the namespaces (pods before the nodes, the wire last).
 struct Topology {
+    /// node-a's agent.
     agent: Option<ChildGuard>,
+    /// node-b's agent (the DSR case only).
+    agent_b: Option<ChildGuard>,
     servers: Vec<ChildGuard>,
     pins: PinGuard,
+    pins_b: PinGuard,
     scratch: tempfile::TempDir,
     cg: TestCgroup,
+    cg_b: TestCgroup,
     pods: Vec<Netns>,
     node_a: Netns,
     node_b: Netns,
@@ -177,14 +195,19 @@ fn ns(what: &str) -> Result<Netns> {
 
 impl Topology {
     fn new(me: &Path, out: &Path) -> Result<Topology> {
-        let pin = loader::pin_dir(Path::new(testbed::BPFFS_PATH), PIN_DIR);
-        // A leftover of a crashed run.
-        let _ = loader::cleanup(&pin);
-        let pins = PinGuard(pin);
+        let pin_guard = |dir: &str| {
+            let pin = loader::pin_dir(Path::new(testbed::BPFFS_PATH), dir);
+            // A leftover of a crashed run.
+            let _ = loader::cleanup(&pin);
+            PinGuard(pin)
+        };
+        let pins = pin_guard(PIN_DIR);
+        let pins_b = pin_guard(PIN_DIR_B);
         let scratch = tempfile::Builder::new()
             .prefix("scratch-ns-")
             .tempdir_in(fs::canonicalize(out)?)?;
         let cg = TestCgroup::create(CGROUP)?;
+        let cg_b = TestCgroup::create(CGROUP_B)?;
         let wire = ns("w")?;
         wire.ip(&[
             "link",
@@ -238,10 +261,13 @@ impl Topology {
         client.sysctl("net/ipv4/ip_local_port_range", "1024 65535")?;
         let mut t = Topology {
             agent: None,
+            agent_b: None,
             servers: Vec::new(),
             pins,
+            pins_b,
             scratch,
             cg,
+            cg_b,
             pods: Vec::new(),
             node_a,
             node_b,
@@ -279,8 +305,11 @@ impl Topology {
         Ok(t)
     }
 
-    fn agent_log(&self) -> PathBuf {
-        self.scratch.path().join("agent.log")
+    /// The log of node-a's agent (`b`: node-b's).
+    fn agent_log(&self, b: bool) -> PathBuf {
+        self.scratch
+            .path()
+            .join(if b { "agent-b.log" } else { "agent.log" })
     }
 
     fn file(&self, name: &str) -> PathBuf {
@@ -384,7 +413,7 @@ fn one_case(
         Case::Direct => measure(t, o, me, case, n, results),
         // Not run here (see `run`).
         Case::Bypass => Ok(()),
-        Case::Ebpf | Case::Xdp => start_agent(t, o, agent_bin, &svcs, case == Case::Xdp)
+        Case::Ebpf | Case::Xdp | Case::Dsr => start_agents(t, o, agent_bin, &svcs, case)
             .and_then(|()| measure(t, o, me, case, n, results)),
         Case::Iptables | Case::Nftables => {
             apply_rules(t, o, case, &svcs).and_then(|()| measure(t, o, me, case, n, results))
@@ -393,8 +422,8 @@ fn one_case(
     // The next case starts from a node without translation (not timed).
     let reset = match case {
         Case::Direct | Case::Bypass => Ok(()),
-        Case::Ebpf | Case::Xdp => {
-            stop_agent(t);
+        Case::Ebpf | Case::Xdp | Case::Dsr => {
+            stop_agents(t);
             Ok(())
         }
         Case::Iptables | Case::Nftables => reset_rules(t, o),
@@ -402,16 +431,18 @@ fn one_case(
     r.and(reset)
 }
 
-/// Starts the agent in node-a's namespace with `svcs`; with `xdp`, `--xdp native` (and the
-/// run fails unless node-a's `eth0` runs it natively).
-fn start_agent(
+/// Starts the agents of `case` with `svcs`: node-a's; with [`Case::Xdp`], with `--xdp
+/// native` (and the run fails unless node-a's `eth0` runs it natively); with [`Case::Dsr`],
+/// node-a's and node-b's, both with `--north-south-mode dsr` (node-b's decapsulates the
+/// flows node-a sends to b0). Returns once each has synced and attached its tc programs.
+fn start_agents(
     t: &mut Topology,
     o: &Opts,
     agent_bin: &Path,
     svcs: &[Svc],
-    xdp: bool,
+    case: Case,
 ) -> Result<()> {
-    stop_agent(t);
+    stop_agents(t);
     let dir = t.file("manifests");
     let _ = fs::remove_dir_all(&dir);
     fs::create_dir_all(&dir)?;
@@ -436,17 +467,68 @@ fn start_agent(
         text.push('\n');
     }
     fs::write(dir.join("objects.json"), text)?;
+    let mode: &[&str] = match case {
+        Case::Xdp => &["--xdp", "native"],
+        Case::Dsr => &["--north-south-mode", "dsr"],
+        _ => &[],
+    };
+    t.agent = Some(spawn_agent(t, o, agent_bin, svcs, &dir, false, mode)?);
+    if case == Case::Dsr {
+        t.agent_b = Some(spawn_agent(t, o, agent_bin, svcs, &dir, true, mode)?);
+    }
+    let deadline = Instant::now() + Duration::from_secs(o.load_timeout);
+    for b in [false, true] {
+        loop {
+            check_stop()?;
+            let l = fs::read_to_string(t.agent_log(b)).unwrap_or_default();
+            let agent = if b { &mut t.agent_b } else { &mut t.agent };
+            let Some(agent) = agent.as_mut() else {
+                break;
+            };
+            if l.contains("sync done") && l.contains("north-south programs attached") {
+                break;
+            }
+            let node = if b { "node-b" } else { "node-a" };
+            if let Some(s) = agent.try_wait()? {
+                bail!("{node}'s agent exited ({s}): {l}");
+            }
+            ensure!(
+                Instant::now() < deadline,
+                "{node}'s agent did not start: {l}"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    Ok(())
+}
+
+/// Spawns one agent on the manifests in `dir`, in node-a's namespace with its cgroup and pin
+/// directory, or (`b`) in node-b's with node-b's; `extra` are its mode's flags.
+fn spawn_agent(
+    t: &Topology,
+    o: &Opts,
+    agent_bin: &Path,
+    svcs: &[Svc],
+    dir: &Path,
+    b: bool,
+    extra: &[&str],
+) -> Result<ChildGuard> {
+    let (netns, cg, pin_dir, node) = if b {
+        (&t.node_b, &t.cg_b, PIN_DIR_B, "node-b")
+    } else {
+        (&t.node_a, &t.cg, PIN_DIR, "node-a")
+    };
     let endpoints: usize = svcs.iter().map(|s| s.endpoints.len()).sum();
     let room = |need: usize, default: u32| (((need as f64 * 1.25) as u32).max(default)).to_string();
-    let log = fs::File::create(t.agent_log())?;
-    let child = t.node_a.spawn(
+    let log = fs::File::create(t.agent_log(b))?;
+    let child = netns.spawn(
         None,
         Command::new(agent_bin)
             .args(["run", "--manifests"])
-            .arg(&dir)
+            .arg(dir)
             .arg("--cgroup-path")
-            .arg(t.cg.path())
-            .args(["--pin-dir", PIN_DIR, "--hostname-override", "node-a"])
+            .arg(cg.path())
+            .args(["--pin-dir", pin_dir, "--hostname-override", node])
             .args(["--healthz-bind-address", "127.0.0.1:0"])
             .args([
                 "--max-frontends",
@@ -460,33 +542,23 @@ fn start_agent(
                 "--max-backends",
                 &room(endpoints, proxy_common::DEFAULT_MAX_BACKENDS),
             ])
-            .args(if xdp { &["--xdp", "native"][..] } else { &[] })
+            .args(extra)
             .args(&o.agent_arg)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log),
-    )?;
-    t.agent = Some(child);
-    let deadline = Instant::now() + Duration::from_secs(o.load_timeout);
-    loop {
-        check_stop()?;
-        let l = fs::read_to_string(t.agent_log()).unwrap_or_default();
-        if l.contains("sync done") && l.contains("north-south programs attached") {
-            return Ok(());
-        }
-        if let Some(s) = t.agent.as_mut().unwrap().try_wait()? {
-            bail!("agent exited ({s}): {l}");
-        }
-        ensure!(Instant::now() < deadline, "the agent did not start: {l}");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    );
+    child.with_context(|| format!("start {node}'s agent"))
 }
 
-fn stop_agent(t: &mut Topology) {
-    if let Some(mut a) = t.agent.take() {
+/// Stops both agents (if running) and removes their pins, so no program stays attached.
+fn stop_agents(t: &mut Topology) {
+    for a in [t.agent.take(), t.agent_b.take()].into_iter().flatten() {
+        let mut a = a;
         let _ = a.terminate(Duration::from_secs(10));
     }
     let _ = loader::cleanup(&t.pins.0);
+    let _ = loader::cleanup(&t.pins_b.0);
 }
 
 fn apply_rules(t: &Topology, o: &Opts, case: Case, svcs: &[Svc]) -> Result<()> {
@@ -548,23 +620,17 @@ fn measure(
     n: usize,
     results: &mut Results,
 ) -> Result<()> {
-    let progs = matches!(case, Case::Ebpf | Case::Xdp).then(|| progstats::attached(&t.pins.0));
-    if let Some(p) = &progs {
-        ensure!(
-            p.contains_key("tc_ingress"),
-            "tc_ingress is not among the agent's attached programs: {p:?}"
-        );
-        if case == Case::Xdp {
-            ensure!(
-                p.contains_key("xdp_ingress"),
-                "xdp_ingress is not among the agent's attached programs: {p:?}"
-            );
-        }
+    // The agents measured: node-a's in every ebpf-proxy case, node-b's with DSR.
+    let mut agents: Vec<Agent> = Vec::new();
+    if matches!(case, Case::Ebpf | Case::Xdp | Case::Dsr) {
+        agents.push(Agent::new(&t.pins.0, "", "node-a", case == Case::Xdp)?);
+    }
+    if case == Case::Dsr {
+        agents.push(Agent::new(&t.pins_b.0, NODE_B_PREFIX, "node-b", false)?);
     }
     for p in NsPath::ALL {
         check_stop()?;
-        let before = progs.as_ref().map(progstats::snapshot);
-        let counters_before = progs.as_ref().and_then(|_| tc::counters(&t.pins.0).ok());
+        let before: Vec<_> = agents.iter().map(Agent::snapshot).collect();
         let to = p.target(case);
         let want = p.backend().0;
         let add = |results: &mut Results, m: &str, v: f64| {
@@ -622,48 +688,137 @@ fn measure(
             add(results, "errors", r.errors as f64);
             (WARMUP + r.sent) as f64
         };
-        if let (Some(ids), Some(before)) = (&progs, &before) {
-            let mut total = 0.0;
-            let mut line = String::new();
-            for (name, c) in progstats::delta(before, &progstats::snapshot(ids)) {
-                if c.runs == 0 {
-                    continue;
-                }
-                let per_run = c.ns as f64 / c.runs as f64;
-                let runs = c.runs as f64 / flows;
-                total += c.ns as f64 / flows;
-                line.push_str(&format!(" {name} {per_run:.0} ns x {runs:.2};"));
-                add(results, &format!("ns_per_run:{name}"), per_run);
-                add(results, &format!("runs_per_flow:{name}"), runs);
-            }
-            add(results, "bpf_ns_per_flow", total);
-            // The tc path's own counters over the run (drops and fallbacks explain misses).
-            if let (Some(c0), Ok(c1)) = (&counters_before, tc::counters(&t.pins.0)) {
-                let moved: Vec<String> = c1
-                    .iter()
-                    .filter_map(|(name, v)| {
-                        let d = v.saturating_sub(c0.get(name).copied().unwrap_or(0));
-                        (d > 0).then(|| format!("{name} {d}"))
-                    })
-                    .collect();
-                for (name, v) in &c1 {
-                    let d = v.saturating_sub(c0.get(name).copied().unwrap_or(0));
-                    add(results, &format!("tc_counter:{name}"), d as f64);
-                }
-                eprintln!(
-                    "    {case:?} {}: tc counters {}",
-                    p.label(),
-                    moved.join(", ")
-                );
-            }
+        let mut moved = Vec::new();
+        for (a, before) in agents.iter().zip(&before) {
+            let m = a.record(before, flows, &mut |m, v| add(results, m, v));
+            let shown: Vec<String> = m
+                .iter()
+                .filter(|(_, d)| **d > 0)
+                .map(|(name, d)| format!("{name} {d}"))
+                .collect();
             eprintln!(
-                "    {case:?} {}: BPF {total:.0} ns per {} ({line} )",
+                "    {case:?} {}: {}'s tc counters {}",
                 p.label(),
-                if p.is_tcp() { "connection" } else { "exchange" }
+                a.node,
+                shown.join(", ")
             );
+            moved.push(m);
+        }
+        if case == Case::Dsr {
+            check_dsr(p, &moved[0], &moved[1])?;
         }
     }
     Ok(())
+}
+
+/// With DSR, the flows of path `p` went as they should, from node-a's (`a`) and node-b's
+/// (`b`) tc counters over its run: to the remote backend encapsulated by node-a, none
+/// source-NATed, and decapsulated by node-b; to the local one, none encapsulated.
+fn check_dsr(p: NsPath, a: &BTreeMap<&str, u64>, b: &BTreeMap<&str, u64>) -> Result<()> {
+    // A counter that could not be read is absent: zero, so the check fails.
+    let get = |c: &BTreeMap<&str, u64>, name: &str| c.get(name).copied().unwrap_or(0);
+    let (encapsulated, snat) = (get(a, "tc_dsr_encapsulated"), get(a, "tc_snat"));
+    let decapsulated = get(b, "tc_dsr_decapsulated");
+    if p.remote() {
+        ensure!(
+            encapsulated > 0 && snat == 0 && decapsulated > 0,
+            "{}: not direct server return (node-a encapsulated {encapsulated} and source-NATed {snat} packets, node-b decapsulated {decapsulated})",
+            p.label()
+        );
+    } else {
+        ensure!(
+            encapsulated == 0,
+            "{}: node-a encapsulated {encapsulated} packets to a local backend",
+            p.label()
+        );
+    }
+    Ok(())
+}
+
+/// One agent whose programs and counters are measured.
+struct Agent<'a> {
+    pins: &'a Path,
+    /// Prefix of its metrics' program part (`""` for node-a, [`NODE_B_PREFIX`]).
+    prefix: &'static str,
+    node: &'static str,
+    /// Program name -> id of its attached programs.
+    ids: BTreeMap<String, u32>,
+}
+
+/// Program statistics and tc counters of one agent at one instant.
+type AgentSnapshot = (BTreeMap<String, (u64, u64)>, BTreeMap<&'static str, u64>);
+
+impl<'a> Agent<'a> {
+    /// The agent pinned under `pins`; fails unless its `tc_ingress` (and, with `xdp`, its
+    /// `xdp_ingress`) is attached.
+    fn new(pins: &'a Path, prefix: &'static str, node: &'static str, xdp: bool) -> Result<Self> {
+        let ids = progstats::attached(pins);
+        for (want, name) in [(true, "tc_ingress"), (xdp, "xdp_ingress")] {
+            ensure!(
+                !want || ids.contains_key(name),
+                "{name} is not among {node}'s agent's attached programs: {ids:?}"
+            );
+        }
+        Ok(Agent {
+            pins,
+            prefix,
+            node,
+            ids,
+        })
+    }
+
+    fn snapshot(&self) -> AgentSnapshot {
+        (
+            progstats::snapshot(&self.ids),
+            tc::counters(self.pins).unwrap_or_default(),
+        )
+    }
+
+    /// Records its program costs over `flows` connections or exchanges since `before`
+    /// (`ns_per_run:<prefix><program>`, `runs_per_flow:<prefix><program>`,
+    /// `<prefix>bpf_ns_per_flow`) and its tc counters' growth (`tc_counter:<prefix><name>`)
+    /// through `add`, logs the costs, and returns the counters' growth.
+    fn record(
+        &self,
+        before: &AgentSnapshot,
+        flows: f64,
+        add: &mut dyn FnMut(&str, f64),
+    ) -> BTreeMap<&'static str, u64> {
+        let prefix = self.prefix;
+        let mut total = 0.0;
+        let mut line = String::new();
+        for (name, c) in progstats::delta(&before.0, &progstats::snapshot(&self.ids)) {
+            if c.runs == 0 {
+                continue;
+            }
+            let per_run = c.ns as f64 / c.runs as f64;
+            let runs = c.runs as f64 / flows;
+            total += c.ns as f64 / flows;
+            line.push_str(&format!(" {name} {per_run:.0} ns x {runs:.2};"));
+            add(&format!("ns_per_run:{prefix}{name}"), per_run);
+            add(&format!("runs_per_flow:{prefix}{name}"), runs);
+        }
+        add(&format!("{prefix}bpf_ns_per_flow"), total);
+        eprintln!(
+            "      {}: BPF {total:.0} ns per connection or exchange ({line} )",
+            self.node
+        );
+        // The tc path's own counters over the run (drops and fallbacks explain misses).
+        let after = tc::counters(self.pins).unwrap_or_default();
+        let moved: BTreeMap<&'static str, u64> = after
+            .iter()
+            .map(|(name, v)| {
+                (
+                    *name,
+                    v.saturating_sub(before.1.get(name).copied().unwrap_or(0)),
+                )
+            })
+            .collect();
+        for (name, d) in &moved {
+            add(&format!("tc_counter:{prefix}{name}"), *d as f64);
+        }
+        moved
+    }
 }
 
 fn log_tcp(case: Case, p: NsPath, r: &ClientResult) {

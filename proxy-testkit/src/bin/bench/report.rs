@@ -19,14 +19,19 @@ pub enum Case {
     /// ebpf-proxy with `--xdp native` (north-south only: XDP serves traffic entering the
     /// node, not the socket path).
     Xdp,
+    /// ebpf-proxy with `--north-south-mode dsr` on the entry node and on the backend's node
+    /// (north-south only): a flow to a backend on another node goes there IPIP-encapsulated
+    /// instead of source-NATed, and its replies leave that node straight to the client.
+    Dsr,
     Iptables,
     Nftables,
     Direct,
 }
 
 impl Case {
-    /// The cases of the cluster-IP part (every case but [`Case::Xdp`]); the order gives the client pods their addresses (the bypassed pod's last,
-    /// so the others keep theirs).
+    /// The cases of the cluster-IP part (every case but the north-south ones, [`Case::Xdp`]
+    /// and [`Case::Dsr`]); the order gives the client pods their addresses (the bypassed
+    /// pod's last, so the others keep theirs).
     pub const ALL: [Case; 5] = [
         Case::Ebpf,
         Case::Iptables,
@@ -40,6 +45,7 @@ impl Case {
             "ebpf" => Case::Ebpf,
             "bypass" => Case::Bypass,
             "xdp" => Case::Xdp,
+            "dsr" => Case::Dsr,
             "iptables" => Case::Iptables,
             "nftables" => Case::Nftables,
             "direct" => Case::Direct,
@@ -52,6 +58,7 @@ impl Case {
             Case::Ebpf => "ebpf",
             Case::Bypass => "bypass",
             Case::Xdp => "xdp",
+            Case::Dsr => "dsr",
             Case::Iptables => "iptables",
             Case::Nftables => "nftables",
             Case::Direct => "direct",
@@ -64,6 +71,7 @@ impl Case {
             Case::Ebpf => "c-ebpf",
             Case::Bypass => "c-bypass",
             Case::Xdp => "c-xdp",
+            Case::Dsr => "c-dsr",
             Case::Iptables => "c-ipt",
             Case::Nftables => "c-nft",
             Case::Direct => "c-direct",
@@ -75,6 +83,7 @@ impl Case {
             Case::Ebpf => "ebpf-proxy",
             Case::Bypass => "ebpf-proxy per packet (bypassed pod)",
             Case::Xdp => "ebpf-proxy XDP",
+            Case::Dsr => "ebpf-proxy DSR",
             Case::Iptables => "kube-proxy iptables rules",
             Case::Nftables => "kube-proxy nftables rules",
             Case::Direct => "direct to pod IP",
@@ -86,6 +95,7 @@ impl Case {
             Case::Ebpf => RGBColor(0x1f, 0x77, 0xb4),
             Case::Bypass => RGBColor(0x94, 0x67, 0xbd),
             Case::Xdp => RGBColor(0x8c, 0x56, 0x4b),
+            Case::Dsr => RGBColor(0x17, 0xbe, 0xcf),
             Case::Iptables => RGBColor(0xd6, 0x27, 0x28),
             Case::Nftables => RGBColor(0xff, 0x7f, 0x0e),
             Case::Direct => RGBColor(0x2c, 0xa0, 0x2c),
@@ -850,7 +860,7 @@ impl Results {
     /// latency, ebpf-proxy's tc program costs, and losses.
     pub fn north_south_tables(&self) -> String {
         let mut o = String::new();
-        const CASES: [Case; 5] = NS_CASES;
+        const CASES: [Case; 6] = NS_CASES;
         for &n in &self.north_south {
             let _ = writeln!(
                 o,
@@ -861,8 +871,10 @@ impl Results {
                 "TCP: new connections per second, each with a one-line request and reply; UDP: request/reply exchanges per second on one flow (32-byte datagrams, {} in flight).\n",
                 32
             );
+            // The column alignment row: the path, then one right-aligned column per case.
+            let align = format!("| --- |{}", " ---: |".repeat(CASES.len()));
             let _ = writeln!(o, "| path | {} |", CASES.map(ns_label).join(" | "));
-            let _ = writeln!(o, "| --- | ---: | ---: | ---: | ---: | ---: |");
+            let _ = writeln!(o, "{align}");
             for (path, label) in NS_PATHS {
                 let m = format!("ns:{path}:rate");
                 let cells: Vec<String> = CASES
@@ -880,7 +892,7 @@ impl Results {
             }
             let _ = writeln!(
                 o,
-                "\nTCP latency per connection, p50 / p99 (µs):\n\n| path | {} |\n| --- | ---: | ---: | ---: | ---: | ---: |",
+                "\nTCP latency per connection, p50 / p99 (µs):\n\n| path | {} |\n{align}",
                 CASES.map(ns_label).join(" | ")
             );
             for (path, label) in NS_PATHS.iter().filter(|(p, _)| p.starts_with("tcp")) {
@@ -896,28 +908,51 @@ impl Results {
                     .collect();
                 let _ = writeln!(o, "| {label} | {} |", cells.join(" | "));
             }
-            let bpf_cases: Vec<Case> = [Case::Ebpf, Case::Xdp]
-                .into_iter()
-                .filter(|&c| {
-                    NS_PATHS
-                        .iter()
-                        .any(|(p, _)| self.get(c, n, &format!("ns:{p}:bpf_ns_per_flow")).is_some())
+            // (case, node prefix of its metrics, row label): node-a's programs in every
+            // ebpf-proxy case, node-b's too with DSR (they decapsulate and answer there).
+            let bpf_rows: Vec<(Case, &str, String)> = [
+                (Case::Xdp, "", ns_label(Case::Xdp).to_string()),
+                (Case::Ebpf, "", ns_label(Case::Ebpf).to_string()),
+                (Case::Dsr, "", format!("{}, node-a", ns_label(Case::Dsr))),
+                (
+                    Case::Dsr,
+                    NODE_B_PREFIX,
+                    format!("{}, node-b", ns_label(Case::Dsr)),
+                ),
+            ]
+            .into_iter()
+            .filter(|(c, node, _)| {
+                NS_PATHS.iter().any(|(p, _)| {
+                    self.get(*c, n, &format!("ns:{p}:{node}bpf_ns_per_flow"))
+                        .is_some()
                 })
-                .collect();
-            if !bpf_cases.is_empty() {
+            })
+            .collect();
+            if !bpf_rows.is_empty() {
                 let _ = writeln!(
                     o,
-                    "\nebpf-proxy's programs (kernel program statistics): ns per packet x packets per TCP connection or UDP exchange, and BPF ns per connection or exchange (warm-up included):\n"
+                    "\nebpf-proxy's programs (kernel program statistics): ns per packet x packets per TCP connection or UDP exchange, and BPF ns per connection or exchange (warm-up included). node-a's programs in every case; with DSR, node-b's too (plain routing in the other cases):\n"
                 );
                 let _ = writeln!(
                     o,
                     "| path | xdp_ingress | tc_ingress | tc_egress | BPF ns per connection / exchange |"
                 );
                 let _ = writeln!(o, "| --- | ---: | ---: | ---: | ---: |");
-                for &c in &bpf_cases {
+                for (c, node, row) in &bpf_rows {
+                    let c = *c;
                     for (path, label) in NS_PATHS {
+                        // node-b has no part in flows to a0: no row where none of its
+                        // programs ran.
+                        if !node.is_empty()
+                            && self
+                                .get(c, n, &format!("ns:{path}:{node}bpf_ns_per_flow"))
+                                .is_none_or(|s| s.max == 0.0)
+                        {
+                            continue;
+                        }
                         let prog = |name: &str| {
-                            let g = |m: &str| self.get(c, n, &format!("ns:{path}:{m}:{name}"));
+                            let g =
+                                |m: &str| self.get(c, n, &format!("ns:{path}:{m}:{node}{name}"));
                             match (g("ns_per_run"), g("runs_per_flow")) {
                                 (Some(a), Some(b)) => format!("{:.0} x {:.2}", a.med, b.med),
                                 _ => "–".into(),
@@ -925,12 +960,11 @@ impl Results {
                         };
                         let _ = writeln!(
                             o,
-                            "| {}: {label} | {} | {} | {} | {} |",
-                            ns_label(c),
+                            "| {row}: {label} | {} | {} | {} | {} |",
                             prog("xdp_ingress"),
                             prog("tc_ingress"),
                             prog("tc_egress"),
-                            self.ns_cell(c, n, path, "bpf_ns_per_flow", 0)
+                            self.ns_cell(c, n, path, &format!("{node}bpf_ns_per_flow"), 0)
                         );
                     }
                 }
@@ -963,10 +997,11 @@ impl Results {
 }
 
 /// The north-south cases, in the order of the tables' columns and the chart's bars.
-const NS_CASES: [Case; 5] = [
+const NS_CASES: [Case; 6] = [
     Case::Direct,
     Case::Xdp,
     Case::Ebpf,
+    Case::Dsr,
     Case::Nftables,
     Case::Iptables,
 ];
@@ -974,13 +1009,21 @@ const NS_CASES: [Case; 5] = [
 /// The north-south paths: metric key and label.
 const NS_PATHS: [(&str, &str); 4] = [
     ("tcp_local", "TCP conn/s, backend on the node"),
-    ("tcp_remote", "TCP conn/s, backend on another node (SNAT)"),
+    (
+        "tcp_remote",
+        "TCP conn/s, backend on another node (SNAT; DSR case: DSR)",
+    ),
     ("udp_local", "UDP exchanges/s, backend on the node"),
     (
         "udp_remote",
-        "UDP exchanges/s, backend on another node (SNAT)",
+        "UDP exchanges/s, backend on another node (SNAT; DSR case: DSR)",
     ),
 ];
+
+/// Prefix of the north-south program metrics of node-b's agent (the DSR case), before the
+/// program name (`ns:<path>:ns_per_run:node-b/tc_ingress`) or the metric
+/// (`ns:<path>:node-b/bpf_ns_per_flow`).
+pub const NODE_B_PREFIX: &str = "node-b/";
 
 /// A case's name in the north-south tables.
 fn ns_label(c: Case) -> &'static str {
@@ -990,6 +1033,7 @@ fn ns_label(c: Case) -> &'static str {
         // Not a north-south case (see `northsouth::run`).
         Case::Bypass => "ebpf-proxy per packet (bypassed pod)",
         Case::Xdp => "ebpf-proxy (XDP)",
+        Case::Dsr => "ebpf-proxy (DSR)",
         Case::Nftables => "kube-proxy nftables rules",
         Case::Iptables => "kube-proxy iptables rules",
     }
@@ -1221,7 +1265,7 @@ fn cluster_ip_charts(r: &Results, dir: &Path) -> Result<()> {
 /// Writes `north_south.png`: the north-south rates at N (bars: median, whiskers: min–max
 /// over runs), TCP and UDP side by side, each with the local and the remote backend.
 fn north_south_chart(r: &Results, n: usize, dir: &Path) -> Result<()> {
-    const CASES: [Case; 5] = NS_CASES;
+    const CASES: [Case; 6] = NS_CASES;
     let file = dir.join("north_south.png");
     let root = BitMapBackend::new(&file, (1200, 560)).into_drawing_area();
     root.fill(&WHITE)?;
@@ -1268,7 +1312,8 @@ fn north_south_chart(r: &Results, n: usize, dir: &Path) -> Result<()> {
             .margin(12)
             .x_label_area_size(40)
             .y_label_area_size(70)
-            .build_cartesian_2d(0.0..2.0, 0.0..ymax * 1.3)?;
+            // Head room for the legend's six entries above the bars.
+            .build_cartesian_2d(0.0..2.0, 0.0..ymax * 1.5)?;
         chart
             .configure_mesh()
             .disable_x_mesh()
@@ -1279,7 +1324,7 @@ fn north_south_chart(r: &Results, n: usize, dir: &Path) -> Result<()> {
                 if (v - 0.5).abs() < 0.01 {
                     "backend on the node".into()
                 } else if (v - 1.5).abs() < 0.01 {
-                    "backend on another node (SNAT)".into()
+                    "backend on another node (SNAT / DSR)".into()
                 } else {
                     String::new()
                 }
@@ -1289,21 +1334,23 @@ fn north_south_chart(r: &Results, n: usize, dir: &Path) -> Result<()> {
             .label_style(("sans-serif", 14))
             .axis_desc_style(("sans-serif", 14))
             .draw()?;
+        // Each group (one unit wide) holds one bar per case in its middle 0.8.
+        let w = 0.8 / CASES.len() as f64;
         for (k, &case) in CASES.iter().enumerate() {
             let c = case.color();
             let bars: Vec<(f64, Stat)> = stats
                 .iter()
                 .enumerate()
-                .filter_map(|(g, row)| Some((g as f64 + 0.1 + 0.2 * k as f64, row[k]?)))
+                .filter_map(|(g, row)| Some((g as f64 + 0.1 + w * k as f64, row[k]?)))
                 .collect();
             chart
                 .draw_series(bars.iter().map(|(x, s)| {
-                    Rectangle::new([(*x + 0.01, 0.0), (*x + 0.19, s.med)], c.filled())
+                    Rectangle::new([(*x + 0.05 * w, 0.0), (*x + 0.95 * w, s.med)], c.filled())
                 }))?
                 .label(ns_label(case))
                 .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], c.filled()));
             chart.draw_series(bars.iter().map(|(x, s)| {
-                ErrorBar::new_vertical(*x + 0.1, s.min, s.med, s.max, BLACK.stroke_width(1), 8)
+                ErrorBar::new_vertical(*x + w / 2.0, s.min, s.med, s.max, BLACK.stroke_width(1), 6)
             }))?;
         }
         chart
