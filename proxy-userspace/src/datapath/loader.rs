@@ -514,7 +514,20 @@ pub fn load_and_attach(
     cgroup: &Path,
     sizes: MapSizes,
 ) -> Result<Option<crate::kernel_log::KernelLogs>> {
-    let mut ebpf = load_pinned(dir, sizes)?;
+    attach_programs(load_pinned(dir, sizes)?, dir, cgroup)
+}
+
+/// The second half of [`load_and_attach`]: verifies the socket programs of `ebpf` (loaded by
+/// [`load_pinned`], maps in place) and attaches them to `cgroup`, pinning their links under
+/// `dir` and replacing an earlier run's only once the new ones are attached. It needs
+/// nothing from the maps' contents, so the agent runs it while its source is read.
+///
+/// Errors and result as [`load_and_attach`].
+pub fn attach_programs(
+    mut ebpf: Ebpf,
+    dir: &Path,
+    cgroup: &Path,
+) -> Result<Option<crate::kernel_log::KernelLogs>> {
     let cg = File::open(cgroup).with_context(|| {
         format!(
             "attach: open cgroup {} (remedy: pass an existing cgroup v2 directory as --cgroup-path)",
