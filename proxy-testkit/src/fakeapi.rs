@@ -24,7 +24,8 @@
 //!   state; a version newer than the current one answers `504 Timeout` "Too large
 //!   resource version", `Exact` on an old version answers `410 Expired`).
 //!   Items are sorted by namespace/name. As on the real server, list items carry no
-//!   `kind`/`apiVersion` (kubernetes/kubernetes#3030); see
+//!   `kind`/`apiVersion`: the server sets them on the list only, and a client derives each
+//!   item's type from the list's (`ServiceList` holds `Service`s); see
 //!   [`FakeApiServer::set_list_item_type_meta`] to change that.
 //! * Watch (`watch=true|1`): a chunked stream of newline-delimited JSON events
 //!   `{"type":"ADDED"|"MODIFIED"|"DELETED"|"BOOKMARK"|"ERROR","object":{..}}`.

@@ -213,9 +213,10 @@ fn connections_to_a_removed_endpoint_close_only_with_the_flag() {
     drop((to_a, to_b));
     env.stop_agent();
 
-    // With the flag: the connection to b0 is reset promptly, the one to b1 is untouched.
+    // With the flag (in the `=true` form kube-proxy's booleans take): the connection to b0
+    // is reset promptly, the one to b1 is untouched.
     hold_service(&env, &[0, 1]);
-    env.extra_agent_args = vec!["--close-connections-to-removed-endpoints".into()];
+    env.extra_agent_args = vec!["--close-connections-to-removed-endpoints=true".into()];
     env.start_agent();
     let (mut to_a, mut to_b) = held_pair(&env);
     assert_eq!(to_a.ask("one")["reply"], "b0 one");

@@ -315,16 +315,23 @@ pub fn run(config: AgentConfig) -> Result<()> {
     rt.block_on(async move {
         // Start-up: on failure, a pin directory this run created is removed again (one that
         // was adopted keeps serving the node).
-        let started = async {
-            if let Some(logs) = loader::load_and_attach(&dir, &cgroup, sizes)? {
-                logs.spawn()?;
-                info!(
-                    level = config.kernel_log_level.as_str(),
-                    target = crate::kernel_log::TARGET,
-                    "kernel log lines forwarded"
-                );
+        // The maps first; the programs are verified and attached in the background while
+        // the source is read into the model (the verifier takes about as long as reading
+        // tens of thousands of manifests), and no sync runs before they are attached.
+        let ebpf = match loader::load_pinned(&dir, sizes) {
+            Ok(ebpf) => ebpf,
+            Err(e) => {
+                if fresh {
+                    let _ = loader::cleanup(&dir);
+                }
+                return Err(e);
             }
-            info!(pin_dir = %dir.display(), cgroup = %cgroup.display(), node = %node.name, "data path attached");
+        };
+        let mut attach = Some(tokio::task::spawn_blocking({
+            let (dir, cgroup) = (dir.clone(), cgroup.clone());
+            move || loader::attach_programs(ebpf, &dir, &cgroup)
+        }));
+        let started = async {
             let dp = open_datapath(&dir, &cgroup, &config, sizes)?;
             let reconciler = Reconciler::adopt(
                 &dp,
@@ -343,10 +350,32 @@ pub fn run(config: AgentConfig) -> Result<()> {
         let (dp, mut reconciler, rx) = match started {
             Ok(v) => v,
             Err(e) => {
+                // The attach thread cannot be stopped: its pins are removed once it is done.
+                if let Some(a) = attach.take() {
+                    let _ = a.await;
+                }
                 if fresh {
                     let _ = loader::cleanup(&dir);
                 }
                 return Err(e);
+            }
+        };
+        let attached = {
+            let attach = attach.take().expect("spawned above");
+            let (pin_dir, cg, node_name) = (dir.clone(), cgroup.clone(), node.name.clone());
+            let level = config.kernel_log_level;
+            async move {
+                let logs = attach.await.context("the program loader thread failed")??;
+                if let Some(logs) = logs {
+                    logs.spawn()?;
+                    info!(
+                        level = level.as_str(),
+                        target = crate::kernel_log::TARGET,
+                        "kernel log lines forwarded"
+                    );
+                }
+                info!(pin_dir = %pin_dir.display(), cgroup = %cg.display(), node = %node_name, "data path attached");
+                anyhow::Ok(())
             }
         };
         reconciler.services.set_maglev_size(config.maglev_table_size);
@@ -391,6 +420,7 @@ pub fn run(config: AgentConfig) -> Result<()> {
         model.set_socket_lb_scope(config.socket_lb_scope);
         let mut agent = Agent::new(model, reconciler, dp, metrics, health, source_label, min_period)
             .with_fresh_maps(fresh)
+            .with_attaching(attached)
             .with_close_connections(
                 config
                     .close_connections_to_removed_endpoints
@@ -421,14 +451,19 @@ pub fn run(config: AgentConfig) -> Result<()> {
                 _ = failed.wait() => {}
             }
         };
-        agent
+        let ran = agent
             .run(
                 rx,
                 config.sync_period,
                 crate::datapath::tc::lc_collect_interval(config.udp_flow_timeout),
                 stop,
             )
-            .await?;
+            .await;
+        if ran.is_err() && fresh && !agent.attached() {
+            // The programs failed to attach: a pin directory this run created goes again.
+            let _ = loader::cleanup(&dir);
+        }
+        ran?;
         if let Some(e) = fatal.error() {
             anyhow::bail!("{e} (--bind-address-hard-fail); the data path stays attached and pinned");
         }
@@ -505,6 +540,9 @@ pub struct Agent<D> {
     fresh_maps: bool,
     /// When the model must be programmed (changes are waiting).
     reconcile_at: Option<tokio::time::Instant>,
+    /// The programs still being verified and attached (a start reads its source meanwhile):
+    /// no sync runs before they are in place, and their failure ends [`Agent::run`].
+    attaching: Option<Attaching>,
     last_sync: Option<tokio::time::Instant>,
     /// When the source saw the oldest change not yet programmed.
     first_received: Option<Instant>,
@@ -543,6 +581,17 @@ fn give_back_heap() {
 }
 
 /// Sleeps until `at`, or forever without one.
+/// The programs' verification and attachment, awaited by the agent's loop.
+type Attaching = std::pin::Pin<Box<dyn std::future::Future<Output = Result<()>> + Send>>;
+
+/// Completes with `attaching` once it is done; never when there is nothing to wait for.
+async fn wait_attaching(attaching: &mut Option<Attaching>) -> Result<()> {
+    match attaching {
+        Some(a) => a.await,
+        None => std::future::pending().await,
+    }
+}
+
 async fn sleep_until_opt(at: Option<tokio::time::Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
@@ -575,6 +624,7 @@ impl<D: Datapath + FlowCollection> Agent<D> {
             first_done: false,
             fresh_maps: false,
             reconcile_at: None,
+            attaching: None,
             last_sync: None,
             first_received: None,
             source_errors: Vec::new(),
@@ -618,6 +668,22 @@ impl<D: Datapath + FlowCollection> Agent<D> {
 
     /// Tells the agent that this run created the pinned maps (they hold nothing of an
     /// earlier agent's), which spares the first pass its verification.
+    /// Waits for `attaching` (the programs' verification and attachment, run elsewhere)
+    /// before the first sync; its error ends [`Agent::run`].
+    pub fn with_attaching(
+        mut self,
+        attaching: impl std::future::Future<Output = Result<()>> + Send + 'static,
+    ) -> Self {
+        self.attaching = Some(Box::pin(attaching));
+        self
+    }
+
+    /// Whether the programs are attached (nothing was waited for, or it succeeded; false
+    /// after the failure that ended [`Agent::run`]).
+    pub fn attached(&self) -> bool {
+        self.attaching.is_none()
+    }
+
     pub fn with_fresh_maps(mut self, fresh: bool) -> Self {
         self.fresh_maps = fresh;
         self
@@ -643,12 +709,19 @@ impl<D: Datapath + FlowCollection> Agent<D> {
                 .reconciler
                 .next_retry()
                 .map(tokio::time::Instant::from_std);
+            let ready = self.attaching.is_none();
             let event = tokio::select! {
+                r = wait_attaching(&mut self.attaching) => {
+                    // On failure it stays pending: the caller removes what it pinned.
+                    r?;
+                    self.attaching = None;
+                    continue;
+                }
                 b = rx.recv() => match b {
                     Some(b) => Event::Batch(b),
                     None => Event::SourceClosed,
                 },
-                _ = sleep_until_opt(self.reconcile_at) => Event::Reconcile,
+                _ = sleep_until_opt(self.reconcile_at.filter(|_| ready)) => Event::Reconcile,
                 _ = verify.tick() => Event::Verify,
                 _ = sleep_until_opt(retry_at.filter(|_| self.first_done)) => Event::Retry,
                 _ = collect.tick() => Event::Collect,
@@ -664,9 +737,10 @@ impl<D: Datapath + FlowCollection> Agent<D> {
                     self.schedule();
                     // A sync due now runs now: tokio's timers round a deadline up to the
                     // next millisecond tick, which would add up to 1 ms to every change.
-                    if self
-                        .reconcile_at
-                        .is_some_and(|at| at <= tokio::time::Instant::now())
+                    if self.attaching.is_none()
+                        && self
+                            .reconcile_at
+                            .is_some_and(|at| at <= tokio::time::Instant::now())
                     {
                         self.reconcile();
                     }
@@ -1241,6 +1315,62 @@ mod tests {
             .count();
         assert_eq!(puts, 5);
         assert!(a.dp.collections >= 1, "the collection ran");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn no_sync_runs_before_the_programs_are_attached_and_their_failure_ends_the_loop() {
+        // Attached after 2 s: the source is read meanwhile, the sync waits for it.
+        let (attach_tx, attach_rx) = tokio::sync::oneshot::channel::<Result<()>>();
+        let mut a = agent(Duration::ZERO)
+            .with_attaching(async move { attach_rx.await.unwrap_or_else(|_| Ok(())) });
+        assert!(!a.attached());
+        let (tx, rx) = mpsc::channel(16);
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        tx.send(batch(&svc("a", "10.96.0.1"), true)).await.unwrap();
+        let driver = async {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            attach_tx.send(Ok(())).unwrap();
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            stop_tx.send(()).unwrap();
+        };
+        let t0 = tokio::time::Instant::now();
+        let run = a.run(
+            rx,
+            Duration::from_secs(30),
+            Duration::from_secs(10),
+            async {
+                let _ = stop_rx.await;
+            },
+        );
+        let (r, ()) = tokio::join!(run, driver);
+        r.unwrap();
+        assert!(a.attached());
+        assert_eq!(real_frontends(&a), 1);
+        // The first sync ran once the programs were attached, not before.
+        let synced_at = a.last_sync.expect("synced");
+        assert!(
+            synced_at >= t0 + Duration::from_secs(2),
+            "{:?}",
+            synced_at - t0
+        );
+
+        // A failed attach ends the loop with its error, before any sync.
+        let mut a = agent(Duration::ZERO)
+            .with_attaching(async { Err(anyhow::anyhow!("verify: rejected")) });
+        let (tx, rx) = mpsc::channel(16);
+        tx.send(batch(&svc("a", "10.96.0.1"), true)).await.unwrap();
+        let e = a
+            .run(
+                rx,
+                Duration::from_secs(30),
+                Duration::from_secs(10),
+                std::future::pending(),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(e.to_string(), "verify: rejected");
+        assert!(!a.attached());
+        assert_eq!(real_frontends(&a), 0);
     }
 
     #[tokio::test(start_paused = true)]

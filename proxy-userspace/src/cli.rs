@@ -99,7 +99,7 @@ pub struct CheckArgs {
     #[arg(long, default_value = "/sys/fs/bpf")]
     pub bpffs: PathBuf,
     /// Mount bpffs at --bpffs when it is not mounted (otherwise that is a failure).
-    #[arg(long)]
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", value_parser = crate::config::go::parse_go_bool, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub mount_bpffs: bool,
     /// cgroup v2 directory the programs would attach to [default: the cgroup2 mount root].
     #[arg(long)]
@@ -156,7 +156,7 @@ pub struct ExplainArgs {
     pub manifests: Option<PathBuf>,
     /// Read them from the Kubernetes API (--kubeconfig, else $KUBECONFIG, ~/.kube/config or
     /// the in-cluster service account).
-    #[arg(long)]
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", value_parser = crate::config::go::parse_go_bool, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub api: bool,
     /// Kubeconfig for --api.
     #[arg(long, requires = "api")]
@@ -374,5 +374,60 @@ mod tests {
                 .try_get_matches_from(["kube-proxy", "--no-such-flag"])
                 .is_err()
         );
+    }
+    #[test]
+    fn boolean_flags_take_go_values_as_kube_proxy_does() {
+        // pflag's booleans: `--flag` and `--flag=true` set it, `--flag=false` clears it, a
+        // separate word is no value (it stays an argument).
+        for (arg, want) in [
+            (None, false),
+            (Some("--close-connections-to-removed-endpoints"), true),
+            (Some("--close-connections-to-removed-endpoints=true"), true),
+            (Some("--close-connections-to-removed-endpoints=1"), true),
+            (
+                Some("--close-connections-to-removed-endpoints=false"),
+                false,
+            ),
+            (Some("--close-connections-to-removed-endpoints=F"), false),
+        ] {
+            let argv: Vec<&str> = ["kube-proxy"].into_iter().chain(arg).collect();
+            let Command::Run(f) = command(&argv) else {
+                panic!("not run")
+            };
+            assert_eq!(f.close_connections_to_removed_endpoints, want, "{arg:?}");
+        }
+        assert!(
+            Cli::command()
+                .try_get_matches_from([
+                    "kube-proxy",
+                    "--close-connections-to-removed-endpoints=maybe"
+                ])
+                .is_err()
+        );
+        for (arg, want) in [
+            ("--mount-bpffs", true),
+            ("--mount-bpffs=true", true),
+            ("--mount-bpffs=false", false),
+        ] {
+            let Command::Check(c) = command(&["ebpf-proxy", "check", arg]) else {
+                panic!("not check")
+            };
+            assert_eq!(c.mount_bpffs, want, "{arg}");
+        }
+        let Command::Check(c) = command(&["ebpf-proxy", "check"]) else {
+            panic!("not check")
+        };
+        assert!(!c.mount_bpffs);
+        for (arg, want) in [
+            ("--api", true),
+            ("--api=true", true),
+            ("--api=false", false),
+        ] {
+            let Command::Explain(e) = command(&["ebpf-proxy", "explain", "10.96.0.10:53", arg])
+            else {
+                panic!("not explain")
+            };
+            assert_eq!(e.api, want, "{arg}");
+        }
     }
 }

@@ -664,7 +664,7 @@ pub struct RunFlags {
     /// Service (gone from the EndpointSlices, or neither ready nor serving), with sock_diag's
     /// SOCK_DESTROY in the socket's network namespace, as `ss -K` does. Off by default, as
     /// kube-proxy leaves established connections alone [default: false].
-    #[arg(long)]
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", value_parser = parse_go_bool, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub close_connections_to_removed_endpoints: bool,
     /// Size of the Maglev lookup tables of source-hash and maglev Services: a prime from 7 to
     /// 65521 (larger tables spread backends more evenly; each costs 4 bytes per entry)

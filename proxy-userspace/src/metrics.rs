@@ -327,22 +327,21 @@ impl Collector for DatapathCounters {
         }
         {
             // One series per interface with the north-south programs: the XDP mode it runs in
-            // (`none`: the tcx programs alone).
+            // (`none`: the tcx programs alone). The family is declared also without
+            // interfaces, so dashboards and alerts find it on every node.
             let xdp = crate::datapath::tc::xdp_modes(&self.pin_dir);
             let ifaces = crate::datapath::tc::tc_interfaces(&self.pin_dir);
-            if !ifaces.is_empty() {
-                let mut family = encoder.encode_descriptor(
-                    "ebpf_proxy_interface_xdp",
-                    "Interfaces with the north-south programs, by the XDP mode each runs in (native, generic, or none: the tcx programs alone); always 1",
-                    None,
-                    prometheus_client::metrics::MetricType::Gauge,
-                )?;
-                for i in &ifaces {
-                    let mode = xdp.get(i).map_or("none", |m| m.as_str());
-                    let labels = [("interface", i.as_str()), ("mode", mode)];
-                    let m = family.encode_family(&labels)?;
-                    prometheus_client::metrics::gauge::ConstGauge::new(1i64).encode(m)?;
-                }
+            let mut family = encoder.encode_descriptor(
+                "ebpf_proxy_interface_xdp",
+                "Interfaces with the north-south programs, by the XDP mode each runs in (native, generic, or none: the tcx programs alone); always 1",
+                None,
+                prometheus_client::metrics::MetricType::Gauge,
+            )?;
+            for i in &ifaces {
+                let mode = xdp.get(i).map_or("none", |m| m.as_str());
+                let labels = [("interface", i.as_str()), ("mode", mode)];
+                let m = family.encode_family(&labels)?;
+                prometheus_client::metrics::gauge::ConstGauge::new(1i64).encode(m)?;
             }
         }
         self.encode_monitor(&mut encoder)?;

@@ -514,20 +514,35 @@ pub fn load_and_attach(
     cgroup: &Path,
     sizes: MapSizes,
 ) -> Result<Option<crate::kernel_log::KernelLogs>> {
-    let mut ebpf = load_pinned(dir, sizes)?;
+    attach_programs(load_pinned(dir, sizes)?, dir, cgroup)
+}
+
+/// The second half of [`load_and_attach`]: verifies the socket programs of `ebpf` (loaded by
+/// [`load_pinned`], maps in place) and attaches them to `cgroup`, pinning their links under
+/// `dir` and replacing an earlier run's only once the new ones are attached. It needs
+/// nothing from the maps' contents, so the agent runs it while its source is read.
+///
+/// Errors and result as [`load_and_attach`].
+pub fn attach_programs(
+    mut ebpf: Ebpf,
+    dir: &Path,
+    cgroup: &Path,
+) -> Result<Option<crate::kernel_log::KernelLogs>> {
     let cg = File::open(cgroup).with_context(|| {
         format!(
             "attach: open cgroup {} (remedy: pass an existing cgroup v2 directory as --cgroup-path)",
             cgroup.display()
         )
     })?;
+    let mut wanted: Vec<&str> = PROGRAMS.to_vec();
+    wanted.push(RELEASE_PROGRAM);
+    load_parallel(&mut ebpf, &wanted)?;
     for prog in PROGRAMS {
         let p: &mut CgroupSockAddr = ebpf
             .program_mut(prog)
             .with_context(|| format!("load: program {prog} missing from the object (remedy: rebuild with `cargo xtask build`)"))?
             .try_into()
             .with_context(|| format!("load: program {prog} is not a cgroup sock_addr program (remedy: rebuild with `cargo xtask build`)"))?;
-        p.load().map_err(|e| program_load_error(prog, e))?;
         // With bpf_link (kernel >= 5.7) `Single` means flags 0, which the kernel requires for
         // cgroup links; links always coexist with other links on the same hook.
         let id = p.attach(&cg, CgroupAttachMode::Single).with_context(|| {
@@ -557,8 +572,6 @@ pub fn load_and_attach(
         .with_context(|| format!("load: program {RELEASE_PROGRAM} missing from the object"))?
         .try_into()
         .with_context(|| format!("load: program {RELEASE_PROGRAM} is not a cgroup sock program"))?;
-    p.load()
-        .map_err(|e| program_load_error(RELEASE_PROGRAM, e))?;
     let id = p
         .attach(&cg, CgroupAttachMode::Single)
         .with_context(|| format!("attach: {RELEASE_PROGRAM} to cgroup {}", cgroup.display()))?;
@@ -572,6 +585,72 @@ pub fn load_and_attach(
         return Ok(None);
     }
     crate::kernel_log::KernelLogs::new(&mut ebpf).map(Some)
+}
+
+/// Loads the programs `names` of `ebpf` (cgroup `sock_addr` or `sock` programs) into the
+/// kernel, several at a time: the verifier runs in the thread that loads, one program per
+/// call, and takes most of a start-up on a fresh pin directory (several hundred
+/// milliseconds for each translating program), so one thread per CPU (at most one per
+/// program) shortens it by up to that factor.
+/// Attaching stays with the caller, in its order.
+///
+/// Errors: a program missing from the object or of another kind, or the first load that
+/// failed (in `names` order), worded as [`program_load_error`] does.
+fn load_parallel(ebpf: &mut Ebpf, names: &[&str]) -> Result<()> {
+    for name in names {
+        match ebpf.program(name) {
+            Some(Program::CgroupSockAddr(_) | Program::CgroupSock(_)) => {}
+            Some(_) => bail!(
+                "load: program {name} is not a cgroup sock_addr or sock program (remedy: rebuild with `cargo xtask build`)"
+            ),
+            None => bail!(
+                "load: program {name} missing from the object (remedy: rebuild with `cargo xtask build`)"
+            ),
+        }
+    }
+    let mut work: Vec<(usize, &mut Program)> = ebpf
+        .programs_mut()
+        .filter_map(|(n, p)| Some((names.iter().position(|w| *w == n)?, p)))
+        .collect();
+    // Taken from the end: in `names` order, which puts the long verifications
+    // (connect, sendmsg) first, so no thread starts one last while the others idle.
+    work.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, work.len().max(1));
+    let queue = std::sync::Mutex::new(work);
+    let mut failures: Vec<(usize, anyhow::Error)> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut failed = Vec::new();
+                    loop {
+                        let Some((i, p)) = queue.lock().expect("queue").pop() else {
+                            break;
+                        };
+                        let loaded = match p {
+                            Program::CgroupSockAddr(p) => p.load(),
+                            Program::CgroupSock(p) => p.load(),
+                            _ => Ok(()),
+                        };
+                        if let Err(e) = loaded {
+                            failed.push((i, program_load_error(names[i], e)));
+                        }
+                    }
+                    failed
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().expect("loader thread"))
+            .collect()
+    });
+    failures.sort_by_key(|(i, _)| *i);
+    match failures.into_iter().next() {
+        Some((_, e)) => Err(e),
+        None => Ok(()),
+    }
 }
 
 /// Loads and attaches the egress program of `ebpf` to `cg` and pins its link (replacing an

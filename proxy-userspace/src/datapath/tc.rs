@@ -447,12 +447,7 @@ pub fn check_interfaces(names: &[String]) -> Result<()> {
             bail!("--interfaces: an empty interface name");
         }
         if if_index(n).is_none() {
-            let known: Vec<String> = std::fs::read_dir("/sys/class/net")
-                .map(|d| {
-                    d.filter_map(|e| e.ok()?.file_name().into_string().ok())
-                        .collect()
-                })
-                .unwrap_or_default();
+            let known = interface_names();
             bail!(
                 "--interfaces: no interface {n:?} in this network namespace (there are: {})",
                 known.join(", ")
@@ -460,6 +455,47 @@ pub fn check_interfaces(names: &[String]) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The names of the interfaces of the calling thread's network namespace, sorted, from
+/// if_nameindex(3) (netlink). /sys/class/net is not used: it shows the namespace sysfs
+/// was mounted in, which differs from ours after `setns` or `nsenter --net`.
+pub fn interface_names() -> Vec<String> {
+    // SAFETY: if_nameindex(3) returns an array ended by a zero entry, or NULL on failure;
+    // it is freed below.
+    let list = unsafe { libc::if_nameindex() };
+    if list.is_null() {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    let mut p = list;
+    // SAFETY: entries of the array up to the terminating one (index 0, name NULL).
+    unsafe {
+        while (*p).if_index != 0 && !(*p).if_name.is_null() {
+            out.push(CStr::from_ptr((*p).if_name).to_string_lossy().into_owned());
+            p = p.add(1);
+        }
+        libc::if_freenameindex(list);
+    }
+    out.sort();
+    out
+}
+
+/// The hint added to a failed tcx attach, from the errno of the link creation: the kernel
+/// refuses an unknown attach type (no tcx before Linux 6.6) with EINVAL, or EOPNOTSUPP /
+/// ENOTSUPP (524, the kernel-internal code some paths leak); EEXIST means the program is
+/// already attached to that hook (tcx holds a program once per hook, whatever link put it
+/// there), so "tcx missing" would mislead.
+pub(crate) fn tcx_attach_hint(e: &aya::programs::ProgramError) -> Option<&'static str> {
+    const ENOTSUPP: i32 = 524;
+    let aya::programs::ProgramError::SyscallError(s) = e else {
+        return None;
+    };
+    match s.io_error.raw_os_error()? {
+        libc::EINVAL | libc::EOPNOTSUPP | ENOTSUPP => Some("tcx needs Linux >= 6.6"),
+        libc::EEXIST => Some("another link already attaches this program to that hook"),
+        _ => None,
+    }
 }
 
 pub fn if_index(name: &str) -> Option<u32> {
@@ -930,7 +966,8 @@ pub fn counters(dir: &Path) -> Result<BTreeMap<&'static str, u64>> {
 /// Attaches each `(program, direction)` of `ebpf` to `ifname` with tcx, in order, and pins
 /// its link as `link_<program>_<ifname>` under `dir`, replacing the link an earlier agent
 /// pinned there only once the new one is in place (so the interface is never left without
-/// the program). Errors: attaching (tcx needs Linux >= 6.6) or pinning.
+/// the program). Errors: attaching (with a hint from the errno: tcx needs Linux >= 6.6,
+/// or the hook is taken) or pinning.
 pub(crate) fn attach_pinned(
     ebpf: &mut Ebpf,
     dir: &Path,
@@ -944,7 +981,13 @@ pub(crate) fn attach_pinned(
             .try_into()?;
         let id = p
             .attach_with_options(ifname, ty, TcAttachOptions::TcxOrder(LinkOrder::default()))
-            .with_context(|| format!("attach {prog} to {ifname} (tcx needs Linux >= 6.6)"))?;
+            .map_err(|e| {
+                let hint = tcx_attach_hint(&e).map(|h| format!(" ({h})"));
+                anyhow::Error::new(e).context(format!(
+                    "attach {prog} to {ifname}{}",
+                    hint.unwrap_or_default()
+                ))
+            })?;
         let link: FdLink = p.take_link(id)?.try_into()?;
         let pin = dir.join(link_name(prog, ifname));
         let next = dir.join(format!("next_{prog}_{ifname}"));
@@ -965,6 +1008,37 @@ pub(crate) fn attach_pinned(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn interface_errors_list_this_namespace_and_attach_hints_follow_the_errno() {
+        // Every network namespace has lo; the list comes from this process's namespace.
+        let names = interface_names();
+        assert!(names.iter().any(|n| n == "lo"), "{names:?}");
+        let e = check_interfaces(&["lo".into(), "no-such-if0".into()]).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("\"no-such-if0\""), "{msg}");
+        let listed = msg.split("(there are: ").nth(1).expect(&msg);
+        assert!(listed.split([',', ' ', ')']).any(|n| n == "lo"), "{msg}");
+        let err = |errno: i32| {
+            aya::programs::ProgramError::SyscallError(aya::sys::SyscallError {
+                call: "bpf_mprog_attach",
+                io_error: std::io::Error::from_raw_os_error(errno),
+            })
+        };
+        for errno in [libc::EINVAL, libc::EOPNOTSUPP, 524] {
+            assert_eq!(tcx_attach_hint(&err(errno)), Some("tcx needs Linux >= 6.6"));
+        }
+        let exists = tcx_attach_hint(&err(libc::EEXIST)).unwrap();
+        assert!(
+            !exists.contains("6.6") && exists.contains("already"),
+            "{exists}"
+        );
+        assert_eq!(tcx_attach_hint(&err(libc::EPERM)), None);
+        assert_eq!(
+            tcx_attach_hint(&aya::programs::ProgramError::NotLoaded),
+            None
+        );
+    }
 
     #[test]
     fn conntrack_size_says_its_memory_and_origin_and_warns_when_large() {
