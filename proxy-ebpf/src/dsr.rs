@@ -21,7 +21,6 @@
 // Map keys are passed by reference on purpose (BPF stack).
 #![allow(clippy::needless_borrows_for_generic_args)]
 
-use aya_ebpf::bindings::BPF_ANY;
 use proxy_common::{
     FRONTEND_F_DSR, Frontend, FrontendKey, PROTO_TCP, PROTO_UDP, SCOPE_INGRESS,
     nat::{
@@ -33,13 +32,10 @@ use proxy_common::{
 
 use crate::{
     csum::{failed, rewrite},
-    ct::peer_key,
     fib,
     icmp::{finish, sum16},
-    maps::{
-        FRONTENDS, TC_CONFIG, TC_CONNTRACK, TC_DSR, TC_IFACE_ADDRS, TC_LOCAL_ENDPOINTS, TC_SCRATCH,
-    },
-    nat::drop_with,
+    maps::{FRONTENDS, TC_CONFIG, TC_DSR, TC_IFACE_ADDRS, TC_LOCAL_ENDPOINTS, TC_SCRATCH},
+    nat::{drop_with, track_pair},
     packet::{
         Buf, ETH_HLEN, IP6_HLEN, Kind, PROTO_IPIP, PROTO_IPV6, Pkt, TCP_SYN, l4_csum_off, parse,
     },
@@ -293,19 +289,8 @@ pub fn accept<B: Buf>(b: &B, pkt: &Pkt, now: u64) -> Verdict {
         service_id: sid,
         last_seen_ns: now,
     };
-    sc.rkey = peer_key(&sc.fwd, k.proto);
-    if TC_CONNTRACK
-        .insert(&sc.rkey, &sc.rev, BPF_ANY as u64)
-        .is_err()
-    {
-        return drop_with(TcCounter::ConntrackFull);
-    }
-    if TC_CONNTRACK
-        .insert(&pkt.key, &sc.fwd, BPF_ANY as u64)
-        .is_err()
-    {
-        let _ = TC_CONNTRACK.remove(&sc.rkey);
-        return drop_with(TcCounter::ConntrackFull);
+    if let Err(c) = track_pair(&pkt.key, sc) {
+        return drop_with(c);
     }
     count_tc(TcCounter::NewFlow);
     count_tc(TcCounter::DsrDecapsulated);

@@ -33,8 +33,8 @@ use aya_ebpf::{
 use proxy_common::{
     Algorithm, FRONTEND_F_LOCAL_ONLY, Frontend, PROTO_TCP, counts_connections, is_v4_mapped,
     monitor::{
-        ALGORITHM_UNKNOWN, EVENT_F_DSR, EVENT_F_SNAT, EVENT_F_TUPLE, EventKind, EventReason, HOOK_TC_EGRESS,
-        HOOK_TC_INGRESS,
+        ALGORITHM_UNKNOWN, EVENT_F_DSR, EVENT_F_SNAT, EVENT_F_TUPLE, EventKind, EventReason,
+        HOOK_TC_EGRESS, HOOK_TC_INGRESS,
     },
     nat::{
         CT_F_DSR_DECAP, CT_F_DSR_ENCAP, CT_F_EGRESS, CT_F_FIN_REPLY, CT_F_POD, CT_F_REPLY,
@@ -52,7 +52,8 @@ use crate::{
     lb::{self, Lookup, Refusal, Request, Scope, backend, select},
     lc,
     maps::{
-        TC_CONFIG, TC_CONNTRACK, TC_IFACE_ADDRS, TC_LOCAL_ENDPOINTS, TC_SCRATCH, TC_SOURCE_RANGES,
+        Scratch, TC_CONFIG, TC_CONNTRACK, TC_IFACE_ADDRS, TC_LOCAL_ENDPOINTS, TC_SCRATCH,
+        TC_SOURCE_RANGES,
     },
     monitor,
     packet::{Buf, Pkt, TCP_ACK, TCP_FIN, TCP_SYN},
@@ -553,20 +554,7 @@ fn try_new_flow<B: Buf, const POD: bool>(
         }
         count_tc(TcCounter::Snat);
     } else {
-        sc.rkey = peer_key(&sc.fwd, k.proto);
-        if TC_CONNTRACK
-            .insert(&sc.rkey, &sc.rev, BPF_ANY as u64)
-            .is_err()
-        {
-            return Err(TcCounter::ConntrackFull);
-        }
-        if TC_CONNTRACK
-            .insert(&pkt.key, &sc.fwd, BPF_ANY as u64)
-            .is_err()
-        {
-            let _ = TC_CONNTRACK.remove(&sc.rkey);
-            return Err(TcCounter::ConntrackFull);
-        }
+        track_pair(&pkt.key, sc)?;
     }
     count_tc(TcCounter::NewFlow);
     sc.count_lc = counts_connections(fe.algorithm) as u32;
@@ -639,6 +627,26 @@ fn dsr_flow<B: Buf>(
     }
     klog::flow_new(&pkt.key, &sc.fwd.daddr, sc.fwd.dport, service_id, false);
     None
+}
+
+/// Writes the two entries of a flow that is not source-NATed from the scratch slot: the
+/// reply entry `rev` (keyed by the reverse of `fwd`'s rewrite, left in `rkey`) first, then
+/// the original entry `fwd` keyed `key`; when the second write fails the first is removed,
+/// so nothing is half-applied. `Err` is the counter of the drop.
+#[inline(always)]
+pub fn track_pair(key: &CtKey, sc: &mut Scratch) -> Result<(), TcCounter> {
+    sc.rkey = peer_key(&sc.fwd, key.proto);
+    if TC_CONNTRACK
+        .insert(&sc.rkey, &sc.rev, BPF_ANY as u64)
+        .is_err()
+    {
+        return Err(TcCounter::ConntrackFull);
+    }
+    if TC_CONNTRACK.insert(key, &sc.fwd, BPF_ANY as u64).is_err() {
+        let _ = TC_CONNTRACK.remove(&sc.rkey);
+        return Err(TcCounter::ConntrackFull);
+    }
+    Ok(())
 }
 
 /// The counting of a new flow [`new_flow`] decided on (per service and backend, and its

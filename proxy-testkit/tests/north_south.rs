@@ -348,25 +348,29 @@ fn tcp_whoami(client: &Path, to: &str, timeout: Duration) -> Result<(String, Str
     .unwrap()
 }
 
+/// `setsockopt(level, name)` of an int on socket `s`; panics when refused.
+fn set_int_opt(s: &UdpSocket, level: libc::c_int, name: libc::c_int, value: libc::c_int) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: setsockopt on our own socket with an int of the right size.
+    let r = unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            level,
+            name,
+            &value as *const _ as *const libc::c_void,
+            std::mem::size_of::<libc::c_int>() as u32,
+        )
+    };
+    assert_eq!(r, 0, "setsockopt({level}, {name})");
+}
+
 /// One UDP exchange like [`udp_whoami`], sent with a zero UDP checksum (`SO_NO_CHECK`):
 /// the translation must keep it zero (a zero checksum means "none" in IPv4).
 fn udp_whoami_no_csum(client: &Path, to: &str) -> Result<String, i32> {
     let to: SocketAddr = to.parse().unwrap();
     in_netns(client, move || {
-        use std::os::fd::AsRawFd;
         let s = UdpSocket::bind("0.0.0.0:0").unwrap();
-        let one: libc::c_int = 1;
-        // SAFETY: setsockopt(SO_NO_CHECK) on our socket with an int.
-        let r = unsafe {
-            libc::setsockopt(
-                s.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_NO_CHECK,
-                &one as *const _ as *const libc::c_void,
-                std::mem::size_of::<libc::c_int>() as u32,
-            )
-        };
-        assert_eq!(r, 0, "SO_NO_CHECK");
+        set_int_opt(&s, libc::SOL_SOCKET, libc::SO_NO_CHECK, 1);
         s.connect(to).unwrap();
         s.set_read_timeout(Some(T)).unwrap();
         s.send(b"ping")
@@ -2150,18 +2154,12 @@ fn dsr_replies_bypass_the_entry_node_and_mtu_and_restarts_hold() {
     let (first, then, mtu) = in_netns(&c, move || {
         use std::os::fd::AsRawFd;
         let s = UdpSocket::bind("0.0.0.0:0").unwrap();
-        let v: libc::c_int = libc::IP_PMTUDISC_DO;
-        // SAFETY: setsockopt(IP_MTU_DISCOVER) on our socket with an int.
-        let r = unsafe {
-            libc::setsockopt(
-                s.as_raw_fd(),
-                libc::IPPROTO_IP,
-                libc::IP_MTU_DISCOVER,
-                &v as *const _ as *const libc::c_void,
-                std::mem::size_of::<libc::c_int>() as u32,
-            )
-        };
-        assert_eq!(r, 0, "IP_MTU_DISCOVER");
+        set_int_opt(
+            &s,
+            libc::IPPROTO_IP,
+            libc::IP_MTU_DISCOVER,
+            libc::IP_PMTUDISC_DO,
+        );
         s.connect(to).unwrap();
         s.set_read_timeout(Some(T)).unwrap();
         s.send(&[b'x'; 1472]).unwrap();
