@@ -121,8 +121,14 @@ fn ns(tag: &str, what: &str) -> Netns {
 }
 
 impl Lab {
+    /// The lab of most tests: the tcx programs alone, or, when `EBPF_PROXY_LAB_XDP=native`
+    /// is set (an opt-in run of the whole file in XDP mode), with `--xdp native`.
     fn new(tag: &str) -> Lab {
-        Lab::with_xdp(tag, Xdp::Off)
+        let xdp = match std::env::var("EBPF_PROXY_LAB_XDP").as_deref() {
+            Ok("native") => Xdp::Native,
+            _ => Xdp::Off,
+        };
+        Lab::with_xdp(tag, xdp)
     }
 
     /// The lab, its agents running with `--xdp native` when `xdp` says so.
