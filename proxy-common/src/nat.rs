@@ -135,6 +135,10 @@ pub const CT_TIMEOUT_TCP_OPENING_NS: u64 = 120_000_000_000;
 pub const CT_TIMEOUT_TCP_ESTABLISHED_NS: u64 = 86_400_000_000_000;
 /// See [`CT_TIMEOUT_TCP_OPENING_NS`].
 pub const CT_TIMEOUT_TCP_CLOSED_NS: u64 = 10_000_000_000;
+/// Idle timeout of a direct server return flow on its entry node once the client sent its
+/// FIN (the backend's is never seen there): the kernel's
+/// `nf_conntrack_tcp_timeout_fin_wait`, 120 s.
+pub const CT_TIMEOUT_TCP_HALF_CLOSED_NS: u64 = 120_000_000_000;
 /// See [`CT_TIMEOUT_TCP_OPENING_NS`].
 pub const CT_TIMEOUT_UDP_NS: u64 = 30_000_000_000;
 /// See [`CT_TIMEOUT_TCP_OPENING_NS`].
@@ -163,6 +167,10 @@ pub const fn ct_timeout_ns(
     let (configured, default) = if proto == crate::PROTO_TCP {
         if ct_closed(flags) {
             (0, CT_TIMEOUT_TCP_CLOSED_NS)
+        } else if flags & (CT_F_DSR_ENCAP | CT_F_FIN_ORIG) == (CT_F_DSR_ENCAP | CT_F_FIN_ORIG) {
+            // The entry node of a DSR flow after the client's FIN: the backend's FIN never
+            // passes there, so the flow ends by this timeout.
+            (0, CT_TIMEOUT_TCP_HALF_CLOSED_NS)
         } else if flags & CT_F_SEEN_REPLY != 0 {
             (tcp_established_ns, CT_TIMEOUT_TCP_ESTABLISHED_NS)
         } else {
@@ -314,6 +322,11 @@ pub const TC_CFG_CLUSTER_CIDR_V6: u32 = 1 << 2;
 /// [`TcConfig::flags`]: `--masquerade-all`: every Cluster-policy flow is source-NATed,
 /// local backends included.
 pub const TC_CFG_MASQUERADE_ALL: u32 = 1 << 0;
+/// [`TcConfig::flags`]: draining, set by `ebpf-proxy cleanup` before it detaches the
+/// programs: no new flow starts (a first packet goes to the kernel untouched, where the
+/// rules of whatever proxy takes over translate it), tracked flows go on, so the
+/// connections open at that moment finish before the programs go.
+pub const TC_CFG_DRAIN: u32 = 1 << 3;
 
 /// Data of a source range key (LPM trie key `Key<SourceRange>`, whose `u32` prefix length
 /// comes first, as the kernel's `bpf_lpm_trie_key`): (load balancer IP, client address).

@@ -34,7 +34,9 @@ use crate::{
     csum::{failed, rewrite},
     fib,
     icmp::{finish, sum16},
-    maps::{FRONTENDS, TC_CONFIG, TC_DSR, TC_IFACE_ADDRS, TC_LOCAL_ENDPOINTS, TC_SCRATCH},
+    maps::{
+        FRONTENDS, TC_CONFIG, TC_CONNTRACK, TC_DSR, TC_IFACE_ADDRS, TC_LOCAL_ENDPOINTS, TC_SCRATCH,
+    },
     nat::{drop_with, track_pair},
     packet::{
         Buf, ETH_HLEN, IP6_HLEN, Kind, PROTO_IPIP, PROTO_IPV6, Pkt, TCP_SYN, l4_csum_off, parse,
@@ -207,9 +209,16 @@ pub fn decap<B: Buf>(b: &B, pkt: &mut Pkt) -> Option<Verdict> {
 /// The backend port `TC_DSR` gives the encapsulated packet `pkt` (outer addresses in
 /// `pkt.key`, inner header at `pkt.l4`): its inner destination and protocol, with the outer
 /// destination as the backend; the frontend address as it is (external and LB IPs), else
-/// zero (a node port, on whichever node's address).
+/// zero (a node port, on whichever node's address). A packet of a flow this node already
+/// tracks for that backend ([`CT_F_DSR_DECAP`]) is accepted without the pair: the pair goes
+/// when the endpoint stops being ready or the Service leaves DSR, and the connections it
+/// carries go on, as they would with SNAT. The inner tuple is left in the scratch slot's
+/// `ekey`.
 #[inline(always)]
 fn lookup<B: Buf>(b: &B, pkt: &Pkt) -> Option<[u8; 2]> {
+    let sc = TC_SCRATCH.get_ptr_mut(0)?;
+    // SAFETY: this CPU's slot, used only while this program runs.
+    let sc = unsafe { &mut *sc };
     let inner = pkt.l4;
     let mut key = DsrKey {
         frontend: [0; 16],
@@ -225,7 +234,7 @@ fn lookup<B: Buf>(b: &B, pkt: &Pkt) -> Option<[u8; 2]> {
             return None;
         }
         key.proto = w[6];
-        if !b.load16(inner + 24, &mut key.frontend) {
+        if !b.load16(inner + 24, &mut key.frontend) || !b.load16(inner + 8, &mut sc.ekey.saddr) {
             return None;
         }
         inner + IP6_HLEN
@@ -235,21 +244,38 @@ fn lookup<B: Buf>(b: &B, pkt: &Pkt) -> Option<[u8; 2]> {
             return None;
         }
         key.proto = w[9];
+        let sa: u32 = b.load(inner + 12)?;
         let d: u32 = b.load(inner + 16)?;
+        sc.ekey.saddr = v4_mapped(sa);
         key.frontend = v4_mapped(d);
         inner + ((w[0] & 0x0f) as usize) * 4
     };
     if key.proto != PROTO_TCP && key.proto != PROTO_UDP {
         return None;
     }
-    key.port = b.load(l4 + 2)?;
+    let ports: [u8; 4] = b.load(l4)?;
+    key.port = [ports[2], ports[3]];
+    sc.ekey.daddr = key.frontend;
+    sc.ekey.sport = [ports[0], ports[1]];
+    sc.ekey.dport = key.port;
+    sc.ekey.proto = key.proto;
+    sc.ekey._pad = [0; 3];
     // SAFETY: the value is copied out at once.
     if let Some(t) = unsafe { TC_DSR.get(&key) } {
         return Some(t.port);
     }
     key.frontend = [0; 16];
     // SAFETY: as above.
-    unsafe { TC_DSR.get(&key) }.map(|t| t.port)
+    if let Some(t) = unsafe { TC_DSR.get(&key) } {
+        return Some(t.port);
+    }
+    let e = TC_CONNTRACK.get_ptr(&sc.ekey)?;
+    // SAFETY: a value of the map, read field by field.
+    unsafe {
+        ((*e).flags & (CT_F_DSR_DECAP | CT_F_REPLY) == CT_F_DSR_DECAP
+            && (*e).daddr == pkt.key.daddr)
+            .then_some((*e).dport)
+    }
 }
 
 /// Starts the flow of a decapsulated packet `pkt` (client -> frontend) to the backend in the

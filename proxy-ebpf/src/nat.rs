@@ -37,10 +37,10 @@ use proxy_common::{
         HOOK_TC_EGRESS, HOOK_TC_INGRESS,
     },
     nat::{
-        CT_F_DSR_DECAP, CT_F_DSR_ENCAP, CT_F_EGRESS, CT_F_FIN_REPLY, CT_F_POD, CT_F_REPLY,
-        CT_F_SEEN_REPLY, CT_F_SNAT, CtEntry, CtKey, IFACE_F_POD, SNAT_PORT_COUNT, SNAT_PORT_MIN,
-        SNAT_PORT_TRIES, SOURCE_RANGE_RESTRICTED, SourceRange, TC_CFG_CLUSTER_CIDR_V4,
-        TC_CFG_CLUSTER_CIDR_V6, TC_CFG_MASQUERADE_ALL, TcCounter,
+        CT_F_DSR_DECAP, CT_F_DSR_ENCAP, CT_F_EGRESS, CT_F_POD, CT_F_REPLY, CT_F_SEEN_REPLY,
+        CT_F_SNAT, CtEntry, CtKey, IFACE_F_POD, SNAT_PORT_COUNT, SNAT_PORT_MIN, SNAT_PORT_TRIES,
+        SOURCE_RANGE_RESTRICTED, SourceRange, TC_CFG_CLUSTER_CIDR_V4, TC_CFG_CLUSTER_CIDR_V6,
+        TC_CFG_DRAIN, TC_CFG_MASQUERADE_ALL, TcCounter,
     },
 };
 
@@ -56,7 +56,7 @@ use crate::{
         TC_SOURCE_RANGES,
     },
     monitor,
-    packet::{Buf, Pkt, TCP_ACK, TCP_FIN, TCP_SYN},
+    packet::{Buf, Pkt, TCP_ACK, TCP_SYN},
     stats::{count_packet, count_service, count_tc},
     verdict::Verdict,
 };
@@ -148,12 +148,11 @@ fn tracked_as<B: Buf, const POD: bool>(
     let mut flags = track(&entry, tcp_flags);
     if entry.flags & CT_F_DSR_ENCAP != 0 {
         // The entry node of a DSR flow never sees a reply: the client acknowledging
-        // (TCP), or sending again (UDP), shows the flow is established; its FIN ends it.
+        // (TCP), or sending again (UDP), shows the flow is established. The backend's FIN
+        // is never seen either: after the client's FIN the flow is half-closed, with the
+        // shorter timeout of `ct_timeout_ns`, refreshed by every packet.
         if proto != PROTO_TCP || tcp_flags & TCP_ACK != 0 {
             flags |= CT_F_SEEN_REPLY;
-        }
-        if tcp_flags & TCP_FIN != 0 {
-            flags |= CT_F_FIN_REPLY;
         }
     }
     // SAFETY: as above; word-sized stores.
@@ -395,6 +394,12 @@ fn try_new_flow<B: Buf, const POD: bool>(
 ) -> Result<Verdict, TcCounter> {
     let k = &pkt.key;
     let ifindex = b.ifindex();
+    if TC_CONFIG
+        .get(0)
+        .is_some_and(|c| c.flags & TC_CFG_DRAIN != 0)
+    {
+        return Ok(Verdict::Pass); // `ebpf-proxy cleanup` is draining: no new flow
+    }
     if !POD {
         // SAFETY: value of the map, one word read.
         let iface_flags = TC_IFACE_ADDRS

@@ -2443,6 +2443,59 @@ fn dsr_flows(h: &Harness, f: Fam) {
         None,
         None,
     );
+
+    // The entry node after the client's FIN: half-closed (the backend's FIN never passes
+    // there), with the longer half-closed timeout rather than the closed one.
+    let fin = Packet::tcp(&sock(f.client, 46000), &sock(f.node, 30091), FIN | ACK);
+    let (v, _) = h.run(INGRESS, &fin.frame());
+    assert_eq!(v, REDIRECT, "the client's FIN, encapsulated");
+    let (_, e) = h
+        .conntrack()
+        .into_iter()
+        .find(|(k, _)| k.sport == 46000u16.to_be_bytes())
+        .expect("the entry of the flow");
+    assert!(!proxy_common::nat::ct_closed(e.flags), "{:#x}", e.flags);
+    assert_eq!(
+        proxy_common::nat::ct_timeout_ns(e.flags, TCP, 0, 0, 0),
+        proxy_common::nat::CT_TIMEOUT_TCP_HALF_CLOSED_NS
+    );
+
+    // The pairs go (the endpoint is no longer ready, or the Service left DSR): the flows
+    // this node tracks go on, new ones are not accepted.
+    let mut pairs: aya::maps::HashMap<
+        aya::maps::MapData,
+        proxy_common::nat::DsrKey,
+        proxy_common::nat::DsrTarget,
+    > = h.map(proxy_common::nat::DSR);
+    let keys: Vec<_> = pairs.keys().filter_map(|k| k.ok()).collect();
+    for k in keys {
+        pairs.remove(&k).unwrap();
+    }
+    let frame = ether(&encapsulated(&ack.ip(), other, f.local), v6);
+    let dnat = Packet {
+        dst: sock(f.local, 8080).parse().unwrap(),
+        ..ack.clone()
+    };
+    step(
+        h,
+        "an encapsulated packet of a tracked flow without its pair",
+        INGRESS,
+        &frame,
+        PASS,
+        Some(&dnat.frame()),
+        Some("tc_translated"),
+    );
+    let late = Packet::tcp(&sock(f.client, 46013), &sock(other, 30093), SYN);
+    let frame = ether(&encapsulated(&late.ip(), other, f.local), v6);
+    step(
+        h,
+        "a new flow without its pair",
+        INGRESS,
+        &frame,
+        PASS,
+        None,
+        Some("tc_dsr_unknown"),
+    );
 }
 
 #[test]

@@ -434,10 +434,17 @@ pub fn run(config: AgentConfig) -> Result<()> {
                 .context("open the bypass maps")?,
         );
         if config.north_south_mode != crate::model::NorthSouthMode::Snat {
-            info!(
-                mode = config.north_south_mode.name(),
-                "north-south flows to backends on other nodes go by direct server return (every node must run the same mode)"
-            );
+            if config.tc.masquerade_all {
+                tracing::warn!(
+                    mode = config.north_south_mode.name(),
+                    "--masquerade-all source-NATs every north-south flow: this node starts no direct server return flow (it still accepts those of other nodes)"
+                );
+            } else {
+                info!(
+                    mode = config.north_south_mode.name(),
+                    "north-south flows to backends on other nodes go by direct server return (every node must run the same mode)"
+                );
+            }
         }
         if config.socket_lb_scope != crate::model::bypass::SocketLbScope::All {
             info!(scope = config.socket_lb_scope.as_str(), "socket-level translation only for the node's own network namespace; pods are translated per packet");

@@ -426,6 +426,13 @@ fn cleanup(args: CleanupArgs) -> Result<()> {
 fn cleanup_pins(pins: &PinArgs) -> Result<()> {
     let dir = pins.dir()?;
     let r = loader::cleanup(&dir)?;
+    if let Some(d) = r.drained {
+        println!(
+            "drained north-south flows for {} ms (no new flow; open ones finished, at most {} s)",
+            d.as_millis(),
+            loader::DRAIN_MAX.as_secs()
+        );
+    }
     for l in &r.links {
         println!("detached {}", l.display());
     }

@@ -341,9 +341,6 @@ fn frontends(svc: &Service, warnings: &mut Vec<String>) -> Result<Option<Fronten
     }))
 }
 
-/// A Service's algorithm ([`ALGORITHM_ANNOTATION`], else `default`) and endpoint weights
-/// ([`WEIGHTS_ANNOTATION`], by pod name or address). A bad annotation is reported through
-/// `warn` and ignored (default algorithm, weight 1), the rest of the Service still works.
 /// The Service's [`NORTH_SOUTH_MODE_ANNOTATION`], else `default`; a value that is not a mode
 /// is reported in `warn` and `default` used.
 fn north_south_mode(
@@ -368,6 +365,9 @@ fn north_south_mode(
     })
 }
 
+/// A Service's algorithm ([`ALGORITHM_ANNOTATION`], else `default`) and endpoint weights
+/// ([`WEIGHTS_ANNOTATION`], by pod name or address). A bad annotation is reported through
+/// `warn` and ignored (default algorithm, weight 1), the rest of the Service still works.
 fn selection(
     svc: &Service,
     default: Algorithm,
