@@ -644,29 +644,7 @@ fn long_lived_tcp_stream(xdp: Xdp) {
     let c = lab.client_path();
     // One connection, many request/response rounds over a few seconds, while node-a's agent
     // crashes and restarts: the pinned links and conntrack keep the stream going.
-    let to: SocketAddr = format!("{NODE_A}:30080").parse().unwrap();
-    let c2 = c.clone();
-    let stream = std::thread::spawn(move || {
-        in_netns(&c2, move || {
-            let s = TcpStream::connect_timeout(&to, T).unwrap();
-            s.set_read_timeout(Some(T)).unwrap();
-            let mut w = s.try_clone().unwrap();
-            let mut r = BufReader::new(s);
-            let mut name = String::new();
-            r.read_line(&mut name).unwrap();
-            let mut n = 0;
-            for i in 0..200 {
-                w.write_all(format!("line-{i}\n").as_bytes()).unwrap();
-                let mut l = String::new();
-                r.read_line(&mut l).unwrap();
-                assert_eq!(l.trim(), format!("{} line-{i}", name.trim()));
-                n += 1;
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            n
-        })
-        .unwrap()
-    });
+    let stream = echo_stream(&c, format!("{NODE_A}:30080"), 200);
     std::thread::sleep(Duration::from_millis(300));
     lab.restart_agent(0);
     let rounds = stream
@@ -1003,6 +981,35 @@ fn large_line_echo(client: &Path, to: SocketAddr) -> Result<usize, String> {
             .map_err(|e| e.to_string())
     })
     .unwrap()
+}
+
+/// One TCP connection from the client namespace to `to`, in a thread: `rounds` lines sent
+/// 10 ms apart, each checked as the backend echoes it (its name, then the line). The
+/// thread's result is the number of rounds; it panics when the stream breaks.
+fn echo_stream(client: &Path, to: String, rounds: usize) -> std::thread::JoinHandle<usize> {
+    let to: SocketAddr = to.parse().unwrap();
+    let client = client.to_path_buf();
+    std::thread::spawn(move || {
+        in_netns(&client, move || {
+            let s = TcpStream::connect_timeout(&to, T).unwrap();
+            s.set_read_timeout(Some(T)).unwrap();
+            let mut w = s.try_clone().unwrap();
+            let mut r = BufReader::new(s);
+            let mut name = String::new();
+            r.read_line(&mut name).unwrap();
+            let mut n = 0;
+            for i in 0..rounds {
+                w.write_all(format!("line-{i}\n").as_bytes()).unwrap();
+                let mut l = String::new();
+                r.read_line(&mut l).unwrap();
+                assert_eq!(l.trim(), format!("{} line-{i}", name.trim()));
+                n += 1;
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            n
+        })
+        .unwrap()
+    })
 }
 
 /// A TCP connection from the client namespace held open: the stream and the backend's name
@@ -2219,33 +2226,15 @@ fn dsr_replies_bypass_the_entry_node_and_mtu_and_restarts_hold() {
     assert!(ca["tc_dsr_too_big"] > 0, "{ca:?}");
 
     // A stream through node-a to b0 while node-a's agent, then node-b's, restarts.
-    let to: SocketAddr = format!("{NODE_A}:30080").parse().unwrap();
-    let c2 = c.clone();
-    let stream = std::thread::spawn(move || {
-        in_netns(&c2, move || {
-            let s = TcpStream::connect_timeout(&to, T).unwrap();
-            s.set_read_timeout(Some(T)).unwrap();
-            let mut w = s.try_clone().unwrap();
-            let mut r = BufReader::new(s);
-            let mut name = String::new();
-            r.read_line(&mut name).unwrap();
-            for i in 0..300 {
-                w.write_all(format!("line-{i}\n").as_bytes()).unwrap();
-                let mut l = String::new();
-                r.read_line(&mut l).unwrap();
-                assert_eq!(l.trim(), format!("{} line-{i}", name.trim()));
-                std::thread::sleep(Duration::from_millis(10));
-            }
-        })
-        .unwrap()
-    });
+    let stream = echo_stream(&c, format!("{NODE_A}:30080"), 300);
     std::thread::sleep(Duration::from_millis(300));
     lab.restart_agent(0);
     std::thread::sleep(Duration::from_millis(300));
     lab.restart_agent(1);
-    stream
+    let rounds = stream
         .join()
         .expect("the stream survived both agents' restarts");
+    assert_eq!(rounds, 300);
 }
 
 /// The per-Service annotation, IPv4 and IPv6: `hybrid` on a Service while the agents run
