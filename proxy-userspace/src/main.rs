@@ -96,6 +96,15 @@ fn restore_sigpipe() {
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
 }
 
+/// mimalloc rather than glibc's malloc: after the first sync frees the transient structures
+/// of tens of thousands of Services, glibc merges and sorts every freed chunk at the next
+/// larger allocation, which took 5-15 ms out of the first change at 30,000 Services (the
+/// p99 of a change). mimalloc frees into per-page lists and gives memory back on its own
+/// (1 s after it is freed; the agent also collects after the first sync and every
+/// verification).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     let matches = Cli::command().get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());

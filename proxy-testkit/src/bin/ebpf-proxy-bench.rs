@@ -1282,6 +1282,8 @@ fn run_ebpf_inner(
             std::thread::sleep(Duration::from_millis(50));
         }
         results.log_change(Case::Ebpf, n, run);
+        // Kept for a look at where a change's time went.
+        let _ = fs::write(o.out.join(format!("agent-changes-{n}.log")), agent_log(env));
     }
 
     if o.steady_at.contains(&n) {

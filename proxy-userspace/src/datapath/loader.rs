@@ -628,11 +628,20 @@ fn load_parallel(ebpf: &mut Ebpf, names: &[&str]) -> Result<()> {
                         let Some((i, p)) = queue.lock().expect("queue").pop() else {
                             break;
                         };
+                        let started = std::time::Instant::now();
                         let loaded = match p {
                             Program::CgroupSockAddr(p) => p.load(),
                             Program::CgroupSock(p) => p.load(),
                             _ => Ok(()),
                         };
+                        // Where a start-up's time goes: the verifier, per program.
+                        tracing::debug!(
+                            program = names[i],
+                            ms = started.elapsed().as_millis() as u64,
+                            verified_insns =
+                                p.info().ok().and_then(|i| i.verified_instruction_count()),
+                            "program loaded"
+                        );
                         if let Err(e) = loaded {
                             failed.push((i, program_load_error(names[i], e)));
                         }
