@@ -7,7 +7,10 @@
 //! - [`select`]: the one selection entry point (ClientIP affinity, then the frontend's
 //!   algorithm).
 
-use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns};
+use aya_ebpf::{
+    cty::c_void,
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_loop},
+};
 use proxy_common::{
     AffinityKey, AffinityValue, Algorithm, Backend, BackendSlotKey, Counter, FRONTEND_F_EXTERNAL,
     FRONTEND_F_LOCAL_ONLY, FRONTEND_F_NO_ENDPOINTS, FRONTEND_F_VIP_MARKER, Frontend, FrontendKey,
@@ -340,67 +343,114 @@ const NO_COST: u64 = 1 << 33;
 /// tied backends: each candidate draws 24 random bits, appended below the product, so one
 /// 64-bit compare ranks by load, then by draw (equal draws, 1 in 2^24, favour the earlier
 /// slot). A slot whose backend has no weight is leaving the set (the agent removes its
-/// membership first) and is skipped. The algorithm's cost terms are bit masks of the
-/// algorithm number rather than branches, and the loop body has one compare: the verifier
-/// walks the 32 iterations with few states. Not inlined, so its frame is not added to
-/// `select`'s (the BPF stack is 512 bytes for the whole call chain).
+/// membership first) and is skipped.
+///
+/// The scan is a `bpf_loop` (Linux >= 5.17) over [`scan_slot`]: the verifier checks the
+/// body once rather than each of the 32 iterations at every place the hooks select a
+/// backend, which made this loop most of the verification of every translating program
+/// (and of an agent's start-up). Not inlined, so its frame is not added to `select`'s (the
+/// BPF stack is 512 bytes for the whole call chain).
 #[inline(never)]
 fn least_load(fe: &Frontend) -> u32 {
     let count = fe.backend_count;
     let alg = (fe.algorithm & 63) as u64;
-    let plus_one = (PLUS_ONE >> alg) & 1;
-    let idle_first = (IDLE_FIRST >> alg) & 1;
-    // SAFETY: helper without side effects.
-    let start = unsafe { bpf_get_prandom_u32() }
-        .checked_rem(count)
-        .unwrap_or(0);
-    let mut best_cost = NO_COST;
-    let mut best_weight = 1u64;
-    let mut best_draw = 0u64;
-    let mut best_id = 0u32;
-    for i in 0..LC_SCAN_MAX {
-        if i >= count {
-            break;
-        }
-        let mut slot = start + i;
-        if slot >= count {
-            slot -= count;
-        }
-        let key = BackendSlotKey {
-            service_id: fe.service_id,
-            slot,
-        };
-        // SAFETY: copied out at once.
-        let id = unsafe { BACKEND_SLOTS.get(key).copied() }.unwrap_or(0);
-        let member = MemberKey {
-            service_id: fe.service_id,
-            backend_id: id,
-        };
-        // SAFETY: copied out at once.
-        let weight = unsafe { MEMBERS.get(member).copied() }.unwrap_or(0) as u64;
-        if weight == 0 {
-            continue;
-        }
-        // SAFETY: copied out at once.
-        let conns = unsafe { LC_COUNTS.get(id).copied() }.unwrap_or(0) as u64;
-        // 1 for an idle backend under nq: `conns - 1` wraps to the top bit only from 0.
-        let idle = (conns.wrapping_sub(1) >> 63) & idle_first;
-        let cost = (conns + plus_one) * (1 - idle);
+    let mut scan = Scan {
+        service_id: fe.service_id,
+        count,
         // SAFETY: helper without side effects.
-        let draw = (unsafe { bpf_get_prandom_u32() } >> 8) as u64;
-        let this = (cost.wrapping_mul(best_weight) << 24) | draw;
-        let best = (best_cost.wrapping_mul(weight) << 24) | best_draw;
-        if this < best {
-            best_cost = cost;
-            best_weight = weight;
-            best_draw = draw;
-            best_id = id;
-        }
-    }
+        start: unsafe { bpf_get_prandom_u32() }
+            .checked_rem(count)
+            .unwrap_or(0),
+        best_id: 0,
+        plus_one: (PLUS_ONE >> alg) & 1,
+        idle_first: (IDLE_FIRST >> alg) & 1,
+        best_cost: NO_COST,
+        best_weight: 1,
+        best_draw: 0,
+    };
+    let n = if count < LC_SCAN_MAX {
+        count
+    } else {
+        LC_SCAN_MAX
+    };
+    // SAFETY: the callback is a BPF subprogram taking (index, context); the context is our
+    // own stack value, which outlives the call.
+    unsafe {
+        bpf_loop(
+            n,
+            scan_slot as *const () as *mut c_void,
+            &mut scan as *mut Scan as *mut c_void,
+            0,
+        )
+    };
+    let best_id = scan.best_id;
     if best_id == 0 || backend(best_id).is_none() {
         return 0;
     }
     best_id
+}
+
+/// The state of a [`least_load`] scan, shared with its loop body.
+#[repr(C)]
+struct Scan {
+    service_id: u32,
+    /// The frontend's backend count (slots `0..count`).
+    count: u32,
+    /// The first slot scanned.
+    start: u32,
+    /// The best backend so far (0: none).
+    best_id: u32,
+    /// 1 when the cost counts one more connection (`sed`, `nq`).
+    plus_one: u64,
+    /// 1 when an idle backend goes first (`nq`).
+    idle_first: u64,
+    best_cost: u64,
+    best_weight: u64,
+    best_draw: u64,
+}
+
+/// One slot of a [`least_load`] scan (`i` from 0): a `bpf_loop` callback, which returns 0
+/// to go on. The algorithm's cost terms are bit masks rather than branches and the body has
+/// one compare, so the verifier converges on it in few passes.
+#[inline(never)]
+extern "C" fn scan_slot(i: u32, ctx: *mut c_void) -> i64 {
+    // SAFETY: `ctx` is the `Scan` that `least_load` passed to `bpf_loop`.
+    let s = unsafe { &mut *(ctx as *mut Scan) };
+    let mut slot = s.start.wrapping_add(i);
+    if slot >= s.count {
+        slot = slot.wrapping_sub(s.count);
+    }
+    let key = BackendSlotKey {
+        service_id: s.service_id,
+        slot,
+    };
+    // SAFETY: copied out at once.
+    let id = unsafe { BACKEND_SLOTS.get(key).copied() }.unwrap_or(0);
+    let member = MemberKey {
+        service_id: s.service_id,
+        backend_id: id,
+    };
+    // SAFETY: copied out at once.
+    let weight = unsafe { MEMBERS.get(member).copied() }.unwrap_or(0) as u64;
+    if weight == 0 {
+        return 0;
+    }
+    // SAFETY: copied out at once.
+    let conns = unsafe { LC_COUNTS.get(id).copied() }.unwrap_or(0) as u64;
+    // 1 for an idle backend under nq: `conns - 1` wraps to the top bit only from 0.
+    let idle = (conns.wrapping_sub(1) >> 63) & s.idle_first;
+    let cost = (conns + s.plus_one) * (1 - idle);
+    // SAFETY: helper without side effects.
+    let draw = (unsafe { bpf_get_prandom_u32() } >> 8) as u64;
+    let this = (cost.wrapping_mul(s.best_weight) << 24) | draw;
+    let best = (s.best_cost.wrapping_mul(weight) << 24) | s.best_draw;
+    if this < best {
+        s.best_cost = cost;
+        s.best_weight = weight;
+        s.best_draw = draw;
+        s.best_id = id;
+    }
+    0
 }
 
 /// A 32-bit hash of a client address (and port): murmur3's finalizer over its words, so
