@@ -428,11 +428,12 @@ pub const DEFAULT_MAX_MAGLEV: u32 = 1024;
 pub const LC_SCAN_MAX: u32 = 32;
 
 /// Name of the per-service counter map: service id `u32` -> [`ServiceStats`]
-/// (BPF_MAP_TYPE_LRU_PERCPU_HASH: one value per CPU, summed by readers; entries of ids
-/// that no longer exist age out).
+/// (BPF_MAP_TYPE_PERCPU_HASH, not preallocated: one value per CPU, summed by readers; the
+/// programs create an id's entry at its first count, and the agent's periodic verification
+/// deletes the entries of ids no longer bound).
 pub const SERVICE_STATS: &str = "SERVICE_STATS";
 /// Name of the per-backend counter map: backend id `u32` -> connections and flows sent to it
-/// `u64` (BPF_MAP_TYPE_LRU_PERCPU_HASH).
+/// `u64` (BPF_MAP_TYPE_PERCPU_HASH, not preallocated, kept as [`SERVICE_STATS`]).
 pub const BACKEND_STATS: &str = "BACKEND_STATS";
 
 /// Per-CPU counters of one service id. 32 bytes.

@@ -6,8 +6,7 @@
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     btf_maps::{
-        Array, HashMap, LpmTrie, LruHashMap, LruPerCpuHashMap, PerCpuArray, PerCpuHashMap,
-        ProgramArray, RingBuf,
+        Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, PerCpuHashMap, ProgramArray, RingBuf,
     },
     macros::btf_map,
 };
@@ -119,15 +118,26 @@ pub static SOCKETS: LruHashMap<u64, u32, { DEFAULT_MAX_SOCKETS as usize }> = Lru
 pub static AFFINITY: LruHashMap<AffinityKey, AffinityValue, { DEFAULT_MAX_SOCKETS as usize }> =
     LruHashMap::new();
 
-/// Per-CPU counters by service id; see `proxy_common::SERVICE_STATS`.
+/// Per-CPU counters by service id; see `proxy_common::SERVICE_STATS`. Not preallocated:
+/// a preallocated per-CPU map allocates every element's per-CPU memory when it is created,
+/// most of a start-up's map creation.
 #[btf_map]
-pub static SERVICE_STATS: LruPerCpuHashMap<u32, ServiceStats, { DEFAULT_MAX_FRONTENDS as usize }> =
-    LruPerCpuHashMap::new();
+pub static SERVICE_STATS: PerCpuHashMap<
+    u32,
+    ServiceStats,
+    { DEFAULT_MAX_FRONTENDS as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = PerCpuHashMap::new();
 
-/// Per-CPU connections by backend id; see `proxy_common::BACKEND_STATS`.
+/// Per-CPU connections by backend id; see `proxy_common::BACKEND_STATS`. Not preallocated
+/// (see `SERVICE_STATS`).
 #[btf_map]
-pub static BACKEND_STATS: LruPerCpuHashMap<u32, u64, { DEFAULT_MAX_BACKENDS as usize }> =
-    LruPerCpuHashMap::new();
+pub static BACKEND_STATS: PerCpuHashMap<
+    u32,
+    u64,
+    { DEFAULT_MAX_BACKENDS as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = PerCpuHashMap::new();
 
 // ---------------------------------------------------------------------------------------
 // Workloads that bypass socket-level translation (see `proxy_common::bypass`)

@@ -81,6 +81,10 @@ pub struct FakeDatapath {
     /// [`ServiceMaps::end_bulk`], puts are buffered and written (and logged) in its order.
     /// Off: every put is written at once.
     pub batching: bool,
+    /// Ids with per-service counters (`SERVICE_STATS` keys; the programs create them).
+    pub service_stats: BTreeSet<u32>,
+    /// Ids with per-backend counters (`BACKEND_STATS` keys).
+    pub backend_stats: BTreeSet<u32>,
     bulk: Option<Vec<Op>>,
 }
 
@@ -102,6 +106,8 @@ impl FakeDatapath {
             collections: 0,
             fail_after: None,
             batching: false,
+            service_stats: BTreeSet::new(),
+            backend_stats: BTreeSet::new(),
             bulk: None,
         }
     }
@@ -186,6 +192,16 @@ fn full(map: &'static str) -> DatapathError {
 }
 
 impl ServiceMaps for FakeDatapath {
+    fn sweep_stats(
+        &mut self,
+        service_live: &dyn Fn(u32) -> bool,
+        backend_live: &dyn Fn(u32) -> bool,
+    ) -> Result<usize, DatapathError> {
+        let before = self.service_stats.len() + self.backend_stats.len();
+        self.service_stats.retain(|id| service_live(*id));
+        self.backend_stats.retain(|id| backend_live(*id));
+        Ok(before - self.service_stats.len() - self.backend_stats.len())
+    }
     fn capacity(&self) -> Capacity {
         self.cap
     }

@@ -109,6 +109,13 @@ impl ServiceMaps for KernelDatapath {
     ) -> Result<Released, DatapathError> {
         self.maps.release_stale(released)
     }
+    fn sweep_stats(
+        &mut self,
+        service_live: &dyn Fn(u32) -> bool,
+        backend_live: &dyn Fn(u32) -> bool,
+    ) -> Result<usize, DatapathError> {
+        self.maps.sweep_stats(service_live, backend_live)
+    }
 }
 
 impl NodeMaps for KernelDatapath {

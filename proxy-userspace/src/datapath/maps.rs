@@ -74,21 +74,56 @@ struct Bulk {
 }
 
 /// Writes one map's buffered puts with [`super::batch::write_all`].
-fn write_batch<K: aya::Pod, V: aya::Pod>(
+/// Batches at least this long are written by several threads (see [`write_batch`]).
+const PARALLEL_BATCH: usize = 16_384;
+
+/// Writes `keys` and `values` into `map` in batches. A long list (a first sync) is split
+/// over up to one thread per CPU (at most 4): the kernel's hash-map inserts, about 1 µs
+/// each, are most of a first sync at tens of thousands of Services, and concurrent inserts
+/// lock only their own buckets. Returns once every part is written, so the order between
+/// maps ([`PinnedMaps::flush`]) holds. Errors: a failed part's, with how many of that part
+/// were written.
+fn write_batch<K: aya::Pod + Sync, V: aya::Pod + Sync>(
     map: &MapData,
     name: &'static str,
     (keys, values): &(Vec<K>, Vec<V>),
 ) -> Result<(), DatapathError> {
-    if keys.is_empty() {
-        return Ok(());
-    }
-    super::batch::write_all(map.fd(), keys, values).map_err(|(done, e)| DatapathError::Map {
+    let err = |part: usize, (done, e): (usize, std::io::Error)| DatapathError::Map {
         op: "update",
         map: name,
         error: std::io::Error::new(
             e.kind(),
-            format!("{e} (batch of {}: {done} written)", keys.len()),
+            format!(
+                "{e} (batch of {}, part of {part}: {done} written)",
+                keys.len()
+            ),
         ),
+    };
+    if keys.is_empty() {
+        return Ok(());
+    }
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, 4);
+    if keys.len() < PARALLEL_BATCH || threads == 1 {
+        return super::batch::write_all(map.fd(), keys, values).map_err(|e| err(keys.len(), e));
+    }
+    let part = keys.len().div_ceil(threads);
+    let fd = map.fd();
+    std::thread::scope(|s| {
+        let parts: Vec<_> = keys
+            .chunks(part)
+            .zip(values.chunks(part))
+            .map(|(k, v)| {
+                s.spawn(move || super::batch::write_all(fd, k, v).map_err(|e| (k.len(), e)))
+            })
+            .collect();
+        parts
+            .into_iter()
+            .map(|h| h.join().expect("batch writer thread"))
+            .collect::<Result<Vec<()>, _>>()
+            .map(|_| ())
+            .map_err(|(n, e)| err(n, e))
     })
 }
 
@@ -260,6 +295,27 @@ pub fn read_backend_stats(
     Ok(out)
 }
 
+/// Deletes the keys of per-CPU hash map `name` pinned under `dir` for which `live` says
+/// false; returns how many went.
+fn sweep<V: aya::Pod>(
+    dir: &Path,
+    name: &'static str,
+    live: &dyn Fn(u32) -> bool,
+) -> Result<usize, DatapathError> {
+    let (map, _) = open_map(dir, name)?;
+    let mut m: aya::maps::PerCpuHashMap<MapData, u32, V> =
+        aya::maps::PerCpuHashMap::try_from(map).map_err(|e| map_err("open", name, e))?;
+    let dead: Vec<u32> = m
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|k| !live(*k))
+        .collect();
+    for k in &dead {
+        ignore_missing(m.remove(k)).map_err(|e| map_err("delete", name, e))?;
+    }
+    Ok(dead.len())
+}
+
 impl PinnedMaps {
     /// Releases what was translated to UDP backends that left a service: `released` holds
     /// (service id, backend id, backend) as [`crate::reconcile::services::Report::released`]
@@ -372,6 +428,16 @@ fn ignore_missing(r: Result<(), MapError>) -> Result<(), MapError> {
 }
 
 impl ServiceMaps for PinnedMaps {
+    fn sweep_stats(
+        &mut self,
+        service_live: &dyn Fn(u32) -> bool,
+        backend_live: &dyn Fn(u32) -> bool,
+    ) -> Result<usize, DatapathError> {
+        Ok(
+            sweep::<ServiceStats>(&self.dir, SERVICE_STATS, service_live)?
+                + sweep::<u64>(&self.dir, BACKEND_STATS, backend_live)?,
+        )
+    }
     fn capacity(&self) -> Capacity {
         self.cap
     }

@@ -136,6 +136,17 @@ pub trait ServiceMaps {
         &mut self,
         released: &[(u32, u32, Backend)],
     ) -> Result<Released, DatapathError>;
+    /// Deletes the per-service and per-backend counters (`SERVICE_STATS`, `BACKEND_STATS`)
+    /// of ids for which `service_live` / `backend_live` say false: those maps are not LRU
+    /// and ids are not reused soon, so the counters of released ids go here. Returns how
+    /// many were deleted. Data paths without counters delete nothing.
+    fn sweep_stats(
+        &mut self,
+        _service_live: &dyn Fn(u32) -> bool,
+        _backend_live: &dyn Fn(u32) -> bool,
+    ) -> Result<usize, DatapathError> {
+        Ok(0)
+    }
 }
 
 /// A `TC_SOURCE_RANGES` key: (prefix length in bits over the whole [`SourceRange`], data).

@@ -1220,6 +1220,15 @@ impl ServiceReconciler {
         self.orphan_service_ids.clear();
         self.orphan_backend_ids.clear();
         self.orphans = Counts::default();
+        // The counters of released ids (not a repair: the programs wrote them). A failure
+        // here costs only counter entries, so it does not fail the verification.
+        match dp.sweep_stats(&|id| self.ids_in_use.contains(&id), &|id| {
+            self.backends.contains_key(&id)
+        }) {
+            Ok(0) => {}
+            Ok(n) => tracing::debug!(entries = n, "counters of released ids deleted"),
+            Err(e) => tracing::warn!(error = %e, "deleting the counters of released ids failed"),
+        }
         Ok(r)
     }
 }
@@ -1886,6 +1895,41 @@ pub(crate) mod tests {
         // And the old state still syncs cleanly afterwards.
         let st = sync(&mut s, &mut dp, &ok).unwrap();
         assert_eq!((st.writes, st.deletes), (0, 0));
+    }
+
+    #[test]
+    fn verification_deletes_the_counters_of_released_ids_only() {
+        let mut dp = FakeDatapath::new(cap());
+        let mut s = ServiceReconciler::adopt(&dp).unwrap();
+        let web = key("web", Protocol::Tcp);
+        let both = state(vec![
+            (web.clone(), svc(&["10.96.0.10:80"], &["10.0.0.1:8080"])),
+            (
+                key("dns", Protocol::Udp),
+                svc(&["10.96.0.11:53"], &["10.0.0.2:53"]),
+            ),
+        ]);
+        sync(&mut s, &mut dp, &both).unwrap();
+        let services: BTreeSet<u32> = dp.state.names.keys().copied().collect();
+        let backends: BTreeSet<u32> = dp.state.backends.keys().copied().collect();
+        // The programs counted for every bound id, and for ids released long ago.
+        dp.service_stats = services.iter().copied().chain([9_999]).collect();
+        dp.backend_stats = backends.iter().copied().chain([8_888]).collect();
+        s.verify(&mut dp).unwrap();
+        assert_eq!(dp.service_stats, services);
+        assert_eq!(dp.backend_stats, backends);
+        // A Service leaves: its id's and its backend's counters go at the next verification.
+        let web_only = state(vec![(
+            web.clone(),
+            svc(&["10.96.0.10:80"], &["10.0.0.1:8080"]),
+        )]);
+        sync(&mut s, &mut dp, &web_only).unwrap();
+        s.verify(&mut dp).unwrap();
+        let web_id = s.id_of(&web).unwrap();
+        assert_eq!(dp.service_stats, BTreeSet::from([web_id]));
+        let left: BTreeSet<u32> = dp.state.backends.keys().copied().collect();
+        assert_eq!(left.len(), 1);
+        assert_eq!(dp.backend_stats, left);
     }
 
     #[test]
