@@ -332,7 +332,7 @@ pub fn run(config: AgentConfig) -> Result<()> {
             move || loader::attach_programs(ebpf, &dir, &cgroup)
         }));
         let started = async {
-            let dp = open_datapath(&dir, &cgroup, &config, sizes)?;
+            let mut dp = open_datapath(&dir, &cgroup, &config, sizes)?;
             let reconciler = Reconciler::adopt(
                 &dp,
                 NodeConfig {
@@ -343,6 +343,9 @@ pub fn run(config: AgentConfig) -> Result<()> {
             )
             .context("read the pinned maps")?;
             info!(services = reconciler.services.bound(), "adopted state from pinned maps");
+            if !fresh {
+                reconciler.services.sweep_counters(&mut dp);
+            }
             let rx = start_source(&config.source, &node.name, kube)?;
             anyhow::Ok((dp, reconciler, rx))
         }

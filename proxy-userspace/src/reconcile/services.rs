@@ -1220,8 +1220,17 @@ impl ServiceReconciler {
         self.orphan_service_ids.clear();
         self.orphan_backend_ids.clear();
         self.orphans = Counts::default();
-        // The counters of released ids (not a repair: the programs wrote them). A failure
-        // here costs only counter entries, so it does not fail the verification.
+        self.sweep_counters(dp);
+        Ok(r)
+    }
+
+    /// Deletes the per-service and per-backend counters of ids not bound now
+    /// ([`ServiceMaps::sweep_stats`]): at every verification, and at start before any id
+    /// is handed out, since an id an earlier agent released may be handed out again then
+    /// (ids continue after the highest bound one) and must not inherit its counts. Not a
+    /// repair (the programs wrote them); a failure costs only counter entries, so it is
+    /// logged, not returned.
+    pub fn sweep_counters(&self, dp: &mut impl ServiceMaps) {
         match dp.sweep_stats(&|id| self.ids_in_use.contains(&id), &|id| {
             self.backends.contains_key(&id)
         }) {
@@ -1229,7 +1238,6 @@ impl ServiceReconciler {
             Ok(n) => tracing::debug!(entries = n, "counters of released ids deleted"),
             Err(e) => tracing::warn!(error = %e, "deleting the counters of released ids failed"),
         }
-        Ok(r)
     }
 }
 #[cfg(test)]
@@ -1929,6 +1937,25 @@ pub(crate) mod tests {
         assert_eq!(dp.service_stats, BTreeSet::from([web_id]));
         let left: BTreeSet<u32> = dp.state.backends.keys().copied().collect();
         assert_eq!(left.len(), 1);
+        assert_eq!(dp.backend_stats, left);
+        // A restart after a removal no verification saw: the removed Service's id is the
+        // next one handed out, and the sweep at start keeps it from inheriting the counts.
+        let both = state(vec![
+            (web.clone(), svc(&["10.96.0.10:80"], &["10.0.0.1:8080"])),
+            (
+                key("late", Protocol::Tcp),
+                svc(&["10.96.0.12:80"], &["10.0.0.3:80"]),
+            ),
+        ]);
+        sync(&mut s, &mut dp, &both).unwrap();
+        let late_id = s.id_of(&key("late", Protocol::Tcp)).unwrap();
+        let late_backends: BTreeSet<u32> = dp.state.backends.keys().copied().collect();
+        dp.service_stats = [web_id, late_id].into();
+        dp.backend_stats = late_backends;
+        sync(&mut s, &mut dp, &web_only).unwrap();
+        let restarted = ServiceReconciler::adopt(&dp).unwrap();
+        restarted.sweep_counters(&mut dp);
+        assert_eq!(dp.service_stats, BTreeSet::from([web_id]));
         assert_eq!(dp.backend_stats, left);
     }
 
