@@ -116,6 +116,9 @@ pub fn kernel_log_level() -> KernelLogLevel {
 /// run the programs with every log line.
 pub fn new_loader() -> EbpfLoader<'static> {
     let mut loader = EbpfLoader::new();
+    // The object has no CO-RE relocations, so the kernel's BTF (about 20 ms and 18 MiB to
+    // parse, in the middle of a start-up) is not needed.
+    loader.btf(None);
     let level = kernel_log_level() as usize;
     loader.override_global(
         proxy_common::KERNEL_LOG_LEVEL,
