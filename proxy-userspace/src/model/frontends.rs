@@ -19,7 +19,8 @@
 //! all Services in age order therefore gives, for the Services of one connected group of the
 //! "shares a candidate frontend" relation, the same result as the pass over that group alone.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use foldhash::{HashMap, HashMapExt, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;

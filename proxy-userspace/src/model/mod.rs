@@ -109,7 +109,8 @@ pub(crate) mod frontends;
 pub mod node;
 pub(crate) mod service;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use foldhash::{HashMap, HashSet, HashSetExt};
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 

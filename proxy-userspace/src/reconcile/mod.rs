@@ -160,7 +160,14 @@ impl Reconciler {
         let mut out = Outcome::default();
         let mut keys: BTreeSet<ServicePortKey> = model.ports().keys().cloned().collect();
         keys.extend(self.services.keys().cloned());
-        // Every Service at once (the first sync): batched writes.
+        // Every Service at once (the first sync): batched writes, into tables sized once.
+        let (mut frontends, mut backends) = (0, 0);
+        for d in model.ports().values() {
+            frontends += d.frontends.len();
+            backends += d.backends.len();
+        }
+        self.services
+            .reserve(model.ports().len(), frontends, backends);
         dp.begin_bulk();
         self.apply_keys(dp, model, keys.iter(), now, &mut out);
         if let Err(e) = dp.end_bulk() {
@@ -257,7 +264,7 @@ impl Reconciler {
                 .iter()
                 .map(|k| ((*k).clone(), model.port(k)))
                 .collect();
-            let service = format!("{}/{}", group[0].namespace, group[0].name);
+            let service = || format!("{}/{}", group[0].namespace, group[0].name);
             match this.services.apply_service(dp, &items, &mut out.report) {
                 Ok(()) => {
                     let mut recovered = false;
@@ -265,7 +272,7 @@ impl Reconciler {
                         recovered |= this.failed.remove(*k).is_some();
                     }
                     if recovered {
-                        out.recovered.push(service);
+                        out.recovered.push(service());
                     }
                 }
                 Err(e) => {
@@ -287,7 +294,7 @@ impl Reconciler {
                             },
                         );
                     }
-                    out.failed.push((service, error));
+                    out.failed.push((service(), error));
                 }
             }
             group.clear();

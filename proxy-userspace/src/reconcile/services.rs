@@ -30,8 +30,9 @@
 //!   repairs every difference in the same order (entries changed behind the agent's back,
 //!   leftovers of an interrupted write, entries nothing claims after a restart).
 
+use foldhash::{HashMap, HashMapExt, HashSet};
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
+    collections::{BTreeMap, BTreeSet},
     hash::{Hash, Hasher},
     net::SocketAddr,
 };
@@ -535,6 +536,19 @@ impl ServiceReconciler {
     /// Every key bound to a service id.
     pub fn keys(&self) -> impl Iterator<Item = &ServicePortKey> {
         self.applied.keys()
+    }
+
+    /// Makes room for `keys` Service ports, `frontends` frontends and `backends` backends in
+    /// total, so that a first sync of N Services grows no table N times over.
+    pub fn reserve(&mut self, keys: usize, frontends: usize, backends: usize) {
+        let more = |want: usize, have: usize| want.saturating_sub(have);
+        self.applied.reserve(more(keys, self.applied.len()));
+        self.keys_by_id.reserve(more(keys, self.keys_by_id.len()));
+        self.ids_in_use.reserve(more(keys, self.ids_in_use.len()));
+        self.fe_owner.reserve(more(frontends, self.fe_owner.len()));
+        self.backends.reserve(more(backends, self.backends.len()));
+        self.backend_ids
+            .reserve(more(backends, self.backend_ids.len()));
     }
 
     /// Entries in use per map: (frontends with VIP markers, slots, backends, names).

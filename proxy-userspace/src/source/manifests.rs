@@ -37,7 +37,8 @@
 //! - The same kind/namespace/name twice (in two files, or twice in one file): the later one
 //!   (in file order, then document order) wins, with an error naming both origins.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use foldhash::{HashMap, HashMapExt, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
