@@ -135,6 +135,15 @@ pub fn needs_client(fe: &Frontend) -> bool {
         )
 }
 
+/// The initial value of the backend [`select`] writes (an all-zero entry, never a real
+/// backend).
+pub const NO_BACKEND: Backend = Backend {
+    addr: [0; 16],
+    port: [0; 2],
+    proto: 0,
+    flags: 0,
+};
+
 /// Backend id `id`, if it still exists.
 #[inline(always)]
 pub fn backend(id: u32) -> Option<Backend> {
@@ -177,14 +186,15 @@ pub struct Request {
 /// Chooses the backend of a new connection or flow (`req`) to frontend `fe`: the one entry point every hook (socket and tc) uses, so every data path applies
 /// the same rules. ClientIP affinity first (a fresh entry whose backend is still a member of
 /// this frontend's set), then the frontend's algorithm; an affinity entry is (re)written for
-/// the result. Returns the backend id, 0 when the frontend has no endpoints (the caller
-/// refuses or drops).
+/// the result. Returns the backend id and writes its value into `out` (one lookup of the
+/// backend per selection), or returns 0, leaving `out` alone, when the frontend has no
+/// endpoints (the caller refuses or drops).
 ///
 /// Not inlined: a BPF subprogram with its own stack frame keeps the hooks within the
 /// 512-byte stack. Subprograms here return scalars only (the verifier rejects a returned
 /// pointer to the caller's stack, which is how larger return values travel).
 #[inline(never)]
-pub fn select(fe: &Frontend, req: &Request) -> u32 {
+pub fn select(fe: &Frontend, req: &Request, out: &mut Backend) -> u32 {
     if fe.backend_count == 0 {
         return 0;
     }
@@ -198,16 +208,19 @@ pub fn select(fe: &Frontend, req: &Request) -> u32 {
     };
     if fe.affinity_timeout_s != 0 {
         let id = affine(fe, &client.addr, now);
+        let found = if id != 0 { backend(id) } else { None };
         if crate::monitor::on() {
-            crate::monitor::note_affinity(fe.service_id, id != 0);
+            crate::monitor::note_affinity(fe.service_id, found.is_some());
         }
-        if id != 0 {
+        if let Some(b) = found {
+            *out = b;
             // Refreshed here rather than inside `affine`: one call level less on the stack.
             remember_affinity(fe.affinity_group, &client.addr, id, now);
             return id;
         }
     }
-    let mut id = match Algorithm::from_u8(fe.algorithm) {
+    // The algorithms return a candidate id; its backend is read once, here.
+    let id = match Algorithm::from_u8(fe.algorithm) {
         Some(Algorithm::RoundRobin) | Some(Algorithm::WeightedRoundRobin) => {
             // checked_rem: no division-by-zero panic path (the verifier rejects one).
             by_slot(
@@ -228,17 +241,23 @@ pub fn select(fe: &Frontend, req: &Request) -> u32 {
         Some(Algorithm::DestinationHash) => by_maglev(fe, hash_client(&req.frontend.addr, None)),
         _ => 0,
     };
-    if id == 0 {
-        id = choose(fe);
-    }
+    let found = if id != 0 { backend(id) } else { None };
+    let id = match found {
+        Some(b) => {
+            *out = b;
+            id
+        }
+        None => choose(fe, out),
+    };
     if fe.affinity_timeout_s != 0 && id != 0 {
         remember_affinity(fe.affinity_group, &client.addr, id, now);
     }
     id
 }
 
-/// The backend of `client`'s affinity entry in `fe`'s group when the entry is fresh and the
-/// backend still a member of `fe`'s set (the caller refreshes it). Not inlined (stack).
+/// The backend id of `client`'s affinity entry in `fe`'s group when the entry is fresh and
+/// the backend still a member of `fe`'s set (the caller reads the backend and refreshes
+/// the entry). Not inlined (stack).
 #[inline(never)]
 fn affine(fe: &Frontend, client: &[u8; 16], now: u64) -> u32 {
     let key = AffinityKey {
@@ -252,7 +271,6 @@ fn affine(fe: &Frontend, client: &[u8; 16], now: u64) -> u32 {
     };
     if now.wrapping_sub(a.last_used_ns) >= fe.affinity_timeout_s as u64 * 1_000_000_000
         || !is_member(fe.service_id, a.backend_id)
-        || backend(a.backend_id).is_none()
     {
         return 0;
     }
@@ -297,10 +315,7 @@ fn by_slot(fe: &Frontend, slot: u32) -> u32 {
         slot,
     };
     // SAFETY: copied out at once.
-    match unsafe { BACKEND_SLOTS.get(key).copied() } {
-        Some(id) if backend(id).is_some() => id,
-        _ => 0,
-    }
+    unsafe { BACKEND_SLOTS.get(key).copied() }.unwrap_or(0)
 }
 
 /// This CPU's round-robin cursor of `service_id`, advanced by one.
@@ -331,7 +346,7 @@ const IDLE_FIRST: u64 = 1 << Algorithm::NeverQueue as u64;
 /// fits in 40 bits.
 const NO_COST: u64 = 1 << 33;
 
-/// The backend of the lowest load over at most `LC_SCAN_MAX` consecutive slots from a
+/// The backend id of the lowest load over at most `LC_SCAN_MAX` consecutive slots from a
 /// random start, for the least-load algorithms (the Linux IPVS schedulers' rules with no
 /// inactive connections; see `proxy_common::Algorithm` for why there are none here): with
 /// `c` the backend's connections ([`LC_COUNTS`]) and `w` its weight in the set ([`MEMBERS`];
@@ -383,11 +398,7 @@ fn least_load(fe: &Frontend) -> u32 {
             0,
         )
     };
-    let best_id = scan.best_id;
-    if best_id == 0 || backend(best_id).is_none() {
-        return 0;
-    }
-    best_id
+    scan.best_id
 }
 
 /// The state of a [`least_load`] scan, shared with its loop body.
@@ -479,8 +490,8 @@ fn fmix(mut h: u32) -> u32 {
     h ^ (h >> 16)
 }
 
-/// The Maglev table's backend for `hash`; `None` without a table (the agent writes it
-/// after the slots) or when its backend is no longer a member. Not inlined (stack).
+/// The Maglev table's backend id for `hash`; 0 without a table (the agent writes it after
+/// the slots) or when its backend is no longer a member. Not inlined (stack).
 #[inline(never)]
 fn by_maglev(fe: &Frontend, hash: u32) -> u32 {
     // Through a raw pointer: the table is far larger than the BPF stack and must never be
@@ -499,7 +510,7 @@ fn by_maglev(fe: &Frontend, hash: u32) -> u32 {
     }
     // SAFETY: idx < MAGLEV_MAX, inside the value.
     let id = unsafe { *(core::ptr::addr_of!((*t).entries) as *const u32).add(idx) };
-    if !is_member(fe.service_id, id) || backend(id).is_none() {
+    if !is_member(fe.service_id, id) {
         return 0;
     }
     id
@@ -507,17 +518,25 @@ fn by_maglev(fe: &Frontend, hash: u32) -> u32 {
 
 /// Picks a backend id of `fe` uniformly at random; when the chosen slot vanished under us
 /// (the agent shrank the service concurrently: it removes slots past the new count last),
-/// falls back to slot 0, which exists while the service has any backend. 0 when there is
-/// none. Not inlined, and without keys of its own on the stack: it is the deepest call of
+/// falls back to slot 0, which exists while the service has any backend. Writes the
+/// backend into `out` and returns its id; 0 when there is none. Not inlined, and without keys of its own on the stack: it is the deepest call of
 /// the tc programs' chain, which shares the 512-byte stack.
 #[inline(never)]
-pub fn choose(fe: &Frontend) -> u32 {
+pub fn choose(fe: &Frontend, out: &mut Backend) -> u32 {
     if fe.backend_count == 0 {
         return 0;
     }
-    if let Some((id, _)) = pick(fe) {
+    if let Some((id, b)) = pick(fe) {
+        *out = b;
         return id;
     }
     count(Counter::SlotMiss);
-    by_slot(fe, 0)
+    let id = by_slot(fe, 0);
+    match backend(id) {
+        Some(b) if id != 0 => {
+            *out = b;
+            id
+        }
+        _ => 0,
+    }
 }

@@ -49,7 +49,7 @@ use crate::{
     csum::rewrite,
     ct::{SHARED_FLAGS, alive, is_closed, peer_key, timeout_of, touch_peer, track},
     dsr, klog,
-    lb::{self, Lookup, Refusal, Request, Scope, backend, select},
+    lb::{self, Lookup, Refusal, Request, Scope, select},
     lc,
     maps::{
         Scratch, TC_CONFIG, TC_CONNTRACK, TC_IFACE_ADDRS, TC_LOCAL_ENDPOINTS, TC_SCRATCH,
@@ -436,14 +436,15 @@ fn try_new_flow<B: Buf, const POD: bool>(
     if denied_by_source_ranges(&k.daddr, &k.saddr) {
         return Err(TcCounter::SourceRangeDenied);
     }
-    let id = select(&fe, &sc.req);
+    let mut bk = lb::NO_BACKEND;
+    let id = select(&fe, &sc.req, &mut bk);
     // Counted by the caller (see `count_new_flow`).
     sc.count_sid = fe.service_id;
     sc.count_bid = id;
     sc.count_refused = (id == 0) as u32;
-    let Some(bk) = backend(id).filter(|_| id != 0) else {
+    if id == 0 {
         return Err(refused(Refusal::no_backend(&fe)));
-    };
+    }
     // A backend of the other family (the model never pairs them; a packet cannot change
     // family here).
     if other_family(&bk.addr, pkt.v6) {

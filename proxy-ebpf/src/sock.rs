@@ -45,7 +45,7 @@ use proxy_common::{
 use crate::{
     addr::L4Addr,
     klog,
-    lb::{Lookup, Refusal, Request, Scope, backend, lookup, needs_client, select},
+    lb::{Lookup, NO_BACKEND, Refusal, Request, Scope, backend, lookup, needs_client, select},
     lc,
     maps::{BYPASS_CONFIG, BYPASS_NETNS, CONFIG, REVNAT_SK, STALE_SOCKETS, UDP_FLOWS},
     monitor,
@@ -378,8 +378,9 @@ fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
     if needs_client(&fe) || monitor::on() {
         client_of::<V6>(ctx, &mut req.client);
     }
-    let id = select(&fe, &req);
-    let Some(b) = backend(id).filter(|_| id != 0) else {
+    let mut b = NO_BACKEND;
+    let id = select(&fe, &req, &mut b);
+    if id == 0 {
         let r = Refusal::no_backend(&fe);
         monitor::sock_refused(ctx.as_ptr(), r, &req, fe.service_id, fe.algorithm);
         klog::sock_refused(&req.frontend, monitor::reason_of(r) as u8, fe.service_id);
@@ -470,21 +471,22 @@ fn on_sendmsg<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         _pad: [0; 6],
     };
 
-    let chosen = flow_backend(&fkey, &fe, now);
+    let mut b = NO_BACKEND;
+    let chosen = flow_backend(&fkey, &fe, now, &mut b);
     let id = if chosen != 0 {
         chosen
     } else {
         if needs_client(&fe) || monitor::on() {
             client_of::<V6>(ctx, &mut req.client);
         }
-        let id = select(&fe, &req);
+        let id = select(&fe, &req, &mut b);
         if id != 0 {
             // A new flow.
             count_service(fe.service_id, id, 0);
         }
         id
     };
-    let Some(b) = backend(id).filter(|_| id != 0) else {
+    if id == 0 {
         let r = Refusal::no_backend(&fe);
         monitor::sock_refused(ctx.as_ptr(), r, &req, fe.service_id, fe.algorithm);
         klog::sock_refused(&req.frontend, monitor::reason_of(r) as u8, fe.service_id);
@@ -518,10 +520,11 @@ fn on_sendmsg<const V6: bool>(ctx: &SockAddrContext) -> i32 {
     ALLOW
 }
 
-/// The flow's backend while the flow is active and the backend still exists. Not inlined
+/// The id of the flow's backend, written into `out`, while the flow is active and the
+/// backend still exists; 0 otherwise. Not inlined
 /// (stack).
 #[inline(never)]
-fn flow_backend(fkey: &UdpFlowKey, fe: &Frontend, now: u64) -> u32 {
+fn flow_backend(fkey: &UdpFlowKey, fe: &Frontend, now: u64, out: &mut Backend) -> u32 {
     // SAFETY: copied out at once.
     let Some(f) = (unsafe { UDP_FLOWS.get(*fkey).copied() }) else {
         return 0;
@@ -533,7 +536,10 @@ fn flow_backend(fkey: &UdpFlowKey, fe: &Frontend, now: u64) -> u32 {
         return 0;
     }
     match backend(f.backend_id) {
-        Some(b) if b.addr == f.addr => f.backend_id,
+        Some(b) if b.addr == f.addr => {
+            *out = b;
+            f.backend_id
+        }
         _ => 0,
     }
 }
