@@ -519,6 +519,16 @@ struct Uses {
 
 fn uses(obj: &Object) -> Uses {
     let mut u = Uses::default();
+    // Each program linked with the subprograms it reaches (`.text` functions called, and
+    // `bpf_loop` callbacks), as the loader links them: a helper counts for the program
+    // types whose programs call it, wherever the call is.
+    let mut linked = obj.clone();
+    let text_sections = linked
+        .functions
+        .keys()
+        .map(|(section, _)| *section)
+        .collect();
+    let linked_ok = linked.relocate_calls(&text_sections).is_ok();
     let mut names: Vec<&String> = obj.programs.keys().collect();
     names.sort();
     for name in names {
@@ -527,12 +537,21 @@ fn uses(obj: &Object) -> Uses {
             continue;
         };
         u.programs.push((t, name.clone()));
-        // The program's function and every function of its section (subprograms).
-        for f in obj
-            .functions
-            .values()
-            .filter(|f| f.section_index.0 == p.section_index)
-        {
+        // Unlinked (an object the linker refuses; loading it fails and says so): the
+        // functions of the program's own section.
+        let functions: Vec<&aya_obj::Function> = if linked_ok {
+            linked
+                .functions
+                .get(&p.function_key())
+                .into_iter()
+                .collect()
+        } else {
+            obj.functions
+                .values()
+                .filter(|f| f.section_index.0 == p.section_index)
+                .collect()
+        };
+        for f in functions {
             for insn in &f.instructions {
                 if insn.code == (BPF_JMP | BPF_CALL) as u8
                     && insn.src_reg() == 0
@@ -1023,6 +1042,25 @@ mod tests {
         for h in ["set_retval", "get_socket_cookie", "map_lookup_elem"] {
             assert!(helpers.iter().any(|x| x == h), "{h} in {helpers:?}");
         }
+        // Helpers called only from subprograms count for the types whose programs reach
+        // them, and only for those.
+        let of = |t: ProgramType| -> Vec<String> {
+            u.helpers
+                .iter()
+                .filter(|(pt, _)| *pt == t)
+                .map(|(_, h)| helper_name(*h))
+                .collect()
+        };
+        let (sock, tc) = (
+            of(ProgramType::CgroupSockAddr),
+            of(ProgramType::SchedClassifier),
+        );
+        for h in ["loop", "get_prandom_u32"] {
+            assert!(sock.iter().any(|x| x == h), "{h} in {sock:?}");
+            assert!(tc.iter().any(|x| x == h), "{h} in {tc:?}");
+        }
+        assert!(tc.iter().any(|x| x == "fib_lookup"), "{tc:?}");
+        assert!(!sock.iter().any(|x| x == "fib_lookup"), "{sock:?}");
         assert!(u.map_types.contains("Hash"), "{:?}", u.map_types);
     }
 }
