@@ -481,7 +481,7 @@ fn program_type(section: &ProgramSection) -> Option<ProgramType> {
 }
 
 /// A map type number of the object as aya's [`MapType`].
-fn map_type(t: u32) -> Option<MapType> {
+pub(crate) fn map_type(t: u32) -> Option<MapType> {
     if t >= bpf_map_type::__MAX_BPF_MAP_TYPE as u32 {
         return None;
     }

@@ -319,8 +319,19 @@ pub fn replace_incompatible_pins(dir: &Path) -> Result<Vec<(&'static str, String
             continue;
         };
         let have_type = have.map_type().map(|t| t as u32).unwrap_or(u32::MAX);
+        // Map types by name (`PerCpuHash`), numbers only for types aya does not know.
+        let type_name = |t: u32| match crate::check::map_type(t) {
+            Some(mt) => format!("{mt:?}"),
+            None => format!("type {t}"),
+        };
+        let type_diff = (have_type != want.map_type()).then(|| {
+            format!(
+                "type {} pinned, {} now",
+                type_name(have_type),
+                type_name(want.map_type())
+            )
+        });
         let diffs: Vec<String> = [
-            ("type", have_type, want.map_type()),
             ("key size", have.key_size(), want.key_size()),
             ("value size", have.value_size(), want.value_size()),
             ("flags", have.map_flags(), want.map_flags()),
@@ -328,6 +339,7 @@ pub fn replace_incompatible_pins(dir: &Path) -> Result<Vec<(&'static str, String
         .iter()
         .filter(|(_, h, w)| h != w)
         .map(|(what, h, w)| format!("{what} {h} pinned, {w} now"))
+        .chain(type_diff)
         .chain(
             (FIXED_INDEX_MAPS.contains(&name) && have.max_entries() < want.max_entries()).then(
                 || {
@@ -494,7 +506,7 @@ pub fn load_pinned(dir: &Path, sizes: MapSizes) -> Result<Ebpf> {
         .with_context(|| format!("pin: create pin directory {}", dir.display()))?;
     let pins: Vec<(&str, PathBuf)> = pinned_maps().map(|m| (m, dir.join(m))).collect();
     for (name, why) in replace_incompatible_pins(dir)? {
-        tracing::warn!(map = name, %why, "a pinned map has another layout than this version's (an upgrade): it is created anew and its entries are lost; the old programs keep the old map until their links are replaced");
+        tracing::warn!(map = name, %why, "a pinned map has another layout than this version's (pinned by another version, older or newer): it is created anew and its entries are lost; the old programs keep the old map until their links are replaced");
     }
     let mut loader = object_loader(sizes);
     for (name, path) in &pins {
