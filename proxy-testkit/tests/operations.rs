@@ -544,8 +544,9 @@ fn sigterm_keeps_the_pinned_data_path_and_the_next_agent_adopts_it() {
 fn an_upgrade_recreates_pinned_maps_whose_layout_changed() {
     let mut env = Env::new("ops-upgrade", 1, false);
     web(&env, &[0]);
-    // What an older version pinned: TC_CONFIG with a 16-byte value (this version's is
-    // larger) and CONFIG as it is now.
+    // What another version pinned: TC_CONFIG with a 16-byte value (this version's is
+    // larger), BYPASS_CONFIG with this version's sizes but another map type, and every
+    // other map as it is now.
     let dir = env.pin_path();
     std::fs::create_dir_all(&dir).unwrap();
     let old = dir.join(proxy_common::nat::TC_CONFIG);
@@ -557,17 +558,35 @@ fn an_upgrade_recreates_pinned_maps_whose_layout_changed() {
         .output()
         .unwrap();
     assert!(out.status.success(), "bpftool: {}", text(&out.stderr));
+    let bypass_value = std::mem::size_of::<proxy_common::bypass::BypassConfig>().to_string();
+    let out = Command::new("bpftool")
+        .args(["map", "create"])
+        .arg(dir.join(proxy_common::bypass::BYPASS_CONFIG))
+        .args(["type", "percpu_array", "key", "4", "value", &bypass_value])
+        .args(["entries", "1", "name", "BYPASS_CONFIG"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "bpftool: {}", text(&out.stderr));
     env.start_agent();
     let log = env.log();
     let warned: Vec<&str> = log
         .lines()
         .filter(|l| l.contains("another layout"))
         .collect();
-    assert_eq!(warned.len(), 1, "{log}");
+    assert_eq!(warned.len(), 2, "{log}");
+    let of = |map: &str| {
+        warned
+            .iter()
+            .find(|l| l.contains(&format!("map=\"{map}\"")))
+            .unwrap_or_else(|| panic!("no warning for {map}: {warned:?}"))
+    };
+    let tc = of("TC_CONFIG");
+    assert!(tc.contains("value size 16 pinned"), "{tc}");
+    // Map types by name, not by kernel number.
+    let bypass = of("BYPASS_CONFIG");
     assert!(
-        warned[0].contains("map=\"TC_CONFIG\"") && warned[0].contains("value size 16 pinned"),
-        "{}",
-        warned[0]
+        bypass.contains("type PerCpuArray pinned, Array now"),
+        "{bypass}"
     );
     let info = aya::maps::MapInfo::from_pin(&old).unwrap();
     assert_eq!(

@@ -318,40 +318,45 @@ pub fn replace_incompatible_pins(dir: &Path) -> Result<Vec<(&'static str, String
         else {
             continue;
         };
-        let have_type = have.map_type().map(|t| t as u32).unwrap_or(u32::MAX);
-        // Map types by name (`PerCpuHash`), numbers only for types aya does not know.
-        let type_name = |t: u32| match crate::check::map_type(t) {
-            Some(mt) => format!("{mt:?}"),
-            None => format!("type {t}"),
-        };
-        let type_diff = (have_type != want.map_type()).then(|| {
-            format!(
-                "type {} pinned, {} now",
-                type_name(have_type),
-                type_name(want.map_type())
-            )
+        // Map types by name (`PerCpuHash`); a pinned type this build does not know is only
+        // known to differ.
+        let want_type = want.map_type();
+        let type_diff = match have.map_type() {
+            Ok(t) if t as u32 == want_type => None,
+            Ok(t) => Some(format!("{t:?}")),
+            Err(_) => Some("(unknown to this build)".to_string()),
+        }
+        .map(|pinned| {
+            let now = match crate::check::map_type(want_type) {
+                Some(t) => format!("{t:?}"),
+                None => want_type.to_string(),
+            };
+            format!("type {pinned} pinned, {now} now")
         });
-        let diffs: Vec<String> = [
-            ("key size", have.key_size(), want.key_size()),
-            ("value size", have.value_size(), want.value_size()),
-            ("flags", have.map_flags(), want.map_flags()),
-        ]
-        .iter()
-        .filter(|(_, h, w)| h != w)
-        .map(|(what, h, w)| format!("{what} {h} pinned, {w} now"))
-        .chain(type_diff)
-        .chain(
-            (FIXED_INDEX_MAPS.contains(&name) && have.max_entries() < want.max_entries()).then(
-                || {
-                    format!(
-                        "{} entries pinned, {} now",
-                        have.max_entries(),
-                        want.max_entries()
-                    )
-                },
-            ),
-        )
-        .collect();
+        let diffs: Vec<String> = type_diff
+            .into_iter()
+            .chain(
+                [
+                    ("key size", have.key_size(), want.key_size()),
+                    ("value size", have.value_size(), want.value_size()),
+                    ("flags", have.map_flags(), want.map_flags()),
+                ]
+                .iter()
+                .filter(|(_, h, w)| h != w)
+                .map(|(what, h, w)| format!("{what} {h} pinned, {w} now")),
+            )
+            .chain(
+                (FIXED_INDEX_MAPS.contains(&name) && have.max_entries() < want.max_entries()).then(
+                    || {
+                        format!(
+                            "{} entries pinned, {} now",
+                            have.max_entries(),
+                            want.max_entries()
+                        )
+                    },
+                ),
+            )
+            .collect();
         if !diffs.is_empty() {
             fs::remove_file(&path)
                 .with_context(|| format!("pin: remove incompatible {}", path.display()))?;
