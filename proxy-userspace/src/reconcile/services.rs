@@ -539,7 +539,9 @@ impl ServiceReconciler {
     }
 
     /// Makes room for `keys` Service ports, `frontends` frontends and `backends` backends in
-    /// total, so that a first sync of N Services grows no table N times over.
+    /// total, so that a first sync of N Services grows no table N times over. A hint: a
+    /// backend shared by several Service ports is counted once per port by callers that sum
+    /// per port, which reserves more than the tables end up holding.
     pub fn reserve(&mut self, keys: usize, frontends: usize, backends: usize) {
         let more = |want: usize, have: usize| want.saturating_sub(have);
         self.applied.reserve(more(keys, self.applied.len()));
