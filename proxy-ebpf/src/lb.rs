@@ -144,16 +144,20 @@ pub const NO_BACKEND: Backend = Backend {
     flags: 0,
 };
 
-/// Backend id `id`, if it still exists.
+/// Backend id `id`, if it still exists; `None` for 0, the id of no backend (what the
+/// selection functions return when they find none).
 #[inline(always)]
 pub fn backend(id: u32) -> Option<Backend> {
+    if id == 0 {
+        return None;
+    }
     // SAFETY: copied out at once, see `lookup`.
     unsafe { BACKENDS.get(id).copied() }
 }
 
 /// Picks one backend of `fe` uniformly at random. `None` when the frontend has no
 /// endpoints, or when the agent removed the chosen slot between our two lookups (the
-/// caller then looks the frontend up again once).
+/// caller then falls back to slot 0).
 #[inline(always)]
 pub fn pick(fe: &Frontend) -> Option<(u32, Backend)> {
     let count = fe.backend_count;
@@ -183,7 +187,8 @@ pub struct Request {
     pub client: L4Addr,
 }
 
-/// Chooses the backend of a new connection or flow (`req`) to frontend `fe`: the one entry point every hook (socket and tc) uses, so every data path applies
+/// Chooses the backend of a new connection or flow (`req`) to frontend `fe`: the one entry
+/// point every hook (socket and tc) uses, so every data path applies
 /// the same rules. ClientIP affinity first (a fresh entry whose backend is still a member of
 /// this frontend's set), then the frontend's algorithm; an affinity entry is (re)written for
 /// the result. Returns the backend id and writes its value into `out` (one lookup of the
@@ -208,7 +213,7 @@ pub fn select(fe: &Frontend, req: &Request, out: &mut Backend) -> u32 {
     };
     if fe.affinity_timeout_s != 0 {
         let id = affine(fe, &client.addr, now);
-        let found = if id != 0 { backend(id) } else { None };
+        let found = backend(id);
         if crate::monitor::on() {
             crate::monitor::note_affinity(fe.service_id, found.is_some());
         }
@@ -241,8 +246,7 @@ pub fn select(fe: &Frontend, req: &Request, out: &mut Backend) -> u32 {
         Some(Algorithm::DestinationHash) => by_maglev(fe, hash_client(&req.frontend.addr, None)),
         _ => 0,
     };
-    let found = if id != 0 { backend(id) } else { None };
-    let id = match found {
+    let id = match backend(id) {
         Some(b) => {
             *out = b;
             id
@@ -519,7 +523,8 @@ fn by_maglev(fe: &Frontend, hash: u32) -> u32 {
 /// Picks a backend id of `fe` uniformly at random; when the chosen slot vanished under us
 /// (the agent shrank the service concurrently: it removes slots past the new count last),
 /// falls back to slot 0, which exists while the service has any backend. Writes the
-/// backend into `out` and returns its id; 0 when there is none. Not inlined, and without keys of its own on the stack: it is the deepest call of
+/// backend into `out` and returns its id; 0 when there is none. Not inlined, and without
+/// keys of its own on the stack: it is the deepest call of
 /// the tc programs' chain, which shares the 512-byte stack.
 #[inline(never)]
 pub fn choose(fe: &Frontend, out: &mut Backend) -> u32 {
@@ -533,7 +538,7 @@ pub fn choose(fe: &Frontend, out: &mut Backend) -> u32 {
     count(Counter::SlotMiss);
     let id = by_slot(fe, 0);
     match backend(id) {
-        Some(b) if id != 0 => {
+        Some(b) => {
             *out = b;
             id
         }
