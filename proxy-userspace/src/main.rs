@@ -105,7 +105,20 @@ fn restore_sigpipe() {
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// Transparent huge pages off for this process, before the heap grows. mimalloc asks for
+/// huge pages on its arenas (`MADV_HUGEPAGE`), so with the kernel's THP setting `always` or
+/// `madvise` each 2 MiB region the heap touches became resident whole: at 10,000 Services x
+/// 10 endpoints the agent held about 120 MiB right after its first sync with them and about
+/// 97 MiB without (the same as setting `MIMALLOC_ALLOW_THP=0`). The process-wide switch
+/// (`PR_SET_THP_DISABLE`, Linux >= 3.15) also covers what mimalloc reserved before `main`.
+fn no_transparent_huge_pages() {
+    // SAFETY: prctl with integer arguments only. A kernel that refuses it leaves THP as
+    // configured, which costs memory only.
+    unsafe { libc::prctl(libc::PR_SET_THP_DISABLE, 1, 0, 0, 0) };
+}
+
 fn main() -> ExitCode {
+    no_transparent_huge_pages();
     let matches = Cli::command().get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let result = match cli.into_command() {
