@@ -416,6 +416,24 @@ fn init_only_pins_the_data_path_and_cleanup_removes_it_with_kube_proxys_flags() 
 }
 
 #[test]
+fn the_agent_runs_without_transparent_huge_pages() {
+    let mut env = Env::new("ops-thp", 1, false);
+    web(&env, &[0]);
+    env.start_agent();
+    // Its allocator asks for huge pages, which would keep every touched 2 MiB of the heap
+    // resident; the agent turns them off for itself (PR_SET_THP_DISABLE) before the heap
+    // grows.
+    let pid = env.agent.as_mut().unwrap().child_mut().id();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status
+        .lines()
+        .find(|l| l.starts_with("THP_enabled:"))
+        .expect("THP_enabled in /proc/PID/status (Linux >= 5.0)");
+    assert_eq!(line.split_whitespace().nth(1), Some("0"), "{status}");
+    assert_eq!(by_name(&env.tcp(&format!("{VIP}:80"), 3)).len(), 1);
+}
+
+#[test]
 fn a_busy_metrics_port_does_not_stop_the_agent_and_is_retried() {
     let mut env = Env::new("ops-busy", 1, false);
     web(&env, &[0]);
