@@ -329,7 +329,12 @@ pub fn run(config: AgentConfig) -> Result<()> {
         };
         let mut attach = Some(tokio::task::spawn_blocking({
             let (dir, cgroup) = (dir.clone(), cgroup.clone());
-            move || loader::attach_programs(ebpf, &dir, &cgroup)
+            move || {
+                let r = loader::attach_programs(ebpf, &dir, &cgroup);
+                // The loader and the verifier logs freed much on this thread.
+                crate::give_back_heap();
+                r
+            }
         }));
         let started = async {
             let mut dp = open_datapath(&dir, &cgroup, &config, sizes)?;
@@ -575,21 +580,6 @@ pub struct Agent<D> {
 /// times and the loop's timers agree.
 fn clock() -> Instant {
     tokio::time::Instant::now().into_std()
-}
-
-/// Returns the heap's free pages to the system at once: mimalloc's (the agent binary's
-/// allocator, which otherwise does so about 1 s after the free) and glibc's (C libraries;
-/// and every allocation when this library runs in a binary that keeps glibc's malloc). The
-/// first sync and every verification build and free large transient structures (the parsed
-/// objects, a snapshot of every map entry and the one expected): at 30,000 Services x 10
-/// endpoints about 55 MiB. Takes a few ms.
-fn give_back_heap() {
-    // SAFETY: both only release memory their allocator holds free.
-    unsafe {
-        libmimalloc_sys::mi_collect(true);
-        #[cfg(target_env = "gnu")]
-        libc::malloc_trim(0);
-    }
 }
 
 /// The programs' verification and attachment, awaited by the agent's loop.
@@ -905,7 +895,7 @@ impl<D: Datapath + FlowCollection> Agent<D> {
                 out.failed.extend(v.failed);
             }
             self.first_done = true;
-            give_back_heap();
+            crate::give_back_heap();
             out
         };
         self.report(&out);
@@ -1171,7 +1161,7 @@ impl<D: Datapath + FlowCollection> Agent<D> {
             return;
         }
         let out = self.reconciler.verify(&mut self.dp, &self.model, clock());
-        give_back_heap();
+        crate::give_back_heap();
         self.report(&out);
         self.after_sync(&out);
         self.sync_bypass(true);

@@ -1250,6 +1250,11 @@ async fn first_listing(
         let mut part = off_runtime(dir, move |d| {
             let mut out = Vec::new();
             d.read_chunk(chunk, &mut out);
+            if i == last {
+                // This thread parsed every chunk; its free pages go now, not when the
+                // blocking pool retires it.
+                crate::give_back_heap();
+            }
             out
         })
         .await?;
