@@ -84,6 +84,23 @@ fn one_event_per_connection_with_frontend_backend_and_reason() {
     manifests(&env, 0);
     env.start_agent();
     let mon = MonitorRun::start(&env.pin_path(), &[]);
+    // One reader at a time.
+    let name = env
+        .pin_path()
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string();
+    let second = Command::new(AGENT)
+        .args(["monitor", "--pin-dir", &name, "--duration", "1"])
+        .output()
+        .unwrap();
+    assert!(!second.status.success());
+    assert!(
+        String::from_utf8_lossy(&second.stderr).contains("one reader at a time"),
+        "{second:?}"
+    );
 
     // Translated: one TCP connection, then one unconnected UDP flow of three datagrams.
     let r = env.tcp(&format!("{VIP}:80"), 1);

@@ -17,7 +17,7 @@ use std::{
     collections::BTreeSet,
     fmt::Write as _,
     io::Read as _,
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::{Command, Stdio},
     time::{Duration, Instant},
 };
@@ -408,7 +408,7 @@ fn bpffs(opts: &Options) -> CheckResult {
             "bpffs",
             Status::Fail,
             format!("{} is not a BPF file system", path.display()),
-            format!("run `{mount_cmd}`, pass --mount-bpffs, or point --bpffs at a bpffs mount"),
+            bpffs_remedy(path, &mount_cmd),
         );
     }
     match ensure_bpffs(path) {
@@ -420,6 +420,26 @@ fn bpffs(opts: &Options) -> CheckResult {
             format!("run `{mount_cmd}` as root"),
         ),
     }
+}
+
+/// What to do about `--bpffs` naming a path that is no bpffs: point it at a bpffs mounted
+/// elsewhere (most likely what was meant); never mount one over a directory that holds files
+/// (`/tmp` after a typo), which would hide them; otherwise mount one there.
+fn bpffs_remedy(path: &Path, mount_cmd: &str) -> String {
+    if let Ok(Some(m)) = find_mount("bpf", None) {
+        return format!(
+            "point --bpffs at the BPF file system mounted at {}",
+            m.display()
+        );
+    }
+    let holds_files = std::fs::read_dir(path).is_ok_and(|mut d| d.next().is_some());
+    if holds_files {
+        return format!(
+            "point --bpffs at an empty directory and pass --mount-bpffs (mounting a bpffs on {} would hide its files)",
+            path.display()
+        );
+    }
+    format!("run `{mount_cmd}`, pass --mount-bpffs, or point --bpffs at a bpffs mount")
 }
 
 fn cgroup(opts: &Options) -> CheckResult {

@@ -20,7 +20,7 @@ use std::{
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray, RingBuf};
 use proxy_common::{
     Algorithm, SERVICE_NAMES, ServiceName,
@@ -541,31 +541,59 @@ fn wall_offset_ns() -> i128 {
     wall - monotonic_ns() as i128
 }
 
-/// An exclusive lock on the event stream of `dir` (one reader per ring buffer), held while
-/// the monitor runs: a file under /run named after the pin directory.
-fn lock(dir: &Path) -> Result<File> {
+/// An exclusive lock on the event stream of a pin directory (one reader per ring buffer),
+/// held while the monitor runs: a file under /run named after the pin directory, removed
+/// again when the monitor ends (see [`lock`]).
+struct MonitorLock {
+    _file: File,
+    path: PathBuf,
+}
+
+impl Drop for MonitorLock {
+    fn drop(&mut self) {
+        // Still ours: `lock` checked that the path names the locked file, and only the
+        // holder removes it.
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Takes the [`MonitorLock`] of `dir`. A monitor that ends removes the file while holding
+/// the lock, so one that opened the old file just before must not take the lock on it: the
+/// lock counts only when the path still names the locked file afterwards.
+fn lock(dir: &Path) -> Result<MonitorLock> {
+    use std::os::unix::fs::MetadataExt;
     let name: String = dir
         .to_string_lossy()
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
         .collect();
     let path = PathBuf::from(format!("/run/ebpf-proxy-monitor{name}.lock"));
+    let busy = || {
+        anyhow::anyhow!(
+            "another `ebpf-proxy monitor` is reading the events of {} (one reader at a time)",
+            dir.display()
+        )
+    };
     let f = File::create(&path).with_context(|| format!("create {}", path.display()))?;
     // SAFETY: flock(2) on a descriptor we own.
     if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        bail!(
-            "another `ebpf-proxy monitor` is reading the events of {} (one reader at a time)",
-            dir.display()
-        );
+        return Err(busy());
     }
-    Ok(f)
+    let same = match (std::fs::metadata(&path), f.metadata()) {
+        (Ok(p), Ok(m)) => p.dev() == m.dev() && p.ino() == m.ino(),
+        _ => false,
+    };
+    if !same {
+        return Err(busy());
+    }
+    Ok(MonitorLock { _file: f, path })
 }
 
 /// Runs the monitor until `count` events were printed, `duration` passed, or SIGINT or
 /// SIGTERM arrived; writes the lines to `out`.
 pub fn run(opts: &Options, out: &mut dyn std::io::Write) -> Result<()> {
     let dir = &opts.dir;
-    let _lock = lock(dir)?;
+    // The event stream first: a mistyped pin directory leaves nothing behind.
     let path = dir.join(MONITOR_EVENTS);
     let data = MapData::from_pin(&path).with_context(|| {
         format!(
@@ -573,6 +601,7 @@ pub fn run(opts: &Options, out: &mut dyn std::io::Write) -> Result<()> {
             path.display()
         )
     })?;
+    let _lock = lock(dir)?;
     let mut ring = RingBuf::try_from(Map::RingBuf(data))?;
     let mut names = Names::open(dir)?;
     // SAFETY: installing a handler that only stores to an atomic.

@@ -612,6 +612,14 @@ impl MonitorRun {
             !proxy_userspace::monitor::lease_held(&self.pin).unwrap(),
             "the monitor left its lease set"
         );
+        let lock: String = self
+            .pin
+            .to_string_lossy()
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+            .collect();
+        let lock = PathBuf::from(format!("/run/ebpf-proxy-monitor{lock}.lock"));
+        assert!(!lock.exists(), "the monitor left {}", lock.display());
         fs::read_to_string(&self.out)
             .unwrap()
             .lines()
