@@ -624,6 +624,13 @@ pub struct Explanation {
     /// EndpointSlices in the namespace of the matching Services that are ignored because
     /// they lack the `kubernetes.io/service-name` label (`namespace/name`; with a source).
     pub ignored_slices: Vec<String>,
+    /// With a source, what was skipped that bears on the target, one line per error as the
+    /// agent logs it: errors of the matching Services and of their EndpointSlices (a skipped
+    /// endpoint is missing from `endpoints`), and errors naming the target frontend (a
+    /// Service that lost it to an older one). When the target is no frontend, every
+    /// skipped Service instead (at most [`MAX_SKIPPED_SHOWN`], then a count), since one of
+    /// them may be the Service that would have defined it.
+    pub skipped: Vec<String>,
     /// Which path serves which workload of this node (see [`workload_paths`]).
     pub paths: Vec<String>,
 }
@@ -836,7 +843,11 @@ pub fn explain(
                 .collect()
         })
         .unwrap_or_default();
+    let skipped = source
+        .map(|m| skipped_for(m, &frontends, &format!("{addr}/{}", proto_name(proto))))
+        .unwrap_or_default();
     Ok(Explanation {
+        skipped,
         target: format!("{addr}/{}", proto_name(proto)),
         from: "pinned maps",
         node: node.to_string(),
@@ -846,6 +857,57 @@ pub fn explain(
         ignored_slices,
         paths: workload_paths(dir, source),
     })
+}
+
+/// At most this many skipped Services are listed by `explain` for a target that is no
+/// frontend.
+pub const MAX_SKIPPED_SHOWN: usize = 10;
+
+/// [`Explanation::skipped`] for the frontends found for `target` (`ADDR:PORT/PROTO`).
+fn skipped_for(
+    model: &crate::model::Model,
+    frontends: &[ExplainedFrontend],
+    target: &str,
+) -> Vec<String> {
+    let errors = model.errors();
+    if frontends.is_empty() {
+        let services: Vec<String> = errors
+            .iter()
+            .filter(|e| e.kind == "Service" && e.reason.ends_with("Service skipped"))
+            .map(ToString::to_string)
+            .collect();
+        let more = services.len().saturating_sub(MAX_SKIPPED_SHOWN);
+        let mut out: Vec<String> = services.into_iter().take(MAX_SKIPPED_SHOWN).collect();
+        if more > 0 {
+            out.push(format!(
+                "... and {more} more skipped Services (see the agent's log)"
+            ));
+        }
+        return out;
+    }
+    let services: std::collections::BTreeSet<(&str, &str)> = frontends
+        .iter()
+        .filter_map(|f| {
+            // `ns/name:port/PROTO/family[/scope]`; names never hold ':'.
+            let (ns, rest) = f.frontend.service.split_once('/')?;
+            Some((ns, rest.split(':').next()?))
+        })
+        .collect();
+    errors
+        .iter()
+        .filter(|e| {
+            let ours = services.iter().any(|(ns, name)| {
+                e.namespace == *ns
+                    && match e.kind.as_str() {
+                        "Service" => e.name == *name,
+                        "EndpointSlice" => model.slices_of(ns, name).contains(&e.name),
+                        _ => false,
+                    }
+            });
+            ours || e.reason.contains(target)
+        })
+        .map(ToString::to_string)
+        .collect()
 }
 
 /// Which path serves which workload of this node, one line each: the socket programs
@@ -945,6 +1007,19 @@ pub fn print_explanation(e: &Explanation, json: bool) -> Result<()> {
             crate::model::SERVICE_NAME_LABEL
         );
     }
+    if !e.skipped.is_empty() {
+        println!(
+            "{}:",
+            if e.frontends.is_empty() {
+                "skipped Services (one of them may be meant to define this frontend)"
+            } else {
+                "skipped, bearing on this frontend"
+            }
+        );
+        for s in &e.skipped {
+            println!("  {s}");
+        }
+    }
     for f in &e.frontends {
         let r = &f.frontend;
         println!();
@@ -1027,6 +1102,87 @@ pub fn print_explanation(e: &Explanation, json: bool) -> Result<()> {
 mod tests {
     use super::*;
     use crate::model::{Model, NodeInfo};
+
+    #[test]
+    fn explain_names_what_was_skipped_for_the_target() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("web.yaml"),
+            "apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: shop, creationTimestamp: '2024-01-01T00:00:00Z'}
+spec: {clusterIP: 10.96.0.10, ports: [{port: 80, targetPort: 8080}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-1, namespace: shop, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{port: 8080}]
+endpoints:
+- {addresses: [10.0.0.7]}
+- {addresses: [999.1.1.1]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: dup, namespace: other, creationTimestamp: '2025-01-01T00:00:00Z'}
+spec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: badport, namespace: other}
+spec: {clusterIP: 10.96.0.20, ports: [{port: 70000}]}
+",
+        )
+        .unwrap();
+        let (objects, errors) = crate::source::manifests::load_dir(dir.path());
+        assert!(errors.is_empty(), "{errors:?}");
+        let node = NodeInfo {
+            name: "n1".into(),
+            ..Default::default()
+        };
+        let model = Model::from_objects(&objects, &node);
+        let snap = desired_snapshot(&model).unwrap();
+        let nowhere = dir.path().join("no-pins");
+        let none = Default::default();
+        let ask = |t: &str| {
+            let target: std::net::SocketAddr = t.parse().unwrap();
+            explain(&nowhere, &snap, target, 6, Some(&model), "n1", &none).unwrap()
+        };
+        // A frontend: its slice's skipped endpoint and the Service that lost the frontend.
+        let e = ask("10.96.0.10:80");
+        assert_eq!(e.frontends.len(), 1);
+        assert_eq!(e.skipped.len(), 2, "{:?}", e.skipped);
+        assert!(
+            e.skipped
+                .iter()
+                .any(|s| s.contains("EndpointSlice shop/web-1") && s.contains("999.1.1.1")),
+            "{:?}",
+            e.skipped
+        );
+        assert!(
+            e.skipped
+                .iter()
+                .any(|s| s.contains("Service other/dup") && s.contains("10.96.0.10:80/TCP")),
+            "{:?}",
+            e.skipped
+        );
+        // No frontend: the skipped Services, one of which may be meant to define it.
+        let e = ask("10.96.0.20:80");
+        assert!(e.frontends.is_empty());
+        assert_eq!(e.verdict, "not a frontend: left alone by ebpf-proxy");
+        assert!(
+            e.skipped
+                .iter()
+                .any(|s| s.contains("Service other/badport") && s.contains("70000")),
+            "{:?}",
+            e.skipped
+        );
+        assert!(
+            e.skipped.iter().all(|s| !s.contains("EndpointSlice")),
+            "{:?}",
+            e.skipped
+        );
+    }
 
     #[test]
     fn explain_without_pins_answers_from_what_an_agent_would_program() {

@@ -1199,6 +1199,13 @@ impl Model {
             .collect()
     }
 
+    /// The EndpointSlices (names) feeding Service `namespace`/`name`, in name order.
+    pub fn slices_of(&self, namespace: &str, name: &str) -> &[String] {
+        self.slices_of
+            .get(&(namespace.to_string(), name.to_string()))
+            .map_or(&[], Vec::as_slice)
+    }
+
     /// Number of errors now.
     pub fn error_count(&self) -> usize {
         self.errors.values().map(Vec::len).sum()
