@@ -1103,11 +1103,24 @@ mod tests {
     use super::*;
     use crate::model::{Model, NodeInfo};
 
+    /// The model of the manifests `yaml` (one file) as node `node` sees them, and the
+    /// directory they were read from (the tests put a pin directory that does not exist
+    /// there).
+    fn model_of(yaml: &str, node: &str) -> (tempfile::TempDir, Model) {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("web.yaml"), yaml).unwrap();
+        let (objects, errors) = crate::source::manifests::load_dir(dir.path());
+        assert!(errors.is_empty(), "{errors:?}");
+        let node = NodeInfo {
+            name: node.into(),
+            ..Default::default()
+        };
+        (dir, Model::from_objects(&objects, &node))
+    }
+
     #[test]
     fn explain_names_what_was_skipped_for_the_target() {
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::write(
-            dir.path().join("web.yaml"),
+        let (dir, model) = model_of(
             "apiVersion: v1
 kind: Service
 metadata: {name: web, namespace: shop, creationTimestamp: '2024-01-01T00:00:00Z'}
@@ -1132,15 +1145,8 @@ kind: Service
 metadata: {name: badport, namespace: other}
 spec: {clusterIP: 10.96.0.20, ports: [{port: 70000}]}
 ",
-        )
-        .unwrap();
-        let (objects, errors) = crate::source::manifests::load_dir(dir.path());
-        assert!(errors.is_empty(), "{errors:?}");
-        let node = NodeInfo {
-            name: "n1".into(),
-            ..Default::default()
-        };
-        let model = Model::from_objects(&objects, &node);
+            "n1",
+        );
         let snap = desired_snapshot(&model).unwrap();
         let nowhere = dir.path().join("no-pins");
         let none = Default::default();
@@ -1186,9 +1192,7 @@ spec: {clusterIP: 10.96.0.20, ports: [{port: 70000}]}
 
     #[test]
     fn explain_without_pins_answers_from_what_an_agent_would_program() {
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::write(
-            dir.path().join("web.yaml"),
+        let (dir, model) = model_of(
             "apiVersion: v1
 kind: Service
 metadata: {name: web, namespace: shop}
@@ -1203,15 +1207,8 @@ endpoints:
 - {addresses: [10.0.0.7], nodeName: n1}
 - {addresses: [10.0.0.8], nodeName: n2, conditions: {ready: false}}
 ",
-        )
-        .unwrap();
-        let (objects, errors) = crate::source::manifests::load_dir(dir.path());
-        assert!(errors.is_empty(), "{errors:?}");
-        let node = NodeInfo {
-            name: "n1".into(),
-            ..Default::default()
-        };
-        let model = Model::from_objects(&objects, &node);
+            "n1",
+        );
         let snap = desired_snapshot(&model).unwrap();
         let nowhere = dir.path().join("no-pins");
         let target: std::net::SocketAddr = "10.96.0.10:80".parse().unwrap();
