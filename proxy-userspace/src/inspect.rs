@@ -893,18 +893,24 @@ fn skipped_for(
             Some((ns, rest.split(':').next()?))
         })
         .collect();
+    // The owners whose errors count, as (kind, namespace, name): the Services and the
+    // slices feeding them, looked up once.
+    let owners: std::collections::BTreeSet<(&str, &str, &str)> = services
+        .iter()
+        .flat_map(|&(ns, name)| {
+            std::iter::once(("Service", ns, name)).chain(
+                model
+                    .slices_of(ns, name)
+                    .iter()
+                    .map(move |s| ("EndpointSlice", ns, s.as_str())),
+            )
+        })
+        .collect();
     errors
         .iter()
         .filter(|e| {
-            let ours = services.iter().any(|(ns, name)| {
-                e.namespace == *ns
-                    && match e.kind.as_str() {
-                        "Service" => e.name == *name,
-                        "EndpointSlice" => model.slices_of(ns, name).contains(&e.name),
-                        _ => false,
-                    }
-            });
-            ours || e.reason.contains(target)
+            owners.contains(&(e.kind.as_str(), e.namespace.as_str(), e.name.as_str()))
+                || e.reason.contains(target)
         })
         .map(ToString::to_string)
         .collect()

@@ -557,17 +557,24 @@ impl Drop for MonitorLock {
     }
 }
 
-/// Takes the [`MonitorLock`] of `dir`. A monitor that ends removes the file while holding
-/// the lock, so one that opened the old file just before must not take the lock on it: the
-/// lock counts only when the path still names the locked file afterwards.
-fn lock(dir: &Path) -> Result<MonitorLock> {
-    use std::os::unix::fs::MetadataExt;
+/// The file under /run that the monitor of the pin directory `dir` locks while it runs (and
+/// removes when it ends): `/run/ebpf-proxy-monitor` + `dir` with every character but ASCII
+/// letters and digits as `_` + `.lock`.
+pub fn lock_path(dir: &Path) -> PathBuf {
     let name: String = dir
         .to_string_lossy()
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
         .collect();
-    let path = PathBuf::from(format!("/run/ebpf-proxy-monitor{name}.lock"));
+    PathBuf::from(format!("/run/ebpf-proxy-monitor{name}.lock"))
+}
+
+/// Takes the [`MonitorLock`] of `dir`. A monitor that ends removes the file while holding
+/// the lock, so one that opened the old file just before must not take the lock on it: the
+/// lock counts only when the path still names the locked file afterwards.
+fn lock(dir: &Path) -> Result<MonitorLock> {
+    use std::os::unix::fs::MetadataExt;
+    let path = lock_path(dir);
     let busy = || {
         anyhow::anyhow!(
             "another `ebpf-proxy monitor` is reading the events of {} (one reader at a time)",

@@ -612,13 +612,7 @@ impl MonitorRun {
             !proxy_userspace::monitor::lease_held(&self.pin).unwrap(),
             "the monitor left its lease set"
         );
-        let lock: String = self
-            .pin
-            .to_string_lossy()
-            .chars()
-            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
-            .collect();
-        let lock = PathBuf::from(format!("/run/ebpf-proxy-monitor{lock}.lock"));
+        let lock = proxy_userspace::monitor::lock_path(&self.pin);
         assert!(!lock.exists(), "the monitor left {}", lock.display());
         fs::read_to_string(&self.out)
             .unwrap()
