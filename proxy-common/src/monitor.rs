@@ -218,6 +218,8 @@ pub const HOOK_SKB: u8 = 2;
 pub const HOOK_TC_INGRESS: u8 = 3;
 /// The tcx egress program.
 pub const HOOK_TC_EGRESS: u8 = 4;
+/// The XDP program (`--xdp`): flows it starts, ends or drops.
+pub const HOOK_XDP: u8 = 5;
 
 /// One data-path event. 120 bytes (128 with the ring buffer's record header). Fields a kind has no value for are zero.
 #[repr(C)]

@@ -398,10 +398,11 @@ pub fn sock_translated(
 }
 
 /// Notes the drop of a packet that would have started a flow, counted as `counter` (a
-/// `TcCounter`), for the entry point to emit (see `nat::count_new_flow`). Its own BPF
-/// function: the mapping stays out of `new_flow`'s instructions.
+/// `TcCounter`), at hook `hook` (`HOOK_*`), for the entry point to emit (see
+/// `nat::count_new_flow`). Its own BPF function: the mapping stays out of `new_flow`'s
+/// instructions.
 #[inline(never)]
-pub fn note_flow_drop(counter: u32) {
+pub fn note_flow_drop(counter: u32, hook: u8) {
     use proxy_common::nat::TcCounter as C;
     let reason = if counter == C::DroppedNoEndpoints as u32 {
         EventReason::NoEndpoints
@@ -428,7 +429,7 @@ pub fn note_flow_drop(counter: u32) {
             reason,
             0,
             proxy_common::monitor::ALGORITHM_UNKNOWN,
-            proxy_common::monitor::HOOK_TC_INGRESS,
+            hook,
         );
         (*sc).mon_bid = 0;
     }

@@ -34,7 +34,6 @@ use proxy_common::{
     Algorithm, FRONTEND_F_LOCAL_ONLY, Frontend, PROTO_TCP, counts_connections, is_v4_mapped,
     monitor::{
         ALGORITHM_UNKNOWN, EVENT_F_DSR, EVENT_F_SNAT, EVENT_F_TUPLE, EventKind, EventReason,
-        HOOK_TC_EGRESS, HOOK_TC_INGRESS,
     },
     nat::{
         CT_F_DSR_DECAP, CT_F_DSR_ENCAP, CT_F_EGRESS, CT_F_POD, CT_F_REPLY, CT_F_SEEN_REPLY,
@@ -165,11 +164,7 @@ fn tracked_as<B: Buf, const POD: bool>(
         // The flow closed: its least-connections count, if any, is given back now.
         flow_closed(&pkt.key, &entry);
         if monitor::on() {
-            let hook = if ingress {
-                HOOK_TC_INGRESS
-            } else {
-                HOOK_TC_EGRESS
-            };
+            let hook = B::hook(ingress);
             let w = monitor::word(
                 EventKind::FlowEnd,
                 EventReason::None,
@@ -304,7 +299,7 @@ fn snat_binding_held(key: &CtKey, entry: &CtEntry, now: u64) -> bool {
 /// outside this deep frame.
 #[inline(never)]
 pub fn new_flow<B: Buf>(b: &B, pkt: &Pkt, tcp_flags: u8, now: u64) -> Verdict {
-    on_new_flow(try_new_flow::<B, false>(b, pkt, tcp_flags, now))
+    on_new_flow::<B>(try_new_flow::<B, false>(b, pkt, tcp_flags, now))
 }
 
 /// A first packet leaving a workload that bypasses socket-level translation, on its
@@ -318,17 +313,17 @@ pub fn new_flow<B: Buf>(b: &B, pkt: &Pkt, tcp_flags: u8, now: u64) -> Verdict {
 /// [`CT_F_POD`]. Its own BPF function, as [`new_flow`].
 #[inline(never)]
 pub fn new_pod_flow<B: Buf>(b: &B, pkt: &Pkt, tcp_flags: u8, now: u64) -> Verdict {
-    on_new_flow(try_new_flow::<B, true>(b, pkt, tcp_flags, now))
+    on_new_flow::<B>(try_new_flow::<B, true>(b, pkt, tcp_flags, now))
 }
 
 /// The verdict of a new flow, a drop counted by reason.
 #[inline(always)]
-fn on_new_flow(r: Result<Verdict, TcCounter>) -> Verdict {
+fn on_new_flow<B: Buf>(r: Result<Verdict, TcCounter>) -> Verdict {
     match r {
         Ok(v) => v,
         Err(c) => {
             if monitor::on() {
-                monitor::note_flow_drop(c as u32);
+                monitor::note_flow_drop(c as u32, B::hook(true));
             }
             klog::flow_drop(c as u32);
             if c == TcCounter::DroppedNoEndpoints {
@@ -571,7 +566,7 @@ fn try_new_flow<B: Buf, const POD: bool>(
             EventReason::None,
             flags,
             fe.algorithm,
-            HOOK_TC_INGRESS,
+            B::hook(true),
         );
         sc.mon_bid = id;
     }
@@ -627,7 +622,7 @@ fn dsr_flow<B: Buf>(
             EventReason::None,
             EVENT_F_DSR,
             algorithm,
-            HOOK_TC_INGRESS,
+            B::hook(true),
         );
         sc.mon_bid = sc.count_bid;
     }

@@ -117,6 +117,9 @@ pub trait Buf {
     fn is_gso(&self) -> bool {
         false
     }
+    /// The monitor's `HOOK_*` naming this hook in its events; `ingress` tells tc's two
+    /// directions apart (XDP has one).
+    fn hook(ingress: bool) -> u8;
     /// Whether the hook sends direct server return flows encapsulated itself (`dsr`);
     /// a hook that does not leaves their packets to one that does (XDP to tcx).
     const ENCAPSULATES: bool;
@@ -208,6 +211,15 @@ impl Buf for TcContext {
     fn truncate(&self, len: u32) -> bool {
         // SAFETY: helper on our own context, no memory arguments.
         unsafe { bpf_skb_change_tail(self.skb.skb as *mut _, len, 0) == 0 }
+    }
+
+    #[inline(always)]
+    fn hook(ingress: bool) -> u8 {
+        if ingress {
+            proxy_common::monitor::HOOK_TC_INGRESS
+        } else {
+            proxy_common::monitor::HOOK_TC_EGRESS
+        }
     }
 
     const ENCAPSULATES: bool = true;

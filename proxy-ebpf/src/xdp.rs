@@ -459,6 +459,11 @@ impl Buf for XdpContext {
 
     /// XDP leaves direct server return flows to tcx (`plan` hands their packets to the
     /// stack), which encapsulates them with the skb's GSO metadata kept right.
+    #[inline(always)]
+    fn hook(_ingress: bool) -> u8 {
+        proxy_common::monitor::HOOK_XDP
+    }
+
     const ENCAPSULATES: bool = false;
 
     #[inline(always)]

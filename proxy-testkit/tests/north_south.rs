@@ -577,7 +577,15 @@ fn nodeport_external_and_lb_ips(xdp: Xdp, mode: Mode) {
         format!("{EXTERNAL_IP}:80"),
         format!("{LB_IP}:80"),
     ];
+    let mon = common::MonitorRun::start(&lab.agents[0].pin, &["--type", "flow-new"]);
     both_backends(&c, &fes, [NODE_A, NODE_B], CLIENT, mode);
+    // The monitor names the program that decided each flow on node-a.
+    let new = mon.stop();
+    let hook = if xdp == Xdp::Off { "tc-ingress" } else { "xdp" };
+    assert!(!new.is_empty(), "no flow-new event on node-a");
+    for e in &new {
+        assert_eq!(e["hook"], hook, "{e}");
+    }
     let counters = tc::counters(&lab.agents[0].pin).unwrap();
     let (sent_on, other) = match mode {
         Mode::Snat => ("tc_snat", "tc_dsr_encapsulated"),

@@ -27,8 +27,8 @@ use proxy_common::{
     monitor::{
         EVENT_F_AFFINITY_HIT, EVENT_F_AFFINITY_MISS, EVENT_F_DATAGRAM, EVENT_F_DSR, EVENT_F_SNAT,
         EVENT_F_STALE_REPAIRED, EVENT_F_TUPLE, EventKind, EventReason, HOOK_SKB, HOOK_SOCK,
-        HOOK_TC_EGRESS, HOOK_TC_INGRESS, MONITOR_CPU, MONITOR_CTL, MONITOR_EVENTS, MonitorCpu,
-        MonitorCtl, MonitorEvent,
+        HOOK_TC_EGRESS, HOOK_TC_INGRESS, HOOK_XDP, MONITOR_CPU, MONITOR_CTL, MONITOR_EVENTS,
+        MonitorCpu, MonitorCtl, MonitorEvent,
     },
 };
 use serde::Serialize;
@@ -143,7 +143,7 @@ pub struct Shown {
     /// Why it was refused or dropped (absent otherwise).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<&'static str>,
-    /// Which program: `sock`, `skb`, `tc-ingress`, `tc-egress` or `tc`.
+    /// Which program: `sock`, `skb`, `tc-ingress`, `tc-egress`, `xdp` or `tc`.
     pub hook: &'static str,
     /// `TCP` or `UDP`.
     pub protocol: &'static str,
@@ -226,6 +226,7 @@ pub fn show(e: &MonitorEvent, service: Option<String>, wall_offset_ns: i128) -> 
         HOOK_SKB => "skb",
         HOOK_TC_INGRESS => "tc-ingress",
         HOOK_TC_EGRESS => "tc-egress",
+        HOOK_XDP => "xdp",
         _ => "tc",
     };
     let affinity = if e.flags & EVENT_F_AFFINITY_HIT != 0 {
@@ -777,6 +778,8 @@ mod tests {
         assert_eq!(s.affinity, Some("hit"));
         assert_eq!(s.hook, "tc-ingress");
         assert!(text_line(&s).contains("snat=198.18.0.1:61000"));
+        f.hook = HOOK_XDP;
+        assert!(text_line(&show(&f, None, 0)).contains(" hook=xdp"));
     }
 
     #[test]
