@@ -119,7 +119,12 @@ pub const SNAT_PORT_MIN: u16 = 32768;
 /// Number of SNAT source ports, `SNAT_PORT_MIN..SNAT_PORT_MIN + SNAT_PORT_COUNT` (up to
 /// 60999, the end of the kernel's default range).
 pub const SNAT_PORT_COUNT: u16 = 28232;
-/// Random SNAT ports tried for a new flow before it is dropped and counted as
+/// Lowest client source port a source-NATed flow keeps (when no live flow holds it): a
+/// client port below it (a privileged one) is never reused, as netfilter's masquerade
+/// maps those only to privileged ports.
+pub const SNAT_KEEP_PORT_MIN: u16 = 1024;
+/// SNAT ports tried for a new flow (the client's own first, see [`SNAT_KEEP_PORT_MIN`],
+/// then random ones) before it is dropped and counted as
 /// [`TcCounter::SnatPortsExhausted`].
 pub const SNAT_PORT_TRIES: u32 = 16;
 

@@ -10,8 +10,9 @@
 //!   see [`starts_flow`] for TCP packets in the middle of a flow this table does not know.
 //!
 //! SNAT: the source becomes the node address of the interface the flow arrived on
-//! (`TC_IFACE_ADDRS`), the port a random free one of `SNAT_PORT_MIN..+SNAT_PORT_COUNT` (free:
-//! no live reply entry holds it; [`SNAT_PORT_TRIES`] tries). The source is rewritten at
+//! (`TC_IFACE_ADDRS`), the port the client's own when it is free and not below
+//! `SNAT_KEEP_PORT_MIN`, else a random free one of `SNAT_PORT_MIN..+SNAT_PORT_COUNT` (free:
+//! no live reply entry holds it; [`SNAT_PORT_TRIES`] tries in all). The source is rewritten at
 //! egress, after the kernel routed the DNATed packet: with a node address as source already
 //! at ingress, routing would drop it as a martian. Replies of source-NATed flows are sent
 //! on from ingress (`Buf::send_out`: a FIB lookup and a redirect) for the same reason.
@@ -37,9 +38,9 @@ use proxy_common::{
     },
     nat::{
         CT_F_DSR_DECAP, CT_F_DSR_ENCAP, CT_F_EGRESS, CT_F_POD, CT_F_REPLY, CT_F_SEEN_REPLY,
-        CT_F_SNAT, CtEntry, CtKey, IFACE_F_POD, SNAT_PORT_COUNT, SNAT_PORT_MIN, SNAT_PORT_TRIES,
-        SOURCE_RANGE_RESTRICTED, SourceRange, TC_CFG_CLUSTER_CIDR_V4, TC_CFG_CLUSTER_CIDR_V6,
-        TC_CFG_DRAIN, TC_CFG_MASQUERADE_ALL, TcCounter,
+        CT_F_SNAT, CtEntry, CtKey, IFACE_F_POD, SNAT_KEEP_PORT_MIN, SNAT_PORT_COUNT, SNAT_PORT_MIN,
+        SNAT_PORT_TRIES, SOURCE_RANGE_RESTRICTED, SourceRange, TC_CFG_CLUSTER_CIDR_V4,
+        TC_CFG_CLUSTER_CIDR_V6, TC_CFG_DRAIN, TC_CFG_MASQUERADE_ALL, TcCounter,
     },
 };
 
@@ -499,16 +500,30 @@ fn try_new_flow<B: Buf, const POD: bool>(
             _pad: [0; 3],
         };
         let mut bound = false;
-        for _ in 0..SNAT_PORT_TRIES {
-            // SAFETY: helper without side effects.
-            let r = unsafe { bpf_get_prandom_u32() } % SNAT_PORT_COUNT as u32;
-            sc.rkey.dport = (SNAT_PORT_MIN + r as u16).to_be_bytes();
-            // A port is free when no live reply entry holds it; a dead one is replaced.
+        let client_port = u16::from_be_bytes(k.sport);
+        for i in 0..SNAT_PORT_TRIES {
+            // The client's own port first, as netfilter's masquerade keeps it when free: a
+            // client does not reuse its port towards this frontend while its side of an
+            // earlier connection is in TIME-WAIT, which outlasts the closed flow's entries
+            // here. Then random ones.
+            let port = if i == 0 && client_port >= SNAT_KEEP_PORT_MIN {
+                client_port
+            } else {
+                // SAFETY: helper without side effects.
+                let r = unsafe { bpf_get_prandom_u32() } % SNAT_PORT_COUNT as u32;
+                SNAT_PORT_MIN + r as u16
+            };
+            sc.rkey.dport = port.to_be_bytes();
+            // A port is free when no live reply entry holds it; a dead one is replaced, and
+            // so is one that leads back to this very client address and port: the flow
+            // this packet starts supersedes that one (a SYN reopening a closed tuple).
             let flag = match TC_CONNTRACK.get_ptr(sc.rkey) {
                 // SAFETY: value of the map, read field by field.
                 Some(old) => {
                     let (seen, flags) = unsafe { ((*old).last_seen_ns, (*old).flags) };
-                    if now.saturating_sub(seen) <= timeout_of(flags, k.proto) {
+                    // SAFETY: as above.
+                    let same = unsafe { (*old).daddr == k.saddr && (*old).dport == k.sport };
+                    if !same && now.saturating_sub(seen) <= timeout_of(flags, k.proto) {
                         continue;
                     }
                     BPF_ANY

@@ -164,6 +164,8 @@ const EGRESS: &str = "tc_egress";
 struct Fam {
     node: &'static str,
     client: &'static str,
+    /// Another client (its flows compete with the first's for SNAT ports).
+    client2: &'static str,
     local: &'static str,
     remote: &'static str,
     external: &'static str,
@@ -175,6 +177,7 @@ struct Fam {
 const V4: Fam = Fam {
     node: "192.0.2.50",
     client: "198.51.100.7",
+    client2: "198.51.100.8",
     local: "10.0.1.5",
     remote: "10.0.2.7",
     external: "203.0.113.10",
@@ -185,6 +188,7 @@ const V4: Fam = Fam {
 const V6: Fam = Fam {
     node: "fd00:100::50",
     client: "2001:db8:c::7",
+    client2: "2001:db8:c::8",
     local: "fd00:1::5",
     remote: "fd00:2::7",
     external: "2001:db8:e::10",
@@ -363,8 +367,10 @@ fn ipv6_dnat_of_node_ports_external_and_lb_ips_and_their_replies() {
 }
 
 /// A flow to a backend on another node: DNAT at ingress, SNAT to the node address at
-/// egress, its replies translated back at ingress (and sent on directly, which in this
-/// namespace without routes falls back to passing them), then closed by FIN both ways.
+/// egress keeping the client's port, its replies translated back at ingress (and sent on
+/// directly, which in this namespace without routes falls back to passing them), then
+/// closed by FIN both ways; the closed tuple reopened keeps the port, and another client
+/// with the same port gets a random one while the first flow lives.
 fn snat_and_replies(h: &Harness, f: Fam) {
     for (proto, nport, bport) in [(TCP, 30081u16, 8080u16), (UDP, 30054, 5353)] {
         let client = sock(f.client, 42000);
@@ -389,7 +395,7 @@ fn snat_and_replies(h: &Harness, f: Fam) {
         let port = h
             .snat_port(client.parse().unwrap(), backend.parse().unwrap(), proto)
             .expect("the SNAT stage of the flow");
-        assert!((32768..=60999).contains(&port), "SNAT port {port}");
+        assert_eq!(port, 42000, "the client's port, free, is kept");
         let snat = Packet {
             src: sock(f.node, port).parse().unwrap(),
             ..dnat.clone()
@@ -462,6 +468,11 @@ fn snat_and_replies(h: &Harness, f: Fam) {
                 Some(&dnat.frame()),
                 Some("tc_new_flow"),
             );
+            assert_eq!(
+                h.snat_port(client.parse().unwrap(), backend.parse().unwrap(), proto),
+                Some(42000),
+                "the reopened flow takes over its own port"
+            );
             let rst = Packet::tcp(&client, &sock(f.node, nport), RST);
             let want = Packet {
                 dst: backend.parse().unwrap(),
@@ -477,6 +488,34 @@ fn snat_and_replies(h: &Harness, f: Fam) {
                 Some("tc_translated"),
             );
         }
+        // The first client's port is held (its UDP flow lives; its TCP flow closed by
+        // the RST less than the closed timeout ago): another client's flow with the same
+        // port to the same backend gets another one.
+        let other = sock(f.client2, 42000);
+        let first2 = match proto {
+            TCP => Packet::tcp(&other, &sock(f.node, nport), SYN),
+            _ => Packet::udp(&other, &sock(f.node, nport)),
+        };
+        let dnat2 = Packet {
+            dst: backend.parse().unwrap(),
+            ..first2.clone()
+        };
+        step(
+            h,
+            "another client, same port, same backend",
+            INGRESS,
+            &first2.frame(),
+            PASS,
+            Some(&dnat2.frame()),
+            Some("tc_snat"),
+        );
+        let port2 = h
+            .snat_port(other.parse().unwrap(), backend.parse().unwrap(), proto)
+            .expect("the SNAT stage of the second flow");
+        assert!(
+            port2 != 42000 && (32768..=60999).contains(&port2),
+            "SNAT port {port2}"
+        );
     }
 }
 
