@@ -430,4 +430,30 @@ mod tests {
             assert_eq!(e.api, want, "{arg}");
         }
     }
+
+    /// A value given as the next argument may start with '-', as pflag takes it: a
+    /// negative duration or number is refused by its own check, naming the flag, not
+    /// taken for an unknown flag.
+    #[test]
+    fn negative_values_after_a_space_reach_their_checks() {
+        for argv in [
+            &["ebpf-proxy", "--min-sync-period", "-1s"][..],
+            &["ebpf-proxy", "run", "--min-sync-period", "-1s"][..],
+            &["ebpf-proxy", "--sync-period", "-30s"][..],
+        ] {
+            let e = Cli::command().try_get_matches_from(argv).unwrap_err();
+            let msg = e.to_string();
+            assert!(msg.contains("negative"), "{argv:?}: {msg}");
+            assert!(msg.contains("-sync-period"), "{argv:?}: {msg}");
+        }
+        let e = Cli::command()
+            .try_get_matches_from(["ebpf-proxy", "--max-sockets", "-5"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("invalid value '-5' for '--max-sockets"), "{e}");
+        let Command::Run(r) = command(&["ebpf-proxy", "--min-sync-period", "2s"]) else {
+            panic!("not run")
+        };
+        assert_eq!(r.min_sync_period, Some(std::time::Duration::from_secs(2)));
+    }
 }

@@ -608,12 +608,12 @@ pub struct RunFlags {
     /// Minimum time between two syncs from the API source; an isolated change after a
     /// quiet period is applied at once; 0 syncs every change at once (kube-proxy's
     /// --iptables-min-sync-period) [default: 1s].
-    #[arg(long, value_parser = parse_duration)]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_duration)]
     pub min_sync_period: Option<Duration>,
     /// Period of the verification that compares the maps with what was applied and
     /// repairs entries changed behind the agent's back (kube-proxy's --iptables-sync-period).
     /// /healthz fails when an update stays pending for twice this long [default: 30s].
-    #[arg(long, value_parser = parse_positive_duration)]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_positive_duration)]
     pub sync_period: Option<Duration>,
     /// Address of the Prometheus metrics server (`/metrics`): ip:port, an IP alone (port
     /// 10249), or empty to disable it; port 0 picks a free port [default: 127.0.0.1:10249].
@@ -669,7 +669,7 @@ pub struct RunFlags {
     /// Size of the Maglev lookup tables of source-hash and maglev Services: a prime from 7 to
     /// 65521 (larger tables spread backends more evenly; each costs 4 bytes per entry)
     /// [default: 16381].
-    #[arg(long, value_parser = parse_maglev_size)]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_maglev_size)]
     pub maglev_table_size: Option<u32>,
     /// Address of the health server (`/healthz`, `/livez`): ip:port, an IP alone (port
     /// 10256), or empty to disable it; port 0 picks a free port [default: 0.0.0.0:10256].
@@ -696,24 +696,24 @@ pub struct RunFlags {
     pub nodeport_addresses: Option<NodePortAddresses>,
     /// Size of the frontend map (VIP x port x protocol, plus one entry per VIP) when created
     /// [default: 65536].
-    #[arg(long, value_parser = number_in(1u32, u32::MAX))]
+    #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
     pub max_frontends: Option<u32>,
     /// Size of the backend slot map (sum of all services' endpoint counts) when created
     /// [default: 524288].
-    #[arg(long, value_parser = number_in(1u32, u32::MAX))]
+    #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
     pub max_backend_slots: Option<u32>,
     /// Size of the backend map (distinct endpoint address x port x protocol) when created
     /// [default: 262144].
-    #[arg(long, value_parser = number_in(1u32, u32::MAX))]
+    #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
     pub max_backends: Option<u32>,
     /// Size of the per-socket reverse-NAT and UDP flow maps (LRU) when created
     /// [default: 262144].
-    #[arg(long, value_parser = number_in(1u32, u32::MAX))]
+    #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
     pub max_sockets: Option<u32>,
     /// Idle time after which an unconnected UDP flow picks a backend anew, like conntrack's
     /// nf_conntrack_udp_timeout (e.g. 30s, 2m; kube-proxy's --conntrack-udp-timeout)
     /// [default: 30s].
-    #[arg(long, value_parser = parse_positive_duration)]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_positive_duration)]
     pub udp_flow_timeout: Option<Duration>,
     /// Interfaces that serve NodePorts, external IPs and LB IPs to traffic from outside the
     /// node, comma-separated [default: the interfaces of the agent's network namespace that
@@ -737,21 +737,21 @@ pub struct RunFlags {
     /// The table is preallocated (about 320 bytes per flow), unlike the kernel's conntrack
     /// limit kube-proxy sets, so the default is 0: --conntrack-min alone, whatever the core
     /// count. Fixed when the pinned table is created [default: 0].
-    #[arg(long, value_parser = number_in(0u32, MAX_CONNTRACK_FLOWS), value_name = "N")]
+    #[arg(long, allow_hyphen_values = true, value_parser = number_in(0u32, MAX_CONNTRACK_FLOWS), value_name = "N")]
     pub conntrack_max_per_core: Option<u32>,
     /// Least number of flows of the north-south conntrack table (kube-proxy's
     /// --conntrack-min), from 1024 (smaller LRU tables lose live flows to the kernel's batch
     /// eviction) to 16777216; 0 keeps the default [default: 131072].
-    #[arg(long, value_parser = parse_conntrack_min, value_name = "N")]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_conntrack_min, value_name = "N")]
     pub conntrack_min: Option<u32>,
     /// Idle timeout of an established TCP flow in the north-south conntrack (kube-proxy's
     /// --conntrack-tcp-timeout-established), e.g. 24h; 0 keeps the default [default: 24h].
-    #[arg(long, value_parser = parse_timeout)]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_timeout)]
     pub conntrack_tcp_timeout_established: Option<Duration>,
     /// Idle timeout of a UDP flow that saw replies in the north-south conntrack (kube-proxy's
     /// --conntrack-udp-timeout-stream, the kernel's nf_conntrack_udp_timeout_stream), e.g.
     /// 2m; 0 keeps the default. Unreplied UDP flows use --udp-flow-timeout [default: 2m].
-    #[arg(long, value_parser = parse_timeout)]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_timeout)]
     pub conntrack_udp_timeout_stream: Option<Duration>,
     /// kube-proxy's other flags.
     #[command(flatten)]
@@ -787,23 +787,23 @@ pub struct KubeProxyFlags {
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
     pub bind_address_hard_fail: Option<bool>,
     /// Same as --sync-period.
-    #[arg(long, value_parser = parse_positive_duration, value_name = "DURATION")]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_positive_duration, value_name = "DURATION")]
     pub iptables_sync_period: Option<Duration>,
     /// Same as --min-sync-period.
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, value_name = "DURATION")]
     pub iptables_min_sync_period: Option<Duration>,
     /// Same as --sync-period.
-    #[arg(long, value_parser = parse_positive_duration, value_name = "DURATION")]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_positive_duration, value_name = "DURATION")]
     pub ipvs_sync_period: Option<Duration>,
     /// Same as --min-sync-period.
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, value_name = "DURATION")]
     pub ipvs_min_sync_period: Option<Duration>,
     /// Default algorithm by its IPVS scheduler name: rr, wrr, lc, wlc, sed, nq, sh, dh, mh
     /// (see --lb-algorithm; mh is source-hash); empty keeps the default algorithm.
     #[arg(long, value_name = "SCHEDULER", value_parser = parse_scheduler_flag, conflicts_with = "lb_algorithm")]
     pub ipvs_scheduler: Option<SchedulerFlag>,
     /// Same as --udp-flow-timeout (0 keeps the default).
-    #[arg(long, value_parser = parse_timeout, value_name = "DURATION")]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_timeout, value_name = "DURATION")]
     pub conntrack_udp_timeout: Option<Duration>,
     /// oom_score_adj of the agent process, -1000..=1000 [default: -999].
     #[arg(long, allow_hyphen_values = true, value_parser = number_in(-1000i32, 1000), value_name = "N")]
@@ -856,13 +856,13 @@ pub struct KubeProxyFlags {
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
     pub ipvs_strict_arp: Option<bool>,
     /// No effect here.
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, value_name = "DURATION")]
     pub ipvs_tcp_timeout: Option<Duration>,
     /// No effect here.
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, value_name = "DURATION")]
     pub ipvs_tcpfin_timeout: Option<Duration>,
     /// No effect here.
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, value_name = "DURATION")]
     pub ipvs_udp_timeout: Option<Duration>,
     /// How kube-proxy tells local traffic: ClusterCIDR (what --cluster-cidr does here),
     /// NodeCIDR, BridgeInterface or InterfaceNamePrefix (accepted, no effect here); any
@@ -876,13 +876,13 @@ pub struct KubeProxyFlags {
     #[arg(long, value_name = "PREFIX")]
     pub pod_interface_name_prefix: Option<String>,
     /// No effect here.
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, value_name = "DURATION")]
     pub conntrack_tcp_timeout_close_wait: Option<Duration>,
     /// No effect here.
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
     pub conntrack_tcp_be_liberal: Option<bool>,
     /// No effect here (watches are not resynced).
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, value_name = "DURATION")]
     pub config_sync_period: Option<Duration>,
     /// Removed from kube-proxy (userspace mode); no effect here.
     #[arg(long, value_name = "RANGE")]
@@ -891,7 +891,7 @@ pub struct KubeProxyFlags {
     #[arg(long, value_name = "PATTERN=N,...")]
     pub vmodule: Option<String>,
     /// No effect here (logs are not buffered).
-    #[arg(long, value_parser = parse_duration, value_name = "DURATION")]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, value_name = "DURATION")]
     pub log_flush_frequency: Option<Duration>,
     /// No effect here (logs go to stderr).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
