@@ -372,20 +372,20 @@ fn ipv6_dnat_of_node_ports_external_and_lb_ips_and_their_replies() {
 /// closed by FIN both ways; the closed tuple reopened keeps the port, and another client
 /// with the same port gets a random one while the first flow lives.
 fn snat_and_replies(h: &Harness, f: Fam) {
-    for (proto, nport, bport) in [(TCP, 30081u16, 8080u16), (UDP, 30054, 5353)] {
-        let client = sock(f.client, 42000);
+    // A first packet from `client` to node port `nport`, DNATed to `backend` and source-
+    // NATed: the DNATed packet, and the SNAT port of the flow.
+    let start = |what: &str, proto: u8, client: &str, nport: u16, backend: &str| {
         let first = match proto {
-            TCP => Packet::tcp(&client, &sock(f.node, nport), SYN),
-            _ => Packet::udp(&client, &sock(f.node, nport)),
+            TCP => Packet::tcp(client, &sock(f.node, nport), SYN),
+            _ => Packet::udp(client, &sock(f.node, nport)),
         };
-        let backend = sock(f.remote, bport);
         let dnat = Packet {
             dst: backend.parse().unwrap(),
             ..first.clone()
         };
         step(
             h,
-            "first packet to a remote backend (DNAT)",
+            what,
             INGRESS,
             &first.frame(),
             PASS,
@@ -395,6 +395,18 @@ fn snat_and_replies(h: &Harness, f: Fam) {
         let port = h
             .snat_port(client.parse().unwrap(), backend.parse().unwrap(), proto)
             .expect("the SNAT stage of the flow");
+        (dnat, port)
+    };
+    for (proto, nport, bport) in [(TCP, 30081u16, 8080u16), (UDP, 30054, 5353)] {
+        let client = sock(f.client, 42000);
+        let backend = sock(f.remote, bport);
+        let (dnat, port) = start(
+            "first packet to a remote backend (DNAT)",
+            proto,
+            &client,
+            nport,
+            &backend,
+        );
         assert_eq!(port, 42000, "the client's port, free, is kept");
         let snat = Packet {
             src: sock(f.node, port).parse().unwrap(),
@@ -491,27 +503,13 @@ fn snat_and_replies(h: &Harness, f: Fam) {
         // The first client's port is held (its UDP flow lives; its TCP flow closed by
         // the RST less than the closed timeout ago): another client's flow with the same
         // port to the same backend gets another one.
-        let other = sock(f.client2, 42000);
-        let first2 = match proto {
-            TCP => Packet::tcp(&other, &sock(f.node, nport), SYN),
-            _ => Packet::udp(&other, &sock(f.node, nport)),
-        };
-        let dnat2 = Packet {
-            dst: backend.parse().unwrap(),
-            ..first2.clone()
-        };
-        step(
-            h,
+        let (_, port2) = start(
             "another client, same port, same backend",
-            INGRESS,
-            &first2.frame(),
-            PASS,
-            Some(&dnat2.frame()),
-            Some("tc_snat"),
+            proto,
+            &sock(f.client2, 42000),
+            nport,
+            &backend,
         );
-        let port2 = h
-            .snat_port(other.parse().unwrap(), backend.parse().unwrap(), proto)
-            .expect("the SNAT stage of the second flow");
         assert!(
             port2 != 42000 && (32768..=60999).contains(&port2),
             "SNAT port {port2}"
