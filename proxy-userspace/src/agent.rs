@@ -89,10 +89,10 @@ async fn kube_config(source: &SourceChoice, master: Option<&str>) -> Result<Opti
     let mut config = match kubeconfig {
         Some(path) => {
             let kc = kube::config::Kubeconfig::read_from(path)
-                .map_err(|e| anyhow::anyhow!("--kubeconfig {}: {e}", path.display()))?;
+                .map_err(|e| anyhow::anyhow!("kubeconfig {} (--kubeconfig, clientConnection.kubeconfig): {e}", path.display()))?;
             kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
                 .await
-                .map_err(|e| anyhow::anyhow!("--kubeconfig {}: {e}", path.display()))?
+                .map_err(|e| anyhow::anyhow!("kubeconfig {} (--kubeconfig, clientConnection.kubeconfig): {e}", path.display()))?
         }
         None => kube::Config::infer().await.map_err(|e| {
             anyhow::anyhow!(
@@ -210,7 +210,12 @@ fn prepare(config: &AgentConfig) -> Result<Prepared> {
             })?;
         }
         SourceChoice::Api(Some(k)) => {
-            std::fs::metadata(k).with_context(|| format!("--kubeconfig {}", k.display()))?;
+            std::fs::metadata(k).with_context(|| {
+                format!(
+                    "kubeconfig {} (--kubeconfig, clientConnection.kubeconfig)",
+                    k.display()
+                )
+            })?;
         }
         SourceChoice::Api(None) => {}
     }

@@ -88,7 +88,13 @@ pub struct ServicesArgs {
     #[command(flatten)]
     pub pins: PinArgs,
     /// Output format.
-    #[arg(short = 'o', long, value_enum, default_value = "table")]
+    #[arg(
+        allow_hyphen_values = true,
+        short = 'o',
+        long,
+        value_enum,
+        default_value = "table"
+    )]
     pub output: Output,
 }
 
@@ -96,26 +102,32 @@ pub struct ServicesArgs {
 #[derive(clap::Args, Debug)]
 pub struct CheckArgs {
     /// Mount point of the BPF file system.
-    #[arg(long, default_value = "/sys/fs/bpf")]
+    #[arg(allow_hyphen_values = true, long, default_value = "/sys/fs/bpf")]
     pub bpffs: PathBuf,
     /// Mount bpffs at --bpffs when it is not mounted (otherwise that is a failure).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", value_parser = crate::config::go::parse_go_bool, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub mount_bpffs: bool,
     /// cgroup v2 directory the programs would attach to [default: the cgroup2 mount root].
-    #[arg(long)]
+    #[arg(allow_hyphen_values = true, long)]
     pub cgroup_path: Option<PathBuf>,
     /// The agent's configuration file, for the settings checked (the conntrack table's
     /// size), as `run --config` reads it.
-    #[arg(long, value_name = "FILE")]
+    #[arg(allow_hyphen_values = true, long, value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// As `run --conntrack-max-per-core`: the conntrack table's size is checked with it.
-    #[arg(long, value_parser = number_in(0u32, crate::datapath::tc::MAX_CONNTRACK_FLOWS), value_name = "N")]
+    #[arg(allow_hyphen_values = true, long, value_parser = number_in(0u32, crate::datapath::tc::MAX_CONNTRACK_FLOWS), value_name = "N")]
     pub conntrack_max_per_core: Option<u32>,
     /// As `run --conntrack-min`.
-    #[arg(long, value_parser = crate::config::parse_conntrack_min, value_name = "N")]
+    #[arg(allow_hyphen_values = true, long, value_parser = crate::config::parse_conntrack_min, value_name = "N")]
     pub conntrack_min: Option<u32>,
     /// Output format.
-    #[arg(short = 'o', long, value_enum, default_value = "table")]
+    #[arg(
+        allow_hyphen_values = true,
+        short = 'o',
+        long,
+        value_enum,
+        default_value = "table"
+    )]
     pub output: Output,
 }
 
@@ -148,22 +160,28 @@ pub struct ExplainArgs {
     #[command(flatten)]
     pub pins: PinArgs,
     /// Output format.
-    #[arg(short = 'o', long, value_enum, default_value = "table")]
+    #[arg(
+        allow_hyphen_values = true,
+        short = 'o',
+        long,
+        value_enum,
+        default_value = "table"
+    )]
     pub output: Output,
     /// Read the Services, EndpointSlices and Nodes from this manifest directory to explain
     /// endpoint eligibility.
-    #[arg(long, conflicts_with = "api")]
+    #[arg(allow_hyphen_values = true, long, conflicts_with = "api")]
     pub manifests: Option<PathBuf>,
     /// Read them from the Kubernetes API (--kubeconfig, else $KUBECONFIG, ~/.kube/config or
     /// the in-cluster service account).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", value_parser = crate::config::go::parse_go_bool, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub api: bool,
     /// Kubeconfig for --api.
-    #[arg(long, requires = "api")]
+    #[arg(allow_hyphen_values = true, long, requires = "api")]
     pub kubeconfig: Option<PathBuf>,
     /// This node's name, for Local policies and topology [default: $NODE_NAME, else the
     /// hostname].
-    #[arg(long)]
+    #[arg(allow_hyphen_values = true, long)]
     pub hostname_override: Option<String>,
 }
 
@@ -183,41 +201,48 @@ pub struct MonitorArgs {
     #[command(flatten)]
     pub pins: PinArgs,
     /// Only events of this Service (`namespace/name`).
-    #[arg(long)]
+    #[arg(allow_hyphen_values = true, long)]
     pub service: Option<String>,
     /// Only events whose client, frontend or backend has this address.
-    #[arg(long)]
+    #[arg(allow_hyphen_values = true, long)]
     pub address: Option<std::net::IpAddr>,
     /// Only events whose frontend or backend has this port.
-    #[arg(long, value_parser = number_in(1u16, u16::MAX))]
+    #[arg(allow_hyphen_values = true, long, value_parser = number_in(1u16, u16::MAX))]
     pub port: Option<u16>,
     /// Only events of this protocol (tcp or udp).
-    #[arg(long)]
+    #[arg(allow_hyphen_values = true, long)]
     pub protocol: Option<String>,
     /// Only events of these types (comma-separated): translate, refuse, reverse,
     /// stale-drop, flow-new, flow-drop, flow-end, icmp.
-    #[arg(long = "type", value_delimiter = ',')]
+    #[arg(allow_hyphen_values = true, long = "type", value_delimiter = ',')]
     pub types: Vec<String>,
     /// Only events with these reasons (comma-separated): no-endpoints, undefined-port,
     /// no-local-endpoints, stale-socket, source-range, no-snat-address,
     /// snat-ports-exhausted, conntrack-full, rewrite-failed.
-    #[arg(long = "reason", value_delimiter = ',')]
+    #[arg(allow_hyphen_values = true, long = "reason", value_delimiter = ',')]
     pub reasons: Vec<String>,
     /// Output format.
-    #[arg(short = 'o', long, value_enum, default_value = "text")]
+    #[arg(
+        allow_hyphen_values = true,
+        short = 'o',
+        long,
+        value_enum,
+        default_value = "text"
+    )]
     pub output: MonitorOutput,
     /// Stop after this many events.
-    #[arg(long, value_parser = number_in(0u64, u64::MAX))]
+    #[arg(allow_hyphen_values = true, long, value_parser = number_in(0u64, u64::MAX))]
     pub count: Option<u64>,
-    /// Stop after this many seconds.
-    #[arg(long)]
-    pub duration: Option<f64>,
+    /// Stop after this long: seconds (`5`, `0.5`) or a duration (`5s`, `2m`), more than
+    /// zero and at most a year.
+    #[arg(allow_hyphen_values = true, long, value_parser = parse_monitor_duration)]
+    pub duration: Option<std::time::Duration>,
     /// Events per second each CPU may emit while the monitor runs (0: no limit); the
     /// events over it are counted as lost.
-    #[arg(long, default_value_t = proxy_common::monitor::MONITOR_DEFAULT_RATE, value_parser = number_in(0u32, u32::MAX))]
+    #[arg(allow_hyphen_values = true, long, default_value_t = proxy_common::monitor::MONITOR_DEFAULT_RATE, value_parser = number_in(0u32, u32::MAX))]
     pub rate: u32,
     /// Burst of events per CPU above the rate.
-    #[arg(long, default_value_t = proxy_common::monitor::MONITOR_DEFAULT_BURST, value_parser = number_in(0u32, u32::MAX))]
+    #[arg(allow_hyphen_values = true, long, default_value_t = proxy_common::monitor::MONITOR_DEFAULT_BURST, value_parser = number_in(0u32, u32::MAX))]
     pub burst: u32,
 }
 
@@ -229,8 +254,25 @@ pub struct CleanupArgs {
     pub pins: PinArgs,
     /// cgroup the programs were attached to. Accepted for symmetry with `run`: the programs
     /// are attached only through the pinned links, so removing those detaches them.
-    #[arg(long)]
+    #[arg(allow_hyphen_values = true, long)]
     pub cgroup_path: Option<PathBuf>,
+}
+
+/// `monitor --duration`: plain seconds, or a duration as the agent's flags take it (Go's
+/// syntax); greater than zero and at most a year.
+///
+/// Errors: not a number nor a duration, zero or negative, too long.
+pub fn parse_monitor_duration(s: &str) -> Result<std::time::Duration, String> {
+    let Ok(secs) = s.parse::<f64>() else {
+        return crate::config::parse_positive_duration(s);
+    };
+    if !(secs.is_finite() && secs > 0.0) {
+        return Err(format!("{s:?} is not a positive number of seconds"));
+    }
+    if secs > crate::config::MAX_PERIOD.as_secs_f64() {
+        return Err("must be at most 8760h (a year)".into());
+    }
+    Ok(std::time::Duration::from_secs_f64(secs))
 }
 
 impl Cli {
@@ -451,9 +493,55 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("invalid value '-5' for '--max-sockets"), "{e}");
+        // Every option that takes a value, in the subcommands too.
+        for (argv, flag) in [
+            (
+                &["ebpf-proxy", "check", "--conntrack-min", "-1"][..],
+                "--conntrack-min",
+            ),
+            (&["ebpf-proxy", "monitor", "--count", "-1"][..], "--count"),
+            (&["ebpf-proxy", "monitor", "--rate", "-1"][..], "--rate"),
+            (
+                &["ebpf-proxy", "monitor", "--duration", "-5"][..],
+                "--duration",
+            ),
+            (
+                &["ebpf-proxy", "--healthz-port", "-1"][..],
+                "--healthz-port",
+            ),
+            (&["ebpf-proxy", "--v", "-1"][..], "--v"),
+        ] {
+            let e = Cli::command()
+                .try_get_matches_from(argv)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("invalid value '-"), "{argv:?}: {e}");
+            assert!(e.contains(&format!("'{flag}")), "{argv:?}: {e}");
+        }
         let Command::Run(r) = command(&["ebpf-proxy", "--min-sync-period", "2s"]) else {
             panic!("not run")
         };
         assert_eq!(r.min_sync_period, Some(std::time::Duration::from_secs(2)));
+    }
+
+    /// `monitor --duration` takes seconds or a duration, and refuses what no clock can
+    /// count instead of panicking.
+    #[test]
+    fn monitor_duration_takes_seconds_or_a_duration() {
+        use std::time::Duration;
+        assert_eq!(parse_monitor_duration("1"), Ok(Duration::from_secs(1)));
+        assert_eq!(
+            parse_monitor_duration("0.5"),
+            Ok(Duration::from_millis(500))
+        );
+        assert_eq!(parse_monitor_duration("5s"), Ok(Duration::from_secs(5)));
+        assert_eq!(parse_monitor_duration("2m"), Ok(Duration::from_secs(120)));
+        for bad in ["0", "-5", "1e20", "NaN", "inf", "0s", "abc", "-1s"] {
+            assert!(parse_monitor_duration(bad).is_err(), "{bad}");
+        }
+        let Command::Monitor(m) = command(&["ebpf-proxy", "monitor", "--duration", "5s"]) else {
+            panic!("not monitor")
+        };
+        assert_eq!(m.duration, Some(Duration::from_secs(5)));
     }
 }

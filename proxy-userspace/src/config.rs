@@ -321,7 +321,9 @@ impl FromStr for ServerAddress {
             .and_then(|v| v.strip_suffix(']'))
             .unwrap_or(s);
         ip.parse::<IpAddr>().map(ServerAddress::Ip).map_err(|_| {
-            format!("{s:?} is not an IP address and port (e.g. 0.0.0.0:10256 or [::]:10256)")
+            format!(
+                "{s:?} is not an IP address and port (e.g. 0.0.0.0:10249, [::]:10256 or 127.0.0.1)"
+            )
         })
     }
 }
@@ -445,10 +447,10 @@ pub const MAX_PERIOD: Duration = Duration::from_secs(365 * 24 * 3600);
 #[derive(clap::Args, Debug, Clone)]
 pub struct PinArgs {
     /// Mount point of the BPF file system.
-    #[arg(long, default_value = DEFAULT_BPFFS)]
+    #[arg(allow_hyphen_values = true, long, default_value = DEFAULT_BPFFS)]
     pub bpffs: PathBuf,
     /// Directory under --bpffs holding the pinned maps and links.
-    #[arg(long, default_value = DEFAULT_PIN_DIR)]
+    #[arg(allow_hyphen_values = true, long, default_value = DEFAULT_PIN_DIR)]
     pub pin_dir: String,
 }
 
@@ -594,16 +596,16 @@ fn parse_maglev_size(s: &str) -> Result<u32, String> {
 pub struct RunFlags {
     /// kube-proxy configuration file (KubeProxyConfiguration, kubeproxy.config.k8s.io/v1alpha1).
     /// Flags given on the command line override its values.
-    #[arg(long, value_name = "FILE")]
+    #[arg(allow_hyphen_values = true, long, value_name = "FILE")]
     pub config: Option<PathBuf>,
     /// Read Services and EndpointSlices from this directory of manifests (*.yaml, *.yml,
     /// *.json), watched for changes, instead of the Kubernetes API.
-    #[arg(long, conflicts_with = "kubeconfig")]
+    #[arg(allow_hyphen_values = true, long, conflicts_with = "kubeconfig")]
     pub manifests: Option<PathBuf>,
     /// Kubeconfig for the Kubernetes API [default: $KUBECONFIG or ~/.kube/config, else the
     /// in-cluster service account, as kube-rs `Config::infer`]. Read before anything is
     /// attached: a missing or broken configuration stops start-up.
-    #[arg(long)]
+    #[arg(allow_hyphen_values = true, long)]
     pub kubeconfig: Option<PathBuf>,
     /// Minimum time between two syncs from the API source; an isolated change after a
     /// quiet period is applied at once; 0 syncs every change at once (kube-proxy's
@@ -617,30 +619,30 @@ pub struct RunFlags {
     pub sync_period: Option<Duration>,
     /// Address of the Prometheus metrics server (`/metrics`): ip:port, an IP alone (port
     /// 10249), or empty to disable it; port 0 picks a free port [default: 127.0.0.1:10249].
-    #[arg(long)]
+    #[arg(allow_hyphen_values = true, long)]
     pub metrics_bind_address: Option<ServerAddress>,
     /// cgroup v2 directory to attach the socket programs to [default: the cgroup2 mount root
     /// from /proc/self/mounts, i.e. every process of the node].
-    #[arg(long)]
+    #[arg(allow_hyphen_values = true, long)]
     pub cgroup_path: Option<PathBuf>,
     #[command(flatten)]
     pub pins: PinArgs,
     /// Name of this node [default: $NODE_NAME, else the hostname]; trimmed and lowercased,
     /// as kube-proxy does.
-    #[arg(long)]
+    #[arg(allow_hyphen_values = true, long)]
     pub hostname_override: Option<String>,
     /// Backend selection of Services without the `ebpf-proxy.io/lb-algorithm` annotation:
     /// random (kube-proxy's), round-robin, weighted-round-robin, least-connections,
     /// source-hash, maglev, weighted-least-connections, shortest-expected-delay, never-queue,
     /// destination-hash, or an IPVS scheduler name (rr, wrr, lc, wlc, sed, nq, sh, dh, mh)
     /// [default: random].
-    #[arg(long, value_parser = parse_lb_algorithm)]
+    #[arg(allow_hyphen_values = true, long, value_parser = parse_lb_algorithm)]
     pub lb_algorithm: Option<Algorithm>,
     /// Which sockets the socket programs translate: `all`, or `host-only` (only the node's
     /// own network namespace; pods are translated per packet on their interfaces, as
     /// Cilium's `socketLB.hostNamespaceOnly`). Pods and namespaces also opt out one by one
     /// with the label or annotation `ebpf-proxy.io/socket-lb: disabled` [default: all].
-    #[arg(long, value_enum)]
+    #[arg(allow_hyphen_values = true, long, value_enum)]
     pub socket_lb_scope: Option<crate::model::bypass::SocketLbScope>,
     /// How a flow from outside (node port, external or LB IP, `externalTrafficPolicy:
     /// Cluster`) reaches a backend on another node: `snat` (source-NAT to this node's
@@ -650,7 +652,7 @@ pub struct RunFlags {
     /// UDP). Every node must run the same mode (a DSR packet is accepted by the backend's
     /// node only when it runs DSR for that Service too). Services override it with the
     /// annotation `ebpf-proxy.io/north-south-mode` [default: snat].
-    #[arg(long, value_name = "MODE", value_parser = parse_north_south_mode)]
+    #[arg(allow_hyphen_values = true, long, value_name = "MODE", value_parser = parse_north_south_mode)]
     pub north_south_mode: Option<crate::model::NorthSouthMode>,
     /// Level of the kernel programs' own log lines (aya-log), forwarded to the agent's log
     /// under the target `ebpf_proxy::kernel` whatever `--log-level` says: off, error, warn,
@@ -658,7 +660,7 @@ pub struct RunFlags {
     /// flow started, dropped or rejected) or trace (also every connect() to an address
     /// that is no frontend). Off costs nothing: the verifier removes the disabled lines
     /// [default: off].
-    #[arg(long, value_enum)]
+    #[arg(allow_hyphen_values = true, long, value_enum)]
     pub kernel_log_level: Option<crate::datapath::loader::KernelLogLevel>,
     /// Close the TCP connections of client sockets translated to an endpoint that left its
     /// Service (gone from the EndpointSlices, or neither ready nor serving), with sock_diag's
@@ -673,26 +675,26 @@ pub struct RunFlags {
     pub maglev_table_size: Option<u32>,
     /// Address of the health server (`/healthz`, `/livez`): ip:port, an IP alone (port
     /// 10256), or empty to disable it; port 0 picks a free port [default: 0.0.0.0:10256].
-    #[arg(long)]
+    #[arg(allow_hyphen_values = true, long)]
     pub healthz_bind_address: Option<ServerAddress>,
     /// Log level of the agent (error, warn, info, debug, trace; other crates log warnings
     /// only), or a tracing filter directive with `=` or `,` (e.g. `info,kube=debug`)
     /// [default: info, or the one of -v].
-    #[arg(long)]
+    #[arg(allow_hyphen_values = true, long)]
     pub log_level: Option<String>,
     /// Log format: one text line or one JSON object per event [default: text].
-    #[arg(long, value_enum)]
+    #[arg(allow_hyphen_values = true, long, value_enum)]
     pub log_format: Option<LogFormat>,
     /// CIDR of the cluster's pods, or an IPv4 and an IPv6 CIDR separated by a comma
     /// (kube-proxy's --cluster-cidr): traffic entering the node to a cluster IP from a
     /// client outside the prefix of its family is masqueraded (tc path).
-    #[arg(long)]
+    #[arg(allow_hyphen_values = true, long)]
     pub cluster_cidr: Option<ClusterCidrs>,
     /// Node addresses that serve NodePorts: comma-separated CIDRs, or `primary` (the
     /// node's first InternalIP per family, kube-proxy's nftables default) [default: every
     /// InternalIP and ExternalIP of this node's Node object] (kube-proxy's
     /// --nodeport-addresses).
-    #[arg(long)]
+    #[arg(allow_hyphen_values = true, long)]
     pub nodeport_addresses: Option<NodePortAddresses>,
     /// Size of the frontend map (VIP x port x protocol, plus one entry per VIP) when created
     /// [default: 65536].
@@ -718,7 +720,7 @@ pub struct RunFlags {
     /// Interfaces that serve NodePorts, external IPs and LB IPs to traffic from outside the
     /// node, comma-separated [default: the interfaces of the agent's network namespace that
     /// carry one of this node's InternalIP/ExternalIP addresses from its Node object].
-    #[arg(long, value_delimiter = ',')]
+    #[arg(allow_hyphen_values = true, long, value_delimiter = ',')]
     pub interfaces: Vec<String>,
     /// XDP in front of the tcx programs on the external interfaces, for the same
     /// NodePorts, external IPs and LB IPs with the same conntrack: `native` (driver XDP on
@@ -726,7 +728,7 @@ pub struct RunFlags {
     /// (native where the driver supports it, else generic XDP, else the tcx programs
     /// alone) or `disabled`. `ebpf-proxy check` tells which interfaces have native XDP
     /// [default: disabled].
-    #[arg(long, value_enum, value_name = "MODE")]
+    #[arg(allow_hyphen_values = true, long, value_enum, value_name = "MODE")]
     pub xdp: Option<XdpSetting>,
     /// Source-NAT every external flow of a Cluster-policy Service to the node address, also
     /// when the backend runs on this node (kube-proxy's --masquerade-all).
@@ -765,7 +767,7 @@ pub struct RunFlags {
 pub struct KubeProxyFlags {
     /// Write the effective configuration (flags, --config and defaults merged) to FILE as a
     /// KubeProxyConfiguration and exit.
-    #[arg(long, value_name = "FILE")]
+    #[arg(allow_hyphen_values = true, long, value_name = "FILE")]
     pub write_config_to: Option<PathBuf>,
     /// Remove everything ebpf-proxy installed (programs, links, pinned maps under
     /// --bpffs/--pin-dir) and exit, as `ebpf-proxy cleanup`.
@@ -777,10 +779,10 @@ pub struct KubeProxyFlags {
     pub init_only: Option<bool>,
     /// Proxy mode: empty or `ebpf`; kube-proxy's iptables, ipvs, nftables and kernelspace
     /// modes stop start-up with an error.
-    #[arg(long, value_name = "MODE")]
+    #[arg(allow_hyphen_values = true, long, value_name = "MODE")]
     pub proxy_mode: Option<String>,
     /// URL of the Kubernetes API server, overriding the kubeconfig's.
-    #[arg(long, value_name = "URL")]
+    #[arg(allow_hyphen_values = true, long, value_name = "URL")]
     pub master: Option<String>,
     /// Exit when the health or metrics server cannot bind its address (otherwise the bind is
     /// retried every 5 s while the data path runs).
@@ -800,7 +802,7 @@ pub struct KubeProxyFlags {
     pub ipvs_min_sync_period: Option<Duration>,
     /// Default algorithm by its IPVS scheduler name: rr, wrr, lc, wlc, sed, nq, sh, dh, mh
     /// (see --lb-algorithm; mh is source-hash); empty keeps the default algorithm.
-    #[arg(long, value_name = "SCHEDULER", value_parser = parse_scheduler_flag, conflicts_with = "lb_algorithm")]
+    #[arg(allow_hyphen_values = true, long, value_name = "SCHEDULER", value_parser = parse_scheduler_flag, conflicts_with = "lb_algorithm")]
     pub ipvs_scheduler: Option<SchedulerFlag>,
     /// Same as --udp-flow-timeout (0 keeps the default).
     #[arg(long, allow_hyphen_values = true, value_parser = parse_timeout, value_name = "DURATION")]
@@ -809,48 +811,53 @@ pub struct KubeProxyFlags {
     #[arg(long, allow_hyphen_values = true, value_parser = number_in(-1000i32, 1000), value_name = "N")]
     pub oom_score_adj: Option<i32>,
     /// Deprecated in kube-proxy: port of the health server (0 disables it).
-    #[arg(long, value_name = "PORT", value_parser = number_in(0u16, u16::MAX))]
+    #[arg(allow_hyphen_values = true, long, value_name = "PORT", value_parser = number_in(0u16, u16::MAX))]
     pub healthz_port: Option<u16>,
     /// Deprecated in kube-proxy: port of the metrics server (0 disables it).
-    #[arg(long, value_name = "PORT", value_parser = number_in(0u16, u16::MAX))]
+    #[arg(allow_hyphen_values = true, long, value_name = "PORT", value_parser = number_in(0u16, u16::MAX))]
     pub metrics_port: Option<u16>,
     /// Same as --log-format.
-    #[arg(long, value_enum, value_name = "FORMAT")]
+    #[arg(allow_hyphen_values = true, long, value_enum, value_name = "FORMAT")]
     pub logging_format: Option<LogFormat>,
     /// klog verbosity: 0-2 is --log-level info, 3-4 debug, 5 and more trace.
-    #[arg(short = 'v', long = "v", value_name = "N", value_parser = number_in(0u32, u32::MAX))]
+    #[arg(allow_hyphen_values = true, short = 'v', long = "v", value_name = "N", value_parser = number_in(0u32, u32::MAX))]
     pub verbosity: Option<u32>,
     /// kube-proxy's idea of the node's primary IP; only its family is used here (the
     /// default server addresses are IPv6 when it is IPv6).
-    #[arg(long, value_name = "IP")]
+    #[arg(allow_hyphen_values = true, long, value_name = "IP")]
     pub bind_address: Option<IpAddr>,
     /// No effect here.
-    #[arg(long, value_name = "Name=bool,...")]
+    #[arg(allow_hyphen_values = true, long, value_name = "Name=bool,...")]
     pub feature_gates: Option<FeatureGates>,
     /// No effect here (the client sends JSON).
-    #[arg(long, value_name = "TYPE")]
+    #[arg(allow_hyphen_values = true, long, value_name = "TYPE")]
     pub kube_api_content_type: Option<String>,
     /// No effect here (the client does not throttle).
-    #[arg(long, value_name = "N", value_parser = number_in(0i32, i32::MAX))]
+    #[arg(allow_hyphen_values = true, long, value_name = "N", value_parser = number_in(0i32, i32::MAX))]
     pub kube_api_burst: Option<i32>,
     /// No effect here (the client does not throttle).
-    #[arg(long, value_name = "QPS", value_parser = parse_qps)]
+    #[arg(allow_hyphen_values = true, long, value_name = "QPS", value_parser = parse_qps)]
     pub kube_api_qps: Option<f32>,
     /// No effect here (no /debug/pprof).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
     pub profiling: Option<bool>,
     /// No effect here.
-    #[arg(long, value_name = "VERSION")]
+    #[arg(allow_hyphen_values = true, long, value_name = "VERSION")]
     pub show_hidden_metrics_for_version: Option<String>,
     /// No effect here (no fwmark).
-    #[arg(long, value_name = "BIT", value_parser = number_in(0i32, 31))]
+    #[arg(allow_hyphen_values = true, long, value_name = "BIT", value_parser = number_in(0i32, 31))]
     pub iptables_masquerade_bit: Option<i32>,
     /// No effect here: node ports are never served on loopback (as kube-proxy's nftables
     /// mode).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
     pub iptables_localhost_nodeports: Option<bool>,
     /// No effect here.
-    #[arg(long, value_delimiter = ',', value_name = "CIDR,...")]
+    #[arg(
+        allow_hyphen_values = true,
+        long,
+        value_delimiter = ',',
+        value_name = "CIDR,..."
+    )]
     pub ipvs_exclude_cidrs: Vec<String>,
     /// No effect here.
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
@@ -867,13 +874,13 @@ pub struct KubeProxyFlags {
     /// How kube-proxy tells local traffic: ClusterCIDR (what --cluster-cidr does here),
     /// NodeCIDR, BridgeInterface or InterfaceNamePrefix (accepted, no effect here); any
     /// other value stops start-up, as in kube-proxy.
-    #[arg(long, value_name = "MODE", value_parser = parse_detect_local_mode)]
+    #[arg(allow_hyphen_values = true, long, value_name = "MODE", value_parser = parse_detect_local_mode)]
     pub detect_local_mode: Option<String>,
     /// No effect here.
-    #[arg(long, value_name = "NAME")]
+    #[arg(allow_hyphen_values = true, long, value_name = "NAME")]
     pub pod_bridge_interface: Option<String>,
     /// No effect here.
-    #[arg(long, value_name = "PREFIX")]
+    #[arg(allow_hyphen_values = true, long, value_name = "PREFIX")]
     pub pod_interface_name_prefix: Option<String>,
     /// No effect here.
     #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, value_name = "DURATION")]
@@ -885,10 +892,10 @@ pub struct KubeProxyFlags {
     #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, value_name = "DURATION")]
     pub config_sync_period: Option<Duration>,
     /// Removed from kube-proxy (userspace mode); no effect here.
-    #[arg(long, value_name = "RANGE")]
+    #[arg(allow_hyphen_values = true, long, value_name = "RANGE")]
     pub proxy_port_range: Option<String>,
     /// No effect here.
-    #[arg(long, value_name = "PATTERN=N,...")]
+    #[arg(allow_hyphen_values = true, long, value_name = "PATTERN=N,...")]
     pub vmodule: Option<String>,
     /// No effect here (logs are not buffered).
     #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, value_name = "DURATION")]
@@ -897,19 +904,19 @@ pub struct KubeProxyFlags {
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
     pub log_text_split_stream: Option<bool>,
     /// No effect here.
-    #[arg(long, value_name = "SIZE")]
+    #[arg(allow_hyphen_values = true, long, value_name = "SIZE")]
     pub log_text_info_buffer_size: Option<String>,
     /// No effect here (logs go to stderr).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
     pub log_json_split_stream: Option<bool>,
     /// No effect here.
-    #[arg(long, value_name = "SIZE")]
+    #[arg(allow_hyphen_values = true, long, value_name = "SIZE")]
     pub log_json_info_buffer_size: Option<String>,
     /// No effect here (cAdvisor's flag, linked into kube-proxy).
-    #[arg(long, value_name = "FILES")]
+    #[arg(allow_hyphen_values = true, long, value_name = "FILES")]
     pub boot_id_file: Option<String>,
     /// No effect here (cAdvisor's flag, linked into kube-proxy).
-    #[arg(long, value_name = "FILES")]
+    #[arg(allow_hyphen_values = true, long, value_name = "FILES")]
     pub machine_id_file: Option<String>,
 }
 

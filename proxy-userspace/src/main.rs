@@ -347,8 +347,11 @@ fn list_from_api(
     rt.block_on(async {
         let config = match kubeconfig {
             Some(kc) => {
+                // Its own check first: kube's error quotes the path twice and drops the
+                // reason.
+                std::fs::metadata(kc).with_context(|| format!("--kubeconfig {}", kc.display()))?;
                 let kc = kube::config::Kubeconfig::read_from(kc)
-                    .with_context(|| format!("read kubeconfig {}", kc.display()))?;
+                    .map_err(|e| anyhow::anyhow!("--kubeconfig {}: {e}", kc.display()))?;
                 kube::Config::from_custom_kubeconfig(
                     kc,
                     &kube::config::KubeConfigOptions::default(),
@@ -421,18 +424,12 @@ fn monitor(args: MonitorArgs) -> Result<()> {
             .map(|r| monitor::parse_reason(r))
             .collect::<Result<_>>()?,
     };
-    let duration = match args.duration {
-        Some(d) if !(d.is_finite() && d > 0.0) => {
-            anyhow::bail!("--duration must be a positive number of seconds")
-        }
-        d => d.map(std::time::Duration::from_secs_f64),
-    };
     let opts = Options {
         dir: args.pins.dir()?,
         filter,
         json: args.output == MonitorOutput::Json,
         count: args.count,
-        duration,
+        duration: args.duration,
         rate: args.rate,
         burst: args.burst,
     };

@@ -466,7 +466,9 @@ fn server_address(
     match s.parse::<ServerAddress>() {
         Ok(a) => Ok(a.resolve(default_port)),
         Err(_) => {
-            bail!("{field}: {s:?} is not an IP address and port (e.g. 0.0.0.0:10256 or [::]:10256)")
+            bail!(
+                "{field}: {s:?} is not an IP address and port (e.g. 0.0.0.0:{default_port} or [::]:{default_port})"
+            )
         }
     }
 }

@@ -208,7 +208,7 @@ fn each_invalid_value_names_the_field() {
         ),
         (
             "metricsBindAddress: localhost:10249\n",
-            "metricsBindAddress: \"localhost:10249\" is not an IP address and port",
+            "metricsBindAddress: \"localhost:10249\" is not an IP address and port (e.g. 0.0.0.0:10249 or [::]:10249)",
         ),
         (
             "clusterCIDR: 10.244.0.0/33\n",
