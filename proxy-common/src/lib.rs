@@ -691,6 +691,25 @@ impl Counter {
         (Counter::DroppedStaleSocket, "dropped_stale_socket"),
         (Counter::Bypassed, "bypassed"),
     ];
+
+    /// What the counter counts, in one line for operators (`ebpf-proxy stats`).
+    pub const fn meaning(self) -> &'static str {
+        match self {
+            Counter::Translated => "connect()/sendmsg() to a frontend sent to a backend",
+            Counter::RefusedNoEndpoints => "refused (ECONNREFUSED): the frontend has no endpoints",
+            Counter::RefusedUndefinedPort => "refused (ECONNREFUSED): port not defined on the VIP",
+            Counter::SlotMiss => "a backend lookup missed while the agent rewrote the service",
+            Counter::MapUpdateFailed => "a reverse-NAT or flow entry not written (map full)",
+            Counter::ReverseTranslated => {
+                "getpeername()/recvmsg() showed the VIP instead of the backend"
+            }
+            Counter::DroppedNoLocalEndpoints => {
+                "failed (EHOSTUNREACH): Local policy, no endpoint on this node"
+            }
+            Counter::DroppedStaleSocket => "a send of a UDP socket whose endpoint left failed",
+            Counter::Bypassed => "left to the per-packet path (bypassed workload)",
+        }
+    }
 }
 
 /// Builds the 16-byte form of an IPv4 address given as `bpf_sock_addr.user_ip4` holds it

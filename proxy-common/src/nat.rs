@@ -446,8 +446,10 @@ pub enum TcCounter {
     /// An encapsulated packet of a direct server return flow was accepted and translated to
     /// its backend (backend's node).
     DsrDecapsulated = 18,
-    /// Dropped: an encapsulated packet to an endpoint of this node whose frontend and
-    /// backend are not a direct server return pair of [`DSR`].
+    /// An encapsulated packet to an endpoint of this node whose frontend and backend are
+    /// not a direct server return pair of [`DSR`]: left alone, for whoever tunnels to that
+    /// address; or one whose inner packet, once decapsulated, is no flow of its family:
+    /// dropped.
     DsrUnknown = 19,
     /// A packet of a direct server return flow too big for the path once encapsulated:
     /// answered with ICMP "fragmentation needed" / ICMPv6 "packet too big" naming the MTU
@@ -483,6 +485,37 @@ impl TcCounter {
         (TcCounter::DsrUnknown, "tc_dsr_unknown"),
         (TcCounter::DsrTooBig, "tc_dsr_too_big"),
     ];
+
+    /// What the counter counts, in one line for operators (`ebpf-proxy stats`).
+    pub const fn meaning(self) -> &'static str {
+        match self {
+            TcCounter::NewFlow => "new flow to a frontend DNATed to a backend",
+            TcCounter::Snat => "new flow also source-NATed to the node address",
+            TcCounter::Translated => "packet of a tracked flow translated",
+            TcCounter::DroppedNoLocalEndpoints => "dropped: Local policy, no endpoint here",
+            TcCounter::DroppedNoEndpoints => "dropped: no endpoints, reject not buildable",
+            TcCounter::SnatPortsExhausted => "dropped: no free SNAT port",
+            TcCounter::ConntrackFull => "dropped: conntrack entry not written",
+            TcCounter::SourceRangeDenied => "dropped: client outside loadBalancerSourceRanges",
+            TcCounter::RewriteFailed => "dropped: a rewrite or checksum helper failed",
+            TcCounter::NoSnatAddress => "dropped: no node address of the family to SNAT to",
+            TcCounter::IcmpTranslated => "ICMP error about a translated flow translated",
+            TcCounter::SnatBindingLost => "dropped: the flow lost its SNAT port",
+            TcCounter::PassedUntracked => {
+                "mid-flow TCP packet of no tracked flow left to the kernel"
+            }
+            TcCounter::ReselectedUntracked => {
+                "mid-flow TCP packet re-picked its (consistent) backend"
+            }
+            TcCounter::RejectedNoEndpoints => "answered port unreachable: no endpoints",
+            TcCounter::XdpForwarded => "translated and sent out by XDP",
+            TcCounter::XdpToStack => "XDP found no next hop: left to tcx and the kernel",
+            TcCounter::DsrEncapsulated => "sent encapsulated to a DSR backend's node",
+            TcCounter::DsrDecapsulated => "encapsulated DSR packet accepted here",
+            TcCounter::DsrUnknown => "encapsulated packet of no DSR pair here",
+            TcCounter::DsrTooBig => "DSR packet too big once encapsulated: ICMP sent",
+        }
+    }
 }
 
 #[cfg(feature = "user")]

@@ -103,6 +103,26 @@ fn counters_are_exact_after_known_traffic_and_metrics_parse() {
     );
     assert_eq!(reasons["refused_no_endpoints"], 3, "{reasons}");
     assert_eq!(reasons["refused_undefined_port"], 2, "{reasons}");
+    // The table says what each reason means.
+    let out = Command::new(AGENT)
+        .args(["stats", "--pin-dir", &env.pin_dir])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("REASON") && text.contains("MEANING"),
+        "{text}"
+    );
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("refused_no_endpoints"))
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(
+        line.contains(" 3 ") && line.contains("the frontend has no endpoints"),
+        "{line}"
+    );
+    assert!(text.contains("tc_snat_ports_exhausted"), "{text}");
 
     let backends = agent_json(&env, &["backends"]);
     let tcp_total: u64 = backends

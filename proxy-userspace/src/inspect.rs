@@ -443,19 +443,27 @@ pub fn print_stats(dir: &Path, maps: &PinnedMaps, json: bool) -> Result<()> {
         &table,
     );
     println!();
-    let table: Vec<Vec<String>> = s
-        .reasons
-        .iter()
-        .map(|(n, v)| vec![n.to_string(), v.to_string()])
-        .collect();
-    print_table(&["REASON", "COUNT"], &table);
+    let meaning = |n: &str| {
+        proxy_common::Counter::ALL
+            .iter()
+            .find(|(_, name)| *name == n)
+            .map(|(c, _)| c.meaning())
+            .or_else(|| {
+                proxy_common::nat::TcCounter::ALL
+                    .iter()
+                    .find(|(_, name)| *name == n)
+                    .map(|(c, _)| c.meaning())
+            })
+            .unwrap_or("")
+    };
+    let rows = |m: &std::collections::BTreeMap<&'static str, u64>| -> Vec<Vec<String>> {
+        m.iter()
+            .map(|(n, v)| vec![n.to_string(), v.to_string(), meaning(n).to_string()])
+            .collect()
+    };
+    print_table(&["REASON", "COUNT", "MEANING"], &rows(&s.reasons));
     println!();
-    let table: Vec<Vec<String>> = s
-        .tc_reasons
-        .iter()
-        .map(|(n, v)| vec![n.to_string(), v.to_string()])
-        .collect();
-    print_table(&["TC REASON", "COUNT"], &table);
+    print_table(&["TC REASON", "COUNT", "MEANING"], &rows(&s.tc_reasons));
     Ok(())
 }
 
