@@ -215,7 +215,10 @@ fn services(args: ServicesArgs) -> Result<()> {
             .iter()
             .map(|(idx, name)| format!("{name}={}", c.get(*idx as usize).copied().unwrap_or(0)))
             .collect();
-        println!("\ncounters: {}", parts.join(" "));
+        println!(
+            "\ncounters: {} (`ebpf-proxy stats` says what each counts)",
+            parts.join(" ")
+        );
         for line in proxy_userspace::inspect::workload_paths(&dir, None) {
             println!("{line}");
         }

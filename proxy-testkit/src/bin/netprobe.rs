@@ -925,7 +925,19 @@ mod demo {
 
         step("stopping the agent and running ebpf-proxy cleanup")?;
         let out = agent.stop_and_cleanup()?;
-        print!("{out}");
+        // One line per link and map is what `cleanup` prints for an operator; the demo
+        // sums them up and shows anything else as is.
+        let (mut links, mut pins) = (0, 0);
+        for line in out.lines() {
+            if line.starts_with("detached ") {
+                links += 1;
+            } else if line.starts_with("removed ") {
+                pins += 1;
+            } else {
+                println!("{line}");
+            }
+        }
+        println!("cleanup: detached {links} program links, removed {pins} pins");
         drop(agent);
         drop(servers);
         drop(lab);
