@@ -360,12 +360,37 @@ pub fn parse(text: &str) -> Result<Loaded> {
         if field != "." && field != "?" {
             msg = format!("{field}: {msg}");
         }
+        // A duplicate key is reported where its mapping starts: name the repeated line.
+        let line = inner
+            .strip_prefix("duplicate field `")
+            .and_then(|r| r.split('`').next())
+            .and_then(|name| duplicate_key_line(text, name, line.unwrap_or(1)))
+            .or(line);
         if let Some(line) = line {
             msg = format!("{msg} (line {line})");
         }
         anyhow::anyhow!("not a KubeProxyConfiguration document: {msg}")
     })?;
     file::validate(&file)
+}
+
+/// The 1-based line of the second `name:` key at one indentation, from line `from` on
+/// (the start of the mapping serde named): where a duplicate key is. `None` when the text
+/// has no such pair (a flow mapping, a quoted key).
+fn duplicate_key_line(text: &str, name: &str, from: usize) -> Option<usize> {
+    let mut seen = std::collections::HashSet::new();
+    for (i, l) in text.lines().enumerate().skip(from.saturating_sub(1)) {
+        let key = l.trim_start();
+        let indent = l.len() - key.len();
+        if key
+            .strip_prefix(name)
+            .is_some_and(|rest| rest.trim_start().starts_with(':'))
+            && !seen.insert(indent)
+        {
+            return Some(i + 1);
+        }
+    }
+    None
 }
 
 /// A serde or YAML error message without Rust's type names: "invalid type: string "yes",

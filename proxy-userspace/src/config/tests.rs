@@ -267,6 +267,14 @@ fn each_invalid_value_names_the_field() {
             "not a KubeProxyConfiguration document: hostnameOverride: expected a string, found a list",
         ),
         (
+            "mode: nftables\nclusterCIDR: 10.0.0.0/8\nmode: iptables\n",
+            "duplicate field `mode` (line 5)",
+        ),
+        (
+            "conntrack:\n  min: 1024\n  maxPerCore: 0\n  min: 2048\n",
+            "duplicate field `min` (line 6)",
+        ),
+        (
             "enableProfiling: yes please\n",
             "enableProfiling: expected true or false, found the string \"yes please\" (line 3)",
         ),
