@@ -88,13 +88,7 @@ pub struct ServicesArgs {
     #[command(flatten)]
     pub pins: PinArgs,
     /// Output format.
-    #[arg(
-        allow_hyphen_values = true,
-        short = 'o',
-        long,
-        value_enum,
-        default_value = "table"
-    )]
+    #[arg(short = 'o', long, value_enum, default_value = "table")]
     pub output: Output,
 }
 
@@ -121,13 +115,7 @@ pub struct CheckArgs {
     #[arg(allow_hyphen_values = true, long, value_parser = crate::config::parse_conntrack_min, value_name = "N")]
     pub conntrack_min: Option<u32>,
     /// Output format.
-    #[arg(
-        allow_hyphen_values = true,
-        short = 'o',
-        long,
-        value_enum,
-        default_value = "table"
-    )]
+    #[arg(short = 'o', long, value_enum, default_value = "table")]
     pub output: Output,
 }
 
@@ -160,13 +148,7 @@ pub struct ExplainArgs {
     #[command(flatten)]
     pub pins: PinArgs,
     /// Output format.
-    #[arg(
-        allow_hyphen_values = true,
-        short = 'o',
-        long,
-        value_enum,
-        default_value = "table"
-    )]
+    #[arg(short = 'o', long, value_enum, default_value = "table")]
     pub output: Output,
     /// Read the Services, EndpointSlices and Nodes from this manifest directory to explain
     /// endpoint eligibility.
@@ -222,13 +204,7 @@ pub struct MonitorArgs {
     #[arg(allow_hyphen_values = true, long = "reason", value_delimiter = ',')]
     pub reasons: Vec<String>,
     /// Output format.
-    #[arg(
-        allow_hyphen_values = true,
-        short = 'o',
-        long,
-        value_enum,
-        default_value = "text"
-    )]
+    #[arg(short = 'o', long, value_enum, default_value = "text")]
     pub output: MonitorOutput,
     /// Stop after this many events.
     #[arg(allow_hyphen_values = true, long, value_parser = number_in(0u64, u64::MAX))]
