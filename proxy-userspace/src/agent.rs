@@ -89,10 +89,10 @@ async fn kube_config(source: &SourceChoice, master: Option<&str>) -> Result<Opti
     let mut config = match kubeconfig {
         Some(path) => {
             let kc = kube::config::Kubeconfig::read_from(path)
-                .map_err(|e| anyhow::anyhow!("kubeconfig {} (--kubeconfig, clientConnection.kubeconfig): {e}", path.display()))?;
+                .map_err(|e| anyhow::anyhow!("{}: {e}", kubeconfig_named(path)))?;
             kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
                 .await
-                .map_err(|e| anyhow::anyhow!("kubeconfig {} (--kubeconfig, clientConnection.kubeconfig): {e}", path.display()))?
+                .map_err(|e| anyhow::anyhow!("{}: {e}", kubeconfig_named(path)))?
         }
         None => kube::Config::infer().await.map_err(|e| {
             anyhow::anyhow!(
@@ -210,12 +210,7 @@ fn prepare(config: &AgentConfig) -> Result<Prepared> {
             })?;
         }
         SourceChoice::Api(Some(k)) => {
-            std::fs::metadata(k).with_context(|| {
-                format!(
-                    "kubeconfig {} (--kubeconfig, clientConnection.kubeconfig)",
-                    k.display()
-                )
-            })?;
+            std::fs::metadata(k).with_context(|| kubeconfig_named(k))?;
         }
         SourceChoice::Api(None) => {}
     }
@@ -1192,6 +1187,15 @@ impl<D: Datapath + FlowCollection> Agent<D> {
             }
         }
     }
+}
+
+/// The kubeconfig path as errors name it, with where it can come from (the flag or the
+/// configuration file).
+fn kubeconfig_named(path: &std::path::Path) -> String {
+    format!(
+        "kubeconfig {} (--kubeconfig, clientConnection.kubeconfig)",
+        path.display()
+    )
 }
 
 #[cfg(test)]

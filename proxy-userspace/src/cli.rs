@@ -239,16 +239,11 @@ pub struct CleanupArgs {
 ///
 /// Errors: not a number nor a duration, zero or negative, too long.
 pub fn parse_monitor_duration(s: &str) -> Result<std::time::Duration, String> {
-    let Ok(secs) = s.parse::<f64>() else {
-        return crate::config::parse_positive_duration(s);
-    };
-    if !(secs.is_finite() && secs > 0.0) {
-        return Err(format!("{s:?} is not a positive number of seconds"));
+    // A bare number is seconds: the same checks as any duration flag.
+    if s.parse::<f64>().is_ok() {
+        return crate::config::parse_positive_duration(&format!("{s}s"));
     }
-    if secs > crate::config::MAX_PERIOD.as_secs_f64() {
-        return Err("must be at most 8760h (a year)".into());
-    }
-    Ok(std::time::Duration::from_secs_f64(secs))
+    crate::config::parse_positive_duration(s)
 }
 
 impl Cli {
