@@ -74,7 +74,7 @@ pub const STALE_SOCKETS: &str = "STALE_SOCKETS";
 pub const SERVICE_NAMES: &str = "SERVICE_NAMES";
 
 /// Every map the agent pins, in the order the data path depends on them.
-pub const ALL_MAPS: [&str; 19] = [
+pub const ALL_MAPS: [&str; 21] = [
     FRONTENDS,
     BACKEND_SLOTS,
     BACKENDS,
@@ -94,6 +94,8 @@ pub const ALL_MAPS: [&str; 19] = [
     SERVICE_NAMES,
     bypass::BYPASS_CONFIG,
     bypass::BYPASS_NETNS,
+    SOCK_NAT,
+    SOCK_NAT_SPILLED,
 ];
 
 /// Default `max_entries` of [`FRONTENDS`] (one per VIP x port x protocol, plus one
@@ -573,6 +575,60 @@ pub struct RevNatValue {
     pub service_id: u32,
 }
 
+/// Name of the connected sockets' reverse-NAT table: slot index `u32` -> [`SockNat`]
+/// (BPF_MAP_TYPE_ARRAY, a power of two of slots, at most `--max-sockets`).
+///
+/// `connect4/6` keep a translated socket's entry in slot `cookie & mask` (mask: the global
+/// [`SOCK_NAT_SLOT_MASK`], slots - 1) instead of inserting it into [`REVNAT_SK`]: an
+/// array slot costs no hashing, bucket lock or LRU list, and socket cookies are handed out
+/// in sequence, so consecutive connections write neighbouring slots. A slot held by
+/// another live socket (a cookie `slots` apart) sends the entry to [`REVNAT_SK`] as
+/// before; readers try the slot first, then `REVNAT_SK`.
+///
+/// Claiming protocol (the agent reads slots while the kernel writes them): a free slot has
+/// cookie 0; `connect()` claims it by a compare-and-swap of the cookie from 0 to
+/// `cookie |` [`SOCK_NAT_BUSY`], writes the entry, then stores the plain cookie (an atomic
+/// exchange, a full barrier); `sock_release` of that socket stores 0. A reader takes a
+/// slot only when its cookie is non-zero without the busy bit.
+pub const SOCK_NAT: &str = "SOCK_NAT";
+/// Name of the object's global `u64` (`.rodata`) holding `slots - 1` of [`SOCK_NAT`],
+/// set by the agent at every load to the size of the map the programs use (created or
+/// adopted). An index beyond the map misses and falls back to [`REVNAT_SK`], so a
+/// mismatch costs speed, never correctness.
+pub const SOCK_NAT_SLOT_MASK: &str = "SOCK_NAT_SLOT_MASK";
+/// Name of the spill count: index 0 -> `u32` (BPF_MAP_TYPE_ARRAY, one entry): connected
+/// sockets whose entry went to [`REVNAT_SK`] because their [`SOCK_NAT`] slot was taken and
+/// whose release has not deleted it yet (an entry the LRU evicts first is never subtracted,
+/// so the count can only overstate). While it is 0, `sock_release` looks only at the socket's slot,
+/// which spares every connected socket that was never translated (accepted server
+/// sockets, pods' direct connections) a `REVNAT_SK` lookup. An agent adopting a
+/// `REVNAT_SK` of a version without slots sets it to the number of connected entries there.
+pub const SOCK_NAT_SPILLED: &str = "SOCK_NAT_SPILLED";
+/// Bit of [`SockNat`]'s cookie while `connect()` is writing the slot.
+pub const SOCK_NAT_BUSY: u64 = 1 << 63;
+
+/// The number of [`SOCK_NAT`] slots for `--max-sockets` `sockets`: the largest power of
+/// two not above it (at least 1), so the map never exceeds the socket capacity asked for.
+pub const fn sock_nat_slots(sockets: u32) -> u32 {
+    if sockets <= 1 {
+        1
+    } else {
+        1 << (31 - sockets.leading_zeros())
+    }
+}
+
+/// One slot of [`SOCK_NAT`]: the reverse-NAT entry of a connected socket (TCP, or UDP after
+/// `connect()`), found by its cookie without hashing. `key.cookie` 0 marks a free slot.
+/// 56 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct SockNat {
+    /// The socket (cookie) and the backend it was connected to.
+    pub key: RevNatKey,
+    /// The frontend it addressed.
+    pub value: RevNatValue,
+}
+
 /// [`RevNatValue::flags`] bit: translated by `connect()` (a TCP connection or a connected UDP
 /// socket), as opposed to a `sendmsg()` of an unconnected UDP socket.
 pub const REVNAT_F_CONNECTED: u8 = 1 << 0;
@@ -782,6 +838,7 @@ mod user {
     unsafe impl aya::Pod for Backend {}
     unsafe impl aya::Pod for RevNatKey {}
     unsafe impl aya::Pod for RevNatValue {}
+    unsafe impl aya::Pod for SockNat {}
     unsafe impl aya::Pod for UdpFlowKey {}
     unsafe impl aya::Pod for UdpFlow {}
     unsafe impl aya::Pod for Config {}
@@ -805,6 +862,10 @@ const _: () = {
     assert!(core::mem::size_of::<Backend>() == 20);
     assert!(core::mem::size_of::<RevNatKey>() == 32);
     assert!(core::mem::size_of::<RevNatValue>() == 24);
+    assert!(core::mem::size_of::<SockNat>() == 56);
+    assert!(sock_nat_slots(0) == 1 && sock_nat_slots(1) == 1 && sock_nat_slots(3) == 2);
+    assert!(sock_nat_slots(DEFAULT_MAX_SOCKETS) == DEFAULT_MAX_SOCKETS);
+    assert!(sock_nat_slots(300_000) == 262_144 && sock_nat_slots(u32::MAX) == 1 << 31);
     assert!(core::mem::size_of::<UdpFlowKey>() == 32);
     assert!(core::mem::size_of::<UdpFlow>() == 32);
     assert!(core::mem::size_of::<Config>() == 16);

@@ -52,7 +52,7 @@ pub fn release(id: u32) {
 /// `*p += v` atomically (one BPF_ATOMIC | BPF_ADD instruction; the result is unused so no
 /// fetch variant is needed).
 #[inline(always)]
-fn atomic_add(p: *mut u32, v: u32) {
+pub fn atomic_add(p: *mut u32, v: u32) {
     // SAFETY: `p` points into a map value that lives while the program runs.
     unsafe {
         core::intrinsics::atomic_xadd::<u32, u32, { core::intrinsics::AtomicOrdering::Relaxed }>(

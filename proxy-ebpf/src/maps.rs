@@ -14,7 +14,7 @@ use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlotKey, COUNTER_MAX, Config, DEFAULT_MAX_BACKENDS,
     DEFAULT_MAX_FRONTENDS, DEFAULT_MAX_MAGLEV, DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCKETS, Frontend,
     FrontendKey, MaglevTable, MemberKey, RevNatKey, RevNatValue, ServiceName, ServiceStats,
-    UdpFlow, UdpFlowKey,
+    SockNat, UdpFlow, UdpFlowKey,
     bypass::{BypassConfig, MAX_BYPASS_NETNS},
     monitor::{MONITOR_RING_BYTES, MonitorCpu, MonitorCtl, MonitorEvent},
     nat::{
@@ -46,6 +46,28 @@ pub static BACKENDS: HashMap<u32, Backend, { DEFAULT_MAX_BACKENDS as usize }> = 
 #[btf_map]
 pub static REVNAT_SK: LruHashMap<RevNatKey, RevNatValue, { DEFAULT_MAX_SOCKETS as usize }> =
     LruHashMap::new();
+
+/// Connected sockets' reverse-NAT entries by cookie slot; see `proxy_common::SOCK_NAT`.
+#[btf_map]
+pub static SOCK_NAT: Array<SockNat, { DEFAULT_MAX_SOCKETS as usize }> = Array::new();
+
+/// How many connected sockets' entries went to `REVNAT_SK` (their slot was taken); see
+/// `proxy_common::SOCK_NAT_SPILLED`.
+#[btf_map]
+pub static SOCK_NAT_SPILLED: Array<u32, 1> = Array::new();
+
+/// `SOCK_NAT`'s slots - 1 (`proxy_common::SOCK_NAT_SLOT_MASK`), set by the agent at load;
+/// a constant in `.rodata` for the verifier. Read with [`sock_nat_slot_mask`].
+#[unsafe(no_mangle)]
+static SOCK_NAT_SLOT_MASK: u64 = DEFAULT_MAX_SOCKETS as u64 - 1;
+
+/// The value of [`SOCK_NAT_SLOT_MASK`] the agent set (a volatile read, so the compiler
+/// does not fold in the default).
+#[inline(always)]
+pub fn sock_nat_slot_mask() -> u64 {
+    // SAFETY: a plain read of an initialised static.
+    unsafe { core::ptr::read_volatile(&SOCK_NAT_SLOT_MASK) }
+}
 
 /// (socket cookie, frontend) -> chosen backend for unconnected UDP.
 #[btf_map]

@@ -35,7 +35,8 @@ use aya_ebpf::{
 };
 use proxy_common::{
     Backend, Counter, DEFAULT_UDP_FLOW_TIMEOUT_NS, Frontend, PROTO_TCP, PROTO_UDP,
-    REVNAT_F_CONNECTED, REVNAT_F_COUNTED, RevNatKey, RevNatValue, UdpFlow, UdpFlowKey,
+    REVNAT_F_CONNECTED, REVNAT_F_COUNTED, RevNatKey, RevNatValue, SOCK_NAT_BUSY, SockNat, UdpFlow,
+    UdpFlowKey,
     bypass::{BYPASS_CFG_HOST_ONLY, BYPASS_CFG_PODS},
     bytes_of, client_of_netns, counts_connections, is_v4_mapped,
     monitor::{ALGORITHM_UNKNOWN as ALG_UNKNOWN, EVENT_F_DATAGRAM, EVENT_F_STALE_REPAIRED},
@@ -47,7 +48,10 @@ use crate::{
     klog,
     lb::{Lookup, NO_BACKEND, Refusal, Request, Scope, backend, lookup, needs_client, select},
     lc,
-    maps::{BYPASS_CONFIG, BYPASS_NETNS, CONFIG, REVNAT_SK, STALE_SOCKETS, UDP_FLOWS},
+    maps::{
+        BYPASS_CONFIG, BYPASS_NETNS, CONFIG, REVNAT_SK, SOCK_NAT, SOCK_NAT_SPILLED, STALE_SOCKETS,
+        UDP_FLOWS, sock_nat_slot_mask,
+    },
     monitor,
     stats::{count, count_service},
 };
@@ -61,15 +65,17 @@ const ALLOW: i32 = 1;
 const DENY: i32 = 0;
 
 /// Forgets a released socket: its reverse-NAT entry and least-connections count. Runs for
-/// every socket of the cgroup, so it touches no map for a socket that was never connected;
-/// a connected one finds its entry by its own peer (the backend `connect()` wrote).
+/// every socket of the cgroup. A socket `connect()` translated has its entry in its
+/// `SOCK_NAT` slot (found by cookie, whatever its state: a failed connect or a
+/// `connect(AF_UNSPEC)` clears the peer before the release), else, only while some entry
+/// went to `REVNAT_SK` instead (`SOCK_NAT_SPILLED`), in `REVNAT_SK` by its own peer.
 #[cgroup_sock(sock_release)]
 pub fn sock_release(ctx: SockContext) -> i32 {
     let sk = ctx.sock;
     // SAFETY: readable fields of our context (`struct bpf_sock`).
     let (family, dst_port, protocol) = unsafe { ((*sk).family, (*sk).dst_port, (*sk).protocol) };
-    if dst_port == 0 {
-        return 1; // never connected: nothing was translated for it
+    if protocol != PROTO_TCP as u32 && protocol != PROTO_UDP as u32 {
+        return 1;
     }
     // SAFETY: as above. Both forms are read unconditionally, each field at its constant
     // offset: loads in two branches get merged into one through a computed pointer, a
@@ -86,22 +92,36 @@ pub fn sock_release(ctx: SockContext) -> i32 {
             rd(&(*sk).dst_ip4),
         )
     };
-    let addr = if family == AF_INET6 {
-        bytes_of(&ip6)
-    } else {
-        v4_mapped(ip4)
-    };
     // SAFETY: helper on our own context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let key = RevNatKey {
-        cookie,
-        addr,
-        port: dst_port.to_ne_bytes(),
-        _pad: [0; 6],
+    let found = match take_slot(cookie) {
+        Some(e) => Some((e.key, e.value)),
+        // Never connected, or no entry outside the slots: nothing more to look for.
+        None if dst_port == 0 || !spilled() => None,
+        None => {
+            let key = RevNatKey {
+                cookie,
+                addr: if family == AF_INET6 {
+                    bytes_of(&ip6)
+                } else {
+                    v4_mapped(ip4)
+                },
+                port: dst_port.to_ne_bytes(),
+                _pad: [0; 6],
+            };
+            // SAFETY: copied out at once.
+            match unsafe { REVNAT_SK.get(key).copied() } {
+                Some(v) => {
+                    if REVNAT_SK.remove(key).is_ok() && v.flags & REVNAT_F_CONNECTED != 0 {
+                        unspill();
+                    }
+                    Some((key, v))
+                }
+                None => None,
+            }
+        }
     };
-    // SAFETY: copied out at once.
-    if let Some(v) = unsafe { REVNAT_SK.get(key).copied() } {
-        let _ = REVNAT_SK.remove(key);
+    if let Some((key, v)) = found {
         if v.flags & REVNAT_F_COUNTED != 0 {
             lc::socket_released(cookie);
         }
@@ -300,8 +320,9 @@ fn cookie(ctx: &SockAddrContext) -> u64 {
 /// Remembers that this socket reached `b` through the frontend of `req` of service
 /// `service_id`. Not inlined: its 56 bytes of key and value stay out of the hook's frame,
 /// which shares the 512-byte BPF stack with `select`.
+/// Returns whether the entry was written.
 #[inline(never)]
-fn remember(cookie: u64, b: &Backend, req: &Request, flags: u8, service_id: u32) {
+fn remember(cookie: u64, b: &Backend, req: &Request, flags: u8, service_id: u32) -> bool {
     let key = RevNatKey {
         cookie,
         addr: b.addr,
@@ -317,7 +338,9 @@ fn remember(cookie: u64, b: &Backend, req: &Request, flags: u8, service_id: u32)
     };
     if REVNAT_SK.insert(key, val, 0).is_err() {
         count(Counter::MapUpdateFailed);
+        return false;
     }
+    true
 }
 
 /// A datagram this socket sends to `addr`:`port` itself, not through a frontend: replies
@@ -342,6 +365,109 @@ fn forget_direct(cookie: u64, addr: &[u8; 16], port: [u8; 2]) {
         && flags & REVNAT_F_CONNECTED == 0
     {
         let _ = REVNAT_SK.remove(key);
+    }
+}
+
+/// The socket's slot in `SOCK_NAT` (none when the agent made the map smaller than the mask).
+#[inline(always)]
+fn slot_of(cookie: u64) -> Option<*mut SockNat> {
+    SOCK_NAT.get_ptr_mut((cookie & sock_nat_slot_mask()) as u32)
+}
+
+/// Remembers that this connected socket reached `b` through the frontend of `req`: in its
+/// `SOCK_NAT` slot (see `proxy_common::SOCK_NAT` for the claiming protocol), or in
+/// `REVNAT_SK` when another live socket holds the slot. Not inlined (stack, see
+/// `remember`).
+#[inline(never)]
+fn remember_connected(cookie: u64, b: &Backend, req: &Request, flags: u8, service_id: u32) {
+    use core::intrinsics::{AtomicOrdering::SeqCst, atomic_cxchg, atomic_xchg};
+    if let Some(p) = slot_of(cookie) {
+        // SAFETY: `p` points into a map value that lives while the program runs; the
+        // cookie is 8-byte aligned (offset 0 of an array value).
+        let c = unsafe { &raw mut (*p).key.cookie };
+        // SAFETY: as above.
+        let (old, _) =
+            unsafe { atomic_cxchg::<u64, { SeqCst }, { SeqCst }>(c, 0, cookie | SOCK_NAT_BUSY) };
+        // A socket connected again (UDP) owns its slot already: busy while rewritten.
+        if old == cookie {
+            // SAFETY: as above.
+            unsafe { core::ptr::write_volatile(c, cookie | SOCK_NAT_BUSY) };
+        }
+        if old == 0 || old == cookie {
+            // SAFETY: as above; the slot is this socket's until its release.
+            unsafe {
+                (*p).key.addr = b.addr;
+                (*p).key.port = b.port;
+                (*p).value = RevNatValue {
+                    addr: req.frontend.addr,
+                    port: req.frontend.port,
+                    proto: req.frontend.proto,
+                    flags,
+                    service_id,
+                };
+                atomic_xchg::<u64, { SeqCst }>(c, cookie);
+            }
+            return;
+        }
+    }
+    if remember(cookie, b, req, flags, service_id) {
+        spill();
+    }
+}
+
+/// Whether some connected socket's entry may be in `REVNAT_SK` (see `SOCK_NAT_SPILLED`).
+#[inline(always)]
+fn spilled() -> bool {
+    SOCK_NAT_SPILLED.get(0).is_some_and(|n| *n != 0)
+}
+
+/// One more connected socket's entry in `REVNAT_SK`.
+#[inline(always)]
+fn spill() {
+    if let Some(p) = SOCK_NAT_SPILLED.get_ptr_mut(0) {
+        lc::atomic_add(p, 1);
+    }
+}
+
+/// One connected socket's entry less in `REVNAT_SK` (its release deleted it).
+#[inline(always)]
+fn unspill() {
+    if let Some(p) = SOCK_NAT_SPILLED.get_ptr_mut(0) {
+        // Adding u32::MAX is subtracting one (wrapping).
+        lc::atomic_add(p, u32::MAX);
+    }
+}
+
+/// A released socket's `SOCK_NAT` entry, freeing the slot; `None` when the slot is not
+/// this socket's.
+#[inline(always)]
+fn take_slot(cookie: u64) -> Option<SockNat> {
+    let p = slot_of(cookie)?;
+    // SAFETY: as in `remember_connected`; only this socket writes a slot holding its cookie.
+    unsafe {
+        if core::ptr::read_volatile(&raw const (*p).key.cookie) != cookie {
+            return None;
+        }
+        let e = *p;
+        core::ptr::write_volatile(&raw mut (*p).key.cookie, 0);
+        Some(e)
+    }
+}
+
+/// The connected socket's `SOCK_NAT` entry when its peer is `addr`:`port` (a UDP socket
+/// connected again elsewhere keeps an entry for its former peer until then).
+#[inline(always)]
+fn slot_entry(cookie: u64, addr: &[u8; 16], port: [u8; 2]) -> Option<RevNatValue> {
+    let p = slot_of(cookie)?;
+    // SAFETY: as in `remember_connected`.
+    unsafe {
+        if core::ptr::read_volatile(&raw const (*p).key.cookie) != cookie
+            || (*p).key.addr != *addr
+            || (*p).key.port != port
+        {
+            return None;
+        }
+        Some((*p).value)
     }
 }
 
@@ -410,7 +536,7 @@ fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
     } else {
         REVNAT_F_CONNECTED
     };
-    remember(cookie, &b, &req, flags, fe.service_id);
+    remember_connected(cookie, &b, &req, flags, fe.service_id);
     count_service(fe.service_id, id, 0);
     if counted {
         lc::socket_counted(cookie, id);
@@ -503,7 +629,7 @@ fn on_sendmsg<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         return deny(Refusal::NoEndpoints);
     }
     save_flow(&fkey, id, fe.service_id, now, &b);
-    remember(cookie, &b, &req, 0, fe.service_id);
+    let _ = remember(cookie, &b, &req, 0, fe.service_id);
     count(Counter::Translated);
     if chosen == 0 {
         // A new flow (a datagram of a known flow is not an event).
@@ -571,8 +697,10 @@ fn on_reverse<const V6: bool, const RECV: bool>(ctx: &SockAddrContext) -> i32 {
         port,
         _pad: [0; 6],
     };
-    // SAFETY: copied out at once.
-    let Some(v) = (unsafe { REVNAT_SK.get(key).copied() }) else {
+    let Some(v) = slot_entry(cookie, &addr, port).or_else(|| {
+        // SAFETY: copied out at once.
+        unsafe { REVNAT_SK.get(key).copied() }
+    }) else {
         return ALLOW;
     };
     if write_addr::<V6>(sa, &v.addr, v.port) {

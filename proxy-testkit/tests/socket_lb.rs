@@ -688,3 +688,209 @@ fn services_command_prints_frontends_from_pinned_maps() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v.as_array().unwrap().len(), 2);
 }
+
+/// The connected sockets' reverse-NAT slots (`SOCK_NAT`) of `env`: (slot, cookie) of each
+/// slot in use, and `SOCK_NAT_SPILLED`.
+fn slots_in_use(env: &Env) -> (Vec<(u32, u64)>, u32) {
+    use aya::maps::{Array, Map, MapData};
+    use proxy_common::{SOCK_NAT, SOCK_NAT_SPILLED, SockNat};
+    let dir = env.pin_path();
+    let slots: Array<MapData, SockNat> =
+        Array::try_from(Map::Array(MapData::from_pin(dir.join(SOCK_NAT)).unwrap())).unwrap();
+    let used = (0..slots.len())
+        .map(|i| (i, slots.get(&i, 0).unwrap().key.cookie))
+        .filter(|(_, c)| *c != 0)
+        .collect();
+    let spilled: Array<MapData, u32> = Array::try_from(Map::Array(
+        MapData::from_pin(dir.join(SOCK_NAT_SPILLED)).unwrap(),
+    ))
+    .unwrap();
+    (used, spilled.get(&0, 0).unwrap())
+}
+
+#[test]
+fn connected_sockets_take_slots_spill_when_taken_and_free_them_on_close() {
+    let mut env = Env::new("slots", 2, false);
+    // 3 sockets' capacity: 2 slots (the largest power of two not above it).
+    env.extra_agent_args = vec!["--max-sockets".into(), "3".into()];
+    web(&env, &[b(0), b(1)]);
+    // A Service whose endpoint refuses (nothing listens on 9999).
+    let svc = service(
+        "default",
+        "shut",
+        &["198.19.0.40"],
+        &[("x", 80, 9999, "TCP")],
+    );
+    let sl = slice(
+        "default",
+        "shut-1",
+        "shut",
+        "IPv4",
+        &[("x", 9999, "TCP")],
+        &[(b(0), true)],
+    );
+    env.write_manifest("shut.yaml", &format!("{svc}---\n{sl}"));
+    env.start_agent();
+    env.wait_maps(
+        |s| s.names.values().any(|n| n.starts_with("default/shut:")),
+        "shut service",
+    );
+    assert_eq!(slots_in_use(&env), (vec![], 0), "nothing connected yet");
+
+    // Connects the backend refuses: a blocking one clears the socket's peer before its
+    // release (a non-blocking one keeps it); the slot is freed either way.
+    let mut refused = env.tcp("198.19.0.40:80", 2);
+    refused.extend(env.probe(&[
+        "tcp",
+        "--to",
+        "198.19.0.40:80",
+        "--count",
+        "2",
+        "--blocking",
+    ]));
+    assert!(
+        refused.len() == 4 && refused.iter().all(|p| errno(p) == Some(ECONNREFUSED)),
+        "{refused:?}"
+    );
+    assert_eq!(
+        slots_in_use(&env),
+        (vec![], 0),
+        "failed connects hold no slot"
+    );
+
+    // Three connections open together on one CPU (so the tiny LRU map of 3 entries keeps
+    // what spills into it): two slots, so at least one entry goes to REVNAT_SK.
+    let holder = env
+        .client
+        .spawn(
+            Some(env.cg.path()),
+            std::process::Command::new("taskset")
+                .args(["-c", "0", NETPROBE, "tcp", "--to", &format!("{VIP}:80")])
+                .args(["--count", "3", "--keep-open", "--hold-ms", "3000"])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::null()),
+        )
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1000));
+    let (used, spilled) = slots_in_use(&env);
+    assert!(
+        spilled >= 1,
+        "3 sockets, 2 slots: {used:?} spilled {spilled}"
+    );
+    assert_eq!(used.len() as u32 + spilled, 3, "{used:?} spilled {spilled}");
+    for (slot, cookie) in &used {
+        assert_eq!(
+            cookie & 1,
+            u64::from(*slot),
+            "slot = cookie & mask: {used:?}"
+        );
+    }
+    // The reader the listing and the connection closing use sees all three, wherever kept.
+    let mut listed = Vec::new();
+    proxy_userspace::datapath::maps::for_each_connected(&env.pin_path(), |k, v| {
+        listed.push((k.cookie, ip_port(v.addr, v.port)))
+    })
+    .unwrap();
+    assert_eq!(listed.len(), 3, "{listed:?}");
+    assert!(
+        listed.iter().all(|(_, fe)| *fe == format!("{VIP}:80")),
+        "{listed:?}"
+    );
+    let done = finish_probe(holder);
+    assert_eq!(done.len(), 3, "{done:?}");
+    for p in &done {
+        assert_eq!(p["ok"], true, "{p}");
+        // getpeername() shows the VIP for a slot's socket and a spilled one alike.
+        assert_eq!(p["peer"], format!("{VIP}:80"), "{p}");
+    }
+    // Closed: slots free, spilled entries deleted (and counted out).
+    assert_eq!(
+        slots_in_use(&env),
+        (vec![], 0),
+        "released sockets keep nothing"
+    );
+    let mut left = 0;
+    proxy_userspace::datapath::maps::for_each_connected(&env.pin_path(), |_, _| left += 1).unwrap();
+    assert_eq!(left, 0);
+}
+
+/// `addr:port` of a map's IPv4-mapped address and network-order port.
+fn ip_port(addr: [u8; 16], port: [u8; 2]) -> String {
+    let ip = std::net::Ipv6Addr::from(addr);
+    let ip: IpAddr = match ip.to_ipv4_mapped() {
+        Some(v4) => v4.into(),
+        None => ip.into(),
+    };
+    std::net::SocketAddr::new(ip, u16::from_be_bytes(port)).to_string()
+}
+
+#[test]
+fn upgrade_from_pins_without_slots_keeps_open_connections_reverse_nat() {
+    use aya::maps::{Array, HashMap, Map, MapData};
+    use proxy_common::{REVNAT_SK, RevNatKey, RevNatValue, SOCK_NAT, SOCK_NAT_SPILLED, SockNat};
+    use std::io::{BufRead, BufReader, Write};
+    let mut env = Env::new("slots-upgrade", 1, false);
+    web(&env, &[b(0)]);
+    env.start_agent();
+    let mut held = env
+        .client
+        .spawn(
+            Some(env.cg.path()),
+            std::process::Command::new(NETPROBE)
+                .args(["tcp", "--to", &format!("{VIP}:80"), "--interactive"])
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped()),
+        )
+        .expect("interactive client");
+    let child = held.child_mut();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    stdout.read_line(&mut line).unwrap();
+    let first: Probe = serde_json::from_str(&line).unwrap();
+    assert_eq!(first["ok"], true, "{first}");
+
+    // What a version without slots leaves: the connection's entry in REVNAT_SK only, and
+    // no SOCK_NAT_SPILLED pin.
+    env.stop_agent();
+    let dir = env.pin_path();
+    let slots: Array<MapData, SockNat> =
+        Array::try_from(Map::Array(MapData::from_pin(dir.join(SOCK_NAT)).unwrap())).unwrap();
+    let mut slots = slots;
+    let (i, e) = (0..slots.len())
+        .map(|i| (i, slots.get(&i, 0).unwrap()))
+        .find(|(_, e)| e.key.cookie != 0)
+        .expect("the held connection's slot");
+    let mut revnat: HashMap<MapData, RevNatKey, RevNatValue> = HashMap::try_from(Map::LruHashMap(
+        MapData::from_pin(dir.join(REVNAT_SK)).unwrap(),
+    ))
+    .unwrap();
+    revnat.insert(e.key, e.value, 0).unwrap();
+    slots.set(i, SockNat::default(), 0).unwrap();
+    std::fs::remove_file(dir.join(SOCK_NAT_SPILLED)).unwrap();
+
+    env.start_agent();
+    let spilled = || -> u32 {
+        let m: Array<MapData, u32> = Array::try_from(Map::Array(
+            MapData::from_pin(dir.join(SOCK_NAT_SPILLED)).unwrap(),
+        ))
+        .unwrap();
+        m.get(&0, 0).unwrap()
+    };
+    assert_eq!(spilled(), 1, "the earlier version's connection is counted");
+    writeln!(stdin, "after").unwrap();
+    line.clear();
+    stdout.read_line(&mut line).unwrap();
+    assert!(line.contains("after"), "{line}");
+    // Its release finds the entry in REVNAT_SK: deleted and counted out.
+    drop(stdin);
+    let _ = held.child_mut().wait();
+    assert_eq!(spilled(), 0);
+    assert!(
+        revnat
+            .iter()
+            .filter_map(Result::ok)
+            .all(|(k, _)| k.cookie != e.key.cookie),
+        "the entry went with its socket"
+    );
+}

@@ -1101,7 +1101,8 @@ impl<D: Datapath + FlowCollection> Agent<D> {
     /// them; every endpoint of a removed Service port does. Narrowing by topology, traffic
     /// policy or weight 0 changes where new connections go, never closes one.
     ///
-    /// Finds the sockets in `REVNAT_SK` (one pass, only when some TCP port changed), then
+    /// Finds the sockets in the reverse-NAT entries of connected sockets (one pass, only
+    /// when some TCP port changed), then
     /// closes them by cookie on a thread of its own (sock_diag in every network namespace,
     /// see [`crate::sockdiag`]), so the sync loop does not wait for it. Only connections of
     /// the socket path: flows the tc programs translate (from outside the node, or from
@@ -1131,7 +1132,7 @@ impl<D: Datapath + FlowCollection> Agent<D> {
         let cookies = match crate::datapath::maps::tcp_sockets_to_removed(&dir, &live) {
             Ok(c) => c,
             Err(e) => {
-                error!(error = %e, "closing connections to removed endpoints: reading REVNAT_SK failed");
+                error!(error = %e, "closing connections to removed endpoints: reading the connected sockets' reverse-NAT entries failed");
                 return;
             }
         };

@@ -733,7 +733,8 @@ pub struct RunFlags {
     /// [default: 262144].
     #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
     pub max_backends: Option<u32>,
-    /// Size of the per-socket reverse-NAT and UDP flow maps (LRU) when created
+    /// Size of the per-socket reverse-NAT and UDP flow maps (LRU) when created; connected
+    /// sockets' reverse-NAT slots get the largest power of two not above it
     /// [default: 262144].
     #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
     pub max_sockets: Option<u32>,

@@ -471,8 +471,8 @@ pub fn print_stats(dir: &Path, maps: &PinnedMaps, json: bool) -> Result<()> {
 /// unconnected UDP flow.
 #[derive(Debug, Serialize)]
 pub struct ConntrackRow {
-    /// `connected` (TCP connection or connected UDP socket, from `REVNAT_SK`) or `udp-flow`
-    /// (from `UDP_FLOWS`).
+    /// `connected` (TCP connection or connected UDP socket, from `SOCK_NAT` or `REVNAT_SK`)
+    /// or `udp-flow` (from `UDP_FLOWS`).
     pub kind: &'static str,
     /// Socket cookie.
     pub cookie: u64,
@@ -493,10 +493,7 @@ pub struct ConntrackRow {
 /// The socket-level translations of the pin directory `dir` (the socket programs' equivalent
 /// of a conntrack table).
 pub fn conntrack_rows(dir: &Path, snap: &Snapshot) -> Result<Vec<ConntrackRow>> {
-    use proxy_common::{
-        REVNAT_F_CONNECTED, REVNAT_SK, RevNatKey, RevNatValue, STALE_SOCKETS, UDP_FLOWS, UdpFlow,
-        UdpFlowKey,
-    };
+    use proxy_common::{STALE_SOCKETS, UDP_FLOWS, UdpFlow, UdpFlowKey};
     let open = |name: &str| -> Result<MapData> {
         let path = dir.join(name);
         MapData::from_pin(&path).with_context(|| format!("open {}", path.display()))
@@ -506,13 +503,7 @@ pub fn conntrack_rows(dir: &Path, snap: &Snapshot) -> Result<Vec<ConntrackRow>> 
     let is_stale = |c: u64| stale.get(&c, 0).is_ok();
     let name = |id: u32| snap.names.get(&id).cloned().unwrap_or_else(|| "?".into());
     let mut rows = Vec::new();
-    let revnat: HashMap<MapData, RevNatKey, RevNatValue> =
-        HashMap::try_from(Map::LruHashMap(open(REVNAT_SK)?)).context("open REVNAT_SK")?;
-    for kv in revnat.iter() {
-        let (k, v) = kv.context("iterate REVNAT_SK")?;
-        if v.flags & REVNAT_F_CONNECTED == 0 {
-            continue;
-        }
+    crate::datapath::maps::for_each_connected(dir, |k, v| {
         rows.push(ConntrackRow {
             kind: "connected",
             cookie: k.cookie,
@@ -522,8 +513,8 @@ pub fn conntrack_rows(dir: &Path, snap: &Snapshot) -> Result<Vec<ConntrackRow>> 
             service: name(v.service_id),
             idle_s: None,
             stale: is_stale(k.cookie),
-        });
-    }
+        })
+    })?;
     let now = monotonic_ns();
     let flows: HashMap<MapData, UdpFlowKey, UdpFlow> =
         HashMap::try_from(Map::LruHashMap(open(UDP_FLOWS)?)).context("open UDP_FLOWS")?;

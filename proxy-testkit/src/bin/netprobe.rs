@@ -93,6 +93,10 @@ enum Cmd {
         /// as `seen_as` (shows whether a proxy kept or masqueraded the client address).
         #[arg(long)]
         whoami: bool,
+        /// connect() in blocking mode (no timeout): a refused connect then fails inside
+        /// the syscall, which resets the socket's peer before it is closed.
+        #[arg(long)]
+        blocking: bool,
     },
     /// Send UDP datagrams from one socket and wait for each reply; one JSON line per attempt.
     Udp {
@@ -163,6 +167,7 @@ fn main() -> ExitCode {
             interactive,
             bind,
             whoami,
+            blocking,
         } => {
             let t = Duration::from_millis(timeout_ms);
             if interactive {
@@ -177,6 +182,7 @@ fn main() -> ExitCode {
                     keep_open,
                     bind,
                     whoami,
+                    blocking,
                 })
             }
         }
@@ -380,25 +386,27 @@ fn strerror(e: &io::Error) -> String {
     }
 }
 
-/// Connects to `to`, from source address `from` when given (bound with port 0 first).
+/// Connects to `to`, from source address `from` when given (bound with port 0 first),
+/// within `timeout`; `None`: a blocking connect (reads and writes then time out after 5 s).
 fn connect_from(
     to: SocketAddr,
     from: Option<std::net::IpAddr>,
-    timeout: Duration,
+    timeout: Option<Duration>,
 ) -> io::Result<TcpStream> {
-    let s = match from {
-        None => TcpStream::connect_timeout(&to, timeout)?,
-        Some(ip) => {
-            let sock = socket2::Socket::new(
-                socket2::Domain::for_address(to),
-                socket2::Type::STREAM,
-                Some(socket2::Protocol::TCP),
-            )?;
-            sock.bind(&SocketAddr::new(ip, 0).into())?;
-            sock.connect_timeout(&to.into(), timeout)?;
-            sock.into()
-        }
-    };
+    let sock = socket2::Socket::new(
+        socket2::Domain::for_address(to),
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )?;
+    if let Some(ip) = from {
+        sock.bind(&SocketAddr::new(ip, 0).into())?;
+    }
+    match timeout {
+        Some(t) => sock.connect_timeout(&to.into(), t)?,
+        None => sock.connect(&to.into())?,
+    }
+    let s: TcpStream = sock.into();
+    let timeout = timeout.unwrap_or(Duration::from_secs(5));
     s.set_read_timeout(Some(timeout))?;
     s.set_write_timeout(Some(timeout))?;
     Ok(s)
@@ -434,9 +442,10 @@ fn tcp_attempt(
     from: Option<std::net::IpAddr>,
     timeout: Duration,
     whoami: bool,
+    blocking: bool,
 ) -> (Value, Option<BufReader<TcpStream>>) {
     let start_ns = monotonic_ns();
-    let s = match connect_from(to, from, timeout) {
+    let s = match connect_from(to, from, (!blocking).then_some(timeout)) {
         Ok(s) => s,
         Err(e) => {
             let mut v = error_json(&e);
@@ -486,6 +495,7 @@ struct TcpProbe {
     keep_open: bool,
     bind: Vec<std::net::IpAddr>,
     whoami: bool,
+    blocking: bool,
 }
 
 fn tcp_probe(p: &TcpProbe) -> Result<bool> {
@@ -498,6 +508,7 @@ fn tcp_probe(p: &TcpProbe) -> Result<bool> {
         keep_open,
         ref bind,
         whoami,
+        blocking,
     } = *p;
     let mut all_ok = true;
     let mut open = Vec::new();
@@ -506,7 +517,7 @@ fn tcp_probe(p: &TcpProbe) -> Result<bool> {
             std::thread::sleep(interval);
         }
         let from = (!bind.is_empty()).then(|| bind[i as usize % bind.len()]);
-        let (v, conn) = tcp_attempt(to, from, timeout, whoami);
+        let (v, conn) = tcp_attempt(to, from, timeout, whoami, blocking);
         all_ok &= v["ok"] == json!(true);
         print_json(&v);
         if keep_open {
@@ -526,7 +537,7 @@ fn tcp_probe(p: &TcpProbe) -> Result<bool> {
 }
 
 fn tcp_interactive(to: SocketAddr, timeout: Duration) -> Result<bool> {
-    let (v, conn) = tcp_attempt(to, None, timeout, false);
+    let (v, conn) = tcp_attempt(to, None, timeout, false, false);
     print_json(&v);
     let Some(mut r) = conn else { return Ok(false) };
     let mut w = r.get_ref().try_clone()?;

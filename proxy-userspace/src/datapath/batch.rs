@@ -1,9 +1,9 @@
-//! Batched reads and writes of BPF hash maps (`BPF_MAP_LOOKUP_BATCH`,
-//! `BPF_MAP_UPDATE_BATCH`, Linux >= 5.6): one system call per [`CHUNK`] entries instead of
-//! one (write) or two (read: next key, then value) per entry, which is what makes a full
-//! read or a first write of 30,000 Services' maps (about 700,000 entries) cost tens of
-//! milliseconds instead of a second. aya 0.14 has no batch operations, so these are the raw
-//! `bpf(2)` commands on the map's file descriptor.
+//! Batched reads and writes of BPF maps (`BPF_MAP_LOOKUP_BATCH`, `BPF_MAP_UPDATE_BATCH`,
+//! Linux >= 5.6; hash maps, and reads of arrays): one system call per [`CHUNK`] entries
+//! instead of one (write) or two (read: next key, then value) per entry, which is what
+//! makes a full read or a first write of 30,000 Services' maps (about 700,000 entries) cost
+//! tens of milliseconds instead of a second. aya 0.14 has no batch operations, so these are
+//! the raw `bpf(2)` commands on the map's file descriptor.
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd};
@@ -56,17 +56,32 @@ fn bpf(cmd: libc::c_long, attr: &mut BatchAttr) -> io::Result<()> {
 /// Errors: the system call's (EINVAL for a map that is not a hash map or a kernel older than
 /// 5.6).
 pub fn read_all<K: aya::Pod, V: aya::Pod>(map: impl AsFd) -> io::Result<Vec<(K, V)>> {
+    let mut out = Vec::new();
+    for_each(map, |k: &K, v: &V| out.push((*k, *v)))?;
+    Ok(out)
+}
+
+/// Passes every entry of the map `map` to `f`, [`CHUNK`] entries per system call, without
+/// holding more than one chunk: for hash maps (as [`read_all`]) and arrays (every index,
+/// in order; a large array is read in a few calls instead of one per index).
+///
+/// Errors: the system call's (EINVAL for a map kind without batch reads or a kernel older
+/// than 5.6).
+pub fn for_each<K: aya::Pod, V: aya::Pod>(
+    map: impl AsFd,
+    mut f: impl FnMut(&K, &V),
+) -> io::Result<()> {
     // SAFETY: `Pod` types are plain data, valid when all-zero.
     let zero_k: K = unsafe { std::mem::zeroed() };
     // SAFETY: as above.
     let zero_v: V = unsafe { std::mem::zeroed() };
     let mut keys = vec![zero_k; CHUNK];
     let mut values = vec![zero_v; CHUNK];
-    // The position token: a bucket index (u32) for hash maps; room for any map kind.
+    // The position token: a bucket index (u32) for hash maps, an index for arrays; room
+    // for any map kind.
     let mut token = [0u64; 8];
     let mut next = [0u64; 8];
     let mut first = true;
-    let mut out = Vec::new();
     loop {
         let mut attr = BatchAttr {
             in_batch: if first { 0 } else { token.as_ptr() as u64 },
@@ -79,16 +94,19 @@ pub fn read_all<K: aya::Pod, V: aya::Pod>(map: impl AsFd) -> io::Result<Vec<(K, 
         };
         let r = bpf(BPF_MAP_LOOKUP_BATCH, &mut attr);
         let n = (attr.count as usize).min(CHUNK);
-        match r {
-            Ok(()) => {}
+        let end = match r {
+            Ok(()) => false,
             // The end: the last entries came with it.
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
-                out.extend(keys[..n].iter().copied().zip(values[..n].iter().copied()));
-                return Ok(out);
-            }
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => true,
             Err(e) => return Err(e),
+        };
+        keys[..n]
+            .iter()
+            .zip(&values[..n])
+            .for_each(|(k, v)| f(k, v));
+        if end {
+            return Ok(());
         }
-        out.extend(keys[..n].iter().copied().zip(values[..n].iter().copied()));
         token = next;
         first = false;
     }

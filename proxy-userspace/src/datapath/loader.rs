@@ -19,8 +19,10 @@ use aya::{
 };
 use proxy_common::{
     AFFINITY, ALL_MAPS, BACKEND_SLOTS, BACKEND_STATS, BACKENDS, FRONTENDS, LC_COUNTS, MEMBERS,
-    REVNAT_SK, RR_CURSORS, SERVICE_NAMES, SERVICE_STATS, SOCKETS, STALE_SOCKETS, UDP_FLOWS,
+    REVNAT_SK, RR_CURSORS, SERVICE_NAMES, SERVICE_STATS, SOCK_NAT, SOCK_NAT_SLOT_MASK,
+    SOCK_NAT_SPILLED, SOCKETS, STALE_SOCKETS, UDP_FLOWS,
     nat::{CONNTRACK, LC_FLOWS},
+    sock_nat_slots,
 };
 
 /// The eBPF object embedded at build time (see `build.rs`); empty when the binary was built
@@ -414,9 +416,34 @@ fn program_load_error(prog: &str, e: ProgramError) -> anyhow::Error {
     }
 }
 
+/// The values [`set_sock_nat_slots`] points the global at: `2^k - 1` at index `k`.
+static SOCK_NAT_SLOT_MASKS: [u64; 33] = {
+    let mut m = [0u64; 33];
+    let mut k = 0;
+    while k < 33 {
+        m[k] = (1u64 << k) - 1;
+        k += 1;
+    }
+    m
+};
+
+/// Sets the size of `SOCK_NAT` (a power of two, see [`proxy_common::sock_nat_slots`])
+/// and the programs' slot mask to match; `slots` that is no power of two gets the mask of
+/// the largest power of two below it, so every index stays inside the map.
+fn set_sock_nat_slots(loader: &mut EbpfLoader<'_>, slots: u32) {
+    let slots = slots.max(1);
+    let k = 31 - slots.leading_zeros() as usize;
+    loader.map_max_entries(SOCK_NAT, slots).override_global(
+        SOCK_NAT_SLOT_MASK,
+        &SOCK_NAT_SLOT_MASKS[k],
+        true,
+    );
+}
+
 /// A loader for the embedded object with the given map sizes.
 fn object_loader(sizes: MapSizes) -> EbpfLoader<'static> {
     let mut loader = new_loader();
+    set_sock_nat_slots(&mut loader, sock_nat_slots(sizes.sockets));
     loader
         .map_max_entries(FRONTENDS, sizes.frontends)
         .map_max_entries(SERVICE_NAMES, sizes.frontends)
@@ -513,11 +540,73 @@ pub fn load_pinned(dir: &Path, sizes: MapSizes) -> Result<Ebpf> {
     for (name, why) in replace_incompatible_pins(dir)? {
         tracing::warn!(map = name, %why, "a pinned map has another layout than this version's (pinned by another version, older or newer): it is created anew and its entries are lost; the old programs keep the old map until their links are replaced");
     }
+    // Sockets an earlier version translated have their entries in an adopted `REVNAT_SK`
+    // only: their releases must look there until those entries are gone.
+    let upgrade = !dir.join(SOCK_NAT_SPILLED).exists() && dir.join(REVNAT_SK).exists();
     let mut loader = object_loader(sizes);
+    // An adopted `SOCK_NAT` keeps its size: the programs' mask must follow it.
+    if let Ok(info) = aya::maps::MapInfo::from_pin(dir.join(SOCK_NAT)) {
+        set_sock_nat_slots(&mut loader, info.max_entries());
+    }
     for (name, path) in &pins {
         loader.map_pin_path(name, path.as_path());
     }
-    loader.load(OBJECT).map_err(|e| load_error(e, true))
+    let ebpf = loader.load(OBJECT).map_err(|e| load_error(e, true))?;
+    if upgrade {
+        spilled_map(dir)?
+            .set(0, SPILL_RECOUNT, 0)
+            .context("write SOCK_NAT_SPILLED")?;
+    }
+    Ok(ebpf)
+}
+
+/// `SOCK_NAT_SPILLED` while an upgrade from a version without `SOCK_NAT` attaches: every
+/// release looks into `REVNAT_SK` (the earlier version's connect programs still write
+/// there until their links are replaced), until [`count_spilled`] sets the true count.
+const SPILL_RECOUNT: u32 = 1 << 31;
+
+fn open_pinned(dir: &Path, name: &str) -> Result<aya::maps::MapData> {
+    let path = dir.join(name);
+    aya::maps::MapData::from_pin(&path).with_context(|| format!("pin: open {}", path.display()))
+}
+
+fn spilled_map(dir: &Path) -> Result<aya::maps::Array<aya::maps::MapData, u32>> {
+    aya::maps::Array::try_from(aya::maps::Map::Array(open_pinned(dir, SOCK_NAT_SPILLED)?))
+        .context("open SOCK_NAT_SPILLED")
+}
+
+/// Whether an upgrade left `SOCK_NAT_SPILLED` at [`SPILL_RECOUNT`].
+fn spill_recount_pending(dir: &Path) -> bool {
+    spilled_map(dir)
+        .and_then(|m| m.get(&0, 0).context("read SOCK_NAT_SPILLED"))
+        .is_ok_and(|n| n >= SPILL_RECOUNT)
+}
+
+/// Sets `SOCK_NAT_SPILLED` to the number of connected sockets' entries in `REVNAT_SK`
+/// (see [`proxy_common::SOCK_NAT_SPILLED`]), once the programs of a version without
+/// slots no longer run (the entries the new programs spilled meanwhile are among them).
+fn count_spilled(dir: &Path) -> Result<()> {
+    let open = |name: &str| open_pinned(dir, name);
+    let mut n: u32 = 0;
+    super::batch::for_each(
+        open(REVNAT_SK)?.fd(),
+        |_: &proxy_common::RevNatKey, v: &proxy_common::RevNatValue| {
+            if v.flags & proxy_common::REVNAT_F_CONNECTED != 0 {
+                n = n.saturating_add(1);
+            }
+        },
+    )
+    .context("read REVNAT_SK")?;
+    spilled_map(dir)?
+        .set(0, n, 0)
+        .context("write SOCK_NAT_SPILLED")?;
+    if n > 0 {
+        tracing::info!(
+            sockets = n,
+            "connections translated by the earlier version keep their reverse-NAT entries in REVNAT_SK"
+        );
+    }
+    Ok(())
 }
 
 /// Loads the object with its maps pinned under `dir` (adopting maps pinned by an earlier
@@ -557,6 +646,22 @@ pub fn attach_programs(
     let mut wanted: Vec<&str> = PROGRAMS.to_vec();
     wanted.push(RELEASE_PROGRAM);
     load_parallel(&mut ebpf, &wanted)?;
+    // The release program first: the new one frees what either generation's connect
+    // programs wrote (see `count_spilled`), the old one knows nothing of `SOCK_NAT`.
+    let p: &mut CgroupSock = ebpf
+        .program_mut(RELEASE_PROGRAM)
+        .with_context(|| format!("load: program {RELEASE_PROGRAM} missing from the object"))?
+        .try_into()
+        .with_context(|| format!("load: program {RELEASE_PROGRAM} is not a cgroup sock program"))?;
+    let id = p
+        .attach(&cg, CgroupAttachMode::Single)
+        .with_context(|| format!("attach: {RELEASE_PROGRAM} to cgroup {}", cgroup.display()))?;
+    let link: FdLink = p
+        .take_link(id)
+        .context("attach: take link")?
+        .try_into()
+        .context("attach: the kernel did not give a bpf_link (needs Linux >= 5.7)")?;
+    replace_link(dir, RELEASE_PROGRAM, link)?;
     for prog in PROGRAMS {
         let p: &mut CgroupSockAddr = ebpf
             .program_mut(prog)
@@ -587,20 +692,9 @@ pub fn attach_programs(
         detach_egress(dir)?;
     }
 
-    let p: &mut CgroupSock = ebpf
-        .program_mut(RELEASE_PROGRAM)
-        .with_context(|| format!("load: program {RELEASE_PROGRAM} missing from the object"))?
-        .try_into()
-        .with_context(|| format!("load: program {RELEASE_PROGRAM} is not a cgroup sock program"))?;
-    let id = p
-        .attach(&cg, CgroupAttachMode::Single)
-        .with_context(|| format!("attach: {RELEASE_PROGRAM} to cgroup {}", cgroup.display()))?;
-    let link: FdLink = p
-        .take_link(id)
-        .context("attach: take link")?
-        .try_into()
-        .context("attach: the kernel did not give a bpf_link (needs Linux >= 5.7)")?;
-    replace_link(dir, RELEASE_PROGRAM, link)?;
+    if spill_recount_pending(dir) {
+        count_spilled(dir)?;
+    }
     if kernel_log_level() == KernelLogLevel::Off {
         return Ok(None);
     }

@@ -8,7 +8,8 @@ use proxy_common::{
     BACKEND_SLOTS, BACKEND_STATS, BACKENDS, Backend, BackendSlotKey, CONFIG, COUNTERS, Config,
     FRONTENDS, Frontend, FrontendKey, MAGLEV, MAGLEV_MAX, MEMBERS, MaglevTable, MemberKey,
     PROTO_UDP, REVNAT_F_CONNECTED, REVNAT_SK, RevNatKey, RevNatValue, SERVICE_NAMES, SERVICE_STATS,
-    STALE_SOCKETS, ServiceName, ServiceStats, UDP_FLOWS, UdpFlow, UdpFlowKey,
+    SOCK_NAT, SOCK_NAT_BUSY, STALE_SOCKETS, ServiceName, ServiceStats, SockNat, UDP_FLOWS, UdpFlow,
+    UdpFlowKey,
 };
 
 use super::{Capacity, DatapathError, Released, ServiceMaps, Snapshot, decode_name, encode_name};
@@ -324,8 +325,8 @@ impl PinnedMaps {
     /// reverse-NAT entry names such a pair are put into `STALE_SOCKETS`, after the egress
     /// program that fails their sends is attached (see [`PinnedMaps::set_cgroup`]). This is
     /// the socket level's equivalent of kube-proxy deleting the UDP conntrack entries of a
-    /// removed endpoint. Costs one pass over `UDP_FLOWS` and `REVNAT_SK`, only when `released` is not
-    /// empty. TCP sockets are never touched.
+    /// removed endpoint. Costs one pass over `UDP_FLOWS` and the connected sockets' entries
+    /// ([`for_each_connected`]), only when `released` is not empty. TCP sockets are never touched.
     pub fn release_stale_udp(
         &self,
         released: &[(u32, u32, Backend)],
@@ -354,19 +355,14 @@ impl PinnedMaps {
             r.flows += 1;
         }
 
-        let (revnat, _) = hash::<RevNatKey, RevNatValue>(&self.dir, REVNAT_SK)?;
         let (stale, _) = hash::<u64, u32>(&self.dir, STALE_SOCKETS)?;
         let mut stale = stale;
-        let sockets: Vec<(u64, u32)> = revnat
-            .iter()
-            .filter_map(Result::ok)
-            .filter(|(k, v)| {
-                v.proto == PROTO_UDP
-                    && v.flags & REVNAT_F_CONNECTED != 0
-                    && by_addr.contains(&(v.service_id, k.addr, k.port))
-            })
-            .map(|(k, v)| (k.cookie, v.service_id))
-            .collect();
+        let mut sockets: Vec<(u64, u32)> = Vec::new();
+        for_each_connected(&self.dir, |k, v| {
+            if v.proto == PROTO_UDP && by_addr.contains(&(v.service_id, k.addr, k.port)) {
+                sockets.push((k.cookie, v.service_id));
+            }
+        })?;
         if !sockets.is_empty()
             && let Some(cg) = &self.cgroup
         {
@@ -390,33 +386,64 @@ impl PinnedMaps {
     }
 }
 
+/// Passes every connected socket's reverse-NAT entry in the pin directory `dir` to `f`: the
+/// `SOCK_NAT` slots in use and the `REVNAT_SK` entries with `REVNAT_F_CONNECTED` (those
+/// whose slot was taken), as (key, value). One batched pass over each map, holding one
+/// chunk at a time. A slot being written (`SOCK_NAT_BUSY`) is left out; a pin directory of
+/// a version without `SOCK_NAT` has no slots to read.
+///
+/// Errors: a map cannot be opened (other than a missing `SOCK_NAT`) or read.
+pub fn for_each_connected(
+    dir: &Path,
+    mut f: impl FnMut(&RevNatKey, &RevNatValue),
+) -> Result<(), DatapathError> {
+    let open = |name: &'static str| {
+        MapData::from_pin(dir.join(name)).map_err(|e| map_err("open pinned", name, e))
+    };
+    let revnat = open(REVNAT_SK)?;
+    super::batch::for_each(revnat.fd(), |k: &RevNatKey, v: &RevNatValue| {
+        if v.flags & REVNAT_F_CONNECTED != 0 {
+            f(k, v)
+        }
+    })
+    .map_err(|e| batch_err("read", REVNAT_SK, e))?;
+    if !dir.join(SOCK_NAT).exists() {
+        return Ok(());
+    }
+    let slots = open(SOCK_NAT)?;
+    super::batch::for_each(slots.fd(), |_: &u32, e: &SockNat| {
+        if e.key.cookie != 0 && e.key.cookie & SOCK_NAT_BUSY == 0 {
+            f(&e.key, &e.value)
+        }
+    })
+    .map_err(|e| batch_err("read", SOCK_NAT, e))
+}
+
 /// The backends still live per service id, as (address, port) in `REVNAT_SK`'s byte
 /// order: see [`tcp_sockets_to_removed`].
 pub type LiveBackends =
     std::collections::HashMap<u32, std::collections::HashSet<([u8; 16], [u8; 2])>>;
 
 /// The client sockets `connect()` translated over TCP to a backend that is not live for
-/// its service id: cookies of the `REVNAT_SK` entries (`REVNAT_F_CONNECTED`, TCP) whose
-/// service id is a key of `live` and whose backend (address, port in network order) is
-/// not in that key's set. Service ids not in `live` are not looked at. One pass over
-/// `REVNAT_SK` in the pin directory `dir`.
+/// its service id: cookies of the connected TCP sockets' entries ([`for_each_connected`])
+/// whose service id is a key of `live` and whose backend (address, port in network order)
+/// is not in that key's set. Service ids not in `live` are not looked at. One pass over
+/// those entries in the pin directory `dir`.
 pub fn tcp_sockets_to_removed(
     dir: &Path,
     live: &LiveBackends,
 ) -> Result<std::collections::BTreeSet<u64>, DatapathError> {
-    let (revnat, _) = hash::<RevNatKey, RevNatValue>(dir, REVNAT_SK)?;
-    Ok(revnat
-        .iter()
-        .filter_map(Result::ok)
-        .filter(|(k, v)| {
-            v.proto == proxy_common::PROTO_TCP
-                && v.flags & REVNAT_F_CONNECTED != 0
-                && live
-                    .get(&v.service_id)
-                    .is_some_and(|l| !l.contains(&(k.addr, k.port)))
-        })
-        .map(|(k, _)| k.cookie)
-        .collect())
+    let mut cookies = std::collections::BTreeSet::new();
+    for_each_connected(dir, |k, v| {
+        if v.proto == proxy_common::PROTO_TCP
+            && live
+                .get(&v.service_id)
+                .is_some_and(|l| !l.contains(&(k.addr, k.port)))
+        {
+            cookies.insert(k.cookie);
+        }
+    })?;
+    Ok(cookies)
 }
 
 fn ignore_missing(r: Result<(), MapError>) -> Result<(), MapError> {
