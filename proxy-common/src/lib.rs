@@ -542,7 +542,8 @@ pub struct Backend {
 
 /// Socket reverse-NAT key: (socket cookie, backend address, backend port). 32 bytes.
 ///
-/// Written by `connect4/6` and `sendmsg4/6` when they translate a VIP; read by
+/// Written by `sendmsg4/6` when they translate a VIP, and by `connect4/6` when the
+/// socket's [`SOCK_NAT`] slot is taken by another socket; read by
 /// `getpeername4/6` and `recvmsg4/6`, which only rewrite a peer that this very socket
 /// reached through a VIP (a pod IP addressed directly has no entry and stays untouched).
 #[repr(C)]

@@ -41,8 +41,9 @@ pub static BACKEND_SLOTS: HashMap<BackendSlotKey, u32, { DEFAULT_MAX_SLOTS as us
 #[btf_map]
 pub static BACKENDS: HashMap<u32, Backend, { DEFAULT_MAX_BACKENDS as usize }> = HashMap::new();
 
-/// (socket cookie, backend) -> frontend, for getpeername/recvmsg; LRU so entries of
-/// closed sockets age out.
+/// (socket cookie, backend) -> frontend, for getpeername/recvmsg: unconnected UDP
+/// sockets' peers, and connected sockets whose `SOCK_NAT` slot was taken; LRU so entries
+/// of closed sockets age out.
 #[btf_map]
 pub static REVNAT_SK: LruHashMap<RevNatKey, RevNatValue, { DEFAULT_MAX_SOCKETS as usize }> =
     LruHashMap::new();
