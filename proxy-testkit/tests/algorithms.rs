@@ -323,23 +323,8 @@ fn affinity_default_timeout_listing_and_terminating_backend() {
 
     // An established connection to the affine backend, then that backend starts
     // terminating: new connections leave it at once, the established one keeps working.
-    use std::io::{BufRead, BufReader, Write};
-    let mut child = env
-        .client
-        .spawn(
-            Some(env.cg.path()),
-            Command::new(NETPROBE)
-                .args(["tcp", "--to", &format!("{VIP}:80"), "--interactive"])
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::null()),
-        )
-        .unwrap();
-    let mut stdin = child.child_mut().stdin.take().unwrap();
-    let mut stdout = BufReader::new(child.child_mut().stdout.take().unwrap());
-    let mut line = String::new();
-    stdout.read_line(&mut line).unwrap();
-    assert!(line.contains(&format!("\"{affine}\"")), "{line}");
+    let mut held = HeldTcp::open(&env.client, env.cg.path(), &format!("{VIP}:80"), &[]);
+    assert_eq!(held.backend(), affine, "{}", held.first);
     apply(&env, || {
         let text = std::fs::read_to_string(env.manifests.path().join("web.yaml")).unwrap();
         let needle = format!("- addresses: [\"{}\"]\n", b(i));
@@ -359,11 +344,9 @@ fn affinity_default_timeout_listing_and_terminating_backend() {
         vec![&format!("b{other}")],
         "{c:?}"
     );
-    writeln!(stdin, "still-there").unwrap();
-    line.clear();
-    stdout.read_line(&mut line).unwrap();
-    assert!(line.contains(&format!("{affine} still-there")), "{line}");
-    drop(stdin);
+    let r = held.ask("still-there");
+    assert_eq!(r["reply"], format!("{affine} still-there"), "{r}");
+    held.close();
     env.stop_agent();
 }
 

@@ -585,7 +585,6 @@ fn bypassed_pod_is_refused_by_a_service_without_endpoints() {
 /// interface) goes on untouched.
 #[test]
 fn recreated_bypassed_pod_is_translated_per_packet_again() {
-    use std::io::{BufRead, BufReader, Write};
 
     let mut bed = Bed::new("bypass-restart", 2, false);
     // Both pods bypassed; the client with UID `client`, or deleted.
@@ -603,32 +602,18 @@ fn recreated_bypassed_pod_is_translated_per_packet_again() {
     let first_links = bypass::attached_pods(&bed.env.pin_path());
 
     // The other pod's connection, translated per packet on its interface, held open.
-    let mut held = bed
-        .other
-        .spawn(
-            Some(bed.env.cg.path()),
-            Command::new(NETPROBE)
-                // A reply within 10 s: a loaded machine is no broken connection.
-                .args(["tcp", "--to", &to, "--interactive", "--timeout-ms", "10000"])
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped()),
-        )
-        .expect("interactive client");
-    let child = held.child_mut();
-    let mut stdin = child.stdin.take().unwrap();
-    let mut stdout = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    stdout.read_line(&mut line).unwrap();
-    let first: Probe = serde_json::from_str(&line).unwrap();
+    // A reply within 10 s: a loaded machine is no broken connection.
+    let mut held = HeldTcp::open(
+        &bed.other,
+        bed.env.cg.path(),
+        &to,
+        &["--timeout-ms", "10000"],
+    );
+    let first = held.first.clone();
     assert_eq!(first["ok"], true, "{first}");
     assert_eq!(first["peer"], to.as_str(), "per packet: {first}");
-    let backend = first["name"].as_str().unwrap().to_string();
-    let mut ask = |msg: &str| -> Probe {
-        writeln!(stdin, "{msg}").unwrap();
-        let mut l = String::new();
-        stdout.read_line(&mut l).unwrap();
-        serde_json::from_str(&l).unwrap_or_else(|e| panic!("{l:?}: {e}"))
-    };
+    let backend = held.backend().to_string();
+    let mut ask = |msg: &str| held.ask(msg);
     assert_eq!(ask("before")["reply"], format!("{backend} before"));
 
     // The client pod goes: its sandbox (process, cgroup, namespace and veth), then its

@@ -8,9 +8,7 @@
 mod common;
 
 use std::{
-    io::{BufRead, BufReader, Write},
     net::IpAddr,
-    process::{ChildStdin, ChildStdout, Command, Stdio},
     time::{Duration, Instant},
 };
 
@@ -115,64 +113,25 @@ fn hold_service(env: &Env, eps: &[usize]) {
     env.write_manifest("hold.yaml", &format!("{svc}---\n{sl}"));
 }
 
-/// An established TCP connection through `HOLD_VIP` from the client pod (an interactive
-/// netprobe: each line sent is answered by the backend).
-struct Held {
-    _guard: proxy_testkit::testbed::ChildGuard,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-    backend: String,
-}
-
-impl Held {
-    fn open(env: &Env) -> Held {
-        let mut guard = env
-            .client
-            .spawn(
-                Some(env.cg.path()),
-                Command::new(NETPROBE)
-                    .args(["tcp", "--to", &format!("{HOLD_VIP}:80"), "--interactive"])
-                    .args(["--timeout-ms", "3000"])
-                    .stdin(Stdio::piped())
-                    .stdout(Stdio::piped()),
-            )
-            .expect("interactive client");
-        let child = guard.child_mut();
-        let stdin = child.stdin.take().unwrap();
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        stdout.read_line(&mut line).unwrap();
-        let first: Probe = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
-        assert_eq!(first["ok"], true, "{first}");
-        let backend = first["name"].as_str().unwrap().to_string();
-        Held {
-            _guard: guard,
-            stdin,
-            stdout,
-            backend,
-        }
-    }
-
-    /// Sends `msg`; the probe's JSON answer (`ok` with `reply`, or the error and `errno`).
-    fn ask(&mut self, msg: &str) -> Probe {
-        if writeln!(self.stdin, "{msg}").is_err() {
-            return serde_json::json!({"ok": false, "error": "netprobe exited"});
-        }
-        let mut l = String::new();
-        match self.stdout.read_line(&mut l) {
-            Ok(n) if n > 0 => serde_json::from_str(&l).unwrap_or_else(|e| panic!("{l:?}: {e}")),
-            _ => serde_json::json!({"ok": false, "error": "netprobe exited"}),
-        }
-    }
+/// An established TCP connection through `HOLD_VIP` from the client pod.
+fn hold(env: &Env) -> HeldTcp {
+    let h = HeldTcp::open(
+        &env.client,
+        env.cg.path(),
+        &format!("{HOLD_VIP}:80"),
+        &["--timeout-ms", "3000"],
+    );
+    assert_eq!(h.first["ok"], true, "{}", h.first);
+    h
 }
 
 /// One held connection to b0 and one to b1 (connections are balanced at random: at most
 /// 40 attempts).
-fn held_pair(env: &Env) -> (Held, Held) {
+fn held_pair(env: &Env) -> (HeldTcp, HeldTcp) {
     let (mut a, mut c) = (None, None);
     for _ in 0..40 {
-        let h = Held::open(env);
-        match h.backend.as_str() {
+        let h = hold(env);
+        match h.backend() {
             "b0" if a.is_none() => a = Some(h),
             "b1" if c.is_none() => c = Some(h),
             _ => {}

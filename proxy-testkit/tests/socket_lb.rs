@@ -543,8 +543,6 @@ fn open_connection_survives_agent_restart_and_data_path_works_while_agent_is_dow
     web(&env, &[b(0), b(1)]);
     env.start_agent();
 
-    use std::io::{BufRead, BufReader, Write};
-
     // An established TCP connection through a VIP, held open by an interactive netprobe.
     let svc = service(
         "default",
@@ -566,30 +564,10 @@ fn open_connection_survives_agent_restart_and_data_path_works_while_agent_is_dow
         "hold service",
     );
 
-    let mut held = env
-        .client
-        .spawn(
-            Some(env.cg.path()),
-            std::process::Command::new(NETPROBE)
-                .args(["tcp", "--to", "198.19.0.30:80", "--interactive"])
-                .stdin(std::process::Stdio::piped())
-                .stdout(std::process::Stdio::piped()),
-        )
-        .expect("interactive client");
-    let child = held.child_mut();
-    let mut stdin = child.stdin.take().unwrap();
-    let mut stdout = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    stdout.read_line(&mut line).unwrap();
-    let first: Probe = serde_json::from_str(&line).unwrap();
-    assert_eq!(first["ok"], true, "{first}");
-    let backend = first["name"].as_str().unwrap().to_string();
-    let mut ask = |msg: &str| -> Probe {
-        writeln!(stdin, "{msg}").unwrap();
-        let mut l = String::new();
-        stdout.read_line(&mut l).unwrap();
-        serde_json::from_str(&l).unwrap_or_else(|e| panic!("{l:?}: {e}"))
-    };
+    let mut held = HeldTcp::open(&env.client, env.cg.path(), "198.19.0.30:80", &[]);
+    assert_eq!(held.first["ok"], true, "{}", held.first);
+    let backend = held.backend().to_string();
+    let mut ask = |msg: &str| held.ask(msg);
     assert_eq!(ask("before")["reply"], format!("{backend} before"));
 
     // Agent down: the pinned data path keeps answering new connections and the held one.
@@ -828,27 +806,11 @@ fn ip_port(addr: [u8; 16], port: [u8; 2]) -> String {
 fn upgrade_from_pins_without_slots_keeps_open_connections_reverse_nat() {
     use aya::maps::{Array, HashMap, Map, MapData};
     use proxy_common::{REVNAT_SK, RevNatKey, RevNatValue, SOCK_NAT, SOCK_NAT_SPILLED, SockNat};
-    use std::io::{BufRead, BufReader, Write};
     let mut env = Env::new("slots-upgrade", 1, false);
     web(&env, &[b(0)]);
     env.start_agent();
-    let mut held = env
-        .client
-        .spawn(
-            Some(env.cg.path()),
-            std::process::Command::new(NETPROBE)
-                .args(["tcp", "--to", &format!("{VIP}:80"), "--interactive"])
-                .stdin(std::process::Stdio::piped())
-                .stdout(std::process::Stdio::piped()),
-        )
-        .expect("interactive client");
-    let child = held.child_mut();
-    let mut stdin = child.stdin.take().unwrap();
-    let mut stdout = BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    stdout.read_line(&mut line).unwrap();
-    let first: Probe = serde_json::from_str(&line).unwrap();
-    assert_eq!(first["ok"], true, "{first}");
+    let mut held = HeldTcp::open(&env.client, env.cg.path(), &format!("{VIP}:80"), &[]);
+    assert_eq!(held.first["ok"], true, "{}", held.first);
 
     // What a version without slots leaves: the connection's entry in REVNAT_SK only, and
     // no SOCK_NAT_SPILLED pin.
@@ -878,13 +840,9 @@ fn upgrade_from_pins_without_slots_keeps_open_connections_reverse_nat() {
         m.get(&0, 0).unwrap()
     };
     assert_eq!(spilled(), 1, "the earlier version's connection is counted");
-    writeln!(stdin, "after").unwrap();
-    line.clear();
-    stdout.read_line(&mut line).unwrap();
-    assert!(line.contains("after"), "{line}");
+    assert_eq!(held.ask("after")["reply"], "b0 after");
     // Its release finds the entry in REVNAT_SK: deleted and counted out.
-    drop(stdin);
-    let _ = held.child_mut().wait();
+    held.close();
     assert_eq!(spilled(), 0);
     assert!(
         revnat

@@ -621,3 +621,74 @@ impl MonitorRun {
             .collect()
     }
 }
+
+/// An established TCP connection held open by `netprobe tcp --interactive` in a pod: the
+/// backend answers each line sent with its name and the line.
+pub struct HeldTcp {
+    /// The connect's JSON line (`ok`, `name` of the backend, `peer` from getpeername).
+    pub first: Probe,
+    stdin: Option<std::process::ChildStdin>,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+    guard: ChildGuard,
+}
+
+impl HeldTcp {
+    /// Connects from `pod`, in cgroup `cg`, to `to` (`ip:port`); `extra` are more netprobe
+    /// flags (e.g. `--timeout-ms`). Panics when netprobe cannot start or prints no line.
+    pub fn open(pod: &Pod, cg: &Path, to: &str, extra: &[&str]) -> HeldTcp {
+        use std::io::BufRead;
+        let mut guard = pod
+            .spawn(
+                Some(cg),
+                Command::new(NETPROBE)
+                    .args(["tcp", "--to", to, "--interactive"])
+                    .args(extra)
+                    .stdin(Stdio::piped())
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::null()),
+            )
+            .expect("interactive netprobe");
+        let child = guard.child_mut();
+        let stdin = child.stdin.take();
+        let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        let first: Probe =
+            serde_json::from_str(&line).unwrap_or_else(|e| panic!("netprobe: {line:?}: {e}"));
+        HeldTcp {
+            first,
+            stdin,
+            stdout,
+            guard,
+        }
+    }
+
+    /// The backend's name from the connect's line (empty if it failed).
+    pub fn backend(&self) -> &str {
+        self.first["name"].as_str().unwrap_or("")
+    }
+
+    /// Sends `msg`; the probe's JSON answer (`ok` with `reply`, or the error and `errno`;
+    /// `ok: false` once netprobe has exited).
+    pub fn ask(&mut self, msg: &str) -> Probe {
+        use std::io::{BufRead, Write};
+        let exited = serde_json::json!({"ok": false, "error": "netprobe exited"});
+        let Some(stdin) = self.stdin.as_mut() else {
+            return exited;
+        };
+        if writeln!(stdin, "{msg}").is_err() {
+            return exited;
+        }
+        let mut l = String::new();
+        match self.stdout.read_line(&mut l) {
+            Ok(n) if n > 0 => serde_json::from_str(&l).unwrap_or_else(|e| panic!("{l:?}: {e}")),
+            _ => exited,
+        }
+    }
+
+    /// Closes the connection: netprobe reads the end of its input and exits; waits for it.
+    pub fn close(mut self) {
+        self.stdin.take();
+        let _ = self.guard.child_mut().wait();
+    }
+}
