@@ -74,7 +74,7 @@ pub const STALE_SOCKETS: &str = "STALE_SOCKETS";
 pub const SERVICE_NAMES: &str = "SERVICE_NAMES";
 
 /// Every map the agent pins, in the order the data path depends on them.
-pub const ALL_MAPS: [&str; 21] = [
+pub const ALL_MAPS: [&str; 22] = [
     FRONTENDS,
     BACKEND_SLOTS,
     BACKENDS,
@@ -95,6 +95,7 @@ pub const ALL_MAPS: [&str; 21] = [
     bypass::BYPASS_CONFIG,
     bypass::BYPASS_NETNS,
     SOCK_NAT,
+    SOCK_NAT_OVERFLOW,
     SOCK_NAT_SPILLED,
 ];
 
@@ -542,8 +543,8 @@ pub struct Backend {
 
 /// Socket reverse-NAT key: (socket cookie, backend address, backend port). 32 bytes.
 ///
-/// Written by `sendmsg4/6` when they translate a VIP, and by `connect4/6` when the
-/// socket's [`SOCK_NAT`] slot is taken by another socket; read by
+/// Written by `sendmsg4/6` when they translate a VIP (connected sockets' entries are in
+/// [`SOCK_NAT`] and [`SOCK_NAT_OVERFLOW`]; versions without those wrote them here); read by
 /// `getpeername4/6` and `recvmsg4/6`, which only rewrite a peer that this very socket
 /// reached through a VIP (a pod IP addressed directly has no entry and stays untouched).
 #[repr(C)]
@@ -580,31 +581,50 @@ pub struct RevNatValue {
 /// (BPF_MAP_TYPE_ARRAY, a power of two of slots, at most `--max-sockets`).
 ///
 /// `connect4/6` keep a translated socket's entry in slot `cookie & mask` (mask: the global
-/// [`SOCK_NAT_SLOT_MASK`], slots - 1) instead of inserting it into [`REVNAT_SK`]: an
-/// array slot costs no hashing, bucket lock or LRU list, and socket cookies are handed out
-/// in sequence, so consecutive connections write neighbouring slots. A slot held by
-/// another live socket (a cookie `slots` apart) sends the entry to [`REVNAT_SK`] as
-/// before; readers try the slot first, then `REVNAT_SK`.
+/// [`SOCK_NAT_SLOT_MASK`], slots - 1): an array slot costs no hashing, bucket lock or LRU
+/// list, and the kernel hands socket cookies out in sequence (per CPU, in batches), so
+/// consecutive connections write neighbouring slots. A slot held by another live socket
+/// (a cookie a multiple of `slots` apart) sends the entry to [`SOCK_NAT_OVERFLOW`];
+/// readers try the slot first. Entries of unconnected UDP sockets stay in [`REVNAT_SK`].
 ///
 /// Claiming protocol (the agent reads slots while the kernel writes them): a free slot has
 /// cookie 0; `connect()` claims it by a compare-and-swap of the cookie from 0 to
 /// `cookie |` [`SOCK_NAT_BUSY`], writes the entry, then stores the plain cookie (an atomic
 /// exchange, a full barrier); `sock_release` of that socket stores 0. A reader takes a
-/// slot only when its cookie is non-zero without the busy bit.
+/// slot only when its cookie is non-zero without the busy bit. A batched read copies a
+/// slot without a lock, so a slot released and claimed again during its copy can show the
+/// released socket's cookie with the new socket's backend (a window of nanoseconds): the
+/// agent's passes over the entries then act on a closed socket, a no-op, and miss the new
+/// one until their next pass.
 pub const SOCK_NAT: &str = "SOCK_NAT";
+/// Name of the connected sockets' overflow map: socket cookie `u64` -> [`SockNat`]
+/// (BPF_MAP_TYPE_LRU_HASH, a quarter of `--max-sockets`): the entries whose [`SOCK_NAT`]
+/// slot another live socket holds. Keyed by cookie alone, so a socket's release finds its
+/// entry whatever its state (a failed blocking connect or `connect(AF_UNSPEC)` clears the
+/// peer first).
+pub const SOCK_NAT_OVERFLOW: &str = "SOCK_NAT_OVERFLOW";
 /// Name of the object's global `u64` (`.rodata`) holding `slots - 1` of [`SOCK_NAT`],
 /// set by the agent at every load to the size of the map the programs use (created or
-/// adopted). An index beyond the map misses and falls back to [`REVNAT_SK`], so a
-/// mismatch costs speed, never correctness.
+/// adopted). A mask beyond the map only sends more entries to [`SOCK_NAT_OVERFLOW`] (an
+/// index past the end misses).
 pub const SOCK_NAT_SLOT_MASK: &str = "SOCK_NAT_SLOT_MASK";
-/// Name of the spill count: index 0 -> `u32` (BPF_MAP_TYPE_ARRAY, one entry): connected
-/// sockets whose entry went to [`REVNAT_SK`] because their [`SOCK_NAT`] slot was taken and
-/// whose release has not deleted it yet (an entry the LRU evicts first is never subtracted,
-/// so the count can only overstate). While it is 0, `sock_release` looks only at the socket's slot,
-/// which spares every connected socket that was never translated (accepted server
-/// sockets, pods' direct connections) a `REVNAT_SK` lookup. An agent adopting a
-/// `REVNAT_SK` of a version without slots sets it to the number of connected entries there.
+/// Name of the overflow hints: index -> `u32` (BPF_MAP_TYPE_ARRAY, two entries).
+///
+/// - [`SPILLED_OVERFLOW`]: connected sockets' entries in [`SOCK_NAT_OVERFLOW`] whose
+///   release has not deleted them yet, kept by the programs (an entry the LRU evicts is
+///   never subtracted, so it can only overstate). While it is 0, `sock_release` and
+///   `getpeername` look only at the socket's slot, which spares every connected socket that
+///   was never translated (accepted server sockets, pods' direct connections) a hash
+///   lookup.
+/// - [`SPILLED_LEGACY`]: non-zero while [`REVNAT_SK`] may hold connected sockets' entries
+///   written by a version without slots; set by the agent when it adopts such a
+///   `REVNAT_SK`, cleared by a start that finds none there (the programs never add one).
+///   While it is set, a release or `getpeername` that found nothing looks there too.
 pub const SOCK_NAT_SPILLED: &str = "SOCK_NAT_SPILLED";
+/// Index of [`SOCK_NAT_SPILLED`]: entries in [`SOCK_NAT_OVERFLOW`].
+pub const SPILLED_OVERFLOW: u32 = 0;
+/// Index of [`SOCK_NAT_SPILLED`]: an earlier version's connected entries in [`REVNAT_SK`].
+pub const SPILLED_LEGACY: u32 = 1;
 /// Bit of [`SockNat`]'s cookie while `connect()` is writing the slot.
 pub const SOCK_NAT_BUSY: u64 = 1 << 63;
 
@@ -730,11 +750,15 @@ pub enum Counter {
     /// A connect() or sendmsg() to a frontend left untouched: its workload bypasses
     /// socket-level translation (see [`bypass`]); its packets are translated per packet.
     Bypassed = 8,
+    /// A connected socket's reverse-NAT entry went to [`SOCK_NAT_OVERFLOW`]: another live
+    /// socket holds its [`SOCK_NAT`] slot. Many of these mean `--max-sockets` is small for the
+    /// node's open connections.
+    ReverseNatSpilled = 9,
 }
 
 impl Counter {
     /// Every counter, in index order, with its Prometheus-style name.
-    pub const ALL: [(Counter, &'static str); 9] = [
+    pub const ALL: [(Counter, &'static str); 10] = [
         (Counter::Translated, "translated"),
         (Counter::RefusedNoEndpoints, "refused_no_endpoints"),
         (Counter::RefusedUndefinedPort, "refused_undefined_port"),
@@ -747,6 +771,7 @@ impl Counter {
         ),
         (Counter::DroppedStaleSocket, "dropped_stale_socket"),
         (Counter::Bypassed, "bypassed"),
+        (Counter::ReverseNatSpilled, "reverse_nat_spilled"),
     ];
 
     /// What the counter counts, in one line for operators (`ebpf-proxy stats`).
@@ -765,6 +790,9 @@ impl Counter {
             }
             Counter::DroppedStaleSocket => "a send of a UDP socket whose endpoint left failed",
             Counter::Bypassed => "left to the per-packet path (bypassed workload)",
+            Counter::ReverseNatSpilled => {
+                "a connection's reverse-NAT entry went to the overflow map (its slot was taken)"
+            }
         }
     }
 }

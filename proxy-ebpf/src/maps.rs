@@ -41,9 +41,8 @@ pub static BACKEND_SLOTS: HashMap<BackendSlotKey, u32, { DEFAULT_MAX_SLOTS as us
 #[btf_map]
 pub static BACKENDS: HashMap<u32, Backend, { DEFAULT_MAX_BACKENDS as usize }> = HashMap::new();
 
-/// (socket cookie, backend) -> frontend, for getpeername/recvmsg: unconnected UDP
-/// sockets' peers, and connected sockets whose `SOCK_NAT` slot was taken; LRU so entries
-/// of closed sockets age out.
+/// (socket cookie, backend) -> frontend, for recvmsg: unconnected UDP sockets' peers
+/// (connected sockets' are in `SOCK_NAT`); LRU so entries of closed sockets age out.
 #[btf_map]
 pub static REVNAT_SK: LruHashMap<RevNatKey, RevNatValue, { DEFAULT_MAX_SOCKETS as usize }> =
     LruHashMap::new();
@@ -52,10 +51,16 @@ pub static REVNAT_SK: LruHashMap<RevNatKey, RevNatValue, { DEFAULT_MAX_SOCKETS a
 #[btf_map]
 pub static SOCK_NAT: Array<SockNat, { DEFAULT_MAX_SOCKETS as usize }> = Array::new();
 
-/// How many connected sockets' entries went to `REVNAT_SK` (their slot was taken); see
-/// `proxy_common::SOCK_NAT_SPILLED`.
+/// socket cookie -> connected socket's entry whose slot was taken; see
+/// `proxy_common::SOCK_NAT_OVERFLOW`.
 #[btf_map]
-pub static SOCK_NAT_SPILLED: Array<u32, 1> = Array::new();
+pub static SOCK_NAT_OVERFLOW: LruHashMap<u64, SockNat, { DEFAULT_MAX_SOCKETS as usize / 4 }> =
+    LruHashMap::new();
+
+/// Overflow hints (entries in `SOCK_NAT_OVERFLOW`, an earlier version's entries in
+/// `REVNAT_SK`); see `proxy_common::SOCK_NAT_SPILLED`.
+#[btf_map]
+pub static SOCK_NAT_SPILLED: Array<u32, 2> = Array::new();
 
 /// `SOCK_NAT`'s slots - 1 (`proxy_common::SOCK_NAT_SLOT_MASK`), set by the agent at load;
 /// a constant in `.rodata` for the verifier. Read with [`sock_nat_slot_mask`].

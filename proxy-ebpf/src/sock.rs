@@ -28,15 +28,15 @@
 
 use aya_ebpf::{
     EbpfContext,
-    bindings::bpf_sock_addr,
+    bindings::{BPF_EXIST, bpf_sock_addr},
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_set_retval},
     macros::{cgroup_sock, cgroup_sock_addr},
     programs::{SockAddrContext, SockContext},
 };
 use proxy_common::{
     Backend, Counter, DEFAULT_UDP_FLOW_TIMEOUT_NS, Frontend, PROTO_TCP, PROTO_UDP,
-    REVNAT_F_CONNECTED, REVNAT_F_COUNTED, RevNatKey, RevNatValue, SOCK_NAT_BUSY, SockNat, UdpFlow,
-    UdpFlowKey,
+    REVNAT_F_CONNECTED, REVNAT_F_COUNTED, RevNatKey, RevNatValue, SOCK_NAT_BUSY, SPILLED_LEGACY,
+    SPILLED_OVERFLOW, SockNat, UdpFlow, UdpFlowKey,
     bypass::{BYPASS_CFG_HOST_ONLY, BYPASS_CFG_PODS},
     bytes_of, client_of_netns, counts_connections, is_v4_mapped,
     monitor::{ALGORITHM_UNKNOWN as ALG_UNKNOWN, EVENT_F_DATAGRAM, EVENT_F_STALE_REPAIRED},
@@ -49,8 +49,8 @@ use crate::{
     lb::{Lookup, NO_BACKEND, Refusal, Request, Scope, backend, lookup, needs_client, select},
     lc,
     maps::{
-        BYPASS_CONFIG, BYPASS_NETNS, CONFIG, REVNAT_SK, SOCK_NAT, SOCK_NAT_SPILLED, STALE_SOCKETS,
-        UDP_FLOWS, sock_nat_slot_mask,
+        BYPASS_CONFIG, BYPASS_NETNS, CONFIG, REVNAT_SK, SOCK_NAT, SOCK_NAT_OVERFLOW,
+        SOCK_NAT_SPILLED, STALE_SOCKETS, UDP_FLOWS, sock_nat_slot_mask,
     },
     monitor,
     stats::{count, count_service},
@@ -66,9 +66,11 @@ const DENY: i32 = 0;
 
 /// Forgets a released socket: its reverse-NAT entry and least-connections count. Runs for
 /// every socket of the cgroup. A socket `connect()` translated has its entry in its
-/// `SOCK_NAT` slot (found by cookie, whatever its state: a failed connect or a
-/// `connect(AF_UNSPEC)` clears the peer before the release), else, only while some entry
-/// went to `REVNAT_SK` instead (`SOCK_NAT_SPILLED`), in `REVNAT_SK` by its own peer.
+/// `SOCK_NAT` slot or, only while some entry went there, in `SOCK_NAT_OVERFLOW`: both
+/// found by cookie, whatever the socket's state (a failed blocking connect or a
+/// `connect(AF_UNSPEC)` clears the peer before the release). Entries an earlier version
+/// wrote to `REVNAT_SK` are looked up by the socket's peer while the agent says some may
+/// be left (`SPILLED_LEGACY`).
 #[cgroup_sock(sock_release)]
 pub fn sock_release(ctx: SockContext) -> i32 {
     let sk = ctx.sock;
@@ -94,10 +96,9 @@ pub fn sock_release(ctx: SockContext) -> i32 {
     };
     // SAFETY: helper on our own context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let found = match take_slot(cookie) {
+    let found = match take_slot(cookie).or_else(|| take_overflow(cookie)) {
         Some(e) => Some((e.key, e.value)),
-        // Never connected, or no entry outside the slots: nothing more to look for.
-        None if dst_port == 0 || !spilled() => None,
+        None if dst_port == 0 || !hint(SPILLED_LEGACY) => None,
         None => {
             let key = RevNatKey {
                 cookie,
@@ -111,13 +112,11 @@ pub fn sock_release(ctx: SockContext) -> i32 {
             };
             // SAFETY: copied out at once.
             match unsafe { REVNAT_SK.get(key).copied() } {
-                Some(v) => {
-                    if REVNAT_SK.remove(key).is_ok() && v.flags & REVNAT_F_CONNECTED != 0 {
-                        unspill();
-                    }
+                Some(v) if v.flags & REVNAT_F_CONNECTED != 0 => {
+                    let _ = REVNAT_SK.remove(key);
                     Some((key, v))
                 }
-                None => None,
+                _ => None,
             }
         }
     };
@@ -320,9 +319,8 @@ fn cookie(ctx: &SockAddrContext) -> u64 {
 /// Remembers that this socket reached `b` through the frontend of `req` of service
 /// `service_id`. Not inlined: its 56 bytes of key and value stay out of the hook's frame,
 /// which shares the 512-byte BPF stack with `select`.
-/// Returns whether the entry was written.
 #[inline(never)]
-fn remember(cookie: u64, b: &Backend, req: &Request, flags: u8, service_id: u32) -> bool {
+fn remember(cookie: u64, b: &Backend, req: &Request, flags: u8, service_id: u32) {
     let key = RevNatKey {
         cookie,
         addr: b.addr,
@@ -338,9 +336,7 @@ fn remember(cookie: u64, b: &Backend, req: &Request, flags: u8, service_id: u32)
     };
     if REVNAT_SK.insert(key, val, 0).is_err() {
         count(Counter::MapUpdateFailed);
-        return false;
     }
-    true
 }
 
 /// A datagram this socket sends to `addr`:`port` itself, not through a frontend: replies
@@ -376,7 +372,7 @@ fn slot_of(cookie: u64) -> Option<*mut SockNat> {
 
 /// Remembers that this connected socket reached `b` through the frontend of `req`: in its
 /// `SOCK_NAT` slot (see `proxy_common::SOCK_NAT` for the claiming protocol), or in
-/// `REVNAT_SK` when another live socket holds the slot. Not inlined (stack, see
+/// `SOCK_NAT_OVERFLOW` when another live socket holds the slot. Not inlined (stack, see
 /// `remember`).
 #[inline(never)]
 fn remember_connected(cookie: u64, b: &Backend, req: &Request, flags: u8, service_id: u32) {
@@ -407,35 +403,83 @@ fn remember_connected(cookie: u64, b: &Backend, req: &Request, flags: u8, servic
                 };
                 atomic_xchg::<u64, { SeqCst }>(c, cookie);
             }
+            // A socket connected again may have an entry from when its slot was taken.
+            let _ = take_overflow(cookie);
             return;
         }
     }
-    if remember(cookie, b, req, flags, service_id) {
-        spill();
+    let e = SockNat {
+        key: RevNatKey {
+            cookie,
+            addr: b.addr,
+            port: b.port,
+            _pad: [0; 6],
+        },
+        value: RevNatValue {
+            addr: req.frontend.addr,
+            port: req.frontend.port,
+            proto: req.frontend.proto,
+            flags,
+            service_id,
+        },
+    };
+    // A socket connected again replaces its entry (BPF_EXIST fails for a new one).
+    if SOCK_NAT_OVERFLOW
+        .insert(cookie, e, BPF_EXIST as u64)
+        .is_ok()
+    {
+        return;
+    }
+    if SOCK_NAT_OVERFLOW.insert(cookie, e, 0).is_err() {
+        count(Counter::MapUpdateFailed);
+        return;
+    }
+    hint_add(SPILLED_OVERFLOW, 1);
+    count(Counter::ReverseNatSpilled);
+}
+
+/// Whether the `SOCK_NAT_SPILLED` hint `i` is set.
+#[inline(always)]
+fn hint(i: u32) -> bool {
+    SOCK_NAT_SPILLED.get(i).is_some_and(|n| *n != 0)
+}
+
+/// Adds `v` (wrapping: `u32::MAX` subtracts one) to the `SOCK_NAT_SPILLED` hint `i`.
+#[inline(always)]
+fn hint_add(i: u32, v: u32) {
+    if let Some(p) = SOCK_NAT_SPILLED.get_ptr_mut(i) {
+        lc::atomic_add(p, v);
     }
 }
 
-/// Whether some connected socket's entry may be in `REVNAT_SK` (see `SOCK_NAT_SPILLED`).
+/// A released socket's `SOCK_NAT_OVERFLOW` entry, deleted; looked up only while some
+/// entry went there.
 #[inline(always)]
-fn spilled() -> bool {
-    SOCK_NAT_SPILLED.get(0).is_some_and(|n| *n != 0)
+fn take_overflow(cookie: u64) -> Option<SockNat> {
+    if !hint(SPILLED_OVERFLOW) {
+        return None;
+    }
+    // SAFETY: copied out at once.
+    let e = unsafe { SOCK_NAT_OVERFLOW.get(cookie).copied() }?;
+    if SOCK_NAT_OVERFLOW.remove(cookie).is_ok() {
+        hint_add(SPILLED_OVERFLOW, u32::MAX);
+    }
+    Some(e)
 }
 
-/// One more connected socket's entry in `REVNAT_SK`.
+/// The connected socket's entry for peer `addr`:`port`: its slot, else its overflow entry
+/// (a UDP socket connected again elsewhere keeps an entry for its former peer until then).
 #[inline(always)]
-fn spill() {
-    if let Some(p) = SOCK_NAT_SPILLED.get_ptr_mut(0) {
-        lc::atomic_add(p, 1);
+fn connected_entry(cookie: u64, addr: &[u8; 16], port: [u8; 2]) -> Option<RevNatValue> {
+    if let Some(v) = slot_entry(cookie, addr, port) {
+        return Some(v);
     }
-}
-
-/// One connected socket's entry less in `REVNAT_SK` (its release deleted it).
-#[inline(always)]
-fn unspill() {
-    if let Some(p) = SOCK_NAT_SPILLED.get_ptr_mut(0) {
-        // Adding u32::MAX is subtracting one (wrapping).
-        lc::atomic_add(p, u32::MAX);
+    if !hint(SPILLED_OVERFLOW) {
+        return None;
     }
+    // SAFETY: copied out at once.
+    let e = unsafe { SOCK_NAT_OVERFLOW.get(cookie).copied() }?;
+    (e.key.addr == *addr && e.key.port == port).then_some(e.value)
 }
 
 /// A released socket's `SOCK_NAT` entry, freeing the slot; `None` when the slot is not
@@ -529,6 +573,9 @@ fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         if STALE_SOCKETS.remove(cookie).is_ok() {
             mon_flags = EVENT_F_STALE_REPAIRED;
         }
+        // This connect is now the socket's latest word on that peer (`recvmsg` reads
+        // `REVNAT_SK` first).
+        forget_direct(cookie, &b.addr, b.port);
     }
     let counted = counts_connections(fe.algorithm);
     let flags = if counted {
@@ -629,7 +676,7 @@ fn on_sendmsg<const V6: bool>(ctx: &SockAddrContext) -> i32 {
         return deny(Refusal::NoEndpoints);
     }
     save_flow(&fkey, id, fe.service_id, now, &b);
-    let _ = remember(cookie, &b, &req, 0, fe.service_id);
+    remember(cookie, &b, &req, 0, fe.service_id);
     count(Counter::Translated);
     if chosen == 0 {
         // A new flow (a datagram of a known flow is not an event).
@@ -697,10 +744,19 @@ fn on_reverse<const V6: bool, const RECV: bool>(ctx: &SockAddrContext) -> i32 {
         port,
         _pad: [0; 6],
     };
-    let Some(v) = slot_entry(cookie, &addr, port).or_else(|| {
-        // SAFETY: copied out at once.
-        unsafe { REVNAT_SK.get(key).copied() }
-    }) else {
+    // SAFETY: copied out at once.
+    let unconnected = || unsafe { REVNAT_SK.get(key).copied() };
+    // A datagram received: the socket's latest datagram to that peer decides, and
+    // `sendmsg` writes only `REVNAT_SK` (a UDP socket may send to another VIP than the
+    // one it connected to, or send after `connect(AF_UNSPEC)`). `getpeername`: the
+    // connected peer; `REVNAT_SK` holds connected entries only of an earlier version.
+    let found = if RECV {
+        unconnected().or_else(|| connected_entry(cookie, &addr, port))
+    } else {
+        connected_entry(cookie, &addr, port)
+            .or_else(|| hint(SPILLED_LEGACY).then(unconnected).flatten())
+    };
+    let Some(v) = found else {
         return ALLOW;
     };
     if write_addr::<V6>(sa, &v.addr, v.port) {

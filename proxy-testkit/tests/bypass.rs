@@ -585,7 +585,6 @@ fn bypassed_pod_is_refused_by_a_service_without_endpoints() {
 /// interface) goes on untouched.
 #[test]
 fn recreated_bypassed_pod_is_translated_per_packet_again() {
-
     let mut bed = Bed::new("bypass-restart", 2, false);
     // Both pods bypassed; the client with UID `client`, or deleted.
     let pods = |bed: &Bed, client: Option<&str>| {

@@ -210,6 +210,45 @@ fn udp_reply_source_follows_the_last_datagram_to_the_peer() {
             assert_eq!(p["from"], want.as_str(), "datagram {i}: {r:?}");
         }
     }
+
+    // A socket connected through one VIP, then disconnected (`connect(AF_UNSPEC)`), sends
+    // through another VIP of the same endpoint and back: each reply comes from the VIP
+    // of the datagram before it, not from the one the socket was once connected to.
+    let vip2 = "198.19.0.11";
+    let svc2 = service("default", "web2", &[vip2], &[("dns", 53, 5353, "UDP")]);
+    let sl2 = slice(
+        "default",
+        "web2-1",
+        "web2",
+        "IPv4",
+        &[("dns", 5353, "UDP")],
+        &[(b(0), true)],
+    );
+    env.write_manifest("web2.yaml", &format!("{svc2}---\n{sl2}"));
+    env.wait_maps(
+        |s| s.names.values().any(|n| n.starts_with("default/web2:")),
+        "web2",
+    );
+    let (a, b2) = (format!("{VIP}:53"), format!("{vip2}:53"));
+    let r = env.probe(&[
+        "udp",
+        "--to",
+        &a,
+        "--to",
+        &b2,
+        "--count",
+        "4",
+        "--connected",
+        "--then-disconnect",
+        "--timeout-ms",
+        "2000",
+    ]);
+    assert_eq!(r.len(), 4, "{r:?}");
+    for (i, p) in r.iter().enumerate() {
+        assert_eq!(p["ok"], true, "{p}");
+        let want = if i % 2 == 0 { &a } else { &b2 };
+        assert_eq!(p["from"], want.as_str(), "datagram {i}: {r:?}");
+    }
 }
 
 #[test]
@@ -686,11 +725,40 @@ fn slots_in_use(env: &Env) -> (Vec<(u32, u64)>, u32) {
     (used, spilled.get(&0, 0).unwrap())
 }
 
+/// netprobe with `args` in the client pod, pinned to CPU 0 (so the overflow LRU map, a
+/// few entries in these tests, keeps every entry: its free list is per CPU).
+fn probe_on_cpu0(env: &Env, args: &[&str]) -> Vec<Probe> {
+    let out = env
+        .client
+        .output(
+            Some(env.cg.path()),
+            std::process::Command::new("taskset")
+                .args(["-c", "0", NETPROBE])
+                .args(args),
+            Duration::from_secs(60),
+        )
+        .expect("netprobe");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad netprobe line {l:?}: {e}")))
+        .collect()
+}
+
+/// `ebpf-proxy <command> -o json` on `env`'s pins.
+fn agent_json(env: &Env, command: &str) -> serde_json::Value {
+    let out = std::process::Command::new(AGENT)
+        .args([command, "--pin-dir", &env.pin_dir, "-o", "json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{command}: {out:?}");
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 #[test]
 fn connected_sockets_take_slots_spill_when_taken_and_free_them_on_close() {
     let mut env = Env::new("slots", 2, false);
-    // 3 sockets' capacity: 2 slots (the largest power of two not above it).
-    env.extra_agent_args = vec!["--max-sockets".into(), "3".into()];
+    // 64 slots and 16 overflow entries.
+    env.extra_agent_args = vec!["--max-sockets".into(), "64".into()];
     web(&env, &[b(0), b(1)]);
     // A Service whose endpoint refuses (nothing listens on 9999).
     let svc = service(
@@ -716,72 +784,93 @@ fn connected_sockets_take_slots_spill_when_taken_and_free_them_on_close() {
     assert_eq!(slots_in_use(&env), (vec![], 0), "nothing connected yet");
 
     // Connects the backend refuses: a blocking one clears the socket's peer before its
-    // release (a non-blocking one keeps it); the slot is freed either way.
-    let mut refused = env.tcp("198.19.0.40:80", 2);
-    refused.extend(env.probe(&[
-        "tcp",
-        "--to",
-        "198.19.0.40:80",
-        "--count",
-        "2",
-        "--blocking",
-    ]));
-    assert!(
-        refused.len() == 4 && refused.iter().all(|p| errno(p) == Some(ECONNREFUSED)),
-        "{refused:?}"
-    );
+    // release (a non-blocking one keeps it); the entry goes either way.
+    let refused = |env: &Env| {
+        let mut r = probe_on_cpu0(env, &["tcp", "--to", "198.19.0.40:80", "--count", "2"]);
+        r.extend(probe_on_cpu0(
+            env,
+            &[
+                "tcp",
+                "--to",
+                "198.19.0.40:80",
+                "--count",
+                "2",
+                "--blocking",
+            ],
+        ));
+        assert!(
+            r.len() == 4 && r.iter().all(|p| errno(p) == Some(ECONNREFUSED)),
+            "{r:?}"
+        );
+    };
+    refused(&env);
     assert_eq!(
         slots_in_use(&env),
         (vec![], 0),
         "failed connects hold no slot"
     );
 
-    // Three connections open together on one CPU (so the tiny LRU map of 3 entries keeps
-    // what spills into it): two slots, so at least one entry goes to REVNAT_SK.
+    // 65 connections open together, 64 slots: at least one entry overflows.
     let holder = env
         .client
         .spawn(
             Some(env.cg.path()),
             std::process::Command::new("taskset")
                 .args(["-c", "0", NETPROBE, "tcp", "--to", &format!("{VIP}:80")])
-                .args(["--count", "3", "--keep-open", "--hold-ms", "3000"])
+                .args(["--count", "65", "--keep-open", "--hold-ms", "4000"])
                 .stdout(std::process::Stdio::piped())
                 .stderr(std::process::Stdio::null()),
         )
         .unwrap();
-    std::thread::sleep(Duration::from_millis(1000));
-    let (used, spilled) = slots_in_use(&env);
-    assert!(
-        spilled >= 1,
-        "3 sockets, 2 slots: {used:?} spilled {spilled}"
+    let t = Instant::now();
+    let (used, spilled) = loop {
+        let (used, spilled) = slots_in_use(&env);
+        if used.len() as u32 + spilled >= 65 || t.elapsed() > Duration::from_secs(3) {
+            break (used, spilled);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(spilled >= 1, "65 sockets, 64 slots: spilled {spilled}");
+    assert_eq!(
+        used.len() as u32 + spilled,
+        65,
+        "{used:?} spilled {spilled}"
     );
-    assert_eq!(used.len() as u32 + spilled, 3, "{used:?} spilled {spilled}");
     for (slot, cookie) in &used {
         assert_eq!(
-            cookie & 1,
+            cookie & 63,
             u64::from(*slot),
             "slot = cookie & mask: {used:?}"
         );
     }
-    // The reader the listing and the connection closing use sees all three, wherever kept.
+    // Operators see the spills in `stats` (and /metrics).
+    let stats = agent_json(&env, "stats");
+    assert_eq!(
+        stats["reasons"]["reverse_nat_spilled"],
+        u64::from(spilled),
+        "{stats}"
+    );
+    // The reader the listing and the connection closing use sees all of them.
     let mut listed = Vec::new();
     proxy_userspace::datapath::maps::for_each_connected(&env.pin_path(), |k, v| {
         listed.push((k.cookie, ip_port(v.addr, v.port)))
     })
     .unwrap();
-    assert_eq!(listed.len(), 3, "{listed:?}");
+    assert_eq!(listed.len(), 65);
     assert!(
         listed.iter().all(|(_, fe)| *fe == format!("{VIP}:80")),
         "{listed:?}"
     );
+    // Refused connects while every slot is taken overflow, and go all the same.
+    refused(&env);
     let done = finish_probe(holder);
-    assert_eq!(done.len(), 3, "{done:?}");
+    assert_eq!(done.len(), 65, "{done:?}");
     for p in &done {
         assert_eq!(p["ok"], true, "{p}");
-        // getpeername() shows the VIP for a slot's socket and a spilled one alike.
+        // getpeername() shows the VIP for a slot's socket and an overflowed one alike.
         assert_eq!(p["peer"], format!("{VIP}:80"), "{p}");
     }
-    // Closed: slots free, spilled entries deleted (and counted out).
+    // Closed: slots free, overflow entries deleted (and counted out).
     assert_eq!(
         slots_in_use(&env),
         (vec![], 0),
@@ -805,7 +894,10 @@ fn ip_port(addr: [u8; 16], port: [u8; 2]) -> String {
 #[test]
 fn upgrade_from_pins_without_slots_keeps_open_connections_reverse_nat() {
     use aya::maps::{Array, HashMap, Map, MapData};
-    use proxy_common::{REVNAT_SK, RevNatKey, RevNatValue, SOCK_NAT, SOCK_NAT_SPILLED, SockNat};
+    use proxy_common::{
+        REVNAT_F_CONNECTED, REVNAT_SK, RevNatKey, RevNatValue, SOCK_NAT, SOCK_NAT_SPILLED,
+        SPILLED_LEGACY, SockNat,
+    };
     let mut env = Env::new("slots-upgrade", 1, false);
     web(&env, &[b(0)]);
     env.start_agent();
@@ -816,13 +908,13 @@ fn upgrade_from_pins_without_slots_keeps_open_connections_reverse_nat() {
     // no SOCK_NAT_SPILLED pin.
     env.stop_agent();
     let dir = env.pin_path();
-    let slots: Array<MapData, SockNat> =
+    let mut slots: Array<MapData, SockNat> =
         Array::try_from(Map::Array(MapData::from_pin(dir.join(SOCK_NAT)).unwrap())).unwrap();
-    let mut slots = slots;
     let (i, e) = (0..slots.len())
         .map(|i| (i, slots.get(&i, 0).unwrap()))
         .find(|(_, e)| e.key.cookie != 0)
         .expect("the held connection's slot");
+    assert_ne!(e.value.flags & REVNAT_F_CONNECTED, 0);
     let mut revnat: HashMap<MapData, RevNatKey, RevNatValue> = HashMap::try_from(Map::LruHashMap(
         MapData::from_pin(dir.join(REVNAT_SK)).unwrap(),
     ))
@@ -832,18 +924,23 @@ fn upgrade_from_pins_without_slots_keeps_open_connections_reverse_nat() {
     std::fs::remove_file(dir.join(SOCK_NAT_SPILLED)).unwrap();
 
     env.start_agent();
-    let spilled = || -> u32 {
+    let legacy = || -> u32 {
         let m: Array<MapData, u32> = Array::try_from(Map::Array(
             MapData::from_pin(dir.join(SOCK_NAT_SPILLED)).unwrap(),
         ))
         .unwrap();
-        m.get(&0, 0).unwrap()
+        m.get(&SPILLED_LEGACY, 0).unwrap()
     };
-    assert_eq!(spilled(), 1, "the earlier version's connection is counted");
+    assert_eq!(
+        legacy(),
+        1,
+        "the earlier version's connection is looked for"
+    );
+    // getpeername() still shows the VIP, from the earlier version's entry.
+    assert_eq!(held.ask("!peer")["peer"], format!("{VIP}:80"));
     assert_eq!(held.ask("after")["reply"], "b0 after");
-    // Its release finds the entry in REVNAT_SK: deleted and counted out.
+    // Its release finds the entry in REVNAT_SK by its peer: deleted.
     held.close();
-    assert_eq!(spilled(), 0);
     assert!(
         revnat
             .iter()
@@ -851,4 +948,8 @@ fn upgrade_from_pins_without_slots_keeps_open_connections_reverse_nat() {
             .all(|(k, _)| k.cookie != e.key.cookie),
         "the entry went with its socket"
     );
+    // The next start finds no such entry left and stops looking.
+    env.stop_agent();
+    env.start_agent();
+    assert_eq!(legacy(), 0);
 }

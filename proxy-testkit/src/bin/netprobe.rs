@@ -82,7 +82,8 @@ enum Cmd {
         /// more), so they are open together: the least-load algorithms count them all.
         #[arg(long)]
         keep_open: bool,
-        /// Connect once, then send each stdin line and print the reply as JSON.
+        /// Connect once, then send each stdin line and print the reply as JSON (the line
+        /// `!peer` prints the connection's getpeername() instead).
         #[arg(long)]
         interactive: bool,
         /// Source address to bind before connecting; repeated, attempt i uses the
@@ -117,6 +118,11 @@ enum Cmd {
         /// application does to recover a socket whose endpoint went away) and retry once.
         #[arg(long)]
         reconnect: bool,
+        /// With --connected: after the first datagram, dissolve the connection
+        /// (`connect(AF_UNSPEC)`) and send the others with sendto(), attempt i to the
+        /// (i mod n)-th --to.
+        #[arg(long)]
+        then_disconnect: bool,
     },
     /// A sidecar proxy as a service mesh runs one: accepts the TCP connections an iptables
     /// `REDIRECT` sends to `--listen`, reads each one's original destination
@@ -193,10 +199,11 @@ fn main() -> ExitCode {
             interval_ms,
             timeout_ms,
             reconnect,
+            then_disconnect,
         } => udp_probe(
             to,
             count,
-            connected,
+            (connected, then_disconnect),
             reconnect,
             Duration::from_millis(interval_ms),
             Duration::from_millis(timeout_ms),
@@ -543,6 +550,12 @@ fn tcp_interactive(to: SocketAddr, timeout: Duration) -> Result<bool> {
     let mut w = r.get_ref().try_clone()?;
     for line in io::stdin().lock().lines() {
         let line = line?;
+        if line == "!peer" {
+            // The connection's peer as getpeername() shows it now.
+            let peer = w.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+            print_json(&json!({ "ok": true, "peer": peer }));
+            continue;
+        }
         let reply = w
             .write_all(format!("{line}\n").as_bytes())
             .and_then(|()| read_line(&mut r));
@@ -560,7 +573,7 @@ fn tcp_interactive(to: SocketAddr, timeout: Duration) -> Result<bool> {
 fn udp_probe(
     dests: Vec<SocketAddr>,
     count: u32,
-    connected: bool,
+    (connected, then_disconnect): (bool, bool),
     reconnect: bool,
     interval: Duration,
     timeout: Duration,
@@ -581,6 +594,11 @@ fn udp_probe(
             std::thread::sleep(interval);
         }
         let mut send_error: Option<Value> = None;
+        if then_disconnect && is_connected {
+            disconnect(&sock)?;
+            is_connected = false;
+        }
+        let connected = connected && !(then_disconnect && i > 0);
         let mut v = (|| -> io::Result<Value> {
             if connected && !is_connected {
                 sock.connect(to)?;
@@ -627,6 +645,26 @@ fn udp_probe(
         print_json(&v);
     }
     Ok(all_ok)
+}
+
+/// Dissolves the UDP socket's connection: `connect()` with an `AF_UNSPEC` address.
+fn disconnect(sock: &UdpSocket) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a zeroed sockaddr with family AF_UNSPEC, its size passed; the fd is ours.
+    let r = unsafe {
+        let mut sa: libc::sockaddr = std::mem::zeroed();
+        sa.sa_family = libc::AF_UNSPEC as libc::sa_family_t;
+        libc::connect(
+            sock.as_raw_fd(),
+            &sa,
+            std::mem::size_of::<libc::sockaddr>() as libc::socklen_t,
+        )
+    };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
 }
 
 // ---------------------------------------------------------------------------------------

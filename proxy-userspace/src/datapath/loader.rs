@@ -19,8 +19,8 @@ use aya::{
 };
 use proxy_common::{
     AFFINITY, ALL_MAPS, BACKEND_SLOTS, BACKEND_STATS, BACKENDS, FRONTENDS, LC_COUNTS, MEMBERS,
-    REVNAT_SK, RR_CURSORS, SERVICE_NAMES, SERVICE_STATS, SOCK_NAT, SOCK_NAT_SLOT_MASK,
-    SOCK_NAT_SPILLED, SOCKETS, STALE_SOCKETS, UDP_FLOWS,
+    REVNAT_SK, RR_CURSORS, SERVICE_NAMES, SERVICE_STATS, SOCK_NAT, SOCK_NAT_OVERFLOW,
+    SOCK_NAT_SLOT_MASK, SOCK_NAT_SPILLED, SOCKETS, SPILLED_LEGACY, STALE_SOCKETS, UDP_FLOWS,
     nat::{CONNTRACK, LC_FLOWS},
     sock_nat_slots,
 };
@@ -300,8 +300,13 @@ pub fn pinned_maps() -> impl Iterator<Item = &'static str> {
         .copied()
 }
 
-/// Arrays indexed by a fixed list of this build (the counters), whose size is the list's.
-pub const FIXED_INDEX_MAPS: [&str; 2] = [proxy_common::COUNTERS, proxy_common::nat::TC_COUNTERS];
+/// Arrays indexed by a fixed list of this build (the counters, the overflow hints), whose
+/// size is the list's.
+pub const FIXED_INDEX_MAPS: [&str; 3] = [
+    proxy_common::COUNTERS,
+    proxy_common::nat::TC_COUNTERS,
+    proxy_common::SOCK_NAT_SPILLED,
+];
 
 /// Removes the pins of maps whose layout differs from this binary's object: map type, key
 /// size, value size or creation flags (an agent upgrade across a layout change). The load
@@ -370,13 +375,22 @@ pub fn replace_incompatible_pins(dir: &Path) -> Result<Vec<(&'static str, String
 
 /// The error of the object load (maps created, adopted and pinned), naming the step.
 fn load_error(e: EbpfError, pinned: bool) -> anyhow::Error {
-    let text = format!("{e:#}");
+    // The whole chain: the map's name and the errno are in the sources.
+    let mut text = String::new();
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(&e);
+    while let Some(err) = cur {
+        text.push_str(&format!("{err}: "));
+        cur = err.source();
+    }
     let remedy = if denied(&e) {
         REMEDY_PRIVILEGES
     } else if text.contains(proxy_common::nat::CONNTRACK)
         || text.contains(proxy_common::nat::LC_FLOWS)
     {
         "the north-south conntrack is too large for this kernel or its memory: lower --conntrack-min / --conntrack-max-per-core"
+    } else if text.contains("os error 7)") || text.contains("os error 12)") {
+        // E2BIG, ENOMEM: a size the kernel or the memory cannot hold.
+        "a map is too large for this kernel or its memory: lower the size flag that sets it (--max-sockets: REVNAT_SK, UDP_FLOWS, SOCKETS, SOCK_NAT, SOCK_NAT_OVERFLOW, STALE_SOCKETS, AFFINITY; --max-frontends, --max-backends, --max-backend-slots)"
     } else if pinned {
         "if the map layout changed since the maps were pinned, run `ebpf-proxy cleanup` first"
     } else {
@@ -445,6 +459,7 @@ fn object_loader(sizes: MapSizes) -> EbpfLoader<'static> {
     let mut loader = new_loader();
     set_sock_nat_slots(&mut loader, sock_nat_slots(sizes.sockets));
     loader
+        .map_max_entries(SOCK_NAT_OVERFLOW, (sizes.sockets / 4).max(1))
         .map_max_entries(FRONTENDS, sizes.frontends)
         .map_max_entries(SERVICE_NAMES, sizes.frontends)
         .map_max_entries(BACKEND_SLOTS, sizes.slots)
@@ -554,16 +569,11 @@ pub fn load_pinned(dir: &Path, sizes: MapSizes) -> Result<Ebpf> {
     let ebpf = loader.load(OBJECT).map_err(|e| load_error(e, true))?;
     if upgrade {
         spilled_map(dir)?
-            .set(0, SPILL_RECOUNT, 0)
+            .set(SPILLED_LEGACY, 1, 0)
             .context("write SOCK_NAT_SPILLED")?;
     }
     Ok(ebpf)
 }
-
-/// `SOCK_NAT_SPILLED` while an upgrade from a version without `SOCK_NAT` attaches: every
-/// release looks into `REVNAT_SK` (the earlier version's connect programs still write
-/// there until their links are replaced), until [`count_spilled`] sets the true count.
-const SPILL_RECOUNT: u32 = 1 << 31;
 
 fn open_pinned(dir: &Path, name: &str) -> Result<aya::maps::MapData> {
     let path = dir.join(name);
@@ -575,21 +585,20 @@ fn spilled_map(dir: &Path) -> Result<aya::maps::Array<aya::maps::MapData, u32>> 
         .context("open SOCK_NAT_SPILLED")
 }
 
-/// Whether an upgrade left `SOCK_NAT_SPILLED` at [`SPILL_RECOUNT`].
-fn spill_recount_pending(dir: &Path) -> bool {
+/// Whether `SPILLED_LEGACY` is set (see [`proxy_common::SOCK_NAT_SPILLED`]).
+fn legacy_hint(dir: &Path) -> bool {
     spilled_map(dir)
-        .and_then(|m| m.get(&0, 0).context("read SOCK_NAT_SPILLED"))
-        .is_ok_and(|n| n >= SPILL_RECOUNT)
+        .and_then(|m| m.get(&SPILLED_LEGACY, 0).context("read SOCK_NAT_SPILLED"))
+        .is_ok_and(|n| n != 0)
 }
 
-/// Sets `SOCK_NAT_SPILLED` to the number of connected sockets' entries in `REVNAT_SK`
-/// (see [`proxy_common::SOCK_NAT_SPILLED`]), once the programs of a version without
-/// slots no longer run (the entries the new programs spilled meanwhile are among them).
-fn count_spilled(dir: &Path) -> Result<()> {
-    let open = |name: &str| open_pinned(dir, name);
+/// Clears `SPILLED_LEGACY` when `REVNAT_SK` holds no connected socket's entry any more,
+/// once the programs of a version without slots no longer run (these programs never add
+/// one, so the answer cannot go stale). Otherwise it stays set until a later start.
+fn clear_legacy_hint(dir: &Path) -> Result<()> {
     let mut n: u32 = 0;
     super::batch::for_each(
-        open(REVNAT_SK)?.fd(),
+        open_pinned(dir, REVNAT_SK)?.fd(),
         |_: &proxy_common::RevNatKey, v: &proxy_common::RevNatValue| {
             if v.flags & proxy_common::REVNAT_F_CONNECTED != 0 {
                 n = n.saturating_add(1);
@@ -597,15 +606,16 @@ fn count_spilled(dir: &Path) -> Result<()> {
         },
     )
     .context("read REVNAT_SK")?;
-    spilled_map(dir)?
-        .set(0, n, 0)
-        .context("write SOCK_NAT_SPILLED")?;
     if n > 0 {
         tracing::info!(
             sockets = n,
-            "connections translated by the earlier version keep their reverse-NAT entries in REVNAT_SK"
+            "connections translated by an earlier version keep their reverse-NAT entries in REVNAT_SK until they close"
         );
+        return Ok(());
     }
+    spilled_map(dir)?
+        .set(SPILLED_LEGACY, 0, 0)
+        .context("write SOCK_NAT_SPILLED")?;
     Ok(())
 }
 
@@ -647,7 +657,7 @@ pub fn attach_programs(
     wanted.push(RELEASE_PROGRAM);
     load_parallel(&mut ebpf, &wanted)?;
     // The release program first: the new one frees what either generation's connect
-    // programs wrote (see `count_spilled`), the old one knows nothing of `SOCK_NAT`.
+    // programs wrote (see `clear_legacy_hint`), the old one knows nothing of `SOCK_NAT`.
     let p: &mut CgroupSock = ebpf
         .program_mut(RELEASE_PROGRAM)
         .with_context(|| format!("load: program {RELEASE_PROGRAM} missing from the object"))?
@@ -692,8 +702,8 @@ pub fn attach_programs(
         detach_egress(dir)?;
     }
 
-    if spill_recount_pending(dir) {
-        count_spilled(dir)?;
+    if legacy_hint(dir) {
+        clear_legacy_hint(dir)?;
     }
     if kernel_log_level() == KernelLogLevel::Off {
         return Ok(None);

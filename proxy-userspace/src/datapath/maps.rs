@@ -8,8 +8,8 @@ use proxy_common::{
     BACKEND_SLOTS, BACKEND_STATS, BACKENDS, Backend, BackendSlotKey, CONFIG, COUNTERS, Config,
     FRONTENDS, Frontend, FrontendKey, MAGLEV, MAGLEV_MAX, MEMBERS, MaglevTable, MemberKey,
     PROTO_UDP, REVNAT_F_CONNECTED, REVNAT_SK, RevNatKey, RevNatValue, SERVICE_NAMES, SERVICE_STATS,
-    SOCK_NAT, SOCK_NAT_BUSY, STALE_SOCKETS, ServiceName, ServiceStats, SockNat, UDP_FLOWS, UdpFlow,
-    UdpFlowKey,
+    SOCK_NAT, SOCK_NAT_BUSY, SOCK_NAT_OVERFLOW, STALE_SOCKETS, ServiceName, ServiceStats, SockNat,
+    UDP_FLOWS, UdpFlow, UdpFlowKey,
 };
 
 use super::{Capacity, DatapathError, Released, ServiceMaps, Snapshot, decode_name, encode_name};
@@ -386,13 +386,15 @@ impl PinnedMaps {
     }
 }
 
-/// Passes every connected socket's reverse-NAT entry in the pin directory `dir` to `f`: the
-/// `SOCK_NAT` slots in use and the `REVNAT_SK` entries with `REVNAT_F_CONNECTED` (those
-/// whose slot was taken), as (key, value). One batched pass over each map, holding one
-/// chunk at a time. A slot being written (`SOCK_NAT_BUSY`) is left out; a pin directory of
-/// a version without `SOCK_NAT` has no slots to read.
+/// Passes every connected socket's reverse-NAT entry in the pin directory `dir` to `f`, as
+/// (key, value): the `SOCK_NAT` slots in use, the `SOCK_NAT_OVERFLOW` entries (sockets
+/// whose slot was taken), and the `REVNAT_SK` entries with `REVNAT_F_CONNECTED` (written
+/// by a version without slots). One batched pass over each map, holding one chunk at a
+/// time. A slot being written (`SOCK_NAT_BUSY`) is left out; a pin directory of a version
+/// without slots has only `REVNAT_SK` to read.
 ///
-/// Errors: a map cannot be opened (other than a missing `SOCK_NAT`) or read.
+/// Errors: a map cannot be opened (other than a missing `SOCK_NAT` or
+/// `SOCK_NAT_OVERFLOW`) or read.
 pub fn for_each_connected(
     dir: &Path,
     mut f: impl FnMut(&RevNatKey, &RevNatValue),
@@ -407,6 +409,12 @@ pub fn for_each_connected(
         }
     })
     .map_err(|e| batch_err("read", REVNAT_SK, e))?;
+    if dir.join(SOCK_NAT_OVERFLOW).exists() {
+        super::batch::for_each(open(SOCK_NAT_OVERFLOW)?.fd(), |_: &u64, e: &SockNat| {
+            f(&e.key, &e.value)
+        })
+        .map_err(|e| batch_err("read", SOCK_NAT_OVERFLOW, e))?;
+    }
     if !dir.join(SOCK_NAT).exists() {
         return Ok(());
     }
