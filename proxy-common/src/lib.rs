@@ -584,24 +584,30 @@ pub struct RevNatValue {
 /// [`SOCK_NAT_SLOT_MASK`], slots - 1): an array slot costs no hashing, bucket lock or LRU
 /// list, and the kernel hands socket cookies out in sequence (per CPU, in batches), so
 /// consecutive connections write neighbouring slots. A slot held by another live socket
-/// (a cookie a multiple of `slots` apart) sends the entry to [`SOCK_NAT_OVERFLOW`];
-/// readers try the slot first. Entries of unconnected UDP sockets stay in [`REVNAT_SK`].
+/// (a cookie a multiple of `slots` apart) sends the entry to [`SOCK_NAT_OVERFLOW`].
+/// Entries of unconnected UDP sends stay in [`REVNAT_SK`]: `getpeername` reads the
+/// socket's slot, then its overflow entry; `recvmsg` reads `REVNAT_SK`'s unconnected
+/// entries first (the latest datagram sent with an address decides), then those.
 ///
 /// Claiming protocol (the agent reads slots while the kernel writes them): a free slot has
 /// cookie 0; `connect()` claims it by a compare-and-swap of the cookie from 0 to
 /// `cookie |` [`SOCK_NAT_BUSY`], writes the entry, then stores the plain cookie (an atomic
 /// exchange, a full barrier); `sock_release` of that socket stores 0. A reader takes a
-/// slot only when its cookie is non-zero without the busy bit. A batched read copies a
+/// slot only when its cookie is non-zero without the busy bit, and one whose peer is all
+/// zeros no longer translates (see [`SOCK_NAT_OVERFLOW`]). A batched read copies a
 /// slot without a lock, so a slot released and claimed again during its copy can show the
 /// released socket's cookie with the new socket's backend (a window of nanoseconds): the
 /// agent's passes over the entries then act on a closed socket, a no-op, and miss the new
 /// one until their next pass.
 pub const SOCK_NAT: &str = "SOCK_NAT";
 /// Name of the connected sockets' overflow map: socket cookie `u64` -> [`SockNat`]
-/// (BPF_MAP_TYPE_LRU_HASH, a quarter of `--max-sockets`): the entries whose [`SOCK_NAT`]
-/// slot another live socket holds. Keyed by cookie alone, so a socket's release finds its
-/// entry whatever its state (a failed blocking connect or `connect(AF_UNSPEC)` clears the
-/// peer first).
+/// (BPF_MAP_TYPE_HASH, a quarter of `--max-sockets`): the entries whose [`SOCK_NAT`]
+/// slot another live socket holds. Keyed by cookie alone, so a socket's release finds and
+/// deletes its entry whatever its state (a failed blocking connect or `connect(AF_UNSPEC)`
+/// clears the peer first); not an LRU map, so no live socket's entry is evicted (a full
+/// map refuses the new entry: `map_update_failed`, and that socket's `getpeername()` shows
+/// its endpoint). An entry whose peer is all zeros no longer translates (the socket
+/// addressed a pod directly since) but still carries what the release needs.
 pub const SOCK_NAT_OVERFLOW: &str = "SOCK_NAT_OVERFLOW";
 /// Name of the object's global `u64` (`.rodata`) holding `slots - 1` of [`SOCK_NAT`],
 /// set by the agent at every load to the size of the map the programs use (created or
@@ -610,16 +616,19 @@ pub const SOCK_NAT_OVERFLOW: &str = "SOCK_NAT_OVERFLOW";
 pub const SOCK_NAT_SLOT_MASK: &str = "SOCK_NAT_SLOT_MASK";
 /// Name of the overflow hints: index -> `u32` (BPF_MAP_TYPE_ARRAY, two entries).
 ///
-/// - [`SPILLED_OVERFLOW`]: connected sockets' entries in [`SOCK_NAT_OVERFLOW`] whose
-///   release has not deleted them yet, kept by the programs (an entry the LRU evicts is
-///   never subtracted, so it can only overstate). While it is 0, `sock_release` and
-///   `getpeername` look only at the socket's slot, which spares every connected socket that
-///   was never translated (accepted server sockets, pods' direct connections) a hash
-///   lookup.
+/// - [`SPILLED_OVERFLOW`]: connected sockets' entries in [`SOCK_NAT_OVERFLOW`], kept by
+///   the programs (and set by the agent to the map's entry count when it creates this map
+///   next to an adopted overflow map). While it is 0, `sock_release` and `getpeername` look
+///   only at the socket's slot, which spares every connected socket that was never
+///   translated (accepted server sockets, pods' direct connections) a hash lookup.
 /// - [`SPILLED_LEGACY`]: non-zero while [`REVNAT_SK`] may hold connected sockets' entries
-///   written by a version without slots; set by the agent when it adopts such a
-///   `REVNAT_SK`, cleared by a start that finds none there (the programs never add one).
-///   While it is set, a release or `getpeername` that found nothing looks there too.
+///   written by a version without slots; set by the agent at a start that finds such an
+///   entry there (or adopts the pins of such a version, whose programs may still add
+///   some until their links are replaced), cleared by a start that finds none (these
+///   programs never add one). While it is set, a release, `getpeername` or `recvmsg` that
+///   found nothing looks there too. Entries of that version's sockets that died without
+///   their release finding them (a failed blocking connect) keep it set until the LRU
+///   drops them.
 pub const SOCK_NAT_SPILLED: &str = "SOCK_NAT_SPILLED";
 /// Index of [`SOCK_NAT_SPILLED`]: entries in [`SOCK_NAT_OVERFLOW`].
 pub const SPILLED_OVERFLOW: u32 = 0;

@@ -54,8 +54,8 @@ pub static SOCK_NAT: Array<SockNat, { DEFAULT_MAX_SOCKETS as usize }> = Array::n
 /// socket cookie -> connected socket's entry whose slot was taken; see
 /// `proxy_common::SOCK_NAT_OVERFLOW`.
 #[btf_map]
-pub static SOCK_NAT_OVERFLOW: LruHashMap<u64, SockNat, { DEFAULT_MAX_SOCKETS as usize / 4 }> =
-    LruHashMap::new();
+pub static SOCK_NAT_OVERFLOW: HashMap<u64, SockNat, { DEFAULT_MAX_SOCKETS as usize / 4 }> =
+    HashMap::new();
 
 /// Overflow hints (entries in `SOCK_NAT_OVERFLOW`, an earlier version's entries in
 /// `REVNAT_SK`); see `proxy_common::SOCK_NAT_SPILLED`.

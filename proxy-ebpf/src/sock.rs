@@ -28,7 +28,7 @@
 
 use aya_ebpf::{
     EbpfContext,
-    bindings::{BPF_EXIST, bpf_sock_addr},
+    bindings::{BPF_EXIST, BPF_NOEXIST, bpf_sock_addr},
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_set_retval},
     macros::{cgroup_sock, cgroup_sock_addr},
     programs::{SockAddrContext, SockContext},
@@ -341,15 +341,17 @@ fn remember(cookie: u64, b: &Backend, req: &Request, flags: u8, service_id: u32)
 
 /// A datagram this socket sends to `addr`:`port` itself, not through a frontend: replies
 /// from that peer are shown as coming from that peer again (the socket addressed it last,
-/// so a reply is an answer to that datagram). Drops the socket's
-/// reverse-NAT entry for that peer unless it belongs to a connect()ed socket (whose
-/// peer is the frontend for its lifetime, and whose entry carries its accounting).
+/// so a reply is an answer to that datagram). Drops the socket's unconnected reverse-NAT
+/// entry for that peer, and stops its connected entry for that peer translating (a UDP
+/// socket connected through a VIP that sends to the pod itself, or was disconnected).
 ///
-/// Cost for every datagram to an address that is no frontend: one `REVNAT_SK` lookup,
-/// a miss unless the socket reached the same peer through a VIP before (the socket cookie
-/// it needs is read once per socket, then cached by the kernel). Not inlined (stack).
+/// Cost for every datagram to an address that is no frontend: the socket's slot and one
+/// `REVNAT_SK` lookup, a miss unless the socket reached the same peer through a VIP before
+/// (the socket cookie it needs is read once per socket, then cached by the kernel). Not
+/// inlined (stack).
 #[inline(never)]
 fn forget_direct(cookie: u64, addr: &[u8; 16], port: [u8; 2]) {
+    forget_connected_peer(cookie, addr, port);
     let key = RevNatKey {
         cookie,
         addr: *addr,
@@ -375,8 +377,15 @@ fn slot_of(cookie: u64) -> Option<*mut SockNat> {
 /// `SOCK_NAT_OVERFLOW` when another live socket holds the slot. Not inlined (stack, see
 /// `remember`).
 #[inline(never)]
-fn remember_connected(cookie: u64, b: &Backend, req: &Request, flags: u8, service_id: u32) {
+fn remember_connected(cookie: u64, b: &Backend, req: &Request, flags: u8, service_id: u32) -> bool {
     use core::intrinsics::{AtomicOrdering::SeqCst, atomic_cxchg, atomic_xchg};
+    let value = RevNatValue {
+        addr: req.frontend.addr,
+        port: req.frontend.port,
+        proto: req.frontend.proto,
+        flags,
+        service_id,
+    };
     if let Some(p) = slot_of(cookie) {
         // SAFETY: `p` points into a map value that lives while the program runs; the
         // cookie is 8-byte aligned (offset 0 of an array value).
@@ -384,28 +393,33 @@ fn remember_connected(cookie: u64, b: &Backend, req: &Request, flags: u8, servic
         // SAFETY: as above.
         let (old, _) =
             unsafe { atomic_cxchg::<u64, { SeqCst }, { SeqCst }>(c, 0, cookie | SOCK_NAT_BUSY) };
-        // A socket connected again (UDP) owns its slot already: busy while rewritten.
         if old == cookie {
+            // A socket connected again owns its slot already: busy while rewritten, and
+            // the count of its earlier backend given back.
             // SAFETY: as above.
-            unsafe { core::ptr::write_volatile(c, cookie | SOCK_NAT_BUSY) };
+            let before = unsafe {
+                core::ptr::write_volatile(c, cookie | SOCK_NAT_BUSY);
+                (*p).value.flags
+            };
+            if before & REVNAT_F_COUNTED != 0 {
+                lc::socket_released(cookie);
+            }
         }
         if old == 0 || old == cookie {
             // SAFETY: as above; the slot is this socket's until its release.
             unsafe {
                 (*p).key.addr = b.addr;
                 (*p).key.port = b.port;
-                (*p).value = RevNatValue {
-                    addr: req.frontend.addr,
-                    port: req.frontend.port,
-                    proto: req.frontend.proto,
-                    flags,
-                    service_id,
-                };
+                (*p).value = value;
                 atomic_xchg::<u64, { SeqCst }>(c, cookie);
             }
             // A socket connected again may have an entry from when its slot was taken.
-            let _ = take_overflow(cookie);
-            return;
+            if let Some(e) = take_overflow(cookie)
+                && e.value.flags & REVNAT_F_COUNTED != 0
+            {
+                lc::socket_released(cookie);
+            }
+            return true;
         }
     }
     let e = SockNat {
@@ -415,27 +429,65 @@ fn remember_connected(cookie: u64, b: &Backend, req: &Request, flags: u8, servic
             port: b.port,
             _pad: [0; 6],
         },
-        value: RevNatValue {
-            addr: req.frontend.addr,
-            port: req.frontend.port,
-            proto: req.frontend.proto,
-            flags,
-            service_id,
-        },
+        value,
     };
-    // A socket connected again replaces its entry (BPF_EXIST fails for a new one).
-    if SOCK_NAT_OVERFLOW
-        .insert(cookie, e, BPF_EXIST as u64)
-        .is_ok()
+    // A socket connected again replaces its entry, and gives back its earlier count.
+    if hint(SPILLED_OVERFLOW)
+        && let Some(old) = SOCK_NAT_OVERFLOW.get_ptr_mut(cookie)
     {
-        return;
+        // SAFETY: a value of our map, copied out at once.
+        if unsafe { (*old).value.flags } & REVNAT_F_COUNTED != 0 {
+            lc::socket_released(cookie);
+        }
+        if SOCK_NAT_OVERFLOW
+            .insert(cookie, e, BPF_EXIST as u64)
+            .is_ok()
+        {
+            return true;
+        }
     }
-    if SOCK_NAT_OVERFLOW.insert(cookie, e, 0).is_err() {
+    if SOCK_NAT_OVERFLOW
+        .insert(cookie, e, BPF_NOEXIST as u64)
+        .is_err()
+    {
         count(Counter::MapUpdateFailed);
-        return;
+        return false;
     }
     hint_add(SPILLED_OVERFLOW, 1);
     count(Counter::ReverseNatSpilled);
+    true
+}
+
+/// The socket now addresses `addr`:`port` itself, not through a frontend (a UDP datagram
+/// or connect() to it): its connected entry for that peer stops translating, while
+/// keeping the cookie and flags its release needs.
+#[inline(always)]
+fn forget_connected_peer(cookie: u64, addr: &[u8; 16], port: [u8; 2]) {
+    if let Some(p) = slot_of(cookie) {
+        // SAFETY: as in `remember_connected`; only this socket writes a slot holding its
+        // cookie.
+        unsafe {
+            if core::ptr::read_volatile(&raw const (*p).key.cookie) == cookie
+                && (*p).key.addr == *addr
+                && (*p).key.port == port
+            {
+                (*p).key.addr = [0; 16];
+                (*p).key.port = [0; 2];
+                return;
+            }
+        }
+    }
+    if hint(SPILLED_OVERFLOW)
+        && let Some(p) = SOCK_NAT_OVERFLOW.get_ptr_mut(cookie)
+    {
+        // SAFETY: a value of our map; only this socket's programs write it.
+        unsafe {
+            if (*p).key.addr == *addr && (*p).key.port == port {
+                (*p).key.addr = [0; 16];
+                (*p).key.port = [0; 2];
+            }
+        }
+    }
 }
 
 /// Whether the `SOCK_NAT_SPILLED` hint `i` is set.
@@ -536,6 +588,12 @@ fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
     let fe = match found {
         Lookup::NotService => {
             klog::sock_not_frontend(&req.frontend);
+            // A UDP socket connected to a pod directly after reaching it through a VIP
+            // (`connect(AF_UNSPEC)` in between) sees that pod as its peer again. (Not
+            // looked for on TCP connects, which would all pay the socket cookie.)
+            if proto == PROTO_UDP {
+                forget_connected_peer(cookie(ctx), &addr, port);
+            }
             return ALLOW;
         }
         Lookup::Refused(r) => {
@@ -583,9 +641,10 @@ fn on_connect<const V6: bool>(ctx: &SockAddrContext) -> i32 {
     } else {
         REVNAT_F_CONNECTED
     };
-    remember_connected(cookie, &b, &req, flags, fe.service_id);
+    let remembered = remember_connected(cookie, &b, &req, flags, fe.service_id);
     count_service(fe.service_id, id, 0);
-    if counted {
+    // Counted only with an entry whose release gives the count back.
+    if counted && remembered {
         lc::socket_counted(cookie, id);
     }
     count(Counter::Translated);
@@ -744,17 +803,24 @@ fn on_reverse<const V6: bool, const RECV: bool>(ctx: &SockAddrContext) -> i32 {
         port,
         _pad: [0; 6],
     };
-    // SAFETY: copied out at once.
-    let unconnected = || unsafe { REVNAT_SK.get(key).copied() };
-    // A datagram received: the socket's latest datagram to that peer decides, and
-    // `sendmsg` writes only `REVNAT_SK` (a UDP socket may send to another VIP than the
-    // one it connected to, or send after `connect(AF_UNSPEC)`). `getpeername`: the
-    // connected peer; `REVNAT_SK` holds connected entries only of an earlier version.
+    // `REVNAT_SK`'s entries by connect()ed kind: sendmsg's, or an earlier version's
+    // connected ones.
+    let revnat = |connected: bool| {
+        // SAFETY: copied out at once.
+        unsafe { REVNAT_SK.get(key).copied() }
+            .filter(|v| (v.flags & REVNAT_F_CONNECTED != 0) == connected)
+    };
+    let legacy = || hint(SPILLED_LEGACY).then(|| revnat(true)).flatten();
+    // A datagram received: the socket's latest datagram with an address to that peer
+    // decides, and `sendmsg` writes only `REVNAT_SK` (a UDP socket may send to another VIP
+    // than the one it connected to, or send after `connect(AF_UNSPEC)`). `getpeername`:
+    // the connected peer.
     let found = if RECV {
-        unconnected().or_else(|| connected_entry(cookie, &addr, port))
+        revnat(false)
+            .or_else(|| connected_entry(cookie, &addr, port))
+            .or_else(legacy)
     } else {
-        connected_entry(cookie, &addr, port)
-            .or_else(|| hint(SPILLED_LEGACY).then(unconnected).flatten())
+        connected_entry(cookie, &addr, port).or_else(legacy)
     };
     let Some(v) = found else {
         return ALLOW;

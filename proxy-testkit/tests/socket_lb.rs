@@ -249,6 +249,28 @@ fn udp_reply_source_follows_the_last_datagram_to_the_peer() {
         let want = if i % 2 == 0 { &a } else { &b2 };
         assert_eq!(p["from"], want.as_str(), "datagram {i}: {r:?}");
     }
+    // The same, sending to the pod itself after the disconnect: its replies come from the
+    // pod, until a datagram goes through the VIP again.
+    let pod = format!("{}:5353", backend_v4(0));
+    let r = env.probe(&[
+        "udp",
+        "--to",
+        &a,
+        "--to",
+        &pod,
+        "--count",
+        "4",
+        "--connected",
+        "--then-disconnect",
+        "--timeout-ms",
+        "2000",
+    ]);
+    assert_eq!(r.len(), 4, "{r:?}");
+    for (i, p) in r.iter().enumerate() {
+        assert_eq!(p["ok"], true, "{p}");
+        let want = if i % 2 == 0 { &a } else { &pod };
+        assert_eq!(p["from"], want.as_str(), "datagram {i}: {r:?}");
+    }
 }
 
 #[test]
@@ -725,25 +747,6 @@ fn slots_in_use(env: &Env) -> (Vec<(u32, u64)>, u32) {
     (used, spilled.get(&0, 0).unwrap())
 }
 
-/// netprobe with `args` in the client pod, pinned to CPU 0 (so the overflow LRU map, a
-/// few entries in these tests, keeps every entry: its free list is per CPU).
-fn probe_on_cpu0(env: &Env, args: &[&str]) -> Vec<Probe> {
-    let out = env
-        .client
-        .output(
-            Some(env.cg.path()),
-            std::process::Command::new("taskset")
-                .args(["-c", "0", NETPROBE])
-                .args(args),
-            Duration::from_secs(60),
-        )
-        .expect("netprobe");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad netprobe line {l:?}: {e}")))
-        .collect()
-}
-
 /// `ebpf-proxy <command> -o json` on `env`'s pins.
 fn agent_json(env: &Env, command: &str) -> serde_json::Value {
     let out = std::process::Command::new(AGENT)
@@ -760,12 +763,17 @@ fn connected_sockets_take_slots_spill_when_taken_and_free_them_on_close() {
     // 64 slots and 16 overflow entries.
     env.extra_agent_args = vec!["--max-sockets".into(), "64".into()];
     web(&env, &[b(0), b(1)]);
-    // A Service whose endpoint refuses (nothing listens on 9999).
+    // A Service whose endpoint refuses (nothing listens on 9999), least-connections: each
+    // connect is counted, and its release must give the count back.
     let svc = service(
         "default",
         "shut",
         &["198.19.0.40"],
         &[("x", 80, 9999, "TCP")],
+    )
+    .replace(
+        "metadata:\n",
+        "metadata:\n  annotations: {ebpf-proxy.io/lb-algorithm: least-connections}\n",
     );
     let sl = slice(
         "default",
@@ -786,18 +794,15 @@ fn connected_sockets_take_slots_spill_when_taken_and_free_them_on_close() {
     // Connects the backend refuses: a blocking one clears the socket's peer before its
     // release (a non-blocking one keeps it); the entry goes either way.
     let refused = |env: &Env| {
-        let mut r = probe_on_cpu0(env, &["tcp", "--to", "198.19.0.40:80", "--count", "2"]);
-        r.extend(probe_on_cpu0(
-            env,
-            &[
-                "tcp",
-                "--to",
-                "198.19.0.40:80",
-                "--count",
-                "2",
-                "--blocking",
-            ],
-        ));
+        let mut r = env.probe(&["tcp", "--to", "198.19.0.40:80", "--count", "2"]);
+        r.extend(env.probe(&[
+            "tcp",
+            "--to",
+            "198.19.0.40:80",
+            "--count",
+            "2",
+            "--blocking",
+        ]));
         assert!(
             r.len() == 4 && r.iter().all(|p| errno(p) == Some(ECONNREFUSED)),
             "{r:?}"
@@ -815,8 +820,8 @@ fn connected_sockets_take_slots_spill_when_taken_and_free_them_on_close() {
         .client
         .spawn(
             Some(env.cg.path()),
-            std::process::Command::new("taskset")
-                .args(["-c", "0", NETPROBE, "tcp", "--to", &format!("{VIP}:80")])
+            std::process::Command::new(NETPROBE)
+                .args(["tcp", "--to", &format!("{VIP}:80")])
                 .args(["--count", "65", "--keep-open", "--hold-ms", "4000"])
                 .stdout(std::process::Stdio::piped())
                 .stderr(std::process::Stdio::null()),
@@ -863,6 +868,16 @@ fn connected_sockets_take_slots_spill_when_taken_and_free_them_on_close() {
     );
     // Refused connects while every slot is taken overflow, and go all the same.
     refused(&env);
+    if used.len() == 64 {
+        let after = agent_json(&env, "stats")["reasons"]["reverse_nat_spilled"]
+            .as_u64()
+            .unwrap();
+        assert_eq!(
+            after,
+            u64::from(spilled) + 4,
+            "the refused connects overflowed"
+        );
+    }
     let done = finish_probe(holder);
     assert_eq!(done.len(), 65, "{done:?}");
     for p in &done {
@@ -879,6 +894,18 @@ fn connected_sockets_take_slots_spill_when_taken_and_free_them_on_close() {
     let mut left = 0;
     proxy_userspace::datapath::maps::for_each_connected(&env.pin_path(), |_, _| left += 1).unwrap();
     assert_eq!(left, 0);
+    let backends = agent_json(&env, "backends");
+    let shut = backends
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["backend"] == format!("{}:9999", b(0)))
+        .expect("the refusing backend");
+    assert_eq!(shut["connections"], 8, "{shut}");
+    assert_eq!(
+        shut["active"], 0,
+        "least-connections counts given back: {shut}"
+    );
 }
 
 /// `addr:port` of a map's IPv4-mapped address and network-order port.

@@ -20,7 +20,8 @@ use aya::{
 use proxy_common::{
     AFFINITY, ALL_MAPS, BACKEND_SLOTS, BACKEND_STATS, BACKENDS, FRONTENDS, LC_COUNTS, MEMBERS,
     REVNAT_SK, RR_CURSORS, SERVICE_NAMES, SERVICE_STATS, SOCK_NAT, SOCK_NAT_OVERFLOW,
-    SOCK_NAT_SLOT_MASK, SOCK_NAT_SPILLED, SOCKETS, SPILLED_LEGACY, STALE_SOCKETS, UDP_FLOWS,
+    SOCK_NAT_SLOT_MASK, SOCK_NAT_SPILLED, SOCKETS, SPILLED_LEGACY, SPILLED_OVERFLOW, STALE_SOCKETS,
+    UDP_FLOWS,
     nat::{CONNTRACK, LC_FLOWS},
     sock_nat_slots,
 };
@@ -555,9 +556,12 @@ pub fn load_pinned(dir: &Path, sizes: MapSizes) -> Result<Ebpf> {
     for (name, why) in replace_incompatible_pins(dir)? {
         tracing::warn!(map = name, %why, "a pinned map has another layout than this version's (pinned by another version, older or newer): it is created anew and its entries are lost; the old programs keep the old map until their links are replaced");
     }
-    // Sockets an earlier version translated have their entries in an adopted `REVNAT_SK`
-    // only: their releases must look there until those entries are gone.
-    let upgrade = !dir.join(SOCK_NAT_SPILLED).exists() && dir.join(REVNAT_SK).exists();
+    // The pins of a version without slots: its connect programs may still write connected
+    // entries to `REVNAT_SK` until their links are replaced.
+    let without_slots = !dir.join(SOCK_NAT).exists() && dir.join(REVNAT_SK).exists();
+    // Hints created anew next to an adopted overflow map start from its entries.
+    let seed_overflow =
+        !dir.join(SOCK_NAT_SPILLED).exists() && dir.join(SOCK_NAT_OVERFLOW).exists();
     let mut loader = object_loader(sizes);
     // An adopted `SOCK_NAT` keeps its size: the programs' mask must follow it.
     if let Ok(info) = aya::maps::MapInfo::from_pin(dir.join(SOCK_NAT)) {
@@ -567,12 +571,38 @@ pub fn load_pinned(dir: &Path, sizes: MapSizes) -> Result<Ebpf> {
         loader.map_pin_path(name, path.as_path());
     }
     let ebpf = loader.load(OBJECT).map_err(|e| load_error(e, true))?;
-    if upgrade {
+    if without_slots || legacy_entries(dir)? > 0 {
         spilled_map(dir)?
             .set(SPILLED_LEGACY, 1, 0)
             .context("write SOCK_NAT_SPILLED")?;
     }
+    if seed_overflow {
+        let mut n: u32 = 0;
+        super::batch::for_each(
+            open_pinned(dir, SOCK_NAT_OVERFLOW)?.fd(),
+            |_: &u64, _: &proxy_common::SockNat| n = n.saturating_add(1),
+        )
+        .context("read SOCK_NAT_OVERFLOW")?;
+        spilled_map(dir)?
+            .set(SPILLED_OVERFLOW, n, 0)
+            .context("write SOCK_NAT_SPILLED")?;
+    }
     Ok(ebpf)
+}
+
+/// The connected sockets' entries in `REVNAT_SK`: what a version without slots wrote.
+fn legacy_entries(dir: &Path) -> Result<u32> {
+    let mut n: u32 = 0;
+    super::batch::for_each(
+        open_pinned(dir, REVNAT_SK)?.fd(),
+        |_: &proxy_common::RevNatKey, v: &proxy_common::RevNatValue| {
+            if v.flags & proxy_common::REVNAT_F_CONNECTED != 0 {
+                n = n.saturating_add(1);
+            }
+        },
+    )
+    .context("read REVNAT_SK")?;
+    Ok(n)
 }
 
 fn open_pinned(dir: &Path, name: &str) -> Result<aya::maps::MapData> {
@@ -595,17 +625,9 @@ fn legacy_hint(dir: &Path) -> bool {
 /// Clears `SPILLED_LEGACY` when `REVNAT_SK` holds no connected socket's entry any more,
 /// once the programs of a version without slots no longer run (these programs never add
 /// one, so the answer cannot go stale). Otherwise it stays set until a later start.
+/// Reads `REVNAT_SK` once (a batched pass; tens of milliseconds at the default size).
 fn clear_legacy_hint(dir: &Path) -> Result<()> {
-    let mut n: u32 = 0;
-    super::batch::for_each(
-        open_pinned(dir, REVNAT_SK)?.fd(),
-        |_: &proxy_common::RevNatKey, v: &proxy_common::RevNatValue| {
-            if v.flags & proxy_common::REVNAT_F_CONNECTED != 0 {
-                n = n.saturating_add(1);
-            }
-        },
-    )
-    .context("read REVNAT_SK")?;
+    let n = legacy_entries(dir)?;
     if n > 0 {
         tracing::info!(
             sockets = n,

@@ -390,8 +390,9 @@ impl PinnedMaps {
 /// (key, value): the `SOCK_NAT` slots in use, the `SOCK_NAT_OVERFLOW` entries (sockets
 /// whose slot was taken), and the `REVNAT_SK` entries with `REVNAT_F_CONNECTED` (written
 /// by a version without slots). One batched pass over each map, holding one chunk at a
-/// time. A slot being written (`SOCK_NAT_BUSY`) is left out; a pin directory of a version
-/// without slots has only `REVNAT_SK` to read.
+/// time. A slot being written (`SOCK_NAT_BUSY`) and an entry whose peer the socket has
+/// since addressed directly (all zeros) are left out; a pin directory of a version without
+/// slots has only `REVNAT_SK` to read.
 ///
 /// Errors: a map cannot be opened (other than a missing `SOCK_NAT` or
 /// `SOCK_NAT_OVERFLOW`) or read.
@@ -411,7 +412,9 @@ pub fn for_each_connected(
     .map_err(|e| batch_err("read", REVNAT_SK, e))?;
     if dir.join(SOCK_NAT_OVERFLOW).exists() {
         super::batch::for_each(open(SOCK_NAT_OVERFLOW)?.fd(), |_: &u64, e: &SockNat| {
-            f(&e.key, &e.value)
+            if e.key.addr != [0; 16] {
+                f(&e.key, &e.value)
+            }
         })
         .map_err(|e| batch_err("read", SOCK_NAT_OVERFLOW, e))?;
     }
@@ -420,7 +423,7 @@ pub fn for_each_connected(
     }
     let slots = open(SOCK_NAT)?;
     super::batch::for_each(slots.fd(), |_: &u32, e: &SockNat| {
-        if e.key.cookie != 0 && e.key.cookie & SOCK_NAT_BUSY == 0 {
+        if e.key.cookie != 0 && e.key.cookie & SOCK_NAT_BUSY == 0 && e.key.addr != [0; 16] {
             f(&e.key, &e.value)
         }
     })
