@@ -229,48 +229,33 @@ fn udp_reply_source_follows_the_last_datagram_to_the_peer() {
         |s| s.names.values().any(|n| n.starts_with("default/web2:")),
         "web2",
     );
-    let (a, b2) = (format!("{VIP}:53"), format!("{vip2}:53"));
-    let r = env.probe(&[
-        "udp",
-        "--to",
-        &a,
-        "--to",
-        &b2,
-        "--count",
-        "4",
-        "--connected",
-        "--then-disconnect",
-        "--timeout-ms",
-        "2000",
-    ]);
-    assert_eq!(r.len(), 4, "{r:?}");
-    for (i, p) in r.iter().enumerate() {
-        assert_eq!(p["ok"], true, "{p}");
-        let want = if i % 2 == 0 { &a } else { &b2 };
-        assert_eq!(p["from"], want.as_str(), "datagram {i}: {r:?}");
-    }
+    // Datagrams alternate between `first` (connected, then disconnected) and `second`
+    // (sendto); each reply comes from where the datagram before it went.
+    let alternate = |first: &str, second: &str| {
+        let r = env.probe(&[
+            "udp",
+            "--to",
+            first,
+            "--to",
+            second,
+            "--count",
+            "4",
+            "--connected",
+            "--then-disconnect",
+            "--timeout-ms",
+            "2000",
+        ]);
+        assert_eq!(r.len(), 4, "{r:?}");
+        for (i, p) in r.iter().enumerate() {
+            assert_eq!(p["ok"], true, "{p}");
+            let want = if i % 2 == 0 { first } else { second };
+            assert_eq!(p["from"], want, "datagram {i}: {r:?}");
+        }
+    };
+    alternate(&format!("{VIP}:53"), &format!("{vip2}:53"));
     // The same, sending to the pod itself after the disconnect: its replies come from the
     // pod, until a datagram goes through the VIP again.
-    let pod = format!("{}:5353", backend_v4(0));
-    let r = env.probe(&[
-        "udp",
-        "--to",
-        &a,
-        "--to",
-        &pod,
-        "--count",
-        "4",
-        "--connected",
-        "--then-disconnect",
-        "--timeout-ms",
-        "2000",
-    ]);
-    assert_eq!(r.len(), 4, "{r:?}");
-    for (i, p) in r.iter().enumerate() {
-        assert_eq!(p["ok"], true, "{p}");
-        let want = if i % 2 == 0 { &a } else { &pod };
-        assert_eq!(p["from"], want.as_str(), "datagram {i}: {r:?}");
-    }
+    alternate(&format!("{VIP}:53"), &format!("{}:5353", backend_v4(0)));
 }
 
 #[test]
