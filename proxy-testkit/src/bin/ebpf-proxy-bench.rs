@@ -680,11 +680,36 @@ fn data_path(
     let warmup = 200;
     // The kernel's statistics of ebpf-proxy's programs over the client's run.
     let progs = matches!(case, Case::Ebpf | Case::Bypass).then(|| progstats::attached(&env.pins.0));
+    // The invocation floor, next to ebpf-proxy's programs for the same connections.
+    let floor = match (case, &progs) {
+        (Case::Ebpf, Some(_)) => match progstats::Floor::attach(env.cg.path()) {
+            Ok(f) => Some(f),
+            Err(e) => {
+                eprintln!("warning: no invocation floor: {e:#}");
+                None
+            }
+        },
+        _ => None,
+    };
+    let floor_ids = floor.as_ref().map(|f| f.named()).unwrap_or_default();
     let before = progs.as_ref().map(progstats::snapshot);
+    let floor_before = progstats::snapshot(&floor_ids);
     let r = run_client(env, case, to, o.conn_count, o.conn_secs, warmup)?;
     if let (Some(ids), Some(before)) = (&progs, &before) {
         let conns = (warmup + r.ok + r.errors) as f64;
+        // ns per invocation of a program that only returns, by hook.
+        let floors: BTreeMap<String, f64> =
+            progstats::delta(&floor_before, &progstats::snapshot(&floor_ids))
+                .into_iter()
+                .filter(|(_, c)| c.runs > 0)
+                .map(|(name, c)| (name, c.ns as f64 / c.runs as f64))
+                .collect();
+        drop(floor);
+        for (name, v) in &floors {
+            results.add(case, n, run, Sample::Prog(format!("ns_per_run:{name}"), *v));
+        }
         let mut total = 0.0;
+        let mut above = (!floors.is_empty()).then_some(0.0);
         let mut line = String::new();
         for (name, c) in progstats::delta(before, &progstats::snapshot(ids)) {
             if c.runs == 0 {
@@ -693,6 +718,12 @@ fn data_path(
             let per_run = c.ns as f64 / c.runs as f64;
             let runs = c.runs as f64 / conns;
             total += c.ns as f64 / conns;
+            if let Some(a) = &mut above {
+                let f = progstats::floor_of(&name)
+                    .and_then(|h| floors.get(h))
+                    .copied();
+                *a += (per_run - f.unwrap_or(0.0)).max(0.0) * runs;
+            }
             line.push_str(&format!(" {name} {per_run:.0} ns x {runs:.2};"));
             results.add(
                 case,
@@ -714,7 +745,14 @@ fn data_path(
             );
         }
         results.add(case, n, run, Sample::BpfNsPerConn(total));
-        eprintln!("  {case:?} BPF per connection: {total:.0} ns ({line} )");
+        if let Some(a) = above {
+            results.add(case, n, run, Sample::Prog("above_floor:all".into(), a));
+        }
+        let fl: String = floors
+            .iter()
+            .map(|(k, v)| format!(" {k} {v:.0} ns;"))
+            .collect();
+        eprintln!("  {case:?} BPF per connection: {total:.0} ns ({line} ) floor:{fl}");
     }
     eprintln!(
         "  {case:?} data path: {:.0} conn/s, p50 {:.0} us, p99 {:.0} us, {} ok, {} errors, {} backends{}",

@@ -511,6 +511,40 @@ impl Results {
             .map(|&n| self.cell(Case::Ebpf, n, "bpf_ns_per_conn", 0))
             .collect();
         let _ = writeln!(o, "| **all programs** | {} |", total.join(" | "));
+        let floor = |m: &str| -> Vec<String> {
+            self.services
+                .iter()
+                .map(|&n| match self.get(Case::Ebpf, n, m) {
+                    Some(s) => format!("{:.0}", s.med),
+                    None => "–".into(),
+                })
+                .collect()
+        };
+        if self
+            .services
+            .iter()
+            .any(|&n| self.get(Case::Ebpf, n, "above_floor:all").is_some())
+        {
+            for (hook, what) in [
+                ("connect4", "`sock_addr` hooks"),
+                ("sock_release", "`sock_release`"),
+            ] {
+                let _ = writeln!(
+                    o,
+                    "| floor: a program that only returns, {what} (ns per invocation) | {} |",
+                    floor(&format!("ns_per_run:floor:{hook}")).join(" | ")
+                );
+            }
+            let _ = writeln!(
+                o,
+                "| **all programs above the floor** | {} |",
+                floor("above_floor:all").join(" | ")
+            );
+            let _ = writeln!(
+                o,
+                "\nThe floor is what the kernel takes to run any program on the hook with the statistics on (dispatch and their two clock reads), measured by programs that only return, attached next to ebpf-proxy's for the same connections; \"above the floor\" is ebpf-proxy's own work (each program's time per invocation less its hook's floor, times its invocations per connection; the packet programs have no floor subtracted)."
+            );
+        }
         o
     }
 
