@@ -463,19 +463,13 @@ fn remember_connected(cookie: u64, b: &Backend, req: &Request, flags: u8, servic
 /// keeping the cookie and flags its release needs.
 #[inline(always)]
 fn forget_connected_peer(cookie: u64, addr: &[u8; 16], port: [u8; 2]) {
-    if let Some(p) = slot_of(cookie) {
-        // SAFETY: as in `remember_connected`; only this socket writes a slot holding its
-        // cookie.
+    if let Some(p) = owned_slot_to(cookie, addr, port) {
+        // SAFETY: see `owned_slot`.
         unsafe {
-            if core::ptr::read_volatile(&raw const (*p).key.cookie) == cookie
-                && (*p).key.addr == *addr
-                && (*p).key.port == port
-            {
-                (*p).key.addr = [0; 16];
-                (*p).key.port = [0; 2];
-                return;
-            }
+            (*p).key.addr = [0; 16];
+            (*p).key.port = [0; 2];
         }
+        return;
     }
     if hint(SPILLED_OVERFLOW)
         && let Some(p) = SOCK_NAT_OVERFLOW.get_ptr_mut(cookie)
@@ -534,37 +528,43 @@ fn connected_entry(cookie: u64, addr: &[u8; 16], port: [u8; 2]) -> Option<RevNat
     (e.key.addr == *addr && e.key.port == port).then_some(e.value)
 }
 
+/// The socket's `SOCK_NAT` slot when this socket holds it (the slot's cookie is this
+/// socket's, not busy). Only the socket itself writes a slot holding its cookie, so its
+/// programs may read and write the slot through the pointer until the socket's release.
+#[inline(always)]
+fn owned_slot(cookie: u64) -> Option<*mut SockNat> {
+    let p = slot_of(cookie)?;
+    // SAFETY: as in `remember_connected`.
+    (unsafe { core::ptr::read_volatile(&raw const (*p).key.cookie) } == cookie).then_some(p)
+}
+
+/// [`owned_slot`] when the entry's peer is `addr`:`port` (a UDP socket connected again
+/// elsewhere keeps an entry for its former peer until then).
+#[inline(always)]
+fn owned_slot_to(cookie: u64, addr: &[u8; 16], port: [u8; 2]) -> Option<*mut SockNat> {
+    let p = owned_slot(cookie)?;
+    // SAFETY: see `owned_slot`.
+    unsafe { ((*p).key.addr == *addr && (*p).key.port == port).then_some(p) }
+}
+
 /// A released socket's `SOCK_NAT` entry, freeing the slot; `None` when the slot is not
 /// this socket's.
 #[inline(always)]
 fn take_slot(cookie: u64) -> Option<SockNat> {
-    let p = slot_of(cookie)?;
-    // SAFETY: as in `remember_connected`; only this socket writes a slot holding its cookie.
+    let p = owned_slot(cookie)?;
+    // SAFETY: see `owned_slot`.
     unsafe {
-        if core::ptr::read_volatile(&raw const (*p).key.cookie) != cookie {
-            return None;
-        }
         let e = *p;
         core::ptr::write_volatile(&raw mut (*p).key.cookie, 0);
         Some(e)
     }
 }
 
-/// The connected socket's `SOCK_NAT` entry when its peer is `addr`:`port` (a UDP socket
-/// connected again elsewhere keeps an entry for its former peer until then).
+/// The connected socket's `SOCK_NAT` entry when its peer is `addr`:`port`.
 #[inline(always)]
 fn slot_entry(cookie: u64, addr: &[u8; 16], port: [u8; 2]) -> Option<RevNatValue> {
-    let p = slot_of(cookie)?;
-    // SAFETY: as in `remember_connected`.
-    unsafe {
-        if core::ptr::read_volatile(&raw const (*p).key.cookie) != cookie
-            || (*p).key.addr != *addr
-            || (*p).key.port != port
-        {
-            return None;
-        }
-        Some((*p).value)
-    }
+    // SAFETY: see `owned_slot`.
+    owned_slot_to(cookie, addr, port).map(|p| unsafe { (*p).value })
 }
 
 #[inline(always)]
