@@ -127,11 +127,13 @@ pub fn delta(
         .collect()
 }
 
-/// The kernel's cost of running *any* program on a hook, with the statistics on: programs
-/// that only return "allow" (`r0 = 1; exit`), attached next to ebpf-proxy's on the bench
-/// cgroup for the same client run. What ebpf-proxy's programs take above it is their own
-/// work; the floor itself (dispatch, the two clock reads of the statistics) no program on
-/// that hook can avoid.
+/// What the statistics count for *any* program on a hook: programs that only return
+/// "allow" (`r0 = 1; exit`), attached next to ebpf-proxy's on the bench cgroup for the same
+/// client run. The kernel times each program from a clock read before the call to one
+/// after it, so this floor is the statistics' own cost per invocation (the clock read and
+/// the call into the program); the hook's dispatch (walking the cgroup's programs, building
+/// the context) is outside every program's figures. What ebpf-proxy's programs take above
+/// it is their own work.
 ///
 /// Loaded and attached with raw `bpf()` calls (aya loads only from an object file) through
 /// links held by this process: closing the descriptors (drop, exit, a crash) detaches them.
@@ -208,10 +210,17 @@ fn prog_id(fd: &OwnedFd) -> Result<u32> {
 }
 
 impl Floor {
-    /// Loads the two programs and attaches them to the cgroup at `cgroup` (the bench's
-    /// own child cgroup; never the root).
+    /// Loads the two programs and attaches them to the cgroup at `cgroup`, which must be one
+    /// of the bench's own child cgroups (`ebpf-proxy-bench*`; anything else is refused).
     pub fn attach(cgroup: &Path) -> Result<Floor> {
         use std::os::fd::{AsRawFd, FromRawFd};
+        anyhow::ensure!(
+            cgroup
+                .file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("ebpf-proxy-bench")),
+            "refusing to attach to {}: not a bench cgroup",
+            cgroup.display()
+        );
         let cg = fs::File::open(cgroup).with_context(|| format!("open {}", cgroup.display()))?;
         let mut ids = Vec::new();
         let mut fds = Vec::new();
@@ -235,10 +244,11 @@ impl Floor {
             attr[0] = prog.as_raw_fd() as u64 | (cg.as_raw_fd() as u64) << 32;
             attr[1] = at as u64;
             let link = bpf(CMD_LINK_CREATE, &mut attr).with_context(|| format!("attach {name}"))?;
+            // SAFETY: a descriptor the kernel just returned to us; owned at once, so any
+            // error below detaches the program again.
+            fds.push(unsafe { OwnedFd::from_raw_fd(link as i32) });
             ids.push((hook, prog_id(&prog)?));
             fds.push(prog);
-            // SAFETY: a descriptor the kernel just returned to us.
-            fds.push(unsafe { OwnedFd::from_raw_fd(link as i32) });
         }
         Ok(Floor { ids, _fds: fds })
     }

@@ -542,7 +542,7 @@ impl Results {
             );
             let _ = writeln!(
                 o,
-                "\nThe floor is what the kernel takes to run any program on the hook with the statistics on (dispatch and their two clock reads), measured by programs that only return, attached next to ebpf-proxy's for the same connections; \"above the floor\" is ebpf-proxy's own work (each program's time per invocation less its hook's floor, times its invocations per connection; the packet programs have no floor subtracted)."
+                "\nThe floor is what the statistics count for any program on the hook (their clock read and the call into the program; the hook's dispatch is outside every program's figures), measured by programs that only return, attached next to ebpf-proxy's for the same connections and run after them; \"above the floor\" is ebpf-proxy's own work (each program's time per invocation less its hook's floor, times its invocations per connection; the packet programs have no floor subtracted). Each row is its own median over the runs, so the rows need not subtract exactly."
             );
         }
         o
