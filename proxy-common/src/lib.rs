@@ -17,8 +17,8 @@
 //! Service layout (after Cilium's `lb4_services_v2`/`lb4_backends`, see
 //! `shared/notes/architecture.md`): [`FRONTENDS`] maps (VIP, port, protocol) to a
 //! [`Frontend`] carrying a service id and a backend count; [`BACKEND_SLOTS`] maps
-//! (service id, slot) for slot in `0..count` to a backend id; [`BACKENDS`] maps a backend id
-//! to its (address, port). The agent writes a service in this order: backends, new slots,
+//! (service id, slot) for slot in `0..count` to a backend id and that backend's value (a
+//! pick by slot reads one map); [`BACKENDS`] maps a backend id to its (address, port). The agent writes a service in this order: backends, new slots,
 //! then the frontend (count), and removes stale slots and backends last, so a reader never
 //! sees a slot index without a backend behind it.
 
@@ -35,7 +35,7 @@ pub const PROTO_UDP: u8 = 17;
 
 /// Name of the frontend map: [`FrontendKey`] -> [`Frontend`] (BPF_MAP_TYPE_HASH).
 pub const FRONTENDS: &str = "FRONTENDS";
-/// Name of the slot map: [`BackendSlotKey`] -> backend id `u32` (BPF_MAP_TYPE_HASH).
+/// Name of the slot map: [`BackendSlotKey`] -> [`BackendSlot`] (BPF_MAP_TYPE_HASH).
 pub const BACKEND_SLOTS: &str = "BACKEND_SLOTS";
 /// Name of the backend map: backend id `u32` -> [`Backend`] (BPF_MAP_TYPE_HASH).
 pub const BACKENDS: &str = "BACKENDS";
@@ -517,7 +517,7 @@ pub const fn client_of_netns(cookie: u64) -> [u8; 16] {
     ]
 }
 
-/// Slot key: (service id, slot index). 8 bytes. Value: backend id (`u32`, host order).
+/// Slot key: (service id, slot index). 8 bytes. Value: [`BackendSlot`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct BackendSlotKey {
@@ -525,6 +525,19 @@ pub struct BackendSlotKey {
     pub service_id: u32,
     /// Slot index, `0..Frontend::backend_count`.
     pub slot: u32,
+}
+
+/// Slot value: the backend id (host order) and a copy of its [`BACKENDS`] value, so a pick
+/// by slot (random, round robin) reads one map instead of two. A backend id's value never
+/// changes (an id names one address, port and protocol for its whole life), so the copy
+/// cannot go stale. 24 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct BackendSlot {
+    /// The backend id (never 0).
+    pub backend_id: u32,
+    /// Its value, as in [`BACKENDS`].
+    pub backend: Backend,
 }
 
 /// Backend value (key: backend id `u32`, host order, never 0). 20 bytes.
@@ -874,6 +887,7 @@ mod user {
     unsafe impl aya::Pod for Frontend {}
     unsafe impl aya::Pod for BackendSlotKey {}
     unsafe impl aya::Pod for Backend {}
+    unsafe impl aya::Pod for BackendSlot {}
     unsafe impl aya::Pod for RevNatKey {}
     unsafe impl aya::Pod for RevNatValue {}
     unsafe impl aya::Pod for SockNat {}
@@ -898,6 +912,7 @@ const _: () = {
     assert!(core::mem::size_of::<MaglevTable>() == 8 + 4 * MAGLEV_MAX);
     assert!(core::mem::size_of::<BackendSlotKey>() == 8);
     assert!(core::mem::size_of::<Backend>() == 20);
+    assert!(core::mem::size_of::<BackendSlot>() == 24);
     assert!(core::mem::size_of::<RevNatKey>() == 32);
     assert!(core::mem::size_of::<RevNatValue>() == 24);
     assert!(core::mem::size_of::<SockNat>() == 56);

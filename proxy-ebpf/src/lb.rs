@@ -155,25 +155,19 @@ pub fn backend(id: u32) -> Option<Backend> {
     unsafe { BACKENDS.get(id).copied() }
 }
 
-/// Picks one backend of `fe` uniformly at random. `None` when the frontend has no
-/// endpoints, or when the agent removed the chosen slot between our two lookups (the
-/// caller then falls back to slot 0).
+/// Picks one backend of `fe` uniformly at random: writes it into `out` and returns its id.
+/// 0 when the frontend has no endpoints, or when the agent removed the chosen slot
+/// concurrently (the caller then falls back to slot 0). One map read: the slot carries the
+/// backend.
 #[inline(always)]
-pub fn pick(fe: &Frontend) -> Option<(u32, Backend)> {
+pub fn pick(fe: &Frontend, out: &mut Backend) -> u32 {
     let count = fe.backend_count;
     if count == 0 {
-        return None;
+        return 0;
     }
     // SAFETY: helper without side effects.
     let slot = unsafe { bpf_get_prandom_u32() } % count;
-    let key = BackendSlotKey {
-        service_id: fe.service_id,
-        slot,
-    };
-    // SAFETY: copied out at once.
-    let id = unsafe { BACKEND_SLOTS.get(key).copied() }?;
-    let b = backend(id)?;
-    Some((id, b))
+    by_slot(fe, slot, out)
 }
 
 /// A new connection or flow: the frontend it addressed and who opens it.
@@ -224,35 +218,43 @@ pub fn select(fe: &Frontend, req: &Request, out: &mut Backend) -> u32 {
             return id;
         }
     }
-    // The algorithms return a candidate id; its backend is read once, here.
-    let id = match Algorithm::from_u8(fe.algorithm) {
-        Some(Algorithm::RoundRobin) | Some(Algorithm::WeightedRoundRobin) => {
-            // checked_rem: no division-by-zero panic path (the verifier rejects one).
-            by_slot(
-                fe,
-                next_cursor(fe.service_id)
-                    .checked_rem(fe.backend_count)
-                    .unwrap_or(0),
-            )
+    let alg = Algorithm::from_u8(fe.algorithm);
+    let id = if matches!(
+        alg,
+        Some(Algorithm::RoundRobin | Algorithm::WeightedRoundRobin)
+    ) {
+        // The slot carries its backend. checked_rem: no division-by-zero panic path (the
+        // verifier rejects one).
+        let slot = next_cursor(fe.service_id)
+            .checked_rem(fe.backend_count)
+            .unwrap_or(0);
+        by_slot(fe, slot, out)
+    } else {
+        // The other algorithms return a candidate id; its backend is read once, here.
+        let id = match alg {
+            Some(
+                Algorithm::LeastConnections
+                | Algorithm::WeightedLeastConnections
+                | Algorithm::ShortestExpectedDelay
+                | Algorithm::NeverQueue,
+            ) => least_load(fe),
+            Some(Algorithm::SourceHash) => by_maglev(fe, hash_client(&client.addr, None)),
+            Some(Algorithm::Maglev) => by_maglev(fe, hash_client(&client.addr, Some(client.port))),
+            Some(Algorithm::DestinationHash) => {
+                by_maglev(fe, hash_client(&req.frontend.addr, None))
+            }
+            _ => 0,
+        };
+        match backend(id) {
+            Some(b) => {
+                *out = b;
+                id
+            }
+            None => 0,
         }
-        Some(
-            Algorithm::LeastConnections
-            | Algorithm::WeightedLeastConnections
-            | Algorithm::ShortestExpectedDelay
-            | Algorithm::NeverQueue,
-        ) => least_load(fe),
-        Some(Algorithm::SourceHash) => by_maglev(fe, hash_client(&client.addr, None)),
-        Some(Algorithm::Maglev) => by_maglev(fe, hash_client(&client.addr, Some(client.port))),
-        Some(Algorithm::DestinationHash) => by_maglev(fe, hash_client(&req.frontend.addr, None)),
-        _ => 0,
     };
-    let id = match backend(id) {
-        Some(b) => {
-            *out = b;
-            id
-        }
-        None => choose(fe, out),
-    };
+    // Random, and the fallback of every algorithm that found nothing.
+    let id = if id != 0 { id } else { choose(fe, out) };
     if fe.affinity_timeout_s != 0 && id != 0 {
         remember_affinity(fe.affinity_group, &client.addr, id, now);
     }
@@ -310,16 +312,24 @@ fn is_member(service_id: u32, backend_id: u32) -> bool {
         .is_some()
 }
 
-/// The backend id in slot `slot` of `fe`; 0 on a concurrent update (the caller falls back
-/// to a random pick, which retries).
+/// The backend in slot `slot` of `fe`: written into `out`, its id returned; 0, leaving
+/// `out` alone, on a concurrent update (the caller falls back to a random pick, which
+/// retries).
 #[inline(always)]
-fn by_slot(fe: &Frontend, slot: u32) -> u32 {
+fn by_slot(fe: &Frontend, slot: u32, out: &mut Backend) -> u32 {
     let key = BackendSlotKey {
         service_id: fe.service_id,
         slot,
     };
-    // SAFETY: copied out at once.
-    unsafe { BACKEND_SLOTS.get(key).copied() }.unwrap_or(0)
+    match BACKEND_SLOTS.get_ptr(key) {
+        // SAFETY: a live map value, copied out at once (a concurrent update replaces the
+        // element, RCU, rather than writing into it).
+        Some(p) => unsafe {
+            *out = (*p).backend;
+            (*p).backend_id
+        },
+        None => 0,
+    }
 }
 
 /// This CPU's round-robin cursor of `service_id`, advanced by one.
@@ -439,8 +449,10 @@ extern "C" fn scan_slot(i: u32, ctx: *mut c_void) -> i64 {
         service_id: s.service_id,
         slot,
     };
-    // SAFETY: copied out at once.
-    let id = unsafe { BACKEND_SLOTS.get(key).copied() }.unwrap_or(0);
+    // SAFETY: a live map value; only its id is read.
+    let id = BACKEND_SLOTS
+        .get_ptr(key)
+        .map_or(0, |p| unsafe { (*p).backend_id });
     let member = MemberKey {
         service_id: s.service_id,
         backend_id: id,
@@ -531,17 +543,10 @@ pub fn choose(fe: &Frontend, out: &mut Backend) -> u32 {
     if fe.backend_count == 0 {
         return 0;
     }
-    if let Some((id, b)) = pick(fe) {
-        *out = b;
+    let id = pick(fe, out);
+    if id != 0 {
         return id;
     }
     count(Counter::SlotMiss);
-    let id = by_slot(fe, 0);
-    match backend(id) {
-        Some(b) => {
-            *out = b;
-            id
-        }
-        _ => 0,
-    }
+    by_slot(fe, 0, out)
 }

@@ -11,7 +11,7 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlotKey, COUNTER_MAX, Config, DEFAULT_MAX_BACKENDS,
+    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, COUNTER_MAX, Config, DEFAULT_MAX_BACKENDS,
     DEFAULT_MAX_FRONTENDS, DEFAULT_MAX_MAGLEV, DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCKETS, Frontend,
     FrontendKey, MaglevTable, MemberKey, RevNatKey, RevNatValue, ServiceName, ServiceStats,
     SockNat, UdpFlow, UdpFlowKey,
@@ -32,9 +32,9 @@ use proxy_common::{
 pub static FRONTENDS: HashMap<FrontendKey, Frontend, { DEFAULT_MAX_FRONTENDS as usize }> =
     HashMap::new();
 
-/// (service id, slot) -> backend id; see `proxy_common::BACKEND_SLOTS`.
+/// (service id, slot) -> backend id and value; see `proxy_common::BACKEND_SLOTS`.
 #[btf_map]
-pub static BACKEND_SLOTS: HashMap<BackendSlotKey, u32, { DEFAULT_MAX_SLOTS as usize }> =
+pub static BACKEND_SLOTS: HashMap<BackendSlotKey, BackendSlot, { DEFAULT_MAX_SLOTS as usize }> =
     HashMap::new();
 
 /// backend id -> (address, port); see `proxy_common::BACKENDS`.

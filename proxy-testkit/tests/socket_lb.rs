@@ -978,3 +978,88 @@ fn upgrade_from_pins_without_slots_keeps_open_connections_reverse_nat() {
     env.start_agent();
     assert_eq!(legacy(), 0);
 }
+
+/// An upgrade from a version whose slots hold backend ids only (4-byte values): the start
+/// carries every slot over into this version's layout (id and backend) before any program
+/// is attached, so no Service loses its backends until the first sync; the agent then
+/// serves through them. A slot whose copy of its backend differs from `BACKENDS` is
+/// rewritten by the next verification.
+#[test]
+fn upgrade_carries_slots_without_backends_over() {
+    use aya::maps::{HashMap, Map, MapData};
+    use proxy_common::{
+        BACKEND_SLOTS, Backend, BackendSlot, BackendSlotKey, DEFAULT_MAX_BACKENDS,
+        DEFAULT_MAX_FRONTENDS, DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCKETS,
+    };
+    use proxy_userspace::datapath::loader::{MapSizes, load_pinned};
+    let mut env = Env::new("slots-carry", 2, false);
+    web(&env, &[b(0), b(1)]);
+    env.start_agent();
+    env.stop_agent();
+    let dir = env.pin_path();
+    let path = dir.join(BACKEND_SLOTS);
+    let read = || -> Vec<(BackendSlotKey, BackendSlot)> {
+        let m: HashMap<MapData, BackendSlotKey, BackendSlot> =
+            HashMap::try_from(Map::HashMap(MapData::from_pin(&path).unwrap())).unwrap();
+        let mut v: Vec<_> = m.iter().map(Result::unwrap).collect();
+        v.sort();
+        v
+    };
+    let before = read();
+    assert_eq!(before.len(), 4, "2 endpoints x (TCP, UDP): {before:?}");
+
+    // What the earlier version pinned: the same slots, backend ids only.
+    std::fs::remove_file(&path).unwrap();
+    let out = std::process::Command::new("bpftool")
+        .args(["map", "create"])
+        .arg(&path)
+        .args(["type", "hash", "key", "8", "value", "4", "entries", "1024"])
+        .args(["name", "BACKEND_SLOTS"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    {
+        let mut old: HashMap<MapData, BackendSlotKey, u32> =
+            HashMap::try_from(Map::HashMap(MapData::from_pin(&path).unwrap())).unwrap();
+        for (k, v) in &before {
+            old.insert(k, v.backend_id, 0).unwrap();
+        }
+    }
+    let sizes = MapSizes {
+        frontends: DEFAULT_MAX_FRONTENDS,
+        slots: DEFAULT_MAX_SLOTS,
+        backends: DEFAULT_MAX_BACKENDS,
+        sockets: DEFAULT_MAX_SOCKETS,
+        conntrack_flows: 65536,
+    };
+    // The load alone (no program attached, no sync) carries them over.
+    drop(load_pinned(&dir, sizes).unwrap());
+    assert_eq!(read(), before, "every slot carried over with its backend");
+
+    // A slot whose copy of its backend went wrong is repaired by the verification.
+    {
+        let mut m: HashMap<MapData, BackendSlotKey, BackendSlot> =
+            HashMap::try_from(Map::HashMap(MapData::from_pin(&path).unwrap())).unwrap();
+        let (k, mut v) = before[0];
+        v.backend.port = [0, 1];
+        m.insert(k, v, 0).unwrap();
+    }
+    env.extra_agent_args = vec!["--sync-period".into(), "1s".into()];
+    env.start_agent();
+    // Repaired: every slot's copy equals its backend in `BACKENDS` (a damaged slot reads as
+    // id 0), and each slot holds the endpoint it held (the repair may give new ids).
+    let endpoints = |v: Vec<(BackendSlotKey, BackendSlot)>| -> Vec<(BackendSlotKey, Backend)> {
+        v.into_iter().map(|(k, s)| (k, s.backend)).collect()
+    };
+    env.wait_maps(
+        |s| s.slots.len() == 4 && s.slots.values().all(|id| *id != 0),
+        "the damaged slot rewritten",
+    );
+    assert_eq!(endpoints(read()), endpoints(before));
+    let c = by_name(&env.tcp(&format!("{VIP}:80"), 30));
+    assert_eq!(c.len(), 2, "both backends serve after the upgrade: {c:?}");
+}

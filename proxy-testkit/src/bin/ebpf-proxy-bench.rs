@@ -44,8 +44,8 @@ use anyhow::{Context, Result, bail, ensure};
 use aya::maps::{HashMap as BpfHash, Map, MapData};
 use clap::{Parser, Subcommand};
 use proxy_common::{
-    ALL_MAPS, BACKEND_SLOTS, BACKENDS, Backend, BackendSlotKey, FRONTENDS, Frontend, FrontendKey,
-    PROTO_TCP,
+    ALL_MAPS, BACKEND_SLOTS, BACKENDS, BackendSlot, BackendSlotKey, FRONTENDS, Frontend,
+    FrontendKey, PROTO_TCP,
 };
 use proxy_testkit::kube_proxy_rules as rules;
 use proxy_testkit::testbed::{self, ChildGuard, Lab, Pod, TestCgroup};
@@ -83,17 +83,17 @@ struct Opts {
     only: Option<String>,
     /// North-south: numbers of ClusterIP services (10 endpoints each) loaded next to the
     /// four NodePort services (comma-separated).
-    #[arg(long, value_delimiter = ',', default_value = "1000")]
+    #[arg(long, value_delimiter = ',', default_value = "1000", value_parser = at_least_one)]
     ns_services: Vec<usize>,
     /// North-south: UDP requests per case and path (upper bound; `--conn-secs` bounds the
     /// time).
     #[arg(long, default_value_t = 2_000_000)]
     udp_count: usize,
     /// Numbers of services (comma-separated).
-    #[arg(long, value_delimiter = ',', default_value = "100,1000,10000,30000")]
+    #[arg(long, value_delimiter = ',', default_value = "100,1000,10000,30000", value_parser = at_least_one)]
     services: Vec<usize>,
     /// Repetitions of everything (medians and min-max are over these).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = at_least_one)]
     runs: usize,
     /// Ns at which one endpoint change is measured (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "1000,10000,30000")]
@@ -109,7 +109,7 @@ struct Opts {
     #[arg(long, default_value_t = 20000)]
     conn_count: usize,
     /// Seconds per data path case (upper bound).
-    #[arg(long, default_value_t = 3.0)]
+    #[arg(long, default_value_t = 3.0, value_parser = positive_secs)]
     conn_secs: f64,
     /// Cases to run (ebpf, xdp, dsr, bypass, iptables, nftables, direct; xdp = ebpf-proxy
     /// with `--xdp native` and dsr = ebpf-proxy with `--north-south-mode dsr` on both nodes,
@@ -324,6 +324,24 @@ fn client(to: &[SocketAddr], count: usize, secs: f64, warmup: usize) -> Result<(
 // ---------------------------------------------------------------------------------------
 // the bench
 // ---------------------------------------------------------------------------------------
+
+/// A count flag's value: a whole number of at least 1.
+fn at_least_one(v: &str) -> Result<usize, String> {
+    match v.trim().parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        Ok(_) => Err("must be at least 1".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// A duration flag's value in seconds: finite and above 0.
+fn positive_secs(v: &str) -> Result<f64, String> {
+    match v.trim().parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        Ok(_) => Err("must be a number of seconds above 0".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
 
 /// Removes the agent's pins on drop.
 struct PinGuard(PathBuf);
@@ -939,8 +957,7 @@ fn v4_mapped(a: Ipv4Addr) -> [u8; 16] {
 /// The pinned service maps, read one key at a time.
 struct Maps {
     frontends: BpfHash<MapData, FrontendKey, Frontend>,
-    slots: BpfHash<MapData, BackendSlotKey, u32>,
-    backends: BpfHash<MapData, u32, Backend>,
+    slots: BpfHash<MapData, BackendSlotKey, BackendSlot>,
 }
 
 impl Maps {
@@ -951,7 +968,6 @@ impl Maps {
         Ok(Self {
             frontends: BpfHash::try_from(open(FRONTENDS)?)?,
             slots: BpfHash::try_from(open(BACKEND_SLOTS)?)?,
-            backends: BpfHash::try_from(open(BACKENDS)?)?,
         })
     }
 
@@ -968,8 +984,7 @@ impl Maps {
         };
         (0..f.backend_count)
             .filter_map(|slot| {
-                let id = self
-                    .slots
+                self.slots
                     .get(
                         &BackendSlotKey {
                             service_id: f.service_id,
@@ -977,8 +992,8 @@ impl Maps {
                         },
                         0,
                     )
-                    .ok()?;
-                self.backends.get(&id, 0).ok().map(|b| b.addr)
+                    .ok()
+                    .map(|s| s.backend.addr)
             })
             .collect()
     }

@@ -25,7 +25,7 @@ use aya::{
     programs::{SchedClassifier, TestRun, TestRunOptions, Xdp},
 };
 use proxy_common::{
-    Backend, BackendSlotKey, Config, Frontend, FrontendKey, MemberKey,
+    Backend, BackendSlot, BackendSlotKey, Config, Frontend, FrontendKey, MemberKey,
     nat::{CONNTRACK, CtEntry, CtKey, DsrKey, DsrTarget, IfaceAddr},
 };
 use proxy_userspace::{
@@ -127,8 +127,8 @@ impl ServiceMaps for FixtureDatapath {
     fn delete_frontend(&mut self, key: &FrontendKey) -> Result<(), DatapathError> {
         self.kernel.delete_frontend(key)
     }
-    fn put_slot(&mut self, key: &BackendSlotKey, backend_id: u32) -> Result<(), DatapathError> {
-        self.kernel.put_slot(key, backend_id)
+    fn put_slot(&mut self, key: &BackendSlotKey, value: &BackendSlot) -> Result<(), DatapathError> {
+        self.kernel.put_slot(key, value)
     }
     fn delete_slot(&mut self, key: &BackendSlotKey) -> Result<(), DatapathError> {
         self.kernel.delete_slot(key)

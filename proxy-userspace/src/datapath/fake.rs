@@ -12,7 +12,7 @@ use super::{
 };
 use crate::model::HealthCheck;
 use proxy_common::{
-    Backend, BackendSlotKey, Frontend, FrontendKey, MemberKey,
+    Backend, BackendSlot, BackendSlotKey, Frontend, FrontendKey, MemberKey,
     nat::{DsrKey, DsrTarget, IfaceAddr},
 };
 
@@ -21,6 +21,7 @@ use proxy_common::{
 pub enum Op {
     PutFrontend(FrontendKey, Frontend),
     DeleteFrontend(FrontendKey),
+    /// A slot by backend id (the fake keeps the id; the copy of the backend is the kernel's).
     PutSlot(BackendSlotKey, u32),
     DeleteSlot(BackendSlotKey),
     PutBackend(u32, Backend),
@@ -143,7 +144,13 @@ impl FakeDatapath {
             r = match op {
                 Op::PutBackend(id, v) => self.put_backend(id, &v),
                 Op::PutMember(k, w) => self.put_member(&k, w),
-                Op::PutSlot(k, b) => self.put_slot(&k, b),
+                Op::PutSlot(k, b) => self.put_slot(
+                    &k,
+                    &BackendSlot {
+                        backend_id: b,
+                        ..Default::default()
+                    },
+                ),
                 Op::PutName(id, n) => self.put_name(id, &n),
                 Op::PutFrontend(k, v) => self.put_frontend(&k, &v),
                 other => unreachable!("only puts are buffered: {other:?}"),
@@ -237,7 +244,8 @@ impl ServiceMaps for FakeDatapath {
         self.log.push(Op::DeleteFrontend(*key));
         Ok(())
     }
-    fn put_slot(&mut self, key: &BackendSlotKey, backend_id: u32) -> Result<(), DatapathError> {
+    fn put_slot(&mut self, key: &BackendSlotKey, value: &BackendSlot) -> Result<(), DatapathError> {
+        let backend_id = value.backend_id;
         if self.buffered(|| Op::PutSlot(*key, backend_id)) {
             return Ok(());
         }

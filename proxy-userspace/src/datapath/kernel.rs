@@ -7,7 +7,7 @@ use std::net::IpAddr;
 
 use aya::maps::lpm_trie::Key;
 use proxy_common::{
-    Backend, BackendSlotKey, Frontend, FrontendKey, MemberKey,
+    Backend, BackendSlot, BackendSlotKey, Frontend, FrontendKey, MemberKey,
     nat::{DsrKey, DsrTarget, IfaceAddr},
 };
 
@@ -70,8 +70,8 @@ impl ServiceMaps for KernelDatapath {
     fn delete_frontend(&mut self, key: &FrontendKey) -> Result<(), DatapathError> {
         self.maps.delete_frontend(key)
     }
-    fn put_slot(&mut self, key: &BackendSlotKey, backend_id: u32) -> Result<(), DatapathError> {
-        self.maps.put_slot(key, backend_id)
+    fn put_slot(&mut self, key: &BackendSlotKey, value: &BackendSlot) -> Result<(), DatapathError> {
+        self.maps.put_slot(key, value)
     }
     fn delete_slot(&mut self, key: &BackendSlotKey) -> Result<(), DatapathError> {
         self.maps.delete_slot(key)

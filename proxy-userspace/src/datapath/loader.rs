@@ -553,6 +553,15 @@ pub fn load_pinned(dir: &Path, sizes: MapSizes) -> Result<Ebpf> {
     fs::create_dir_all(dir)
         .with_context(|| format!("pin: create pin directory {}", dir.display()))?;
     let pins: Vec<(&str, PathBuf)> = pinned_maps().map(|m| (m, dir.join(m))).collect();
+    // An earlier version's slots hold backend ids only: carried over into the new layout,
+    // so the programs attached before the first sync still find every service's backends.
+    let carried_slots = match slots_without_backends(dir) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(error = %format!("{e:#}"), "could not read the earlier version's BACKEND_SLOTS: Services without slots refuse new connections until the first sync");
+            None
+        }
+    };
     for (name, why) in replace_incompatible_pins(dir)? {
         tracing::warn!(map = name, %why, "a pinned map has another layout than this version's (pinned by another version, older or newer): it is created anew and its entries are lost; the old programs keep the old map until their links are replaced");
     }
@@ -571,6 +580,12 @@ pub fn load_pinned(dir: &Path, sizes: MapSizes) -> Result<Ebpf> {
         loader.map_pin_path(name, path.as_path());
     }
     let ebpf = loader.load(OBJECT).map_err(|e| load_error(e, true))?;
+    if let Some((keys, values)) = carried_slots
+        && let Err((written, e)) =
+            super::batch::write_all(open_pinned(dir, BACKEND_SLOTS)?.fd(), &keys, &values)
+    {
+        tracing::warn!(error = %e, written, of = keys.len(), "could not carry the earlier version's BACKEND_SLOTS over: Services without slots refuse new connections until the first sync");
+    }
     if without_slots || legacy_entries(dir)? > 0 {
         spilled_map(dir)?
             .set(SPILLED_LEGACY, 1, 0)
@@ -588,6 +603,47 @@ pub fn load_pinned(dir: &Path, sizes: MapSizes) -> Result<Ebpf> {
             .context("write SOCK_NAT_SPILLED")?;
     }
     Ok(ebpf)
+}
+
+/// The slots of an earlier version whose `BACKEND_SLOTS` values are backend ids only (4
+/// bytes), each with its backend from the pinned `BACKENDS`, in this version's layout;
+/// `None` when the pinned map has this version's layout or is absent. Slots naming an
+/// unknown backend are left out (that version's programs could not use them either).
+fn slots_without_backends(
+    dir: &Path,
+) -> Result<
+    Option<(
+        Vec<proxy_common::BackendSlotKey>,
+        Vec<proxy_common::BackendSlot>,
+    )>,
+> {
+    use proxy_common::{Backend, BackendSlot, BackendSlotKey};
+    let Ok(info) = aya::maps::MapInfo::from_pin(dir.join(BACKEND_SLOTS)) else {
+        return Ok(None);
+    };
+    if info.value_size() != 4 || !dir.join(BACKENDS).exists() {
+        return Ok(None);
+    }
+    let backends: std::collections::HashMap<u32, Backend> =
+        super::batch::read_all(open_pinned(dir, BACKENDS)?.fd())
+            .context("read BACKENDS")?
+            .into_iter()
+            .collect();
+    let (mut keys, mut values) = (Vec::new(), Vec::new());
+    super::batch::for_each(
+        open_pinned(dir, BACKEND_SLOTS)?.fd(),
+        |k: &BackendSlotKey, id: &u32| {
+            if let Some(b) = backends.get(id) {
+                keys.push(*k);
+                values.push(BackendSlot {
+                    backend_id: *id,
+                    backend: *b,
+                });
+            }
+        },
+    )
+    .context("read BACKEND_SLOTS")?;
+    Ok(Some((keys, values)))
 }
 
 /// The connected sockets' entries in `REVNAT_SK`: what a version without slots wrote.

@@ -5,8 +5,8 @@ use std::path::{Path, PathBuf};
 
 use aya::maps::{Array, HashMap, Map, MapData, MapError, MapInfo, PerCpuArray};
 use proxy_common::{
-    BACKEND_SLOTS, BACKEND_STATS, BACKENDS, Backend, BackendSlotKey, CONFIG, COUNTERS, Config,
-    FRONTENDS, Frontend, FrontendKey, MAGLEV, MAGLEV_MAX, MEMBERS, MaglevTable, MemberKey,
+    BACKEND_SLOTS, BACKEND_STATS, BACKENDS, Backend, BackendSlot, BackendSlotKey, CONFIG, COUNTERS,
+    Config, FRONTENDS, Frontend, FrontendKey, MAGLEV, MAGLEV_MAX, MEMBERS, MaglevTable, MemberKey,
     PROTO_UDP, REVNAT_F_CONNECTED, REVNAT_SK, RevNatKey, RevNatValue, SERVICE_NAMES, SERVICE_STATS,
     SOCK_NAT, SOCK_NAT_BUSY, SOCK_NAT_OVERFLOW, STALE_SOCKETS, ServiceName, ServiceStats, SockNat,
     UDP_FLOWS, UdpFlow, UdpFlowKey,
@@ -18,7 +18,7 @@ use super::{Capacity, DatapathError, Released, ServiceMaps, Snapshot, decode_nam
 pub struct PinnedMaps {
     dir: PathBuf,
     frontends: HashMap<MapData, FrontendKey, Frontend>,
-    slots: HashMap<MapData, BackendSlotKey, u32>,
+    slots: HashMap<MapData, BackendSlotKey, BackendSlot>,
     backends: HashMap<MapData, u32, Backend>,
     names: HashMap<MapData, u32, ServiceName>,
     members: HashMap<MapData, MemberKey, u32>,
@@ -69,7 +69,7 @@ struct RawMaps {
 struct Bulk {
     backends: (Vec<u32>, Vec<Backend>),
     members: (Vec<MemberKey>, Vec<u32>),
-    slots: (Vec<BackendSlotKey>, Vec<u32>),
+    slots: (Vec<BackendSlotKey>, Vec<BackendSlot>),
     names: (Vec<u32>, Vec<ServiceName>),
     frontends: (Vec<FrontendKey>, Vec<Frontend>),
 }
@@ -501,10 +501,6 @@ impl ServiceMaps for PinnedMaps {
                 .map_err(e(FRONTENDS))?
                 .into_iter()
                 .collect(),
-            slots: read_all(r.slots.fd())
-                .map_err(e(BACKEND_SLOTS))?
-                .into_iter()
-                .collect(),
             backends: read_all(r.backends.fd())
                 .map_err(e(BACKENDS))?
                 .into_iter()
@@ -520,6 +516,16 @@ impl ServiceMaps for PinnedMaps {
                 .collect(),
             ..Snapshot::default()
         };
+        // A slot whose copy of its backend differs from `BACKENDS` reads as backend id 0
+        // (never a real one), so a verification rewrites it.
+        s.slots = read_all::<BackendSlotKey, BackendSlot>(r.slots.fd())
+            .map_err(e(BACKEND_SLOTS))?
+            .into_iter()
+            .map(|(k, v)| {
+                let same = s.backends.get(&v.backend_id) == Some(&v.backend);
+                (k, if same { v.backend_id } else { 0 })
+            })
+            .collect();
         for k in self.maglev.keys() {
             s.maglev
                 .insert(k.map_err(|e| map_err("iterate", MAGLEV, e))?);
@@ -541,14 +547,14 @@ impl ServiceMaps for PinnedMaps {
         self.flush()?;
         ignore_missing(self.frontends.remove(key)).map_err(|e| map_err("delete", FRONTENDS, e))
     }
-    fn put_slot(&mut self, key: &BackendSlotKey, backend_id: u32) -> Result<(), DatapathError> {
+    fn put_slot(&mut self, key: &BackendSlotKey, value: &BackendSlot) -> Result<(), DatapathError> {
         if let Some(b) = &mut self.bulk {
             b.slots.0.push(*key);
-            b.slots.1.push(backend_id);
+            b.slots.1.push(*value);
             return Ok(());
         }
         self.slots
-            .insert(key, backend_id, 0)
+            .insert(key, value, 0)
             .map_err(|e| map_err("update", BACKEND_SLOTS, e))
     }
     fn delete_slot(&mut self, key: &BackendSlotKey) -> Result<(), DatapathError> {

@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
 use proxy_common::{
-    Backend, BackendSlotKey, Frontend, FrontendKey, MemberKey, ServiceName,
+    Backend, BackendSlot, BackendSlotKey, Frontend, FrontendKey, MemberKey, ServiceName,
     nat::{DsrKey, DsrTarget, IfaceAddr, SourceRange},
 };
 
@@ -105,8 +105,8 @@ pub trait ServiceMaps {
     fn put_frontend(&mut self, key: &FrontendKey, value: &Frontend) -> Result<(), DatapathError>;
     /// Removes a frontend (absent is not an error).
     fn delete_frontend(&mut self, key: &FrontendKey) -> Result<(), DatapathError>;
-    /// Creates or replaces a slot.
-    fn put_slot(&mut self, key: &BackendSlotKey, backend_id: u32) -> Result<(), DatapathError>;
+    /// Creates or replaces a slot: the backend id and a copy of its value.
+    fn put_slot(&mut self, key: &BackendSlotKey, value: &BackendSlot) -> Result<(), DatapathError>;
     /// Removes a slot (absent is not an error).
     fn delete_slot(&mut self, key: &BackendSlotKey) -> Result<(), DatapathError>;
     /// Creates or replaces a backend.

@@ -38,8 +38,8 @@ use std::{
 };
 
 use proxy_common::{
-    Backend, BackendSlotKey, FRONTEND_F_EXTERNAL, FRONTEND_F_VIP_MARKER, Frontend, FrontendKey,
-    MemberKey, PROTO_UDP,
+    Backend, BackendSlot, BackendSlotKey, FRONTEND_F_EXTERNAL, FRONTEND_F_VIP_MARKER, Frontend,
+    FrontendKey, MemberKey, PROTO_UDP,
 };
 
 use crate::{
@@ -233,6 +233,17 @@ pub fn arrange_slots(old: &[u32], wanted: &BTreeSet<u32>) -> Vec<u32> {
         }
     }
     new.into_iter().flatten().collect()
+}
+
+/// A slot names a backend id whose value the reconciler does not know (a broken invariant:
+/// ids come with their values). Reported as a failed `BACKEND_SLOTS` update, so the
+/// service's write fails cleanly instead of writing a slot without its backend.
+fn unknown_backend(id: u32) -> DatapathError {
+    DatapathError::Map {
+        op: "update",
+        map: "BACKEND_SLOTS",
+        error: std::io::Error::other(format!("backend id {id} has no known value")),
+    }
 }
 
 /// The next id from `next`: ids are handed out in increasing order (wrapping, never 0), so a
@@ -930,12 +941,23 @@ impl ServiceReconciler {
             }
             for (i, bid) in new_slots.iter().enumerate() {
                 if old.slots.get(i) != Some(bid) {
+                    // Backends first known in this plan are recorded after the writes.
+                    let backend = p
+                        .new_backends
+                        .iter()
+                        .find(|(n, _)| n == bid)
+                        .map(|(_, b)| *b)
+                        .or_else(|| self.backends.get(bid).map(|(b, _)| *b))
+                        .ok_or_else(|| unknown_backend(*bid))?;
                     dp.put_slot(
                         &BackendSlotKey {
                             service_id: id,
                             slot: i as u32,
                         },
-                        *bid,
+                        &BackendSlot {
+                            backend_id: *bid,
+                            backend,
+                        },
                     )?;
                     report.writes += 1;
                 }
@@ -1184,7 +1206,14 @@ impl ServiceReconciler {
         }
         for (k, b) in &want.slots {
             if have.slots.get(k) != Some(b) {
-                dp.put_slot(k, *b)?;
+                let backend = *want.backends.get(b).ok_or_else(|| unknown_backend(*b))?;
+                dp.put_slot(
+                    k,
+                    &BackendSlot {
+                        backend_id: *b,
+                        backend,
+                    },
+                )?;
                 r.writes += 1;
             }
         }
