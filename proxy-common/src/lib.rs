@@ -17,8 +17,9 @@
 //! Service layout (after Cilium's `lb4_services_v2`/`lb4_backends`, see
 //! `shared/notes/architecture.md`): [`FRONTENDS`] maps (VIP, port, protocol) to a
 //! [`Frontend`] carrying a service id and a backend count; [`BACKEND_SLOTS`] maps
-//! (service id, slot) for slot in `0..count` to a backend id and that backend's value (a
-//! pick by slot reads one map); [`BACKENDS`] maps a backend id to its (address, port). The agent writes a service in this order: backends, new slots,
+//! (service id, slot) for slot in `0..count` to a backend id and a copy of that backend (a
+//! pick by slot reads one map); [`BACKENDS`] maps a backend id to its (address, port,
+//! protocol). The agent writes a service in this order: backends, new slots,
 //! then the frontend (count), and removes stale slots and backends last, so a reader never
 //! sees a slot index without a backend behind it.
 
@@ -528,9 +529,11 @@ pub struct BackendSlotKey {
 }
 
 /// Slot value: the backend id (host order) and a copy of its [`BACKENDS`] value, so a pick
-/// by slot (random, round robin) reads one map instead of two. A backend id's value never
-/// changes (an id names one address, port and protocol for its whole life), so the copy
-/// cannot go stale. 24 bytes.
+/// by slot (random, round robin) reads one map instead of two. The agent writes `BACKENDS`
+/// first and deletes an id only after every slot naming it is rewritten or deleted, so
+/// while an id is in a slot its value is the copy's (a freed id may name another backend
+/// later, in new slots); a copy that differs anyway (a write outside the agent) is
+/// rewritten by the periodic verification. 24 bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct BackendSlot {

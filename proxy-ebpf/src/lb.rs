@@ -313,22 +313,28 @@ fn is_member(service_id: u32, backend_id: u32) -> bool {
 }
 
 /// The backend in slot `slot` of `fe`: written into `out`, its id returned; 0, leaving
-/// `out` alone, on a concurrent update (the caller falls back to a random pick, which
-/// retries).
+/// `out` alone, when the slot is gone (a concurrent update; the caller falls back to a
+/// random pick, which retries).
+///
+/// The value is copied from the map element: `BACKEND_SLOTS` is preallocated, so an agent
+/// update of this slot at the same moment can recycle the element under the copy (a torn
+/// read, one connection in a window of nanoseconds, as for a frontend in [`lookup`]).
 #[inline(always)]
 fn by_slot(fe: &Frontend, slot: u32, out: &mut Backend) -> u32 {
     let key = BackendSlotKey {
         service_id: fe.service_id,
         slot,
     };
-    match BACKEND_SLOTS.get_ptr(key) {
-        // SAFETY: a live map value, copied out at once (a concurrent update replaces the
-        // element, RCU, rather than writing into it).
-        Some(p) => unsafe {
+    let Some(p) = BACKEND_SLOTS.get_ptr(key) else {
+        return 0;
+    };
+    // SAFETY: a live map value, copied out at once.
+    unsafe {
+        let id = (*p).backend_id;
+        if id != 0 {
             *out = (*p).backend;
-            (*p).backend_id
-        },
-        None => 0,
+        }
+        id
     }
 }
 

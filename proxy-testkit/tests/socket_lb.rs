@@ -988,8 +988,8 @@ fn upgrade_from_pins_without_slots_keeps_open_connections_reverse_nat() {
 fn upgrade_carries_slots_without_backends_over() {
     use aya::maps::{HashMap, Map, MapData};
     use proxy_common::{
-        BACKEND_SLOTS, Backend, BackendSlot, BackendSlotKey, DEFAULT_MAX_BACKENDS,
-        DEFAULT_MAX_FRONTENDS, DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCKETS,
+        BACKEND_SLOTS, BackendSlot, BackendSlotKey, DEFAULT_MAX_BACKENDS, DEFAULT_MAX_FRONTENDS,
+        DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCKETS,
     };
     use proxy_userspace::datapath::loader::{MapSizes, load_pinned};
     let mut env = Env::new("slots-carry", 2, false);
@@ -1036,9 +1036,13 @@ fn upgrade_carries_slots_without_backends_over() {
         sockets: DEFAULT_MAX_SOCKETS,
         conntrack_flows: 65536,
     };
-    // The load alone (no program attached, no sync) carries them over.
+    // The load alone (no program attached, no sync) carries them over, into a map of the
+    // earlier one's size, and drops the set-aside pin.
     drop(load_pinned(&dir, sizes).unwrap());
     assert_eq!(read(), before, "every slot carried over with its backend");
+    let info = aya::maps::MapInfo::from_pin(&path).unwrap();
+    assert_eq!((info.value_size(), info.max_entries()), (24, 1024));
+    assert!(!dir.join("BACKEND_SLOTS_IDS").exists());
 
     // A slot whose copy of its backend went wrong is repaired by the verification.
     {
@@ -1048,18 +1052,15 @@ fn upgrade_carries_slots_without_backends_over() {
         v.backend.port = [0, 1];
         m.insert(k, v, 0).unwrap();
     }
+    assert_eq!(
+        env.snapshot().stale_slots.into_iter().collect::<Vec<_>>(),
+        vec![before[0].0]
+    );
     env.extra_agent_args = vec!["--sync-period".into(), "1s".into()];
     env.start_agent();
-    // Repaired: every slot's copy equals its backend in `BACKENDS` (a damaged slot reads as
-    // id 0), and each slot holds the endpoint it held (the repair may give new ids).
-    let endpoints = |v: Vec<(BackendSlotKey, BackendSlot)>| -> Vec<(BackendSlotKey, Backend)> {
-        v.into_iter().map(|(k, s)| (k, s.backend)).collect()
-    };
-    env.wait_maps(
-        |s| s.slots.len() == 4 && s.slots.values().all(|id| *id != 0),
-        "the damaged slot rewritten",
-    );
-    assert_eq!(endpoints(read()), endpoints(before));
+    // Adopted by id (the Service keeps its backend ids), then rewritten by a verification.
+    env.wait_maps(|s| s.stale_slots.is_empty(), "the damaged slot rewritten");
+    assert_eq!(read(), before);
     let c = by_name(&env.tcp(&format!("{VIP}:80"), 30));
     assert_eq!(c.len(), 2, "both backends serve after the upgrade: {c:?}");
 }

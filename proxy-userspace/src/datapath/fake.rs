@@ -255,12 +255,14 @@ impl ServiceMaps for FakeDatapath {
             return Err(full("BACKEND_SLOTS"));
         }
         m.insert(*key, backend_id);
+        self.state.stale_slots.remove(key);
         self.log.push(Op::PutSlot(*key, backend_id));
         Ok(())
     }
     fn delete_slot(&mut self, key: &BackendSlotKey) -> Result<(), DatapathError> {
         self.flush()?;
         self.state.slots.remove(key);
+        self.state.stale_slots.remove(key);
         self.log.push(Op::DeleteSlot(*key));
         Ok(())
     }

@@ -553,15 +553,15 @@ pub fn load_pinned(dir: &Path, sizes: MapSizes) -> Result<Ebpf> {
     fs::create_dir_all(dir)
         .with_context(|| format!("pin: create pin directory {}", dir.display()))?;
     let pins: Vec<(&str, PathBuf)> = pinned_maps().map(|m| (m, dir.join(m))).collect();
-    // An earlier version's slots hold backend ids only: carried over into the new layout,
-    // so the programs attached before the first sync still find every service's backends.
-    let carried_slots = match slots_without_backends(dir) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::warn!(error = %format!("{e:#}"), "could not read the earlier version's BACKEND_SLOTS: Services without slots refuse new connections until the first sync");
-            None
-        }
-    };
+    // An earlier version's slots hold backend ids only: their pin is set aside (not
+    // removed) and carried over into the new layout after the load, before any program is
+    // attached, so every Service keeps its backends until the first sync. A start that
+    // fails or dies before the carry-over finds the set-aside pin again.
+    let ids_pin = dir.join(SLOT_IDS_PIN);
+    if id_only_slots(&dir.join(BACKEND_SLOTS)) {
+        fs::rename(dir.join(BACKEND_SLOTS), &ids_pin)
+            .with_context(|| format!("pin: set aside {}", ids_pin.display()))?;
+    }
     for (name, why) in replace_incompatible_pins(dir)? {
         tracing::warn!(map = name, %why, "a pinned map has another layout than this version's (pinned by another version, older or newer): it is created anew and its entries are lost; the old programs keep the old map until their links are replaced");
     }
@@ -572,6 +572,12 @@ pub fn load_pinned(dir: &Path, sizes: MapSizes) -> Result<Ebpf> {
     let seed_overflow =
         !dir.join(SOCK_NAT_SPILLED).exists() && dir.join(SOCK_NAT_OVERFLOW).exists();
     let mut loader = object_loader(sizes);
+    // Slots carried over keep the earlier map's size, as an adopted map would.
+    if !dir.join(BACKEND_SLOTS).exists()
+        && let Ok(info) = aya::maps::MapInfo::from_pin(&ids_pin)
+    {
+        loader.map_max_entries(BACKEND_SLOTS, info.max_entries());
+    }
     // An adopted `SOCK_NAT` keeps its size: the programs' mask must follow it.
     if let Ok(info) = aya::maps::MapInfo::from_pin(dir.join(SOCK_NAT)) {
         set_sock_nat_slots(&mut loader, info.max_entries());
@@ -580,11 +586,21 @@ pub fn load_pinned(dir: &Path, sizes: MapSizes) -> Result<Ebpf> {
         loader.map_pin_path(name, path.as_path());
     }
     let ebpf = loader.load(OBJECT).map_err(|e| load_error(e, true))?;
-    if let Some((keys, values)) = carried_slots
-        && let Err((written, e)) =
-            super::batch::write_all(open_pinned(dir, BACKEND_SLOTS)?.fd(), &keys, &values)
-    {
-        tracing::warn!(error = %e, written, of = keys.len(), "could not carry the earlier version's BACKEND_SLOTS over: Services without slots refuse new connections until the first sync");
+    if ids_pin.exists() {
+        match carry_slots(dir, &ids_pin) {
+            Ok(n) => {
+                tracing::info!(
+                    slots = n,
+                    "carried the earlier version's BACKEND_SLOTS over"
+                );
+                fs::remove_file(&ids_pin)
+                    .with_context(|| format!("pin: remove {}", ids_pin.display()))?;
+            }
+            // Kept for the next start; the first sync writes the slots meanwhile.
+            Err(e) => {
+                tracing::warn!(error = %format!("{e:#}"), pin = %ids_pin.display(), "could not carry the earlier version's BACKEND_SLOTS over: Services without slots refuse new connections until the first sync")
+            }
+        }
     }
     if without_slots || legacy_entries(dir)? > 0 {
         spilled_map(dir)?
@@ -605,45 +621,55 @@ pub fn load_pinned(dir: &Path, sizes: MapSizes) -> Result<Ebpf> {
     Ok(ebpf)
 }
 
-/// The slots of an earlier version whose `BACKEND_SLOTS` values are backend ids only (4
-/// bytes), each with its backend from the pinned `BACKENDS`, in this version's layout;
-/// `None` when the pinned map has this version's layout or is absent. Slots naming an
-/// unknown backend are left out (that version's programs could not use them either).
-fn slots_without_backends(
-    dir: &Path,
-) -> Result<
-    Option<(
-        Vec<proxy_common::BackendSlotKey>,
-        Vec<proxy_common::BackendSlot>,
-    )>,
-> {
+/// Where an earlier version's `BACKEND_SLOTS` (backend ids only) is kept, next to the other
+/// pins, until its slots are carried over into this version's map (bpffs refuses dots in
+/// names).
+const SLOT_IDS_PIN: &str = "BACKEND_SLOTS_IDS";
+
+/// Whether the map pinned at `pin` has the key and value sizes of an earlier version's
+/// `BACKEND_SLOTS` (8 and 4 bytes: a backend id per slot).
+fn id_only_slots(pin: &Path) -> bool {
+    aya::maps::MapInfo::from_pin(pin).is_ok_and(|i| i.key_size() == 8 && i.value_size() == 4)
+}
+
+/// Writes the slots of the earlier version's map pinned at `ids_pin` into `BACKEND_SLOTS`,
+/// each with its backend from the pinned `BACKENDS` (slots naming an unknown backend are
+/// left out: that version's programs could not use them either). Returns how many.
+///
+/// Errors: either map has an unexpected layout, or a read or write failed (a full map:
+/// the new map has the earlier one's size, so only when `BACKENDS` changed meanwhile).
+fn carry_slots(dir: &Path, ids_pin: &Path) -> Result<usize> {
     use proxy_common::{Backend, BackendSlot, BackendSlotKey};
-    let Ok(info) = aya::maps::MapInfo::from_pin(dir.join(BACKEND_SLOTS)) else {
-        return Ok(None);
-    };
-    if info.value_size() != 4 || !dir.join(BACKENDS).exists() {
-        return Ok(None);
-    }
+    let backends_pin = dir.join(BACKENDS);
+    let b = aya::maps::MapInfo::from_pin(&backends_pin).context("BACKENDS")?;
+    anyhow::ensure!(
+        id_only_slots(ids_pin) && b.key_size() == 4 && b.value_size() == 20,
+        "unexpected map layout"
+    );
     let backends: std::collections::HashMap<u32, Backend> =
         super::batch::read_all(open_pinned(dir, BACKENDS)?.fd())
             .context("read BACKENDS")?
             .into_iter()
             .collect();
     let (mut keys, mut values) = (Vec::new(), Vec::new());
-    super::batch::for_each(
-        open_pinned(dir, BACKEND_SLOTS)?.fd(),
-        |k: &BackendSlotKey, id: &u32| {
-            if let Some(b) = backends.get(id) {
-                keys.push(*k);
-                values.push(BackendSlot {
-                    backend_id: *id,
-                    backend: *b,
-                });
-            }
+    let ids = aya::maps::MapData::from_pin(ids_pin)
+        .with_context(|| format!("pin: open {}", ids_pin.display()))?;
+    super::batch::for_each(ids.fd(), |k: &BackendSlotKey, id: &u32| {
+        if let Some(b) = backends.get(id) {
+            keys.push(*k);
+            values.push(BackendSlot {
+                backend_id: *id,
+                backend: *b,
+            });
+        }
+    })
+    .context("read the earlier BACKEND_SLOTS")?;
+    super::batch::write_all(open_pinned(dir, BACKEND_SLOTS)?.fd(), &keys, &values).map_err(
+        |(written, e)| {
+            anyhow::anyhow!("write BACKEND_SLOTS: {e} after {written} of {}", keys.len())
         },
-    )
-    .context("read BACKEND_SLOTS")?;
-    Ok(Some((keys, values)))
+    )?;
+    Ok(keys.len())
 }
 
 /// The connected sockets' entries in `REVNAT_SK`: what a version without slots wrote.

@@ -516,16 +516,14 @@ impl ServiceMaps for PinnedMaps {
                 .collect(),
             ..Snapshot::default()
         };
-        // A slot whose copy of its backend differs from `BACKENDS` reads as backend id 0
-        // (never a real one), so a verification rewrites it.
-        s.slots = read_all::<BackendSlotKey, BackendSlot>(r.slots.fd())
-            .map_err(e(BACKEND_SLOTS))?
-            .into_iter()
-            .map(|(k, v)| {
-                let same = s.backends.get(&v.backend_id) == Some(&v.backend);
-                (k, if same { v.backend_id } else { 0 })
-            })
-            .collect();
+        for (k, v) in
+            read_all::<BackendSlotKey, BackendSlot>(r.slots.fd()).map_err(e(BACKEND_SLOTS))?
+        {
+            if s.backends.get(&v.backend_id) != Some(&v.backend) {
+                s.stale_slots.insert(k);
+            }
+            s.slots.insert(k, v.backend_id);
+        }
         for k in self.maglev.keys() {
             s.maglev
                 .insert(k.map_err(|e| map_err("iterate", MAGLEV, e))?);

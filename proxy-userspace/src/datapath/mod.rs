@@ -63,8 +63,11 @@ pub struct Capacity {
 pub struct Snapshot {
     /// `FRONTENDS`.
     pub frontends: BTreeMap<FrontendKey, Frontend>,
-    /// `BACKEND_SLOTS`.
+    /// `BACKEND_SLOTS`: slot -> backend id.
     pub slots: BTreeMap<BackendSlotKey, u32>,
+    /// Slots whose copy of their backend differs from `BACKENDS` (a write outside the
+    /// agent): a verification rewrites them; an adoption reads them by id.
+    pub stale_slots: BTreeSet<BackendSlotKey>,
     /// `BACKENDS`.
     pub backends: BTreeMap<u32, Backend>,
     /// `SERVICE_NAMES`, decoded.

@@ -1205,7 +1205,7 @@ impl ServiceReconciler {
             }
         }
         for (k, b) in &want.slots {
-            if have.slots.get(k) != Some(b) {
+            if have.slots.get(k) != Some(b) || have.stale_slots.contains(k) {
                 let backend = *want.backends.get(b).ok_or_else(|| unknown_backend(*b))?;
                 dp.put_slot(
                     k,
@@ -1720,6 +1720,23 @@ pub(crate) mod tests {
         let r = s.verify(&mut dp).unwrap();
         assert_eq!((r.writes, r.deletes), (1, 0));
         assert_eq!(dp.state.members[&m], was);
+
+        // A slot whose copy of its backend went stale keeps its id at adoption and is
+        // rewritten by the verification.
+        let k0 = *dp.state.slots.keys().next().unwrap();
+        dp.state.stale_slots.insert(k0);
+        let mut s = ServiceReconciler::adopt(&dp).unwrap();
+        dp.log.clear();
+        let r = sync(&mut s, &mut dp, &state(vec![(k.clone(), d.clone())])).unwrap();
+        assert_eq!((r.writes, r.deletes), (0, 0), "{:?}", dp.log);
+        let r = s.verify(&mut dp).unwrap();
+        assert_eq!((r.writes, r.deletes), (1, 0));
+        assert!(
+            matches!(dp.log[..], [Op::PutSlot(sk, _)] if sk == k0),
+            "{:?}",
+            dp.log
+        );
+        assert!(dp.state.stale_slots.is_empty());
 
         // The other weighted least-load algorithms keep the memberships; least-connections
         // has them all of weight 1; round-robin needs none.
