@@ -436,15 +436,24 @@ pub const LC_SCAN_MAX: u32 = 32;
 /// programs create an id's entry at its first count, and the agent's periodic verification
 /// deletes the entries of ids no longer bound).
 pub const SERVICE_STATS: &str = "SERVICE_STATS";
-/// Name of the per-backend counter map: backend id `u32` -> connections and flows sent to it
-/// `u64` (BPF_MAP_TYPE_PERCPU_HASH, not preallocated, kept as [`SERVICE_STATS`]).
+/// Name of the connection counter map: [`MemberKey`] (service id, backend id) -> connections
+/// and new flows of that service sent to that backend, `u64` (BPF_MAP_TYPE_PERCPU_HASH, not
+/// preallocated: one value per CPU, summed by readers). One key per translation, so a
+/// connection costs the programs one counter lookup: a service's connections are the sum
+/// over its keys, a backend's over its keys. A pair whose backend left the service is
+/// deleted by the agent's periodic verification after adding its count to the key
+/// `(service id, 0)` while the service is bound and to `(0, backend id)` while the backend
+/// is (the programs never write an id 0), so neither sum goes down; keys of ids no longer
+/// bound are deleted with them.
 pub const BACKEND_STATS: &str = "BACKEND_STATS";
 
 /// Per-CPU counters of one service id. 32 bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct ServiceStats {
-    /// New connections (connect) and new unconnected-UDP flows translated.
+    /// New connections (connect) and new unconnected-UDP flows translated, as counted by an
+    /// earlier version: the programs count them in [`BACKEND_STATS`] now, and readers add
+    /// both.
     pub connections: u64,
     /// Connections and datagrams refused or dropped for lack of (local) endpoints.
     pub refused: u64,
@@ -764,7 +773,8 @@ pub enum Counter {
     RefusedUndefinedPort = 2,
     /// A slot or backend lookup missed (the agent was rewriting the service).
     SlotMiss = 3,
-    /// A reverse-NAT or flow entry could not be written (map full).
+    /// A reverse-NAT entry, a flow entry or a connection counter could not be written (map
+    /// full).
     MapUpdateFailed = 4,
     /// getpeername()/recvmsg() rewritten back to the VIP.
     ReverseTranslated = 5,
@@ -806,7 +816,9 @@ impl Counter {
             Counter::RefusedNoEndpoints => "refused (ECONNREFUSED): the frontend has no endpoints",
             Counter::RefusedUndefinedPort => "refused (ECONNREFUSED): port not defined on the VIP",
             Counter::SlotMiss => "a backend lookup missed while the agent rewrote the service",
-            Counter::MapUpdateFailed => "a reverse-NAT or flow entry not written (map full)",
+            Counter::MapUpdateFailed => {
+                "a reverse-NAT entry, flow entry or connection counter not written (map full)"
+            }
             Counter::ReverseTranslated => {
                 "getpeername()/recvmsg() showed the VIP instead of the backend"
             }

@@ -157,13 +157,13 @@ pub static SERVICE_STATS: PerCpuHashMap<
     { BPF_F_NO_PREALLOC as usize },
 > = PerCpuHashMap::new();
 
-/// Per-CPU connections by backend id; see `proxy_common::BACKEND_STATS`. Not preallocated
-/// (see `SERVICE_STATS`).
+/// Per-CPU connections by (service id, backend id); see `proxy_common::BACKEND_STATS`. Not
+/// preallocated (see `SERVICE_STATS`).
 #[btf_map]
 pub static BACKEND_STATS: PerCpuHashMap<
-    u32,
+    MemberKey,
     u64,
-    { DEFAULT_MAX_BACKENDS as usize },
+    { DEFAULT_MAX_SLOTS as usize },
     { BPF_F_NO_PREALLOC as usize },
 > = PerCpuHashMap::new();
 

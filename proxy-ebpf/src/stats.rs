@@ -1,8 +1,8 @@
 //! Per-CPU counters: the socket path's reasons (`COUNTERS`), the packet path's reasons
-//! (`TC_COUNTERS`), and the per-service and per-backend figures (`SERVICE_STATS`,
+//! (`TC_COUNTERS`), and the per-service and per-(service, backend) figures (`SERVICE_STATS`,
 //! `BACKEND_STATS`). Per-CPU values, so plain adds.
 
-use proxy_common::{Counter, ServiceStats, nat::TcCounter};
+use proxy_common::{Counter, MemberKey, ServiceStats, nat::TcCounter};
 
 use crate::maps::{BACKEND_STATS, COUNTERS, SERVICE_STATS, TC_COUNTERS};
 
@@ -24,38 +24,41 @@ pub fn count_tc(c: TcCounter) {
     }
 }
 
-/// Counts a translated connection or new flow (`refused` 0) or a refusal (`refused` 1) of
-/// service id `service_id`, and, for a translation, one connection to `backend_id`. Not
-/// inlined (stack).
+/// Counts a translated connection or new flow (`refused` 0) of service id `service_id` to
+/// backend `backend_id`: one lookup, the pair's counter in `BACKEND_STATS` (readers sum a
+/// service's and a backend's pairs). Counts a refusal (`refused` 1) of the service in
+/// `SERVICE_STATS` (off the hot path). Not inlined (stack).
+// The key by reference: a by-value key is copied onto the 512-byte BPF stack first.
+#[allow(clippy::needless_borrows_for_generic_args)]
 #[inline(never)]
 pub fn count_service(service_id: u32, backend_id: u32, refused: u32) {
-    match SERVICE_STATS.get_ptr_mut(service_id) {
-        // SAFETY: this CPU's value; only this CPU writes it while we run.
-        Some(p) => unsafe {
-            if refused != 0 {
-                (*p).refused += 1;
-            } else {
-                (*p).connections += 1;
-            }
-        },
-        None => {
-            let v = ServiceStats {
-                connections: (refused == 0) as u64,
-                refused: (refused != 0) as u64,
-                packets: 0,
-                bytes: 0,
-            };
-            let _ = SERVICE_STATS.insert(service_id, v, 0);
-        }
-    }
     if refused != 0 {
+        match SERVICE_STATS.get_ptr_mut(service_id) {
+            // SAFETY: this CPU's value; only this CPU writes it while we run.
+            Some(p) => unsafe { (*p).refused += 1 },
+            None => {
+                let v = ServiceStats {
+                    connections: 0,
+                    refused: 1,
+                    packets: 0,
+                    bytes: 0,
+                };
+                let _ = SERVICE_STATS.insert(service_id, v, 0);
+            }
+        }
         return;
     }
-    match BACKEND_STATS.get_ptr_mut(backend_id) {
+    let key = MemberKey {
+        service_id,
+        backend_id,
+    };
+    match BACKEND_STATS.get_ptr_mut(&key) {
         // SAFETY: as above.
         Some(p) => unsafe { *p += 1 },
         None => {
-            let _ = BACKEND_STATS.insert(backend_id, 1, 0);
+            if BACKEND_STATS.insert(&key, 1, 0).is_err() {
+                count(Counter::MapUpdateFailed);
+            }
         }
     }
 }

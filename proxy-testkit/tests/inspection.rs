@@ -4,7 +4,12 @@
 
 mod common;
 
-use std::{net::IpAddr, process::Command};
+use std::{
+    collections::BTreeMap,
+    net::IpAddr,
+    process::Command,
+    time::{Duration, Instant},
+};
 
 use common::*;
 
@@ -385,5 +390,105 @@ fn explain_gives_each_endpoints_eligibility_with_the_reason() {
         b["reason"], "not hinted for zone \"zone-a\" (topology hints)",
         "{e}"
     );
+    env.stop_agent();
+}
+
+/// A backend leaves a Service that stays: the verification deletes that pair's connection
+/// counter and carries its count to the Service's own key, so the Service's connections
+/// never go down; the backend's series ends with its id, the other backend's stays.
+#[test]
+fn a_services_connections_survive_a_backend_leaving() {
+    const RR_VIP: &str = "198.19.0.42";
+    let mut env = Env::new("insp-carry", 2, false);
+    // A verification (and its sweep of the counters) every second.
+    env.extra_agent_args = vec!["--sync-period".into(), "1s".into()];
+    let manifest = |eps: &[(IpAddr, bool)]| {
+        // Round robin: both backends get some of the connections.
+        let svc = service("default", "rr", &[RR_VIP], &[("http", 80, 8080, "TCP")]).replace(
+            "metadata:\n",
+            "metadata:\n  annotations: {ebpf-proxy.io/lb-algorithm: round-robin}\n",
+        );
+        let sl = slice(
+            "default",
+            "rr-1",
+            "rr",
+            "IPv4",
+            &[("http", 8080, "TCP")],
+            eps,
+        );
+        format!("{svc}---\n{sl}")
+    };
+    env.write_manifest("rr.yaml", &manifest(&[(b(0), true), (b(1), true)]));
+    env.start_agent();
+    let got = by_name(&env.tcp(&format!("{RR_VIP}:80"), 10));
+    let (n0, n1) = (got["b0"] as u64, got["b1"] as u64);
+    assert!(n0 > 0 && n1 > 0 && n0 + n1 == 10, "{got:?}");
+    let connections = |env: &Env| -> u64 {
+        let stats = agent_json(env, &["stats"]);
+        stats["services"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["service"] == "default/rr:http/TCP/v4")
+            .unwrap_or_else(|| panic!("rr missing: {stats}"))["connections"]
+            .as_u64()
+            .unwrap()
+    };
+    let backend_connections = |env: &Env| -> BTreeMap<String, u64> {
+        agent_json(env, &["backends"])
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| {
+                (
+                    b["backend"].as_str().unwrap().to_string(),
+                    b["connections"].as_u64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    assert_eq!(connections(&env), 10);
+    let (k0, k1) = (format!("{}:8080", b(0)), format!("{}:8080", b(1)));
+    assert_eq!(
+        backend_connections(&env),
+        BTreeMap::from([(k0.clone(), n0), (k1.clone(), n1)])
+    );
+
+    // b1 leaves: once a verification swept, the pair's count sits on the Service's key.
+    env.write_manifest("rr.yaml", &manifest(&[(b(0), true)]));
+    let pin = env.pin_path();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let carried = loop {
+        let pairs = proxy_userspace::datapath::maps::read_pair_stats(&pin).unwrap();
+        if let Some((_, n)) = pairs.iter().find(|(k, _)| k.backend_id == 0) {
+            break *n;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no carried count after 20 s: {pairs:?}\n{}",
+            env.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(carried, n1);
+    let pairs = proxy_userspace::datapath::maps::read_pair_stats(&pin).unwrap();
+    assert_eq!(
+        pairs.len(),
+        2,
+        "the pair in use and the carried key: {pairs:?}"
+    );
+    assert_eq!(connections(&env), 10);
+    assert_eq!(
+        backend_connections(&env),
+        BTreeMap::from([(k0.clone(), n0)])
+    );
+
+    // New connections add to both sums as before.
+    assert_eq!(
+        by_name(&env.tcp(&format!("{RR_VIP}:80"), 4)),
+        BTreeMap::from([("b0".to_string(), 4)])
+    );
+    assert_eq!(connections(&env), 14);
+    assert_eq!(backend_connections(&env), BTreeMap::from([(k0, n0 + 4)]));
     env.stop_agent();
 }

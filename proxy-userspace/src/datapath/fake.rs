@@ -84,8 +84,8 @@ pub struct FakeDatapath {
     pub batching: bool,
     /// Ids with per-service counters (`SERVICE_STATS` keys; the programs create them).
     pub service_stats: BTreeSet<u32>,
-    /// Ids with per-backend counters (`BACKEND_STATS` keys).
-    pub backend_stats: BTreeSet<u32>,
+    /// Connection counters (`BACKEND_STATS`: (service id, backend id) -> count).
+    pub pair_stats: BTreeMap<MemberKey, u64>,
     bulk: Option<Vec<Op>>,
 }
 
@@ -108,7 +108,7 @@ impl FakeDatapath {
             fail_after: None,
             batching: false,
             service_stats: BTreeSet::new(),
-            backend_stats: BTreeSet::new(),
+            pair_stats: BTreeMap::new(),
             bulk: None,
         }
     }
@@ -199,15 +199,17 @@ fn full(map: &'static str) -> DatapathError {
 }
 
 impl ServiceMaps for FakeDatapath {
-    fn sweep_stats(
-        &mut self,
-        service_live: &dyn Fn(u32) -> bool,
-        backend_live: &dyn Fn(u32) -> bool,
-    ) -> Result<usize, DatapathError> {
-        let before = self.service_stats.len() + self.backend_stats.len();
-        self.service_stats.retain(|id| service_live(*id));
-        self.backend_stats.retain(|id| backend_live(*id));
-        Ok(before - self.service_stats.len() - self.backend_stats.len())
+    fn sweep_stats(&mut self, bound: &super::Bound<'_>) -> Result<usize, DatapathError> {
+        let before = self.service_stats.len();
+        self.service_stats.retain(|id| (bound.service)(*id));
+        let plan = super::plan_pair_sweep(self.pair_stats.clone(), bound);
+        for (k, n) in plan.carry {
+            *self.pair_stats.entry(k).or_default() += n;
+        }
+        for k in &plan.delete {
+            self.pair_stats.remove(k);
+        }
+        Ok(before - self.service_stats.len() + plan.delete.len())
     }
     fn capacity(&self) -> Capacity {
         self.cap

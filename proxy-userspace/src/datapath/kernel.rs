@@ -109,12 +109,8 @@ impl ServiceMaps for KernelDatapath {
     ) -> Result<Released, DatapathError> {
         self.maps.release_stale(released)
     }
-    fn sweep_stats(
-        &mut self,
-        service_live: &dyn Fn(u32) -> bool,
-        backend_live: &dyn Fn(u32) -> bool,
-    ) -> Result<usize, DatapathError> {
-        self.maps.sweep_stats(service_live, backend_live)
+    fn sweep_stats(&mut self, bound: &super::Bound<'_>) -> Result<usize, DatapathError> {
+        self.maps.sweep_stats(bound)
     }
 }
 

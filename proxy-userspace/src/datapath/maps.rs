@@ -259,7 +259,9 @@ fn read_percpu_counters(dir: &Path, name: &'static str) -> Result<Vec<u64>, Data
     Ok(out)
 }
 
-/// Per-service counters of the `SERVICE_STATS` map pinned under `dir`, summed over CPUs.
+/// Per-service counters of the maps pinned under `dir`, summed over CPUs: `SERVICE_STATS`,
+/// with each service's connections from `BACKEND_STATS` added (its pairs and its carried
+/// key; see `proxy_common::BACKEND_STATS`).
 pub fn read_service_stats(
     dir: &Path,
 ) -> Result<std::collections::BTreeMap<u32, ServiceStats>, DatapathError> {
@@ -277,23 +279,46 @@ pub fn read_service_stats(
         });
         out.insert(k, sum);
     }
+    for (k, n) in read_pair_stats(dir)? {
+        if k.service_id != 0 {
+            out.entry(k.service_id)
+                .or_insert_with(ServiceStats::default)
+                .connections += n;
+        }
+    }
     Ok(out)
 }
 
 /// Per-backend connection counts of the `BACKEND_STATS` map pinned under `dir`, summed over
-/// CPUs: backend id -> connections and new flows sent to it.
+/// CPUs and over the backend's keys: backend id -> connections and new flows sent to it.
 pub fn read_backend_stats(
     dir: &Path,
 ) -> Result<std::collections::BTreeMap<u32, u64>, DatapathError> {
-    let (map, _) = open_map(dir, BACKEND_STATS)?;
-    let m: aya::maps::PerCpuHashMap<MapData, u32, u64> =
-        aya::maps::PerCpuHashMap::try_from(map).map_err(|e| map_err("open", BACKEND_STATS, e))?;
     let mut out = std::collections::BTreeMap::new();
-    for kv in m.iter() {
-        let (k, v) = kv.map_err(|e| map_err("iterate", BACKEND_STATS, e))?;
-        out.insert(k, v.iter().sum());
+    for (k, n) in read_pair_stats(dir)? {
+        if k.backend_id != 0 {
+            *out.entry(k.backend_id).or_insert(0) += n;
+        }
     }
     Ok(out)
+}
+
+/// The `BACKEND_STATS` map pinned under `dir`: each key's count summed over CPUs.
+pub fn read_pair_stats(dir: &Path) -> Result<Vec<(MemberKey, u64)>, DatapathError> {
+    let m = pair_stats(dir)?;
+    m.iter()
+        .map(|kv| {
+            kv.map(|(k, v)| (k, v.iter().sum()))
+                .map_err(|e| map_err("iterate", BACKEND_STATS, e))
+        })
+        .collect()
+}
+
+fn pair_stats(
+    dir: &Path,
+) -> Result<aya::maps::PerCpuHashMap<MapData, MemberKey, u64>, DatapathError> {
+    let (map, _) = open_map(dir, BACKEND_STATS)?;
+    aya::maps::PerCpuHashMap::try_from(map).map_err(|e| map_err("open", BACKEND_STATS, e))
 }
 
 /// Deletes the keys of per-CPU hash map `name` pinned under `dir` for which `live` says
@@ -315,6 +340,36 @@ fn sweep<V: aya::Pod>(
         ignore_missing(m.remove(k)).map_err(|e| map_err("delete", name, e))?;
     }
     Ok(dead.len())
+}
+
+/// Sweeps `BACKEND_STATS` as [`super::plan_pair_sweep`] plans: every carry is written
+/// (the carried key's CPU-summed count plus the carry, as CPU 0's value: only the agent
+/// writes those keys) before any key is deleted, and nothing is deleted when a carry
+/// fails. A connection counted between the read and the delete of its pair is lost; an
+/// agent that dies between the carries and the deletes counts those pairs twice (a sum
+/// never goes down). Returns how many keys were deleted.
+fn sweep_pairs(dir: &Path, bound: &super::Bound<'_>) -> Result<usize, DatapathError> {
+    let plan = super::plan_pair_sweep(read_pair_stats(dir)?, bound);
+    let mut m = pair_stats(dir)?;
+    let cpus = aya::util::nr_cpus()
+        .map_err(|(_, e)| map_err("count CPUs for", BACKEND_STATS, MapError::from(e)))?;
+    for (k, add) in &plan.carry {
+        let had: u64 = match m.get(k, 0) {
+            Ok(v) => v.iter().sum(),
+            Err(MapError::KeyNotFound) => 0,
+            Err(e) => return Err(map_err("lookup", BACKEND_STATS, e)),
+        };
+        let mut values = vec![0u64; cpus];
+        values[0] = had.saturating_add(*add);
+        let values = aya::maps::PerCpuValues::try_from(values)
+            .map_err(|e| map_err("update", BACKEND_STATS, MapError::from(e)))?;
+        m.insert(k, values, 0)
+            .map_err(|e| map_err("update", BACKEND_STATS, e))?;
+    }
+    for k in &plan.delete {
+        ignore_missing(m.remove(k)).map_err(|e| map_err("delete", BACKEND_STATS, e))?;
+    }
+    Ok(plan.delete.len())
 }
 
 impl PinnedMaps {
@@ -466,14 +521,10 @@ fn ignore_missing(r: Result<(), MapError>) -> Result<(), MapError> {
 }
 
 impl ServiceMaps for PinnedMaps {
-    fn sweep_stats(
-        &mut self,
-        service_live: &dyn Fn(u32) -> bool,
-        backend_live: &dyn Fn(u32) -> bool,
-    ) -> Result<usize, DatapathError> {
+    fn sweep_stats(&mut self, bound: &super::Bound<'_>) -> Result<usize, DatapathError> {
         Ok(
-            sweep::<ServiceStats>(&self.dir, SERVICE_STATS, service_live)?
-                + sweep::<u64>(&self.dir, BACKEND_STATS, backend_live)?,
+            sweep::<ServiceStats>(&self.dir, SERVICE_STATS, bound.service)?
+                + sweep_pairs(&self.dir, bound)?,
         )
     }
     fn capacity(&self) -> Capacity {

@@ -139,17 +139,86 @@ pub trait ServiceMaps {
         &mut self,
         released: &[(u32, u32, Backend)],
     ) -> Result<Released, DatapathError>;
-    /// Deletes the per-service and per-backend counters (`SERVICE_STATS`, `BACKEND_STATS`)
-    /// of ids for which `service_live` / `backend_live` say false: those maps are not LRU
-    /// and ids are not reused soon, so the counters of released ids go here. Returns how
-    /// many were deleted. Data paths without counters delete nothing.
-    fn sweep_stats(
-        &mut self,
-        _service_live: &dyn Fn(u32) -> bool,
-        _backend_live: &dyn Fn(u32) -> bool,
-    ) -> Result<usize, DatapathError> {
+    /// Deletes the counters of ids no longer bound (`SERVICE_STATS` by service id,
+    /// `BACKEND_STATS` keys naming such an id) and the (service, backend) counters of pairs
+    /// no longer in use, after adding their counts to the carried keys of the service and
+    /// the backend that stay bound ([`plan_pair_sweep`]): those maps are not LRU and ids
+    /// are not reused soon. Returns how many entries were deleted. Data paths without
+    /// counters delete nothing.
+    fn sweep_stats(&mut self, _bound: &Bound<'_>) -> Result<usize, DatapathError> {
         Ok(0)
     }
+}
+
+/// What the agent has bound now, for [`ServiceMaps::sweep_stats`].
+pub struct Bound<'a> {
+    /// Whether a service id is bound.
+    pub service: &'a dyn Fn(u32) -> bool,
+    /// Whether a backend id is bound.
+    pub backend: &'a dyn Fn(u32) -> bool,
+    /// Whether (service id, backend id) is in use: the backend is in the service's slots.
+    pub member: &'a dyn Fn(u32, u32) -> bool,
+}
+
+/// What a sweep of the `BACKEND_STATS` connection counters does
+/// (`proxy_common::BACKEND_STATS`), planned from their CPU-summed values.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PairSweep {
+    /// Counts to add to carried keys, `(service id, 0)` and `(0, backend id)`, written
+    /// before anything is deleted so that no sum goes down.
+    pub carry: BTreeMap<MemberKey, u64>,
+    /// Keys deleted once every carry is written: pairs not in use, carried keys of ids no
+    /// longer bound.
+    pub delete: Vec<MemberKey>,
+}
+
+/// Plans the sweep of `counts` (each key's count summed over CPUs): a pair (service id,
+/// backend id) not in use is deleted and its count carried to `(service id, 0)` if that
+/// service is bound and to `(0, backend id)` if that backend is; a carried key of an id no
+/// longer bound is deleted (its id's series ends); pairs in use stay.
+pub fn plan_pair_sweep(
+    counts: impl IntoIterator<Item = (MemberKey, u64)>,
+    bound: &Bound<'_>,
+) -> PairSweep {
+    let mut plan = PairSweep::default();
+    for (k, n) in counts {
+        let (s, b) = (k.service_id, k.backend_id);
+        let keep = match (s, b) {
+            (0, 0) => false,
+            (s, 0) => (bound.service)(s),
+            (0, b) => (bound.backend)(b),
+            (s, b) if (bound.member)(s, b) => true,
+            (s, b) => {
+                if n != 0 {
+                    for (live, to) in [
+                        (
+                            (bound.service)(s),
+                            MemberKey {
+                                service_id: s,
+                                backend_id: 0,
+                            },
+                        ),
+                        (
+                            (bound.backend)(b),
+                            MemberKey {
+                                service_id: 0,
+                                backend_id: b,
+                            },
+                        ),
+                    ] {
+                        if live {
+                            *plan.carry.entry(to).or_default() += n;
+                        }
+                    }
+                }
+                false
+            }
+        };
+        if !keep {
+            plan.delete.push(k);
+        }
+    }
+    plan
 }
 
 /// A `TC_SOURCE_RANGES` key: (prefix length in bits over the whole [`SourceRange`], data).

@@ -1269,16 +1269,25 @@ impl ServiceReconciler {
         Ok(r)
     }
 
-    /// Deletes the per-service and per-backend counters of ids not bound now
+    /// Deletes the counters of ids not bound now and of (service, backend) pairs no longer
+    /// in any slot, keeping their counts in the sums of what stays bound
     /// ([`ServiceMaps::sweep_stats`]): at every verification, and at start before any id
     /// is handed out, since an id an earlier agent released may be handed out again then
     /// (ids continue after the highest bound one) and must not inherit its counts. Not a
     /// repair (the programs wrote them); a failure costs only counter entries, so it is
     /// logged, not returned.
     pub fn sweep_counters(&self, dp: &mut impl ServiceMaps) {
-        match dp.sweep_stats(&|id| self.ids_in_use.contains(&id), &|id| {
-            self.backends.contains_key(&id)
-        }) {
+        let pairs: HashSet<(u32, u32)> = self
+            .applied
+            .values()
+            .flat_map(|a| a.slots.iter().map(move |b| (a.id, *b)))
+            .collect();
+        let bound = crate::datapath::Bound {
+            service: &|id| self.ids_in_use.contains(&id),
+            backend: &|id| self.backends.contains_key(&id),
+            member: &|s, b| pairs.contains(&(s, b)),
+        };
+        match dp.sweep_stats(&bound) {
             Ok(0) => {}
             Ok(n) => tracing::debug!(entries = n, "counters of released ids deleted"),
             Err(e) => tracing::warn!(error = %e, "deleting the counters of released ids failed"),
@@ -1967,6 +1976,28 @@ pub(crate) mod tests {
         assert_eq!((st.writes, st.deletes), (0, 0));
     }
 
+    /// A service's and a backend's connections as readers sum them from `BACKEND_STATS`.
+    fn service_sum(dp: &FakeDatapath, sid: u32) -> u64 {
+        dp.pair_stats
+            .iter()
+            .filter(|(k, _)| k.service_id == sid)
+            .map(|(_, n)| n)
+            .sum()
+    }
+    fn backend_sum(dp: &FakeDatapath, bid: u32) -> u64 {
+        dp.pair_stats
+            .iter()
+            .filter(|(k, _)| k.backend_id == bid)
+            .map(|(_, n)| n)
+            .sum()
+    }
+    fn pair(service_id: u32, backend_id: u32) -> MemberKey {
+        MemberKey {
+            service_id,
+            backend_id,
+        }
+    }
+
     #[test]
     fn verification_deletes_the_counters_of_released_ids_only() {
         let mut dp = FakeDatapath::new(cap());
@@ -1981,14 +2012,23 @@ pub(crate) mod tests {
         ]);
         sync(&mut s, &mut dp, &both).unwrap();
         let services: BTreeSet<u32> = dp.state.names.keys().copied().collect();
-        let backends: BTreeSet<u32> = dp.state.backends.keys().copied().collect();
-        // The programs counted for every bound id, and for ids released long ago.
+        let in_use: BTreeMap<MemberKey, u64> = dp
+            .state
+            .slots
+            .iter()
+            .map(|(k, b)| (pair(k.service_id, *b), 5))
+            .collect();
+        // The programs counted for every pair in use, and for ids released long ago.
         dp.service_stats = services.iter().copied().chain([9_999]).collect();
-        dp.backend_stats = backends.iter().copied().chain([8_888]).collect();
+        dp.pair_stats = in_use.clone();
+        dp.pair_stats.insert(pair(9_999, 8_888), 3);
+        dp.pair_stats.insert(pair(9_999, 0), 3);
+        dp.pair_stats.insert(pair(0, 8_888), 3);
         s.verify(&mut dp).unwrap();
         assert_eq!(dp.service_stats, services);
-        assert_eq!(dp.backend_stats, backends);
-        // A Service leaves: its id's and its backend's counters go at the next verification.
+        assert_eq!(dp.pair_stats, in_use);
+        // A Service leaves: its id's counters go at the next verification; its backend,
+        // bound to nothing else, goes too.
         let web_only = state(vec![(
             web.clone(),
             svc(&["10.96.0.10:80"], &["10.0.0.1:8080"]),
@@ -1999,26 +2039,81 @@ pub(crate) mod tests {
         assert_eq!(dp.service_stats, BTreeSet::from([web_id]));
         let left: BTreeSet<u32> = dp.state.backends.keys().copied().collect();
         assert_eq!(left.len(), 1);
-        assert_eq!(dp.backend_stats, left);
+        let web_b1 = *left.first().unwrap();
+        assert_eq!(dp.pair_stats, BTreeMap::from([(pair(web_id, web_b1), 5)]));
+        // A backend leaves a Service that stays, while another Service still uses it: the
+        // pair goes, its count is carried to the Service's and the backend's keys, so no
+        // sum goes down; the pair of the backend that stays is untouched.
+        let shared = state(vec![
+            (
+                web.clone(),
+                svc(&["10.96.0.10:80"], &["10.0.0.1:8080", "10.0.0.3:8080"]),
+            ),
+            (
+                key("api", Protocol::Tcp),
+                svc(&["10.96.0.13:80"], &["10.0.0.3:8080"]),
+            ),
+        ]);
+        sync(&mut s, &mut dp, &shared).unwrap();
+        let api_id = s.id_of(&key("api", Protocol::Tcp)).unwrap();
+        let b3 = *dp.state.backends.keys().find(|id| **id != web_b1).unwrap();
+        dp.pair_stats.insert(pair(web_id, b3), 7);
+        dp.pair_stats.insert(pair(api_id, b3), 2);
+        let web_only_b1 = state(vec![
+            (web.clone(), svc(&["10.96.0.10:80"], &["10.0.0.1:8080"])),
+            (
+                key("api", Protocol::Tcp),
+                svc(&["10.96.0.13:80"], &["10.0.0.3:8080"]),
+            ),
+        ]);
+        sync(&mut s, &mut dp, &web_only_b1).unwrap();
+        s.verify(&mut dp).unwrap();
+        assert_eq!(
+            dp.pair_stats,
+            BTreeMap::from([
+                (pair(web_id, web_b1), 5),
+                (pair(web_id, 0), 7),
+                (pair(api_id, b3), 2),
+                (pair(0, b3), 7),
+            ])
+        );
+        assert_eq!(
+            (service_sum(&dp, web_id), service_sum(&dp, api_id)),
+            (12, 2)
+        );
+        assert_eq!((backend_sum(&dp, web_b1), backend_sum(&dp, b3)), (5, 9));
+        // The second verification changes nothing; then api leaves, taking the backend with
+        // it: every key naming either goes, web keeps its sum.
+        s.verify(&mut dp).unwrap();
+        assert_eq!(service_sum(&dp, web_id), 12);
+        sync(&mut s, &mut dp, &web_only).unwrap();
+        s.verify(&mut dp).unwrap();
+        assert_eq!(
+            dp.pair_stats,
+            BTreeMap::from([(pair(web_id, web_b1), 5), (pair(web_id, 0), 7)])
+        );
         // A restart after a removal no verification saw: the removed Service's id is the
         // next one handed out, and the sweep at start keeps it from inheriting the counts.
         let both = state(vec![
             (web.clone(), svc(&["10.96.0.10:80"], &["10.0.0.1:8080"])),
             (
                 key("late", Protocol::Tcp),
-                svc(&["10.96.0.12:80"], &["10.0.0.3:80"]),
+                svc(&["10.96.0.12:80"], &["10.0.0.4:80"]),
             ),
         ]);
         sync(&mut s, &mut dp, &both).unwrap();
         let late_id = s.id_of(&key("late", Protocol::Tcp)).unwrap();
-        let late_backends: BTreeSet<u32> = dp.state.backends.keys().copied().collect();
+        let late_b = *dp.state.backends.keys().find(|id| **id != web_b1).unwrap();
         dp.service_stats = [web_id, late_id].into();
-        dp.backend_stats = late_backends;
+        dp.pair_stats.insert(pair(late_id, late_b), 4);
         sync(&mut s, &mut dp, &web_only).unwrap();
         let restarted = ServiceReconciler::adopt(&dp).unwrap();
         restarted.sweep_counters(&mut dp);
         assert_eq!(dp.service_stats, BTreeSet::from([web_id]));
-        assert_eq!(dp.backend_stats, left);
+        assert_eq!(
+            dp.pair_stats,
+            BTreeMap::from([(pair(web_id, web_b1), 5), (pair(web_id, 0), 7)])
+        );
     }
 
     #[test]
