@@ -440,11 +440,11 @@ pub const SERVICE_STATS: &str = "SERVICE_STATS";
 /// and new flows of that service sent to that backend, `u64` (BPF_MAP_TYPE_PERCPU_HASH, not
 /// preallocated: one value per CPU, summed by readers). One key per translation, so a
 /// connection costs the programs one counter lookup: a service's connections are the sum
-/// over its keys, a backend's over its keys. A pair whose backend left the service is
-/// deleted by the agent's periodic verification after adding its count to the key
-/// `(service id, 0)` while the service is bound and to `(0, backend id)` while the backend
-/// is (the programs never write an id 0), so neither sum goes down; keys of ids no longer
-/// bound are deleted with them.
+/// over its keys, a backend's over its keys. The agent's periodic verification moves the
+/// count of a pair whose backend left the service to the key `(service id, 0)` while the
+/// service is bound and to `(0, backend id)` while the backend is (keys the programs never
+/// write: they count only translations, whose ids are never 0), so neither sum goes down;
+/// keys of ids no longer bound are deleted.
 pub const BACKEND_STATS: &str = "BACKEND_STATS";
 
 /// Per-CPU counters of one service id. 32 bytes.

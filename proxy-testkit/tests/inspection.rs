@@ -420,7 +420,16 @@ fn a_services_connections_survive_a_backend_leaving() {
     };
     env.write_manifest("rr.yaml", &manifest(&[(b(0), true), (b(1), true)]));
     env.start_agent();
-    let got = by_name(&env.tcp(&format!("{RR_VIP}:80"), 10));
+    // One CPU's round-robin cursor: exactly 5 each.
+    let got = by_name(&env.probe(&[
+        "--cpu",
+        "0",
+        "tcp",
+        "--to",
+        &format!("{RR_VIP}:80"),
+        "--count",
+        "10",
+    ]));
     let (n0, n1) = (got["b0"] as u64, got["b1"] as u64);
     assert!(n0 > 0 && n1 > 0 && n0 + n1 == 10, "{got:?}");
     let connections = |env: &Env| -> u64 {
@@ -458,9 +467,11 @@ fn a_services_connections_survive_a_backend_leaving() {
     env.write_manifest("rr.yaml", &manifest(&[(b(0), true)]));
     let pin = env.pin_path();
     let deadline = Instant::now() + Duration::from_secs(20);
+    // Done when the map holds the pair in use and the Service's carried key only.
     let carried = loop {
         let pairs = proxy_userspace::datapath::maps::read_pair_stats(&pin).unwrap();
-        if let Some((_, n)) = pairs.iter().find(|(k, _)| k.backend_id == 0) {
+        let carried = pairs.iter().find(|(k, _)| k.backend_id == 0);
+        if let (2, Some((_, n))) = (pairs.len(), carried) {
             break *n;
         }
         assert!(
@@ -471,12 +482,6 @@ fn a_services_connections_survive_a_backend_leaving() {
         std::thread::sleep(Duration::from_millis(200));
     };
     assert_eq!(carried, n1);
-    let pairs = proxy_userspace::datapath::maps::read_pair_stats(&pin).unwrap();
-    assert_eq!(
-        pairs.len(),
-        2,
-        "the pair in use and the carried key: {pairs:?}"
-    );
     assert_eq!(connections(&env), 10);
     assert_eq!(
         backend_connections(&env),

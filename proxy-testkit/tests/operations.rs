@@ -568,23 +568,15 @@ fn an_upgrade_recreates_pinned_maps_whose_layout_changed() {
     let dir = env.pin_path();
     std::fs::create_dir_all(&dir).unwrap();
     let old = dir.join(proxy_common::nat::TC_CONFIG);
-    let out = Command::new("bpftool")
-        .args(["map", "create"])
-        .arg(&old)
-        .args(["type", "array", "key", "4", "value", "16", "entries", "1"])
-        .args(["name", "TC_CONFIG"])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "bpftool: {}", text(&out.stderr));
-    let bypass_value = std::mem::size_of::<proxy_common::bypass::BypassConfig>().to_string();
-    let out = Command::new("bpftool")
-        .args(["map", "create"])
-        .arg(dir.join(proxy_common::bypass::BYPASS_CONFIG))
-        .args(["type", "percpu_array", "key", "4", "value", &bypass_value])
-        .args(["entries", "1", "name", "BYPASS_CONFIG"])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "bpftool: {}", text(&out.stderr));
+    pin_old_map(&old, "array", 4, 16, 1, "TC_CONFIG");
+    pin_old_map(
+        &dir.join(proxy_common::bypass::BYPASS_CONFIG),
+        "percpu_array",
+        4,
+        std::mem::size_of::<proxy_common::bypass::BypassConfig>(),
+        1,
+        "BYPASS_CONFIG",
+    );
     env.start_agent();
     let log = env.log();
     let warned: Vec<&str> = log

@@ -1010,18 +1010,7 @@ fn upgrade_carries_slots_without_backends_over() {
 
     // What the earlier version pinned: the same slots, backend ids only.
     std::fs::remove_file(&path).unwrap();
-    let out = std::process::Command::new("bpftool")
-        .args(["map", "create"])
-        .arg(&path)
-        .args(["type", "hash", "key", "8", "value", "4", "entries", "1024"])
-        .args(["name", "BACKEND_SLOTS"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    pin_old_map(&path, "hash", 8, 4, 1024, "BACKEND_SLOTS");
     {
         let mut old: HashMap<MapData, BackendSlotKey, u32> =
             HashMap::try_from(Map::HashMap(MapData::from_pin(&path).unwrap())).unwrap();

@@ -692,3 +692,29 @@ impl HeldTcp {
         let _ = self.guard.child_mut().wait();
     }
 }
+
+/// Creates and pins at `path` a map as another version of ebpf-proxy would have (`bpftool
+/// map create`): BPF map type `kind` as bpftool names it (`hash`, `array`, `percpu_array`),
+/// key and value sizes in bytes, `entries` and the map's `name`. Panics with bpftool's
+/// error when it fails.
+pub fn pin_old_map(path: &Path, kind: &str, key: usize, value: usize, entries: u32, name: &str) {
+    let out = Command::new("bpftool")
+        .args(["map", "create"])
+        .arg(path)
+        .args([
+            "type",
+            kind,
+            "key",
+            &key.to_string(),
+            "value",
+            &value.to_string(),
+        ])
+        .args(["entries", &entries.to_string(), "name", name])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "bpftool map create {name}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

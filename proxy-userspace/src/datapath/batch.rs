@@ -139,3 +139,55 @@ pub fn write_all<K: aya::Pod, V: aya::Pod>(
     }
     Ok(())
 }
+
+/// `BPF_MAP_LOOKUP_AND_DELETE_ELEM` (`enum bpf_cmd`).
+const BPF_MAP_LOOKUP_AND_DELETE_ELEM: libc::c_long = 21;
+
+/// The element member of `union bpf_attr` (map_fd, key, value, flags).
+#[repr(C)]
+struct ElemAttr {
+    map_fd: u32,
+    _pad: u32,
+    key: u64,
+    value: u64,
+    flags: u64,
+}
+
+/// Removes `key` from the per-CPU hash map `map` (values `u64`) and returns its value on
+/// each of the `cpus` possible CPUs, in one system call (`BPF_MAP_LOOKUP_AND_DELETE_ELEM`
+/// on a per-CPU hash, Linux >= 5.14; aya 0.14 does not expose it): a count the programs
+/// add between a read and a delete would be lost. `None` when the key is absent.
+pub fn take_per_cpu_u64<K: aya::Pod>(
+    map: impl AsFd,
+    key: &K,
+    cpus: usize,
+) -> io::Result<Option<Vec<u64>>> {
+    let mut values = vec![0u64; cpus];
+    let mut attr = ElemAttr {
+        map_fd: map.as_fd().as_raw_fd() as u32,
+        _pad: 0,
+        key: key as *const K as u64,
+        value: values.as_mut_ptr() as u64,
+        flags: 0,
+    };
+    // SAFETY: `attr` is a valid `bpf_attr` prefix for the element commands; the key and the
+    // value buffer (one 8-byte value per possible CPU, the kernel's per-CPU layout for a
+    // `u64`) outlive the call.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_MAP_LOOKUP_AND_DELETE_ELEM,
+            &mut attr as *mut ElemAttr,
+            std::mem::size_of::<ElemAttr>() as libc::c_uint,
+        )
+    };
+    if r == 0 {
+        return Ok(Some(values));
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::ENOENT) {
+        Ok(None)
+    } else {
+        Err(e)
+    }
+}

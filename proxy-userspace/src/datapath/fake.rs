@@ -86,6 +86,8 @@ pub struct FakeDatapath {
     pub service_stats: BTreeSet<u32>,
     /// Connection counters (`BACKEND_STATS`: (service id, backend id) -> count).
     pub pair_stats: BTreeMap<MemberKey, u64>,
+    /// Most keys `pair_stats` takes (`None`: no limit); a key beyond is refused as full.
+    pub pair_stats_max: Option<usize>,
     bulk: Option<Vec<Op>>,
 }
 
@@ -109,6 +111,7 @@ impl FakeDatapath {
             batching: false,
             service_stats: BTreeSet::new(),
             pair_stats: BTreeMap::new(),
+            pair_stats_max: None,
             bulk: None,
         }
     }
@@ -198,18 +201,45 @@ fn full(map: &'static str) -> DatapathError {
     }
 }
 
+/// [`FakeDatapath::pair_stats`] for [`super::apply_pair_sweep`].
+struct FakePairs<'a> {
+    map: &'a mut BTreeMap<MemberKey, u64>,
+    max: Option<usize>,
+}
+
+impl super::PairCounters for FakePairs<'_> {
+    fn ensure(&mut self, k: &MemberKey) -> Result<(), DatapathError> {
+        if !self.map.contains_key(k) {
+            if self.max.is_some_and(|m| self.map.len() >= m) {
+                return Err(full("BACKEND_STATS"));
+            }
+            self.map.insert(*k, 0);
+        }
+        Ok(())
+    }
+    fn take(&mut self, k: &MemberKey) -> Result<Option<u64>, DatapathError> {
+        Ok(self.map.remove(k))
+    }
+    fn add(&mut self, k: &MemberKey, n: u64) -> Result<(), DatapathError> {
+        *self.map.get_mut(k).expect("ensured") += n;
+        Ok(())
+    }
+    fn delete(&mut self, k: &MemberKey) -> Result<(), DatapathError> {
+        self.map.remove(k);
+        Ok(())
+    }
+}
+
 impl ServiceMaps for FakeDatapath {
     fn sweep_stats(&mut self, bound: &super::Bound<'_>) -> Result<usize, DatapathError> {
         let before = self.service_stats.len();
         self.service_stats.retain(|id| (bound.service)(*id));
-        let plan = super::plan_pair_sweep(self.pair_stats.clone(), bound);
-        for (k, n) in plan.carry {
-            *self.pair_stats.entry(k).or_default() += n;
-        }
-        for k in &plan.delete {
-            self.pair_stats.remove(k);
-        }
-        Ok(before - self.service_stats.len() + plan.delete.len())
+        let plan = super::plan_pair_sweep(self.pair_stats.keys().copied(), bound);
+        let mut pairs = FakePairs {
+            map: &mut self.pair_stats,
+            max: self.pair_stats_max,
+        };
+        Ok(before - self.service_stats.len() + super::apply_pair_sweep(&plan, &mut pairs)?)
     }
     fn capacity(&self) -> Capacity {
         self.cap

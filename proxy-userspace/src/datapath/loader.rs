@@ -476,11 +476,17 @@ fn object_loader(sizes: MapSizes) -> EbpfLoader<'static> {
         .map_max_entries(LC_COUNTS, sizes.backends)
         .map_max_entries(RR_CURSORS, sizes.frontends)
         .map_max_entries(SERVICE_STATS, sizes.frontends)
-        // The (service, backend) pairs in use are at most the slots; the carried counts
-        // (`proxy_common::BACKEND_STATS`) share that room, and a count that finds the map
-        // full is reported (`map_update_failed`). A power of two: its buckets are allocated
-        // at creation, 16 bytes each, rounded up to one.
-        .map_max_entries(BACKEND_STATS, sizes.slots)
+        // The (service, backend) pairs in use (at most the slots) and the carried count of
+        // every bound service and backend (`proxy_common::BACKEND_STATS`). Not
+        // preallocated, but its buckets are allocated at creation: 16 bytes each, their
+        // number this size rounded up to a power of two (8 MiB at the default sizes).
+        .map_max_entries(
+            BACKEND_STATS,
+            sizes
+                .slots
+                .saturating_add(sizes.frontends)
+                .saturating_add(sizes.backends),
+        )
         .map_max_entries(CONNTRACK, sizes.conntrack_entries())
         .map_max_entries(LC_FLOWS, sizes.conntrack_flows.max(1));
     loader

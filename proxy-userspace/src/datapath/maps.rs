@@ -303,8 +303,14 @@ pub fn read_backend_stats(
     Ok(out)
 }
 
-/// The `BACKEND_STATS` map pinned under `dir`: each key's count summed over CPUs.
-pub fn read_pair_stats(dir: &Path) -> Result<Vec<(MemberKey, u64)>, DatapathError> {
+/// The `BACKEND_STATS` map pinned under `dir`: each key's count summed over CPUs. Never
+/// during this process's sweep of the map ([`PAIR_SWEEP`]), so a reader here never sees a
+/// count both on its pair and on the key it moved to; a key met twice (a delete during the
+/// walk restarts it) counts once.
+pub fn read_pair_stats(
+    dir: &Path,
+) -> Result<std::collections::BTreeMap<MemberKey, u64>, DatapathError> {
+    let _sweep = PAIR_SWEEP.lock().unwrap_or_else(|e| e.into_inner());
     let m = pair_stats(dir)?;
     m.iter()
         .map(|kv| {
@@ -313,6 +319,10 @@ pub fn read_pair_stats(dir: &Path) -> Result<Vec<(MemberKey, u64)>, DatapathErro
         })
         .collect()
 }
+
+/// Held by a sweep of `BACKEND_STATS` and by its readers in this process (the agent's
+/// verification and `/metrics`).
+static PAIR_SWEEP: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn pair_stats(
     dir: &Path,
@@ -342,34 +352,87 @@ fn sweep<V: aya::Pod>(
     Ok(dead.len())
 }
 
-/// Sweeps `BACKEND_STATS` as [`super::plan_pair_sweep`] plans: every carry is written
-/// (the carried key's CPU-summed count plus the carry, as CPU 0's value: only the agent
-/// writes those keys) before any key is deleted, and nothing is deleted when a carry
-/// fails. A connection counted between the read and the delete of its pair is lost; an
-/// agent that dies between the carries and the deletes counts those pairs twice (a sum
-/// never goes down). Returns how many keys were deleted.
+/// Sweeps `BACKEND_STATS` as [`super::plan_pair_sweep`] plans and
+/// [`super::apply_pair_sweep`] applies, while no reader in this process reads it.
+/// Returns how many keys were deleted.
 fn sweep_pairs(dir: &Path, bound: &super::Bound<'_>) -> Result<usize, DatapathError> {
-    let plan = super::plan_pair_sweep(read_pair_stats(dir)?, bound);
-    let mut m = pair_stats(dir)?;
+    let keys: Vec<MemberKey> = read_pair_stats(dir)?.into_keys().collect();
+    let _sweep = PAIR_SWEEP.lock().unwrap_or_else(|e| e.into_inner());
+    let plan = super::plan_pair_sweep(keys, bound);
     let cpus = aya::util::nr_cpus()
         .map_err(|(_, e)| map_err("count CPUs for", BACKEND_STATS, MapError::from(e)))?;
-    for (k, add) in &plan.carry {
-        let had: u64 = match m.get(k, 0) {
-            Ok(v) => v.iter().sum(),
-            Err(MapError::KeyNotFound) => 0,
-            Err(e) => return Err(map_err("lookup", BACKEND_STATS, e)),
-        };
-        let mut values = vec![0u64; cpus];
-        values[0] = had.saturating_add(*add);
-        let values = aya::maps::PerCpuValues::try_from(values)
-            .map_err(|e| map_err("update", BACKEND_STATS, MapError::from(e)))?;
-        m.insert(k, values, 0)
-            .map_err(|e| map_err("update", BACKEND_STATS, e))?;
+    let raw = MapData::from_pin(dir.join(BACKEND_STATS))
+        .map_err(|e| map_err("open pinned", BACKEND_STATS, e))?;
+    let mut m = KernelPairs {
+        map: pair_stats(dir)?,
+        raw,
+        cpus,
+    };
+    super::apply_pair_sweep(&plan, &mut m)
+}
+
+/// `BACKEND_STATS` for [`super::apply_pair_sweep`]. Only the agent writes the carried keys,
+/// so it writes a carried key's whole count as CPU 0's value.
+struct KernelPairs {
+    map: aya::maps::PerCpuHashMap<MapData, MemberKey, u64>,
+    /// The same map, for the command aya lacks ([`super::batch::take_per_cpu_u64`]).
+    raw: MapData,
+    cpus: usize,
+}
+
+/// `BPF_NOEXIST` and `BPF_EXIST`, the update flags of `bpf(2)`: create only, replace only.
+const BPF_NOEXIST: u64 = 1;
+const BPF_EXIST: u64 = 2;
+
+impl KernelPairs {
+    fn put(&mut self, k: &MemberKey, n: u64, flags: u64) -> Result<(), MapError> {
+        let mut values = vec![0u64; self.cpus];
+        values[0] = n;
+        let values = aya::maps::PerCpuValues::try_from(values).map_err(MapError::from)?;
+        self.map.insert(k, values, flags)
     }
-    for k in &plan.delete {
-        ignore_missing(m.remove(k)).map_err(|e| map_err("delete", BACKEND_STATS, e))?;
+
+    fn sum(&self, k: &MemberKey) -> Result<Option<u64>, DatapathError> {
+        match self.map.get(k, 0) {
+            Ok(v) => Ok(Some(v.iter().sum())),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(map_err("lookup", BACKEND_STATS, e)),
+        }
     }
-    Ok(plan.delete.len())
+}
+
+impl super::PairCounters for KernelPairs {
+    fn ensure(&mut self, k: &MemberKey) -> Result<(), DatapathError> {
+        if self.sum(k)?.is_some() {
+            return Ok(());
+        }
+        match self.put(k, 0, BPF_NOEXIST) {
+            Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EEXIST) => {
+                Ok(())
+            }
+            r => r.map_err(|e| map_err("update", BACKEND_STATS, e)),
+        }
+    }
+
+    fn take(&mut self, k: &MemberKey) -> Result<Option<u64>, DatapathError> {
+        super::batch::take_per_cpu_u64(self.raw.fd(), k, self.cpus)
+            .map(|v| v.map(|v| v.iter().sum()))
+            .map_err(|error| DatapathError::Map {
+                op: "lookup and delete",
+                map: BACKEND_STATS,
+                error,
+            })
+    }
+
+    fn add(&mut self, k: &MemberKey, n: u64) -> Result<(), DatapathError> {
+        let had = self.sum(k)?.unwrap_or(0);
+        self.put(k, had.saturating_add(n), BPF_EXIST)
+            .map_err(|e| map_err("update", BACKEND_STATS, e))
+    }
+
+    fn delete(&mut self, k: &MemberKey) -> Result<(), DatapathError> {
+        ignore_missing(self.map.remove(k)).map_err(|e| map_err("delete", BACKEND_STATS, e))
+    }
 }
 
 impl PinnedMaps {

@@ -141,10 +141,10 @@ pub trait ServiceMaps {
     ) -> Result<Released, DatapathError>;
     /// Deletes the counters of ids no longer bound (`SERVICE_STATS` by service id,
     /// `BACKEND_STATS` keys naming such an id) and the (service, backend) counters of pairs
-    /// no longer in use, after adding their counts to the carried keys of the service and
-    /// the backend that stay bound ([`plan_pair_sweep`]): those maps are not LRU and ids
-    /// are not reused soon. Returns how many entries were deleted. Data paths without
-    /// counters delete nothing.
+    /// no longer in use, moving their counts to the carried keys of the service and the
+    /// backend that stay bound ([`plan_pair_sweep`], [`apply_pair_sweep`]): those maps are
+    /// not LRU and ids are not reused soon. Returns how many entries were deleted. Data
+    /// paths without counters delete nothing.
     fn sweep_stats(&mut self, _bound: &Bound<'_>) -> Result<usize, DatapathError> {
         Ok(0)
     }
@@ -161,64 +161,106 @@ pub struct Bound<'a> {
 }
 
 /// What a sweep of the `BACKEND_STATS` connection counters does
-/// (`proxy_common::BACKEND_STATS`), planned from their CPU-summed values.
+/// (`proxy_common::BACKEND_STATS`), planned from their keys.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PairSweep {
-    /// Counts to add to carried keys, `(service id, 0)` and `(0, backend id)`, written
-    /// before anything is deleted so that no sum goes down.
-    pub carry: BTreeMap<MemberKey, u64>,
-    /// Keys deleted once every carry is written: pairs not in use, carried keys of ids no
-    /// longer bound.
+    /// Keys deleted without carrying their count anywhere: carried keys of ids no longer
+    /// bound (their series end), pairs whose service and backend are both unbound.
     pub delete: Vec<MemberKey>,
+    /// Pairs no longer in use, each with the carried keys, `(service id, 0)` and/or
+    /// `(0, backend id)`, its count moves to.
+    pub moves: Vec<(MemberKey, Vec<MemberKey>)>,
 }
 
-/// Plans the sweep of `counts` (each key's count summed over CPUs): a pair (service id,
-/// backend id) not in use is deleted and its count carried to `(service id, 0)` if that
-/// service is bound and to `(0, backend id)` if that backend is; a carried key of an id no
-/// longer bound is deleted (its id's series ends); pairs in use stay.
-pub fn plan_pair_sweep(
-    counts: impl IntoIterator<Item = (MemberKey, u64)>,
-    bound: &Bound<'_>,
-) -> PairSweep {
+/// Plans the sweep of the counters with keys `keys`: a pair (service id, backend id) not in
+/// use goes, its count carried to `(service id, 0)` if that service is bound and to
+/// `(0, backend id)` if that backend is; a carried key of an id no longer bound goes (its
+/// id's series ends); pairs in use stay.
+pub fn plan_pair_sweep(keys: impl IntoIterator<Item = MemberKey>, bound: &Bound<'_>) -> PairSweep {
     let mut plan = PairSweep::default();
-    for (k, n) in counts {
+    for k in keys {
         let (s, b) = (k.service_id, k.backend_id);
-        let keep = match (s, b) {
-            (0, 0) => false,
-            (s, 0) => (bound.service)(s),
-            (0, b) => (bound.backend)(b),
-            (s, b) if (bound.member)(s, b) => true,
+        match (s, b) {
+            (0, 0) => plan.delete.push(k),
+            (s, 0) if !(bound.service)(s) => plan.delete.push(k),
+            (0, b) if !(bound.backend)(b) => plan.delete.push(k),
+            (_, 0) | (0, _) => {}
+            (s, b) if (bound.member)(s, b) => {}
             (s, b) => {
-                if n != 0 {
-                    for (live, to) in [
-                        (
-                            (bound.service)(s),
-                            MemberKey {
-                                service_id: s,
-                                backend_id: 0,
-                            },
-                        ),
-                        (
-                            (bound.backend)(b),
-                            MemberKey {
-                                service_id: 0,
-                                backend_id: b,
-                            },
-                        ),
-                    ] {
-                        if live {
-                            *plan.carry.entry(to).or_default() += n;
-                        }
-                    }
+                let mut to = Vec::new();
+                if (bound.service)(s) {
+                    to.push(MemberKey {
+                        service_id: s,
+                        backend_id: 0,
+                    });
                 }
-                false
+                if (bound.backend)(b) {
+                    to.push(MemberKey {
+                        service_id: 0,
+                        backend_id: b,
+                    });
+                }
+                if to.is_empty() {
+                    plan.delete.push(k);
+                } else {
+                    plan.moves.push((k, to));
+                }
             }
-        };
-        if !keep {
-            plan.delete.push(k);
         }
     }
     plan
+}
+
+/// The operations [`apply_pair_sweep`] needs on the `BACKEND_STATS` counters (counts summed
+/// over CPUs).
+pub trait PairCounters {
+    /// Creates key `k` with count 0 unless it exists. Errors: the map is full.
+    fn ensure(&mut self, k: &MemberKey) -> Result<(), DatapathError>;
+    /// Removes key `k` and returns its count, in one step (no count is lost in between);
+    /// `None` when absent.
+    fn take(&mut self, k: &MemberKey) -> Result<Option<u64>, DatapathError>;
+    /// Adds `n` to the existing key `k` (an update in place: it cannot find the map full).
+    fn add(&mut self, k: &MemberKey, n: u64) -> Result<(), DatapathError>;
+    /// Removes key `k` (absent is not an error).
+    fn delete(&mut self, k: &MemberKey) -> Result<(), DatapathError>;
+}
+
+/// Applies `plan`: the deletes, then each move on its own: its carried keys are created
+/// first (a move whose key cannot be, the map being full, is left for the next sweep and
+/// its error returned once every other move is done), then the pair is taken and its count
+/// added to them. A sum therefore never counts a pair twice, and only a failure between
+/// the take and the adds (or an agent dying there) loses that pair's count. Returns how
+/// many keys were deleted.
+pub fn apply_pair_sweep(
+    plan: &PairSweep,
+    m: &mut impl PairCounters,
+) -> Result<usize, DatapathError> {
+    let mut deleted = 0;
+    for k in &plan.delete {
+        m.delete(k)?;
+        deleted += 1;
+    }
+    let mut full = None;
+    'moves: for (pair, to) in &plan.moves {
+        for t in to {
+            if let Err(e) = m.ensure(t) {
+                full.get_or_insert(e);
+                continue 'moves;
+            }
+        }
+        if let Some(n) = m.take(pair)? {
+            deleted += 1;
+            if n != 0 {
+                for t in to {
+                    m.add(t, n)?;
+                }
+            }
+        }
+    }
+    match full {
+        Some(e) => Err(e),
+        None => Ok(deleted),
+    }
 }
 
 /// A `TC_SOURCE_RANGES` key: (prefix length in bits over the whole [`SourceRange`], data).

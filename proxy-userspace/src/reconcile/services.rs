@@ -2092,6 +2092,47 @@ pub(crate) mod tests {
             dp.pair_stats,
             BTreeMap::from([(pair(web_id, web_b1), 5), (pair(web_id, 0), 7)])
         );
+        // A Service leaves while its backend stays bound to another: the pair's count moves
+        // to the backend's key only.
+        let with_x = state(vec![
+            (web.clone(), svc(&["10.96.0.10:80"], &["10.0.0.1:8080"])),
+            (
+                key("x", Protocol::Tcp),
+                svc(&["10.96.0.14:80"], &["10.0.0.1:8080"]),
+            ),
+        ]);
+        sync(&mut s, &mut dp, &with_x).unwrap();
+        let x_id = s.id_of(&key("x", Protocol::Tcp)).unwrap();
+        dp.pair_stats.insert(pair(x_id, web_b1), 3);
+        sync(&mut s, &mut dp, &web_only).unwrap();
+        s.verify(&mut dp).unwrap();
+        assert_eq!(
+            dp.pair_stats,
+            BTreeMap::from([
+                (pair(web_id, web_b1), 5),
+                (pair(web_id, 0), 7),
+                (pair(0, web_b1), 3),
+            ])
+        );
+        assert_eq!(backend_sum(&dp, web_b1), 8);
+        // A full map: the key a pair's count moves to cannot be created, so the pair stays
+        // and is counted once, in place; the next sweep with room moves it, once.
+        sync(&mut s, &mut dp, &shared).unwrap();
+        let b3 = *dp.state.backends.keys().find(|id| **id != web_b1).unwrap();
+        dp.pair_stats.insert(pair(web_id, b3), 6);
+        sync(&mut s, &mut dp, &web_only_b1).unwrap();
+        dp.pair_stats_max = Some(dp.pair_stats.len());
+        s.sweep_counters(&mut dp);
+        s.sweep_counters(&mut dp);
+        assert_eq!(dp.pair_stats.get(&pair(web_id, b3)), Some(&6));
+        assert_eq!((service_sum(&dp, web_id), backend_sum(&dp, b3)), (18, 6));
+        dp.pair_stats_max = None;
+        s.sweep_counters(&mut dp);
+        assert_eq!(dp.pair_stats.get(&pair(web_id, b3)), None);
+        assert_eq!(dp.pair_stats.get(&pair(0, b3)), Some(&6));
+        assert_eq!((service_sum(&dp, web_id), backend_sum(&dp, b3)), (18, 6));
+        sync(&mut s, &mut dp, &web_only).unwrap();
+        s.verify(&mut dp).unwrap();
         // A restart after a removal no verification saw: the removed Service's id is the
         // next one handed out, and the sweep at start keeps it from inheriting the counts.
         let both = state(vec![
@@ -2112,7 +2153,11 @@ pub(crate) mod tests {
         assert_eq!(dp.service_stats, BTreeSet::from([web_id]));
         assert_eq!(
             dp.pair_stats,
-            BTreeMap::from([(pair(web_id, web_b1), 5), (pair(web_id, 0), 7)])
+            BTreeMap::from([
+                (pair(web_id, web_b1), 5),
+                (pair(web_id, 0), 13),
+                (pair(0, web_b1), 3),
+            ])
         );
     }
 
