@@ -75,7 +75,7 @@ pub const STALE_SOCKETS: &str = "STALE_SOCKETS";
 pub const SERVICE_NAMES: &str = "SERVICE_NAMES";
 
 /// Every map the agent pins, in the order the data path depends on them.
-pub const ALL_MAPS: [&str; 22] = [
+pub const ALL_MAPS: [&str; 23] = [
     FRONTENDS,
     BACKEND_SLOTS,
     BACKENDS,
@@ -92,6 +92,7 @@ pub const ALL_MAPS: [&str; 22] = [
     COUNTERS,
     SERVICE_STATS,
     BACKEND_STATS,
+    STATS_CARRIED,
     SERVICE_NAMES,
     bypass::BYPASS_CONFIG,
     bypass::BYPASS_NETNS,
@@ -441,11 +442,16 @@ pub const SERVICE_STATS: &str = "SERVICE_STATS";
 /// preallocated: one value per CPU, summed by readers). One key per translation, so a
 /// connection costs the programs one counter lookup: a service's connections are the sum
 /// over its keys, a backend's over its keys. The agent's periodic verification moves the
-/// count of a pair whose backend left the service to the key `(service id, 0)` while the
-/// service is bound and to `(0, backend id)` while the backend is (keys the programs never
-/// write: they count only translations, whose ids are never 0), so neither sum goes down;
-/// keys of ids no longer bound are deleted.
+/// count of a pair whose backend left the service to [`STATS_CARRIED`], so neither sum
+/// goes down, and deletes the pair.
 pub const BACKEND_STATS: &str = "BACKEND_STATS";
+/// Name of the map of carried connection counts: [`MemberKey`] `(service id, 0)` or
+/// `(0, backend id)` -> the connections `u64` that pairs of [`BACKEND_STATS`] no longer in
+/// use counted for that service or backend while it stays bound (BPF_MAP_TYPE_HASH, not
+/// preallocated). Written by the agent only, never by the programs, so it always has room
+/// for every bound id; readers add it to [`BACKEND_STATS`]'s sums. Keys of ids no longer
+/// bound are deleted.
+pub const STATS_CARRIED: &str = "STATS_CARRIED";
 
 /// Per-CPU counters of one service id. 32 bytes.
 #[repr(C)]

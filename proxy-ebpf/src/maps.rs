@@ -167,6 +167,16 @@ pub static BACKEND_STATS: PerCpuHashMap<
     { BPF_F_NO_PREALLOC as usize },
 > = PerCpuHashMap::new();
 
+/// Carried connection counts; see `proxy_common::STATS_CARRIED`. Written by the agent,
+/// never read here.
+#[btf_map]
+pub static STATS_CARRIED: HashMap<
+    MemberKey,
+    u64,
+    { DEFAULT_MAX_FRONTENDS as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
+
 // ---------------------------------------------------------------------------------------
 // Workloads that bypass socket-level translation (see `proxy_common::bypass`)
 // ---------------------------------------------------------------------------------------

@@ -469,9 +469,12 @@ fn a_services_connections_survive_a_backend_leaving() {
     let deadline = Instant::now() + Duration::from_secs(20);
     // Done when the map holds the pair in use and the Service's carried key only.
     let carried = loop {
-        let pairs = proxy_userspace::datapath::maps::read_pair_stats(&pin).unwrap();
+        let pairs = proxy_userspace::datapath::maps::read_connection_counts(&pin).unwrap();
         let carried = pairs.iter().find(|(k, _)| k.backend_id == 0);
-        if let (2, Some((_, n))) = (pairs.len(), carried) {
+        // (A move creates the carried key at 0 before taking the pair.)
+        if let (2, Some((_, n))) = (pairs.len(), carried)
+            && *n != 0
+        {
             break *n;
         }
         assert!(

@@ -206,8 +206,8 @@ pub struct MonitorArgs {
     /// Output format.
     #[arg(short = 'o', long, value_enum, default_value = "text")]
     pub output: MonitorOutput,
-    /// Stop after this many events.
-    #[arg(allow_hyphen_values = true, long, value_parser = number_in(0u64, u64::MAX))]
+    /// Stop after this many events (at least 1).
+    #[arg(allow_hyphen_values = true, long, value_parser = number_in(1u64, u64::MAX))]
     pub count: Option<u64>,
     /// Stop after this long: seconds (`5`, `0.5`) or a duration (`5s`, `2m`), more than
     /// zero and at most a year.
@@ -442,6 +442,21 @@ mod tests {
             };
             assert_eq!(e.api, want, "{arg}");
         }
+    }
+
+    /// `monitor --count 0` would wait for an event and print it: refused, naming the flag.
+    #[test]
+    fn monitor_count_is_at_least_one() {
+        let e = Cli::command()
+            .try_get_matches_from(["ebpf-proxy", "monitor", "--count", "0"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("'--count"), "{e}");
+        assert!(
+            Cli::command()
+                .try_get_matches_from(["ebpf-proxy", "monitor", "--count", "1"])
+                .is_ok()
+        );
     }
 
     /// A value given as the next argument may start with '-', as pflag takes it: a

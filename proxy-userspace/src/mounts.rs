@@ -94,11 +94,11 @@ pub fn ensure_bpffs(path: &Path) -> Result<bool> {
         )
     };
     if rc != 0 {
+        // The caller says the remedy (`mount -t bpf bpf <path>` as root).
         bail!(
-            "bpffs is not mounted at {} and mounting it failed: {} (run `mount -t bpf bpf {}` as root)",
+            "bpffs is not mounted at {} and mounting it failed: {}",
             path.display(),
             std::io::Error::last_os_error(),
-            path.display()
         );
     }
     Ok(true)

@@ -21,7 +21,7 @@ use proxy_common::{
     AFFINITY, ALL_MAPS, BACKEND_SLOTS, BACKEND_STATS, BACKENDS, FRONTENDS, LC_COUNTS, MEMBERS,
     REVNAT_SK, RR_CURSORS, SERVICE_NAMES, SERVICE_STATS, SOCK_NAT, SOCK_NAT_OVERFLOW,
     SOCK_NAT_SLOT_MASK, SOCK_NAT_SPILLED, SOCKETS, SPILLED_LEGACY, SPILLED_OVERFLOW, STALE_SOCKETS,
-    UDP_FLOWS,
+    STATS_CARRIED, UDP_FLOWS,
     nat::{CONNTRACK, LC_FLOWS},
     sock_nat_slots,
 };
@@ -476,16 +476,14 @@ fn object_loader(sizes: MapSizes) -> EbpfLoader<'static> {
         .map_max_entries(LC_COUNTS, sizes.backends)
         .map_max_entries(RR_CURSORS, sizes.frontends)
         .map_max_entries(SERVICE_STATS, sizes.frontends)
-        // The (service, backend) pairs in use (at most the slots) and the carried count of
-        // every bound service and backend (`proxy_common::BACKEND_STATS`). Not
-        // preallocated, but its buckets are allocated at creation: 16 bytes each, their
-        // number this size rounded up to a power of two (8 MiB at the default sizes).
+        // The (service, backend) pairs in use are at most the slots; the counts carried
+        // from pairs no longer in use, one per bound service or backend. Neither map is
+        // preallocated, but their buckets are allocated at creation: 16 bytes each, their
+        // number the size rounded up to a power of two (4 MiB each at the default sizes).
+        .map_max_entries(BACKEND_STATS, sizes.slots)
         .map_max_entries(
-            BACKEND_STATS,
-            sizes
-                .slots
-                .saturating_add(sizes.frontends)
-                .saturating_add(sizes.backends),
+            STATS_CARRIED,
+            sizes.frontends.saturating_add(sizes.backends),
         )
         .map_max_entries(CONNTRACK, sizes.conntrack_entries())
         .map_max_entries(LC_FLOWS, sizes.conntrack_flows.max(1));

@@ -8,8 +8,8 @@ use proxy_common::{
     BACKEND_SLOTS, BACKEND_STATS, BACKENDS, Backend, BackendSlot, BackendSlotKey, CONFIG, COUNTERS,
     Config, FRONTENDS, Frontend, FrontendKey, MAGLEV, MAGLEV_MAX, MEMBERS, MaglevTable, MemberKey,
     PROTO_UDP, REVNAT_F_CONNECTED, REVNAT_SK, RevNatKey, RevNatValue, SERVICE_NAMES, SERVICE_STATS,
-    SOCK_NAT, SOCK_NAT_BUSY, SOCK_NAT_OVERFLOW, STALE_SOCKETS, ServiceName, ServiceStats, SockNat,
-    UDP_FLOWS, UdpFlow, UdpFlowKey,
+    SOCK_NAT, SOCK_NAT_BUSY, SOCK_NAT_OVERFLOW, STALE_SOCKETS, STATS_CARRIED, ServiceName,
+    ServiceStats, SockNat, UDP_FLOWS, UdpFlow, UdpFlowKey,
 };
 
 use super::{Capacity, DatapathError, Released, ServiceMaps, Snapshot, decode_name, encode_name};
@@ -279,7 +279,7 @@ pub fn read_service_stats(
         });
         out.insert(k, sum);
     }
-    for (k, n) in read_pair_stats(dir)? {
+    for (k, n) in read_connection_counts(dir)? {
         if k.service_id != 0 {
             out.entry(k.service_id)
                 .or_insert_with(ServiceStats::default)
@@ -295,7 +295,7 @@ pub fn read_backend_stats(
     dir: &Path,
 ) -> Result<std::collections::BTreeMap<u32, u64>, DatapathError> {
     let mut out = std::collections::BTreeMap::new();
-    for (k, n) in read_pair_stats(dir)? {
+    for (k, n) in read_connection_counts(dir)? {
         if k.backend_id != 0 {
             *out.entry(k.backend_id).or_insert(0) += n;
         }
@@ -303,32 +303,44 @@ pub fn read_backend_stats(
     Ok(out)
 }
 
-/// The `BACKEND_STATS` map pinned under `dir`: each key's count summed over CPUs. Never
-/// during this process's sweep of the map ([`PAIR_SWEEP`]), so a reader here never sees a
-/// count both on its pair and on the key it moved to; a key met twice (a delete during the
-/// walk restarts it) counts once.
-pub fn read_pair_stats(
+/// The connection counts pinned under `dir` by key: `BACKEND_STATS`'s pairs, each summed
+/// over CPUs, and the carried counts of `STATS_CARRIED` (keys with one id 0). Never during
+/// this process's sweep of them ([`COUNTS_SWEEP`]), so a reader here never sees a count both
+/// on its pair and where it moved; a key met twice (a delete during the walk restarts it)
+/// counts once.
+pub fn read_connection_counts(
     dir: &Path,
 ) -> Result<std::collections::BTreeMap<MemberKey, u64>, DatapathError> {
-    let _sweep = PAIR_SWEEP.lock().unwrap_or_else(|e| e.into_inner());
-    let m = pair_stats(dir)?;
-    m.iter()
-        .map(|kv| {
-            kv.map(|(k, v)| (k, v.iter().sum()))
-                .map_err(|e| map_err("iterate", BACKEND_STATS, e))
-        })
-        .collect()
+    let _sweep = COUNTS_SWEEP.lock().unwrap_or_else(|e| e.into_inner());
+    let mut out = std::collections::BTreeMap::new();
+    for kv in pair_stats(dir)?.iter() {
+        let (k, v) = kv.map_err(|e| map_err("iterate", BACKEND_STATS, e))?;
+        out.insert(k, v.iter().sum::<u64>());
+    }
+    let carried: std::collections::BTreeMap<MemberKey, u64> = carried_stats(dir)?
+        .iter()
+        .collect::<Result<_, _>>()
+        .map_err(|e| map_err("iterate", STATS_CARRIED, e))?;
+    for (k, n) in carried {
+        *out.entry(k).or_insert(0) += n;
+    }
+    Ok(out)
 }
 
-/// Held by a sweep of `BACKEND_STATS` and by its readers in this process (the agent's
-/// verification and `/metrics`).
-static PAIR_SWEEP: std::sync::Mutex<()> = std::sync::Mutex::new(());
+/// Held by a sweep of the connection counts and by their readers in this process (the
+/// agent's verification and `/metrics`).
+static COUNTS_SWEEP: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn pair_stats(
     dir: &Path,
 ) -> Result<aya::maps::PerCpuHashMap<MapData, MemberKey, u64>, DatapathError> {
     let (map, _) = open_map(dir, BACKEND_STATS)?;
     aya::maps::PerCpuHashMap::try_from(map).map_err(|e| map_err("open", BACKEND_STATS, e))
+}
+
+fn carried_stats(dir: &Path) -> Result<HashMap<MapData, MemberKey, u64>, DatapathError> {
+    let (map, _) = open_map(dir, STATS_CARRIED)?;
+    HashMap::try_from(map).map_err(|e| map_err("open", STATS_CARRIED, e))
 }
 
 /// Deletes the keys of per-CPU hash map `name` pinned under `dir` for which `live` says
@@ -352,31 +364,33 @@ fn sweep<V: aya::Pod>(
     Ok(dead.len())
 }
 
-/// Sweeps `BACKEND_STATS` as [`super::plan_pair_sweep`] plans and
-/// [`super::apply_pair_sweep`] applies, while no reader in this process reads it.
+/// Sweeps the connection counts as [`super::plan_pair_sweep`] plans and
+/// [`super::apply_pair_sweep`] applies, while no reader in this process reads them.
 /// Returns how many keys were deleted.
 fn sweep_pairs(dir: &Path, bound: &super::Bound<'_>) -> Result<usize, DatapathError> {
-    let keys: Vec<MemberKey> = read_pair_stats(dir)?.into_keys().collect();
-    let _sweep = PAIR_SWEEP.lock().unwrap_or_else(|e| e.into_inner());
+    let keys: Vec<MemberKey> = read_connection_counts(dir)?.into_keys().collect();
+    let _sweep = COUNTS_SWEEP.lock().unwrap_or_else(|e| e.into_inner());
     let plan = super::plan_pair_sweep(keys, bound);
     let cpus = aya::util::nr_cpus()
         .map_err(|(_, e)| map_err("count CPUs for", BACKEND_STATS, MapError::from(e)))?;
     let raw = MapData::from_pin(dir.join(BACKEND_STATS))
         .map_err(|e| map_err("open pinned", BACKEND_STATS, e))?;
     let mut m = KernelPairs {
-        map: pair_stats(dir)?,
+        pairs: pair_stats(dir)?,
         raw,
+        carried: carried_stats(dir)?,
         cpus,
     };
     super::apply_pair_sweep(&plan, &mut m)
 }
 
-/// `BACKEND_STATS` for [`super::apply_pair_sweep`]. Only the agent writes the carried keys,
-/// so it writes a carried key's whole count as CPU 0's value.
+/// The connection counts for [`super::apply_pair_sweep`]: pairs are taken from
+/// `BACKEND_STATS`, carried keys live in `STATS_CARRIED`.
 struct KernelPairs {
-    map: aya::maps::PerCpuHashMap<MapData, MemberKey, u64>,
-    /// The same map, for the command aya lacks ([`super::batch::take_per_cpu_u64`]).
+    pairs: aya::maps::PerCpuHashMap<MapData, MemberKey, u64>,
+    /// `BACKEND_STATS` again, for the command aya lacks ([`super::batch::take_per_cpu_u64`]).
     raw: MapData,
+    carried: HashMap<MapData, MemberKey, u64>,
     cpus: usize,
 }
 
@@ -385,32 +399,25 @@ const BPF_NOEXIST: u64 = 1;
 const BPF_EXIST: u64 = 2;
 
 impl KernelPairs {
-    fn put(&mut self, k: &MemberKey, n: u64, flags: u64) -> Result<(), MapError> {
-        let mut values = vec![0u64; self.cpus];
-        values[0] = n;
-        let values = aya::maps::PerCpuValues::try_from(values).map_err(MapError::from)?;
-        self.map.insert(k, values, flags)
-    }
-
-    fn sum(&self, k: &MemberKey) -> Result<Option<u64>, DatapathError> {
-        match self.map.get(k, 0) {
-            Ok(v) => Ok(Some(v.iter().sum())),
+    fn carried_count(&self, k: &MemberKey) -> Result<Option<u64>, DatapathError> {
+        match self.carried.get(k, 0) {
+            Ok(n) => Ok(Some(n)),
             Err(MapError::KeyNotFound) => Ok(None),
-            Err(e) => Err(map_err("lookup", BACKEND_STATS, e)),
+            Err(e) => Err(map_err("lookup", STATS_CARRIED, e)),
         }
     }
 }
 
 impl super::PairCounters for KernelPairs {
     fn ensure(&mut self, k: &MemberKey) -> Result<(), DatapathError> {
-        if self.sum(k)?.is_some() {
+        if self.carried_count(k)?.is_some() {
             return Ok(());
         }
-        match self.put(k, 0, BPF_NOEXIST) {
+        match self.carried.insert(k, 0, BPF_NOEXIST) {
             Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EEXIST) => {
                 Ok(())
             }
-            r => r.map_err(|e| map_err("update", BACKEND_STATS, e)),
+            r => r.map_err(|e| map_err("update", STATS_CARRIED, e)),
         }
     }
 
@@ -425,13 +432,18 @@ impl super::PairCounters for KernelPairs {
     }
 
     fn add(&mut self, k: &MemberKey, n: u64) -> Result<(), DatapathError> {
-        let had = self.sum(k)?.unwrap_or(0);
-        self.put(k, had.saturating_add(n), BPF_EXIST)
-            .map_err(|e| map_err("update", BACKEND_STATS, e))
+        let had = self.carried_count(k)?.unwrap_or(0);
+        self.carried
+            .insert(k, had.saturating_add(n), BPF_EXIST)
+            .map_err(|e| map_err("update", STATS_CARRIED, e))
     }
 
     fn delete(&mut self, k: &MemberKey) -> Result<(), DatapathError> {
-        ignore_missing(self.map.remove(k)).map_err(|e| map_err("delete", BACKEND_STATS, e))
+        if k.service_id == 0 || k.backend_id == 0 {
+            ignore_missing(self.carried.remove(k)).map_err(|e| map_err("delete", STATS_CARRIED, e))
+        } else {
+            ignore_missing(self.pairs.remove(k)).map_err(|e| map_err("delete", BACKEND_STATS, e))
+        }
     }
 }
 

@@ -214,12 +214,13 @@ pub fn plan_pair_sweep(keys: impl IntoIterator<Item = MemberKey>, bound: &Bound<
 /// The operations [`apply_pair_sweep`] needs on the `BACKEND_STATS` counters (counts summed
 /// over CPUs).
 pub trait PairCounters {
-    /// Creates key `k` with count 0 unless it exists. Errors: the map is full.
+    /// Creates the carried key `k` with count 0 unless it exists. Errors: the map is full.
     fn ensure(&mut self, k: &MemberKey) -> Result<(), DatapathError>;
-    /// Removes key `k` and returns its count, in one step (no count is lost in between);
-    /// `None` when absent.
+    /// Removes the pair `k` and returns its count, in one step (a count the programs add
+    /// before it is not lost between a read and a delete); `None` when absent.
     fn take(&mut self, k: &MemberKey) -> Result<Option<u64>, DatapathError>;
-    /// Adds `n` to the existing key `k` (an update in place: it cannot find the map full).
+    /// Adds `n` to the existing carried key `k` (an update in place: it cannot find the map
+    /// full).
     fn add(&mut self, k: &MemberKey, n: u64) -> Result<(), DatapathError>;
     /// Removes key `k` (absent is not an error).
     fn delete(&mut self, k: &MemberKey) -> Result<(), DatapathError>;

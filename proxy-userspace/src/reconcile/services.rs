@@ -1274,8 +1274,8 @@ impl ServiceReconciler {
     /// ([`ServiceMaps::sweep_stats`]): at every verification, and at start before any id
     /// is handed out, since an id an earlier agent released may be handed out again then
     /// (ids continue after the highest bound one) and must not inherit its counts. Not a
-    /// repair (the programs wrote them); a failure costs only counter entries, so it is
-    /// logged, not returned.
+    /// repair (the programs wrote them); a failure leaves entries, or a count to move, for
+    /// the next verification, so it is logged, not returned.
     pub fn sweep_counters(&self, dp: &mut impl ServiceMaps) {
         let pairs: HashSet<(u32, u32)> = self
             .applied
@@ -1290,7 +1290,9 @@ impl ServiceReconciler {
         match dp.sweep_stats(&bound) {
             Ok(0) => {}
             Ok(n) => tracing::debug!(entries = n, "counters of released ids deleted"),
-            Err(e) => tracing::warn!(error = %e, "deleting the counters of released ids failed"),
+            Err(e) => {
+                tracing::warn!(error = %e, "sweeping the counters of released ids and endpoints failed; retried at the next verification")
+            }
         }
     }
 }
