@@ -173,7 +173,7 @@ pub static BACKEND_STATS: PerCpuHashMap<
 pub static STATS_CARRIED: HashMap<
     MemberKey,
     u64,
-    { DEFAULT_MAX_FRONTENDS as usize },
+    { DEFAULT_MAX_FRONTENDS as usize + DEFAULT_MAX_BACKENDS as usize },
     { BPF_F_NO_PREALLOC as usize },
 > = HashMap::new();
 

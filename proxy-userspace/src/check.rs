@@ -35,7 +35,7 @@ use serde::Serialize;
 
 use crate::{
     datapath::loader,
-    mounts::{cgroup2_root, ensure_bpffs, find_mount},
+    mounts::{cgroup2_root, find_mount, mount_bpffs},
 };
 
 /// The oldest kernel the programs load on: `bpf_set_retval` (5.18) refuses a connect() or
@@ -411,7 +411,7 @@ fn bpffs(opts: &Options) -> CheckResult {
             bpffs_remedy(path, &mount_cmd),
         );
     }
-    match ensure_bpffs(path) {
+    match mount_bpffs(path) {
         Ok(_) => CheckResult::ok("bpffs", format!("mounted at {} (now)", path.display())),
         Err(e) => CheckResult::bad(
             "bpffs",

@@ -77,6 +77,12 @@ pub fn in_initial_cgroup_namespace() -> Option<bool> {
 ///
 /// Errors: the mount(2) failed (not root, no CONFIG_BPF_SYSCALL); the message has the remedy.
 pub fn ensure_bpffs(path: &Path) -> Result<bool> {
+    mount_bpffs(path)
+        .map_err(|e| anyhow::anyhow!("{e:#} (run `mount -t bpf bpf {}` as root)", path.display()))
+}
+
+/// [`ensure_bpffs`] without the remedy in its error, for callers that state it themselves.
+pub fn mount_bpffs(path: &Path) -> Result<bool> {
     if find_mount("bpf", Some(path))?.is_some() {
         return Ok(false);
     }
@@ -94,7 +100,6 @@ pub fn ensure_bpffs(path: &Path) -> Result<bool> {
         )
     };
     if rc != 0 {
-        // The caller says the remedy (`mount -t bpf bpf <path>` as root).
         bail!(
             "bpffs is not mounted at {} and mounting it failed: {}",
             path.display(),

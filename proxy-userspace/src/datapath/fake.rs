@@ -84,9 +84,11 @@ pub struct FakeDatapath {
     pub batching: bool,
     /// Ids with per-service counters (`SERVICE_STATS` keys; the programs create them).
     pub service_stats: BTreeSet<u32>,
-    /// Connection counters (`BACKEND_STATS`: (service id, backend id) -> count).
+    /// Connection counters: pairs (`BACKEND_STATS`) and carried keys, the ones with an id
+    /// 0 (`STATS_CARRIED`), in one map: (service id, backend id) -> count.
     pub pair_stats: BTreeMap<MemberKey, u64>,
-    /// Most keys `pair_stats` takes (`None`: no limit); a key beyond is refused as full.
+    /// Most carried keys `STATS_CARRIED` takes (`None`: no limit); one beyond is refused as
+    /// full.
     pub pair_stats_max: Option<usize>,
     bulk: Option<Vec<Op>>,
 }
@@ -210,8 +212,13 @@ struct FakePairs<'a> {
 impl super::PairCounters for FakePairs<'_> {
     fn ensure(&mut self, k: &MemberKey) -> Result<(), DatapathError> {
         if !self.map.contains_key(k) {
-            if self.max.is_some_and(|m| self.map.len() >= m) {
-                return Err(full("BACKEND_STATS"));
+            let carried = self
+                .map
+                .keys()
+                .filter(|k| k.service_id == 0 || k.backend_id == 0)
+                .count();
+            if self.max.is_some_and(|m| carried >= m) {
+                return Err(full("STATS_CARRIED"));
             }
             self.map.insert(*k, 0);
         }

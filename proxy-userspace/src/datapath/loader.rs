@@ -580,6 +580,18 @@ pub fn load_pinned(dir: &Path, sizes: MapSizes) -> Result<Ebpf> {
     let seed_overflow =
         !dir.join(SOCK_NAT_SPILLED).exists() && dir.join(SOCK_NAT_OVERFLOW).exists();
     let mut loader = object_loader(sizes);
+    // Carried counts created next to adopted maps have room for every id those can bind.
+    if !dir.join(STATS_CARRIED).exists()
+        && let (Ok(names), Ok(backends)) = (
+            aya::maps::MapInfo::from_pin(dir.join(SERVICE_NAMES)),
+            aya::maps::MapInfo::from_pin(dir.join(BACKENDS)),
+        )
+    {
+        loader.map_max_entries(
+            STATS_CARRIED,
+            names.max_entries().saturating_add(backends.max_entries()),
+        );
+    }
     // Slots carried over keep the earlier map's size, as an adopted map would.
     if !dir.join(BACKEND_SLOTS).exists()
         && let Ok(info) = aya::maps::MapInfo::from_pin(&ids_pin)

@@ -260,8 +260,8 @@ fn read_percpu_counters(dir: &Path, name: &'static str) -> Result<Vec<u64>, Data
 }
 
 /// Per-service counters of the maps pinned under `dir`, summed over CPUs: `SERVICE_STATS`,
-/// with each service's connections from `BACKEND_STATS` added (its pairs and its carried
-/// key; see `proxy_common::BACKEND_STATS`).
+/// with each service's connections added (its `BACKEND_STATS` pairs and its carried count in
+/// `STATS_CARRIED`; see [`read_connection_counts`]).
 pub fn read_service_stats(
     dir: &Path,
 ) -> Result<std::collections::BTreeMap<u32, ServiceStats>, DatapathError> {
@@ -289,8 +289,8 @@ pub fn read_service_stats(
     Ok(out)
 }
 
-/// Per-backend connection counts of the `BACKEND_STATS` map pinned under `dir`, summed over
-/// CPUs and over the backend's keys: backend id -> connections and new flows sent to it.
+/// Per-backend connection counts pinned under `dir` ([`read_connection_counts`]), summed over
+/// the backend's keys: backend id -> connections and new flows sent to it.
 pub fn read_backend_stats(
     dir: &Path,
 ) -> Result<std::collections::BTreeMap<u32, u64>, DatapathError> {
@@ -439,11 +439,12 @@ impl super::PairCounters for KernelPairs {
     }
 
     fn delete(&mut self, k: &MemberKey) -> Result<(), DatapathError> {
+        // A carried key from a build that kept them in `BACKEND_STATS` goes from there too.
         if k.service_id == 0 || k.backend_id == 0 {
-            ignore_missing(self.carried.remove(k)).map_err(|e| map_err("delete", STATS_CARRIED, e))
-        } else {
-            ignore_missing(self.pairs.remove(k)).map_err(|e| map_err("delete", BACKEND_STATS, e))
+            ignore_missing(self.carried.remove(k))
+                .map_err(|e| map_err("delete", STATS_CARRIED, e))?;
         }
+        ignore_missing(self.pairs.remove(k)).map_err(|e| map_err("delete", BACKEND_STATS, e))
     }
 }
 

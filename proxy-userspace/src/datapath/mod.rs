@@ -140,9 +140,9 @@ pub trait ServiceMaps {
         released: &[(u32, u32, Backend)],
     ) -> Result<Released, DatapathError>;
     /// Deletes the counters of ids no longer bound (`SERVICE_STATS` by service id,
-    /// `BACKEND_STATS` keys naming such an id) and the (service, backend) counters of pairs
-    /// no longer in use, moving their counts to the carried keys of the service and the
-    /// backend that stay bound ([`plan_pair_sweep`], [`apply_pair_sweep`]): those maps are
+    /// `BACKEND_STATS` and `STATS_CARRIED` keys naming such an id) and the (service,
+    /// backend) counters of pairs no longer in use, moving their counts to the carried keys
+    /// (`STATS_CARRIED`) of the service and the backend that stay bound ([`plan_pair_sweep`], [`apply_pair_sweep`]): those maps are
     /// not LRU and ids are not reused soon. Returns how many entries were deleted. Data
     /// paths without counters delete nothing.
     fn sweep_stats(&mut self, _bound: &Bound<'_>) -> Result<usize, DatapathError> {
@@ -160,8 +160,8 @@ pub struct Bound<'a> {
     pub member: &'a dyn Fn(u32, u32) -> bool,
 }
 
-/// What a sweep of the `BACKEND_STATS` connection counters does
-/// (`proxy_common::BACKEND_STATS`), planned from their keys.
+/// What a sweep of the connection counters does (`proxy_common::BACKEND_STATS` pairs,
+/// `proxy_common::STATS_CARRIED` carried keys), planned from their keys.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PairSweep {
     /// Keys deleted without carrying their count anywhere: carried keys of ids no longer
@@ -211,8 +211,8 @@ pub fn plan_pair_sweep(keys: impl IntoIterator<Item = MemberKey>, bound: &Bound<
     plan
 }
 
-/// The operations [`apply_pair_sweep`] needs on the `BACKEND_STATS` counters (counts summed
-/// over CPUs).
+/// The operations [`apply_pair_sweep`] needs on the connection counters: pairs in
+/// `BACKEND_STATS` (counts summed over CPUs), carried keys in `STATS_CARRIED`.
 pub trait PairCounters {
     /// Creates the carried key `k` with count 0 unless it exists. Errors: the map is full.
     fn ensure(&mut self, k: &MemberKey) -> Result<(), DatapathError>;
