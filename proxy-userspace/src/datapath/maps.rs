@@ -368,9 +368,7 @@ fn sweep<V: aya::Pod>(
 /// [`super::apply_pair_sweep`] applies, while no reader in this process reads them.
 /// Returns how many keys were deleted.
 fn sweep_pairs(dir: &Path, bound: &super::Bound<'_>) -> Result<usize, DatapathError> {
-    let keys: Vec<MemberKey> = read_connection_counts(dir)?.into_keys().collect();
     let _sweep = COUNTS_SWEEP.lock().unwrap_or_else(|e| e.into_inner());
-    let plan = super::plan_pair_sweep(keys, bound);
     let cpus = aya::util::nr_cpus()
         .map_err(|(_, e)| map_err("count CPUs for", BACKEND_STATS, MapError::from(e)))?;
     let raw = MapData::from_pin(dir.join(BACKEND_STATS))
@@ -381,6 +379,15 @@ fn sweep_pairs(dir: &Path, bound: &super::Bound<'_>) -> Result<usize, DatapathEr
         carried: carried_stats(dir)?,
         cpus,
     };
+    // The keys only (a key met twice during a walk is planned once).
+    let mut keys = std::collections::BTreeSet::new();
+    for k in m.pairs.keys() {
+        keys.insert(k.map_err(|e| map_err("iterate", BACKEND_STATS, e))?);
+    }
+    for k in m.carried.keys() {
+        keys.insert(k.map_err(|e| map_err("iterate", STATS_CARRIED, e))?);
+    }
+    let plan = super::plan_pair_sweep(keys, bound);
     super::apply_pair_sweep(&plan, &mut m)
 }
 

@@ -1993,6 +1993,13 @@ pub(crate) mod tests {
             .map(|(_, n)| n)
             .sum()
     }
+    /// web (one endpoint, 10.0.0.1:8080) and one more TCP Service `name` with one endpoint.
+    fn web_and(web: &ServicePortKey, name: &str, vip: &str, backend: &str) -> DesiredState {
+        state(vec![
+            (web.clone(), svc(&["10.96.0.10:80"], &["10.0.0.1:8080"])),
+            (key(name, Protocol::Tcp), svc(&[vip], &[backend])),
+        ])
+    }
     fn pair(service_id: u32, backend_id: u32) -> MemberKey {
         MemberKey {
             service_id,
@@ -2061,13 +2068,7 @@ pub(crate) mod tests {
         let b3 = *dp.state.backends.keys().find(|id| **id != web_b1).unwrap();
         dp.pair_stats.insert(pair(web_id, b3), 7);
         dp.pair_stats.insert(pair(api_id, b3), 2);
-        let web_only_b1 = state(vec![
-            (web.clone(), svc(&["10.96.0.10:80"], &["10.0.0.1:8080"])),
-            (
-                key("api", Protocol::Tcp),
-                svc(&["10.96.0.13:80"], &["10.0.0.3:8080"]),
-            ),
-        ]);
+        let web_only_b1 = web_and(&web, "api", "10.96.0.13:80", "10.0.0.3:8080");
         sync(&mut s, &mut dp, &web_only_b1).unwrap();
         s.verify(&mut dp).unwrap();
         assert_eq!(
@@ -2096,13 +2097,7 @@ pub(crate) mod tests {
         );
         // A Service leaves while its backend stays bound to another: the pair's count moves
         // to the backend's key only.
-        let with_x = state(vec![
-            (web.clone(), svc(&["10.96.0.10:80"], &["10.0.0.1:8080"])),
-            (
-                key("x", Protocol::Tcp),
-                svc(&["10.96.0.14:80"], &["10.0.0.1:8080"]),
-            ),
-        ]);
+        let with_x = web_and(&web, "x", "10.96.0.14:80", "10.0.0.1:8080");
         sync(&mut s, &mut dp, &with_x).unwrap();
         let x_id = s.id_of(&key("x", Protocol::Tcp)).unwrap();
         dp.pair_stats.insert(pair(x_id, web_b1), 3);
@@ -2142,13 +2137,7 @@ pub(crate) mod tests {
         s.verify(&mut dp).unwrap();
         // A restart after a removal no verification saw: the removed Service's id is the
         // next one handed out, and the sweep at start keeps it from inheriting the counts.
-        let both = state(vec![
-            (web.clone(), svc(&["10.96.0.10:80"], &["10.0.0.1:8080"])),
-            (
-                key("late", Protocol::Tcp),
-                svc(&["10.96.0.12:80"], &["10.0.0.4:80"]),
-            ),
-        ]);
+        let both = web_and(&web, "late", "10.96.0.12:80", "10.0.0.4:80");
         sync(&mut s, &mut dp, &both).unwrap();
         let late_id = s.id_of(&key("late", Protocol::Tcp)).unwrap();
         let late_b = *dp.state.backends.keys().find(|id| **id != web_b1).unwrap();
