@@ -47,8 +47,11 @@ pub enum Command {
     Services(ServicesArgs),
     /// List the backends with the services using them and their connection counters.
     Backends(ServicesArgs),
-    /// Print the per-service counters (connections, refusals) and the per-reason data path
-    /// counters.
+    /// Print the per-service counters and the per-reason data path counters. Per Service:
+    /// CONNECTIONS (connections and new UDP flows translated, socket and tc paths),
+    /// REFUSED (refused or dropped for lack of (local) endpoints), PACKETS and BYTES
+    /// (packets translated by the north-south tc path, and their bytes); then each
+    /// REASON's COUNT with its MEANING, for the socket and the tc programs.
     Stats(ServicesArgs),
     /// List the socket-level translations: connected sockets and unconnected UDP flows,
     /// with idle time and staleness.

@@ -371,7 +371,58 @@ pub fn parse(text: &str) -> Result<Loaded> {
         }
         anyhow::anyhow!("not a KubeProxyConfiguration document: {msg}")
     })?;
-    file::validate(&file)
+    // A field's invalid value is named by its dotted path: add the line it is on.
+    file::validate(&file).map_err(|e| {
+        let msg = format!("{e:#}");
+        let line = msg
+            .split_once(": ")
+            .and_then(|(field, _)| field_line(text, field));
+        match line {
+            Some(line) => anyhow::anyhow!("{msg} (line {line})"),
+            None => e,
+        }
+    })
+}
+
+/// The 1-based line of the key at the dotted `path` (`conntrack.maxPerCore`) in a block-style
+/// YAML document: the first segment at the top level, each next one inside the previous
+/// key's block. `None` when the text has no such key in that style (a flow mapping, a quoted
+/// key) or `path` is not a field path.
+fn field_line(text: &str, path: &str) -> Option<usize> {
+    let segments: Vec<&str> = path.split('.').collect();
+    if segments
+        .iter()
+        .any(|s| s.is_empty() || !s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'))
+    {
+        return None;
+    }
+    let mut depth = 0;
+    // The indentation of the last matched key: the next segment must be deeper.
+    let mut parent: Option<usize> = None;
+    for (i, l) in text.lines().enumerate() {
+        let key = l.trim_start();
+        if key.is_empty() || key.starts_with('#') || key.starts_with("---") {
+            continue;
+        }
+        let indent = l.len() - key.len();
+        match parent {
+            // Left the matched key's block without finding the next segment.
+            Some(p) if indent <= p => return None,
+            None if indent > 0 => continue,
+            _ => {}
+        }
+        if key
+            .strip_prefix(segments[depth])
+            .is_some_and(|rest| rest.trim_start().starts_with(':'))
+        {
+            depth += 1;
+            if depth == segments.len() {
+                return Some(i + 1);
+            }
+            parent = Some(indent);
+        }
+    }
+    None
 }
 
 /// The 1-based line of the second `name:` key at one indentation, from line `from` on

@@ -255,21 +255,30 @@ fn inspect_with(
     print(&dir, &maps, args.output == Output::Json)
 }
 
-/// Parses `ADDR:PORT[/PROTO]`.
+/// Parses `ADDR:PORT[/PROTO]` (IPv6 as `[ADDR]:PORT`; PROTO `TCP` or `UDP`, any case,
+/// TCP when left out). Errors quote the whole argument and say which part is wrong.
 fn parse_target(s: &str) -> Result<(SocketAddr, u8)> {
-    let (addr, proto) = match s.rsplit_once('/') {
-        Some((a, p)) => (a, p),
-        None => (s, "TCP"),
-    };
+    const FORM: &str = "ADDR:PORT[/TCP|/UDP], IPv6 as [ADDR]:PORT";
+    let (addr, proto) = s.split_once('/').unwrap_or((s, "TCP"));
     let proto = match proto.to_ascii_uppercase().as_str() {
         "TCP" => proxy_common::PROTO_TCP,
         "UDP" => proxy_common::PROTO_UDP,
-        other => anyhow::bail!("protocol {other:?} is not TCP or UDP"),
+        _ => anyhow::bail!("{s:?}: protocol {proto:?} is not TCP or UDP ({FORM})"),
     };
-    let addr: SocketAddr = addr
-        .parse()
-        .with_context(|| format!("{addr:?} is not ADDR:PORT (IPv6 as [ADDR]:PORT)"))?;
-    Ok((addr, proto))
+    match addr.parse::<SocketAddr>() {
+        Ok(a) => Ok((a, proto)),
+        Err(_) => {
+            // A port that is a number but too large is the likely slip: say so.
+            if let Some((_, port)) = addr.rsplit_once(':')
+                && !port.is_empty()
+                && port.bytes().all(|b| b.is_ascii_digit())
+                && port.parse::<u16>().is_err()
+            {
+                anyhow::bail!("{s:?}: port {port} is out of range (0-65535)");
+            }
+            anyhow::bail!("{s:?} is not {FORM}")
+        }
+    }
 }
 
 fn explain(args: ExplainArgs) -> Result<()> {
@@ -294,6 +303,12 @@ fn explain(args: ExplainArgs) -> Result<()> {
         let (objects, errors) = proxy_userspace::source::manifests::load_dir(m);
         for e in errors {
             eprintln!("warning: {e}");
+        }
+        if objects.services.is_empty() {
+            eprintln!(
+                "warning: --manifests {}: no Service found (read: *.yaml, *.yml and *.json files, dot files and backups~ skipped)",
+                m.display()
+            );
         }
         Some(Model::from_objects(&objects, &node))
     } else if args.api {
@@ -467,4 +482,27 @@ fn cleanup_pins(pins: &PinArgs) -> Result<()> {
         println!("nothing to clean up at {}", dir.display());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_target;
+
+    #[test]
+    fn target_forms_and_errors() {
+        let ok = |s: &str| parse_target(s).unwrap_or_else(|e| panic!("{s}: {e:#}"));
+        assert_eq!(ok("10.96.0.10:53/udp").1, proxy_common::PROTO_UDP);
+        assert_eq!(ok("10.96.0.10:80").1, proxy_common::PROTO_TCP);
+        assert_eq!(ok("[fd00::a]:443/TCP").0.port(), 443);
+        let err = |s: &str| format!("{:#}", parse_target(s).unwrap_err());
+        assert!(err("10.0.0.1:99999").contains("port 99999 is out of range"));
+        let e = err("10.0.0.1:80/udp/extra");
+        assert!(
+            e.contains("\"10.0.0.1:80/udp/extra\"") && e.contains("\"udp/extra\""),
+            "{e}"
+        );
+        assert!(err("10.0.0.1:80/SCTP").contains("protocol \"SCTP\" is not TCP or UDP"));
+        assert!(err("fd00::1:80").contains("IPv6 as [ADDR]:PORT"));
+        assert!(err("10.0.0.1").contains("is not ADDR:PORT"));
+    }
 }

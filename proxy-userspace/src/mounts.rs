@@ -86,9 +86,23 @@ pub fn mount_bpffs(path: &Path) -> Result<bool> {
     if find_mount("bpf", Some(path))?.is_some() {
         return Ok(false);
     }
+    // The directories this call creates, outermost first: removed again when the mount
+    // fails, so a failed start leaves nothing behind.
+    let created: Vec<&Path> = {
+        let mut missing: Vec<&Path> = path.ancestors().take_while(|p| !p.exists()).collect();
+        missing.reverse();
+        missing
+    };
     fs::create_dir_all(path).with_context(|| format!("create {}", path.display()))?;
-    let target =
-        std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).context("bpffs path")?;
+    let undo = || {
+        for dir in created.iter().rev() {
+            let _ = fs::remove_dir(dir);
+        }
+    };
+    let Ok(target) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
+        undo();
+        bail!("bpffs path {} holds a NUL byte", path.display());
+    };
     // SAFETY: plain mount(2) with valid NUL-terminated strings and no data.
     let rc = unsafe {
         libc::mount(
@@ -100,10 +114,11 @@ pub fn mount_bpffs(path: &Path) -> Result<bool> {
         )
     };
     if rc != 0 {
+        let err = std::io::Error::last_os_error();
+        undo();
         bail!(
-            "bpffs is not mounted at {} and mounting it failed: {}",
-            path.display(),
-            std::io::Error::last_os_error(),
+            "bpffs is not mounted at {} and mounting it failed: {err}",
+            path.display()
         );
     }
     Ok(true)

@@ -407,7 +407,40 @@ fn conntrack_size_and_timeouts_are_read_and_checked() {
     ] {
         let e = parse(&body(&format!("conntrack:\n  {bad}\n"))).unwrap_err();
         assert!(format!("{e:#}").contains(field), "{bad}: {e:#}");
+        // The value's line: after apiVersion, kind and `conntrack:`.
+        assert!(format!("{e:#}").ends_with("(line 4)"), "{bad}: {e:#}");
     }
+}
+
+#[test]
+fn invalid_values_name_their_line() {
+    let text = body(
+        "# comment\nconntrack:\n  min: 0\n  udpTimeout: 1s\n\n  maxPerCore: lots\noomScoreAdj: 5\n",
+    );
+    let e = format!("{:#}", parse(&text).unwrap_err());
+    assert!(
+        e.contains("conntrack.maxPerCore: lots") && e.ends_with("(line 8)"),
+        "{e}"
+    );
+    assert_eq!(field_line(&text, "oomScoreAdj"), Some(9));
+    assert_eq!(field_line(&text, "conntrack.min"), Some(5));
+    // Not a key of that block, not a field path.
+    assert_eq!(field_line(&text, "conntrack.oomScoreAdj"), None);
+    assert_eq!(field_line(&text, "minSyncPeriod is longer"), None);
+    // A duration section's field, and a flow mapping (no line, the message still names it).
+    let e = format!(
+        "{:#}",
+        parse(&body("iptables:\n  syncPeriod: 10\n")).unwrap_err()
+    );
+    assert!(e.ends_with("(line 4)"), "{e}");
+    let e = format!(
+        "{:#}",
+        parse(&body("conntrack: {maxPerCore: lots}\n")).unwrap_err()
+    );
+    assert!(
+        e.contains("conntrack.maxPerCore") && !e.contains("(line"),
+        "{e}"
+    );
 }
 
 fn sorted<S: AsRef<str>>(v: &[S]) -> Vec<String> {
