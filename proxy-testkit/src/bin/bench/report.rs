@@ -672,6 +672,57 @@ impl Results {
         o
     }
 
+    /// The socket-path targets at every N measured: BPF time per TCP connection (all
+    /// programs, statistics' floor included, median over runs) at most 500 ns, and new
+    /// connections per second at least 0.98 of direct (ratio of the medians). A ratio below
+    /// 0.98 whose min–max range overlaps direct's is "within the spread": the runs cannot
+    /// tell it from direct.
+    pub fn data_path_targets(&self) -> String {
+        let mut o = String::new();
+        let _ = writeln!(o, "### Socket-path targets\n");
+        let _ = writeln!(o, "| target | N | measured | limit | met |");
+        let _ = writeln!(o, "| --- | ---: | ---: | ---: | --- |");
+        let mut any = false;
+        for &n in &self.services {
+            if let Some(s) = self.get(Case::Ebpf, n, "bpf_ns_per_conn") {
+                any = true;
+                let met = if s.med <= 500.0 { "met" } else { "missed" };
+                let _ = writeln!(
+                    o,
+                    "| BPF time per TCP connection, all programs | {n} | {:.0} ({:.0}–{:.0}) ns | ≤ 500 ns | {met} |",
+                    s.med, s.min, s.max
+                );
+            }
+        }
+        for &n in &self.services {
+            if let (Some(e), Some(d)) = (
+                self.get(Case::Ebpf, n, "cps"),
+                self.get(Case::Direct, n, "cps"),
+            ) && d.med > 0.0
+            {
+                any = true;
+                let r = e.med / d.med;
+                let met = if r >= 0.98 {
+                    "met"
+                } else if e.max >= d.min {
+                    "within the spread"
+                } else {
+                    "missed"
+                };
+                let _ = writeln!(
+                    o,
+                    "| new connections per second, ratio to direct | {n} | {r:.2} ({:.0}–{:.0} vs {:.0}–{:.0}) | ≥ 0.98 | {met} |",
+                    e.min, e.max, d.min, d.max
+                );
+            }
+        }
+        if !any {
+            return String::new();
+        }
+        o.push('\n');
+        o
+    }
+
     /// The tables that go into the README.
     pub fn headline(&self) -> String {
         let mut o = String::new();
@@ -733,6 +784,7 @@ impl Results {
     fn cluster_ip_tables(&self) -> String {
         let mut o = String::new();
         o.push_str(&self.targets());
+        o.push_str(&self.data_path_targets());
         let _ = writeln!(
             o,
             "### Control plane: programming N services from cold (ms)\n"
