@@ -1072,7 +1072,7 @@ fn upgrade_carries_preallocated_service_maps_over() {
         let m: HashMap<MapData, K, V> =
             HashMap::try_from(Map::HashMap(MapData::from_pin(path).unwrap())).unwrap();
         let mut v: Vec<(K, V)> = m.iter().map(Result::unwrap).collect();
-        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v.sort_by_key(|e| e.0);
         v
     }
     /// Pins `entries` in a preallocated map of 1024 entries at `path`, as the earlier
