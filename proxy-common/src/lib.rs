@@ -34,13 +34,9 @@ pub const PROTO_TCP: u8 = 6;
 /// IANA protocol number of UDP.
 pub const PROTO_UDP: u8 = 17;
 
-/// Name of the frontend map: [`FrontendKey`] -> [`Frontend`] (BPF_MAP_TYPE_HASH,
-/// BPF_F_NO_PREALLOC: an update replaces the element and frees the old one only after an RCU
-/// grace period, so a program never reads a value half rewritten, as it could in a
-/// preallocated map, which reuses the old element at once).
+/// Name of the frontend map: [`FrontendKey`] -> [`Frontend`] (BPF_MAP_TYPE_HASH).
 pub const FRONTENDS: &str = "FRONTENDS";
-/// Name of the slot map: [`BackendSlotKey`] -> [`BackendSlot`] (BPF_MAP_TYPE_HASH,
-/// BPF_F_NO_PREALLOC, as [`FRONTENDS`]).
+/// Name of the slot map: [`BackendSlotKey`] -> [`BackendSlot`] (BPF_MAP_TYPE_HASH).
 pub const BACKEND_SLOTS: &str = "BACKEND_SLOTS";
 /// Name of the backend map: backend id `u32` -> [`Backend`] (BPF_MAP_TYPE_HASH).
 pub const BACKENDS: &str = "BACKENDS";

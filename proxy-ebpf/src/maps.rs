@@ -29,21 +29,13 @@ use proxy_common::{
 
 /// (VIP, port, protocol) -> frontend; see `proxy_common::FRONTENDS`.
 #[btf_map]
-pub static FRONTENDS: HashMap<
-    FrontendKey,
-    Frontend,
-    { DEFAULT_MAX_FRONTENDS as usize },
-    { BPF_F_NO_PREALLOC as usize },
-> = HashMap::new();
+pub static FRONTENDS: HashMap<FrontendKey, Frontend, { DEFAULT_MAX_FRONTENDS as usize }> =
+    HashMap::new();
 
 /// (service id, slot) -> backend id and value; see `proxy_common::BACKEND_SLOTS`.
 #[btf_map]
-pub static BACKEND_SLOTS: HashMap<
-    BackendSlotKey,
-    BackendSlot,
-    { DEFAULT_MAX_SLOTS as usize },
-    { BPF_F_NO_PREALLOC as usize },
-> = HashMap::new();
+pub static BACKEND_SLOTS: HashMap<BackendSlotKey, BackendSlot, { DEFAULT_MAX_SLOTS as usize }> =
+    HashMap::new();
 
 /// backend id -> (address, port); see `proxy_common::BACKENDS`.
 #[btf_map]

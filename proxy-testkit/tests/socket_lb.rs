@@ -979,17 +979,6 @@ fn upgrade_from_pins_without_slots_keeps_open_connections_reverse_nat() {
     assert_eq!(legacy(), 0);
 }
 
-/// The agent's default map sizes, for loads outside an agent.
-fn default_sizes() -> proxy_userspace::datapath::loader::MapSizes {
-    proxy_userspace::datapath::loader::MapSizes {
-        frontends: proxy_common::DEFAULT_MAX_FRONTENDS,
-        slots: proxy_common::DEFAULT_MAX_SLOTS,
-        backends: proxy_common::DEFAULT_MAX_BACKENDS,
-        sockets: proxy_common::DEFAULT_MAX_SOCKETS,
-        conntrack_flows: 65536,
-    }
-}
-
 /// An upgrade from a version whose slots hold backend ids only (4-byte values): the start
 /// carries every slot over into this version's layout (id and backend) before any program
 /// is attached, so no Service loses its backends until the first sync; the agent then
@@ -998,8 +987,11 @@ fn default_sizes() -> proxy_userspace::datapath::loader::MapSizes {
 #[test]
 fn upgrade_carries_slots_without_backends_over() {
     use aya::maps::{HashMap, Map, MapData};
-    use proxy_common::{BACKEND_SLOTS, BackendSlot, BackendSlotKey};
-    use proxy_userspace::datapath::loader::load_pinned;
+    use proxy_common::{
+        BACKEND_SLOTS, BackendSlot, BackendSlotKey, DEFAULT_MAX_BACKENDS, DEFAULT_MAX_FRONTENDS,
+        DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCKETS,
+    };
+    use proxy_userspace::datapath::loader::{MapSizes, load_pinned};
     let mut env = Env::new("slots-carry", 2, false);
     web(&env, &[b(0), b(1)]);
     env.start_agent();
@@ -1026,9 +1018,16 @@ fn upgrade_carries_slots_without_backends_over() {
             old.insert(k, v.backend_id, 0).unwrap();
         }
     }
+    let sizes = MapSizes {
+        frontends: DEFAULT_MAX_FRONTENDS,
+        slots: DEFAULT_MAX_SLOTS,
+        backends: DEFAULT_MAX_BACKENDS,
+        sockets: DEFAULT_MAX_SOCKETS,
+        conntrack_flows: 65536,
+    };
     // The load alone (no program attached, no sync) carries them over, into a map of the
     // earlier one's size, and drops the set-aside pin.
-    drop(load_pinned(&dir, default_sizes()).unwrap());
+    drop(load_pinned(&dir, sizes).unwrap());
     assert_eq!(read(), before, "every slot carried over with its backend");
     let info = aya::maps::MapInfo::from_pin(&path).unwrap();
     assert_eq!((info.value_size(), info.max_entries()), (24, 1024));
@@ -1051,86 +1050,6 @@ fn upgrade_carries_slots_without_backends_over() {
     // Adopted by id (the Service keeps its backend ids), then rewritten by a verification.
     env.wait_maps(|s| s.stale_slots.is_empty(), "the damaged slot rewritten");
     assert_eq!(read(), before);
-    let c = by_name(&env.tcp(&format!("{VIP}:80"), 30));
-    assert_eq!(c.len(), 2, "both backends serve after the upgrade: {c:?}");
-}
-
-/// An upgrade from a version whose `FRONTENDS` and `BACKEND_SLOTS` were preallocated (this
-/// layout, other creation flags): the load carries their entries over into maps allocated on
-/// insert, of the earlier maps' sizes, before any program is attached, and drops the
-/// set-aside pins; the agent then adopts them as its own (nothing to rewrite) and serves.
-#[test]
-fn upgrade_carries_preallocated_service_maps_over() {
-    use aya::maps::{HashMap, Map, MapData, MapInfo};
-    use proxy_common::{
-        BACKEND_SLOTS, BackendSlot, BackendSlotKey, FRONTENDS, Frontend, FrontendKey,
-    };
-    use proxy_userspace::datapath::loader::load_pinned;
-    // linux/bpf.h
-    const BPF_F_NO_PREALLOC: u32 = 1;
-    fn read<K: aya::Pod + Ord, V: aya::Pod>(path: &std::path::Path) -> Vec<(K, V)> {
-        let m: HashMap<MapData, K, V> =
-            HashMap::try_from(Map::HashMap(MapData::from_pin(path).unwrap())).unwrap();
-        let mut v: Vec<(K, V)> = m.iter().map(Result::unwrap).collect();
-        v.sort_by_key(|e| e.0);
-        v
-    }
-    /// Pins `entries` in a preallocated map of 1024 entries at `path`, as the earlier
-    /// version did.
-    fn pin_preallocated<K: aya::Pod, V: aya::Pod>(
-        path: &std::path::Path,
-        name: &str,
-        entries: &[(K, V)],
-    ) {
-        std::fs::remove_file(path).unwrap();
-        pin_old_map(path, "hash", size_of::<K>(), size_of::<V>(), 1024, name);
-        let mut old: HashMap<MapData, K, V> =
-            HashMap::try_from(Map::HashMap(MapData::from_pin(path).unwrap())).unwrap();
-        for (k, v) in entries {
-            old.insert(k, v, 0).unwrap();
-        }
-    }
-    let mut env = Env::new("flags-carry", 2, false);
-    web(&env, &[b(0), b(1)]);
-    env.start_agent();
-    env.stop_agent();
-    let dir = env.pin_path();
-    let (fe_path, slot_path) = (dir.join(FRONTENDS), dir.join(BACKEND_SLOTS));
-    let frontends: Vec<(FrontendKey, Frontend)> = read(&fe_path);
-    let slots: Vec<(BackendSlotKey, BackendSlot)> = read(&slot_path);
-    assert!(!frontends.is_empty() && slots.len() == 4, "{slots:?}");
-    for path in [&fe_path, &slot_path] {
-        assert_eq!(
-            MapInfo::from_pin(path).unwrap().map_flags(),
-            BPF_F_NO_PREALLOC,
-            "{path:?} is allocated on insert"
-        );
-    }
-    pin_preallocated(&fe_path, "FRONTENDS", &frontends);
-    pin_preallocated(&slot_path, "BACKEND_SLOTS", &slots);
-
-    drop(load_pinned(&dir, default_sizes()).unwrap());
-    assert_eq!(read::<FrontendKey, Frontend>(&fe_path), frontends);
-    assert_eq!(read::<BackendSlotKey, BackendSlot>(&slot_path), slots);
-    for path in [&fe_path, &slot_path] {
-        let info = MapInfo::from_pin(path).unwrap();
-        assert_eq!(
-            (info.map_flags(), info.max_entries()),
-            (BPF_F_NO_PREALLOC, 1024),
-            "{path:?}"
-        );
-    }
-    for name in ["FRONTENDS_EARLIER", "BACKEND_SLOTS_EARLIER"] {
-        assert!(!dir.join(name).exists(), "{name} removed once carried over");
-    }
-
-    env.start_agent();
-    let log = env.log();
-    let sync = log.lines().rfind(|l| l.contains("sync done")).unwrap();
-    assert!(
-        sync.contains("writes=0") && sync.contains("deletes=0"),
-        "the carried maps are what the agent would write: {sync}"
-    );
     let c = by_name(&env.tcp(&format!("{VIP}:80"), 30));
     assert_eq!(c.len(), 2, "both backends serve after the upgrade: {c:?}");
 }

@@ -86,23 +86,24 @@ pub fn mount_bpffs(path: &Path) -> Result<bool> {
     if find_mount("bpf", Some(path))?.is_some() {
         return Ok(false);
     }
-    // The directories this call creates, outermost first: removed again when the mount
-    // fails, so a failed start leaves nothing behind.
+    let target = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+        .with_context(|| format!("bpffs path {} holds a NUL byte", path.display()))?;
+    // The directories this call creates, outermost first: removed again when the creation
+    // or the mount fails, so a failed start leaves nothing behind.
     let created: Vec<&Path> = {
         let mut missing: Vec<&Path> = path.ancestors().take_while(|p| !p.exists()).collect();
         missing.reverse();
         missing
     };
-    fs::create_dir_all(path).with_context(|| format!("create {}", path.display()))?;
     let undo = || {
         for dir in created.iter().rev() {
             let _ = fs::remove_dir(dir);
         }
     };
-    let Ok(target) = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()) else {
+    if let Err(e) = fs::create_dir_all(path) {
         undo();
-        bail!("bpffs path {} holds a NUL byte", path.display());
-    };
+        return Err(e).with_context(|| format!("create {}", path.display()));
+    }
     // SAFETY: plain mount(2) with valid NUL-terminated strings and no data.
     let rc = unsafe {
         libc::mount(

@@ -570,7 +570,6 @@ pub fn load_pinned(dir: &Path, sizes: MapSizes) -> Result<Ebpf> {
         fs::rename(dir.join(BACKEND_SLOTS), &ids_pin)
             .with_context(|| format!("pin: set aside {}", ids_pin.display()))?;
     }
-    let carried = set_aside_flag_changes(dir)?;
     for (name, why) in replace_incompatible_pins(dir)? {
         tracing::warn!(map = name, %why, "a pinned map has another layout than this version's (pinned by another version, older or newer): it is created anew and its entries are lost; the old programs keep the old map until their links are replaced");
     }
@@ -599,14 +598,6 @@ pub fn load_pinned(dir: &Path, sizes: MapSizes) -> Result<Ebpf> {
     {
         loader.map_max_entries(BACKEND_SLOTS, info.max_entries());
     }
-    // Maps carried over keep the earlier map's size, as an adopted map would.
-    for name in CARRIED_ON_FLAGS {
-        if !dir.join(name).exists()
-            && let Ok(info) = aya::maps::MapInfo::from_pin(aside_pin(dir, name))
-        {
-            loader.map_max_entries(name, info.max_entries());
-        }
-    }
     // An adopted `SOCK_NAT` keeps its size: the programs' mask must follow it.
     if let Ok(info) = aya::maps::MapInfo::from_pin(dir.join(SOCK_NAT)) {
         set_sock_nat_slots(&mut loader, info.max_entries());
@@ -631,36 +622,6 @@ pub fn load_pinned(dir: &Path, sizes: MapSizes) -> Result<Ebpf> {
             }
         }
     }
-    // Slots before frontends, as the agent writes them.
-    for name in CARRIED_ON_FLAGS {
-        let aside = aside_pin(dir, name);
-        if !aside.exists() {
-            continue;
-        }
-        let n = match name {
-            BACKEND_SLOTS => {
-                carry_entries::<proxy_common::BackendSlotKey, proxy_common::BackendSlot>(
-                    dir, name, &aside,
-                )
-            }
-            _ => carry_entries::<proxy_common::FrontendKey, proxy_common::Frontend>(
-                dir, name, &aside,
-            ),
-        };
-        match n {
-            Ok(n) => tracing::info!(
-                map = name,
-                entries = n,
-                flags_before = carried.get(name).copied().unwrap_or_default(),
-                "carried the entries of a map pinned with other creation flags over into this version's map"
-            ),
-            Err(e) => {
-                tracing::warn!(map = name, error = %format!("{e:#}"), "could not carry a map pinned with other creation flags over: the Services whose entries are missing refuse new connections until the first sync")
-            }
-        }
-        // Removed either way: carried again later, it would overwrite the sync's entries.
-        fs::remove_file(&aside).with_context(|| format!("pin: remove {}", aside.display()))?;
-    }
     if without_slots || legacy_entries(dir)? > 0 {
         spilled_map(dir)?
             .set(SPILLED_LEGACY, 1, 0)
@@ -678,72 +639,6 @@ pub fn load_pinned(dir: &Path, sizes: MapSizes) -> Result<Ebpf> {
             .context("write SOCK_NAT_SPILLED")?;
     }
     Ok(ebpf)
-}
-
-/// Maps whose entries another version's map of the same type, key and value sizes but other
-/// creation flags (`BACKEND_SLOTS` and `FRONTENDS` were preallocated, and are allocated on
-/// insert now) carries over at a start, before any program is attached: without them every
-/// Service would refuse new connections from the attach until the first sync. In carry
-/// order: slots before the frontends that name them.
-const CARRIED_ON_FLAGS: [&str; 2] = [BACKEND_SLOTS, proxy_common::FRONTENDS];
-
-/// Suffix of the pin of a map set aside to be carried over ([`CARRIED_ON_FLAGS`]).
-const ASIDE_SUFFIX: &str = "_EARLIER";
-
-/// Where the map `name` pinned with other creation flags is kept until carried over.
-fn aside_pin(dir: &Path, name: &str) -> PathBuf {
-    dir.join(format!("{name}{ASIDE_SUFFIX}"))
-}
-
-/// Sets aside the pins of [`CARRIED_ON_FLAGS`] whose type, key and value sizes are this
-/// build's but whose creation flags are not (so [`replace_incompatible_pins`] leaves them
-/// alone and the load creates the maps anew). Returns each set-aside map's pinned flags.
-/// A pin already set aside (a start that failed or died before carrying it over) is kept,
-/// and the map pinned next to it (created by that start, never synced) is carried into.
-fn set_aside_flag_changes(dir: &Path) -> Result<std::collections::HashMap<&'static str, u32>> {
-    let obj = aya_obj::Object::parse(OBJECT).context("load: parse the embedded object")?;
-    let mut out = std::collections::HashMap::new();
-    for name in CARRIED_ON_FLAGS {
-        let (pin, aside) = (dir.join(name), aside_pin(dir, name));
-        let (Some(want), Ok(have)) = (obj.maps.get(name), aya::maps::MapInfo::from_pin(&pin))
-        else {
-            continue;
-        };
-        if aside.exists() {
-            out.insert(
-                name,
-                aya::maps::MapInfo::from_pin(&aside).map_or(0, |i| i.map_flags()),
-            );
-            continue;
-        }
-        let same_layout = have.map_type().is_ok_and(|t| t as u32 == want.map_type())
-            && have.key_size() == want.key_size()
-            && have.value_size() == want.value_size();
-        if same_layout && have.map_flags() != want.map_flags() {
-            fs::rename(&pin, &aside)
-                .with_context(|| format!("pin: set aside {}", aside.display()))?;
-            out.insert(name, have.map_flags());
-        }
-    }
-    Ok(out)
-}
-
-/// Writes every entry of the map pinned at `aside` into the pinned map `name` of `dir`;
-/// returns how many.
-///
-/// Errors: a read or a write failed (a full map: the new map has the earlier one's size,
-/// so only when the earlier one was written meanwhile).
-fn carry_entries<K: aya::Pod, V: aya::Pod>(dir: &Path, name: &str, aside: &Path) -> Result<usize> {
-    let old = aya::maps::MapData::from_pin(aside)
-        .with_context(|| format!("pin: open {}", aside.display()))?;
-    let (keys, values): (Vec<K>, Vec<V>) = super::batch::read_all::<K, V>(old.fd())
-        .with_context(|| format!("read {}", aside.display()))?
-        .into_iter()
-        .unzip();
-    super::batch::write_all(open_pinned(dir, name)?.fd(), &keys, &values).map_err(
-        |(written, e)| anyhow::anyhow!("write {name}: {e} after {written} of {}", keys.len()),
-    )?;
-    Ok(keys.len())
 }
 
 /// Where an earlier version's `BACKEND_SLOTS` (backend ids only) is kept, next to the other
@@ -1223,12 +1118,7 @@ pub fn cleanup(dir: &Path) -> Result<CleanupReport> {
                 Err(_) => drop(fs::remove_file(&path)),
             }
             r.links.push(path);
-        } else if pinned_maps().any(|m| m == name)
-            || name == SLOT_IDS_PIN
-            || CARRIED_ON_FLAGS
-                .iter()
-                .any(|m| name.strip_suffix(ASIDE_SUFFIX) == Some(*m))
-        {
+        } else if pinned_maps().any(|m| m == name) {
             fs::remove_file(&path).with_context(|| format!("remove {}", path.display()))?;
             r.maps.push(path);
         }
