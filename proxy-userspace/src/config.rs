@@ -470,6 +470,15 @@ pub fn plain_type_error(msg: &str) -> String {
         "f32" | "f64" => "a number".to_string(),
         e => e.to_string(),
     };
+    // serde_yaml_ng reports an integer beyond 64 bits as "integer `N` as u128" (or i128),
+    // expecting "any YAML value": it is a whole number too large for any field.
+    let (found, expected) = match found
+        .strip_suffix(" as u128")
+        .or_else(|| found.strip_suffix(" as i128"))
+    {
+        Some(f) => (f, "a whole number that fits its field".to_string()),
+        None => (found, expected),
+    };
     let found = if let Some(v) = found.strip_prefix("string ") {
         format!("the string {v}")
     } else if let Some(v) = found
@@ -1446,10 +1455,19 @@ impl AgentConfig {
             bail!("--sync-period must be at most 8760h (a year)");
         }
         if c.min_sync_period > c.sync_period {
+            // Name where each value came from: a flag, the config file, or the default.
+            let origin =
+                |flag: Option<Duration>, file: Option<Duration>, field: &str| match (flag, file) {
+                    (Some(_), _) => String::new(),
+                    (None, Some(_)) => format!(", the config file's {field}"),
+                    (None, None) => ", the default".to_string(),
+                };
             bail!(
-                "--min-sync-period ({}) is longer than --sync-period ({})",
+                "--min-sync-period ({}{}) is longer than --sync-period ({}{})",
                 format_go_duration(c.min_sync_period),
-                format_go_duration(c.sync_period)
+                origin(min_sync_period, f.min_sync_period, "minSyncPeriod"),
+                format_go_duration(c.sync_period),
+                origin(sync_period, f.sync_period, "syncPeriod"),
             );
         }
         c.document = written::effective(&c, &k, &f.document);

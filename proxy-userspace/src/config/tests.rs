@@ -1109,13 +1109,21 @@ logging: {format: json}
     // The file's minSyncPeriod is checked against a flag's sync period too.
     let e = resolve(&["--sync-period", "2s"], Some(FILE)).unwrap_err();
     assert!(
-        e.to_string().contains("is longer than --sync-period (2s)"),
+        e.to_string().contains(
+            "--min-sync-period (5s, the config file's minSyncPeriod) is longer than --sync-period (2s)"
+        ),
         "{e}"
     );
     let e = resolve(&["--sync-period", "30s", "--min-sync-period", "1m"], None).unwrap_err();
     assert!(
         e.to_string()
             .contains("--min-sync-period (1m0s) is longer than --sync-period (30s)"),
+        "{e}"
+    );
+    let e = resolve(&["--min-sync-period", "1m"], None).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("--min-sync-period (1m0s) is longer than --sync-period (30s, the default)"),
         "{e}"
     );
     assert!(flags_err(&["--sync-period", "9999999999999s"]).contains("8760h"));
@@ -1153,6 +1161,22 @@ fn type_errors_of_the_file_name_no_rust_types() {
         "expected a whole number, found the string \"x\""
     );
     assert_eq!(plain_type_error("something else"), "something else");
+    for (value, number) in [
+        ("99999999999999999999", "99999999999999999999"),
+        ("-99999999999999999999", "-99999999999999999999"),
+    ] {
+        let e = format!(
+            "{:#}",
+            parse(&body(&format!("oomScoreAdj: {value}\n"))).unwrap_err()
+        );
+        assert!(
+            e.contains(&format!(
+                "oomScoreAdj: expected a whole number that fits its field, found the number {number} (line 3)"
+            )),
+            "{e}"
+        );
+        assert!(!e.contains('`') && !e.contains("128"), "{e}");
+    }
 }
 
 #[test]
