@@ -405,6 +405,9 @@ fn ipt_sep_rules(out: &mut String, s: &Svc, ep: (Ipv4Addr, u16)) {
 /// jumps from the built-in chains.
 pub fn iptables_full(svcs: &[Svc]) -> String {
     let mut out = String::with_capacity(svcs.len() * 4200 + 4096);
+    // kube-proxy's canary (`ipt.Monitor` creates it in mangle, nat and filter at start and
+    // recreates the rules when it vanishes): what the rollback's wait looks for.
+    out.push_str("*mangle\n:KUBE-PROXY-CANARY - [0:0]\nCOMMIT\n");
     ipt_top(&mut out, true);
     for s in svcs {
         ipt_declare(&mut out, s);
@@ -442,44 +445,6 @@ pub fn iptables_change(svcs: &[Svc], old: &Svc, new: &Svc) -> String {
         if !new.endpoints.contains(ep) {
             let _ = writeln!(out, "-X {}", ipt_sep_chain(old, *ep));
         }
-    }
-    out.push_str("COMMIT\n");
-    out
-}
-
-/// What `kube-proxy --cleanup` does to an iptables-mode node that [`iptables_full`] of
-/// `svcs` programmed, as input of `iptables-restore --noflush`: the jumps from the built-in
-/// chains deleted, then every chain of kube-proxy flushed and deleted (kubernetes
-/// `pkg/proxy/iptables/proxier.go`, `CleanupLeftovers`). Rules of others in the same tables
-/// (a CNI's masquerading, say) stay.
-pub fn iptables_cleanup(svcs: &[Svc]) -> String {
-    let mut out = String::from("*filter\n");
-    for c in FILTER_CHAINS {
-        let _ = writeln!(out, ":{c} - [0:0]");
-    }
-    for h in FILTER_HOOKS {
-        let _ = writeln!(out, "-D {h}");
-    }
-    for c in FILTER_CHAINS {
-        let _ = writeln!(out, "-X {c}");
-    }
-    out.push_str("COMMIT\n*nat\n");
-    let mut chains: Vec<String> = NAT_CHAINS.iter().map(|c| c.to_string()).collect();
-    for s in svcs {
-        chains.push(ipt_svc_chain(s));
-        if s.node_port.is_some() {
-            chains.push(ipt_ext_chain(s));
-        }
-        chains.extend(s.endpoints.iter().map(|ep| ipt_sep_chain(s, *ep)));
-    }
-    for c in &chains {
-        let _ = writeln!(out, ":{c} - [0:0]");
-    }
-    for h in NAT_HOOKS {
-        let _ = writeln!(out, "-D {h}");
-    }
-    for c in &chains {
-        let _ = writeln!(out, "-X {c}");
     }
     out.push_str("COMMIT\n");
     out
@@ -672,10 +637,6 @@ fn nft_endpoint(out: &mut String, s: &Svc, ep: (Ipv4Addr, u16)) {
     );
 }
 
-/// What `kube-proxy --cleanup` does to an nftables-mode node (input of `nft -f`): its
-/// table deleted (kubernetes `pkg/proxy/nftables/proxier.go`, `CleanupLeftovers`).
-pub const NFT_CLEANUP: &str = "delete table ip kube-proxy\n";
-
 /// Full sync from cold (for `nft -f`).
 pub fn nft_full(svcs: &[Svc]) -> String {
     let mut out = String::with_capacity(svcs.len() * 3600 + 8192);
@@ -790,22 +751,34 @@ mod tests {
         assert!(slice_json(&s).contains(r#""protocol":"UDP""#));
     }
 
-    /// The cleanup deletes every jump and chain the full sync created.
+    /// ebpf-proxy's `kube-proxy cleanup` removes every chain of kube-proxy's the full sync
+    /// created and every jump to them, and recognises the synced state with the canary.
     #[test]
-    fn iptables_cleanup_undoes_the_full_sync() {
+    fn the_agents_cleanup_undoes_the_full_sync() {
+        use proxy_userspace::kube_proxy::{
+            iptables_cleanup, iptables_state, owned_chain, parse_iptables_save,
+        };
         let mut s = services(1, 0).remove(0);
         s.node_port = Some(30080);
         let full = iptables_full(std::slice::from_ref(&s));
-        let clean = iptables_cleanup(std::slice::from_ref(&s));
+        let tables = parse_iptables_save(&full);
+        let state = iptables_state(&tables);
+        assert!(state.canary && state.synced, "{state:?}");
+        let clean = iptables_cleanup(&tables).unwrap();
         for line in full.lines() {
             if let Some(chain) = line.strip_prefix(':') {
                 let chain = chain.split_whitespace().next().unwrap();
-                assert!(clean.contains(&format!("-X {chain}\n")), "{chain} stays");
+                assert_eq!(
+                    clean.contains(&format!("-X {chain}\n")),
+                    owned_chain(chain),
+                    "{chain}"
+                );
             }
             if let Some(rule) = line.strip_prefix("-A ")
                 && !rule.starts_with("KUBE-")
             {
-                assert!(clean.contains(&format!("-D {rule}\n")), "{rule} stays");
+                let to_owned = rule.split_whitespace().last().is_some_and(owned_chain);
+                assert_eq!(clean.contains(&format!("-D {rule}\n")), to_owned, "{rule}");
             }
         }
     }

@@ -97,6 +97,8 @@ impl Bed {
                 "127.0.0.1:0",
                 "--metrics-bind-address",
                 "127.0.0.1:0",
+                "--status-bind-address",
+                "127.0.0.1:0",
             ])
             .args(args)
             .stdin(Stdio::null())

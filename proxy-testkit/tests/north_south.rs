@@ -34,7 +34,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::{AGENT, BPFFS, NETPROBE};
+use common::{AGENT, BPFFS, NETPROBE, agent_path};
 use proxy_testkit::testbed::{
     ChildGuard, Netns, TestCgroup, ensure_bpffs, in_netns, is_root, output_in,
 };
@@ -293,8 +293,9 @@ impl Lab {
                     .args(["--pin-dir", &pin_dir, "--hostname-override", node])
                     .args(["--healthz-bind-address", "127.0.0.1:0"])
                     .args(["--metrics-bind-address", "127.0.0.1:0"])
+                    .args(["--status-bind-address", "127.0.0.1:0"])
                     .args(match self.xdp {
-                        Xdp::Native => &["--xdp", "native"][..],
+                        Xdp::Native => &["--xdp", "native", "--xdp-veth-peers-ready"][..],
                         Xdp::Off => &[],
                     })
                     .args(extra)
@@ -631,6 +632,100 @@ fn nodeport_external_and_lb_ips(xdp: Xdp, mode: Mode) {
     } else {
         assert_xdp_worked(&lab, xdp);
     }
+}
+
+/// A lab whose wire gives the nodes' veths no XDP program (kind, container-based nodes):
+/// `--xdp native` refuses node-a's eth0 with the reason and both remedies while its tcx
+/// programs serve; `--xdp best-effort` leaves the veth on tcx; `check` flags the veth.
+#[test]
+fn xdp_on_a_veth_without_an_xdp_peer_is_refused_or_left_to_tcx() {
+    let mut lab = Lab::with_xdp("xveth", Xdp::Off);
+    web(&lab, "", &BOTH);
+    lab.start_agent(1, &[]);
+    let cg = TestCgroup::create(&format!("ebpf-proxy-ns4-{}-node-a", lab.tag)).unwrap();
+    let log = lab.manifests.path().with_extension("node-a.log");
+    let child = lab.spawn_agent(0, &cg, &log, &["--xdp", "native"]);
+    let mut agent = Agent {
+        child: Some(child),
+        pin: Path::new(BPFFS).join(format!("ebpf-proxy-ns4-{}-node-a", lab.tag)),
+        log,
+        cg,
+        node: 0,
+        extra: vec!["--xdp".into(), "best-effort".into()],
+    };
+    let start = Instant::now();
+    while !agent.log().contains("is a veth") {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "no veth refusal; log:\n{}",
+            agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let l = agent.log();
+    for needle in [
+        "--xdp native: eth0 is a veth",
+        "--xdp best-effort",
+        "attach an XDP program to the peer",
+        "--xdp-veth-peers-ready",
+    ] {
+        assert!(l.contains(needle), "{needle:?} missing in\n{l}");
+    }
+    assert!(
+        tc::xdp_modes(&agent.pin).is_empty(),
+        "no XDP link on the veth"
+    );
+    // The tcx programs serve it meanwhile, to the backend on the other node too.
+    let c = lab.client_path();
+    let fe = format!("{NODE_A}:30080");
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..16 {
+        seen.insert(
+            tcp_whoami(&c, &fe, T)
+                .unwrap_or_else(|e| panic!("{fe}: {e}"))
+                .0,
+        );
+    }
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    // Restarted with its `extra`, best-effort: the veth stays on tcx, flows work.
+    lab.agents.push(agent);
+    let a = lab.agents.len() - 1;
+    lab.restart_agent(a);
+    agent = lab.agents.pop().unwrap();
+    assert!(
+        agent
+            .log()
+            .contains("--xdp best-effort: a veth gets no XDP"),
+        "{}",
+        agent.log()
+    );
+    assert!(tc::xdp_modes(&agent.pin).is_empty());
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..16 {
+        seen.insert(
+            tcp_whoami(&c, &fe, T)
+                .unwrap_or_else(|e| panic!("{fe}: {e}"))
+                .0,
+        );
+    }
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    lab.agents.push(agent);
+    // `check` in node-a's namespace: native XDP on a veth, with the condition.
+    let out = lab.nodes[0]
+        .exec_timeout(
+            agent_path().to_str().unwrap(),
+            &["check", "-o", "json"],
+            Duration::from_secs(60),
+        )
+        .unwrap();
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    let xdp = rows.iter().find(|r| r["check"] == "xdp").unwrap();
+    let detail = xdp["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("eth0: native (")
+            && detail.contains("but frames sent back need an XDP program on the peer"),
+        "{xdp}"
+    );
 }
 
 #[test]

@@ -496,6 +496,141 @@ fn a_busy_metrics_port_does_not_stop_the_agent_and_is_retried() {
     env.agent = None;
 }
 
+/// Holds `listener`'s port as kube-proxy's health server would while both run: answers
+/// 200 to `/healthz` and `/livez`, 404 to anything else (Go's ServeMux). Ends when the
+/// returned flag is set and the listener is dropped.
+fn kube_proxy_like_health_server(
+    listener: std::net::TcpListener,
+) -> std::sync::Arc<std::sync::atomic::AtomicBool> {
+    use std::io::{Read, Write};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let done = stop.clone();
+    listener.set_nonblocking(true).unwrap();
+    std::thread::spawn(move || {
+        while !done.load(Ordering::Relaxed) {
+            match listener.accept() {
+                Ok((mut c, _)) => {
+                    c.set_nonblocking(false).unwrap();
+                    let mut buf = [0u8; 1024];
+                    let n = c.read(&mut buf).unwrap_or(0);
+                    let req = String::from_utf8_lossy(&buf[..n]);
+                    let path = req.split_whitespace().nth(1).unwrap_or("");
+                    let answer = if path == "/healthz" || path == "/livez" {
+                        "HTTP/1.0 200 OK\r\n\r\n{\"healthy\":true}"
+                    } else {
+                        "HTTP/1.0 404 Not Found\r\n\r\n404 page not found\n"
+                    };
+                    let _ = c.write_all(answer.as_bytes());
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
+    });
+    stop
+}
+
+/// The HTTP status code of GET `url` (curl).
+fn http_code(url: &str) -> String {
+    let out = Command::new("curl")
+        .args([
+            "-s",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+            "--max-time",
+            "5",
+            url,
+        ])
+        .output()
+        .unwrap();
+    text(&out.stdout)
+}
+
+#[test]
+fn a_health_port_held_by_another_process_keeps_the_agent_unready_until_it_is_free() {
+    let mut env = Env::new("ops-ready", 1, false);
+    web(&env, &[0]);
+    // kube-proxy, still running during the switch, holds the health port and answers on it.
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let health = held.local_addr().unwrap();
+    let stop = kube_proxy_like_health_server(held);
+    env.extra_agent_args = vec!["--healthz-bind-address".into(), health.to_string()];
+    env.start_agent();
+    let status = env.logged_addr("status");
+    // The data path serves, and kube-proxy answers the health port: a probe there would lie.
+    assert_eq!(by_name(&env.tcp(&format!("{VIP}:80"), 3)).len(), 1);
+    assert_eq!(http_code(&format!("http://{health}/healthz")), "200");
+    // The kubelet's probes go to the agent's own status server: live, not ready.
+    assert_eq!(http_code(&format!("http://{status}/livez")), "200");
+    assert_eq!(http_code(&format!("http://{status}/readyz")), "503");
+    let ask = |require: &str, wait: &str| {
+        agent(&[
+            "status",
+            "--address",
+            &status.to_string(),
+            "--require",
+            require,
+            "--wait",
+            wait,
+        ])
+    };
+    // Synced: the condition for going on with the switch while kube-proxy runs.
+    let out = ask("synced", "0s");
+    assert!(
+        out.status.success(),
+        "{}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    assert!(
+        text(&out.stdout).contains("synced        yes"),
+        "{}",
+        text(&out.stdout)
+    );
+    let out = ask("ready", "0s");
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains(&format!("not met: ready: health server on {health}: "))
+            && err.contains("kube-proxy's health server"),
+        "{err}"
+    );
+    // No external interface in this lab: removing kube-proxy's rules would lose NodePorts.
+    let out = ask("synced,north-south", "0s");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("not met: north-south: no external interface"),
+        "{}",
+        text(&out.stderr)
+    );
+    // kube-proxy goes away: the agent binds the port (retried every 5 s) and turns Ready.
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let out = ask("ready", "20s");
+    assert!(
+        out.status.success(),
+        "{}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    assert_eq!(http_code(&format!("http://{status}/readyz")), "200");
+    let out = agent(&["status", "--address", &status.to_string(), "-o", "json"]);
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(doc["ready"], true);
+    assert_eq!(doc["servers"][0]["name"], "health");
+    assert_eq!(doc["servers"][0]["state"], "listening");
+    // Nothing listening: the command says where it looked.
+    env.stop_agent();
+    let out = ask("synced", "0s");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("--status-bind-address"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
 /// Removes a file on drop.
 struct RemoveOnDrop(std::path::PathBuf);
 

@@ -273,19 +273,6 @@ impl Lab {
         self.apply(program, args, &text);
     }
 
-    /// `kube-proxy --cleanup` on the node: kube-proxy's rules are removed, the CNI's stay.
-    fn kube_proxy_cleanup(&self, mode: Mode) {
-        let (text, program, args): (String, &str, Vec<&str>) = match mode {
-            Mode::Nftables => (rules::NFT_CLEANUP.to_string(), "nft", vec!["-f"]),
-            Mode::Iptables => (
-                rules::iptables_cleanup(&[web(2)]),
-                "iptables-restore",
-                vec!["-w", "5", "--noflush"],
-            ),
-        };
-        self.apply(program, args, &text);
-    }
-
     /// Runs `program ARGS... FILE` in the node namespace, FILE holding `text`.
     fn apply(&self, program: &str, args: Vec<&str>, text: &str) {
         let file = self.manifests.path().with_extension("rules");
@@ -326,6 +313,7 @@ impl Lab {
                     .args(["--pin-dir", &pin_dir, "--hostname-override", "node-a"])
                     .args(["--healthz-bind-address", "127.0.0.1:0"])
                     .args(["--metrics-bind-address", "127.0.0.1:0"])
+                    .args(["--status-bind-address", "127.0.0.1:0"])
                     .stdout(Stdio::null())
                     .stderr(logf),
             )
@@ -347,8 +335,27 @@ impl Lab {
         }
     }
 
+    /// `ebpf-proxy ARGS...` in the node namespace, as a command of the README's steps.
+    fn ebpf_proxy(&self, args: &[&str]) -> std::process::Output {
+        self.node
+            .exec_timeout(
+                agent_path().to_str().unwrap(),
+                args,
+                Duration::from_secs(60),
+            )
+            .unwrap()
+    }
+
+    /// The address of the agent's status server, from its log.
+    fn status_addr(&self) -> String {
+        logged_addr(&self.log(), "status server listening")
+            .expect("status server address in the log")
+            .to_string()
+    }
+
     /// The rollback: the agent stops (SIGTERM: its data path stays attached, as when its
-    /// DaemonSet is deleted), then `ebpf-proxy cleanup` runs on the node. Returns the
+    /// DaemonSet is deleted), then `ebpf-proxy cleanup --wait-for-kube-proxy` runs on the
+    /// node (it removes nothing before kube-proxy has programmed the node). Returns the
     /// monotonic time at which cleanup had finished.
     fn roll_back(&mut self) -> u64 {
         if let Some(mut a) = self.agent.take() {
@@ -356,13 +363,15 @@ impl Lab {
         }
         let pin_dir = self.pin.file_name().unwrap().to_str().unwrap().to_string();
         let cg = self.cg.path().to_str().unwrap().to_string();
-        let out = self
-            .node
-            .exec(
-                agent_path().to_str().unwrap(),
-                &["cleanup", "--pin-dir", &pin_dir, "--cgroup-path", &cg],
-            )
-            .unwrap();
+        let out = self.ebpf_proxy(&[
+            "cleanup",
+            "--pin-dir",
+            &pin_dir,
+            "--cgroup-path",
+            &cg,
+            "--wait-for-kube-proxy",
+            "20s",
+        ]);
         let done = tc::monotonic_ns();
         assert!(
             out.status.success(),
@@ -395,9 +404,12 @@ impl Lab {
 
 /// The address the agent's health server logged.
 fn health_addr(log: &str) -> Option<SocketAddr> {
-    let line = log
-        .lines()
-        .find(|l| l.contains("health server listening"))?;
+    logged_addr(log, "health server listening")
+}
+
+/// The address on the first log line containing `what`.
+fn logged_addr(log: &str, what: &str) -> Option<SocketAddr> {
+    let line = log.lines().find(|l| l.contains(what))?;
     line.split("address=")
         .nth(1)?
         .split_whitespace()
@@ -658,12 +670,46 @@ fn switch_and_back(mode: Mode, tag: &str) {
     ];
     std::thread::sleep(Duration::from_millis(300));
 
+    // Removing kube-proxy's rules before ebpf-proxy serves the node is refused.
+    let out = lab.ebpf_proxy(&["kube-proxy", "cleanup", "--status-address", "127.0.0.1:9"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("must serve it before kube-proxy's rules go"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = lab.ebpf_proxy(&["kube-proxy", "status"]);
+    assert!(
+        out.status.success(),
+        "kube-proxy's rules are programmed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+
     // The switch: ebpf-proxy starts while kube-proxy's rules stay.
     let started = tc::monotonic_ns();
     let healthy = lab.start_agent();
     eprintln!(
         "{mode:?}: healthy {} ms after the agent started",
         (healthy - started) / 1_000_000
+    );
+    // The README's wait before kube-proxy goes: every agent synced and serving the
+    // north-south path, read from the agent itself.
+    let status = lab.status_addr();
+    let out = lab.ebpf_proxy(&[
+        "status",
+        "--address",
+        &status,
+        "--require",
+        "synced,north-south",
+        "--wait",
+        "20s",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
     );
     // Long enough for new connections of both loads to start after the agent is healthy
     // even when one attempt straddles the switch with a retransmitted SYN (1 s).
@@ -753,17 +799,45 @@ fn switch_and_back(mode: Mode, tag: &str) {
     assert!(np_during.iter().any(|(s, _, _)| *s > healthy));
     assert!(np_during.iter().any(|(s, _, _)| *s < started));
 
-    // kube-proxy leaves: its DaemonSet deleted, `kube-proxy --cleanup` removes its rules.
-    // The connections it translated live on in the kernel's conntrack; ebpf-proxy serves
-    // every new one.
+    // kube-proxy leaves: its DaemonSet deleted, `ebpf-proxy kube-proxy cleanup` removes its
+    // rules (as `kube-proxy --cleanup`). The connections it translated live on in the
+    // kernel's conntrack; ebpf-proxy serves every new one.
     let loads = [
         Load::start(&lab.node, cg, &cip),
         Load::start(&lab.client, None, &np),
     ];
     std::thread::sleep(Duration::from_millis(300));
     let removed = tc::monotonic_ns();
-    lab.kube_proxy_cleanup(mode);
+    let out = lab.ebpf_proxy(&["kube-proxy", "cleanup", "--status-address", &status]);
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        said.contains("removed") || said.contains("deleted table ip kube-proxy"),
+        "{said}"
+    );
+    let out = lab.ebpf_proxy(&["kube-proxy", "status"]);
+    assert_eq!(out.status.code(), Some(1), "kube-proxy's rules are gone");
+    let left = rules_text(&lab, mode);
+    assert!(
+        !left.contains("table ip kube-proxy") && !left.contains("KUBE-SVC-"),
+        "kube-proxy's rules left: {left}"
+    );
     std::thread::sleep(Duration::from_millis(1000));
+
+    // The rollback refuses to remove ebpf-proxy before kube-proxy is back.
+    let out = lab.ebpf_proxy(&[
+        "cleanup",
+        "--pin-dir",
+        lab.pin.file_name().unwrap().to_str().unwrap(),
+        "--wait-for-kube-proxy",
+        "1s",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(lab.pin.exists(), "nothing removed");
 
     // The rollback: kube-proxy comes back (its first sync programs its rules), then
     // ebpf-proxy's DaemonSet is deleted and `ebpf-proxy cleanup` runs on the node.
@@ -848,6 +922,16 @@ fn switch_and_back(mode: Mode, tag: &str) {
             "{what}: exchanges ended before the rollback: {p:?}"
         );
     }
+}
+
+/// The node's rule sets as text (`nft list ruleset`, then `iptables-save`).
+fn rules_text(lab: &Lab, mode: Mode) -> String {
+    let (program, args): (&str, &[&str]) = match mode {
+        Mode::Nftables => ("nft", &["list", "tables"]),
+        Mode::Iptables => ("iptables-save", &[]),
+    };
+    let out = lab.node.exec(program, args).unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 #[test]

@@ -46,7 +46,7 @@ use crate::{
     model::{Delta, Model, NodeInfo, Protocol, Scope, ServicePortKey},
     reconcile::{NodeConfig, Outcome, Reconciler},
     servers::{self, Fatal},
-    source::{Batch, KubeSource, ManifestSource, Source, SourceError},
+    source::{Batch, KubeSource, ManifestSource, Source, SourceError, apiconfig},
 };
 
 pub use crate::servers::Health;
@@ -68,53 +68,6 @@ pub enum Event {
     Collect,
     /// SIGTERM or Ctrl-C.
     Stop,
-}
-
-/// The Kubernetes API configuration (`--kubeconfig`, else `Config::infer`: KUBECONFIG,
-/// ~/.kube/config, in-cluster); `None` with `--manifests`. Resolved before the data path is
-/// touched, so a missing or broken configuration changes nothing.
-async fn kube_config(source: &SourceChoice, master: Option<&str>) -> Result<Option<kube::Config>> {
-    let SourceChoice::Api(kubeconfig) = source else {
-        return Ok(None);
-    };
-    if let (None, Some(url)) = (kubeconfig, master) {
-        // kube-proxy: --master without a kubeconfig talks to that URL without credentials
-        // (only when the in-cluster configuration is not available to add them).
-        if let Ok(mut c) = kube::Config::infer().await {
-            c.cluster_url = parse_master(url)?;
-            return Ok(Some(c));
-        }
-        return Ok(Some(kube::Config::new(parse_master(url)?)));
-    }
-    let mut config = match kubeconfig {
-        Some(path) => {
-            let kc = kube::config::Kubeconfig::read_from(path)
-                .map_err(|e| anyhow::anyhow!("{}: {e}", kubeconfig_named(path)))?;
-            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
-                .await
-                .map_err(|e| anyhow::anyhow!("{}: {e}", kubeconfig_named(path)))?
-        }
-        None => kube::Config::infer().await.map_err(|e| {
-            anyhow::anyhow!(
-                "no usable Kubernetes API configuration ({e}); pass --kubeconfig or --manifests, set KUBECONFIG, or run in a pod"
-            )
-        })?,
-    };
-    if let Some(url) = master {
-        config.cluster_url = parse_master(url)?;
-    }
-    Ok(Some(config))
-}
-
-/// `--master`: the API server's URL (kube-proxy also takes `host:port`, meaning https).
-fn parse_master(url: &str) -> Result<axum::http::Uri> {
-    let url = if url.contains("://") {
-        url.to_string()
-    } else {
-        format!("https://{url}")
-    };
-    url.parse()
-        .map_err(|e| anyhow::anyhow!("--master {url:?}: not a URL ({e})"))
 }
 
 fn start_source(
@@ -210,7 +163,7 @@ fn prepare(config: &AgentConfig) -> Result<Prepared> {
             })?;
         }
         SourceChoice::Api(Some(k)) => {
-            std::fs::metadata(k).with_context(|| kubeconfig_named(k))?;
+            std::fs::metadata(k).with_context(|| apiconfig::kubeconfig_named(k))?;
         }
         SourceChoice::Api(None) => {}
     }
@@ -276,10 +229,18 @@ pub fn init_only(config: AgentConfig) -> Result<()> {
     Ok(())
 }
 
-/// `--oom-score-adj`: best effort, as kube-proxy (which logs a failure at V(2)).
+/// `--oom-score-adj`: best effort, as kube-proxy. A failure is a warning that names the
+/// missing capability: lowering the score needs CAP_SYS_RESOURCE, which a container gets
+/// only when its securityContext adds it, and without it the kernel's OOM killer may pick
+/// the agent before ordinary workloads.
 fn apply_oom_score_adj(value: i32) {
     if let Err(e) = std::fs::write("/proc/self/oom_score_adj", value.to_string()) {
-        debug!(value, error = %e, "cannot set oom_score_adj");
+        let hint = if e.kind() == std::io::ErrorKind::PermissionDenied {
+            " (lowering it needs CAP_SYS_RESOURCE: add SYS_RESOURCE to the container's capabilities)"
+        } else {
+            ""
+        };
+        warn!(value, error = %e, "cannot set oom_score_adj{hint}");
     }
 }
 
@@ -308,7 +269,10 @@ pub fn run(config: AgentConfig) -> Result<()> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let kube = rt.block_on(kube_config(&config.source, config.master.as_deref()))?;
+    let kube = rt.block_on(apiconfig::kube_config(
+        &config.source,
+        config.master.as_deref(),
+    ))?;
     let fresh = !dir.exists();
     let _lock = loader::lock_pin_dir(&dir)?;
 
@@ -398,20 +362,47 @@ pub fn run(config: AgentConfig) -> Result<()> {
         // failure stops the agent.
         let fatal = Arc::new(Fatal::default());
         let hard_fail = config.bind_address_hard_fail.then(|| fatal.clone());
+        let mut listeners = Vec::new();
         if let Some(addr) = config.healthz_bind_address {
-            servers::spawn(
+            let state = servers::spawn(
                 "health",
                 addr,
                 servers::health_app(health.clone(), metrics.clone()),
                 servers::BIND_RETRY,
                 hard_fail.clone(),
             );
+            listeners.push(crate::status::Listener {
+                name: "health",
+                address: addr,
+                state,
+            });
         }
         if let Some(addr) = config.metrics_bind_address {
-            servers::spawn(
+            let state = servers::spawn(
                 "metrics",
                 addr,
                 servers::metrics_app(metrics.clone()),
+                servers::BIND_RETRY,
+                hard_fail.clone(),
+            );
+            listeners.push(crate::status::Listener {
+                name: "metrics",
+                address: addr,
+                state,
+            });
+        }
+        // The agent's own status server: readiness that kube-proxy cannot answer for.
+        let north_south = Arc::new(Mutex::new(crate::status::NorthSouth::default()));
+        if let Some(addr) = config.status_bind_address {
+            servers::spawn(
+                "status",
+                addr,
+                crate::status::app(crate::status::StatusSources {
+                    node: node.name.clone(),
+                    health: health.clone(),
+                    north_south: north_south.clone(),
+                    listeners,
+                }),
                 servers::BIND_RETRY,
                 hard_fail,
             );
@@ -428,6 +419,7 @@ pub fn run(config: AgentConfig) -> Result<()> {
         model.set_socket_lb_scope(config.socket_lb_scope);
         let mut agent = Agent::new(model, reconciler, dp, metrics, health, source_label, min_period)
             .with_fresh_maps(fresh)
+            .with_north_south(north_south)
             .with_attaching(attached)
             .with_close_connections(
                 config
@@ -574,6 +566,8 @@ pub struct Agent<D> {
     /// `--close-connections-to-removed-endpoints`: the pin directory whose `REVNAT_SK`
     /// names the connections (`None`: off, kube-proxy's behaviour).
     close_connections: Option<std::path::PathBuf>,
+    /// The north-south path as the status server reports it, updated after every sync.
+    north_south: Option<Arc<Mutex<crate::status::NorthSouth>>>,
 }
 
 /// Now, on tokio's clock (paused in tests) as a std `Instant`, so the reconciler's retry
@@ -637,6 +631,7 @@ impl<D: Datapath + FlowCollection> Agent<D> {
             bypass: None,
             logged_bypass: BTreeSet::new(),
             close_connections: None,
+            north_south: None,
         }
     }
 
@@ -688,6 +683,13 @@ impl<D: Datapath + FlowCollection> Agent<D> {
 
     pub fn with_fresh_maps(mut self, fresh: bool) -> Self {
         self.fresh_maps = fresh;
+        self
+    }
+
+    /// Publishes the north-south path's state there after every sync (the status server
+    /// reads it).
+    pub fn with_north_south(mut self, ns: Arc<Mutex<crate::status::NorthSouth>>) -> Self {
+        self.north_south = Some(ns);
         self
     }
 
@@ -997,6 +999,9 @@ impl<D: Datapath + FlowCollection> Agent<D> {
             error!("{e}");
         }
         self.logged_node_errors = node_errors;
+        if let Some(ns) = &self.north_south {
+            *ns.lock().unwrap() = self.reconciler.node.north_south();
+        }
     }
 
     /// kube-proxy's per-sync families after a reconciler call: sync and cleanup failures
@@ -1192,13 +1197,6 @@ impl<D: Datapath + FlowCollection> Agent<D> {
 
 /// The kubeconfig path as errors name it, with where it can come from (the flag or the
 /// configuration file).
-fn kubeconfig_named(path: &std::path::Path) -> String {
-    format!(
-        "kubeconfig {} (--kubeconfig, clientConnection.kubeconfig)",
-        path.display()
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -16,10 +16,8 @@
 use std::{
     collections::BTreeSet,
     fmt::Write as _,
-    io::Read as _,
     path::{Path, PathBuf},
-    process::{Command, Stdio},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use aya::{
@@ -800,61 +798,6 @@ fn memlock() -> CheckResult {
     )
 }
 
-/// Runs a read-only command for at most `timeout`; `None` when it is not installed.
-fn read_command(program: &str, args: &[&str], timeout: Duration) -> Option<Result<String, String>> {
-    let mut child = match Command::new(program)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-    {
-        Ok(c) => c,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
-        Err(e) => return Some(Err(format!("{program}: {e}"))),
-    };
-    let mut stdout = child.stdout.take()?;
-    let reader = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = stdout.read_to_string(&mut s);
-        s
-    });
-    let start = Instant::now();
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(s)) => break Ok(s),
-            Ok(None) if start.elapsed() < timeout => std::thread::sleep(Duration::from_millis(10)),
-            Ok(None) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                break Err(format!("{program} did not finish within {timeout:?}"));
-            }
-            Err(e) => break Err(format!("{program}: {e}")),
-        }
-    };
-    let out = reader.join().unwrap_or_default();
-    Some(match status {
-        Ok(s) if s.success() => Ok(out),
-        Ok(s) => Err(format!("{program} failed ({s})")),
-        Err(e) => Err(e),
-    })
-}
-
-/// Whether kube-proxy's rules are present in this network namespace, from the output of
-/// `iptables-save`/`ip6tables-save` (a `KUBE-SERVICES` chain) and `nft list tables` (a
-/// table named `kube-proxy`).
-pub fn kube_proxy_found(tool: &str, output: &str) -> bool {
-    if tool == "nft" {
-        output
-            .lines()
-            .any(|l| l.split_whitespace().last() == Some("kube-proxy"))
-    } else {
-        output
-            .lines()
-            .any(|l| l.starts_with(":KUBE-SERVICES ") || l.starts_with("-N KUBE-SERVICES"))
-    }
-}
-
 fn kube_proxy_rules() -> CheckResult {
     const CHECK: &str = "kube-proxy rules";
     let timeout = Duration::from_secs(10);
@@ -871,11 +814,11 @@ fn kube_proxy_rules() -> CheckResult {
         } else {
             tool.to_string()
         };
-        match read_command(tool, args, timeout) {
+        match crate::kube_proxy::read_command(tool, args, timeout) {
             None => not_checked.push(format!("{label}: not installed")),
             Some(Err(e)) => not_checked.push(e),
             Some(Ok(out)) => {
-                if kube_proxy_found(tool, &out) {
+                if crate::kube_proxy::found_in(tool, &out) {
                     found.push(if tool == "nft" {
                         "nftables table kube-proxy".to_string()
                     } else {
@@ -887,7 +830,7 @@ fn kube_proxy_rules() -> CheckResult {
         }
     }
     let remedy = "kube-proxy runs or ran on this node: both can run side by side while switching; \
-                  once ebpf-proxy serves every node, remove kube-proxy and run `kube-proxy --cleanup`";
+                  once ebpf-proxy serves every node, remove kube-proxy and run `ebpf-proxy kube-proxy cleanup` on each node";
     if !found.is_empty() {
         return CheckResult::bad(
             CHECK,
@@ -1003,16 +946,16 @@ mod tests {
     #[test]
     fn kube_proxy_rules_are_recognised() {
         let ipt = "*nat\n:PREROUTING ACCEPT [0:0]\n:KUBE-SERVICES - [0:0]\n-A PREROUTING -j KUBE-SERVICES\nCOMMIT\n";
-        assert!(kube_proxy_found("iptables-save", ipt));
-        assert!(!kube_proxy_found(
+        assert!(crate::kube_proxy::found_in("iptables-save", ipt));
+        assert!(!crate::kube_proxy::found_in(
             "iptables-save",
             "*filter\n:INPUT ACCEPT [0:0]\n-A INPUT -m comment --comment KUBE-SERVICES -j ACCEPT\nCOMMIT\n"
         ));
-        assert!(kube_proxy_found(
+        assert!(crate::kube_proxy::found_in(
             "nft",
             "table ip filter\ntable ip kube-proxy\ntable ip6 kube-proxy\n"
         ));
-        assert!(!kube_proxy_found(
+        assert!(!crate::kube_proxy::found_in(
             "nft",
             "table ip filter\ntable inet kube-proxy-old\n"
         ));
@@ -1101,7 +1044,10 @@ fn xdp() -> CheckResult {
     let mut parts = Vec::new();
     for (name, index) in &names {
         match netdev::xdp_features(*index) {
-            Ok(f) => parts.push(format!("{name}: {}", netdev::describe(f))),
+            Ok(f) => parts.push(format!(
+                "{name}: {}",
+                xdp_description(&netdev::describe(f), crate::datapath::veth::is_veth(name))
+            )),
             Err(e) => {
                 return CheckResult::bad(
                     "xdp",
@@ -1116,6 +1062,18 @@ fn xdp() -> CheckResult {
         parts.push("no interface besides lo".into());
     }
     CheckResult::ok("xdp", parts.join("; "))
+}
+
+/// An interface's XDP row: a native veth gets the condition that makes it usable (see
+/// [`crate::datapath::veth`]).
+fn xdp_description(features: &str, veth: bool) -> String {
+    if veth && features.starts_with("native") {
+        format!(
+            "{features}, but frames sent back need an XDP program on the peer (veth: --xdp best-effort keeps it on tcx; --xdp native needs --xdp-veth-peers-ready)"
+        )
+    } else {
+        features.to_string()
+    }
 }
 
 /// The generic netlink family `netdev`: `dev-get` of one interface's `xdp-features`.
@@ -1254,6 +1212,23 @@ mod netdev {
 #[cfg(test)]
 mod xdp_tests {
     use super::netdev::{describe, parse_reply};
+
+    #[test]
+    fn a_native_veth_is_flagged() {
+        assert_eq!(
+            super::xdp_description("native (basic)", false),
+            "native (basic)"
+        );
+        let v = super::xdp_description("native (basic, redirect, ndo-xmit)", true);
+        assert!(
+            v.starts_with("native (basic, redirect, ndo-xmit), but frames sent back need an XDP program on the peer"),
+            "{v}"
+        );
+        assert_eq!(
+            super::xdp_description("generic only (no native XDP in its driver)", true),
+            "generic only (no native XDP in its driver)"
+        );
+    }
 
     #[test]
     fn xdp_features_are_read_from_a_netdev_answer() {

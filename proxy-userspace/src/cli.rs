@@ -73,6 +73,35 @@ pub enum Command {
     /// Preflight: check that this node can run the agent (kernel, BTF, bpffs, cgroup v2,
     /// program and map types, helpers, memlock, kube-proxy rules). Exit code 1 on a failure.
     Check(CheckArgs),
+    /// Ask the running agent on this node (its status server) whether it has synced, is
+    /// ready, and serves the north-south path; with --wait, until it does. Exit code 1 when
+    /// a --require condition is not met.
+    Status(StatusArgs),
+    /// kube-proxy's rules on this node: whether kube-proxy has programmed them (`status`),
+    /// and their removal once ebpf-proxy serves the node (`cleanup`).
+    #[command(name = "kube-proxy", subcommand)]
+    KubeProxy(KubeProxyCommand),
+}
+
+/// Arguments of `status`.
+#[derive(clap::Args, Debug)]
+pub struct StatusArgs {
+    /// The agent's status server (its --status-bind-address).
+    #[arg(allow_hyphen_values = true, long, default_value = "127.0.0.1:10266")]
+    pub address: std::net::SocketAddr,
+    /// Conditions that must hold, comma-separated: synced (the first sync is done),
+    /// ready (synced, and the health and metrics servers listen: no other process holds
+    /// their ports), north-south (NodePorts, external IPs and LB IPs are served to traffic
+    /// entering the node: the condition for removing kube-proxy's rules).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "synced")]
+    pub require: Vec<crate::status::Requirement>,
+    /// Keep asking (every second) until the conditions hold or this time has passed, e.g.
+    /// 5m; 0 asks once.
+    #[arg(long, default_value = "0s", value_parser = crate::config::parse_duration, value_name = "DURATION")]
+    pub wait: std::time::Duration,
+    /// Output format.
+    #[arg(short = 'o', long, value_enum, default_value = "table")]
+    pub output: Output,
 }
 
 /// Output format of the inspection commands.
@@ -235,6 +264,51 @@ pub struct CleanupArgs {
     /// are attached only through the pinned links, so removing those detaches them.
     #[arg(allow_hyphen_values = true, long)]
     pub cgroup_path: Option<PathBuf>,
+    /// Remove nothing until kube-proxy has programmed this node (its canary chain and a full
+    /// sync in iptables, or its synced nftables table), waiting at most this long, e.g. 5m:
+    /// the rollback's guard, so that something always serves the Services. Exit code 1,
+    /// nothing removed, when kube-proxy has not programmed the node by then.
+    #[arg(long, value_parser = crate::config::parse_duration, value_name = "DURATION")]
+    pub wait_for_kube_proxy: Option<std::time::Duration>,
+}
+
+/// Subcommands of `kube-proxy`.
+#[derive(Subcommand, Debug)]
+pub enum KubeProxyCommand {
+    /// Say whether kube-proxy's rules are on this node and whether kube-proxy has programmed
+    /// them (iptables: its canary chain and a full sync; nftables: its synced table); exit
+    /// code 0 when it has.
+    Status(KubeProxyStatusArgs),
+    /// Remove kube-proxy's iptables chains and nftables tables from this node, as
+    /// `kube-proxy --cleanup` does. Refuses while kube-proxy still runs on the node, or while
+    /// this node's ebpf-proxy agent does not serve it (synced, and NodePorts, external and LB
+    /// IPs served by its north-south programs: tcx, Linux >= 6.6), unless --force.
+    Cleanup(KubeProxyCleanupArgs),
+}
+
+/// Arguments of `kube-proxy status`.
+#[derive(clap::Args, Debug)]
+pub struct KubeProxyStatusArgs {
+    /// Keep reading (every second) until kube-proxy has programmed the node or this time
+    /// has passed, e.g. 5m; 0 reads once.
+    #[arg(long, default_value = "0s", value_parser = crate::config::parse_duration, value_name = "DURATION")]
+    pub wait: std::time::Duration,
+}
+
+/// Arguments of `kube-proxy cleanup`.
+#[derive(clap::Args, Debug)]
+pub struct KubeProxyCleanupArgs {
+    /// The agent's status server (its --status-bind-address), asked whether it serves the
+    /// node.
+    #[arg(allow_hyphen_values = true, long, default_value = "127.0.0.1:10266")]
+    pub status_address: std::net::SocketAddr,
+    /// Remove the rules even when kube-proxy still runs or the agent does not serve the
+    /// node.
+    #[arg(long)]
+    pub force: bool,
+    /// Only say what would be removed.
+    #[arg(long)]
+    pub dry_run: bool,
 }
 
 /// `monitor --duration`: plain seconds, or a duration as the agent's flags take it (Go's

@@ -762,6 +762,13 @@ pub struct RunFlags {
     /// 10256), or empty to disable it; port 0 picks a free port [default: 0.0.0.0:10256].
     #[arg(allow_hyphen_values = true, long)]
     pub healthz_bind_address: Option<ServerAddress>,
+    /// Address of the agent's own status server (`/readyz`, `/livez`, `/status`; read by
+    /// `ebpf-proxy status` and the DaemonSet's probes), on a port kube-proxy never binds so
+    /// that its answers cannot come from kube-proxy while both run: ip:port, an IP alone
+    /// (port 10266), or empty to disable it; port 0 picks a free port
+    /// [default: 127.0.0.1:10266].
+    #[arg(allow_hyphen_values = true, long)]
+    pub status_bind_address: Option<ServerAddress>,
     /// Log level of the agent (error, warn, info, debug, trace; other crates log warnings
     /// only), or a tracing filter directive with `=` or `,` (e.g. `info,kube=debug`)
     /// [default: info, or the one of -v].
@@ -816,6 +823,12 @@ pub struct RunFlags {
     /// [default: disabled].
     #[arg(allow_hyphen_values = true, long, value_enum, value_name = "MODE")]
     pub xdp: Option<XdpSetting>,
+    /// The peers of veth external interfaces run an XDP program in native mode, so frames
+    /// the XDP program sends back or redirects into a veth are delivered: lets --xdp use
+    /// native XDP on veths, which it otherwise refuses (native) or skips (best-effort)
+    /// [default: false].
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", value_parser = parse_go_bool, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub xdp_veth_peers_ready: bool,
     /// Source-NAT every external flow of a Cluster-policy Service to the node address, also
     /// when the backend runs on this node (kube-proxy's --masquerade-all).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
@@ -1147,6 +1160,8 @@ pub struct AgentConfig {
     pub metrics_bind_address: Option<SocketAddr>,
     /// `--healthz-bind-address` (`None`: no health server).
     pub healthz_bind_address: Option<SocketAddr>,
+    /// `--status-bind-address` (`None`: no status server).
+    pub status_bind_address: Option<SocketAddr>,
     /// `--bind-address-hard-fail`: a server that cannot bind stops the agent.
     pub bind_address_hard_fail: bool,
     /// `--bind-address` (kept for the written configuration).
@@ -1382,6 +1397,13 @@ impl AgentConfig {
                 k.healthz_port,
                 healthz_default,
             ),
+            status_bind_address: match flags.status_bind_address {
+                Some(a) => a.resolve(crate::status::DEFAULT_STATUS_PORT),
+                None => Some(SocketAddr::from((
+                    Ipv4Addr::LOCALHOST,
+                    crate::status::DEFAULT_STATUS_PORT,
+                ))),
+            },
             bind_address_hard_fail: k
                 .bind_address_hard_fail
                 .or(f.bind_address_hard_fail)
@@ -1423,6 +1445,7 @@ impl AgentConfig {
             tc: TcSettings {
                 interfaces: flags.interfaces,
                 xdp: flags.xdp.unwrap_or_default(),
+                xdp_veth_peers_ready: flags.xdp_veth_peers_ready,
                 masquerade_all: flags.masquerade_all.or(f.masquerade_all).unwrap_or(false),
                 conntrack_max_per_core: flags
                     .conntrack_max_per_core

@@ -31,7 +31,7 @@ use crate::{datapath::HealthServers, model::HealthCheck};
 
 /// A listening socket for `port` on every address: `[::]` dual-stack, or `0.0.0.0` when
 /// IPv6 cannot be used (a busy port is an error, not a reason to fall back).
-fn listen(port: u16) -> io::Result<std::net::TcpListener> {
+pub(crate) fn listen(port: u16) -> io::Result<std::net::TcpListener> {
     match listen_on(SocketAddr::from((Ipv6Addr::UNSPECIFIED, port))) {
         Ok(l) => Ok(l),
         Err(e) if e.kind() == io::ErrorKind::AddrInUse => Err(e),

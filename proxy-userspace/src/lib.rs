@@ -13,6 +13,7 @@ pub mod datapath;
 pub mod healthcheck;
 pub mod inspect;
 pub mod kernel_log;
+pub mod kube_proxy;
 pub mod maglev;
 pub mod metrics;
 pub mod model;
@@ -22,6 +23,7 @@ pub mod reconcile;
 pub mod servers;
 pub mod sockdiag;
 pub mod source;
+pub mod status;
 
 /// Returns the calling thread's free heap pages to the system at once: mimalloc's (the
 /// agent binary's allocator, which otherwise does so about 1 s after the free; its heaps are

@@ -159,6 +159,14 @@ fn main() -> ExitCode {
             restore_sigpipe();
             cleanup(args)
         }
+        Command::Status(args) => {
+            restore_sigpipe();
+            return status_command(args);
+        }
+        Command::KubeProxy(cmd) => {
+            restore_sigpipe();
+            kube_proxy_command(cmd)
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -202,6 +210,41 @@ fn check_command(args: CheckArgs) -> ExitCode {
     } else {
         ExitCode::SUCCESS
     }
+}
+
+/// `ebpf-proxy status`: the agent's status, exit code 0 when every `--require` holds.
+fn status_command(args: proxy_userspace::cli::StatusArgs) -> ExitCode {
+    use proxy_userspace::status;
+    let read = status::wait_for(
+        args.address,
+        &args.require,
+        args.wait,
+        std::time::Duration::from_secs(1),
+    );
+    let (st, unmet) = match read {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: {}", proxy_userspace::error_chain(&e));
+            return ExitCode::FAILURE;
+        }
+    };
+    match args.output {
+        Output::Json => match serde_json::to_string_pretty(&st) {
+            Ok(j) => println!("{j}"),
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::FAILURE;
+            }
+        },
+        Output::Table => print!("{}", status::table(&st)),
+    }
+    if unmet.is_empty() {
+        return ExitCode::SUCCESS;
+    }
+    for u in &unmet {
+        eprintln!("not met: {u}");
+    }
+    ExitCode::FAILURE
 }
 
 fn services(args: ServicesArgs) -> Result<()> {
@@ -456,7 +499,54 @@ fn monitor(args: MonitorArgs) -> Result<()> {
 
 fn cleanup(args: CleanupArgs) -> Result<()> {
     let _ = args.cgroup_path;
+    if let Some(wait) = args.wait_for_kube_proxy {
+        use proxy_userspace::kube_proxy;
+        let found = kube_proxy::wait_programmed(wait, std::time::Duration::from_secs(1));
+        for l in found.describe() {
+            println!("kube-proxy: {l}");
+        }
+        if !found.programmed() {
+            anyhow::bail!(
+                "kube-proxy has not programmed this node within {} (no canary chain with a full sync, no synced nftables table): nothing removed, ebpf-proxy keeps serving; deploy kube-proxy and wait until its pod on this node runs",
+                humantime::format_duration(wait)
+            );
+        }
+    }
     cleanup_pins(&args.pins)
+}
+
+/// `ebpf-proxy kube-proxy status|cleanup`.
+fn kube_proxy_command(cmd: proxy_userspace::cli::KubeProxyCommand) -> Result<()> {
+    use proxy_userspace::{cli::KubeProxyCommand, kube_proxy};
+    match cmd {
+        KubeProxyCommand::Status(a) => {
+            let found = kube_proxy::wait_programmed(a.wait, std::time::Duration::from_secs(1));
+            for l in found.describe() {
+                println!("{l}");
+            }
+            if !found.programmed() {
+                anyhow::bail!(
+                    "kube-proxy has not programmed this node{}",
+                    if found.any() {
+                        " (its rules are there, but without the canary and a full sync)"
+                    } else {
+                        ""
+                    }
+                );
+            }
+            println!("kube-proxy has programmed this node");
+            Ok(())
+        }
+        KubeProxyCommand::Cleanup(a) => {
+            if !a.force {
+                kube_proxy::check_gates(std::path::Path::new("/proc"), a.status_address)?;
+            }
+            for l in kube_proxy::cleanup(a.dry_run)? {
+                println!("{l}");
+            }
+            Ok(())
+        }
+    }
 }
 
 /// `cleanup` and `--cleanup`: detach the programs and remove the pins, saying what went.

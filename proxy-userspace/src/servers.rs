@@ -200,9 +200,19 @@ impl Fatal {
     }
 }
 
+/// Binds `addr`. An unspecified address of either family (`0.0.0.0`, `::`) means every
+/// address of both: a dual-stack `[::]` socket, or `0.0.0.0` on a node without IPv6. So the
+/// kubelet's probes and load balancers' checks reach the server on an IPv6-primary node too,
+/// where kube-proxy's literal `0.0.0.0:10256` would not answer. A port another process holds
+/// on either family is an error.
 fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
-    let l = std::net::TcpListener::bind(addr)?;
-    l.set_nonblocking(true)?;
+    let l = if addr.ip().is_unspecified() {
+        crate::healthcheck::listen(addr.port())?
+    } else {
+        let l = std::net::TcpListener::bind(addr)?;
+        l.set_nonblocking(true)?;
+        l
+    };
     tokio::net::TcpListener::from_std(l)
 }
 
@@ -360,6 +370,45 @@ mod tests {
             body.contains("kubeproxy_sync_proxy_rules_duration_seconds"),
             "{body}"
         );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_unspecified_address_serves_both_families() {
+        let metrics = Arc::new(Metrics::new("/nonexistent".into(), families()));
+        let health = Arc::new(Mutex::new(Health::new(Duration::from_secs(60), families())));
+        health.lock().unwrap().last_updated = Some(SystemTime::now());
+        // 0.0.0.0, as kube-proxy's default and the DaemonSet give it: IPv6 clients (an
+        // IPv6-primary node's kubelet) reach it too.
+        let mut rx = spawn(
+            "health",
+            "0.0.0.0:0".parse().unwrap(),
+            health_app(health, metrics.clone()),
+            BIND_RETRY,
+            None,
+        );
+        until(&mut rx, |s| matches!(s, ServerState::Listening(_))).await;
+        let ServerState::Listening(addr) = rx.borrow().clone() else {
+            unreachable!()
+        };
+        let v6 = SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, addr.port()));
+        let v4 = SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, addr.port()));
+        assert_eq!(get(v6, "/healthz").await.0, 200);
+        assert_eq!(get(v4, "/healthz").await.0, 200);
+        // A port held on IPv4 alone (kube-proxy's literal 0.0.0.0:10256) is busy for it.
+        let held = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+        let port = held.local_addr().unwrap().port();
+        let mut rx = spawn(
+            "health",
+            SocketAddr::from((std::net::Ipv4Addr::UNSPECIFIED, port)),
+            metrics_app(metrics),
+            Duration::from_millis(20),
+            None,
+        );
+        until(
+            &mut rx,
+            |s| matches!(s, ServerState::Failing(e) if e.contains("in use")),
+        )
+        .await;
     }
 
     #[tokio::test]

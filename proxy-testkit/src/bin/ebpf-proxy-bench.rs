@@ -1131,6 +1131,8 @@ fn run_api_changes(
             kubeconfig.display().to_string(),
             "--metrics-bind-address".into(),
             "127.0.0.1:10249".into(),
+            "--status-bind-address".into(),
+            "127.0.0.1:0".into(),
         ],
         None,
     )?;

@@ -888,6 +888,8 @@ mod demo {
                 &format!("127.0.0.1:{port}"),
                 "--metrics-bind-address",
                 "127.0.0.1:0",
+                "--status-bind-address",
+                "127.0.0.1:0",
             ])
             .stdin(Stdio::null());
         let f = fs::File::create(&log)?;

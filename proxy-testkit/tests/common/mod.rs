@@ -221,6 +221,8 @@ impl Env {
                 "127.0.0.1:0",
                 "--metrics-bind-address",
                 "127.0.0.1:0",
+                "--status-bind-address",
+                "127.0.0.1:0",
             ])
             .args(&self.extra_agent_args)
             .stdin(Stdio::null())
@@ -388,6 +390,8 @@ impl Env {
                 "--healthz-bind-address",
                 "127.0.0.1:0",
                 "--metrics-bind-address",
+                "127.0.0.1:0",
+                "--status-bind-address",
                 "127.0.0.1:0",
             ])
             .stdin(Stdio::null())

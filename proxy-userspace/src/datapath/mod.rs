@@ -13,6 +13,7 @@ pub mod kernel;
 pub mod loader;
 pub mod maps;
 pub mod tc;
+pub mod veth;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;

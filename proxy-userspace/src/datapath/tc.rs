@@ -93,6 +93,9 @@ pub struct TcSettings {
     pub interfaces: Vec<String>,
     /// `--xdp`.
     pub xdp: XdpSetting,
+    /// `--xdp-veth-peers-ready`: the peers of veth external interfaces run an XDP program,
+    /// so native XDP on a veth delivers what it forwards.
+    pub xdp_veth_peers_ready: bool,
     /// `--masquerade-all`.
     pub masquerade_all: bool,
     /// `--conntrack-max-per-core`.
@@ -110,6 +113,7 @@ impl Default for TcSettings {
         TcSettings {
             interfaces: Vec::new(),
             xdp: XdpSetting::Disabled,
+            xdp_veth_peers_ready: false,
             masquerade_all: false,
             conntrack_max_per_core: DEFAULT_CONNTRACK_MAX_PER_CORE,
             conntrack_min: DEFAULT_CONNTRACK_MIN,
@@ -605,6 +609,8 @@ pub struct TcKernel {
     dir: PathBuf,
     /// `--xdp`.
     xdp: XdpSetting,
+    /// `--xdp-veth-peers-ready`.
+    veth_peers_ready: bool,
     /// What was written to `TC_CONFIG` (timeouts for the collection of flows).
     config: TcConfig,
     ebpf: Option<Ebpf>,
@@ -642,6 +648,7 @@ impl TcKernel {
         Ok(Self {
             config,
             xdp: args.xdp,
+            veth_peers_ready: args.xdp_veth_peers_ready,
             dir: dir.to_path_buf(),
             ebpf: None,
             tc_attached: BTreeSet::new(),
@@ -789,8 +796,24 @@ impl TcKernel {
     /// interface is removed first: an interface holds one XDP program, and the tcx programs
     /// (attached before this) serve it meanwhile. A pod-facing interface (`external` false)
     /// or `--xdp disabled` gets none (and loses an earlier agent's).
+    ///
+    /// A veth (kind and container-based nodes) gets no XDP unless `--xdp-veth-peers-ready`
+    /// says its peer runs an XDP program: without one the frames the program forwards are
+    /// lost ([`crate::datapath::veth`]). `--xdp native` refuses it with the remedies,
+    /// `best-effort` leaves it to the tcx programs.
     pub fn attach_xdp(&mut self, ifname: &str, external: bool) -> Result<Option<XdpMode>> {
         self.detach_xdp(ifname)?;
+        let unready_veth = external
+            && self.xdp != XdpSetting::Disabled
+            && !self.veth_peers_ready
+            && crate::datapath::veth::is_veth(ifname);
+        if unready_veth {
+            if self.xdp == XdpSetting::Native {
+                bail!("{}", crate::datapath::veth::native_refusal(ifname));
+            }
+            tracing::info!(interface = %ifname, "--xdp best-effort: a veth gets no XDP (frames it forwards need an XDP program on the peer; --xdp-veth-peers-ready when the peers have one): the tcx programs serve it");
+            return Ok(None);
+        }
         let modes: &[XdpMode] = match self.xdp {
             _ if !external => &[],
             XdpSetting::Disabled => &[],

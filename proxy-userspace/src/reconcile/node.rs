@@ -329,6 +329,20 @@ impl NodeReconciler {
         self.ifaces.keys()
     }
 
+    /// The north-south path as applied: external and pod-facing interfaces with the
+    /// programs, and the interfaces step's failure (until a pass works).
+    pub fn north_south(&self) -> crate::status::NorthSouth {
+        let (pod, external): (Vec<_>, Vec<_>) = self
+            .ifaces
+            .iter()
+            .partition(|(_, (_, v))| v.flags & IFACE_F_POD != 0);
+        crate::status::NorthSouth {
+            interfaces: external.into_iter().map(|(n, _)| n.clone()).collect(),
+            pod_interfaces: pod.into_iter().map(|(n, _)| n.clone()).collect(),
+            errors: self.iface_error.iter().cloned().collect(),
+        }
+    }
+
     /// Health-check ports served.
     pub fn health_ports(&self) -> impl Iterator<Item = &u16> {
         self.health.keys()

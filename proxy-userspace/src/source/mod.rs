@@ -9,6 +9,7 @@
 //! a re-list (a watch that had to start over, a directory listed again) delivers the objects
 //! that changed and a deletion for every object that is gone.
 
+pub mod apiconfig;
 pub mod kubeapi;
 pub mod manifests;
 

@@ -468,7 +468,7 @@ fn start_agents(
     }
     fs::write(dir.join("objects.json"), text)?;
     let mode: &[&str] = match case {
-        Case::Xdp => &["--xdp", "native"],
+        Case::Xdp => &["--xdp", "native", "--xdp-veth-peers-ready"],
         Case::Dsr => &["--north-south-mode", "dsr"],
         _ => &[],
     };
