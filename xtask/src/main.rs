@@ -1,4 +1,5 @@
-//! Developer tasks for ebpf-proxy: `cargo xtask <setup|build-ebpf|build|test|demo|bench|fuzz>`.
+//! Developer tasks for ebpf-proxy:
+//! `cargo xtask <setup|build-ebpf|build|image|test|demo|bench|fuzz>`.
 //!
 //! Every command first runs `setup` when one of its cheap checks fails, so a fresh Debian
 //! machine (as root) needs nothing but `cargo xtask test` or `cargo xtask demo`.
@@ -11,6 +12,8 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
+
+mod image;
 
 /// bpf-linker version known to work with the nightly toolchain's LLVM and aya-ebpf 0.2.
 const BPF_LINKER_VERSION: &str = "0.13.0";
@@ -28,7 +31,6 @@ const APT_TOOLS: [(&str, &str); 6] = [
     ("nft", "nftables"),
 ];
 const BPFFS: &str = "/sys/fs/bpf";
-
 #[derive(Parser)]
 #[command(name = "xtask", about = "ebpf-proxy developer tasks")]
 struct Cli {
@@ -44,6 +46,29 @@ enum Cmd {
     BuildEbpf,
     /// Build the eBPF object, then the agent and netprobe (release).
     Build,
+    /// Set up if needed, build, then build the agent's container image from scratch with
+    /// buildah into podman's storage, measure it and smoke-test it with podman (root).
+    Image {
+        /// Image reference; default localhost/ebpf-proxy:<crate version>.
+        #[arg(long, value_name = "REF")]
+        tag: Option<String>,
+        /// Also write the image to FILE as an OCI archive (for `kind load image-archive`,
+        /// `ctr -n k8s.io images import`, `skopeo copy oci-archive:FILE docker://...`).
+        #[arg(long, value_name = "FILE")]
+        save: Option<PathBuf>,
+        /// URL for the org.opencontainers.image.source label; default: the git remote
+        /// `origin`, if any.
+        #[arg(long, value_name = "URL")]
+        source: Option<String>,
+    },
+    /// Write the image's files, all but the agent and its links, into DIR (which must not
+    /// exist or be empty). The Containerfile's build stage runs this; no setup, no build.
+    ImageRootfs {
+        dir: PathBuf,
+        /// The agent binary whose libraries go into DIR.
+        #[arg(long, value_name = "BIN")]
+        libraries_of: PathBuf,
+    },
     /// Set up if needed, build, run every test single-threaded (needs root).
     Test {
         /// Extra arguments for the test binaries (after `--`), e.g. a test name filter.
@@ -72,11 +97,23 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
+    let started = Instant::now();
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Setup => setup(),
         Cmd::BuildEbpf => setup_if_needed().and_then(|()| build_ebpf()),
         Cmd::Build => setup_if_needed().and_then(|()| build()),
+        Cmd::Image { tag, save, source } => {
+            setup_if_needed().and_then(|()| build()).and_then(|()| {
+                image::image(&image::Options {
+                    tag,
+                    save,
+                    source,
+                    started,
+                })
+            })
+        }
+        Cmd::ImageRootfs { dir, libraries_of } => image::image_rootfs(&dir, &libraries_of),
         Cmd::Test { args } => setup_if_needed()
             .and_then(|()| build())
             .and_then(|()| test(&args)),
