@@ -10,8 +10,10 @@
 //! finds them under, with the symbolic links met on the way (/lib -> usr/lib and the like)
 //! recreated, so the image resolves every path the way the host does.
 //!
-//! `cargo xtask image-rootfs` writes the same files but the agent, for a Containerfile's
-//! build stage.
+//! The Containerfile describes the same image for places where registries are reachable:
+//! its build stage runs `cargo xtask image-rootfs` (this module's [`write_rootfs`]) and its
+//! final stage adds the agent and the settings below; a unit test checks it against the
+//! constants here.
 
 use std::collections::BTreeSet;
 use std::env;
