@@ -1,6 +1,6 @@
 //! The agent's container image: what it contains (the one list, below), how
 //! `cargo xtask image` assembles it from scratch with buildah and loads it into podman's
-//! storage.
+//! storage, and how `cargo xtask test` builds it for the pod test.
 //!
 //! The image has no base image: it holds the agent, the libraries it links, the tools its
 //! own commands run (iptables in both backends and nft, for `ebpf-proxy check` and for
@@ -886,6 +886,65 @@ pub fn image(opts: &Options) -> Result<()> {
         t_smoke
     )?;
     Ok(())
+}
+
+/// For `cargo xtask test`: builds the image and checks podman can run it (one
+/// `ebpf-proxy --version`). Returns its reference, or None after printing one line with the
+/// reason when podman, buildah or runc are missing or cannot run here. `$EBPF_PROXY_IMAGE`,
+/// when already set, is returned as is and nothing is built.
+///
+/// Errors only for failures that are not about the container tools (writing the root
+/// filesystem: a missing tool file or library).
+pub fn for_tests() -> Result<Option<String>> {
+    if let Ok(r) = env::var("EBPF_PROXY_IMAGE") {
+        eprintln!("xtask: EBPF_PROXY_IMAGE={r} (from the environment; no image built)");
+        return Ok(Some(r));
+    }
+    let t = Instant::now();
+    for tool in ["buildah", "podman", "runc"] {
+        if find_tool(tool).is_none() {
+            eprintln!(
+                "xtask: EBPF_PROXY_IMAGE not set: {tool} is not installed (`cargo xtask setup` installs it)"
+            );
+            return Ok(None);
+        }
+    }
+    let version = agent_version(&agent_bin())?;
+    let reference = format!("localhost/ebpf-proxy:{version}");
+    let prep = prepare()?;
+    let built = match commit(prep, &reference, &version, None) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!(
+                "xtask: EBPF_PROXY_IMAGE not set: buildah or podman failed: {}",
+                one_line(&e)
+            );
+            return Ok(None);
+        }
+    };
+    let mut probe = podman_version_run(&built.reference, AGENT);
+    match stdout_of(&mut probe) {
+        Ok(_) => {
+            eprintln!(
+                "xtask: EBPF_PROXY_IMAGE={} ({}; built and probed in {:.1?})",
+                built.reference,
+                built.digest,
+                t.elapsed()
+            );
+            Ok(Some(built.reference))
+        }
+        Err(e) => {
+            eprintln!(
+                "xtask: EBPF_PROXY_IMAGE not set: podman cannot run the image here: {}",
+                one_line(&e)
+            );
+            Ok(None)
+        }
+    }
+}
+
+fn one_line(e: &anyhow::Error) -> String {
+    format!("{e:#}").replace('\n', " ")
 }
 
 /// `cargo xtask image-rootfs DIR --libraries-of BIN`: the Containerfile's build stage writes

@@ -69,7 +69,8 @@ enum Cmd {
         #[arg(long, value_name = "BIN")]
         libraries_of: PathBuf,
     },
-    /// Set up if needed, build, run every test single-threaded (needs root).
+    /// Set up if needed, build, build the image when podman can run it (its reference in
+    /// $EBPF_PROXY_IMAGE), run every test single-threaded (needs root).
     Test {
         /// Extra arguments for the test binaries (after `--`), e.g. a test name filter.
         #[arg(last = true)]
@@ -116,7 +117,8 @@ fn main() -> ExitCode {
         Cmd::ImageRootfs { dir, libraries_of } => image::image_rootfs(&dir, &libraries_of),
         Cmd::Test { args } => setup_if_needed()
             .and_then(|()| build())
-            .and_then(|()| test(&args)),
+            .and_then(|()| image::for_tests())
+            .and_then(|image| test(&args, image.as_deref())),
         Cmd::Demo => setup_if_needed()
             .and_then(|()| build())
             .and_then(|()| demo()),
@@ -529,7 +531,9 @@ fn warn_unless_root(what: &str) {
     }
 }
 
-fn test(extra: &[String]) -> Result<()> {
+/// Runs the tests. `image` is the agent's image reference for the pod test, passed as
+/// `$EBPF_PROXY_IMAGE` (unset when None).
+fn test(extra: &[String], image: Option<&str>) -> Result<()> {
     warn_unless_root("the test suite");
     // Single-threaded: the integration tests share kernel state (namespaces, cgroups, pins).
     // --no-fail-fast: every test binary runs, so one failure does not hide the others.
@@ -544,6 +548,10 @@ fn test(extra: &[String]) -> Result<()> {
     ])
     .args(extra)
     .stdout(std::process::Stdio::piped());
+    match image {
+        Some(r) => c.env("EBPF_PROXY_IMAGE", r),
+        None => c.env_remove("EBPF_PROXY_IMAGE"),
+    };
     eprintln!("xtask: running {c:?}");
     let mut child = c.spawn().context("starting cargo test")?;
     // Pass the output through and add up every binary's "test result" line, so the run ends
