@@ -180,7 +180,7 @@ fn prepare(config: &AgentConfig) -> Result<Prepared> {
             // agent itself and proxy nothing for the node.
             if crate::mounts::in_initial_cgroup_namespace() == Some(false) {
                 anyhow::bail!(
-                    "{} is the root of this container's cgroup namespace, not the node's cgroup v2 root, so the programs would proxy nothing for the node (remedy: mount the host's /sys/fs/cgroup with a hostPath volume and pass --cgroup-path at it, as deploy/daemonset.yaml does)",
+                    "{} is the root of this container's cgroup namespace, not the node's cgroup v2 root, so the programs would proxy nothing for the node (remedy: mount the host's /sys/fs/cgroup with a hostPath volume and pass --cgroup-path at it, as the Helm chart's DaemonSet does with its cgroupRoot value)",
                     root.display()
                 );
             }

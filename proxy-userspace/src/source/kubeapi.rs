@@ -22,7 +22,7 @@
 //! - `metadata.managedFields` and the `kubectl.kubernetes.io/last-applied-configuration`
 //!   annotation are dropped from every object on arrival.
 //!
-//! Access used (checked against `deploy/rbac.yaml` by a test): [`API_ACCESS`].
+//! Access used (checked against the Helm chart's ClusterRole by a test): [`API_ACCESS`].
 
 use std::collections::HashSet;
 
@@ -43,7 +43,8 @@ use tracing::{debug, info, warn};
 
 use super::{Batch, Change, Kind, Object, Source, Sourced};
 
-/// Every (API group, resource, verbs) the agent uses; `deploy/rbac.yaml` must grant them.
+/// Every (API group, resource, verbs) the agent uses; the chart's ClusterRole
+/// (`deploy/helm/ebpf-proxy/templates/rbac.yaml`) must grant them.
 pub const API_ACCESS: &[(&str, &str, &[&str])] = &[
     ("", "services", &["list", "watch"]),
     ("discovery.k8s.io", "endpointslices", &["list", "watch"]),
