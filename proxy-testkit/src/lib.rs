@@ -5,6 +5,7 @@
 //! - [`fakeapi`]: a list/watch server that behaves like kube-apiserver.
 //! - [`kube_proxy_rules`]: the iptables and nftables rules kube-proxy programs for a set of
 //!   Services (the bench's peers, and kube-proxy's side of the switch tests).
+//! - [`podrun`]: a pod template run with podman as a kubelet would, on a lab node.
 //!
 //! Its binaries are `netprobe` (test servers and clients, and the demo) and, with the
 //! `bench` feature, `ebpf-proxy-bench`. Its `tests/` are the privileged integration tests:
@@ -12,4 +13,5 @@
 
 pub mod fakeapi;
 pub mod kube_proxy_rules;
+pub mod podrun;
 pub mod testbed;

@@ -860,6 +860,80 @@ pub fn is_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
+/// A port held the way kube-proxy's health server holds 10256 while kube-proxy still runs
+/// next to ebpf-proxy: it answers 200 to `/healthz` and `/livez` and 404 to any other path
+/// (Go's `ServeMux`). Serves from a thread until dropped, which closes the port.
+pub struct KubeProxyHealth {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<thread::JoinHandle<()>>,
+}
+
+impl KubeProxyHealth {
+    /// Serves on `listener` (bound by the caller, e.g. inside a lab namespace with
+    /// [`in_netns`]).
+    pub fn serve(listener: std::net::TcpListener) -> io::Result<Self> {
+        use std::io::Write;
+        use std::sync::atomic::Ordering;
+        listener.set_nonblocking(true)?;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let done = stop.clone();
+        let thread = thread::spawn(move || {
+            while !done.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((mut c, _)) => {
+                        let _ = c.set_nonblocking(false);
+                        let _ = c.set_read_timeout(Some(Duration::from_secs(1)));
+                        let mut buf = [0u8; 1024];
+                        let n = c.read(&mut buf).unwrap_or(0);
+                        let req = String::from_utf8_lossy(&buf[..n]);
+                        let path = req.split_whitespace().nth(1).unwrap_or("");
+                        let answer = if path == "/healthz" || path == "/livez" {
+                            "HTTP/1.0 200 OK\r\n\r\n{\"healthy\":true}"
+                        } else {
+                            "HTTP/1.0 404 Not Found\r\n\r\n404 page not found\n"
+                        };
+                        let _ = c.write_all(answer.as_bytes());
+                    }
+                    Err(_) => thread::sleep(Duration::from_millis(10)),
+                }
+            }
+        });
+        Ok(KubeProxyHealth {
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for KubeProxyHealth {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The status code of `GET path` on `addr` from the network namespace `netns` (`None`: no
+/// answer within `timeout`), as a kubelet's HTTP probe asks.
+pub fn http_get_code(netns: Option<&Path>, addr: std::net::SocketAddr, path: &str, timeout: Duration) -> Option<u16> {
+    let path = path.to_string();
+    let get = move || -> Option<u16> {
+        use std::io::Write;
+        let mut s = std::net::TcpStream::connect_timeout(&addr, timeout).ok()?;
+        s.set_read_timeout(Some(timeout)).ok()?;
+        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+            .ok()?;
+        let mut text = String::new();
+        let _ = s.read_to_string(&mut text);
+        text.split_whitespace().nth(1)?.parse().ok()
+    };
+    match netns {
+        Some(ns) => in_netns(ns, get).ok().flatten(),
+        None => get(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

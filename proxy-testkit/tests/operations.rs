@@ -496,40 +496,6 @@ fn a_busy_metrics_port_does_not_stop_the_agent_and_is_retried() {
     env.agent = None;
 }
 
-/// Holds `listener`'s port as kube-proxy's health server would while both run: answers
-/// 200 to `/healthz` and `/livez`, 404 to anything else (Go's ServeMux). Ends when the
-/// returned flag is set and the listener is dropped.
-fn kube_proxy_like_health_server(
-    listener: std::net::TcpListener,
-) -> std::sync::Arc<std::sync::atomic::AtomicBool> {
-    use std::io::{Read, Write};
-    use std::sync::atomic::{AtomicBool, Ordering};
-    let stop = std::sync::Arc::new(AtomicBool::new(false));
-    let done = stop.clone();
-    listener.set_nonblocking(true).unwrap();
-    std::thread::spawn(move || {
-        while !done.load(Ordering::Relaxed) {
-            match listener.accept() {
-                Ok((mut c, _)) => {
-                    c.set_nonblocking(false).unwrap();
-                    let mut buf = [0u8; 1024];
-                    let n = c.read(&mut buf).unwrap_or(0);
-                    let req = String::from_utf8_lossy(&buf[..n]);
-                    let path = req.split_whitespace().nth(1).unwrap_or("");
-                    let answer = if path == "/healthz" || path == "/livez" {
-                        "HTTP/1.0 200 OK\r\n\r\n{\"healthy\":true}"
-                    } else {
-                        "HTTP/1.0 404 Not Found\r\n\r\n404 page not found\n"
-                    };
-                    let _ = c.write_all(answer.as_bytes());
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(10)),
-            }
-        }
-    });
-    stop
-}
-
 /// The HTTP status code of GET `url` (curl).
 fn http_code(url: &str) -> String {
     let out = Command::new("curl")
@@ -555,7 +521,7 @@ fn a_health_port_held_by_another_process_keeps_the_agent_unready_until_it_is_fre
     // kube-proxy, still running during the switch, holds the health port and answers on it.
     let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let health = held.local_addr().unwrap();
-    let stop = kube_proxy_like_health_server(held);
+    let holder = testbed::KubeProxyHealth::serve(held).unwrap();
     env.extra_agent_args = vec!["--healthz-bind-address".into(), health.to_string()];
     env.start_agent();
     let status = env.logged_addr("status");
@@ -606,7 +572,7 @@ fn a_health_port_held_by_another_process_keeps_the_agent_unready_until_it_is_fre
         text(&out.stderr)
     );
     // kube-proxy goes away: the agent binds the port (retried every 5 s) and turns Ready.
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    drop(holder);
     let out = ask("ready", "20s");
     assert!(
         out.status.success(),

@@ -27,7 +27,7 @@
 mod common;
 
 use std::{
-    io::{BufRead, BufReader, Read, Write},
+    io::{BufRead, BufReader, Write},
     net::{Ipv4Addr, SocketAddr, TcpStream},
     path::{Path, PathBuf},
     process::{ChildStdout, Command, Stdio},
@@ -420,17 +420,12 @@ fn logged_addr(log: &str, what: &str) -> Option<SocketAddr> {
 
 /// The status code of `GET /healthz` at `addr` in namespace `ns`, if it answered.
 fn healthz(ns: &Netns, addr: SocketAddr) -> Option<u16> {
-    in_netns(&ns.path(), move || {
-        let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(500)).ok()?;
-        s.set_read_timeout(Some(Duration::from_millis(500))).ok()?;
-        s.write_all(b"GET /healthz HTTP/1.0\r\nHost: x\r\n\r\n")
-            .ok()?;
-        let mut text = String::new();
-        let _ = s.read_to_string(&mut text);
-        text.split_whitespace().nth(1)?.parse().ok()
-    })
-    .ok()
-    .flatten()
+    proxy_testkit::testbed::http_get_code(
+        Some(&ns.path()),
+        addr,
+        "/healthz",
+        Duration::from_millis(500),
+    )
 }
 
 /// The IP of `peer` as a server printed it (IPv4-mapped from a dual-stack socket).
