@@ -60,6 +60,8 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::convert::Infallible;
+use std::fs::File;
+use std::io;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicUsize, Ordering};
@@ -427,6 +429,9 @@ pub struct FakeApiServer {
     addr: SocketAddr,
     shared: Arc<Shared>,
     running: Option<Running>,
+    /// The network namespace the first listener lived in, where [`Self::restart`]
+    /// binds again; `None` if it could not be opened (then: the caller's).
+    netns: Option<File>,
 }
 
 struct Running {
@@ -444,27 +449,20 @@ impl FakeApiServer {
     /// Binds `addr` (use `127.0.0.1:0` for a free port) and starts serving on the
     /// current tokio runtime.
     pub async fn start(addr: SocketAddr) -> anyhow::Result<Self> {
+        let listener = bind(addr)?;
         let mut server = Self {
-            addr,
+            addr: listener.local_addr()?,
             shared: Arc::new(Shared::new()),
             running: None,
+            netns: netns_of(&listener),
         };
-        server.serve().await?;
+        server.serve(listener)?;
         Ok(server)
     }
 
-    async fn serve(&mut self) -> anyhow::Result<()> {
-        let socket = if self.addr.is_ipv4() {
-            tokio::net::TcpSocket::new_v4()?
-        } else {
-            tokio::net::TcpSocket::new_v6()?
-        };
-        // Restarting on the same port must not trip over TIME_WAIT connections.
-        socket.set_reuseaddr(true)?;
-        socket
-            .bind(self.addr)
-            .with_context(|| format!("fakeapi: binding {}", self.addr))?;
-        let listener = socket.listen(1024)?;
+    /// Serves on `listener` from a new task; needs a tokio runtime context.
+    fn serve(&mut self, listener: std::net::TcpListener) -> anyhow::Result<()> {
+        let listener = tokio::net::TcpListener::from_std(listener)?;
         self.addr = listener.local_addr()?;
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
         let app = App {
@@ -472,17 +470,7 @@ impl FakeApiServer {
             shutdown: shutdown_rx.clone(),
         };
         let router = router(app);
-        let mut signal = shutdown_rx;
-        let task = tokio::spawn(async move {
-            let res = axum::serve(listener, router)
-                .with_graceful_shutdown(async move {
-                    let _ = signal.wait_for(|stop| *stop).await;
-                })
-                .await;
-            if let Err(e) = res {
-                tracing::warn!(error = %e, "fakeapi: server error");
-            }
-        });
+        let task = spawn_server(listener, router, shutdown_rx);
         self.running = Some(Running {
             shutdown: shutdown_tx,
             task,
@@ -582,9 +570,18 @@ impl FakeApiServer {
 
     /// Serves again on the same address with the same state (stopping first if
     /// still running).
+    ///
+    /// The address is bound in the network namespace the first listener lived in,
+    /// whichever namespace the calling thread is in (entering it from a short-lived
+    /// thread needs `CAP_SYS_ADMIN`). Errors: the bind fails (port taken meanwhile,
+    /// namespace gone or not enterable).
     pub async fn restart(&mut self) -> anyhow::Result<()> {
         self.stop().await;
-        self.serve().await
+        let listener = match &self.netns {
+            Some(ns) => bind_in(ns, self.addr)?,
+            None => bind(self.addr)?,
+        };
+        self.serve(listener)
     }
 
     // ---- state changes -------------------------------------------------------
@@ -778,6 +775,84 @@ impl Drop for FakeApiServer {
             let _ = r.shutdown.send(true);
         }
     }
+}
+
+// ---- sockets --------------------------------------------------------------
+
+/// Binds a listening TCP socket on `addr` in the calling thread's network namespace.
+fn bind(addr: SocketAddr) -> anyhow::Result<std::net::TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    // Restarting on the same port must not trip over TIME_WAIT connections.
+    socket.set_reuse_address(true)?;
+    socket.set_nonblocking(true)?;
+    socket
+        .bind(&addr.into())
+        .with_context(|| format!("fakeapi: binding {addr}"))?;
+    socket.listen(1024)?;
+    Ok(socket.into())
+}
+
+/// The network namespace `listener` lives in: asked of the socket (`SIOCGSKNS`,
+/// which needs `CAP_NET_ADMIN` there), else the calling thread's; `None` if neither
+/// can be opened.
+fn netns_of(listener: &std::net::TcpListener) -> Option<File> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    // SAFETY: the ioctl only reads the socket's namespace; on success it returns a
+    // new descriptor that nothing else owns.
+    let fd = unsafe { libc::ioctl(listener.as_raw_fd(), libc::SIOCGSKNS as _) };
+    if fd >= 0 {
+        // SAFETY: `fd` is a fresh descriptor owned by nothing else.
+        return Some(unsafe { File::from_raw_fd(fd) });
+    }
+    File::open("/proc/thread-self/ns/net").ok()
+}
+
+/// Binds `addr` in the network namespace `ns`: directly when the calling thread is in
+/// it, else from a short-lived thread that enters it first (`setns` changes only the
+/// calling thread, so nothing else moves).
+fn bind_in(ns: &File, addr: SocketAddr) -> anyhow::Result<std::net::TcpListener> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::MetadataExt;
+    let id = |m: std::fs::Metadata| (m.dev(), m.ino());
+    let here = std::fs::metadata("/proc/thread-self/ns/net").map(id).ok();
+    if here == Some(id(ns.metadata()?)) {
+        return bind(addr);
+    }
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // SAFETY: `ns` is an open namespace file; only this thread changes namespace.
+            if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                return Err(anyhow::Error::from(io::Error::last_os_error())
+                    .context("fakeapi: entering the listener's network namespace"));
+            }
+            bind(addr)
+        })
+        .join()
+        .unwrap_or_else(|_| Err(anyhow::anyhow!("fakeapi: the binding thread panicked")))
+    })
+}
+
+/// Runs axum on `listener` until `shutdown` turns `true`.
+fn spawn_server<L>(
+    listener: L,
+    router: Router,
+    mut shutdown: watch::Receiver<bool>,
+) -> JoinHandle<()>
+where
+    L: axum::serve::Listener,
+    L::Addr: std::fmt::Debug,
+{
+    tokio::spawn(async move {
+        let res = axum::serve(listener, router)
+            .with_graceful_shutdown(async move {
+                let _ = shutdown.wait_for(|stop| *stop).await;
+            })
+            .await;
+        if let Err(e) = res {
+            tracing::warn!(error = %e, "fakeapi: server error");
+        }
+    })
 }
 
 // ---- HTTP side ---------------------------------------------------------------
