@@ -51,7 +51,8 @@
 //! (and the typed shortcuts), [`FakeApiServer::compact`],
 //! [`FakeApiServer::close_watches`], [`FakeApiServer::set_failing`],
 //! [`FakeApiServer::set_delay`], request counters ([`FakeApiServer::requests`],
-//! [`FakeApiServer::request_count`], [`FakeApiServer::request_log`]); and
+//! [`FakeApiServer::request_count`], [`FakeApiServer::request_log`], whose entries carry
+//! the bearer token each request sent); and
 //! [`FakeApiServer::stop`]/[`FakeApiServer::restart`] (`&mut self`) to simulate an
 //! apiserver outage on the same port with the state kept.
 //!
@@ -72,7 +73,7 @@ use anyhow::Context as _;
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{RawQuery, State};
-use axum::http::{StatusCode, Uri, header};
+use axum::http::{HeaderMap, StatusCode, Uri, header};
 use axum::response::Response;
 use axum::routing::get;
 use k8s_openapi::api::core::v1::{Node, Service};
@@ -206,6 +207,8 @@ pub struct RecordedRequest {
     pub query: String,
     /// List, watch or get.
     pub verb: Verb,
+    /// The token of an `Authorization: Bearer <token>` header, if the request had one.
+    pub bearer_token: Option<String>,
 }
 
 impl RecordedRequest {
@@ -763,7 +766,8 @@ impl FakeApiServer {
             .unwrap_or(0)
     }
 
-    /// The last (up to 10000) requests, oldest first.
+    /// The last (up to 10000) requests, oldest first, each with the bearer token it
+    /// sent.
     pub fn request_log(&self) -> Vec<RecordedRequest> {
         lock(&self.shared.requests).log.iter().cloned().collect()
     }
@@ -865,8 +869,11 @@ fn router(app: App) -> Router {
         r = r.route(
             &format!("{prefix}/{plural}"),
             get(
-                move |State(app): State<App>, uri: Uri, RawQuery(q): RawQuery| {
-                    handle(app, kind, None, None, uri, q)
+                move |State(app): State<App>,
+                      headers: HeaderMap,
+                      uri: Uri,
+                      RawQuery(q): RawQuery| {
+                    handle(app, kind, None, None, headers, uri, q)
                 },
             ),
         );
@@ -877,9 +884,10 @@ fn router(app: App) -> Router {
                     get(
                         move |State(app): State<App>,
                               axum::extract::Path(ns): axum::extract::Path<String>,
+                              headers: HeaderMap,
                               uri: Uri,
                               RawQuery(q): RawQuery| {
-                            handle(app, kind, Some(ns), None, uri, q)
+                            handle(app, kind, Some(ns), None, headers, uri, q)
                         },
                     ),
                 )
@@ -891,9 +899,10 @@ fn router(app: App) -> Router {
                             String,
                             String,
                         )>,
+                              headers: HeaderMap,
                               uri: Uri,
                               RawQuery(q): RawQuery| {
-                            handle(app, kind, Some(ns), Some(name), uri, q)
+                            handle(app, kind, Some(ns), Some(name), headers, uri, q)
                         },
                     ),
                 );
@@ -903,9 +912,10 @@ fn router(app: App) -> Router {
                 get(
                     move |State(app): State<App>,
                           axum::extract::Path(name): axum::extract::Path<String>,
+                          headers: HeaderMap,
                           uri: Uri,
                           RawQuery(q): RawQuery| {
-                        handle(app, kind, None, Some(name), uri, q)
+                        handle(app, kind, None, Some(name), headers, uri, q)
                     },
                 ),
             );
@@ -948,6 +958,18 @@ fn json_response(code: u16, body: &Value) -> Response {
 
 fn status_response(code: u16, reason: &str, message: impl Into<String>) -> Response {
     json_response(code, &status_value(code, reason, message))
+}
+
+/// The token of an `Authorization: Bearer <token>` header, parsed as kube-apiserver
+/// does: the scheme is case-insensitive and anything after the token is ignored.
+fn bearer_token(headers: &HeaderMap) -> Option<String> {
+    let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?.trim();
+    let mut parts = value.splitn(3, ' ');
+    let scheme = parts.next()?;
+    let token = parts.next().filter(|t| !t.is_empty())?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.to_owned())
 }
 
 #[derive(Debug, Default)]
@@ -1108,10 +1130,12 @@ async fn handle(
     kind: ResourceKind,
     ns: Option<String>,
     name: Option<String>,
+    headers: HeaderMap,
     uri: Uri,
     query: Option<String>,
 ) -> Response {
     let query = query.unwrap_or_default();
+    let bearer_token = bearer_token(&headers);
     let params = parse_params(&query);
     let verb = match (&name, &params) {
         (Some(_), _) => Verb::Get,
@@ -1125,6 +1149,7 @@ async fn handle(
             path: uri.path().to_owned(),
             query: query.clone(),
             verb,
+            bearer_token,
         });
         while rq.log.len() > REQUEST_LOG_LIMIT {
             rq.log.pop_front();
@@ -1753,6 +1778,13 @@ mod tests {
         assert_eq!(
             server.request_count("/api/v1/namespaces/default/services", Verb::List),
             5
+        );
+        // The kubeconfig's token is sent (and recorded), though plain HTTP checks none.
+        let log = server.request_log();
+        assert!(
+            log.iter()
+                .all(|r| r.bearer_token.as_deref() == Some("fakeapi-dummy-token")),
+            "{log:?}"
         );
     }
 
