@@ -7,6 +7,23 @@
 //! both in-process (unit tests below) and through the real `ebpf-proxy run
 //! --kubeconfig FILE` binary (integration tests, via [`FakeApiServer::write_kubeconfig`]).
 //!
+//! # Two modes
+//!
+//! * Plain HTTP ([`FakeApiServer::start`]): no TLS, no authentication; the kubeconfig
+//!   carries a dummy token that is recorded but not checked.
+//! * HTTPS ([`FakeApiServer::start_tls`], [`FakeApiServer::start_tls_on`]), the way a
+//!   pod reaches kube-apiserver: a test CA and a serving certificate are made at start
+//!   (SANs: the bound IP, `localhost`, the `kubernetes.default.svc` names and
+//!   [`TlsOptions`]' extras), and every request must carry `Authorization: Bearer
+//!   <token>` (otherwise `401` with a `Status` `Unauthorized`, as kube-apiserver answers).
+//!   [`FakeApiServer::write_service_account_dir`] writes what the kubelet mounts at
+//!   `/var/run/secrets/kubernetes.io/serviceaccount/` (`token`, `ca.crt`, `namespace`),
+//!   and [`FakeApiServer::write_kubeconfig`] embeds the CA, the token and the `https` URL
+//!   ([`FakeApiServer::ca_pem`] and [`FakeApiServer::token`] give them to a test).
+//!   `start_tls` binds before it returns its future and `start_tls_on` takes an already
+//!   bound listener, so a test can bind inside a network namespace; a restart rebinds in
+//!   the namespace the first listener lived in.
+//!
 //! # What it implements
 //!
 //! * Paths (HTTP GET only):
@@ -44,6 +61,8 @@
 //!   A watcher that falls more than [`EVENT_BUFFER`] events behind is disconnected.
 //! * One global resourceVersion counter (like the etcd revision), stamped on
 //!   every object by every create/update/delete.
+//! * Authentication (HTTPS mode, unless [`TlsOptions::require_token`] is off): checked
+//!   before anything else, including unknown paths.
 //!
 //! # Test controls
 //!
@@ -51,16 +70,20 @@
 //! (and the typed shortcuts), [`FakeApiServer::compact`],
 //! [`FakeApiServer::close_watches`], [`FakeApiServer::set_failing`],
 //! [`FakeApiServer::set_delay`], request counters ([`FakeApiServer::requests`],
-//! [`FakeApiServer::request_count`], [`FakeApiServer::request_log`]); and
+//! [`FakeApiServer::request_count`], [`FakeApiServer::request_log`], whose entries carry
+//! the bearer token each request sent); and
 //! [`FakeApiServer::stop`]/[`FakeApiServer::restart`] (`&mut self`) to simulate an
-//! apiserver outage on the same port with the state kept.
+//! apiserver outage on the same port with the state (and in HTTPS mode the CA, the
+//! certificate and the token) kept.
 //!
 //! Everything runs inside the caller's tokio runtime; the server task ends on
 //! [`FakeApiServer::stop`] or when the `FakeApiServer` is dropped.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::convert::Infallible;
-use std::net::SocketAddr;
+use std::fs::File;
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -70,7 +93,7 @@ use anyhow::Context as _;
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{RawQuery, State};
-use axum::http::{StatusCode, Uri, header};
+use axum::http::{HeaderMap, StatusCode, Uri, header};
 use axum::response::Response;
 use axum::routing::get;
 use k8s_openapi::api::core::v1::{Node, Service};
@@ -79,7 +102,8 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use tokio::sync::{broadcast, mpsc, watch};
-use tokio::task::JoinHandle;
+use tokio::task::{JoinHandle, JoinSet};
+use tokio_rustls::rustls;
 
 /// How many live events a watch stream may fall behind before it is disconnected
 /// (the client then resumes from its last resourceVersion).
@@ -97,6 +121,47 @@ const DEFAULT_WATCH_TIMEOUT: Duration = Duration::from_secs(1800);
 /// How long [`FakeApiServer::stop`] waits for connections to drain before
 /// aborting the server task.
 const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// How long a client may take over its TLS handshake before the connection is dropped.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The token a plain-HTTP server's kubeconfig carries (recorded, never checked).
+const PLAIN_TOKEN: &str = "fakeapi-dummy-token";
+
+/// The service account token of an HTTPS server unless [`TlsOptions::token`] says otherwise.
+pub const DEFAULT_TOKEN: &str = "fakeapi-service-account-token";
+
+/// The `namespace` file of [`FakeApiServer::write_service_account_dir`]: the agent's
+/// DaemonSet runs in `kube-system`.
+pub const SERVICE_ACCOUNT_NAMESPACE: &str = "kube-system";
+
+/// The HTTPS mode's settings; see [`FakeApiServer::start_tls`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsOptions {
+    /// IP addresses the serving certificate must also be valid for, besides the bound
+    /// one (for example the address a pod in another network namespace dials).
+    pub san_ips: Vec<IpAddr>,
+    /// DNS names it must also be valid for, besides `localhost` and the
+    /// `kubernetes.default.svc` names (ASCII; an IP address given here counts as one).
+    pub san_names: Vec<String>,
+    /// The service account's bearer token ([`FakeApiServer::token`]); written as is
+    /// (no newline) to the `token` file, so it must be a valid header value.
+    pub token: String,
+    /// Whether requests without `Authorization: Bearer <token>` get `401` (default
+    /// `true`). Off, the token is only recorded.
+    pub require_token: bool,
+}
+
+impl Default for TlsOptions {
+    fn default() -> Self {
+        Self {
+            san_ips: Vec::new(),
+            san_names: Vec::new(),
+            token: DEFAULT_TOKEN.to_owned(),
+            require_token: true,
+        }
+    }
+}
 
 /// The resource kinds the fake server knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -204,6 +269,9 @@ pub struct RecordedRequest {
     pub query: String,
     /// List, watch or get.
     pub verb: Verb,
+    /// The token of an `Authorization: Bearer <token>` header, if the request had one
+    /// (recorded whether or not it was accepted).
+    pub bearer_token: Option<String>,
 }
 
 impl RecordedRequest {
@@ -283,6 +351,8 @@ struct Shared {
     settings: Mutex<Settings>,
     requests: Mutex<RequestStats>,
     open_watches: AtomicUsize,
+    /// The bearer token every request must carry (HTTPS mode), if any.
+    required_token: Option<String>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -291,7 +361,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Shared {
-    fn new() -> Self {
+    fn new(required_token: Option<String>) -> Self {
         Self {
             store: Mutex::new(Store {
                 // Start above 0: "0" means "any version" to the protocol.
@@ -312,6 +382,7 @@ impl Shared {
             }),
             requests: Mutex::new(RequestStats::default()),
             open_watches: AtomicUsize::new(0),
+            required_token,
         }
     }
 
@@ -427,6 +498,11 @@ pub struct FakeApiServer {
     addr: SocketAddr,
     shared: Arc<Shared>,
     running: Option<Running>,
+    /// The HTTPS mode's CA, certificate and token; `None` for plain HTTP.
+    tls: Option<Tls>,
+    /// The network namespace the first listener lived in, where [`Self::restart`]
+    /// binds again; `None` if it could not be opened (then: the caller's).
+    netns: Option<File>,
 }
 
 struct Running {
@@ -440,31 +516,172 @@ struct App {
     shutdown: watch::Receiver<bool>,
 }
 
-impl FakeApiServer {
-    /// Binds `addr` (use `127.0.0.1:0` for a free port) and starts serving on the
-    /// current tokio runtime.
-    pub async fn start(addr: SocketAddr) -> anyhow::Result<Self> {
-        let mut server = Self {
-            addr,
-            shared: Arc::new(Shared::new()),
-            running: None,
+/// What the HTTPS mode keeps across restarts.
+struct Tls {
+    ca_pem: String,
+    ca_der: Vec<u8>,
+    acceptor: tokio_rustls::TlsAcceptor,
+    token: String,
+}
+
+impl Tls {
+    /// Makes a CA and a serving certificate it signs for the IP of `bound` (plus, when
+    /// that is unspecified, the loopback address of its family), the names every
+    /// kube-apiserver certificate has, and `opts`' extras.
+    fn new(bound: SocketAddr, opts: &TlsOptions) -> anyhow::Result<Self> {
+        use rcgen::{
+            BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
+            KeyPair, KeyUsagePurpose, SanType,
         };
-        server.serve().await?;
+        let mut ca = CertificateParams::default();
+        // Named after the server, so a client given another server's CA fails with
+        // "unknown issuer" rather than a confusing bad signature.
+        ca.distinguished_name
+            .push(DnType::CommonName, format!("fakeapi-ca@{bound}"));
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::CrlSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        let ca_key = KeyPair::generate()?;
+        let ca_cert = ca.self_signed(&ca_key)?;
+        let issuer = Issuer::new(ca, ca_key);
+
+        let names = [
+            "localhost",
+            "kubernetes",
+            "kubernetes.default",
+            "kubernetes.default.svc",
+            "kubernetes.default.svc.cluster.local",
+        ]
+        .into_iter()
+        .map(str::to_owned)
+        .chain(opts.san_names.iter().cloned())
+        .collect::<Vec<_>>();
+        let mut leaf = CertificateParams::new(names).context("fakeapi: certificate SAN names")?;
+        let mut ips = vec![bound.ip()];
+        if bound.ip().is_unspecified() {
+            ips.push(match bound.ip() {
+                IpAddr::V4(_) => Ipv4Addr::LOCALHOST.into(),
+                IpAddr::V6(_) => Ipv6Addr::LOCALHOST.into(),
+            });
+        }
+        ips.extend(&opts.san_ips);
+        ips.sort();
+        ips.dedup();
+        leaf.subject_alt_names
+            .extend(ips.into_iter().map(SanType::IpAddress));
+        leaf.distinguished_name
+            .push(DnType::CommonName, "kube-apiserver");
+        leaf.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        leaf.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+        leaf.use_authority_key_identifier_extension = true;
+        let leaf_key = KeyPair::generate()?;
+        let leaf_cert = leaf.signed_by(&leaf_key, &issuer)?;
+
+        let key = rustls::pki_types::PrivateKeyDer::Pkcs8(leaf_key.serialize_der().into());
+        // The provider is named rather than taken from the process default, which
+        // nothing installs in tests.
+        let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()?
+        .with_no_client_auth()
+        .with_single_cert(vec![leaf_cert.der().clone()], key)?;
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(Self {
+            ca_pem: ca_cert.pem(),
+            ca_der: ca_cert.der().to_vec(),
+            acceptor: tokio_rustls::TlsAcceptor::from(Arc::new(config)),
+            token: opts.token.clone(),
+        })
+    }
+}
+
+impl FakeApiServer {
+    /// Binds `addr` (use `127.0.0.1:0` for a free port) and starts serving plain
+    /// HTTP on the current tokio runtime.
+    pub async fn start(addr: SocketAddr) -> anyhow::Result<Self> {
+        let listener = bind(addr)?;
+        let netns = netns_of(&listener);
+        Self::launch(listener, netns, None, false)
+    }
+
+    /// Starts serving HTTPS with a fresh test CA (see [`TlsOptions`] and the
+    /// [module docs](self)) on `addr` (`127.0.0.1:0` for a free port), on the tokio
+    /// runtime that polls the returned future.
+    ///
+    /// The socket is bound, and the CA and certificate are made, by this call itself,
+    /// before the future is first polled: a caller can enter a network namespace, call
+    /// this, go back, and then await. Errors (from the future): the bind fails, or a
+    /// [`TlsOptions::san_names`] entry is not ASCII.
+    pub fn start_tls(
+        addr: SocketAddr,
+        opts: TlsOptions,
+    ) -> impl Future<Output = anyhow::Result<Self>> + Send + 'static {
+        let prepared = bind(addr).and_then(|listener| {
+            let netns = netns_of(&listener);
+            let tls = Tls::new(listener.local_addr()?, &opts)?;
+            Ok((listener, netns, tls))
+        });
+        async move {
+            let (listener, netns, tls) = prepared?;
+            Self::launch(listener, netns, Some(tls), opts.require_token)
+        }
+    }
+
+    /// [`Self::start_tls`] on a socket the caller bound and put in the listening state
+    /// (for example with [`std::net::TcpListener::bind`] inside a network namespace);
+    /// the certificate is made for its local address.
+    ///
+    /// [`Self::restart`] binds that address again in the socket's network namespace,
+    /// found by asking the socket (`SIOCGSKNS`, which needs `CAP_NET_ADMIN` there) or
+    /// else taken to be the calling thread's; so call this before leaving the namespace
+    /// when unprivileged. Errors (from the future): the socket has no local address or
+    /// cannot be registered with tokio, or a SAN name is not ASCII.
+    pub fn start_tls_on(
+        listener: std::net::TcpListener,
+        opts: TlsOptions,
+    ) -> impl Future<Output = anyhow::Result<Self>> + Send + 'static {
+        let prepared = (|| -> anyhow::Result<_> {
+            let addr = listener.local_addr()?;
+            listener.set_nonblocking(true)?;
+            let netns = netns_of(&listener);
+            let tls = Tls::new(addr, &opts)?;
+            Ok((netns, tls))
+        })();
+        async move {
+            let (netns, tls) = prepared?;
+            Self::launch(listener, netns, Some(tls), opts.require_token)
+        }
+    }
+
+    /// Builds the server around a bound listener and starts serving.
+    fn launch(
+        listener: std::net::TcpListener,
+        netns: Option<File>,
+        tls: Option<Tls>,
+        require_token: bool,
+    ) -> anyhow::Result<Self> {
+        let required_token = tls
+            .as_ref()
+            .filter(|_| require_token)
+            .map(|t| t.token.clone());
+        let mut server = Self {
+            addr: listener.local_addr()?,
+            shared: Arc::new(Shared::new(required_token)),
+            running: None,
+            tls,
+            netns,
+        };
+        server.serve(listener)?;
         Ok(server)
     }
 
-    async fn serve(&mut self) -> anyhow::Result<()> {
-        let socket = if self.addr.is_ipv4() {
-            tokio::net::TcpSocket::new_v4()?
-        } else {
-            tokio::net::TcpSocket::new_v6()?
-        };
-        // Restarting on the same port must not trip over TIME_WAIT connections.
-        socket.set_reuseaddr(true)?;
-        socket
-            .bind(self.addr)
-            .with_context(|| format!("fakeapi: binding {}", self.addr))?;
-        let listener = socket.listen(1024)?;
+    /// Serves on `listener` from a new task; needs a tokio runtime context.
+    fn serve(&mut self, listener: std::net::TcpListener) -> anyhow::Result<()> {
+        let listener = tokio::net::TcpListener::from_std(listener)?;
         self.addr = listener.local_addr()?;
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
         let app = App {
@@ -472,17 +689,18 @@ impl FakeApiServer {
             shutdown: shutdown_rx.clone(),
         };
         let router = router(app);
-        let mut signal = shutdown_rx;
-        let task = tokio::spawn(async move {
-            let res = axum::serve(listener, router)
-                .with_graceful_shutdown(async move {
-                    let _ = signal.wait_for(|stop| *stop).await;
-                })
-                .await;
-            if let Err(e) = res {
-                tracing::warn!(error = %e, "fakeapi: server error");
-            }
-        });
+        let task = match &self.tls {
+            None => spawn_server(listener, router, shutdown_rx),
+            Some(tls) => spawn_server(
+                TlsListener {
+                    tcp: listener,
+                    acceptor: tls.acceptor.clone(),
+                    handshakes: JoinSet::new(),
+                },
+                router,
+                shutdown_rx,
+            ),
+        };
         self.running = Some(Running {
             shutdown: shutdown_tx,
             task,
@@ -495,26 +713,73 @@ impl FakeApiServer {
         self.addr
     }
 
-    /// `http://127.0.0.1:PORT`.
-    pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+    /// Whether this server speaks HTTPS ([`Self::start_tls`]).
+    pub fn is_tls(&self) -> bool {
+        self.tls.is_some()
     }
 
-    /// A kubeconfig with one cluster (`server:` [`Self::url`], plain http), a user
-    /// with a dummy bearer token, and a `fakeapi` context set as current context.
+    /// `http://ADDR:PORT`, or `https://ADDR:PORT` in HTTPS mode.
+    pub fn url(&self) -> String {
+        let scheme = if self.is_tls() { "https" } else { "http" };
+        format!("{scheme}://{}", self.addr)
+    }
+
+    /// The test CA's certificate (PEM), what a pod's `ca.crt` holds; `None` for plain
+    /// HTTP.
+    pub fn ca_pem(&self) -> Option<&str> {
+        self.tls.as_ref().map(|t| t.ca_pem.as_str())
+    }
+
+    /// The bearer token clients are given: in HTTPS mode the service account token
+    /// ([`TlsOptions::token`]), for plain HTTP the kubeconfig's dummy token (never
+    /// checked).
+    pub fn token(&self) -> &str {
+        self.tls.as_ref().map_or(PLAIN_TOKEN, |t| t.token.as_str())
+    }
+
+    /// Writes what the kubelet mounts at `/var/run/secrets/kubernetes.io/serviceaccount/`
+    /// into `dir` (created if missing): `token` ([`Self::token`]), `ca.crt`
+    /// ([`Self::ca_pem`]) and `namespace` ([`SERVICE_ACCOUNT_NAMESPACE`]), without
+    /// trailing newlines as the kubelet writes them (kube-rs sends the `token` file's
+    /// content as is). Errors: a plain-HTTP server (it has no CA), or a write fails.
+    pub fn write_service_account_dir(&self, dir: impl AsRef<Path>) -> anyhow::Result<()> {
+        let dir = dir.as_ref();
+        let Some(tls) = &self.tls else {
+            anyhow::bail!("fakeapi: a plain-HTTP server has no CA for ca.crt; use start_tls");
+        };
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        for (name, content) in [
+            ("token", tls.token.as_str()),
+            ("ca.crt", tls.ca_pem.as_str()),
+            ("namespace", SERVICE_ACCOUNT_NAMESPACE),
+        ] {
+            let path = dir.join(name);
+            std::fs::write(&path, content)
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
+        Ok(())
+    }
+
+    /// A kubeconfig with one cluster (`server:` [`Self::url`]; in HTTPS mode with the
+    /// CA embedded as `certificate-authority-data`), a user with [`Self::token`], and a
+    /// `fakeapi` context set as current context.
     pub fn kubeconfig(&self) -> kube::config::Kubeconfig {
+        use base64::Engine as _;
         use kube::config::{
             Cluster, Context, Kubeconfig, NamedAuthInfo, NamedCluster, NamedContext,
         };
         // `AuthInfo::token` is a `secrecy::SecretString`; build it through serde so
         // this crate does not need `secrecy` as a dependency.
-        let auth_info = serde_json::from_value(json!({ "token": "fakeapi-dummy-token" }))
-            .expect("AuthInfo from JSON");
+        let auth_info =
+            serde_json::from_value(json!({ "token": self.token() })).expect("AuthInfo from JSON");
         Kubeconfig {
             clusters: vec![NamedCluster {
                 name: "fakeapi".into(),
                 cluster: Some(Cluster {
                     server: Some(self.url()),
+                    certificate_authority_data: self
+                        .ca_pem()
+                        .map(|pem| base64::engine::general_purpose::STANDARD.encode(pem)),
                     ..Default::default()
                 }),
                 ..Default::default()
@@ -549,9 +814,16 @@ impl FakeApiServer {
         std::fs::write(path, yaml).with_context(|| format!("writing {}", path.display()))
     }
 
-    /// A kube client configuration pointing at this server.
+    /// A kube client configuration pointing at this server: for plain HTTP without
+    /// credentials, in HTTPS mode trusting the test CA and sending [`Self::token`].
     pub fn client_config(&self) -> kube::Config {
-        kube::Config::new(self.url().parse().expect("valid URL"))
+        let mut config = kube::Config::new(self.url().parse().expect("valid URL"));
+        if let Some(tls) = &self.tls {
+            config.root_cert = Some(vec![tls.ca_der.clone()]);
+            config.auth_info =
+                serde_json::from_value(json!({ "token": tls.token })).expect("AuthInfo from JSON");
+        }
+        config
     }
 
     /// A kube client for this server.
@@ -581,10 +853,19 @@ impl FakeApiServer {
     }
 
     /// Serves again on the same address with the same state (stopping first if
-    /// still running).
+    /// still running); in HTTPS mode with the same CA, certificate and token.
+    ///
+    /// The address is bound in the network namespace the first listener lived in,
+    /// whichever namespace the calling thread is in (entering it from a short-lived
+    /// thread needs `CAP_SYS_ADMIN`). Errors: the bind fails (port taken meanwhile,
+    /// namespace gone or not enterable).
     pub async fn restart(&mut self) -> anyhow::Result<()> {
         self.stop().await;
-        self.serve().await
+        let listener = match &self.netns {
+            Some(ns) => bind_in(ns, self.addr)?,
+            None => bind(self.addr)?,
+        };
+        self.serve(listener)
     }
 
     // ---- state changes -------------------------------------------------------
@@ -752,7 +1033,8 @@ impl FakeApiServer {
 
     // ---- request counters ----------------------------------------------------
 
-    /// Requests received so far, per (path, verb).
+    /// Requests received so far, per (path, verb), including those answered with an
+    /// error ([`Self::set_failing`], `400`, `401`).
     pub fn requests(&self) -> BTreeMap<(String, Verb), u64> {
         lock(&self.shared.requests).counts.clone()
     }
@@ -766,7 +1048,8 @@ impl FakeApiServer {
             .unwrap_or(0)
     }
 
-    /// The last (up to 10000) requests, oldest first.
+    /// The last (up to 10000) requests to served paths, oldest first, rejected ones
+    /// included; [`RecordedRequest::bearer_token`] shows what each one authenticated with.
     pub fn request_log(&self) -> Vec<RecordedRequest> {
         lock(&self.shared.requests).log.iter().cloned().collect()
     }
@@ -780,6 +1063,146 @@ impl Drop for FakeApiServer {
     }
 }
 
+// ---- sockets and TLS ---------------------------------------------------------
+
+/// Binds a listening TCP socket on `addr` in the calling thread's network namespace.
+fn bind(addr: SocketAddr) -> anyhow::Result<std::net::TcpListener> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    // Restarting on the same port must not trip over TIME_WAIT connections.
+    socket.set_reuse_address(true)?;
+    socket.set_nonblocking(true)?;
+    socket
+        .bind(&addr.into())
+        .with_context(|| format!("fakeapi: binding {addr}"))?;
+    socket.listen(1024)?;
+    Ok(socket.into())
+}
+
+/// The network namespace `listener` lives in: asked of the socket (`SIOCGSKNS`,
+/// which needs `CAP_NET_ADMIN` there), else the calling thread's; `None` if neither
+/// can be opened.
+fn netns_of(listener: &std::net::TcpListener) -> Option<File> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    // SAFETY: the ioctl only reads the socket's namespace; on success it returns a
+    // new descriptor that nothing else owns.
+    let fd = unsafe { libc::ioctl(listener.as_raw_fd(), libc::SIOCGSKNS as _) };
+    if fd >= 0 {
+        // SAFETY: `fd` is a fresh descriptor owned by nothing else.
+        return Some(unsafe { File::from_raw_fd(fd) });
+    }
+    File::open("/proc/thread-self/ns/net").ok()
+}
+
+/// Binds `addr` in the network namespace `ns`: directly when the calling thread is in
+/// it, else from a short-lived thread that enters it first (`setns` changes only the
+/// calling thread, so nothing else moves).
+fn bind_in(ns: &File, addr: SocketAddr) -> anyhow::Result<std::net::TcpListener> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::MetadataExt;
+    let id = |m: std::fs::Metadata| (m.dev(), m.ino());
+    let here = std::fs::metadata("/proc/thread-self/ns/net").map(id).ok();
+    if here == Some(id(ns.metadata()?)) {
+        return bind(addr);
+    }
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            // SAFETY: `ns` is an open namespace file; only this thread changes namespace.
+            if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                return Err(anyhow::Error::from(io::Error::last_os_error())
+                    .context("fakeapi: entering the listener's network namespace"));
+            }
+            bind(addr)
+        })
+        .join()
+        .unwrap_or_else(|_| Err(anyhow::anyhow!("fakeapi: the binding thread panicked")))
+    })
+}
+
+/// Runs axum on `listener` until `shutdown` turns `true`.
+fn spawn_server<L>(
+    listener: L,
+    router: Router,
+    mut shutdown: watch::Receiver<bool>,
+) -> JoinHandle<()>
+where
+    L: axum::serve::Listener,
+    L::Addr: std::fmt::Debug,
+{
+    tokio::spawn(async move {
+        let res = axum::serve(listener, router)
+            .with_graceful_shutdown(async move {
+                let _ = shutdown.wait_for(|stop| *stop).await;
+            })
+            .await;
+        if let Err(e) = res {
+            tracing::warn!(error = %e, "fakeapi: server error");
+        }
+    })
+}
+
+/// A TCP listener whose connections are handed to axum once their TLS handshake
+/// is done. Handshakes run in their own tasks, so a slow or failing client does not
+/// hold up the others; dropping the listener (at stop) aborts those in progress.
+struct TlsListener {
+    tcp: tokio::net::TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+    /// Each ends with the connection, or `None` if the handshake failed.
+    handshakes: JoinSet<Option<(TlsStream, SocketAddr)>>,
+}
+
+type TlsStream = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+
+impl axum::serve::Listener for TlsListener {
+    type Io = TlsStream;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            tokio::select! {
+                conn = self.tcp.accept() => match conn {
+                    Ok((tcp, peer)) => {
+                        let acceptor = self.acceptor.clone();
+                        self.handshakes.spawn(async move {
+                            match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                                Ok(Ok(tls)) => Some((tls, peer)),
+                                Ok(Err(e)) => {
+                                    tracing::debug!(%peer, error = %e, "fakeapi: TLS handshake failed");
+                                    None
+                                }
+                                Err(_) => {
+                                    tracing::debug!(%peer, "fakeapi: TLS handshake timed out");
+                                    None
+                                }
+                            }
+                        });
+                    }
+                    Err(e) => {
+                        // As axum does for plain TCP: a per-connection error needs
+                        // nothing; others (EMFILE) get a pause before accepting again.
+                        if !matches!(
+                            e.kind(),
+                            io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset
+                        ) {
+                            tracing::warn!(error = %e, "fakeapi: accept failed");
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                        }
+                    }
+                },
+                Some(done) = self.handshakes.join_next(), if !self.handshakes.is_empty() => {
+                    if let Ok(Some(conn)) = done {
+                        return conn;
+                    }
+                }
+            }
+        }
+    }
+
+    fn local_addr(&self) -> io::Result<Self::Addr> {
+        self.tcp.local_addr()
+    }
+}
+
 // ---- HTTP side ---------------------------------------------------------------
 
 fn router(app: App) -> Router {
@@ -790,8 +1213,11 @@ fn router(app: App) -> Router {
         r = r.route(
             &format!("{prefix}/{plural}"),
             get(
-                move |State(app): State<App>, uri: Uri, RawQuery(q): RawQuery| {
-                    handle(app, kind, None, None, uri, q)
+                move |State(app): State<App>,
+                      headers: HeaderMap,
+                      uri: Uri,
+                      RawQuery(q): RawQuery| {
+                    handle(app, kind, None, None, headers, uri, q)
                 },
             ),
         );
@@ -802,9 +1228,10 @@ fn router(app: App) -> Router {
                     get(
                         move |State(app): State<App>,
                               axum::extract::Path(ns): axum::extract::Path<String>,
+                              headers: HeaderMap,
                               uri: Uri,
                               RawQuery(q): RawQuery| {
-                            handle(app, kind, Some(ns), None, uri, q)
+                            handle(app, kind, Some(ns), None, headers, uri, q)
                         },
                     ),
                 )
@@ -816,9 +1243,10 @@ fn router(app: App) -> Router {
                             String,
                             String,
                         )>,
+                              headers: HeaderMap,
                               uri: Uri,
                               RawQuery(q): RawQuery| {
-                            handle(app, kind, Some(ns), Some(name), uri, q)
+                            handle(app, kind, Some(ns), Some(name), headers, uri, q)
                         },
                     ),
                 );
@@ -828,24 +1256,30 @@ fn router(app: App) -> Router {
                 get(
                     move |State(app): State<App>,
                           axum::extract::Path(name): axum::extract::Path<String>,
+                          headers: HeaderMap,
                           uri: Uri,
                           RawQuery(q): RawQuery| {
-                        handle(app, kind, None, Some(name), uri, q)
+                        handle(app, kind, None, Some(name), headers, uri, q)
                     },
                 ),
             );
         }
     }
-    r.fallback(|uri: Uri| async move {
-        status_response(
-            404,
-            "NotFound",
-            format!(
-                "the server could not find the requested resource ({})",
-                uri.path()
-            ),
-        )
-    })
+    r.fallback(
+        |State(app): State<App>, headers: HeaderMap, uri: Uri| async move {
+            if let Some(denied) = unauthorized(&app.shared, bearer_token(&headers).as_deref()) {
+                return denied;
+            }
+            status_response(
+                404,
+                "NotFound",
+                format!(
+                    "the server could not find the requested resource ({})",
+                    uri.path()
+                ),
+            )
+        },
+    )
     .with_state(app)
 }
 
@@ -873,6 +1307,25 @@ fn json_response(code: u16, body: &Value) -> Response {
 
 fn status_response(code: u16, reason: &str, message: impl Into<String>) -> Response {
     json_response(code, &status_value(code, reason, message))
+}
+
+/// The token of an `Authorization: Bearer <token>` header, parsed as kube-apiserver
+/// does: the scheme is case-insensitive and anything after the token is ignored.
+fn bearer_token(headers: &HeaderMap) -> Option<String> {
+    let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?.trim();
+    let mut parts = value.splitn(3, ' ');
+    let scheme = parts.next()?;
+    let token = parts.next().filter(|t| !t.is_empty())?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.to_owned())
+}
+
+/// kube-apiserver's answer to a request that fails authentication, if `token` does
+/// not match the required one.
+fn unauthorized(shared: &Shared, token: Option<&str>) -> Option<Response> {
+    let required = shared.required_token.as_deref()?;
+    (token != Some(required)).then(|| status_response(401, "Unauthorized", "Unauthorized"))
 }
 
 #[derive(Debug, Default)]
@@ -1033,10 +1486,12 @@ async fn handle(
     kind: ResourceKind,
     ns: Option<String>,
     name: Option<String>,
+    headers: HeaderMap,
     uri: Uri,
     query: Option<String>,
 ) -> Response {
     let query = query.unwrap_or_default();
+    let bearer_token = bearer_token(&headers);
     let params = parse_params(&query);
     let verb = match (&name, &params) {
         (Some(_), _) => Verb::Get,
@@ -1050,12 +1505,17 @@ async fn handle(
             path: uri.path().to_owned(),
             query: query.clone(),
             verb,
+            bearer_token: bearer_token.clone(),
         });
         while rq.log.len() > REQUEST_LOG_LIMIT {
             rq.log.pop_front();
         }
     }
     tracing::debug!(path = uri.path(), query, ?verb, "fakeapi request");
+    // Authentication comes first, as on kube-apiserver.
+    if let Some(denied) = unauthorized(&app.shared, bearer_token.as_deref()) {
+        return denied;
+    }
 
     let delay = lock(&app.shared.settings).delay;
     if !delay.is_zero() {
@@ -1679,6 +2139,13 @@ mod tests {
             server.request_count("/api/v1/namespaces/default/services", Verb::List),
             5
         );
+        // The kubeconfig's token is sent (and recorded), though plain HTTP checks none.
+        let log = server.request_log();
+        assert!(
+            log.iter()
+                .all(|r| r.bearer_token.as_deref() == Some("fakeapi-dummy-token")),
+            "{log:?}"
+        );
     }
 
     #[tokio::test]
@@ -1990,5 +2457,393 @@ mod tests {
         s.metadata.labels = None;
         server.apply_service(s);
         assert_eq!(next(&mut w).await, "Delete(a)");
+    }
+
+    // ---- HTTPS mode ------------------------------------------------------------
+
+    /// A kube client built as the agent builds it in a pod: server = the `--master`
+    /// URL, certificate authority = the mounted `ca.crt`, token file = the mounted
+    /// `token` (none when `token_file` is false); `tls_server_name` overrides the
+    /// name the certificate is checked against.
+    async fn pod_client(
+        url: &str,
+        sa_dir: &Path,
+        token_file: bool,
+        tls_server_name: Option<&str>,
+    ) -> kube::Client {
+        use kube::config::{
+            AuthInfo, Cluster, Context, Kubeconfig, NamedAuthInfo, NamedCluster, NamedContext,
+        };
+        let path = |f: &str| sa_dir.join(f).display().to_string();
+        let kubeconfig = Kubeconfig {
+            clusters: vec![NamedCluster {
+                name: "in-cluster".into(),
+                cluster: Some(Cluster {
+                    server: Some(url.into()),
+                    certificate_authority: Some(path("ca.crt")),
+                    tls_server_name: tls_server_name.map(Into::into),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }],
+            auth_infos: vec![NamedAuthInfo {
+                name: "sa".into(),
+                auth_info: Some(AuthInfo {
+                    token_file: token_file.then(|| path("token")),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }],
+            contexts: vec![NamedContext {
+                name: "in-cluster".into(),
+                context: Some(Context {
+                    cluster: "in-cluster".into(),
+                    user: Some("sa".into()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }],
+            current_context: Some("in-cluster".into()),
+            ..Default::default()
+        };
+        let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+            .await
+            .unwrap();
+        kube::Client::try_from(config).unwrap()
+    }
+
+    async fn tls_server(opts: TlsOptions) -> (FakeApiServer, tempfile::TempDir) {
+        let server = FakeApiServer::start_tls(local(), opts).await.unwrap();
+        let sa = tempfile::tempdir().unwrap();
+        server.write_service_account_dir(sa.path()).unwrap();
+        (server, sa)
+    }
+
+    async fn list_services(client: kube::Client) -> kube::Result<Vec<String>> {
+        let list = Api::<Service>::all(client)
+            .list(&ListParams::default())
+            .await?;
+        Ok(list.items.iter().map(name_of).collect())
+    }
+
+    /// Asserts that a request failed before any HTTP exchange (the TLS handshake).
+    fn assert_tls_failure(res: kube::Result<Vec<String>>, want: &str) {
+        let err = res.expect_err("the TLS handshake should fail");
+        assert!(!matches!(err, kube::Error::Api(_)), "{err:?}");
+        let text = format!("{err:?}");
+        assert!(text.contains(want), "{want:?} not in {text}");
+    }
+
+    #[tokio::test]
+    async fn tls_pod_client_lists_and_watches() {
+        let (server, sa) = tls_server(TlsOptions::default()).await;
+        assert!(server.is_tls());
+        assert!(
+            server.url().starts_with("https://127.0.0.1:"),
+            "{}",
+            server.url()
+        );
+        let read = |f: &str| std::fs::read_to_string(sa.path().join(f)).unwrap();
+        assert_eq!(read("token"), DEFAULT_TOKEN);
+        assert_eq!(server.token(), DEFAULT_TOKEN);
+        assert_eq!(read("namespace"), SERVICE_ACCOUNT_NAMESPACE);
+        assert_eq!(Some(read("ca.crt").as_str()), server.ca_pem());
+        assert!(read("ca.crt").starts_with("-----BEGIN CERTIFICATE-----\n"));
+
+        server.apply_service(svc("default", "a", 80));
+        let client = pod_client(&server.url(), sa.path(), true, None).await;
+        assert_eq!(list_services(client.clone()).await.unwrap(), ["a"]);
+        let api: Api<Service> = Api::all(client);
+        let mut w = watcher(api, watcher::Config::default()).boxed();
+        assert_eq!(
+            until(&mut w, "InitDone").await,
+            ["Init", "InitApply(a)", "InitDone"]
+        );
+        watching(&server, &mut w, 1).await;
+        server.apply_service(svc("default", "b", 80));
+        assert_eq!(next(&mut w).await, "Apply(b)");
+
+        let log = server.request_log();
+        assert!(log.iter().any(|r| r.verb == Verb::Watch), "{log:?}");
+        assert!(
+            log.iter()
+                .all(|r| r.bearer_token.as_deref() == Some(DEFAULT_TOKEN)),
+            "{log:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn tls_kubeconfig_embeds_ca_and_token() {
+        let opts = TlsOptions {
+            token: "t0ken-from-options".into(),
+            ..Default::default()
+        };
+        let (server, _sa) = tls_server(opts).await;
+        server.apply_service(svc("default", "a", 80));
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("kubeconfig");
+        server.write_kubeconfig(&path).unwrap();
+        let yaml = std::fs::read_to_string(&path).unwrap();
+        for want in [
+            "server: https://127.0.0.1:",
+            "certificate-authority-data: ",
+            "token: t0ken-from-options",
+        ] {
+            assert!(yaml.contains(want), "{want:?} not in\n{yaml}");
+        }
+        let kc = kube::config::Kubeconfig::read_from(&path).unwrap();
+        let config = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+            .await
+            .unwrap();
+        let from_file = kube::Client::try_from(config).unwrap();
+        assert_eq!(list_services(from_file).await.unwrap(), ["a"]);
+        assert_eq!(
+            list_services(server.client().unwrap()).await.unwrap(),
+            ["a"]
+        );
+        let tokens: Vec<_> = server
+            .request_log()
+            .into_iter()
+            .map(|r| r.bearer_token)
+            .collect();
+        let tokens: Vec<_> = tokens.iter().map(Option::as_deref).collect();
+        assert_eq!(tokens, [Some("t0ken-from-options"); 2]);
+    }
+
+    #[tokio::test]
+    async fn tls_requires_the_token() {
+        let (server, sa) = tls_server(TlsOptions::default()).await;
+        let unauthorized = |res: kube::Result<Vec<String>>| match res {
+            Err(kube::Error::Api(s)) => {
+                assert_eq!(
+                    (s.code, s.reason.as_str(), s.message.as_str()),
+                    (401, "Unauthorized", "Unauthorized")
+                );
+            }
+            other => panic!("expected 401, got {other:?}"),
+        };
+        let no_token = pod_client(&server.url(), sa.path(), false, None).await;
+        unauthorized(list_services(no_token.clone()).await);
+
+        let wrong = tempfile::tempdir().unwrap();
+        std::fs::copy(sa.path().join("ca.crt"), wrong.path().join("ca.crt")).unwrap();
+        std::fs::write(wrong.path().join("token"), "not-the-token").unwrap();
+        let wrong_token = pod_client(&server.url(), wrong.path(), true, None).await;
+        unauthorized(list_services(wrong_token).await);
+
+        // Authentication comes before routing: an unknown path is 401, not 404.
+        let unknown = || {
+            axum::http::Request::get("/apis/example.com/v1/widgets")
+                .body(Vec::new())
+                .unwrap()
+        };
+        let err = no_token.request_text(unknown()).await.unwrap_err();
+        assert!(
+            matches!(err, kube::Error::Api(ref s) if s.code == 401),
+            "{err:?}"
+        );
+        let err = server
+            .client()
+            .unwrap()
+            .request_text(unknown())
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, kube::Error::Api(ref s) if s.code == 404),
+            "{err:?}"
+        );
+
+        let tokens: Vec<_> = server
+            .request_log()
+            .into_iter()
+            .map(|r| r.bearer_token)
+            .collect();
+        assert_eq!(tokens, [None, Some("not-the-token".to_owned())]);
+        assert_eq!(server.request_count("/api/v1/services", Verb::List), 2);
+
+        // With `require_token` off the token is only recorded.
+        let (open, open_sa) = tls_server(TlsOptions {
+            require_token: false,
+            ..Default::default()
+        })
+        .await;
+        let anonymous = pod_client(&open.url(), open_sa.path(), false, None).await;
+        assert!(list_services(anonymous).await.unwrap().is_empty());
+        assert_eq!(open.request_log()[0].bearer_token, None);
+    }
+
+    #[tokio::test]
+    async fn tls_client_without_the_ca_fails_the_handshake() {
+        let (server, _sa) = tls_server(TlsOptions::default()).await;
+        let (_other, other_sa) = tls_server(TlsOptions::default()).await;
+        // The right token, but another server's CA.
+        let client = pod_client(&server.url(), other_sa.path(), true, None).await;
+        assert_tls_failure(list_services(client).await, "UnknownIssuer");
+        assert!(server.request_log().is_empty());
+    }
+
+    #[tokio::test]
+    async fn tls_certificate_names() {
+        let opts = TlsOptions {
+            san_ips: vec!["10.96.0.1".parse().unwrap()],
+            san_names: vec!["apiserver.lab.test".into()],
+            ..Default::default()
+        };
+        let (server, sa) = tls_server(opts).await;
+        let url = server.url();
+        for name in [
+            "10.96.0.1",
+            "apiserver.lab.test",
+            "localhost",
+            "kubernetes.default.svc",
+        ] {
+            let client = pod_client(&url, sa.path(), true, Some(name)).await;
+            assert!(list_services(client).await.is_ok(), "{name}");
+        }
+        let by_name = format!("https://localhost:{}", server.addr().port());
+        let client = pod_client(&by_name, sa.path(), true, None).await;
+        assert!(list_services(client).await.is_ok());
+        for name in ["10.96.0.2", "other.lab.test"] {
+            let client = pod_client(&url, sa.path(), true, Some(name)).await;
+            assert_tls_failure(list_services(client).await, "NotValidForName");
+        }
+
+        let bad = TlsOptions {
+            san_names: vec!["bäd.example".into()],
+            ..Default::default()
+        };
+        assert!(FakeApiServer::start_tls(local(), bad).await.is_err());
+        let plain = FakeApiServer::start(local()).await.unwrap();
+        assert!(plain.ca_pem().is_none());
+        assert_eq!(plain.token(), PLAIN_TOKEN);
+        assert!(plain.write_service_account_dir(sa.path()).is_err());
+    }
+
+    #[tokio::test]
+    async fn tls_restart_keeps_the_ca() {
+        let mut server = FakeApiServer::start_tls(local(), TlsOptions::default())
+            .await
+            .unwrap();
+        let (addr, ca) = (server.addr(), server.ca_pem().unwrap().to_owned());
+        let sa = tempfile::tempdir().unwrap();
+        server.write_service_account_dir(sa.path()).unwrap();
+        server.apply_service(svc("default", "a", 80));
+        let client = pod_client(&server.url(), sa.path(), true, None).await;
+        let mut w = watcher(
+            Api::<Service>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .default_backoff()
+        .boxed();
+        until(&mut w, "InitDone").await;
+        watching(&server, &mut w, 1).await;
+
+        server.stop().await;
+        assert!(list_services(client.clone()).await.is_err());
+        server.apply_service(svc("default", "b", 80));
+        server.restart().await.unwrap();
+        assert_eq!((server.addr(), server.ca_pem()), (addr, Some(ca.as_str())));
+        // The client read ca.crt before the restart.
+        let seen = until(&mut w, "Apply(b)").await;
+        assert!(!seen.contains(&"Init".to_owned()), "relisted: {seen:?}");
+        assert_eq!(list_services(client).await.unwrap(), ["a", "b"]);
+    }
+
+    #[tokio::test]
+    async fn start_tls_binds_before_it_is_awaited() {
+        let addr = std::net::TcpListener::bind(local())
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let starting = FakeApiServer::start_tls(addr, TlsOptions::default());
+        // Not yet polled: the kernel already completes TCP connections.
+        std::net::TcpStream::connect(addr).unwrap();
+        let server = starting.await.unwrap();
+        assert_eq!(server.addr(), addr);
+        assert!(list_services(server.client().unwrap()).await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn start_tls_on_a_bound_listener() {
+        let listener = std::net::TcpListener::bind(local()).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut server = FakeApiServer::start_tls_on(listener, TlsOptions::default())
+            .await
+            .unwrap();
+        assert_eq!(server.url(), format!("https://{addr}"));
+        let client = server.client().unwrap();
+        assert!(list_services(client.clone()).await.is_ok());
+        server.restart().await.unwrap();
+        assert_eq!(server.addr(), addr);
+        assert!(list_services(client).await.is_ok());
+    }
+
+    /// Brings `lo` up in the calling thread's network namespace.
+    fn loopback_up() -> io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::DGRAM, None)?;
+        // SAFETY: a zeroed ifreq is valid; the ioctls read and write only that struct.
+        unsafe {
+            let mut ifr: libc::ifreq = std::mem::zeroed();
+            for (d, s) in ifr.ifr_name.iter_mut().zip(b"lo\0") {
+                *d = *s as libc::c_char;
+            }
+            if libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS as _, &mut ifr) < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            ifr.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short;
+            if libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS as _, &ifr) < 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether a TCP connection to `addr` succeeds from inside `ns`.
+    fn connects_in(ns: &File, addr: SocketAddr) -> bool {
+        use std::os::fd::AsRawFd;
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                // SAFETY: an open namespace file; only this scoped thread moves.
+                assert_eq!(
+                    unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) },
+                    0
+                );
+                std::net::TcpStream::connect(addr).is_ok()
+            })
+            .join()
+            .unwrap()
+        })
+    }
+
+    /// The netns use: a listener bound inside a network namespace, the server started
+    /// from outside it, and a restart from outside binding inside again. Needs root
+    /// (skipped otherwise).
+    #[tokio::test]
+    async fn restart_binds_in_the_listeners_network_namespace() {
+        let lab = std::thread::spawn(|| {
+            // SAFETY: moves only this thread, which ends right after.
+            if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+                return None;
+            }
+            loopback_up().unwrap();
+            let ns = File::open("/proc/thread-self/ns/net").unwrap();
+            Some((ns, std::net::TcpListener::bind(local()).unwrap()))
+        })
+        .join()
+        .unwrap();
+        let Some((ns, listener)) = lab else {
+            eprintln!("skipped: no permission to create a network namespace");
+            return;
+        };
+        let mut server = FakeApiServer::start_tls_on(listener, TlsOptions::default())
+            .await
+            .unwrap();
+        let addr = server.addr();
+        assert!(connects_in(&ns, addr));
+        assert!(std::net::TcpStream::connect(addr).is_err());
+        server.restart().await.unwrap();
+        assert!(connects_in(&ns, addr));
+        assert!(std::net::TcpStream::connect(addr).is_err());
     }
 }
