@@ -916,7 +916,12 @@ impl Drop for KubeProxyHealth {
 
 /// The status code of `GET path` on `addr` from the network namespace `netns` (`None`: no
 /// answer within `timeout`), as a kubelet's HTTP probe asks.
-pub fn http_get_code(netns: Option<&Path>, addr: std::net::SocketAddr, path: &str, timeout: Duration) -> Option<u16> {
+pub fn http_get_code(
+    netns: Option<&Path>,
+    addr: std::net::SocketAddr,
+    path: &str,
+    timeout: Duration,
+) -> Option<u16> {
     let path = path.to_string();
     let get = move || -> Option<u16> {
         use std::io::Write;

@@ -37,8 +37,7 @@ use proxy_testkit::{
     fakeapi::{FakeApiServer, TlsOptions},
     podrun::{self, BPF_FS_MAGIC},
     testbed::{
-        ChildGuard, KubeProxyHealth, Netns, TestCgroup, http_get_code, in_netns, is_root,
-        output_in,
+        ChildGuard, KubeProxyHealth, Netns, TestCgroup, http_get_code, in_netns, is_root, output_in,
     },
 };
 use proxy_userspace::datapath::loader;
@@ -107,8 +106,16 @@ impl Lab {
             .build()
             .unwrap();
         let wire = ns("w");
-        wire.ip(&["link", "add", "wire0", "type", "bridge", "forward_delay", "0"])
-            .unwrap();
+        wire.ip(&[
+            "link",
+            "add",
+            "wire0",
+            "type",
+            "bridge",
+            "forward_delay",
+            "0",
+        ])
+        .unwrap();
         wire.ip(&["link", "set", "wire0", "up"]).unwrap();
         let node = ns("n");
         let outside = ns("o");
@@ -129,7 +136,8 @@ impl Lab {
             .unwrap();
         node.ip(&["link", "set", "br0", "up"]).unwrap();
         node.sysctl("net/ipv4/ip_forward", "1").unwrap();
-        node.ip(&["route", "add", "default", "dev", "eth0"]).unwrap();
+        node.ip(&["route", "add", "default", "dev", "eth0"])
+            .unwrap();
         outside
             .ip(&["route", "add", "198.18.3.0/24", "via", NODE])
             .unwrap();
@@ -190,7 +198,9 @@ impl Lab {
             .expect("fake API server");
         let sa = self.scratch.path().join("serviceaccount");
         api.write_service_account_dir(&sa).unwrap();
-        let obj = |v: serde_json::Value| serde_json::from_value(v).unwrap();
+        fn obj<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> T {
+            serde_json::from_value(v).unwrap()
+        }
         api.apply_node(obj(serde_json::json!({
             "apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a"},
             "status": {"addresses": [{"type": "InternalIP", "address": NODE}]}
@@ -262,7 +272,10 @@ fn render(image: &str) -> Result<Vec<serde_yaml_ng::Value>, String> {
         .output()
         .map_err(|e| format!("helm: {e} (installed by `cargo xtask setup`)"))?;
     if !out.status.success() {
-        return Err(format!("helm template: {}", String::from_utf8_lossy(&out.stderr)));
+        return Err(format!(
+            "helm template: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
     }
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     use serde::Deserialize;
@@ -276,7 +289,8 @@ fn render(image: &str) -> Result<Vec<serde_yaml_ng::Value>, String> {
 fn tcp_name(outside: &Netns, to: &str) -> Result<String, String> {
     let to: SocketAddr = to.parse().unwrap();
     in_netns(&outside.path(), move || {
-        let s = TcpStream::connect_timeout(&to, Duration::from_secs(3)).map_err(|e| e.to_string())?;
+        let s =
+            TcpStream::connect_timeout(&to, Duration::from_secs(3)).map_err(|e| e.to_string())?;
         s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
         let mut name = String::new();
         BufReader::new(s)
@@ -304,7 +318,9 @@ fn text(b: &[u8]) -> String {
 #[test]
 fn the_daemonsets_pod_runs_under_podman_and_serves_the_node() {
     let Ok(image) = std::env::var("EBPF_PROXY_IMAGE") else {
-        skip("EBPF_PROXY_IMAGE is not set: `cargo xtask test` builds the image where podman and buildah can run, or build it with `cargo xtask image` and set the variable");
+        skip(
+            "EBPF_PROXY_IMAGE is not set: `cargo xtask test` builds the image where podman and buildah can run, or build it with `cargo xtask image` and set the variable",
+        );
         return;
     };
     assert!(is_root(), "the pod test needs root");
@@ -337,12 +353,18 @@ fn the_daemonsets_pod_runs_under_podman_and_serves_the_node() {
     let mut lab = Lab::new();
     let sa = lab.start_api();
     let node = lab.node_for_pods(sa, config_maps);
-    assert_ne!(podrun::fs_magic(&lab.bpf), Some(BPF_FS_MAGIC), "no bpffs yet");
+    assert_ne!(
+        podrun::fs_magic(&lab.bpf),
+        Some(BPF_FS_MAGIC),
+        "no bpffs yet"
+    );
 
     // kube-proxy still runs on the node: it holds the health port and answers there.
-    let held = in_netns(&lab.node.path(), || std::net::TcpListener::bind("0.0.0.0:10256"))
-        .unwrap()
-        .expect("hold 10256 in the node's namespace");
+    let held = in_netns(&lab.node.path(), || {
+        std::net::TcpListener::bind("0.0.0.0:10256")
+    })
+    .unwrap()
+    .expect("hold 10256 in the node's namespace");
     let kube_proxy = KubeProxyHealth::serve(held).unwrap();
 
     // The pod: the init container, then the agent.
@@ -380,30 +402,64 @@ fn the_daemonsets_pod_runs_under_podman_and_serves_the_node() {
     let out = pod
         .exec(
             0,
-            &["ebpf-proxy", "status", "--require", "synced,north-south", "--wait", "30s"],
+            &[
+                "ebpf-proxy",
+                "status",
+                "--require",
+                "synced,north-south",
+                "--wait",
+                "30s",
+            ],
             Duration::from_secs(60),
         )
         .unwrap();
-    assert!(out.status.success(), "{}{}", text(&out.stdout), text(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
     for _ in 0..10 {
-        assert_eq!(lab.probe(&readiness), Some(503), "Ready while kube-proxy holds 10256");
+        assert_eq!(
+            lab.probe(&readiness),
+            Some(503),
+            "Ready while kube-proxy holds 10256"
+        );
         std::thread::sleep(Duration::from_millis(200));
     }
     let out = pod
-        .exec(0, &["ebpf-proxy", "status", "--require", "ready"], Duration::from_secs(30))
+        .exec(
+            0,
+            &["ebpf-proxy", "status", "--require", "ready"],
+            Duration::from_secs(30),
+        )
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
-    assert!(text(&out.stderr).contains("kube-proxy's health server"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("kube-proxy's health server"),
+        "{}",
+        text(&out.stderr)
+    );
 
     // The preflight passes inside the agent's container too.
     let out = pod
         .exec(
             0,
-            &["ebpf-proxy", "check", "--cgroup-path", "/run/ebpf-proxy/cgroup2"],
+            &[
+                "ebpf-proxy",
+                "check",
+                "--cgroup-path",
+                "/run/ebpf-proxy/cgroup2",
+            ],
             Duration::from_secs(120),
         )
         .unwrap();
-    assert!(out.status.success(), "check in the container:\n{}{}", text(&out.stdout), text(&out.stderr));
+    assert!(
+        out.status.success(),
+        "check in the container:\n{}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
 
     // It serves the node: a ClusterIP from a process of the node, a NodePort from outside.
     let out = output_in(
@@ -415,10 +471,18 @@ fn the_daemonsets_pod_runs_under_podman_and_serves_the_node() {
     .unwrap();
     let names: Vec<String> = text(&out.stdout)
         .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["name"].as_str().unwrap_or("").to_string())
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["name"]
+                .as_str()
+                .unwrap_or("")
+                .to_string()
+        })
         .collect();
     assert_eq!(names.len(), 6, "{}", text(&out.stdout));
-    assert!(names.iter().all(|n| n == "b0" || n == "b1"), "ClusterIP: {names:?}");
+    assert!(
+        names.iter().all(|n| n == "b0" || n == "b1"),
+        "ClusterIP: {names:?}"
+    );
     let np = format!("{NODE}:{NODE_PORT}");
     let mut seen = std::collections::BTreeSet::new();
     for _ in 0..12 {
@@ -428,7 +492,9 @@ fn the_daemonsets_pod_runs_under_podman_and_serves_the_node() {
 
     // kube-proxy goes: the agent binds the port (retried every 5 s) and turns Ready.
     drop(kube_proxy);
-    let ready_after = wait_until(Duration::from_secs(20), "Ready", || lab.probe(&readiness) == Some(200));
+    let ready_after = wait_until(Duration::from_secs(20), "Ready", || {
+        lab.probe(&readiness) == Some(200)
+    });
     eprintln!(
         "pod: live (first sync done) {} ms after its start, init container included; Ready {} ms after the health port was freed",
         live_at.as_millis(),
@@ -436,7 +502,12 @@ fn the_daemonsets_pod_runs_under_podman_and_serves_the_node() {
     );
     // The health port answers for the agent now (/healthz: kube-proxy's contract).
     assert_eq!(
-        http_get_code(Some(&lab.node.path()), format!("{NODE}:10256").parse().unwrap(), "/healthz", Duration::from_secs(2)),
+        http_get_code(
+            Some(&lab.node.path()),
+            format!("{NODE}:10256").parse().unwrap(),
+            "/healthz",
+            Duration::from_secs(2)
+        ),
         Some(200)
     );
 
@@ -462,36 +533,72 @@ fn the_daemonsets_pod_runs_under_podman_and_serves_the_node() {
     assert!(ask(&mut w, &mut r).unwrap().starts_with(&backend));
     let restart = Instant::now();
     lab.pod.as_ref().unwrap().restart(0).unwrap();
-    wait_until(Duration::from_secs(120), "Ready after the restart", || lab.probe(&readiness) == Some(200));
-    eprintln!("pod: Ready again {} ms after the container restart began", restart.elapsed().as_millis());
-    let after = ask(&mut w, &mut r).unwrap_or_else(|e| panic!("the connection broke across the restart: {e}"));
+    wait_until(Duration::from_secs(120), "Ready after the restart", || {
+        lab.probe(&readiness) == Some(200)
+    });
+    eprintln!(
+        "pod: Ready again {} ms after the container restart began",
+        restart.elapsed().as_millis()
+    );
+    let after = ask(&mut w, &mut r)
+        .unwrap_or_else(|e| panic!("the connection broke across the restart: {e}"));
     assert!(after.starts_with(&backend), "{after}");
-    assert!(lab.pod.as_ref().unwrap().logs(0).contains("adopted state from pinned maps"));
+    assert!(
+        lab.pod
+            .as_ref()
+            .unwrap()
+            .logs(0)
+            .contains("adopted state from pinned maps")
+    );
 
     // `ebpf-proxy cleanup` from the image, with the agent container's privileges and mounts.
     lab.pod.as_ref().unwrap().stop();
     let mut agent = spec.containers[0].clone();
-    agent.args = Some(vec!["cleanup".into(), "--bpffs".into(), "/sys/fs/bpf".into(), "--pin-dir".into(), "ebpf-proxy".into()]);
+    agent.args = Some(vec![
+        "cleanup".into(),
+        "--bpffs".into(),
+        "/sys/fs/bpf".into(),
+        "--pin-dir".into(),
+        "ebpf-proxy".into(),
+    ]);
     agent.name = format!("{PREFIX}cleanup");
     let mut rs = podrun::translate(&spec, &agent, &node, &image).unwrap();
     let mut args = vec!["run".to_string(), "--rm".to_string()];
     args.append(&mut rs.args);
     let out = podrun::podman_output(&args, Duration::from_secs(120)).unwrap();
-    assert!(out.status.success(), "{}{}", text(&out.stdout), text(&out.stderr));
-    assert!(text(&out.stdout).contains("removed"), "{}", text(&out.stdout));
+    assert!(
+        out.status.success(),
+        "{}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    assert!(
+        text(&out.stdout).contains("removed"),
+        "{}",
+        text(&out.stdout)
+    );
     assert!(!lab.bpf.join("ebpf-proxy").exists(), "pins left");
     // No link of the lab's cgroup, no program on the node's interface.
     let cg_id = {
         use std::os::unix::fs::MetadataExt;
         std::fs::metadata(lab.cg.path()).unwrap().ino()
     };
-    let links = Command::new("bpftool").args(["-j", "link", "show"]).output().unwrap();
+    let links = Command::new("bpftool")
+        .args(["-j", "link", "show"])
+        .output()
+        .unwrap();
     let links: Vec<serde_json::Value> = serde_json::from_slice(&links.stdout).unwrap_or_default();
     assert!(
         !links.iter().any(|l| l["cgroup_id"].as_u64() == Some(cg_id)),
         "a cgroup link of the lab is left"
     );
-    let net = lab.node.exec("bpftool", &["-j", "net", "show", "dev", "eth0"]).unwrap();
+    let net = lab
+        .node
+        .exec("bpftool", &["-j", "net", "show", "dev", "eth0"])
+        .unwrap();
     let shown = text(&net.stdout);
-    assert!(!shown.contains("tc_ingress") && !shown.contains("tc_egress"), "{shown}");
+    assert!(
+        !shown.contains("tc_ingress") && !shown.contains("tc_egress"),
+        "{shown}"
+    );
 }
