@@ -1812,12 +1812,15 @@ fn rendered_objects_validate_against_kubernetes_schemas() {
 
 // ---- the image ----------------------------------------------------------------------------
 
-/// The path kube-proxy's DaemonSets run, and the link the Containerfile makes to the agent.
+/// The path kube-proxy's DaemonSets run, and the image's link to the agent there.
 const KUBE_PROXY_PATH: &str = "/usr/local/bin/kube-proxy";
 
 #[test]
 fn the_image_runs_kubeadms_kube_proxy_command() {
-    // The Containerfile's runtime stage installs the agent and links kube-proxy's path to it.
+    // The Containerfile's runtime stage installs the agent and copies the root filesystem
+    // of `cargo xtask image-rootfs`, whose list (xtask/src/image.rs, shared with
+    // `cargo xtask image`) links kube-proxy's path to the agent. xtask's own tests check
+    // the rest: that the Containerfile matches the list and that the rootfs has the links.
     let containerfile = fs::read_to_string(repo().join("Containerfile")).unwrap();
     let runtime = containerfile
         .rsplit("\nFROM ")
@@ -1830,8 +1833,18 @@ fn the_image_runs_kubeadms_kube_proxy_command() {
     assert!(
         runtime
             .lines()
-            .any(|l| l.trim() == format!("RUN ln -s ebpf-proxy {KUBE_PROXY_PATH}")),
-        "no {KUBE_PROXY_PATH} link in the runtime stage:\n{runtime}"
+            .any(|l| l.trim() == "COPY --from=build /rootfs/ /"),
+        "the runtime stage does not copy the build stage's /rootfs:\n{runtime}"
+    );
+    let image_list = fs::read_to_string(repo().join("xtask/src/image.rs")).unwrap();
+    let agent_links = image_list
+        .split_once("pub const AGENT_LINKS")
+        .and_then(|(_, rest)| rest.split_once(";\n"))
+        .map(|(links, _)| links)
+        .expect("AGENT_LINKS in xtask/src/image.rs");
+    assert!(
+        agent_links.contains(&format!("link(\"{KUBE_PROXY_PATH}\", \"ebpf-proxy\")")),
+        "no {KUBE_PROXY_PATH} -> ebpf-proxy link in xtask's AGENT_LINKS: {agent_links}"
     );
 
     // kubeadm's DaemonSet command, run through such a link, with kubeadm's ConfigMap at

@@ -2,18 +2,21 @@
 //! `cargo xtask image` assembles it from scratch with buildah and loads it into podman's
 //! storage, and how `cargo xtask test` builds it for the pod test.
 //!
-//! The image has no base image: it holds the agent, the libraries it links, the tools its
-//! own commands run (iptables in both backends and nft, for `ebpf-proxy check` and for
-//! removing kube-proxy's rules) with their libraries and extension modules, the shell tools
-//! of the DaemonSet's init container, and a few files under /etc. Every file is copied from
-//! this machine (Debian): the tools at their own paths, the libraries at the paths `ldd`
-//! finds them under, with the symbolic links met on the way (/lib -> usr/lib and the like)
-//! recreated, so the image resolves every path the way the host does.
+//! The image has no base image: it holds the agent (also under kube-proxy's path), the
+//! libraries it links, the tools its own commands run (iptables in both backends and nft,
+//! for `ebpf-proxy check` and for removing kube-proxy's rules) with their libraries and
+//! extension modules, and a few files under /etc. Nothing else: no shell and no coreutils,
+//! since every command the Helm chart runs in it (the agent, its `check` preflight in the
+//! init container, the kube-proxy cleanup Job) is the agent itself. Every file is copied
+//! from this machine (Debian): the tools at their own paths, the libraries at the paths
+//! `ldd` finds them under, with the symbolic links met on the way (/lib -> usr/lib and the
+//! like) recreated, so the image resolves every path the way the host does.
 //!
 //! The Containerfile describes the same image for places where registries are reachable:
-//! its build stage runs `cargo xtask image-rootfs` (this module's [`write_rootfs`]) and its
-//! final stage adds the agent and the settings below; a unit test checks it against the
-//! constants here.
+//! its build stage runs `cargo xtask image-rootfs` (this module's [`write_rootfs`], which
+//! also makes the agent's links) and its final stage copies that root filesystem, adds the
+//! agent binary and the settings below, and runs the smoke test in exec form (the image has
+//! no shell to run anything else); a unit test checks it against the constants here.
 
 use std::collections::BTreeSet;
 use std::env;
@@ -49,32 +52,26 @@ pub const AGENT: &str = "/usr/local/bin/ebpf-proxy";
 
 /// Links to the agent. kube-proxy's DaemonSets (kubeadm's among others) run
 /// `/usr/local/bin/kube-proxy` with kube-proxy's flags, and the agent accepts that command
-/// line, so swapping the image is enough.
+/// line, so swapping the image is enough. [`write_rootfs`] makes them in both of its modes:
+/// the Containerfile's final stage gets them with the root filesystem, as an image from
+/// scratch has no `ln` to make them with.
 pub const AGENT_LINKS: [Link; 1] = [link("/usr/local/bin/kube-proxy", "ebpf-proxy")];
 
-/// Host files copied to the same path in the image, with the libraries `ldd` lists for them.
-///
-/// - iptables in both backends (Debian's multi-call binaries) and nft: the "kube-proxy
-///   rules" row of `ebpf-proxy check` runs `iptables-save`, `ip6tables-save` and
-///   `nft list tables`; removing kube-proxy's rules runs `iptables-restore` and
-///   `nft delete table`.
-/// - `sh`, `grep` and `mount`: the init container of deploy/daemonset.yaml runs
-///   `/bin/sh -c "grep -q ' /sys/fs/bpf bpf ' /proc/self/mounts || mount -t bpf ..."` in this
-///   image to mount bpffs on the host.
-/// - `ln`: the Containerfile's final stage makes the kube-proxy link with
-///   `RUN ln -s ...` (a stage from scratch runs only what the image holds).
-pub const HOST_FILES: [&str; 7] = [
+/// Host files copied to the same path in the image, with the libraries `ldd` lists for them:
+/// iptables in both backends (Debian's multi-call binaries, named by [`TOOL_LINKS`]) and nft.
+/// The "kube-proxy rules" row of `ebpf-proxy check` runs `iptables-save`, `ip6tables-save`
+/// and `nft list tables`; removing kube-proxy's rules runs `iptables-restore` and
+/// `nft delete table`. The agent runs nothing else: it mounts bpffs itself
+/// (`ebpf-proxy check --mount-bpffs`, with mount(2)), so the image needs no shell and no
+/// `mount`.
+pub const HOST_FILES: [&str; 3] = [
     "/usr/sbin/xtables-nft-multi",
     "/usr/sbin/xtables-legacy-multi",
     "/usr/sbin/nft",
-    "/bin/sh",
-    "/bin/grep",
-    "/bin/mount",
-    "/bin/ln",
 ];
 
-/// The Debian packages [`HOST_FILES`] come from, besides Essential ones (dash, grep, mount,
-/// coreutils): the Containerfile's build stage installs them, `cargo xtask setup` too.
+/// The Debian packages [`HOST_FILES`] come from: the Containerfile's build stage installs
+/// them, `cargo xtask setup` too.
 pub const DEBIAN_PACKAGES: [&str; 2] = ["iptables", "nftables"];
 
 /// The names iptables is run by, pointing where Debian's alternatives point by default: the
@@ -113,9 +110,10 @@ const XTABLES_LIB: &str = "libxtables.so.";
 pub const DIRS: [(&str, u32); 2] = [("/tmp", 0o1777), ("/run", 0o755)];
 
 /// Files written into the image: root's user and group, so tools that look up uid 0 find a
-/// name. No nsswitch.conf: glibc reads /etc/passwd and /etc/group without one.
+/// name. No nsswitch.conf: glibc reads /etc/passwd and /etc/group without one. Root's shell
+/// is /sbin/nologin, as in distroless images: the image has no shell (neither file exists).
 pub const ETC_FILES: [(&str, &str); 2] = [
-    ("/etc/passwd", "root:x:0:0:root:/root:/bin/sh\n"),
+    ("/etc/passwd", "root:x:0:0:root:/root:/sbin/nologin\n"),
     ("/etc/group", "root:x:0:\n"),
 ];
 
@@ -139,7 +137,8 @@ pub const DESCRIPTION: &str = "ebpf-proxy, a kube-proxy replacement: eBPF progra
     them from the Kubernetes API";
 
 /// The image's programs that the smoke test runs with `--version`, each as the entrypoint
-/// of its own container: the agent under both names and the tools of `check`.
+/// of its own container (the Containerfile: each in an exec-form RUN): the agent under both
+/// names and the tools of `check`.
 pub const SMOKE: [&str; 6] = [
     AGENT,
     "/usr/local/bin/kube-proxy",
@@ -163,20 +162,21 @@ pub struct RootfsSummary {
     pub bytes: u64,
 }
 
-/// What goes into the image besides the host files, which every image has.
+/// Whether the agent binary goes into the root filesystem. Its libraries and
+/// [`AGENT_LINKS`] always do.
 pub enum Agent<'a> {
-    /// The agent binary at `path`: copied to [`AGENT`] with [`AGENT_LINKS`], libraries
-    /// included (`cargo xtask image`).
+    /// The agent binary at `path`, copied to [`AGENT`] (`cargo xtask image`).
     Include(&'a Path),
-    /// Only the libraries of the agent binary at `path`: the Containerfile's final stage
-    /// copies the agent and makes its links itself (`cargo xtask image-rootfs`).
-    LibrariesOnly(&'a Path),
+    /// All but the agent binary at `path` (its libraries, its links, left dangling until
+    /// it arrives): the Containerfile's final stage copies the binary
+    /// (`cargo xtask image-rootfs`).
+    AllButBinary(&'a Path),
 }
 
 /// Writes the image's files into `root`, which must not exist or be empty (it is created):
 /// [`HOST_FILES`] and the libraries `ldd` lists for them, for the xtables modules and for the
-/// agent; the xtables modules; [`TOOL_LINKS`]; [`DIRS`]; [`ETC_FILES`]; and the agent as
-/// `agent` says.
+/// agent; the xtables modules; [`TOOL_LINKS`]; [`AGENT_LINKS`]; [`DIRS`]; [`ETC_FILES`]; and
+/// the agent binary as `agent` says.
 ///
 /// Errors name the file that is missing (install [`DEBIAN_PACKAGES`], or run
 /// `cargo xtask build` for the agent), a library `ldd` cannot find, or the path that could
@@ -187,7 +187,7 @@ pub fn write_rootfs(root: &Path, agent: Agent<'_>) -> Result<RootfsSummary> {
     }
     fs::create_dir_all(root).with_context(|| format!("creating {}", root.display()))?;
     let agent_bin = match agent {
-        Agent::Include(p) | Agent::LibrariesOnly(p) => p,
+        Agent::Include(p) | Agent::AllButBinary(p) => p,
     };
     if !agent_bin.is_file() {
         bail!(
@@ -254,9 +254,10 @@ pub fn write_rootfs(root: &Path, agent: Agent<'_>) -> Result<RootfsSummary> {
         let dest = inside(root, Path::new(AGENT));
         create_dirs(root, dest.parent().expect("AGENT is a file path"), &mut sum)?;
         copy_file(bin, &dest, &mut sum)?;
-        for l in AGENT_LINKS {
-            make_link(root, l, &mut sum)?;
-        }
+    }
+    // Both modes: a stage from scratch has no `ln`, so the Containerfile gets the links here.
+    for l in AGENT_LINKS {
+        make_link(root, l, &mut sum)?;
     }
     for (d, mode) in DIRS {
         let dest = inside(root, Path::new(d));
@@ -296,8 +297,8 @@ fn create_dirs(root: &Path, dir: &Path, sum: &mut RootfsSummary) -> Result<()> {
     Ok(())
 }
 
-/// Copies a regular file without its set-user-ID and set-group-ID bits (`mount` has one on
-/// Debian; in the image everything runs as root, so they would only draw scanners' notice).
+/// Copies a regular file without its set-user-ID and set-group-ID bits: in the image
+/// everything runs as root, so they would only draw scanners' notice.
 fn copy_file(src: &Path, dest: &Path, sum: &mut RootfsSummary) -> Result<()> {
     fs::copy(src, dest)
         .with_context(|| format!("copying {} to {}", src.display(), dest.display()))?;
@@ -948,9 +949,10 @@ fn one_line(e: &anyhow::Error) -> String {
 }
 
 /// `cargo xtask image-rootfs DIR --libraries-of BIN`: the Containerfile's build stage writes
-/// the image's files, all but the agent and its links, with this.
+/// the image's files, all but the agent binary (its libraries and links included), with
+/// this.
 pub fn image_rootfs(dir: &Path, agent: &Path) -> Result<()> {
-    let sum = write_rootfs(dir, Agent::LibrariesOnly(agent))?;
+    let sum = write_rootfs(dir, Agent::AllButBinary(agent))?;
     eprintln!(
         "xtask: wrote {} ({} files, {} links, {} directories, {})",
         dir.display(),

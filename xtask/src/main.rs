@@ -90,8 +90,9 @@ enum Cmd {
         #[arg(long, value_name = "URL")]
         source: Option<String>,
     },
-    /// Write the image's files, all but the agent and its links, into DIR (which must not
-    /// exist or be empty). The Containerfile's build stage runs this; no setup, no build.
+    /// Write the image's files, all but the agent binary (its links included, dangling until
+    /// it is added), into DIR (which must not exist or be empty). The Containerfile's build
+    /// stage runs this; no setup, no build.
     ImageRootfs {
         dir: PathBuf,
         /// The agent binary whose libraries go into DIR.

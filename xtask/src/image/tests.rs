@@ -89,8 +89,10 @@ fn find<'a>(stage: &'a [Instr], keyword: &str) -> Vec<&'a str> {
 }
 
 /// The Containerfile's final stage holds what `cargo xtask image` builds: the files of
-/// `cargo xtask image-rootfs` (this module's list), the agent at [`AGENT`], its links, and
-/// the same user, PATH, entrypoint, command and labels.
+/// `cargo xtask image-rootfs` (this module's list, the agent's links included: see
+/// [`the_rootfs_holds_the_list_and_the_agent_links_in_both_modes`]), the agent at [`AGENT`],
+/// and the same user, PATH, entrypoint, command and labels; it runs the same smoke test,
+/// and nothing through a shell, which the image does not have.
 #[test]
 fn the_containerfile_describes_the_same_image() {
     let text = containerfile();
@@ -109,18 +111,14 @@ fn the_containerfile_describes_the_same_image() {
         build[0].args
     );
 
-    // Files: only the rootfs and the agent are copied in, nothing else is added.
+    // Files: only the rootfs (with the agent's links) and the agent are copied in, nothing
+    // else is added.
     let agent_copy = format!("--from=build /src/target/release/ebpf-proxy {AGENT}");
     assert_eq!(
         find(last, "COPY"),
         ["--from=build /rootfs/ /", agent_copy.as_str()]
     );
     assert!(find(last, "ADD").is_empty());
-    let runs = find(last, "RUN");
-    for l in AGENT_LINKS {
-        let ln = format!("ln -s {} {}", l.target, l.path);
-        assert!(runs.contains(&ln.as_str()), "no `RUN {ln}` in {runs:?}");
-    }
 
     // The rootfs is written by xtask from the lists here, with the agent's libraries.
     let rootfs = find(build, "RUN")
@@ -143,15 +141,23 @@ fn the_containerfile_describes_the_same_image() {
         );
     }
 
-    // The tools answer under their names: the final stage runs the same smoke test.
-    let smoke: Vec<String> = SMOKE.iter().map(|p| format!("{p} --version")).collect();
-    assert!(
-        runs.iter().any(|r| r
-            .split(" && ")
-            .map(str::trim)
-            .eq(smoke.iter().map(String::as_str))),
-        "no RUN of {smoke:?} joined with && in {runs:?}"
-    );
+    let exec_form = |keyword: &str| -> Vec<Vec<String>> {
+        find(last, keyword)
+            .iter()
+            .map(|a| {
+                serde_json::from_str(a)
+                    .unwrap_or_else(|e| panic!("{keyword} {a} is not in exec form: {e}"))
+            })
+            .collect()
+    };
+
+    // The tools answer under their names: the final stage runs the same smoke test, in
+    // exec form (the image has no shell), and runs nothing else.
+    let smoke: Vec<Vec<String>> = SMOKE
+        .iter()
+        .map(|p| vec![p.to_string(), "--version".to_owned()])
+        .collect();
+    assert_eq!(exec_form("RUN"), smoke);
     for l in TOOL_LINKS {
         assert!(
             l.target == "xtables-nft-multi" || l.target == "xtables-legacy-multi",
@@ -162,15 +168,6 @@ fn the_containerfile_describes_the_same_image() {
     // Settings.
     assert_eq!(find(last, "USER"), [USER]);
     assert_eq!(find(last, "ENV"), [format!("PATH={PATH_ENV}").as_str()]);
-    let exec_form = |keyword: &str| -> Vec<Vec<String>> {
-        find(last, keyword)
-            .iter()
-            .map(|a| {
-                serde_json::from_str(a)
-                    .unwrap_or_else(|e| panic!("{keyword} {a} is not in exec form: {e}"))
-            })
-            .collect()
-    };
     assert_eq!(
         exec_form("ENTRYPOINT"),
         [ENTRYPOINT.map(String::from).to_vec()]
@@ -228,7 +225,7 @@ fn ldd_output_is_parsed() {
         ]
     );
     let several = "/usr/sbin/nft:\n\tlibmnl.so.0 => /lib/x/libmnl.so.0 (0x1)\n\
-                   /usr/bin/ln:\n\tlibc.so.6 => /lib/x/libc.so.6 (0x2)\n";
+                   /usr/sbin/xtables-nft-multi:\n\tlibc.so.6 => /lib/x/libc.so.6 (0x2)\n";
     assert_eq!(parse_ldd(several).unwrap().len(), 2);
     let missing = "/usr/sbin/nft:\n\tlibgmp.so.10 => not found\n";
     let e = parse_ldd(missing).unwrap_err().to_string();
@@ -271,5 +268,93 @@ fn every_path_is_listed_once() {
                 || AGENT_LINKS.iter().chain(&TOOL_LINKS).any(|l| l.path == p),
             "{p} is smoke-tested but not in the image"
         );
+    }
+}
+
+/// [`write_rootfs`] in both modes, from this machine, with this test binary standing in for
+/// the agent (any dynamically linked program does): the agent's links are there either way
+/// (the Containerfile's final stage has no `ln`, so it gets them from `image-rootfs`), the
+/// binary only with [`Agent::Include`], and the only programs are the agent and
+/// [`HOST_FILES`]: every other regular file is a library, an xtables module or one of
+/// [`ETC_FILES`]. No shell, no coreutils. Checks nothing, saying so, when the tools of
+/// [`DEBIAN_PACKAGES`] are not installed.
+#[test]
+fn the_rootfs_holds_the_list_and_the_agent_links_in_both_modes() {
+    if let Some(f) = HOST_FILES.iter().find(|f| fs::metadata(f).is_err()) {
+        eprintln!("skipped: {f} is not installed (`cargo xtask setup` installs it)");
+        return;
+    }
+    let agent = env::current_exe().unwrap();
+    for include in [true, false] {
+        let root = env::temp_dir().join(format!(
+            "xtask-rootfs-test-{}-{}",
+            std::process::id(),
+            if include { "include" } else { "all-but-binary" }
+        ));
+        let _ = fs::remove_dir_all(&root);
+        let mode = if include {
+            Agent::Include(&agent)
+        } else {
+            Agent::AllButBinary(&agent)
+        };
+        let sum = write_rootfs(&root, mode).unwrap();
+
+        let agent_in = inside(&root, Path::new(AGENT));
+        assert_eq!(agent_in.is_file(), include, "{}", agent_in.display());
+        for l in AGENT_LINKS {
+            let p = inside(&root, Path::new(l.path));
+            assert_eq!(
+                fs::read_link(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display())),
+                Path::new(l.target)
+            );
+            // Relative to the link's directory, the target is the agent's path.
+            let parent = Path::new(l.path).parent().unwrap();
+            assert_eq!(parent.join(l.target), Path::new(AGENT), "{l:?}");
+        }
+        for (f, text) in ETC_FILES {
+            assert_eq!(
+                fs::read_to_string(inside(&root, Path::new(f))).unwrap(),
+                text
+            );
+        }
+
+        let mut files = Vec::new();
+        let mut todo = vec![root.clone()];
+        while let Some(d) = todo.pop() {
+            for e in fs::read_dir(&d).unwrap() {
+                let e = e.unwrap();
+                let t = e.file_type().unwrap();
+                if t.is_dir() {
+                    todo.push(e.path());
+                } else if t.is_file() {
+                    files.push(Path::new("/").join(e.path().strip_prefix(&root).unwrap()));
+                }
+            }
+        }
+        assert_eq!(files.len(), sum.files, "{files:?}");
+        // A host file may be reached through links (/bin -> usr/bin); its file is where
+        // they lead.
+        let host_files: Vec<PathBuf> = HOST_FILES
+            .iter()
+            .map(|f| fs::canonicalize(f).unwrap())
+            .collect();
+        for f in &files {
+            let s = f.to_str().unwrap();
+            let name = f.file_name().unwrap().to_string_lossy();
+            assert!(
+                s == AGENT
+                    || host_files.contains(f)
+                    || ETC_FILES.iter().any(|(e, _)| *e == s)
+                    || name.contains(".so"),
+                "{s} is in the image but in no list"
+            );
+        }
+        for gone in ["sh", "grep", "mount", "ln", "dash", "bash", "busybox"] {
+            assert!(
+                !files.iter().any(|f| f.file_name().unwrap() == gone),
+                "{gone} is in the image"
+            );
+        }
+        fs::remove_dir_all(&root).unwrap();
     }
 }
