@@ -445,26 +445,27 @@ pub struct Pod {
     pub containers: Vec<String>,
     /// `terminationGracePeriodSeconds`.
     pub grace: u64,
+    /// Each init container's name and output, in order.
+    pub inits: Vec<(String, Output)>,
+    /// The main containers as translated (their probes among them), in order.
+    pub specs: Vec<RunSpec>,
     /// Names of the containers created (init and main), for removal.
     created: Vec<String>,
 }
 
 impl Pod {
-    /// Runs the init containers of `spec` in order (each must exit 0; their output is
-    /// returned) and starts its containers detached. Container names get `prefix`.
+    /// Runs the init containers of `spec` in order (each must exit 0; their output is kept
+    /// in [`Pod::inits`]) and starts its containers detached. Container names get `prefix`.
     ///
     /// Errors: a translation error, an init container failing (with its output), a
     /// container that does not start.
-    pub fn start(
-        spec: &PodSpec,
-        node: &Node,
-        image: &str,
-        prefix: &str,
-    ) -> Result<(Pod, Vec<(String, Output)>, Vec<RunSpec>)> {
+    pub fn start(spec: &PodSpec, node: &Node, image: &str, prefix: &str) -> Result<Pod> {
         let mut pod = Pod {
             prefix: prefix.to_string(),
             containers: Vec::new(),
             grace: spec.termination_grace_period_seconds.unwrap_or(30).max(1) as u64,
+            inits: Vec::new(),
+            specs: Vec::new(),
             created: Vec::new(),
         };
         // A leftover of a crashed run.
@@ -479,7 +480,6 @@ impl Pod {
                 Duration::from_secs(30),
             );
         }
-        let mut inits = Vec::new();
         for c in spec.init_containers.iter().flatten() {
             let mut rs = translate(spec, c, node, image)?;
             let name = format!("{prefix}{}", c.name);
@@ -489,9 +489,9 @@ impl Pod {
             args.extend(rs.args);
             let out = podman_output(&args, Duration::from_secs(120))?;
             let ok = out.status.success();
-            inits.push((c.name.clone(), out));
+            pod.inits.push((c.name.clone(), out));
             if !ok {
-                let (_, out) = inits.last().unwrap();
+                let (_, out) = pod.inits.last().unwrap();
                 bail!(
                     "init container {} failed ({}): {}{}",
                     c.name,
@@ -501,7 +501,6 @@ impl Pod {
                 );
             }
         }
-        let mut specs = Vec::new();
         for c in &spec.containers {
             let mut rs = translate(spec, c, node, image)?;
             let name = format!("{prefix}{}", c.name);
@@ -518,9 +517,9 @@ impl Pod {
                 );
             }
             pod.containers.push(name);
-            specs.push(rs);
+            pod.specs.push(rs);
         }
-        Ok((pod, inits, specs))
+        Ok(pod)
     }
 
     /// `podman exec` of `args` in container `i`.

@@ -369,10 +369,9 @@ fn the_daemonsets_pod_runs_under_podman_and_serves_the_node() {
 
     // The pod: the init container, then the agent.
     let started = Instant::now();
-    let (pod, inits, specs) = podrun::Pod::start(&spec, &node, &image, PREFIX)
+    let pod = podrun::Pod::start(&spec, &node, &image, PREFIX)
         .unwrap_or_else(|e| panic!("the pod did not start: {e:#}"));
-    lab.pod = Some(pod);
-    let (name, out) = &inits[0];
+    let (name, out) = &pod.inits[0];
     eprintln!("init container {name}:\n{}", text(&out.stdout));
     // The preflight mounted bpffs on the "host" (the mount propagated out of the container).
     assert_eq!(
@@ -380,7 +379,8 @@ fn the_daemonsets_pod_runs_under_podman_and_serves_the_node() {
         Some(BPF_FS_MAGIC),
         "the init container's bpffs did not reach the node"
     );
-    let probes = &specs[0].probes;
+    let probes = pod.specs[0].probes.clone();
+    lab.pod = Some(pod);
     for p in [&probes.startup, &probes.liveness, &probes.readiness] {
         let p = p.as_ref().expect("probe");
         assert_eq!((p.host.as_deref(), p.port), (Some("127.0.0.1"), 10266));
