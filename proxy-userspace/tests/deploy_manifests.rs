@@ -1383,23 +1383,45 @@ fn the_charts_dashboard_is_deploy_grafanas() {
     );
 }
 
-/// The kube-proxy cleanup Job: one pod per node, all at once, on the agents' nodes, in the
-/// host's network (it reads the agent's status on 127.0.0.1) and PID namespaces.
-#[test]
-fn kube_proxy_cleanup_job_runs_once_per_node() {
-    let Some([_, all]) = chart_manifests() else {
-        return;
-    };
-    let w = &all.what;
-    let (_, ds_pod) = daemon_set(&all);
-    let job = &all.jobs[0];
+/// What a Job of the template `ebpf-proxy.nodeJob` is: `nodes` pods at once, at most one
+/// per node (a required anti-affinity on the hostname against the Job's own pods), on the
+/// agents' nodes (the DaemonSet's nodeSelector and tolerations), privileged, in the host's
+/// network and PID namespaces, restarted in place, with the agent's image and a name ending
+/// in a hash. Returns the Job's pod and its one container.
+fn assert_runs_once_per_node<'a>(
+    w: &str,
+    job: &'a Job,
+    component: &str,
+    ds: &DaemonSet,
+    (nodes, backoff_per_node, ttl): (i32, i32, i32),
+) -> (&'a PodSpec, &'a Container) {
+    let name = name(&job.metadata);
+    let hash = name
+        .strip_prefix(&format!("ebpf-proxy-{component}-"))
+        .unwrap_or_else(|| panic!("{w}: Job {name}: not named ebpf-proxy-{component}-HASH"));
+    assert!(
+        hash.len() == 8 && hash.bytes().all(|b| b.is_ascii_hexdigit()),
+        "{w}: Job {name}: the name ends in a hash of its spec"
+    );
+    assert_eq!(
+        job.metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get("app.kubernetes.io/component"))
+            .map(String::as_str),
+        Some(component),
+        "{w}: Job {name}: its component label (what `kubectl wait -l` selects)"
+    );
     let spec = job.spec.as_ref().unwrap();
-    let nodes = 3; // kubeProxyCleanup.nodes in all-features.yaml
     assert_eq!(spec.completion_mode.as_deref(), Some("Indexed"), "{w}");
     assert_eq!(spec.completions, Some(nodes), "{w}: completions");
     assert_eq!(spec.parallelism, Some(nodes), "{w}: parallelism");
-    assert_eq!(spec.backoff_limit, Some(nodes * 4), "{w}: backoffLimit");
-    assert_eq!(spec.ttl_seconds_after_finished, Some(600), "{w}");
+    assert_eq!(
+        spec.backoff_limit,
+        Some(nodes * backoff_per_node),
+        "{w}: backoffLimit"
+    );
+    assert_eq!(spec.ttl_seconds_after_finished, Some(ttl), "{w}");
     let labels = spec
         .template
         .metadata
@@ -1408,7 +1430,12 @@ fn kube_proxy_cleanup_job_runs_once_per_node() {
         .labels
         .clone()
         .unwrap();
-    let ds_selector = all.daemon_sets[0]
+    assert_eq!(
+        labels.get("app.kubernetes.io/name").map(String::as_str),
+        Some(format!("ebpf-proxy-{component}").as_str()),
+        "{w}: pod label app.kubernetes.io/name"
+    );
+    let ds_selector = ds
         .spec
         .as_ref()
         .unwrap()
@@ -1420,6 +1447,7 @@ fn kube_proxy_cleanup_job_runs_once_per_node() {
         ds_selector.iter().any(|(k, v)| labels.get(k) != Some(v)),
         "{w}: the Job's pods must not match the DaemonSet's selector"
     );
+    let ds_pod = ds.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
     let pod = spec.template.spec.as_ref().unwrap();
     assert_eq!(pod.restart_policy.as_deref(), Some("OnFailure"), "{w}");
     assert_eq!(pod.host_network, Some(true), "{w}: hostNetwork");
@@ -1450,16 +1478,36 @@ fn kube_proxy_cleanup_job_runs_once_per_node() {
                     )),
         "{w}: anti-affinity on kubernetes.io/hostname selecting the Job's own pods: {terms:?}"
     );
+    assert_eq!(pod.containers.len(), 1, "{w}: one container");
     let c = &pod.containers[0];
     assert_eq!(
         c.security_context.as_ref().and_then(|s| s.privileged),
         Some(true),
-        "{w}: privileged (it rewrites the node's netfilter rules)"
+        "{w}: privileged (it changes the node's netfilter rules or BPF state)"
     );
     assert_eq!(c.image, agent(ds_pod).image, "{w}: the agent's image");
     assert_eq!(
         c.command.as_deref(),
         Some(&["/usr/local/bin/ebpf-proxy".to_owned()][..])
+    );
+    (pod, c)
+}
+
+/// The kube-proxy cleanup Job: one pod per node, all at once, on the agents' nodes, in the
+/// host's network (it reads the agent's status on 127.0.0.1) and PID namespaces.
+#[test]
+fn kube_proxy_cleanup_job_runs_once_per_node() {
+    let Some([_, all]) = chart_manifests() else {
+        return;
+    };
+    let w = &all.what;
+    // kubeProxyCleanup in all-features.yaml: nodes 3, backoffLimitPerNode 4, ttl 600.
+    let (_, c) = assert_runs_once_per_node(
+        w,
+        &all.jobs[0],
+        "kube-proxy-cleanup",
+        &all.daemon_sets[0],
+        (3, 4, 600),
     );
     assert_eq!(args(c), ["kube-proxy", "cleanup"], "{w}: the Job's command");
 }

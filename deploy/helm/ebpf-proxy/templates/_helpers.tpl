@@ -53,3 +53,123 @@ app.kubernetes.io/name: ebpf-proxy
 {{- $defaults := dict "apiVersion" "kubeproxy.config.k8s.io/v1alpha1" "kind" "KubeProxyConfiguration" }}
 {{- toYaml (merge (deepCopy .Values.kubeProxyConfig) $defaults) }}
 {{- end }}
+
+{{/*
+A one-off Job that runs `/usr/local/bin/ebpf-proxy ARGS` once on each of the agents'
+nodes, all at once, with the agent's image: the kube-proxy cleanup Job (kubeProxyCleanup,
+templates/kube-proxy-cleanup-job.yaml), and any other command that must run once on every
+node. Such a command changes the node itself, so it runs privileged in the host's network
+and PID namespaces, on the agents' nodes (their nodeSelector and tolerations), at most one
+pod per node. Called with a dict:
+
+  root       the chart's root context
+  key        the key of the Job's values, for messages
+  values     those values: nodes, backoffLimitPerNode, ttlSecondsAfterFinished
+  component  the Job's app.kubernetes.io/component; the Job is named
+             ebpf-proxy-<component>-<hash> and its pods are labelled
+             app.kubernetes.io/name: ebpf-proxy-<component>
+  container  the name of a define rendering the container's `args` and `volumeMounts`
+             (with comments saying why)
+  volumes    the name of a define rendering the pod's volumes (a YAML list)
+
+Rendering fails when <key>.nodes is below 1. The Job's name ends in a hash of its spec: a
+Job's pod template cannot be changed, so an upgrade that changes it (a new image, another
+node count, other arguments) replaces the Job instead of failing; the new Job runs the
+command again on every node, which the command must allow (a second kube-proxy cleanup
+finds nothing to remove).
+*/}}
+{{- define "ebpf-proxy.nodeJob" -}}
+{{- $root := .root }}
+{{- $values := .values }}
+{{- $nodes := int $values.nodes }}
+{{- if lt $nodes 1 }}
+{{- fail (printf "%s.nodes is required with %s.enabled: the number of nodes the agents run (or ran) on, e.g. --set %s.nodes=$(kubectl get nodes -l kubernetes.io/os=linux --no-headers | wc -l)" .key .key .key) }}
+{{- end }}
+{{- $podName := printf "ebpf-proxy-%s" .component }}
+{{- $spec := include "ebpf-proxy.nodeJobSpec" (dict "root" $root "key" .key "podName" $podName "nodes" $nodes "values" $values "container" .container "volumes" .volumes) -}}
+apiVersion: batch/v1
+kind: Job
+metadata:
+  name: {{ $podName }}-{{ $spec | sha256sum | trunc 8 }}
+  namespace: {{ include "ebpf-proxy.namespace" $root }}
+  labels:
+    {{- include "ebpf-proxy.labels" (dict "root" $root "extra" (dict "app.kubernetes.io/component" .component)) | nindent 4 }}
+spec:
+  {{- $spec | nindent 2 }}
+{{- end }}
+
+{{/* The spec of ebpf-proxy.nodeJob's Job (whose name carries its hash). */}}
+{{- define "ebpf-proxy.nodeJobSpec" -}}
+{{- $root := .root -}}
+# One pod per node, all at once: index i of `nodes` completions. Indexed, so that the Job
+# counts completions per index and never starts more than `nodes` pods.
+completionMode: Indexed
+completions: {{ .nodes }}
+parallelism: {{ .nodes }}
+# Container restarts allowed in all ({{ .key }}.backoffLimitPerNode per node,
+# shared by all the pods): a pod whose node is not ready for the command fails and
+# retries in place (restartPolicy OnFailure) with an exponential delay.
+backoffLimit: {{ mul .nodes (int .values.backoffLimitPerNode) }}
+ttlSecondsAfterFinished: {{ int .values.ttlSecondsAfterFinished }}
+template:
+  metadata:
+    labels:
+      # Not app.kubernetes.io/name: ebpf-proxy, which selects the agents (the DaemonSet,
+      # the metrics Service).
+      {{- $podLabels := dict "app.kubernetes.io/name" .podName "app.kubernetes.io/part-of" "ebpf-proxy" }}
+      {{- toYaml (merge $podLabels $root.Values.commonLabels) | nindent 6 }}
+  spec:
+    restartPolicy: OnFailure
+    # The host's network namespace: the node's iptables and nftables rules, the
+    # interfaces the tc programs are attached to, the agent's status server on
+    # 127.0.0.1:10266.
+    hostNetwork: true
+    # The host's processes: the kube-proxy cleanup refuses while kube-proxy runs on the
+    # node, which it sees there.
+    hostPID: true
+    dnsPolicy: Default
+    # No API access is needed.
+    automountServiceAccountToken: false
+    {{- with $root.Values.priorityClassName }}
+    priorityClassName: {{ . | quote }}
+    {{- end }}
+    {{- with $root.Values.nodeSelector }}
+    # The agents' nodes: where ebpf-proxy and kube-proxy trade places.
+    nodeSelector:
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
+    {{- with $root.Values.tolerations }}
+    tolerations:
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
+    {{- with $root.Values.imagePullSecrets }}
+    imagePullSecrets:
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
+    # At most one pod of this Job per node. The scheduler counts only unfinished pods
+    # here, so this spreads the pods that run at the same time; they all start together.
+    affinity:
+      podAntiAffinity:
+        requiredDuringSchedulingIgnoredDuringExecution:
+          - labelSelector:
+              matchLabels:
+                app.kubernetes.io/name: {{ .podName }}
+            topologyKey: kubernetes.io/hostname
+    containers:
+      - name: cleanup
+        image: {{ include "ebpf-proxy.image" $root | quote }}
+        imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+        command: ["/usr/local/bin/ebpf-proxy"]
+        {{- include .container $root | nindent 8 }}
+        # Privileged: it changes the node's kernel state (netfilter rules, BPF programs
+        # and pins), once. Nothing stays running.
+        securityContext:
+          privileged: true
+        terminationMessagePolicy: FallbackToLogsOnError
+        resources:
+          requests:
+            cpu: 10m
+            memory: 32Mi
+    volumes:
+      {{- include .volumes $root | nindent 6 }}
+{{- end }}
