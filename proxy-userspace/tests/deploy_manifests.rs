@@ -21,8 +21,17 @@
 //!   probes on the agent's own status server, priority and the node name. Its init container
 //!   is the agent's preflight, which mounts bpffs on the host.
 //! - Every `--flag` of the agent is a flag of `ebpf-proxy run`, every one of the preflight a
-//!   flag of `ebpf-proxy check`, and the cleanup Job's command a subcommand of the agent.
+//!   flag of `ebpf-proxy check`, and the cleanup Jobs' commands subcommands of the agent
+//!   with their flags.
 //! - The kube-proxy cleanup Job runs one pod per node, on the agents' nodes.
+//! - The rollback (`agent.enabled=false`, `dataPathCleanup`) renders no DaemonSet, the
+//!   other objects unchanged, and a data path cleanup Job built as the kube-proxy cleanup
+//!   Job, running `ebpf-proxy cleanup --wait-for-kube-proxy` on the host's bpffs; its
+//!   objects validate like the others'. Helm refuses the contradictory combinations of
+//!   `agent`, `kubeProxyCleanup` and `dataPathCleanup`, naming them; a render without the
+//!   keys added later (as `helm upgrade --reuse-values` from an older release renders) is
+//!   the render with their defaults; NOTES.txt's rollback commands render the rollback and
+//!   wait for its Job.
 //! - The image (Containerfile) answers to kube-proxy's path, and kubeadm's kube-proxy
 //!   DaemonSet command (the fixture in `tests/fixtures/kubeadm/`) runs the agent through it.
 //!
@@ -251,6 +260,35 @@ fn chart_all_features() -> Option<&'static Render> {
 /// Both renderings of the chart.
 fn charts() -> Option<[&'static Render; 2]> {
     Some([chart_defaults()?, chart_all_features()?])
+}
+
+/// `dataPathCleanup.nodes` in the rollback's render.
+const ROLLBACK_NODES: i32 = 3;
+
+/// The values of the rollback's `helm upgrade` (README, values.yaml, NOTES.txt) on top of
+/// the defaults: the agents stopped, the data path cleanup Job on.
+fn rollback_args() -> Vec<String> {
+    [
+        format!("apiServer.address={ADDRESS}"),
+        "agent.enabled=false".into(),
+        "dataPathCleanup.enabled=true".into(),
+        format!("dataPathCleanup.nodes={ROLLBACK_NODES}"),
+    ]
+    .into_iter()
+    .flat_map(|v| ["--set".to_owned(), v])
+    .collect()
+}
+
+/// The chart as the rollback renders it: no DaemonSet, the data path cleanup Job.
+fn chart_rollback() -> Option<&'static Render> {
+    HELM.path()?;
+    static R: OnceLock<Option<Render>> = OnceLock::new();
+    R.get_or_init(|| {
+        let args = rollback_args();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        render_chart("chart (rollback)", &args)
+    })
+    .as_ref()
 }
 
 /// The kustomization in a scratch copy whose knobs (the `images:` entry and the
@@ -1129,7 +1167,8 @@ fn every_container_falls_back_to_its_logs() {
     let Some(charts) = chart_manifests() else {
         return;
     };
-    for m in &charts {
+    let rollback = chart_rollback().map(manifests);
+    for m in charts.iter().chain(&rollback) {
         let pods = m
             .daemon_sets
             .iter()
@@ -1383,11 +1422,11 @@ fn the_charts_dashboard_is_deploy_grafanas() {
     );
 }
 
-/// What a Job of the template `ebpf-proxy.nodeJob` is: `nodes` pods at once, at most one
-/// per node (a required anti-affinity on the hostname against the Job's own pods), on the
-/// agents' nodes (the DaemonSet's nodeSelector and tolerations), privileged, in the host's
-/// network and PID namespaces, restarted in place, with the agent's image and a name ending
-/// in a hash. Returns the Job's pod and its one container.
+/// What both cleanup Jobs share (one template, `ebpf-proxy.nodeJob`): `nodes` pods at once,
+/// at most one per node (a required anti-affinity on the hostname against the Job's own
+/// pods), on the agents' nodes (the DaemonSet's nodeSelector and tolerations), privileged,
+/// in the host's network and PID namespaces, restarted in place, with the agent's image and
+/// a name ending in a hash. Returns the Job's pod and its one container.
 fn assert_runs_once_per_node<'a>(
     w: &str,
     job: &'a Job,
@@ -1512,9 +1551,92 @@ fn kube_proxy_cleanup_job_runs_once_per_node() {
     assert_eq!(args(c), ["kube-proxy", "cleanup"], "{w}: the Job's command");
 }
 
+/// The rollback's render (agent.enabled=false, dataPathCleanup on): no DaemonSet, every
+/// other object of the defaults unchanged, and the data path cleanup Job, built as the
+/// kube-proxy cleanup Job, running `ebpf-proxy cleanup --wait-for-kube-proxy` on the
+/// agents' pin directory in the host's bpffs.
+#[test]
+fn rollback_stops_the_agents_and_cleans_every_node_after_kube_proxy() {
+    let (Some(defaults), Some(rollback)) = (chart_defaults(), chart_rollback()) else {
+        return;
+    };
+    let m = manifests(rollback);
+    let w = &m.what;
+    assert!(m.daemon_sets.is_empty(), "{w}: no DaemonSet");
+    // Everything else stays as it is: RBAC, the ConfigMap, ...
+    let (before, after) = (by_identity(defaults), by_identity(rollback));
+    for (id, v) in &before {
+        if id.1 == "DaemonSet" {
+            continue;
+        }
+        let got = after
+            .get(id)
+            .unwrap_or_else(|| panic!("{w}: {id:?} is gone"));
+        if let Some((path, p, q)) = mismatch(v, got, "") {
+            panic!("{w}: {id:?}: {path}: {p:?} with the defaults, {q:?} here");
+        }
+    }
+    let added: Vec<_> = after.keys().filter(|k| !before.contains_key(*k)).collect();
+    assert!(
+        added.len() == 1 && added[0].1 == "Job",
+        "{w}: only the Job is added: {added:?}"
+    );
+
+    let defaults = manifests(defaults);
+    let ds = &defaults.daemon_sets[0];
+    // dataPathCleanup's defaults: backoffLimitPerNode 6, ttlSecondsAfterFinished 3600.
+    let (pod, c) = assert_runs_once_per_node(
+        w,
+        &m.jobs[0],
+        "data-path-cleanup",
+        ds,
+        (ROLLBACK_NODES, 6, 3600),
+    );
+    let a = args(c);
+    assert_eq!(
+        a,
+        [
+            "cleanup",
+            "--bpffs",
+            "/sys/fs/bpf",
+            "--pin-dir",
+            "ebpf-proxy",
+            "--wait-for-kube-proxy",
+            "10m"
+        ],
+        "{w}: the Job's command"
+    );
+    // The agent's pin directory, in the host's bpffs.
+    let agent_args = args(agent(
+        ds.spec.as_ref().unwrap().template.spec.as_ref().unwrap(),
+    ));
+    for f in ["--bpffs", "--pin-dir"] {
+        assert_eq!(flag(a, f), flag(agent_args, f), "{w}: the agent's {f}");
+    }
+    let bpffs = flag(a, "--bpffs").unwrap();
+    assert_eq!(
+        host_path_at(pod, c, bpffs),
+        Some(("/sys/fs/bpf", Some("HostToContainer"))),
+        "{w}: the host's bpffs mounted at {bpffs}"
+    );
+    // The binary takes these arguments, values included (--help at the end: it parses them,
+    // prints its help and removes nothing).
+    let out = Command::new(env!("CARGO_BIN_EXE_ebpf-proxy"))
+        .args(a)
+        .arg("--help")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{w}: ebpf-proxy {a:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// Every `--flag` of the agent is a flag of `ebpf-proxy run`, every one of the preflight a
-/// flag of `ebpf-proxy check`, and the cleanup Job's command exists (from their --help,
-/// which needs neither root nor the eBPF object).
+/// flag of `ebpf-proxy check`, and the cleanup Jobs' commands exist with their flags
+/// (`kube-proxy cleanup`, and the rollback's `cleanup --wait-for-kube-proxy`), from their
+/// --help, which needs neither root nor the eBPF object.
 #[test]
 fn flags_and_subcommands_exist() {
     let Some(charts) = chart_manifests() else {
@@ -1543,10 +1665,13 @@ fn flags_and_subcommands_exist() {
             Err(e) => problems.push(format!("{what}: container {}: {e}", container.name)),
         }
     };
+    let rollback = chart_rollback().map(manifests);
     for m in &charts {
         let (_, pod) = daemon_set(m);
         check(&m.what, agent(pod));
         check(&m.what, preflight(pod));
+    }
+    for m in charts.iter().chain(&rollback) {
         for job in &m.jobs {
             let pod = job.spec.as_ref().unwrap().template.spec.as_ref().unwrap();
             for c in containers(pod) {
@@ -1632,6 +1757,261 @@ fn helm_refuses_missing_and_invalid_values() {
         .unwrap_or_else(|e| panic!("--kube-version 1.30.0: {e}"));
 }
 
+/// Helm refuses the combinations that contradict each other, naming the values: the data
+/// path cleanup with the agents running (they would attach again what it removes), both
+/// cleanups (they go opposite ways), the kube-proxy cleanup without the agents (it needs
+/// them serving); and the data path cleanup without its node count or with a wait the
+/// agent cannot parse.
+#[test]
+fn helm_refuses_contradictory_cleanups() {
+    let Some(helm) = HELM.path() else {
+        return;
+    };
+    let address = format!("apiServer.address={ADDRESS}");
+    let set = |values: &[&str]| -> Vec<String> {
+        std::iter::once(address.as_str())
+            .chain(values.iter().copied())
+            .flat_map(|v| ["--set".to_owned(), v.to_owned()])
+            .collect()
+    };
+    let cases: &[(&[&str], &[&str])] = &[
+        (
+            &["dataPathCleanup.enabled=true", "dataPathCleanup.nodes=3"],
+            &["dataPathCleanup.enabled", "agent.enabled=false"],
+        ),
+        (
+            &[
+                "agent.enabled=false",
+                "dataPathCleanup.enabled=true",
+                "dataPathCleanup.nodes=3",
+                "kubeProxyCleanup.enabled=true",
+                "kubeProxyCleanup.nodes=3",
+            ],
+            &["kubeProxyCleanup.enabled", "dataPathCleanup.enabled"],
+        ),
+        (
+            &[
+                "agent.enabled=false",
+                "kubeProxyCleanup.enabled=true",
+                "kubeProxyCleanup.nodes=3",
+            ],
+            &["kubeProxyCleanup.enabled", "agent.enabled"],
+        ),
+        (
+            &["agent.enabled=false", "dataPathCleanup.enabled=true"],
+            &["dataPathCleanup.nodes"],
+        ),
+        (
+            &[
+                "agent.enabled=false",
+                "dataPathCleanup.enabled=true",
+                "dataPathCleanup.nodes=3",
+                "dataPathCleanup.waitForKubeProxy=10 minutes",
+            ],
+            &["dataPathCleanup.waitForKubeProxy"],
+        ),
+        (&["agent.enabled=no"], &["agent.enabled"]),
+    ];
+    for (values, named) in cases {
+        let args = set(values);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        match helm_template(&helm, &args) {
+            Ok(_) => panic!("helm template {values:?} rendered"),
+            Err(e) => {
+                for n in *named {
+                    assert!(
+                        e.contains(n),
+                        "helm template {values:?}: the error does not name {n}: {e}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// `helm upgrade --reuse-values` (the rollback's command, and the switch's) renders with
+/// the previous release's values in place of this chart's values.yaml, so a release
+/// installed from a chart without `agent` and `dataPathCleanup` has none of their keys.
+/// Without them (`--set KEY=null` takes a default away, as that render lacks it) the chart
+/// renders what values.yaml's defaults render, instead of failing on a missing map or
+/// rendering an empty wait, a backoffLimit of 0 and a TTL of 0.
+#[test]
+fn values_added_later_read_their_defaults_when_absent() {
+    let Some(helm) = HELM.path() else {
+        return;
+    };
+    let address = format!("apiServer.address={ADDRESS}");
+    let all = all_features_values();
+    let rollback = rollback_args();
+    let cases: [(Vec<&str>, &[&str]); 3] = [
+        (
+            vec!["--set", &address],
+            &["agent=null", "dataPathCleanup=null"],
+        ),
+        (
+            vec!["--values", all.to_str().unwrap()],
+            &["agent=null", "dataPathCleanup=null"],
+        ),
+        (
+            rollback.iter().map(String::as_str).collect(),
+            &[
+                "dataPathCleanup.waitForKubeProxy=null",
+                "dataPathCleanup.backoffLimitPerNode=null",
+                "dataPathCleanup.ttlSecondsAfterFinished=null",
+            ],
+        ),
+    ];
+    for (base, absent) in cases {
+        let mut without = base.clone();
+        for a in absent {
+            without.extend(["--set", a]);
+        }
+        let render = |args: &[&str]| Render {
+            what: format!("helm template {args:?}"),
+            docs: helm_template(&helm, args).unwrap_or_else(|e| panic!("{args:?}: {e}")),
+        };
+        assert_same_objects(&render(&base), &render(&without));
+    }
+}
+
+/// Copies the directory `from` to `to`, recursively.
+fn copy_dir(from: &Path, to: &Path) {
+    fs::create_dir_all(to).unwrap();
+    for e in fs::read_dir(from).unwrap().flatten() {
+        let target = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &target);
+        } else {
+            fs::copy(e.path(), &target).unwrap();
+        }
+    }
+}
+
+/// NOTES.txt as `helm install` and `helm upgrade` print it, for `args` (values). `helm
+/// template` renders it without printing it, so this renders a copy of the chart whose
+/// NOTES.txt is wrapped in a document.
+fn render_notes(helm: &OsString, args: &[&str]) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let chart = dir.path().join("ebpf-proxy");
+    copy_dir(&chart_dir(), &chart);
+    let templates = chart.join("templates");
+    let notes = fs::read_to_string(templates.join("NOTES.txt")).unwrap();
+    fs::remove_file(templates.join("NOTES.txt")).unwrap();
+    let wrapped = format!(
+        "{{{{- define \"deploy-manifests.notes\" }}}}{notes}{{{{- end }}}}\n\
+         kind: Notes\n\
+         text: {{{{ include \"deploy-manifests.notes\" . | toJson }}}}\n"
+    );
+    fs::write(templates.join("zz-notes.yaml"), wrapped).unwrap();
+    let mut all = vec![
+        "template",
+        "ebpf-proxy",
+        chart.to_str().unwrap(),
+        "--namespace",
+        "kube-system",
+        "--show-only",
+        "templates/zz-notes.yaml",
+    ];
+    all.extend(args);
+    let out = run(helm, &all);
+    assert!(
+        out.status.success(),
+        "NOTES.txt with {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let docs = documents("NOTES.txt", &String::from_utf8_lossy(&out.stdout));
+    docs[0]["text"].as_str().expect("the notes").to_owned()
+}
+
+/// The lines of `text` with the backslash continuations joined.
+fn joined_lines(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut current = String::new();
+    for l in text.lines() {
+        match l.trim().strip_suffix('\\') {
+            Some(start) => {
+                current.push_str(start);
+                current.push(' ');
+            }
+            None => {
+                current.push_str(l.trim());
+                out.push(std::mem::take(&mut current));
+            }
+        }
+    }
+    out
+}
+
+/// The rollback's commands in NOTES.txt work with this chart: its `helm upgrade`'s values
+/// on the defaults render the rollback (no DaemonSet, the data path cleanup Job), and its
+/// `kubectl wait` selects that Job, as the notes printed during the rollback do; the node
+/// count uses the agents' nodeSelector.
+#[test]
+fn notes_rollback_commands_render_and_wait_for_the_job() {
+    let Some(helm) = HELM.path() else {
+        return;
+    };
+    let address = format!("apiServer.address={ADDRESS}");
+    let notes = joined_lines(&render_notes(&helm, &["--set", &address]));
+    let upgrade = notes
+        .iter()
+        .find(|l| l.starts_with("helm upgrade") && l.contains("dataPathCleanup.enabled=true"))
+        .unwrap_or_else(|| panic!("no rollback `helm upgrade` in NOTES.txt: {notes:#?}"));
+    let count = "$(kubectl get nodes -l kubernetes.io/os=linux --no-headers | wc -l)";
+    assert!(upgrade.contains(count), "the node count: {upgrade}");
+    let upgrade = upgrade.replace(count, &ROLLBACK_NODES.to_string());
+    let words: Vec<&str> = upgrade.split_whitespace().collect();
+    assert!(words.contains(&"--reuse-values"), "{upgrade}");
+    let mut args = vec!["--set", address.as_str()];
+    for pair in words.windows(2).filter(|p| p[0] == "--set") {
+        args.extend(["--set", pair[1]]);
+    }
+    let docs = helm_template(&helm, &args).unwrap_or_else(|e| panic!("{upgrade}: {e}"));
+    let rollback = manifests(&Render {
+        what: upgrade.clone(),
+        docs,
+    });
+    assert!(rollback.daemon_sets.is_empty(), "{upgrade}: a DaemonSet");
+    assert_eq!(
+        rollback.jobs.len(),
+        1,
+        "{upgrade}: the data path cleanup Job"
+    );
+    let job_labels = rollback.jobs[0].metadata.labels.clone().unwrap_or_default();
+
+    let during = joined_lines(&render_notes(&helm, &args));
+    for (what, lines) in [("before", &notes), ("during", &during)] {
+        let wait = lines
+            .iter()
+            .find(|l| l.starts_with("kubectl -n kube-system wait") && l.contains("data-path"))
+            .unwrap_or_else(|| panic!("NOTES.txt {what} the rollback: no `kubectl wait`"));
+        let words: Vec<&str> = wait.split_whitespace().collect();
+        let selector = words
+            .windows(2)
+            .find(|p| p[0] == "-l")
+            .map(|p| p[1])
+            .unwrap_or_else(|| panic!("{wait}: no -l"));
+        for term in selector.split(',') {
+            let (k, v) = term.split_once('=').expect("key=value");
+            assert_eq!(
+                job_labels.get(k).map(String::as_str),
+                Some(v),
+                "NOTES.txt {what} the rollback: {wait} does not select the Job"
+            );
+        }
+        assert!(
+            words.contains(&"--for=condition=Complete"),
+            "NOTES.txt {what} the rollback: {wait}"
+        );
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.starts_with("helm uninstall ebpf-proxy -n kube-system")),
+            "NOTES.txt {what} the rollback: no `helm uninstall`"
+        );
+    }
+}
+
 #[test]
 fn helm_lint_strict_passes() {
     let Some(helm) = HELM.path() else {
@@ -1640,9 +2020,12 @@ fn helm_lint_strict_passes() {
     let chart = chart_dir();
     let values = all_features_values();
     let address = format!("apiServer.address={ADDRESS}");
+    let rollback = rollback_args();
+    let rollback: Vec<&str> = rollback.iter().map(String::as_str).collect();
     for extra in [
         &["--set", address.as_str()][..],
         &["--values", values.to_str().unwrap()][..],
+        &rollback[..],
     ] {
         let mut a = vec!["lint", "--strict", chart.to_str().unwrap()];
         a.extend(extra);
@@ -1808,6 +2191,7 @@ fn rendered_objects_validate_against_kubernetes_schemas() {
         return;
     };
     let mut renders: Vec<&Render> = charts.to_vec();
+    renders.extend(chart_rollback());
     renders.extend(kustomize_as_shipped());
     for r in renders {
         // ServiceMonitor is a CRD of prometheus-operator: the Kubernetes schemas do not

@@ -55,12 +55,36 @@ app.kubernetes.io/name: ebpf-proxy
 {{- end }}
 
 {{/*
+Values added to the chart after the kube-proxy cleanup Job, read with their values.yaml
+defaults when absent. `helm upgrade --reuse-values` (the rollback's command) renders with
+the previous release's values in place of this chart's values.yaml, so a release
+installed from an older chart has none of them, and `.Values.agent.enabled` would fail
+on the missing map. proxy-userspace/tests/deploy_manifests.rs checks that a render
+without these keys equals the render with values.yaml's.
+*/}}
+{{/* agent.enabled: "true" or empty, for `if`. */}}
+{{- define "ebpf-proxy.agentEnabled" -}}
+{{- if dig "enabled" true (.Values.agent | default dict) }}true{{ end }}
+{{- end }}
+
+{{/* dataPathCleanup, every key present, as YAML (`include ... | fromYaml`). */}}
+{{- define "ebpf-proxy.dataPathCleanup" -}}
+{{- $v := .Values.dataPathCleanup | default dict }}
+{{- toYaml (dict
+  "enabled" (dig "enabled" false $v)
+  "nodes" (dig "nodes" 0 $v)
+  "waitForKubeProxy" (dig "waitForKubeProxy" "10m" $v)
+  "backoffLimitPerNode" (dig "backoffLimitPerNode" 6 $v)
+  "ttlSecondsAfterFinished" (dig "ttlSecondsAfterFinished" 3600 $v)) }}
+{{- end }}
+
+{{/*
 A one-off Job that runs `/usr/local/bin/ebpf-proxy ARGS` once on each of the agents'
 nodes, all at once, with the agent's image: the kube-proxy cleanup Job (kubeProxyCleanup,
-templates/kube-proxy-cleanup-job.yaml), and any other command that must run once on every
-node. Such a command changes the node itself, so it runs privileged in the host's network
-and PID namespaces, on the agents' nodes (their nodeSelector and tolerations), at most one
-pod per node. Called with a dict:
+templates/kube-proxy-cleanup-job.yaml) and the data path cleanup Job (dataPathCleanup,
+templates/data-path-cleanup-job.yaml). Both change the node itself, so both run
+privileged in the host's network and PID namespaces, on the agents' nodes (their
+nodeSelector and tolerations), at most one pod per node. Called with a dict:
 
   root       the chart's root context
   key        the key of the Job's values, for messages
@@ -75,8 +99,8 @@ pod per node. Called with a dict:
 Rendering fails when <key>.nodes is below 1. The Job's name ends in a hash of its spec: a
 Job's pod template cannot be changed, so an upgrade that changes it (a new image, another
 node count, other arguments) replaces the Job instead of failing; the new Job runs the
-command again on every node, which the command must allow (a second kube-proxy cleanup
-finds nothing to remove).
+command again on every node, which both commands allow (a second run finds nothing to
+remove).
 */}}
 {{- define "ebpf-proxy.nodeJob" -}}
 {{- $root := .root }}
