@@ -656,12 +656,24 @@ fn cleanup_detaches_and_removes_everything() {
     let mut env = Env::new("cleanup", 1, false);
     web(&env, &[b(0)]);
     env.start_agent();
-    env.stop_agent();
-    let out = std::process::Command::new(AGENT)
+    // A cleanup started while the agent still runs (a DaemonSet pod terminating) waits for
+    // it to stop, and removes nothing before.
+    let cleanup = std::process::Command::new(AGENT)
         .args(["cleanup", "--pin-dir", &env.pin_dir, "--cgroup-path"])
         .arg(env.cg.path())
-        .output()
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    assert!(env.pin_path().exists(), "removed while the agent runs");
+    assert_eq!(
+        by_name(&env.tcp(&format!("{VIP}:80"), 2)).len(),
+        1,
+        "still served"
+    );
+    env.stop_agent();
+    let out = cleanup.wait_with_output().unwrap();
     assert!(out.status.success(), "{out:?}");
     assert!(!env.pin_path().exists());
     let out = std::process::Command::new("bpftool")

@@ -549,9 +549,15 @@ fn kube_proxy_command(cmd: proxy_userspace::cli::KubeProxyCommand) -> Result<()>
     }
 }
 
-/// `cleanup` and `--cleanup`: detach the programs and remove the pins, saying what went.
+/// How long a cleanup waits for an agent that still holds the pin directory (a DaemonSet
+/// pod terminating: its grace period is 5 s).
+const CLEANUP_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// `cleanup` and `--cleanup`: detach the programs and remove the pins, saying what went;
+/// never while an agent runs on them.
 fn cleanup_pins(pins: &PinArgs) -> Result<()> {
     let dir = pins.dir()?;
+    let _lock = loader::wait_pin_dir_free(&dir, CLEANUP_LOCK_WAIT)?;
     let r = loader::cleanup(&dir)?;
     if let Some(d) = r.drained {
         println!(
