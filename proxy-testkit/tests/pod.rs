@@ -359,6 +359,35 @@ fn the_daemonsets_pod_runs_under_podman_and_serves_the_node() {
         "no bpffs yet"
     );
 
+    // Without the API server's address (the ConfigMap's key left empty), the agent stops at
+    // start with an error naming the setting, before it touches the node.
+    {
+        let mut unset = node.clone();
+        unset
+            .config_maps
+            .get_mut("ebpf-proxy-apiserver")
+            .expect("the chart's ConfigMap of the address")
+            .data
+            .as_mut()
+            .unwrap()
+            .insert("address".into(), String::new());
+        let mut agent = spec.containers[0].clone();
+        agent.name = "no-address".into();
+        let rs = podrun::translate(&spec, &agent, &unset, &image).unwrap();
+        let mut args = vec!["run".to_string(), "--rm".to_string()];
+        args.extend(rs.args.iter().cloned());
+        args[3] = format!("{PREFIX}no-address");
+        let out = podrun::podman_output(&args, Duration::from_secs(120)).unwrap();
+        assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+        let err = text(&out.stderr);
+        assert!(
+            err.contains("the Kubernetes API server's address is not set")
+                && err.contains("apiServer.address"),
+            "{err}"
+        );
+        assert!(!lab.bpf.join("ebpf-proxy").exists(), "nothing pinned");
+    }
+
     // kube-proxy still runs on the node: it holds the health port and answers there.
     let held = in_netns(&lab.node.path(), || {
         std::net::TcpListener::bind("0.0.0.0:10256")
