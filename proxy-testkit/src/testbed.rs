@@ -380,6 +380,26 @@ impl Netns {
         Ok(())
     }
 
+    /// Adds the bridge `name` (no forwarding delay) and sets it up: the "wire" between the
+    /// labs' nodes and clients, or a node's pod bridge.
+    pub fn add_bridge(&self, name: &str) -> Result<()> {
+        self.ip(&["link", "add", name, "type", "bridge", "forward_delay", "0"])?;
+        self.ip(&["link", "set", name, "up"])?;
+        Ok(())
+    }
+
+    /// Connects `peer` to this namespace's bridge `bridge` through port `port` (see
+    /// [`Netns::add_bridge_port`]) and gives the peer's `eth0` the addresses `addrs` (with
+    /// their prefix, e.g. `198.18.100.1/24`), up.
+    pub fn plug(&self, port: &str, bridge: &str, peer: &Netns, addrs: &[&str]) -> Result<()> {
+        self.add_bridge_port(port, bridge, peer)?;
+        for a in addrs {
+            peer.ip(&["addr", "add", a, "dev", "eth0"])?;
+        }
+        peer.ip(&["link", "set", "eth0", "up"])?;
+        Ok(())
+    }
+
     /// Runs `ip -n NAME ARGS...` and returns its stdout; fails on a non-zero exit.
     pub fn ip(&self, args: &[&str]) -> Result<String> {
         run_checked(

@@ -678,15 +678,17 @@ fn xdp_on_a_veth_without_an_xdp_peer_is_refused_or_left_to_tcx() {
     // The tcx programs serve it meanwhile, to the backend on the other node too.
     let c = lab.client_path();
     let fe = format!("{NODE_A}:30080");
-    let mut seen = std::collections::BTreeSet::new();
-    for _ in 0..16 {
-        seen.insert(
-            tcp_whoami(&c, &fe, T)
-                .unwrap_or_else(|e| panic!("{fe}: {e}"))
-                .0,
-        );
-    }
-    assert_eq!(seen.len(), 2, "{seen:?}");
+    let both_backends_answer = || {
+        let seen: std::collections::BTreeSet<String> = (0..16)
+            .map(|_| {
+                tcp_whoami(&c, &fe, T)
+                    .unwrap_or_else(|e| panic!("{fe}: {e}"))
+                    .0
+            })
+            .collect();
+        assert_eq!(seen.len(), 2, "{seen:?}");
+    };
+    both_backends_answer();
     // Restarted with its `extra`, best-effort: the veth stays on tcx, flows work.
     lab.agents.push(agent);
     let a = lab.agents.len() - 1;
@@ -700,15 +702,7 @@ fn xdp_on_a_veth_without_an_xdp_peer_is_refused_or_left_to_tcx() {
         agent.log()
     );
     assert!(tc::xdp_modes(&agent.pin).is_empty());
-    let mut seen = std::collections::BTreeSet::new();
-    for _ in 0..16 {
-        seen.insert(
-            tcp_whoami(&c, &fe, T)
-                .unwrap_or_else(|e| panic!("{fe}: {e}"))
-                .0,
-        );
-    }
-    assert_eq!(seen.len(), 2, "{seen:?}");
+    both_backends_answer();
     lab.agents.push(agent);
     // `check` in node-a's namespace: native XDP on a veth, with the condition.
     let out = lab.nodes[0]

@@ -455,18 +455,7 @@ fn a_busy_metrics_port_does_not_stop_the_agent_and_is_retried() {
     assert!(!env.log().contains("metrics server listening"));
     drop(busy);
     env.wait_log(|l| l.contains("metrics server listening"), "metrics bound");
-    let out = Command::new("curl")
-        .args([
-            "-s",
-            "-o",
-            "/dev/null",
-            "-w",
-            "%{http_code}",
-            &format!("http://{addr}/metrics"),
-        ])
-        .output()
-        .unwrap();
-    assert_eq!(text(&out.stdout), "200");
+    assert_eq!(http_code(&format!("http://{addr}/metrics")), "200");
     assert_eq!(failed(&env.log()), 1);
 
     // With --bind-address-hard-fail, kube-proxy's meaning: the agent stops on the failure

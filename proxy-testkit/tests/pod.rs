@@ -106,35 +106,22 @@ impl Lab {
             .build()
             .unwrap();
         let wire = ns("w");
-        wire.ip(&[
-            "link",
-            "add",
-            "wire0",
-            "type",
-            "bridge",
-            "forward_delay",
-            "0",
-        ])
-        .unwrap();
-        wire.ip(&["link", "set", "wire0", "up"]).unwrap();
+        wire.add_bridge("wire0").unwrap();
         let node = ns("n");
         let outside = ns("o");
-        for (i, (n, addrs)) in [(&node, vec![NODE]), (&outside, vec![CLIENT, API])]
-            .into_iter()
-            .enumerate()
-        {
-            wire.add_bridge_port(&format!("p{i}"), "wire0", n).unwrap();
-            for a in addrs {
-                n.ip(&["addr", "add", &format!("{a}/24"), "dev", "eth0"])
-                    .unwrap();
-            }
-            n.ip(&["link", "set", "eth0", "up"]).unwrap();
-        }
-        node.ip(&["link", "add", "br0", "type", "bridge", "forward_delay", "0"])
+        wire.plug("p0", "wire0", &node, &[&format!("{NODE}/24")])
             .unwrap();
+        let outside_addrs = [format!("{CLIENT}/24"), format!("{API}/24")];
+        wire.plug(
+            "p1",
+            "wire0",
+            &outside,
+            &[&outside_addrs[0], &outside_addrs[1]],
+        )
+        .unwrap();
+        node.add_bridge("br0").unwrap();
         node.ip(&["addr", "add", &format!("{POD_SIDE}/24"), "dev", "br0"])
             .unwrap();
-        node.ip(&["link", "set", "br0", "up"]).unwrap();
         node.sysctl("net/ipv4/ip_forward", "1").unwrap();
         node.ip(&["route", "add", "default", "dev", "eth0"])
             .unwrap();

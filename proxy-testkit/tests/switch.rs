@@ -122,30 +122,16 @@ impl Lab {
         );
         ensure_bpffs().expect("bpffs");
         let wire = ns(tag, "w");
-        wire.ip(&[
-            "link",
-            "add",
-            "wire0",
-            "type",
-            "bridge",
-            "forward_delay",
-            "0",
-        ])
-        .unwrap();
-        wire.ip(&["link", "set", "wire0", "up"]).unwrap();
+        wire.add_bridge("wire0").unwrap();
         let client = ns(tag, "c");
         let node = ns(tag, "n");
         for (i, (n, addr)) in [(&node, NODE), (&client, CLIENT)].into_iter().enumerate() {
-            wire.add_bridge_port(&format!("p{i}"), "wire0", n).unwrap();
-            n.ip(&["addr", "add", &format!("{addr}/24"), "dev", "eth0"])
+            wire.plug(&format!("p{i}"), "wire0", n, &[&format!("{addr}/24")])
                 .unwrap();
-            n.ip(&["link", "set", "eth0", "up"]).unwrap();
         }
-        node.ip(&["link", "add", "br0", "type", "bridge", "forward_delay", "0"])
-            .unwrap();
+        node.add_bridge("br0").unwrap();
         node.ip(&["addr", "add", &format!("{NODE_POD_SIDE}/24"), "dev", "br0"])
             .unwrap();
-        node.ip(&["link", "set", "br0", "up"]).unwrap();
         node.sysctl("net/ipv4/ip_forward", "1").unwrap();
         // A default route, as a node has one: a ClusterIP is no local or connected address,
         // and a socket that kube-proxy's rules translate needs a route to it before the
@@ -353,14 +339,19 @@ impl Lab {
             .to_string()
     }
 
-    /// The rollback: the agent stops (SIGTERM: its data path stays attached, as when its
-    /// DaemonSet is deleted), then `ebpf-proxy cleanup --wait-for-kube-proxy` runs on the
-    /// node (it removes nothing before kube-proxy has programmed the node). Returns the
-    /// monotonic time at which cleanup had finished.
-    fn roll_back(&mut self) -> u64 {
+    /// Stops the agent with SIGTERM (its data path stays pinned and attached, as when its
+    /// DaemonSet is deleted).
+    fn stop_agent(&mut self) {
         if let Some(mut a) = self.agent.take() {
             a.terminate(Duration::from_secs(5)).expect("stop the agent");
         }
+    }
+
+    /// The rollback: the agent stops (if it still runs), then `ebpf-proxy cleanup
+    /// --wait-for-kube-proxy` runs on the node (it removes nothing before kube-proxy has
+    /// programmed the node). Returns the monotonic time at which cleanup had finished.
+    fn roll_back(&mut self) -> u64 {
+        self.stop_agent();
         let pin_dir = self.pin.file_name().unwrap().to_str().unwrap().to_string();
         let cg = self.cg.path().to_str().unwrap().to_string();
         let out = self.ebpf_proxy(&[
@@ -823,7 +814,10 @@ fn switch_and_back(mode: Mode, tag: &str) {
     );
     std::thread::sleep(Duration::from_millis(1000));
 
-    // The rollback refuses to remove ebpf-proxy before kube-proxy is back.
+    // The rollback starts: ebpf-proxy's DaemonSet is deleted (the agent stops, its pinned
+    // data path keeps serving). Its cleanup removes nothing before kube-proxy is back.
+    let stopping = tc::monotonic_ns();
+    lab.stop_agent();
     let out = lab.ebpf_proxy(&[
         "cleanup",
         "--pin-dir",
@@ -832,6 +826,11 @@ fn switch_and_back(mode: Mode, tag: &str) {
         "1s",
     ]);
     assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("kube-proxy has not programmed this node"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(lab.pin.exists(), "nothing removed");
 
     // The rollback: kube-proxy comes back (its first sync programs its rules), then
@@ -839,7 +838,6 @@ fn switch_and_back(mode: Mode, tag: &str) {
     let readded = tc::monotonic_ns();
     lab.kube_proxy(mode);
     std::thread::sleep(Duration::from_millis(300));
-    let stopping = tc::monotonic_ns();
     let rolled_back = lab.roll_back();
     // As at the switch: long enough for an attempt that needed a SYN retransmission.
     std::thread::sleep(Duration::from_millis(3000));

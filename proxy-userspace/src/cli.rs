@@ -97,7 +97,7 @@ pub struct StatusArgs {
     pub require: Vec<crate::status::Requirement>,
     /// Keep asking (every second) until the conditions hold or this time has passed, e.g.
     /// 5m; 0 asks once.
-    #[arg(long, default_value = "0s", value_parser = crate::config::parse_duration, value_name = "DURATION")]
+    #[arg(long, allow_hyphen_values = true, default_value = "0s", value_parser = crate::config::parse_duration, value_name = "DURATION")]
     pub wait: std::time::Duration,
     /// Output format.
     #[arg(short = 'o', long, value_enum, default_value = "table")]
@@ -193,6 +193,15 @@ pub struct ExplainArgs {
     /// Kubeconfig for --api.
     #[arg(allow_hyphen_values = true, long, requires = "api")]
     pub kubeconfig: Option<PathBuf>,
+    /// The API server for --api, as `run --master` takes it [default: $API_SERVER when set,
+    /// which is the chart's apiServer.address inside the agent's container].
+    #[arg(
+        allow_hyphen_values = true,
+        long,
+        requires = "api",
+        value_name = "HOST:PORT|URL"
+    )]
+    pub master: Option<String>,
     /// This node's name, for Local policies and topology [default: $NODE_NAME, else the
     /// hostname].
     #[arg(allow_hyphen_values = true, long)]
@@ -268,7 +277,7 @@ pub struct CleanupArgs {
     /// sync in iptables, or its synced nftables table), waiting at most this long, e.g. 5m:
     /// the rollback's guard, so that something always serves the Services. Exit code 1,
     /// nothing removed, when kube-proxy has not programmed the node by then.
-    #[arg(long, value_parser = crate::config::parse_duration, value_name = "DURATION")]
+    #[arg(long, allow_hyphen_values = true, value_parser = crate::config::parse_duration, value_name = "DURATION")]
     pub wait_for_kube_proxy: Option<std::time::Duration>,
 }
 
@@ -291,7 +300,7 @@ pub enum KubeProxyCommand {
 pub struct KubeProxyStatusArgs {
     /// Keep reading (every second) until kube-proxy has programmed the node or this time
     /// has passed, e.g. 5m; 0 reads once.
-    #[arg(long, default_value = "0s", value_parser = crate::config::parse_duration, value_name = "DURATION")]
+    #[arg(long, allow_hyphen_values = true, default_value = "0s", value_parser = crate::config::parse_duration, value_name = "DURATION")]
     pub wait: std::time::Duration,
 }
 

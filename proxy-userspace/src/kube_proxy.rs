@@ -378,6 +378,8 @@ pub struct Found {
     pub iptables: Vec<(String, IptablesState)>,
     /// nftables tables named kube-proxy, with whether each is synced.
     pub nft: Vec<(String, bool)>,
+    /// `nft list tables` was read (nft is installed and answered).
+    pub nft_read: bool,
     /// Views or tools that could not be read, with why.
     pub unreadable: Vec<String>,
 }
@@ -410,6 +412,9 @@ impl Found {
                 s.service_rules
             ));
         }
+        if self.nft_read && self.nft.is_empty() {
+            out.push("nftables: no kube-proxy table".to_string());
+        }
         for (t, synced) in &self.nft {
             out.push(format!(
                 "nftables table {t}: {}",
@@ -441,6 +446,7 @@ pub fn read() -> Found {
     }
     match read_command("nft", &["list", "tables"], TOOL_TIMEOUT) {
         Some(Ok(list)) => {
+            f.nft_read = true;
             for t in nft_tables(&list) {
                 let (family, name) = t.split_once(' ').expect("FAMILY NAME");
                 let synced =

@@ -62,7 +62,7 @@ fn start_run(flags: RunFlags) -> Result<()> {
     if config.action == Action::Cleanup {
         // kube-proxy --cleanup: remove what was installed and exit 0.
         restore_sigpipe();
-        return cleanup_pins(&config.pins);
+        return cleanup_pins(&config.pins, None);
     }
     let mut filter = log_filter(&config.log_level)?;
     if config.kernel_log_level != loader::KernelLogLevel::Off {
@@ -355,7 +355,11 @@ fn explain(args: ExplainArgs) -> Result<()> {
         }
         Some(Model::from_objects(&objects, &node))
     } else if args.api {
-        let objects = list_from_api(args.kubeconfig.as_deref(), &node.name)?;
+        let objects = list_from_api(
+            args.kubeconfig.as_deref(),
+            args.master.as_deref(),
+            &node.name,
+        )?;
         Some(Model::from_objects(&objects, &node))
     } else {
         None
@@ -398,6 +402,7 @@ fn explain(args: ExplainArgs) -> Result<()> {
 /// One list of Services, EndpointSlices and this node's Node from the API.
 fn list_from_api(
     kubeconfig: Option<&std::path::Path>,
+    master: Option<&str>,
     node: &str,
 ) -> Result<proxy_userspace::source::ObjectSet> {
     use k8s_openapi::api::{core::v1::Node, core::v1::Service, discovery::v1::EndpointSlice};
@@ -419,7 +424,24 @@ fn list_from_api(
                 )
                 .await?
             }
-            None => kube::Config::infer().await?,
+            None => {
+                // As the agent reaches the API: in its container $API_SERVER holds the
+                // chart's apiServer.address.
+                let master = master.map(str::to_string).or_else(|| {
+                    std::env::var("API_SERVER")
+                        .ok()
+                        .filter(|m| !m.trim().is_empty())
+                });
+                match master {
+                    Some(m) => proxy_userspace::source::apiconfig::kube_config(
+                        &config::SourceChoice::Api(None),
+                        Some(&m),
+                    )
+                    .await?
+                    .expect("an API source"),
+                    None => kube::Config::infer().await?,
+                }
+            }
         };
         let client = kube::Client::try_from(config)?;
         let lp = kube::api::ListParams::default();
@@ -499,20 +521,7 @@ fn monitor(args: MonitorArgs) -> Result<()> {
 
 fn cleanup(args: CleanupArgs) -> Result<()> {
     let _ = args.cgroup_path;
-    if let Some(wait) = args.wait_for_kube_proxy {
-        use proxy_userspace::kube_proxy;
-        let found = kube_proxy::wait_programmed(wait, std::time::Duration::from_secs(1));
-        for l in found.describe() {
-            println!("kube-proxy: {l}");
-        }
-        if !found.programmed() {
-            anyhow::bail!(
-                "kube-proxy has not programmed this node within {} (no canary chain with a full sync, no synced nftables table): nothing removed, ebpf-proxy keeps serving; deploy kube-proxy and wait until its pod on this node runs",
-                humantime::format_duration(wait)
-            );
-        }
-    }
-    cleanup_pins(&args.pins)
+    cleanup_pins(&args.pins, args.wait_for_kube_proxy)
 }
 
 /// `ebpf-proxy kube-proxy status|cleanup`.
@@ -538,10 +547,20 @@ fn kube_proxy_command(cmd: proxy_userspace::cli::KubeProxyCommand) -> Result<()>
             Ok(())
         }
         KubeProxyCommand::Cleanup(a) => {
-            if !a.force {
-                kube_proxy::check_gates(std::path::Path::new("/proc"), a.status_address)?;
+            let gates = if a.force {
+                Ok(())
+            } else {
+                kube_proxy::check_gates(std::path::Path::new("/proc"), a.status_address)
+            };
+            if a.dry_run {
+                // What would go, and whether it would be allowed now.
+                for l in kube_proxy::cleanup(true)? {
+                    println!("{l}");
+                }
+                return gates.context("a cleanup now would be refused");
             }
-            for l in kube_proxy::cleanup(a.dry_run)? {
+            gates?;
+            for l in kube_proxy::cleanup(false)? {
                 println!("{l}");
             }
             Ok(())
@@ -554,11 +573,53 @@ fn kube_proxy_command(cmd: proxy_userspace::cli::KubeProxyCommand) -> Result<()>
 const CLEANUP_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// `cleanup` and `--cleanup`: detach the programs and remove the pins, saying what went;
-/// never while an agent runs on them.
-fn cleanup_pins(pins: &PinArgs) -> Result<()> {
+/// never while an agent runs on them, and with `wait_for_kube_proxy` not before kube-proxy
+/// has programmed this node. In that order: nothing pinned is done at once; an agent still
+/// stopping is waited for, then its lock is held while kube-proxy is waited for, so no agent
+/// starts again on the pins meanwhile.
+fn cleanup_pins(pins: &PinArgs, wait_for_kube_proxy: Option<std::time::Duration>) -> Result<()> {
     let dir = pins.dir()?;
-    let _lock = loader::wait_pin_dir_free(&dir, CLEANUP_LOCK_WAIT)?;
+    if !dir.exists() {
+        // Nothing to do is a success (kube-proxy --cleanup's meaning), but a mistyped
+        // --bpffs should not look like one.
+        let mounted = proxy_userspace::mounts::find_mount("bpf", Some(&pins.bpffs))
+            .ok()
+            .flatten()
+            .is_some();
+        let why = if mounted {
+            String::new()
+        } else {
+            format!(" ({} is no mounted bpffs)", pins.bpffs.display())
+        };
+        println!("nothing to clean up at {}{why}", dir.display());
+        return Ok(());
+    }
+    let lock = match loader::wait_pin_dir_free(&dir, std::time::Duration::ZERO) {
+        Ok(l) => l,
+        Err(_) => {
+            println!(
+                "an agent still holds {}: waiting (at most {} s) for it to stop",
+                dir.display(),
+                CLEANUP_LOCK_WAIT.as_secs()
+            );
+            loader::wait_pin_dir_free(&dir, CLEANUP_LOCK_WAIT)?
+        }
+    };
+    if let Some(wait) = wait_for_kube_proxy {
+        use proxy_userspace::kube_proxy;
+        let found = kube_proxy::wait_programmed(wait, std::time::Duration::from_secs(1));
+        for l in found.describe() {
+            println!("kube-proxy: {l}");
+        }
+        if !found.programmed() {
+            anyhow::bail!(
+                "kube-proxy has not programmed this node within {} (no canary chain with a full sync, no synced nftables table): nothing removed, ebpf-proxy keeps serving; deploy kube-proxy and wait until its pod on this node runs",
+                humantime::format_duration(wait)
+            );
+        }
+    }
     let r = loader::cleanup(&dir)?;
+    drop(lock);
     if let Some(d) = r.drained {
         println!(
             "drained north-south flows for {} ms (no new flow; open ones finished, at most {} s)",

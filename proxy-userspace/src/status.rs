@@ -169,7 +169,10 @@ impl StatusSources {
         };
         let mut not_ready = Vec::new();
         if !synced {
-            not_ready.push("the first sync is not done yet".to_string());
+            not_ready.push(
+                "the first sync is not done yet (it waits for the initial lists of Services and EndpointSlices: the agent's log says what fails)"
+                    .to_string(),
+            );
         } else if pending_too_long {
             not_ready.push(
                 "an update has been pending for longer than twice --sync-period (see the agent's log and `kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds`)"
@@ -280,6 +283,9 @@ impl Requirement {
             Requirement::Ready if !status.ready => {
                 Some(format!("ready: {}", status.not_ready.join("; ")))
             }
+            Requirement::NorthSouth if !status.synced => Some(
+                "north-south: not known before the first sync (the agent learns this node's addresses from its Node object)".into(),
+            ),
             Requirement::NorthSouth => status.north_south.problem().map(|p| {
                 format!(
                     "north-south: {p}; without it NodePorts, external IPs and LB IPs stop working for traffic entering this node once kube-proxy's rules are removed: keep kube-proxy on this node"
@@ -388,6 +394,7 @@ pub fn table(status: &Status) -> String {
     }
     let ns = &status.north_south;
     match ns.problem() {
+        _ if !status.synced => out.push_str("north-south   not known before the first sync\n"),
         None => out.push_str(&format!(
             "north-south   serving on {}\n",
             ns.interfaces.join(", ")
@@ -429,12 +436,16 @@ mod tests {
         let now = SystemTime::now();
         let st = s.status(now);
         assert!(!st.synced && !st.healthy && !st.ready);
+        assert!(st.not_ready[0].starts_with("the first sync is not done yet"));
         assert_eq!(
-            st.not_ready,
-            [
-                "the first sync is not done yet",
-                "health server on 0.0.0.0:10256: not listening yet"
-            ]
+            st.not_ready[1],
+            "health server on 0.0.0.0:10256: not listening yet"
+        );
+        assert!(
+            Requirement::NorthSouth
+                .unmet(&st)
+                .unwrap()
+                .contains("not known before the first sync")
         );
         s.health.lock().unwrap().last_updated = Some(now);
         tx.send_replace(ServerState::Failing("Address in use (os error 98)".into()));

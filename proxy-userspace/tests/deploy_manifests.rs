@@ -1705,6 +1705,15 @@ fn helm_refuses_missing_and_invalid_values() {
             &["--set", "apiServer.address=10.96.0.1"],
             "apiServer.address",
         ),
+        // A port out of range (a URL keeps it and connects to 443 instead).
+        (
+            &["--set", "apiServer.address=https://10.0.0.1:99999"],
+            "port 99999 is not a port from 1 to 65535",
+        ),
+        (
+            &["--set", "apiServer.address=http://10.0.0.1:6443"],
+            "is not host:port or https://host[:port]",
+        ),
         (&["--set", &address, "--set", "xdp=fast"], "xdp"),
         (
             &["--set", &address, "--set", "northSouthMode=nat"],

@@ -581,6 +581,20 @@ fn prepare() -> Result<Prepared> {
 /// same tag is removed when nothing else uses or names it.
 ///
 /// Errors name the buildah or podman command that failed, with its message.
+/// The `org.opencontainers.image.source` label when `--source` is not given: the git
+/// remote `origin` when it is a URL (a clone of a local path has a path there, which names
+/// nothing a reader of the image can reach). The image `cargo xtask test` builds takes the
+/// same, so both are the same image.
+fn default_source() -> Option<String> {
+    stdout_of(
+        Command::new("git")
+            .args(["remote", "get-url", "origin"])
+            .current_dir(workspace()),
+    )
+    .ok()
+    .filter(|s| s.contains("://") || s.starts_with("git@"))
+}
+
 fn commit(prep: Prepared, reference: &str, version: &str, source: Option<&str>) -> Result<Built> {
     let Prepared {
         root,
@@ -787,16 +801,7 @@ pub fn image(opts: &Options) -> Result<()> {
         .tag
         .clone()
         .unwrap_or_else(|| format!("localhost/ebpf-proxy:{version}"));
-    let source = match &opts.source {
-        Some(s) => Some(s.clone()),
-        None => stdout_of(
-            Command::new("git")
-                .args(["remote", "get-url", "origin"])
-                .current_dir(workspace()),
-        )
-        .ok()
-        .filter(|s| !s.is_empty()),
-    };
+    let source = opts.source.clone().or_else(default_source);
     if source.is_none() {
         eprintln!(
             "xtask: note: no git remote `origin` and no --source URL: the image has no \
@@ -913,7 +918,7 @@ pub fn for_tests() -> Result<Option<String>> {
     let version = agent_version(&agent_bin())?;
     let reference = format!("localhost/ebpf-proxy:{version}");
     let prep = prepare()?;
-    let built = match commit(prep, &reference, &version, None) {
+    let built = match commit(prep, &reference, &version, default_source().as_deref()) {
         Ok(b) => b,
         Err(e) => {
             eprintln!(

@@ -76,8 +76,22 @@ pub fn parse_master(url: &str) -> Result<axum::http::Uri> {
     let uri: axum::http::Uri = url
         .parse()
         .map_err(|e| anyhow::anyhow!("--master {url:?}: not a URL ({e})"))?;
+    const FORM: &str = "host:port or https://host:port, IPv6 in brackets";
     if uri.host().is_none_or(str::is_empty) {
-        bail!("--master {url:?}: no host (host:port or https://host:port, IPv6 in brackets)");
+        bail!("--master {url:?}: no host ({FORM})");
+    }
+    if !matches!(uri.scheme_str(), Some("https" | "http")) {
+        bail!("--master {url:?}: the scheme must be https (or http) ({FORM})");
+    }
+    // `Uri` keeps a port it cannot read and then falls back to the scheme's (443): say so.
+    let authority = uri.authority().map(|a| a.as_str()).unwrap_or("");
+    let after_host = authority
+        .rsplit_once(']')
+        .map_or(authority, |(_, rest)| rest);
+    if let Some((_, port)) = after_host.rsplit_once(':')
+        && !port.parse::<u16>().is_ok_and(|p| p != 0)
+    {
+        bail!("--master {url:?}: port {port} is not a port from 1 to 65535 ({FORM})");
     }
     Ok(uri)
 }
@@ -214,6 +228,16 @@ mod tests {
         // An unset variable in the DaemonSet's `--master $(API_SERVER)` or an empty value.
         assert!(parse_master("https://:6443").is_err());
         assert!(parse_master(":6443").is_err());
+        for bad in [
+            "127.0.0.1:99999",
+            "https://[2001:db8::1]:70000",
+            "h:0",
+            "ftp://h:1",
+        ] {
+            let e = parse_master(bad).unwrap_err().to_string();
+            assert!(e.contains("port") || e.contains("scheme"), "{bad}: {e}");
+        }
+        assert_eq!(parse_master("https://h").unwrap().port_u16(), None);
     }
 
     #[tokio::test]

@@ -7,8 +7,10 @@
 //!   EndpointSlices have both completed, so a restarted agent never removes backends whose
 //!   slices have not arrived. The Node is not waited for (a node object may be missing).
 //! - Changes are passed on as they arrive; pacing (`--min-sync-period`) is the agent's.
-//! - API errors are retried by the watcher with exponential backoff; a `410 Gone` makes it
-//!   relist. While the API is unreachable nothing changes, so nothing is flushed. A relist
+//! - API errors are retried with kube-rs' default exponential backoff (0.8 s doubling to
+//!   30 s, jittered), reset only by an answer of the API server (a listed object, the end
+//!   of a list, a watch event): the watcher's own "about to list" step is no answer, so an
+//!   unreachable server is not retried every second; a `410 Gone` makes it relist. While the API is unreachable nothing changes, so nothing is flushed. A relist
 //!   passes on the objects it lists and, when it completes, a deletion for every object it
 //!   no longer lists, so a deletion is applied only after a successful list or watch event
 //!   says so. A failing watch is logged when it starts failing and when it recovers, not on
@@ -170,10 +172,13 @@ async fn drive<K>(
     K: Resource + Clone + std::fmt::Debug + serde::de::DeserializeOwned + Send + Sync + 'static,
     K::DynamicType: Default + Eq + std::hash::Hash + Clone + Send + Sync,
 {
-    let stream = watcher(api, cfg)
-        .default_backoff()
-        .modify(|o: &mut K| strip(o.meta_mut()));
+    use kube::runtime::utils::Backoff as _;
+    let stream = watcher(api, cfg).modify(|o: &mut K| strip(o.meta_mut()));
     futures::pin_mut!(stream);
+    // Not `default_backoff()`: its stream resets the backoff on every `Ok`, and the watcher
+    // yields `Ok(Init)` before each list attempt, so an unreachable server was retried
+    // about every second forever and each attempt logged as a recovery.
+    let mut backoff = watcher::DefaultBackoff::default();
     let mut failing = false;
     let mut tracker = Tracker::default();
     let mut changes = Vec::new();
@@ -181,12 +186,15 @@ async fn drive<K>(
     while let Some(ev) = stream.next().await {
         match ev {
             Ok(ev) => {
-                if failing {
-                    info!(kind = kind.as_str(), "watch recovered");
-                    failing = false;
-                }
                 if matches!(ev, watcher::Event::Init) {
                     debug!(kind = kind.as_str(), "listing");
+                } else {
+                    // The API server answered.
+                    backoff.reset();
+                    if failing {
+                        info!(kind = kind.as_str(), "watch recovered");
+                        failing = false;
+                    }
                 }
                 let init_apply = matches!(ev, watcher::Event::InitApply(_));
                 received.get_or_insert_with(std::time::Instant::now);
@@ -208,12 +216,16 @@ async fn drive<K>(
                 }
             }
             Err(e) => {
+                // The causes too: kube's own text stops at "client error (Connect)".
+                let error = crate::error_chain(&anyhow::Error::new(e));
                 if !failing {
-                    warn!(kind = kind.as_str(), error = %e, "watch failed; retrying with backoff, the data path keeps its last state");
+                    warn!(kind = kind.as_str(), error = %error, "watch failed; retrying with backoff, the data path keeps its last state");
                     failing = true;
                 } else {
-                    debug!(kind = kind.as_str(), error = %e, "watch still failing");
+                    debug!(kind = kind.as_str(), error = %error, "watch still failing");
                 }
+                let delay = backoff.next().unwrap_or(std::time::Duration::from_secs(30));
+                tokio::time::sleep(delay).await;
             }
         }
     }
@@ -308,6 +320,40 @@ impl Source for KubeSource {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An API server that accepts connections and closes them at once: every list fails.
+    /// Without a backoff that grows, the watcher reconnected about once a second.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_unreachable_api_server_is_retried_with_a_growing_backoff() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepts = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = accepts.clone();
+        std::thread::spawn(move || {
+            for c in listener.incoming() {
+                counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                drop(c);
+            }
+        });
+        let config = kube::Config::new(format!("http://{addr}").parse().unwrap());
+        let client = Client::try_from(config).unwrap();
+        let (tx, mut rx) = mpsc::channel(8);
+        let task = tokio::spawn(drive(
+            Kind::Service,
+            Api::<Service>::all(client),
+            watch_config(Kind::Service, "node-a"),
+            |o| Object::Service(Sourced::new(API_ORIGIN, o)),
+            tx,
+        ));
+        tokio::time::sleep(std::time::Duration::from_secs(10)).await;
+        task.abort();
+        assert!(rx.try_recv().is_err(), "nothing was listed");
+        // 0.8 s doubling (jittered): about 4 attempts in 10 s, where a retry every second
+        // made 9 or 10.
+        let n = accepts.load(std::sync::atomic::Ordering::Relaxed);
+        eprintln!("{n} connection attempts in 10 s");
+        assert!((1..=6).contains(&n), "{n} connection attempts in 10 s");
+    }
 
     fn svc(ns: &str, name: &str) -> Service {
         let mut s = Service::default();

@@ -45,7 +45,16 @@ app.kubernetes.io/name: ebpf-proxy
 
 {{/* The API server's address; rendering fails when it is not set. */}}
 {{- define "ebpf-proxy.apiServerAddress" -}}
-{{- required "apiServer.address is required: the API server's own address or its load balancer's (host:port or https://host:port), never the kubernetes Service's ClusterIP, which nothing translates on a node without a running proxy. E.g. --set apiServer.address=192.0.2.10:6443; `kubectl config view --minify -o jsonpath='{.clusters[0].cluster.server}'` prints the one kubectl uses" .Values.apiServer.address }}
+{{- $a := required "apiServer.address is required: the API server's own address or its load balancer's (host:port or https://host:port), never the kubernetes Service's ClusterIP, which nothing translates on a node without a running proxy. E.g. --set apiServer.address=192.0.2.10:6443; `kubectl config view --minify -o jsonpath='{.clusters[0].cluster.server}'` prints the one kubectl uses" .Values.apiServer.address }}
+{{- $host := `(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?)` }}
+{{- if not (regexMatch (printf `^(https://%s(:[0-9]+)?/?|%s:[0-9]+)$` $host $host) $a) }}
+{{- fail (printf "apiServer.address %q is not host:port or https://host[:port] (a DNS name or an IP address, IPv6 in brackets), e.g. 192.0.2.10:6443 or https://[2001:db8::10]:6443" $a) }}
+{{- end }}
+{{- $port := regexFind `:[0-9]+/?$` (trimPrefix "https://" $a) | trimPrefix ":" | trimSuffix "/" }}
+{{- if and $port (or (eq (atoi $port) 0) (gt (atoi $port) 65535)) }}
+{{- fail (printf "apiServer.address %q: port %s is not a port from 1 to 65535" $a $port) }}
+{{- end }}
+{{- $a }}
 {{- end }}
 
 {{/* The kube-proxy configuration file, with apiVersion and kind filled in. */}}
