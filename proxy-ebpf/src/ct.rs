@@ -5,14 +5,16 @@
 //! entry's rewritten tuple gives the key of the other direction's entry ([`peer_key`]), so
 //! either direction updates the other (state bits, last seen).
 
+use aya_ebpf::bindings::BPF_ANY;
 use proxy_common::nat::{
     CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_REPLY, CT_F_RST, CT_F_SEEN_REPLY, CtEntry, CtKey,
-    ct_closed, ct_timeout_ns,
+    TcCounter, ct_closed, ct_timeout_ns,
 };
 
 use crate::{
     maps::{TC_CONFIG, TC_CONNTRACK},
     packet::{TCP_FIN, TCP_RST},
+    types::Scratch,
 };
 
 /// The state bits both directions of a flow share.
@@ -87,4 +89,24 @@ pub fn touch_peer(entry: &CtEntry, proto: u8, flags: u16, now: u64) {
             (*p).last_seen_ns = now;
         }
     }
+}
+
+/// Writes the two entries of a flow that is not source-NATed from the scratch slot: the
+/// reply entry `rev` (keyed by the reverse of `fwd`'s rewrite, left in `rkey`) first, then
+/// the original entry `fwd` keyed `key`; when the second write fails the first is removed,
+/// so nothing is half-applied. `Err` is the counter of the drop.
+#[inline(always)]
+pub fn track_pair(key: &CtKey, sc: &mut Scratch) -> Result<(), TcCounter> {
+    sc.rkey = peer_key(&sc.fwd, key.proto);
+    if TC_CONNTRACK
+        .insert(&sc.rkey, &sc.rev, BPF_ANY as u64)
+        .is_err()
+    {
+        return Err(TcCounter::ConntrackFull);
+    }
+    if TC_CONNTRACK.insert(key, &sc.fwd, BPF_ANY as u64).is_err() {
+        let _ = TC_CONNTRACK.remove(&sc.rkey);
+        return Err(TcCounter::ConntrackFull);
+    }
+    Ok(())
 }

@@ -32,16 +32,16 @@ use proxy_common::{
 
 use crate::{
     csum::{failed, rewrite},
+    ct::track_pair,
     fib,
     icmp::{finish, sum16},
     maps::{
         FRONTENDS, TC_CONFIG, TC_CONNTRACK, TC_DSR, TC_IFACE_ADDRS, TC_LOCAL_ENDPOINTS, TC_SCRATCH,
     },
-    nat::{drop_with, track_pair},
     packet::{
         Buf, ETH_HLEN, IP6_HLEN, Kind, PROTO_IPIP, PROTO_IPV6, Pkt, TCP_SYN, l4_csum_off, parse,
     },
-    stats::{count_packet, count_tc},
+    stats::{count_packet, count_tc, drop_with},
     verdict::Verdict,
 };
 

@@ -1,7 +1,7 @@
 //! Frontends and backend selection, shared by every hook (Cilium's `lb.h` is the model):
-//! - [`lookup`]: the one frontend lookup, with a [`Scope`] policy saying which frontends a
+//! - [`lookup`]: the one frontend lookup, with a `Scope` policy saying which frontends a
 //!   hook serves;
-//! - [`Refusal`]: the one classification of a frontend or connection that gets no backend,
+//! - `Refusal` (in `types`): the one classification of a frontend or connection that gets no backend,
 //!   which each hook maps to its own outcome (an errno at the socket, a counted drop for a
 //!   packet);
 //! - [`select`]: the one selection entry point (ClientIP affinity, then the frontend's
@@ -13,69 +13,16 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AffinityKey, AffinityValue, Algorithm, Backend, BackendSlotKey, Counter, FRONTEND_F_EXTERNAL,
-    FRONTEND_F_LOCAL_ONLY, FRONTEND_F_NO_ENDPOINTS, FRONTEND_F_VIP_MARKER, Frontend, FrontendKey,
-    LC_SCAN_MAX, MAGLEV_MAX, MemberKey, SCOPE_INGRESS, SCOPE_NODE,
+    FRONTEND_F_VIP_MARKER, Frontend, FrontendKey, LC_SCAN_MAX, MAGLEV_MAX, MemberKey,
+    SCOPE_INGRESS, SCOPE_NODE,
 };
 
 use crate::{
     addr::L4Addr,
-    maps::{AFFINITY, BACKEND_SLOTS, BACKENDS, FRONTENDS, LC_COUNTS, MAGLEV, MEMBERS, RR_CURSORS},
+    maps::{AFFINITY, BACKEND_SLOTS, FRONTENDS, LC_COUNTS, MAGLEV, MEMBERS, RR_CURSORS, backend},
     stats::count,
+    types::{Lookup, Refusal, Request, Scope},
 };
-
-/// Which frontends a hook serves.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Scope {
-    /// Connections and flows that start on this node (the socket hooks): `SCOPE_NODE`
-    /// frontends (cluster IPs, and external addresses and node ports with the Cluster
-    /// endpoints, kube-proxy's short-circuit). A cluster IP's undefined port is refused.
-    Node,
-    /// Packets entering the node from outside (tc, XDP): `SCOPE_INGRESS` frontends (node
-    /// ports, external and LB IPs with the `externalTrafficPolicy` endpoints), else a
-    /// cluster IP routed to the node (kube-proxy serves those too). Undefined ports pass.
-    Ingress,
-}
-
-/// What a destination is.
-pub enum Lookup {
-    /// Not a frontend: leave it alone.
-    NotService,
-    /// Refused before any endpoint is considered (a cluster IP's undefined port).
-    Refused(Refusal),
-    /// A frontend; `cluster_ip` when an [`Scope::Ingress`] lookup found a cluster IP (its
-    /// masquerading rule differs, see `nat::needs_snat`).
-    Frontend { fe: Frontend, cluster_ip: bool },
-}
-
-/// Why a connection, flow or packet gets no backend. Counted and answered per hook: the
-/// socket hooks fail the syscall (ECONNREFUSED, or EHOSTUNREACH for
-/// [`Refusal::NoLocalEndpoints`]: a connect() cannot be dropped silently), the packet hooks
-/// drop.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Refusal {
-    /// The port or protocol is not defined on this cluster IP (kube-proxy's nftables mode
-    /// rejects it).
-    UndefinedPort,
-    /// The Service has no endpoints (kube-proxy rejects).
-    NoEndpoints,
-    /// A `Local` traffic policy and no endpoint on this node while other nodes have some
-    /// (kube-proxy drops; KEP-2086 for `internalTrafficPolicy`, KEP-1672 for
-    /// `externalTrafficPolicy`).
-    NoLocalEndpoints,
-}
-
-impl Refusal {
-    /// Why frontend `fe` has no backend to give: a `Local` policy without local endpoints
-    /// while other nodes have some, else no endpoints at all.
-    #[inline(always)]
-    pub fn no_backend(fe: &Frontend) -> Refusal {
-        if fe.flags & (FRONTEND_F_LOCAL_ONLY | FRONTEND_F_NO_ENDPOINTS) == FRONTEND_F_LOCAL_ONLY {
-            Refusal::NoLocalEndpoints
-        } else {
-            Refusal::NoEndpoints
-        }
-    }
-}
 
 /// Looks `dst` up in `FRONTENDS` for a hook of `scope`.
 #[inline(always)]
@@ -135,26 +82,6 @@ pub fn needs_client(fe: &Frontend) -> bool {
         )
 }
 
-/// The initial value of the backend [`select`] writes (an all-zero entry, never a real
-/// backend).
-pub const NO_BACKEND: Backend = Backend {
-    addr: [0; 16],
-    port: [0; 2],
-    proto: 0,
-    flags: 0,
-};
-
-/// Backend id `id`, if it still exists; `None` for 0, the id of no backend (what the
-/// selection functions return when they find none).
-#[inline(always)]
-pub fn backend(id: u32) -> Option<Backend> {
-    if id == 0 {
-        return None;
-    }
-    // SAFETY: copied out at once, see `lookup`.
-    unsafe { BACKENDS.get(id).copied() }
-}
-
 /// Picks one backend of `fe` uniformly at random: writes it into `out` and returns its id.
 /// 0 when the frontend has no endpoints, or when the agent removed the chosen slot
 /// concurrently (the caller then falls back to slot 0). One map read: the slot carries the
@@ -168,17 +95,6 @@ pub fn pick(fe: &Frontend, out: &mut Backend) -> u32 {
     // SAFETY: helper without side effects.
     let slot = unsafe { bpf_get_prandom_u32() } % count;
     by_slot(fe, slot, out)
-}
-
-/// A new connection or flow: the frontend it addressed and who opens it.
-pub struct Request {
-    /// The frontend (address IPv4-mapped, port, protocol).
-    pub frontend: L4Addr,
-    /// The client, for the selection policies that depend on it (source hashing, ClientIP
-    /// affinity): the packet's source on the packet path; on the socket path the socket's
-    /// bound source address, else its network namespace
-    /// (`proxy_common::client_of_netns`), with the port zero when unknown.
-    pub client: L4Addr,
 }
 
 /// Chooses the backend of a new connection or flow (`req`) to frontend `fe`: the one entry

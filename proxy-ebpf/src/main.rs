@@ -14,24 +14,28 @@
 //!   the flows it can send out of the node itself and hands everything else to `tc`.
 //!
 //! Shared logic, one module per concern, written against [`packet::Buf`] (the packet
-//! operations a hook offers) rather than a tc context, so the XDP hook reuses it unchanged:
-//! - [`addr`]: the L4 address (address, port, protocol) every module passes around;
-//! - [`verdict`]: what happens to a packet ([`verdict::Verdict`]), hook-neutral;
-//! - [`lb`]: the frontend lookup with its scope policy, the classification of refusals, and
-//!   backend selection (algorithms, affinity);
-//! - [`lc`]: least-connections accounting, one protocol for sockets and packet flows;
-//! - [`packet`]: parsing of Ethernet, IPv4 (options, fragments) and IPv6 (extension headers);
-//! - [`csum`]: rewriting addresses and ports with their checksums;
-//! - [`ct`]: the conntrack entries of packet flows (state, timeouts, both directions);
-//! - [`nat`]: DNAT and SNAT of packet flows (new flows, SNAT ports and bindings, tracked
-//!   packets);
-//! - [`dsr`]: direct server return (the encapsulation on the entry node, the decapsulation
-//!   and the replies' MSS on the backend's node);
-//! - [`icmp`]: translation of ICMP and ICMPv6 errors quoting a translated packet;
-//! - [`fib`]: sending a packet on to its next hop with a FIB lookup;
-//! - [`stats`]: per-CPU counters; [`monitor`]: the event stream of `ebpf-proxy monitor`;
-//!   [`klog`]: debug lines for `--kernel-log-level` (aya-log, pruned when off);
-//!   [`maps`]: every map.
+//! operations a hook offers) rather than a tc context, so the XDP hook reuses it unchanged.
+//! Layered as Katran's program is (`balancer_structs.h`, then `balancer_maps.h`, then the
+//! logic): a module imports only modules of the layers before its own.
+//! 1. Shared types: [`addr`] (the L4 address every module passes around), [`verdict`]
+//!    (what happens to a packet, hook-neutral), [`types`] (what a hook asks of the load
+//!    balancer and gets back, the scratch space of a new flow).
+//! 2. [`maps`]: every map, and the accessors that only read one.
+//! 3. Counting and tracing: [`stats`] (per-CPU counters, counted drops), [`monitor`] (the
+//!    event stream of `ebpf-proxy monitor`), [`klog`] (debug lines for
+//!    `--kernel-log-level`, aya-log, pruned when off).
+//! 4. Logic: [`lb`] (the frontend lookup with its scope policy and backend selection:
+//!    algorithms, affinity), [`lc`] (least-connections accounting, one protocol for sockets
+//!    and packet flows), [`packet`] (the [`packet::Buf`] trait; parsing of Ethernet, IPv4
+//!    with options and fragments, IPv6 with extension headers), [`csum`] (rewriting
+//!    addresses and ports with their checksums), [`ct`] (the conntrack entries of packet
+//!    flows: state, timeouts, both directions), [`fib`] (sending a packet on to its next hop
+//!    with a FIB lookup), [`tcbuf`] (the tc context's packet operations), [`icmp`]
+//!    (translation of ICMP and ICMPv6 errors quoting a translated packet), [`dsr`] (direct
+//!    server return: the encapsulation on the entry node, the decapsulation and the replies'
+//!    MSS on the backend's node), [`nat`] (DNAT and SNAT of packet flows: new flows, SNAT
+//!    ports and bindings, tracked packets).
+//! 5. The entry points above.
 //!
 //! Layouts of map keys and values come from `proxy-common` only.
 
@@ -60,6 +64,8 @@ mod skb;
 mod sock;
 mod stats;
 mod tc;
+mod tcbuf;
+mod types;
 mod verdict;
 mod xdp;
 

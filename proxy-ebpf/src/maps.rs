@@ -11,10 +11,10 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use proxy_common::{
-    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, COUNTER_MAX, Config, DEFAULT_MAX_BACKENDS,
-    DEFAULT_MAX_FRONTENDS, DEFAULT_MAX_MAGLEV, DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCKETS, Frontend,
-    FrontendKey, MaglevTable, MemberKey, RevNatKey, RevNatValue, ServiceName, ServiceStats,
-    SockNat, UdpFlow, UdpFlowKey,
+    AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, COUNTER_MAX, Config,
+    DEFAULT_MAX_BACKENDS, DEFAULT_MAX_FRONTENDS, DEFAULT_MAX_MAGLEV, DEFAULT_MAX_SLOTS,
+    DEFAULT_MAX_SOCKETS, Frontend, FrontendKey, MaglevTable, MemberKey, RevNatKey, RevNatValue,
+    ServiceName, ServiceStats, SockNat, UdpFlow, UdpFlowKey,
     bypass::{BypassConfig, MAX_BYPASS_NETNS},
     monitor::{MONITOR_RING_BYTES, MonitorCpu, MonitorCtl, MonitorEvent},
     nat::{
@@ -22,6 +22,8 @@ use proxy_common::{
         MAX_LOCAL_ENDPOINTS, MAX_SOURCE_RANGES, SourceRange, TAIL_SLOTS, TC_COUNTER_MAX, TcConfig,
     },
 };
+
+use crate::types::Scratch;
 
 // ---------------------------------------------------------------------------------------
 // Services and the socket path
@@ -40,6 +42,17 @@ pub static BACKEND_SLOTS: HashMap<BackendSlotKey, BackendSlot, { DEFAULT_MAX_SLO
 /// backend id -> (address, port); see `proxy_common::BACKENDS`.
 #[btf_map]
 pub static BACKENDS: HashMap<u32, Backend, { DEFAULT_MAX_BACKENDS as usize }> = HashMap::new();
+
+/// Backend id `id`, if it still exists; `None` for 0, the id of no backend (what the
+/// selection functions return when they find none).
+#[inline(always)]
+pub fn backend(id: u32) -> Option<Backend> {
+    if id == 0 {
+        return None;
+    }
+    // SAFETY: copied out at once, see `lb::lookup`.
+    unsafe { BACKENDS.get(id).copied() }
+}
 
 /// (socket cookie, backend) -> frontend, for recvmsg: unconnected UDP sockets' peers
 /// (connected sockets' are in `SOCK_NAT`); LRU so entries of closed sockets age out.
@@ -245,49 +258,6 @@ pub static TC_LC_FLOWS: HashMap<
     { DEFAULT_MAX_CONNTRACK as usize / 2 },
     { BPF_F_NO_PREALLOC as usize },
 > = HashMap::new();
-
-/// Per-CPU scratch space of a new flow (the two entries and the reply key do not fit the
-/// 512-byte BPF stack next to everything else). Never read by the agent.
-#[repr(C)]
-pub struct Scratch {
-    /// Original-direction entry being built.
-    pub fwd: CtEntry,
-    /// Reply-direction entry being built.
-    pub rev: CtEntry,
-    /// Reply key (the SNAT binding being tried).
-    pub rkey: CtKey,
-    /// Key of the SNAT stage (client -> backend, on egress).
-    pub ekey: CtKey,
-    /// Entry of the SNAT stage.
-    pub eg: CtEntry,
-    /// FIB lookup of a reply sent out directly.
-    pub fib: aya_ebpf::bindings::bpf_fib_lookup,
-    /// The selection request of a new flow.
-    pub req: crate::lb::Request,
-    /// Service id whose counters the new flow's caller updates (0: none).
-    pub count_sid: u32,
-    /// Backend id chosen for it (0 when refused).
-    pub count_bid: u32,
-    /// 1 when the flow found no endpoint.
-    pub count_refused: u32,
-    /// 1 when the new flow is counted for the least-load algorithms (`TC_LC_FLOWS`).
-    pub count_lc: u32,
-    /// The monitor event of the new flow's decision (`monitor::word`; 0: none), emitted
-    /// by the entry point.
-    pub mon: u64,
-    /// Service id of that decision (0 before the frontend is known).
-    pub mon_sid: u32,
-    /// Backend id of that decision (0: none).
-    pub mon_bid: u32,
-    /// For `tc_reject`: 0 to answer with a port unreachable; else the MTU to name in an
-    /// ICMP "fragmentation needed" / ICMPv6 "packet too big" (a direct server return packet
-    /// too big once encapsulated). Read and cleared by `tc_reject`.
-    pub reject_mtu: u32,
-    /// The outer destination (the backend) of the encapsulated packet being accepted.
-    pub dsr_backend: [u8; 16],
-    /// Its port (network byte order), from `TC_DSR`.
-    pub dsr_port: [u8; 2],
-}
 
 /// One [`Scratch`] per CPU.
 #[btf_map]

@@ -23,8 +23,8 @@ use proxy_common::{
 };
 
 use crate::{
-    lb::{Refusal, Request, backend},
-    maps::{MONITOR_AFFINITY, MONITOR_CPU, MONITOR_CTL, MONITOR_EVENTS, Scratch},
+    maps::{MONITOR_AFFINITY, MONITOR_CPU, MONITOR_CTL, MONITOR_EVENTS, backend},
+    types::{Refusal, Request, Scratch},
 };
 
 /// Whether a monitor holds (or held) the lease: the cheap test every decision point makes

@@ -47,26 +47,19 @@ use proxy_common::{
 use crate::{
     addr::L4Addr,
     csum::rewrite,
-    ct::{SHARED_FLAGS, alive, is_closed, peer_key, timeout_of, touch_peer, track},
+    ct::{SHARED_FLAGS, alive, is_closed, peer_key, timeout_of, touch_peer, track, track_pair},
     dsr, klog,
-    lb::{self, Lookup, Refusal, Request, Scope, select},
+    lb::{self, select},
     lc,
     maps::{
-        Scratch, TC_CONFIG, TC_CONNTRACK, TC_IFACE_ADDRS, TC_LOCAL_ENDPOINTS, TC_SCRATCH,
-        TC_SOURCE_RANGES,
+        TC_CONFIG, TC_CONNTRACK, TC_IFACE_ADDRS, TC_LOCAL_ENDPOINTS, TC_SCRATCH, TC_SOURCE_RANGES,
     },
     monitor,
     packet::{Buf, Pkt, TCP_ACK, TCP_SYN},
-    stats::{count_packet, count_service, count_tc},
+    stats::{count_packet, count_service, count_tc, drop_with},
+    types::{Lookup, NO_BACKEND, Refusal, Request, Scope},
     verdict::Verdict,
 };
-
-/// A counted drop.
-#[inline(always)]
-pub fn drop_with(c: TcCounter) -> Verdict {
-    count_tc(c);
-    Verdict::Drop
-}
 
 /// The packet hooks' answer to a [`Refusal`], as kube-proxy's nftables mode answers it
 /// (pkg/proxy/nftables/proxier.go, `syncProxyRules`): a Service without any endpoint is
@@ -432,7 +425,7 @@ fn try_new_flow<B: Buf, const POD: bool>(
     if denied_by_source_ranges(&k.daddr, &k.saddr) {
         return Err(TcCounter::SourceRangeDenied);
     }
-    let mut bk = lb::NO_BACKEND;
+    let mut bk = NO_BACKEND;
     let id = select(&fe, &sc.req, &mut bk);
     // Counted by the caller (see `count_new_flow`).
     sc.count_sid = fe.service_id;
@@ -643,26 +636,6 @@ fn dsr_flow<B: Buf>(
     }
     klog::flow_new(&pkt.key, &sc.fwd.daddr, sc.fwd.dport, service_id, false);
     None
-}
-
-/// Writes the two entries of a flow that is not source-NATed from the scratch slot: the
-/// reply entry `rev` (keyed by the reverse of `fwd`'s rewrite, left in `rkey`) first, then
-/// the original entry `fwd` keyed `key`; when the second write fails the first is removed,
-/// so nothing is half-applied. `Err` is the counter of the drop.
-#[inline(always)]
-pub fn track_pair(key: &CtKey, sc: &mut Scratch) -> Result<(), TcCounter> {
-    sc.rkey = peer_key(&sc.fwd, key.proto);
-    if TC_CONNTRACK
-        .insert(&sc.rkey, &sc.rev, BPF_ANY as u64)
-        .is_err()
-    {
-        return Err(TcCounter::ConntrackFull);
-    }
-    if TC_CONNTRACK.insert(key, &sc.fwd, BPF_ANY as u64).is_err() {
-        let _ = TC_CONNTRACK.remove(&sc.rkey);
-        return Err(TcCounter::ConntrackFull);
-    }
-    Ok(())
 }
 
 /// The counting of a new flow [`new_flow`] decided on (per service and backend, and its

@@ -1,7 +1,7 @@
 //! Packet access and parsing, for every packet hook.
 //!
 //! [`Buf`] is what a hook offers to read and change a packet (the tc context implements it
-//! with the skb helpers, the XDP context in `xdp` with direct packet access). [`parse`] finds the tuple of an Ethernet frame carrying IPv4 or IPv6:
+//! with the skb helpers in `tcbuf`, the XDP context in `xdp` with direct packet access). [`parse`] finds the tuple of an Ethernet frame carrying IPv4 or IPv6:
 //! - IPv4: version 4, a header length of at least 20 bytes (options are skipped, never
 //!   read), a total length that fits the frame; a fragment other than the first has no ports
 //!   and is left alone (its verdict is "other");
@@ -15,13 +15,7 @@
 //! Anything malformed (truncated, bad lengths) is "other": the hook lets it through
 //! untouched and the kernel's own checks drop it.
 
-use aya_ebpf::{
-    bindings::{bpf_adj_room_mode, bpf_fib_lookup as FibParams},
-    helpers::{
-        bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh, bpf_skb_change_tail, bpf_skb_load_bytes,
-    },
-    programs::TcContext,
-};
+use aya_ebpf::bindings::bpf_fib_lookup as FibParams;
 use proxy_common::{PROTO_TCP, PROTO_UDP, is_v4_mapped, nat::CtKey, v4_mapped};
 
 use crate::verdict::Verdict;
@@ -38,12 +32,6 @@ pub const PROTO_ICMPV6: u8 = 58;
 pub const PROTO_IPIP: u8 = 4;
 /// IANA protocol number of IPv6 encapsulated in IP (RFC 2473): DSR's IPv6 encapsulation.
 pub const PROTO_IPV6: u8 = 41;
-/// `bpf_skb_adjust_room` flags: the room is an outer IPv4 / IPv6 header (GSO and the
-/// inner header offsets follow), or an outer one removed.
-const BPF_F_ADJ_ROOM_ENCAP_L3_IPV4: u64 = 1 << 1;
-const BPF_F_ADJ_ROOM_ENCAP_L3_IPV6: u64 = 1 << 2;
-const BPF_F_ADJ_ROOM_DECAP_L3_IPV4: u64 = 1 << 7;
-const BPF_F_ADJ_ROOM_DECAP_L3_IPV6: u64 = 1 << 8;
 /// Length of the fixed IPv6 header (RFC 8200 section 3).
 pub const IP6_HLEN: usize = 40;
 /// Offset of the IPv6 source address in the frame.
@@ -97,17 +85,11 @@ pub trait Buf {
     fn redirect_neigh(&self, ifindex: u32) -> Verdict;
     /// Sends a packet translated at ingress whose source is now one of this node's
     /// addresses (the stack would drop it as a martian) on to its next hop, the route from
-    /// `src` to `dst`. By default [`crate::fib::redirect_out`] (FIB lookup, then a redirect;
-    /// the kernel resolves a missing neighbour). A hook that must know the next hop before
-    /// it translates (XDP: it cannot resolve neighbours, and an untranslated packet is what
-    /// it hands to the stack) looks it up first and uses that result here.
-    #[inline(always)]
-    fn send_out(&self, src: &[u8; 16], dst: &[u8; 16]) -> Verdict
-    where
-        Self: Sized,
-    {
-        crate::fib::redirect_out(self, src, dst)
-    }
+    /// `src` to `dst`. tc: `fib::redirect_out` (FIB lookup, then a redirect; the kernel
+    /// resolves a missing neighbour). A hook that must know the next hop before it
+    /// translates (XDP: it cannot resolve neighbours, and an untranslated packet is what it
+    /// hands to the stack) looks it up first and uses that result here.
+    fn send_out(&self, src: &[u8; 16], dst: &[u8; 16]) -> Verdict;
     /// Inserts `len` bytes right after the Ethernet header (their content is undefined until
     /// written); the rest of the frame moves back by `len`.
     fn grow_after_l2(&self, len: u32) -> bool;
@@ -129,132 +111,6 @@ pub trait Buf {
     fn encap_room(&self, len: u32, v6: bool) -> bool;
     /// Removes the `len` bytes of an outer header right after the Ethernet header.
     fn decap_room(&self, len: u32, v6: bool) -> bool;
-}
-
-impl Buf for TcContext {
-    #[inline(always)]
-    fn load<T>(&self, off: usize) -> Option<T> {
-        TcContext::load(self, off).ok()
-    }
-
-    #[inline(always)]
-    fn load16(&self, off: usize, dst: &mut [u8; 16]) -> bool {
-        // SAFETY: the helper writes exactly 16 bytes into `dst`.
-        unsafe {
-            bpf_skb_load_bytes(
-                self.skb.skb as *const _,
-                off as u32,
-                dst.as_mut_ptr() as *mut _,
-                16,
-            ) == 0
-        }
-    }
-
-    #[inline(always)]
-    fn store<T>(&self, off: usize, v: &T) -> bool {
-        TcContext::store(self, off, v, 0).is_ok()
-    }
-
-    #[inline(always)]
-    fn l3_csum_replace(&self, off: usize, from: u64, to: u64, size: u64) -> bool {
-        TcContext::l3_csum_replace(self, off, from, to, size).is_ok()
-    }
-
-    #[inline(always)]
-    fn l4_csum_replace(&self, off: usize, from: u64, to: u64, flags: u64) -> bool {
-        TcContext::l4_csum_replace(self, off, from, to, flags).is_ok()
-    }
-
-    #[inline(always)]
-    fn len(&self) -> u32 {
-        TcContext::len(self)
-    }
-
-    #[inline(always)]
-    fn ifindex(&self) -> u32 {
-        // SAFETY: a field of our own context.
-        unsafe { (*self.skb.skb).ifindex }
-    }
-
-    #[inline(always)]
-    fn fib_lookup(&self, params: &mut FibParams) -> i64 {
-        // SAFETY: helper with our context and a buffer of the right size.
-        unsafe {
-            bpf_fib_lookup(
-                self.skb.skb as *mut _,
-                params,
-                core::mem::size_of::<FibParams>() as i32,
-                0,
-            )
-        }
-    }
-
-    #[inline(always)]
-    fn redirect(&self, ifindex: u32) -> Verdict {
-        // SAFETY: helper without memory arguments.
-        Verdict::of_redirect(unsafe { bpf_redirect(ifindex, 0) })
-    }
-
-    #[inline(always)]
-    fn redirect_neigh(&self, ifindex: u32) -> Verdict {
-        // SAFETY: helper without memory arguments (no explicit next hop).
-        Verdict::of_redirect(unsafe { bpf_redirect_neigh(ifindex, core::ptr::null_mut(), 0, 0) })
-    }
-
-    #[inline(always)]
-    fn grow_after_l2(&self, len: u32) -> bool {
-        // `bpf_skb_adjust_room` in MAC mode: room between the L2 and the L3 header.
-        TcContext::adjust_room(self, len as i32, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, 0).is_ok()
-    }
-
-    #[inline(always)]
-    fn truncate(&self, len: u32) -> bool {
-        // SAFETY: helper on our own context, no memory arguments.
-        unsafe { bpf_skb_change_tail(self.skb.skb as *mut _, len, 0) == 0 }
-    }
-
-    #[inline(always)]
-    fn hook(ingress: bool) -> u8 {
-        if ingress {
-            proxy_common::monitor::HOOK_TC_INGRESS
-        } else {
-            proxy_common::monitor::HOOK_TC_EGRESS
-        }
-    }
-
-    const ENCAPSULATES: bool = true;
-
-    #[inline(always)]
-    fn is_gso(&self) -> bool {
-        // SAFETY: a field of our own context.
-        unsafe { (*self.skb.skb).gso_size != 0 }
-    }
-
-    #[inline(always)]
-    fn encap_room(&self, len: u32, v6: bool) -> bool {
-        let flags = if v6 {
-            BPF_F_ADJ_ROOM_ENCAP_L3_IPV6
-        } else {
-            BPF_F_ADJ_ROOM_ENCAP_L3_IPV4
-        };
-        TcContext::adjust_room(self, len as i32, bpf_adj_room_mode::BPF_ADJ_ROOM_MAC, flags).is_ok()
-    }
-
-    #[inline(always)]
-    fn decap_room(&self, len: u32, v6: bool) -> bool {
-        let flags = if v6 {
-            BPF_F_ADJ_ROOM_DECAP_L3_IPV6
-        } else {
-            BPF_F_ADJ_ROOM_DECAP_L3_IPV4
-        };
-        TcContext::adjust_room(
-            self,
-            -(len as i32),
-            bpf_adj_room_mode::BPF_ADJ_ROOM_MAC,
-            flags,
-        )
-        .is_ok()
-    }
 }
 
 /// A parsed IPv4 or IPv6 packet: its tuple (for TCP and UDP) and where its fields are.

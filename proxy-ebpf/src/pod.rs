@@ -28,8 +28,9 @@ use proxy_common::nat::{TAIL_REJECT, TcCounter};
 use crate::{
     icmp::{on_icmp, on_icmp6},
     maps::TC_TAILS,
-    nat::{count_new_flow, drop_with, new_pod_flow, tracked_pod},
+    nat::{count_new_flow, new_pod_flow, tracked_pod},
     packet::{Kind, Pkt, parse, tcp_flags},
+    stats::drop_with,
     verdict::Verdict,
 };
 

@@ -20,7 +20,7 @@
 //! A socket of a workload that bypasses socket-level translation (`proxy_common::bypass`)
 //! is left untouched, refusals included: its packets are translated by `pod_ingress`.
 //!
-//! Refusals (`lb::Refusal`: no endpoints, undefined port on a VIP) fail the syscall with
+//! Refusals (`types::Refusal`: no endpoints, undefined port on a VIP) fail the syscall with
 //! ECONNREFUSED via `bpf_set_retval` (kernel >= 5.18), as kube-proxy's nftables mode rejects
 //! them. A frontend whose `Local` traffic policy leaves it without endpoints on this node
 //! (kube-proxy drops those packets) fails with EHOSTUNREACH: a connect() cannot be dropped
@@ -46,14 +46,15 @@ use proxy_common::{
 use crate::{
     addr::L4Addr,
     klog,
-    lb::{Lookup, NO_BACKEND, Refusal, Request, Scope, backend, lookup, needs_client, select},
+    lb::{lookup, needs_client, select},
     lc,
     maps::{
         BYPASS_CONFIG, BYPASS_NETNS, CONFIG, REVNAT_SK, SOCK_NAT, SOCK_NAT_OVERFLOW,
-        SOCK_NAT_SPILLED, STALE_SOCKETS, UDP_FLOWS, sock_nat_slot_mask,
+        SOCK_NAT_SPILLED, STALE_SOCKETS, UDP_FLOWS, backend, sock_nat_slot_mask,
     },
     monitor,
     stats::{count, count_service},
+    types::{Lookup, NO_BACKEND, Refusal, Request, Scope},
 };
 
 const AF_INET6: u32 = 10;

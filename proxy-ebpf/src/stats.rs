@@ -4,7 +4,10 @@
 
 use proxy_common::{Counter, MemberKey, ServiceStats, nat::TcCounter};
 
-use crate::maps::{BACKEND_STATS, COUNTERS, SERVICE_STATS, TC_COUNTERS};
+use crate::{
+    maps::{BACKEND_STATS, COUNTERS, SERVICE_STATS, TC_COUNTERS},
+    verdict::Verdict,
+};
 
 /// Adds one to a socket-path counter.
 #[inline(always)]
@@ -94,4 +97,11 @@ pub fn count_packet(service_id: u32, bytes: u32) {
         (*p).packets += 1;
         (*p).bytes += bytes as u64;
     }
+}
+
+/// A counted drop.
+#[inline(always)]
+pub fn drop_with(c: TcCounter) -> Verdict {
+    count_tc(c);
+    Verdict::Drop
 }

@@ -34,8 +34,9 @@ use crate::{
     icmp::{on_icmp, on_icmp6, reject},
     lc,
     maps::{TC_SCRATCH, TC_TAILS},
-    nat::{count_new_flow, drop_with, flow_open, new_flow, tracked},
+    nat::{count_new_flow, flow_open, new_flow, tracked},
     packet::{ETH_HLEN, Kind, Pkt, parse, tcp_flags},
+    stats::drop_with,
     verdict::Verdict,
 };
 
