@@ -38,14 +38,15 @@ use std::{
 };
 
 use proxy_common::{
-    Backend, BackendSlot, BackendSlotKey, FRONTEND_F_EXTERNAL, FRONTEND_F_VIP_MARKER, Frontend,
-    FrontendKey, MemberKey, PROTO_UDP,
+    Backend, BackendSlot, BackendSlotKey, FRONTEND_F_VIP_MARKER, Frontend, FrontendKey, MemberKey,
+    PROTO_UDP,
 };
 
 use crate::{
     datapath::{
         Capacity, DatapathError, ServiceMaps, Snapshot,
         addr::{ip_to_bytes, port_to_map},
+        vip::{MARKER, has_marker, marker_key},
     },
     model::{Algorithm, DesiredService, Family, Protocol, Scope, ServicePortKey},
 };
@@ -125,31 +126,6 @@ fn frontend_key(addr: &SocketAddr, proto: Protocol, scope: Scope) -> FrontendKey
         scope: scope.key_scope(),
     }
 }
-
-/// True for a frontend whose address gets a VIP marker: cluster IPs only (see
-/// `FRONTEND_F_EXTERNAL`).
-pub(crate) fn has_marker(f: &Frontend) -> bool {
-    f.flags & (FRONTEND_F_VIP_MARKER | FRONTEND_F_EXTERNAL) == 0
-}
-
-pub(crate) fn marker_key(addr: [u8; 16]) -> FrontendKey {
-    FrontendKey {
-        addr,
-        port: [0; 2],
-        proto: 0,
-        scope: 0,
-    }
-}
-
-pub(crate) const MARKER: Frontend = Frontend {
-    service_id: 0,
-    backend_count: 0,
-    flags: FRONTEND_F_VIP_MARKER,
-    algorithm: 0,
-    _pad: [0; 3],
-    affinity_timeout_s: 0,
-    affinity_group: 0,
-};
 
 /// The frontend value of service id `id` with `count` slots, in affinity group `group`.
 fn frontend_value(id: u32, count: usize, svc: &DesiredService, group: u32) -> Frontend {
@@ -1299,6 +1275,7 @@ impl ServiceReconciler {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use proxy_common::FRONTEND_F_EXTERNAL;
     use crate::datapath::{
         Capacity,
         fake::{FakeDatapath, Moment, Op, consistency_violations},
