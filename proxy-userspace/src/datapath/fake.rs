@@ -533,7 +533,7 @@ pub fn consistency_violations(
     tables: &BTreeMap<u32, Vec<u32>>,
     moment: Moment,
 ) -> Vec<String> {
-    use crate::reconcile::services::{has_marker, marker_key};
+    use super::vip::{has_marker, marker_key};
     use proxy_common::FRONTEND_F_VIP_MARKER;
 
     let mut out = Vec::new();

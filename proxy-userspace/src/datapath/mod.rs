@@ -14,6 +14,7 @@ pub mod loader;
 pub mod maps;
 pub mod tc;
 pub mod veth;
+pub mod vip;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;

@@ -467,7 +467,7 @@ fn incremental_changes_give_the_maps_of_a_fresh_full_build() {
 #[test]
 fn a_vip_marker_goes_when_its_cluster_ip_frontend_becomes_an_external_address() {
     use crate::datapath::addr::ip_to_bytes;
-    use crate::reconcile::services::marker_key;
+    use crate::datapath::vip::marker_key;
     let apply = |model: &mut Model, yaml: &str| {
         let (objs, errors) = parse_documents("test.yaml", yaml);
         assert!(errors.is_empty(), "{errors:?}");

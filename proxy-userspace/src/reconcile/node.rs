@@ -343,11 +343,6 @@ impl NodeReconciler {
         }
     }
 
-    /// Health-check ports served.
-    pub fn health_ports(&self) -> impl Iterator<Item = &u16> {
-        self.health.keys()
-    }
-
     /// Problems now (each a line naming what is affected): interfaces that could not be
     /// set up, health-check ports that could not be bound.
     pub fn errors(&self) -> BTreeSet<String> {
