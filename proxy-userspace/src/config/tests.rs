@@ -2,6 +2,7 @@ use std::net::SocketAddr;
 
 use clap::{Args, FromArgMatches};
 
+use super::file::yaml::field_line;
 use super::*;
 
 /// Every field a kube-proxy v1alpha1 file can have, with values.
