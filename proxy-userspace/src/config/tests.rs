@@ -651,6 +651,12 @@ fn ipvs_schedulers_select_the_algorithm_of_the_same_rule() {
     .unwrap();
     assert_eq!(c.lb_algorithm, Algorithm::Random);
     assert!(flags_err(&["--ipvs-scheduler=lblc"]).contains("locality-based"));
+    // Only IPVS names are schedulers (ebpf-proxy's own names are algorithms), and none is
+    // empty.
+    assert!("least-connections".parse::<IpvsScheduler>().is_err());
+    assert!("".parse::<IpvsScheduler>().is_err());
+    let e = "lblcr".parse::<IpvsScheduler>().unwrap_err();
+    assert!(e.contains("locality-based"), "{e}");
 }
 
 #[test]
