@@ -202,11 +202,11 @@ pub struct RunFlags {
     #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
     pub max_frontends: Option<u32>,
     /// Size of the backend slot map (sum of all services' endpoint counts) when created
-    /// [default: 524288].
+    /// [default: 262144].
     #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
     pub max_backend_slots: Option<u32>,
     /// Size of the backend map (distinct endpoint address x port x protocol) when created
-    /// [default: 262144].
+    /// [default: 131072].
     #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
     pub max_backends: Option<u32>,
     /// Size of the per-socket reverse-NAT and UDP flow maps (LRU) when created; connected
