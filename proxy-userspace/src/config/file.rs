@@ -7,7 +7,7 @@
 //! ebpf-proxy, checked, and one warning per field that is unknown or has no effect here.
 //! kubeadm writes every field, mostly as `""`, `0s`, `false`, `0` or `null`: such zero values
 //! mean "unset" (kube-proxy's defaulting) and are not reported. An invalid value stops
-//! start-up with an error naming the field (and its line, [`yaml`]).
+//! start-up with an error naming the field (and its line).
 
 pub mod document;
 pub(crate) mod yaml;

@@ -1,6 +1,6 @@
 //! The agent's settings: command-line flags ([`RunFlags`]: ebpf-proxy's own and every flag of
 //! kube-proxy), kube-proxy's configuration file (`--config`, a `KubeProxyConfiguration` of
-//! `kubeproxy.config.k8s.io/v1alpha1`, see [`file`]) and the defaults, merged once into the
+//! `kubeproxy.config.k8s.io/v1alpha1`, see [`mod@file`]) and the defaults, merged once into the
 //! typed [`AgentConfig`] by [`AgentConfig::resolve`]: a flag given on the command line wins,
 //! then the file, then the default.
 //!
@@ -16,14 +16,14 @@
 //! The layout follows kube-proxy's (`pkg/proxy/apis/config`): one settings type,
 //! [`AgentConfig`] (here); its defaults, [`defaults`]; the value types and their checks,
 //! shared by the flags and the file, [`values`]; the flags, [`flags`]; the file, read and
-//! checked section by section, [`file`]; the merge and the checks across settings,
+//! checked section by section, [`mod@file`]; the merge and the checks across settings,
 //! `resolve`; the written-back `KubeProxyConfiguration`, built from [`AgentConfig`],
 //! `written`.
 //!
 //! Adding a setting: its field in [`AgentConfig`] and its default in [`defaults`]; its flag
 //! in [`flags`] (a value type of [`values`] when the file takes it too); for a
 //! `KubeProxyConfiguration` field, its [`FileSettings`] field read in the field's section
-//! of [`file`] (the document types already hold every v1alpha1 field) and its line in the
+//! of [`mod@file`] (the document types already hold every v1alpha1 field) and its line in the
 //! section of `written`; then its one precedence line in `resolve`. A kube-proxy flag or
 //! field that gains an effect leaves the warnings of [`KubeProxyFlags::warnings`] and
 //! [`file::validate`].

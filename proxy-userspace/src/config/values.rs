@@ -312,8 +312,6 @@ impl FromStr for ServerAddress {
     }
 }
 
-/// Reads and validates the configuration file at `path`.
-
 /// A Go duration ([`super::go::parse_go_duration`]) of at most [`MAX_PERIOD`].
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let d = parse_go_duration(s)?;
