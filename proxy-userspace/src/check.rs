@@ -27,7 +27,7 @@ use aya::{
 };
 use aya_obj::{
     Object, ProgramSection,
-    generated::{BPF_CALL, BPF_JMP, bpf_func_id, bpf_map_type},
+    generated::{BPF_CALL, BPF_JMP, bpf_func_id},
 };
 use serde::Serialize;
 
@@ -498,17 +498,6 @@ fn program_type(section: &ProgramSection) -> Option<ProgramType> {
     }
 }
 
-/// A map type number of the object as aya's [`MapType`].
-pub(crate) fn map_type(t: u32) -> Option<MapType> {
-    if t >= bpf_map_type::__MAX_BPF_MAP_TYPE as u32 {
-        return None;
-    }
-    // SAFETY: `bpf_map_type` is `repr(u32)` with every value from 0 to
-    // `__MAX_BPF_MAP_TYPE` defined (the kernel numbers them densely), checked above.
-    let t: bpf_map_type = unsafe { std::mem::transmute::<u32, bpf_map_type>(t) };
-    MapType::try_from(t).ok()
-}
-
 /// A helper id of a call instruction as aya's [`BpfHelper`].
 fn helper(id: i32) -> Option<BpfHelper> {
     let id = u32::try_from(id).ok()?;
@@ -584,7 +573,7 @@ fn uses(obj: &Object) -> Uses {
     let mut maps: Vec<(&String, u32)> = obj.maps.iter().map(|(n, m)| (n, m.map_type())).collect();
     maps.sort();
     for (name, t) in maps {
-        if let Some(mt) = map_type(t) {
+        if let Some(mt) = loader::map_type(t) {
             u.map_types.insert(format!("{mt:?}"));
             u.maps.push((name.clone(), mt));
         }

@@ -128,7 +128,7 @@ pub struct ServicesArgs {
 #[derive(clap::Args, Debug)]
 pub struct CheckArgs {
     /// Mount point of the BPF file system.
-    #[arg(allow_hyphen_values = true, long, default_value = "/sys/fs/bpf")]
+    #[arg(allow_hyphen_values = true, long, default_value = crate::config::DEFAULT_BPFFS)]
     pub bpffs: PathBuf,
     /// Mount bpffs at --bpffs when it is not mounted (otherwise that is a failure).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", value_parser = crate::config::go::parse_go_bool, action = clap::ArgAction::Set, value_name = "BOOL")]

@@ -15,6 +15,7 @@ use crate::datapath::{
     ServiceMaps, Snapshot,
     addr::{bytes_to_ip, proto_name, to_socket_addr},
     maps::PinnedMaps,
+    tc::monotonic_ns,
 };
 
 /// Prints `rows` under `header` with columns padded to their widest cell (the last column is
@@ -195,14 +196,6 @@ pub struct AffinityRow {
     /// Seconds until the entry expires (negative: expired, kept until the LRU drops it),
     /// when the frontend's timeout is known.
     pub expires_in_s: Option<f64>,
-}
-
-/// Nanoseconds of CLOCK_MONOTONIC, the clock of `bpf_ktime_get_ns`.
-fn monotonic_ns() -> u64 {
-    // SAFETY: clock_gettime(2) into a zeroed struct we own.
-    let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 /// The affinity entries of the pin directory `dir`, sorted by service and client.

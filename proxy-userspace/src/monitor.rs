@@ -36,6 +36,7 @@ use serde::Serialize;
 use crate::datapath::{
     addr::{bytes_to_ip, port_from_map, proto_name},
     decode_name,
+    tc::monotonic_ns,
 };
 
 /// How long a lease lasts without a refresh.
@@ -400,14 +401,6 @@ pub fn lease_held(dir: &Path) -> Result<bool> {
     let data = MapData::from_pin(&path).with_context(|| format!("open {}", path.display()))?;
     let a: Array<MapData, MonitorCtl> = Array::try_from(Map::Array(data))?;
     Ok(a.get(&0, 0)?.expiry_ns > monotonic_ns())
-}
-
-/// Nanoseconds of CLOCK_MONOTONIC, the clock of `bpf_ktime_get_ns`.
-fn monotonic_ns() -> u64 {
-    // SAFETY: clock_gettime(2) into a zeroed struct we own.
-    let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 /// The monitor's lease on the event stream: held from [`Lease::take`] to its drop, which

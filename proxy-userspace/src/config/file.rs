@@ -1,327 +1,96 @@
-//! kube-proxy's configuration file: a `KubeProxyConfiguration` of
-//! `kubeproxy.config.k8s.io/v1alpha1` (`staging/src/k8s.io/kube-proxy/config/v1alpha1/types.go`
-//! in kubernetes/kubernetes), read with serde into [`KubeProxyConfiguration`], every field
-//! typed and named; fields that v1alpha1 does not have are kept by name in the `other` maps
-//! of each level, so they can be reported.
+//! kube-proxy's configuration file (`--config`): a `KubeProxyConfiguration` of
+//! `kubeproxy.config.k8s.io/v1alpha1`, read with serde into [`KubeProxyConfiguration`]
+//! ([`document`]), then checked section by section, as kube-proxy's
+//! `pkg/proxy/apis/config/validation` does.
 //!
 //! [`validate`] turns a document into [`FileSettings`]: the settings that have a meaning in
 //! ebpf-proxy, checked, and one warning per field that is unknown or has no effect here.
 //! kubeadm writes every field, mostly as `""`, `0s`, `false`, `0` or `null`: such zero values
 //! mean "unset" (kube-proxy's defaulting) and are not reported. An invalid value stops
-//! start-up with an error naming the field.
+//! start-up with an error naming the field (and its line).
+
+pub mod document;
+pub(crate) mod yaml;
 
 use std::{
-    collections::BTreeMap,
     net::{IpAddr, SocketAddr},
-    path::PathBuf,
+    path::{Path, PathBuf},
     time::Duration,
 };
 
-use anyhow::{Result, bail};
-use serde::{Deserialize, Serialize};
+use anyhow::{Context, Result, bail};
 use serde_yaml_ng::Value;
 
-use super::{
-    API_VERSION, ClusterCidrs, IpvsScheduler, KIND, LogFormat, NodePortAddresses, ProxyMode,
-    ServerAddress,
-    go::{format_go_duration, parse_go_duration},
+pub use self::document::{
+    ClientConnection, Conntrack, DetectLocal, IpTables, Ipvs, KubeProxyConfiguration, Logging,
+    NfTables, Other, Winkernel,
 };
-use crate::datapath::tc::{MAX_CONNTRACK_FLOWS, MIN_CONNTRACK_FLOWS};
+use self::yaml::{duplicate_key_line, field_line, plain_type_error};
+use super::defaults::{
+    DEFAULT_HEALTHZ_PORT, DEFAULT_METRICS_PORT, MAX_CONNTRACK_FLOWS, MIN_CONNTRACK_FLOWS,
+    OOM_SCORE_ADJ_RANGE, kube_proxy as kp,
+};
+use super::go::{format_go_duration, parse_go_duration};
+use super::values::{
+    ClusterCidrs, IpvsScheduler, LogFormat, NodePortAddresses, ProxyMode, ServerAddress,
+    check_detect_local_mode,
+};
+use super::{API_VERSION, KIND};
 
-/// Every other field of a level, by name.
-pub type Other = BTreeMap<String, Value>;
-
-/// A `KubeProxyConfiguration` document. Fields are declared in the order kube-proxy writes
-/// them (alphabetical), so [`super::AgentConfig::kube_proxy_configuration`] writes the same
-/// layout. Durations and integers are kept as YAML values so that a wrong type is reported
-/// naming the field; absent fields are `None` and are not written.
-#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct KubeProxyConfiguration {
-    /// Must be [`API_VERSION`].
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub api_version: Option<String>,
-    /// kube-proxy's idea of the node's primary IP (`--bind-address`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub bind_address: Option<String>,
-    /// `--bind-address-hard-fail`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub bind_address_hard_fail: Option<bool>,
-    /// API client settings.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub client_connection: Option<ClientConnection>,
-    /// `--cluster-cidr`: one CIDR or a comma-separated dual-stack pair.
-    #[serde(
-        default,
-        rename = "clusterCIDR",
-        skip_serializing_if = "Option::is_none"
-    )]
-    pub cluster_cidr: Option<String>,
-    /// `--config-sync-period` (informer resync).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub config_sync_period: Option<Value>,
-    /// Conntrack settings.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub conntrack: Option<Conntrack>,
-    /// Settings of `detectLocalMode`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub detect_local: Option<DetectLocal>,
-    /// `--detect-local-mode`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub detect_local_mode: Option<String>,
-    /// `--profiling`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub enable_profiling: Option<bool>,
-    /// `--feature-gates`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub feature_gates: Option<BTreeMap<String, bool>>,
-    /// `--healthz-bind-address` (`ip:port`, or an IP alone for port 10256).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub healthz_bind_address: Option<String>,
-    /// `--hostname-override`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub hostname_override: Option<String>,
-    /// iptables mode settings.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub iptables: Option<IpTables>,
-    /// IPVS mode settings.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ipvs: Option<Ipvs>,
-    /// Must be [`KIND`].
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kind: Option<String>,
-    /// Logging settings (component-base `LoggingConfiguration`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub logging: Option<Logging>,
-    /// `--metrics-bind-address` (`ip:port`, or an IP alone for port 10249).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub metrics_bind_address: Option<String>,
-    /// `--proxy-mode`: empty or `ebpf` here.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mode: Option<String>,
-    /// nftables mode settings.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub nftables: Option<NfTables>,
-    /// `--nodeport-addresses`: CIDRs, or `primary` alone.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub node_port_addresses: Option<Vec<String>>,
-    /// `--oom-score-adj`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub oom_score_adj: Option<Value>,
-    /// Unused by kube-proxy since its userspace mode was removed.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub port_range: Option<String>,
-    /// `--show-hidden-metrics-for-version`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub show_hidden_metrics_for_version: Option<String>,
-    /// Windows service mode (Windows only).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub windows_run_as_service: Option<bool>,
-    /// Windows (HNS) settings.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub winkernel: Option<Winkernel>,
-    /// Fields v1alpha1 does not have.
-    #[serde(flatten, skip_serializing)]
-    pub other: Other,
+/// Reads and validates the configuration file at `path`.
+///
+/// Errors: the file cannot be read or parsed, `apiVersion`/`kind` are not kube-proxy's
+/// v1alpha1 configuration, or a field has an invalid value (the message names the field).
+/// Warnings name the file (`--config PATH: field ...`).
+pub fn load(path: &Path) -> Result<Loaded> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("--config {}: cannot read the file", path.display()))?;
+    let mut loaded = parse(&text).with_context(|| format!("--config {}", path.display()))?;
+    for w in &mut loaded.warnings {
+        if let Some(rest) = w.strip_prefix("--config: ") {
+            *w = format!("--config {}: {rest}", path.display());
+        }
+    }
+    Ok(loaded)
 }
 
-/// `clientConnection` (component-base `ClientConnectionConfiguration`).
-#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ClientConnection {
-    /// Accept header of API requests.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub accept_content_types: Option<String>,
-    /// `--kube-api-burst`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub burst: Option<Value>,
-    /// `--kube-api-content-type`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub content_type: Option<String>,
-    /// `--kubeconfig`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub kubeconfig: Option<String>,
-    /// `--kube-api-qps`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub qps: Option<Value>,
-    /// Fields v1alpha1 does not have.
-    #[serde(flatten, skip_serializing)]
-    pub other: Other,
-}
-
-/// `conntrack`.
-#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Conntrack {
-    /// `--conntrack-max-per-core`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_per_core: Option<Value>,
-    /// `--conntrack-min`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub min: Option<Value>,
-    /// `--conntrack-tcp-be-liberal`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tcp_be_liberal: Option<bool>,
-    /// `--conntrack-tcp-timeout-close-wait`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tcp_close_wait_timeout: Option<Value>,
-    /// `--conntrack-tcp-timeout-established`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tcp_established_timeout: Option<Value>,
-    /// `--conntrack-udp-timeout-stream`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub udp_stream_timeout: Option<Value>,
-    /// `--conntrack-udp-timeout`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub udp_timeout: Option<Value>,
-    /// Fields v1alpha1 does not have.
-    #[serde(flatten, skip_serializing)]
-    pub other: Other,
-}
-
-/// `detectLocal`.
-#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct DetectLocal {
-    /// `--pod-bridge-interface`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub bridge_interface: Option<String>,
-    /// `--pod-interface-name-prefix`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub interface_name_prefix: Option<String>,
-    /// Fields v1alpha1 does not have.
-    #[serde(flatten, skip_serializing)]
-    pub other: Other,
-}
-
-/// `iptables`.
-#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct IpTables {
-    /// `--iptables-localhost-nodeports`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub localhost_node_ports: Option<bool>,
-    /// `--masquerade-all` (iptables mode).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub masquerade_all: Option<bool>,
-    /// `--iptables-masquerade-bit`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub masquerade_bit: Option<Value>,
-    /// `--iptables-min-sync-period`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub min_sync_period: Option<Value>,
-    /// `--iptables-sync-period`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sync_period: Option<Value>,
-    /// Fields v1alpha1 does not have.
-    #[serde(flatten, skip_serializing)]
-    pub other: Other,
-}
-
-/// `ipvs`.
-#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Ipvs {
-    /// `--ipvs-exclude-cidrs`.
-    #[serde(
-        default,
-        rename = "excludeCIDRs",
-        skip_serializing_if = "Option::is_none"
-    )]
-    pub exclude_cidrs: Option<Vec<String>>,
-    /// `--ipvs-min-sync-period`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub min_sync_period: Option<Value>,
-    /// `--ipvs-scheduler`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub scheduler: Option<String>,
-    /// `--ipvs-strict-arp`.
-    #[serde(default, rename = "strictARP", skip_serializing_if = "Option::is_none")]
-    pub strict_arp: Option<bool>,
-    /// `--ipvs-sync-period`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sync_period: Option<Value>,
-    /// `--ipvs-tcpfin-timeout`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tcp_fin_timeout: Option<Value>,
-    /// `--ipvs-tcp-timeout`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tcp_timeout: Option<Value>,
-    /// `--ipvs-udp-timeout`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub udp_timeout: Option<Value>,
-    /// Fields v1alpha1 does not have.
-    #[serde(flatten, skip_serializing)]
-    pub other: Other,
-}
-
-/// `nftables`.
-#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct NfTables {
-    /// `--masquerade-all` (nftables mode).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub masquerade_all: Option<bool>,
-    /// The fwmark bit of the nftables mode.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub masquerade_bit: Option<Value>,
-    /// nftables mode's minimum sync period.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub min_sync_period: Option<Value>,
-    /// nftables mode's sync period.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sync_period: Option<Value>,
-    /// Fields v1alpha1 does not have.
-    #[serde(flatten, skip_serializing)]
-    pub other: Other,
-}
-
-/// `logging` (component-base `LoggingConfiguration`).
-#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Logging {
-    /// `--log-flush-frequency` (a duration or nanoseconds).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub flush_frequency: Option<Value>,
-    /// `--logging-format`: `text` or `json`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub format: Option<String>,
-    /// Format options (`text`/`json` `splitStream`, `infoBufferSize`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub options: Option<Value>,
-    /// `-v`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub verbosity: Option<Value>,
-    /// `--vmodule`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub vmodule: Option<Value>,
-    /// Fields v1alpha1 does not have.
-    #[serde(flatten, skip_serializing)]
-    pub other: Other,
-}
-
-/// `winkernel` (Windows only).
-#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Winkernel {
-    /// HNS policies with DSR.
-    #[serde(default, rename = "enableDSR", skip_serializing_if = "Option::is_none")]
-    pub enable_dsr: Option<bool>,
-    /// Forward the service VIP for health checks.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub forward_health_check_vip: Option<bool>,
-    /// HNS network name.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub network_name: Option<String>,
-    /// HNS endpoint of the root network namespace.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub root_hns_endpoint_name: Option<String>,
-    /// Source VIP for NAT.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub source_vip: Option<String>,
-    /// Fields v1alpha1 does not have.
-    #[serde(flatten, skip_serializing)]
-    pub other: Other,
+/// Parses and validates a configuration file's text (see [`load`]). A value of the wrong
+/// type is reported with its field's path and the kind expected, in words
+/// ([`plain_type_error`]).
+pub fn parse(text: &str) -> Result<Loaded> {
+    let de = serde_yaml_ng::Deserializer::from_str(text);
+    let file: KubeProxyConfiguration = serde_path_to_error::deserialize(de).map_err(|e| {
+        let line = e.inner().location().map(|l| l.line());
+        let field = e.path().to_string();
+        // serde_yaml_ng names the field itself when it knows it: once is enough.
+        let inner = e.inner().to_string();
+        let inner = inner.strip_prefix(&format!("{field}: ")).unwrap_or(&inner);
+        let mut msg = plain_type_error(inner);
+        if field != "." && field != "?" {
+            msg = format!("{field}: {msg}");
+        }
+        // A duplicate key is reported where its mapping starts: name the repeated line.
+        let line = inner
+            .strip_prefix("duplicate field `")
+            .and_then(|r| r.split('`').next())
+            .and_then(|name| duplicate_key_line(text, name, line.unwrap_or(1)))
+            .or(line);
+        if let Some(line) = line {
+            msg = format!("{msg} (line {line})");
+        }
+        anyhow::anyhow!("not a KubeProxyConfiguration document: {msg}")
+    })?;
+    // A field's invalid value is named by its dotted path: add the line it is on.
+    validate(&file).map_err(|e| {
+        let msg = format!("{e:#}");
+        let line = msg
+            .split_once(": ")
+            .and_then(|(field, _)| field_line(text, field));
+        match line {
+            Some(line) => anyhow::anyhow!("{msg} (line {line})"),
+            None => e,
+        }
+    })
 }
 
 /// The settings a configuration file gives, after validation; `None` where the file leaves
@@ -524,12 +293,56 @@ fn set_bool(v: &Option<bool>) -> bool {
     v.unwrap_or(false)
 }
 
-/// Checks a parsed document and extracts its settings.
+/// [`set_other_than`] kube-proxy's default number `default`.
+fn set_other_than_number(v: &Option<Value>, default: i64) -> bool {
+    set_other_than(v, &default.to_string())
+}
+
+/// [`set_other_than`] kube-proxy's default duration `default`.
+fn set_other_than_duration(v: &Option<Value>, default: Duration) -> bool {
+    set_other_than(v, &format_go_duration(default))
+}
+
+/// Checks a parsed document and extracts its settings, section by section (the order of the
+/// checks decides which of several errors is reported).
 ///
 /// Errors: `apiVersion`/`kind` are not kube-proxy's v1alpha1 configuration, or a field has an
 /// invalid value (the message names the field). `mode` is returned, not judged here: the
 /// caller decides ([`super::AgentConfig::resolve`]).
 pub fn validate(file: &KubeProxyConfiguration) -> Result<Loaded> {
+    check_type(file)?;
+    let mut s = FileSettings {
+        document: file.clone(),
+        mode: text(&file.mode).map(ProxyMode::parse),
+        ..Default::default()
+    };
+    let mut w = Warnings(Vec::new());
+    top_level(file, &mut s, &mut w)?;
+    sync_periods(file, &mut s)?;
+    mode_sections(file, &mut s, &mut w)?;
+    if let Some(c) = &file.conntrack {
+        conntrack(c, &mut s, &mut w)?;
+    }
+    if let Some(c) = &file.client_connection {
+        client_connection(c, &mut s, &mut w);
+    }
+    if let Some(l) = &file.logging {
+        logging(l, &mut s, &mut w)?;
+    }
+    detect_local(file, &mut w)?;
+    if let Some(k) = &file.winkernel {
+        winkernel(k, &mut w);
+    }
+    top_level_inert(file, &mut w);
+    w.unknown("", &file.other);
+    Ok(Loaded {
+        settings: s,
+        warnings: w.0,
+    })
+}
+
+/// `apiVersion` and `kind`.
+fn check_type(file: &KubeProxyConfiguration) -> Result<()> {
     match file.api_version.as_deref() {
         Some(API_VERSION) => {}
         Some(other) => bail!("apiVersion: expected {API_VERSION:?}, found {other:?}"),
@@ -540,13 +353,11 @@ pub fn validate(file: &KubeProxyConfiguration) -> Result<Loaded> {
         Some(other) => bail!("kind: expected {KIND:?}, found {other:?}"),
         None => bail!("kind: expected {KIND:?}, found none"),
     }
-    let mut s = FileSettings {
-        document: file.clone(),
-        mode: text(&file.mode).map(ProxyMode::parse),
-        ..Default::default()
-    };
-    let mut w = Warnings(Vec::new());
+    Ok(())
+}
 
+/// The top level's settings: addresses, the node name, CIDRs, `oomScoreAdj`.
+fn top_level(file: &KubeProxyConfiguration, s: &mut FileSettings, w: &mut Warnings) -> Result<()> {
     if let Some(b) = text(&file.bind_address) {
         let ip: IpAddr = b
             .parse()
@@ -559,10 +370,16 @@ pub fn validate(file: &KubeProxyConfiguration) -> Result<Loaded> {
         s.bind_address = Some(ip);
     }
     s.bind_address_hard_fail = file.bind_address_hard_fail;
-    s.healthz_bind_address =
-        server_address("healthzBindAddress", &file.healthz_bind_address, 10256)?;
-    s.metrics_bind_address =
-        server_address("metricsBindAddress", &file.metrics_bind_address, 10249)?;
+    s.healthz_bind_address = server_address(
+        "healthzBindAddress",
+        &file.healthz_bind_address,
+        DEFAULT_HEALTHZ_PORT,
+    )?;
+    s.metrics_bind_address = server_address(
+        "metricsBindAddress",
+        &file.metrics_bind_address,
+        DEFAULT_METRICS_PORT,
+    )?;
     if let Some(c) = text(&file.cluster_cidr) {
         s.cluster_cidr = Some(c.parse().map_err(|e| anyhow::anyhow!("clusterCIDR: {e}"))?);
     }
@@ -573,10 +390,21 @@ pub fn validate(file: &KubeProxyConfiguration) -> Result<Loaded> {
                 .map_err(|e| anyhow::anyhow!("nodePortAddresses: {e}"))?,
         );
     }
-    s.oom_score_adj = count("oomScoreAdj", &file.oom_score_adj, -1000, 1000)?.map(|n| n as i32);
+    let (least, most) = OOM_SCORE_ADJ_RANGE;
+    s.oom_score_adj = count(
+        "oomScoreAdj",
+        &file.oom_score_adj,
+        least.into(),
+        most.into(),
+    )?
+    .map(|n| n as i32);
+    Ok(())
+}
 
-    // Sync periods: kube-proxy reads them from its mode's section. ebpf-proxy has no section
-    // of its own, so it takes them from any of the three; values given in several must agree.
+/// The sync periods: kube-proxy reads them from its mode's section. ebpf-proxy has no
+/// section of its own, so it takes them from any of the three; values given in several must
+/// agree, and the minimum must not be longer than the period.
+fn sync_periods(file: &KubeProxyConfiguration, s: &mut FileSettings) -> Result<()> {
     let sections: [(&str, Option<&Value>, Option<&Value>); 3] = [
         (
             "nftables",
@@ -637,6 +465,16 @@ pub fn validate(file: &KubeProxyConfiguration) -> Result<Loaded> {
             format_go_duration(max)
         );
     }
+    Ok(())
+}
+
+/// `iptables`, `nftables` and `ipvs` (their sync periods are read by [`sync_periods`]):
+/// `masqueradeAll` from either of the first two, `ipvs.scheduler`.
+fn mode_sections(
+    file: &KubeProxyConfiguration,
+    s: &mut FileSettings,
+    w: &mut Warnings,
+) -> Result<()> {
     let mut masquerade_all = None;
     if let Some(t) = &file.iptables {
         if t.masquerade_all.is_some() {
@@ -644,7 +482,7 @@ pub fn validate(file: &KubeProxyConfiguration) -> Result<Loaded> {
         }
         w.inert(
             "iptables.masqueradeBit",
-            set_other_than(&t.masquerade_bit, "14"),
+            set_other_than_number(&t.masquerade_bit, kp::MASQUERADE_BIT),
         );
         // ebpf-proxy never serves node ports on loopback, as kube-proxy's nftables mode, which
         // ignores this field too; no warning, since kube-proxy's default (true) is in every
@@ -657,7 +495,7 @@ pub fn validate(file: &KubeProxyConfiguration) -> Result<Loaded> {
         }
         w.inert(
             "nftables.masqueradeBit",
-            set_other_than(&t.masquerade_bit, "14"),
+            set_other_than_number(&t.masquerade_bit, kp::MASQUERADE_BIT),
         );
         w.unknown("nftables.", &t.other);
     }
@@ -665,7 +503,7 @@ pub fn validate(file: &KubeProxyConfiguration) -> Result<Loaded> {
     if let Some(t) = &file.ipvs {
         if let Some(name) = text(&t.scheduler) {
             s.ipvs_scheduler = Some(
-                name.parse()
+                name.parse::<IpvsScheduler>()
                     .map_err(|e| anyhow::anyhow!("ipvs.scheduler: {e}"))?,
             );
         }
@@ -679,72 +517,93 @@ pub fn validate(file: &KubeProxyConfiguration) -> Result<Loaded> {
         w.inert("ipvs.udpTimeout", set_value(&t.udp_timeout));
         w.unknown("ipvs.", &t.other);
     }
+    Ok(())
+}
 
-    if let Some(c) = &file.conntrack {
-        s.udp_flow_timeout = timeout("conntrack.udpTimeout", &c.udp_timeout)?;
-        s.conntrack_max_per_core = count(
-            "conntrack.maxPerCore",
-            &c.max_per_core,
-            0,
+/// `conntrack`: the UDP flow timeout and the north-south conntrack table.
+fn conntrack(c: &Conntrack, s: &mut FileSettings, w: &mut Warnings) -> Result<()> {
+    s.udp_flow_timeout = timeout("conntrack.udpTimeout", &c.udp_timeout)?;
+    s.conntrack_max_per_core = count(
+        "conntrack.maxPerCore",
+        &c.max_per_core,
+        0,
+        MAX_CONNTRACK_FLOWS as i64,
+    )?
+    .map(|n| n as u32);
+    // 0 is kube-proxy's "leave it as is": the default here.
+    s.conntrack_min = match &c.min {
+        Some(v) if v.as_i64() == Some(0) => None,
+        v => count(
+            "conntrack.min",
+            v,
+            MIN_CONNTRACK_FLOWS as i64,
             MAX_CONNTRACK_FLOWS as i64,
         )?
-        .map(|n| n as u32);
-        // 0 is kube-proxy's "leave it as is": the default here.
-        s.conntrack_min = match &c.min {
-            Some(v) if v.as_i64() == Some(0) => None,
-            v => count(
-                "conntrack.min",
-                v,
-                MIN_CONNTRACK_FLOWS as i64,
-                MAX_CONNTRACK_FLOWS as i64,
-            )?
-            .map(|n| n as u32),
-        };
-        s.conntrack_tcp_timeout_established = timeout(
-            "conntrack.tcpEstablishedTimeout",
-            &c.tcp_established_timeout,
-        )?;
-        s.conntrack_udp_timeout_stream =
-            timeout("conntrack.udpStreamTimeout", &c.udp_stream_timeout)?;
-        w.inert(
-            "conntrack.tcpCloseWaitTimeout",
-            set_other_than(&c.tcp_close_wait_timeout, "1h"),
-        );
-        w.inert("conntrack.tcpBeLiberal", set_bool(&c.tcp_be_liberal));
-        w.unknown("conntrack.", &c.other);
-    }
-    if let Some(c) = &file.client_connection {
-        s.kubeconfig = text(&c.kubeconfig).map(PathBuf::from);
-        w.inert(
-            "clientConnection.acceptContentTypes",
-            set_text(&c.accept_content_types),
-        );
-        w.inert(
-            "clientConnection.contentType",
-            text(&c.content_type).is_some_and(|t| t != "application/vnd.kubernetes.protobuf"),
-        );
-        w.inert("clientConnection.qps", set_other_than(&c.qps, "5"));
-        w.inert("clientConnection.burst", set_other_than(&c.burst, "10"));
-        w.unknown("clientConnection.", &c.other);
-    }
-    if let Some(l) = &file.logging {
-        s.log_format = match text(&l.format) {
-            None => None,
-            Some("text") => Some(LogFormat::Text),
-            Some("json") => Some(LogFormat::Json),
-            Some(f) => bail!("logging.format: {f:?} is not supported; use \"text\" or \"json\""),
-        };
-        s.verbosity = count("logging.verbosity", &l.verbosity, 0, u32::MAX as i64)?
-            .map(|n| n as u32)
-            .filter(|n| *n > 0);
-        w.inert(
-            "logging.flushFrequency",
-            set_other_than(&l.flush_frequency, "5s"),
-        );
-        w.inert("logging.vmodule", set_value(&l.vmodule));
-        w.inert("logging.options", set_value(&l.options));
-        w.unknown("logging.", &l.other);
-    }
+        .map(|n| n as u32),
+    };
+    s.conntrack_tcp_timeout_established = timeout(
+        "conntrack.tcpEstablishedTimeout",
+        &c.tcp_established_timeout,
+    )?;
+    s.conntrack_udp_timeout_stream = timeout("conntrack.udpStreamTimeout", &c.udp_stream_timeout)?;
+    w.inert(
+        "conntrack.tcpCloseWaitTimeout",
+        set_other_than_duration(
+            &c.tcp_close_wait_timeout,
+            kp::CONNTRACK_TCP_CLOSE_WAIT_TIMEOUT,
+        ),
+    );
+    w.inert("conntrack.tcpBeLiberal", set_bool(&c.tcp_be_liberal));
+    w.unknown("conntrack.", &c.other);
+    Ok(())
+}
+
+/// `clientConnection`: the kubeconfig.
+fn client_connection(c: &ClientConnection, s: &mut FileSettings, w: &mut Warnings) {
+    s.kubeconfig = text(&c.kubeconfig).map(PathBuf::from);
+    w.inert(
+        "clientConnection.acceptContentTypes",
+        set_text(&c.accept_content_types),
+    );
+    w.inert(
+        "clientConnection.contentType",
+        text(&c.content_type).is_some_and(|t| t != kp::CONTENT_TYPE),
+    );
+    w.inert(
+        "clientConnection.qps",
+        set_other_than_number(&c.qps, kp::QPS),
+    );
+    w.inert(
+        "clientConnection.burst",
+        set_other_than_number(&c.burst, kp::BURST),
+    );
+    w.unknown("clientConnection.", &c.other);
+}
+
+/// `logging`: the format and the verbosity.
+fn logging(l: &Logging, s: &mut FileSettings, w: &mut Warnings) -> Result<()> {
+    s.log_format = match text(&l.format) {
+        None => None,
+        Some(f) => Some(LogFormat::from_name(f).ok_or_else(|| {
+            anyhow::anyhow!("logging.format: {f:?} is not supported; use \"text\" or \"json\"")
+        })?),
+    };
+    s.verbosity = count("logging.verbosity", &l.verbosity, 0, u32::MAX as i64)?
+        .map(|n| n as u32)
+        .filter(|n| *n > 0);
+    w.inert(
+        "logging.flushFrequency",
+        set_other_than_duration(&l.flush_frequency, kp::LOG_FLUSH_FREQUENCY),
+    );
+    w.inert("logging.vmodule", set_value(&l.vmodule));
+    w.inert("logging.options", set_value(&l.options));
+    w.unknown("logging.", &l.other);
+    Ok(())
+}
+
+/// `detectLocal` and `detectLocalMode`: kube-proxy refuses a mode it does not know;
+/// ClusterCIDR is what ebpf-proxy does with clusterCIDR, the other modes are not.
+fn detect_local(file: &KubeProxyConfiguration, w: &mut Warnings) -> Result<()> {
     if let Some(d) = &file.detect_local {
         w.inert("detectLocal.bridgeInterface", set_text(&d.bridge_interface));
         w.inert(
@@ -753,32 +612,37 @@ pub fn validate(file: &KubeProxyConfiguration) -> Result<Loaded> {
         );
         w.unknown("detectLocal.", &d.other);
     }
-    // kube-proxy refuses a mode it does not know; ClusterCIDR is what ebpf-proxy does with
-    // clusterCIDR, the other modes are not.
     if let Some(m) = text(&file.detect_local_mode) {
-        super::check_detect_local_mode(m).map_err(|e| anyhow::anyhow!("detectLocalMode: {e}"))?;
+        check_detect_local_mode(m).map_err(|e| anyhow::anyhow!("detectLocalMode: {e}"))?;
     }
     w.inert(
         "detectLocalMode",
-        text(&file.detect_local_mode).is_some_and(|m| m != "ClusterCIDR"),
+        text(&file.detect_local_mode).is_some_and(|m| m != kp::DETECT_LOCAL_MODE),
     );
-    if let Some(k) = &file.winkernel {
-        w.inert("winkernel.enableDSR", set_bool(&k.enable_dsr));
-        w.inert(
-            "winkernel.forwardHealthCheckVip",
-            set_bool(&k.forward_health_check_vip),
-        );
-        w.inert("winkernel.networkName", set_text(&k.network_name));
-        w.inert(
-            "winkernel.rootHnsEndpointName",
-            set_text(&k.root_hns_endpoint_name),
-        );
-        w.inert("winkernel.sourceVip", set_text(&k.source_vip));
-        w.unknown("winkernel.", &k.other);
-    }
+    Ok(())
+}
+
+/// `winkernel`: Windows only, nothing has an effect.
+fn winkernel(k: &Winkernel, w: &mut Warnings) {
+    w.inert("winkernel.enableDSR", set_bool(&k.enable_dsr));
+    w.inert(
+        "winkernel.forwardHealthCheckVip",
+        set_bool(&k.forward_health_check_vip),
+    );
+    w.inert("winkernel.networkName", set_text(&k.network_name));
+    w.inert(
+        "winkernel.rootHnsEndpointName",
+        set_text(&k.root_hns_endpoint_name),
+    );
+    w.inert("winkernel.sourceVip", set_text(&k.source_vip));
+    w.unknown("winkernel.", &k.other);
+}
+
+/// The top level's fields without an effect here.
+fn top_level_inert(file: &KubeProxyConfiguration, w: &mut Warnings) {
     w.inert(
         "configSyncPeriod",
-        set_other_than(&file.config_sync_period, "15m"),
+        set_other_than_duration(&file.config_sync_period, kp::CONFIG_SYNC_PERIOD),
     );
     w.inert("enableProfiling", set_bool(&file.enable_profiling));
     w.inert(
@@ -794,9 +658,4 @@ pub fn validate(file: &KubeProxyConfiguration) -> Result<Loaded> {
         "windowsRunAsService",
         set_bool(&file.windows_run_as_service),
     );
-    w.unknown("", &file.other);
-    Ok(Loaded {
-        settings: s,
-        warnings: w.0,
-    })
 }

@@ -2,6 +2,7 @@ use std::net::SocketAddr;
 
 use clap::{Args, FromArgMatches};
 
+use super::file::yaml::field_line;
 use super::*;
 
 /// Every field a kube-proxy v1alpha1 file can have, with values.
@@ -650,6 +651,12 @@ fn ipvs_schedulers_select_the_algorithm_of_the_same_rule() {
     .unwrap();
     assert_eq!(c.lb_algorithm, Algorithm::Random);
     assert!(flags_err(&["--ipvs-scheduler=lblc"]).contains("locality-based"));
+    // Only IPVS names are schedulers (ebpf-proxy's own names are algorithms), and none is
+    // empty.
+    assert!("least-connections".parse::<IpvsScheduler>().is_err());
+    assert!("".parse::<IpvsScheduler>().is_err());
+    let e = "lblcr".parse::<IpvsScheduler>().unwrap_err();
+    assert!(e.contains("locality-based"), "{e}");
 }
 
 #[test]
@@ -1316,4 +1323,59 @@ fn socket_lb_scope_is_a_flag_only() {
     );
     let c = AgentConfig::resolve(flags(&[]), Some(loaded.settings)).unwrap();
     assert_eq!(c.socket_lb_scope, SocketLbScope::All);
+}
+
+/// The defaults the help states in words are the defaults applied ([`super::defaults`]).
+#[test]
+fn help_states_the_defaults_applied() {
+    use super::defaults as d;
+    use super::go::parse_go_duration;
+    let cmd = RunFlags::augment_args(clap::Command::new("ebpf-proxy"));
+    let stated = |long: &str| -> String {
+        let arg = cmd
+            .get_arguments()
+            .find(|a| a.get_long() == Some(long))
+            .unwrap_or_else(|| panic!("--{long}"));
+        let help = arg.get_long_help().or(arg.get_help()).unwrap().to_string();
+        let start = help.rfind("[default: ").expect("a stated default") + "[default: ".len();
+        help[start..start + help[start..].find(']').unwrap()].to_string()
+    };
+    let duration = |long: &str| parse_go_duration(&stated(long)).unwrap();
+    assert_eq!(duration("min-sync-period"), d::DEFAULT_MIN_SYNC_PERIOD);
+    assert_eq!(duration("sync-period"), d::DEFAULT_SYNC_PERIOD);
+    assert_eq!(duration("udp-flow-timeout"), d::DEFAULT_UDP_FLOW_TIMEOUT);
+    assert_eq!(
+        duration("conntrack-tcp-timeout-established"),
+        d::DEFAULT_CT_TCP_ESTABLISHED
+    );
+    assert_eq!(
+        duration("conntrack-udp-timeout-stream"),
+        d::DEFAULT_CT_UDP_STREAM
+    );
+    for (long, value) in [
+        (
+            "metrics-bind-address",
+            d::metrics_bind_address(false).to_string(),
+        ),
+        (
+            "healthz-bind-address",
+            d::healthz_bind_address(false).to_string(),
+        ),
+        ("status-bind-address", d::status_bind_address().to_string()),
+        ("maglev-table-size", d::MAGLEV_DEFAULT.to_string()),
+        ("max-frontends", d::DEFAULT_MAX_FRONTENDS.to_string()),
+        ("max-backend-slots", d::DEFAULT_MAX_SLOTS.to_string()),
+        ("max-backends", d::DEFAULT_MAX_BACKENDS.to_string()),
+        ("max-sockets", d::DEFAULT_MAX_SOCKETS.to_string()),
+        (
+            "conntrack-max-per-core",
+            d::DEFAULT_CONNTRACK_MAX_PER_CORE.to_string(),
+        ),
+        ("conntrack-min", d::DEFAULT_CONNTRACK_MIN.to_string()),
+        ("oom-score-adj", d::DEFAULT_OOM_SCORE_ADJ.to_string()),
+        ("log-format", LogFormat::default().name().to_string()),
+    ] {
+        assert_eq!(stated(long), value, "--{long}");
+    }
+    assert!(stated("log-level").starts_with(d::DEFAULT_LOG_LEVEL));
 }

@@ -6,11 +6,16 @@
 //! mode's section. Settings of ebpf-proxy alone (map sizes, `--lb-algorithm random`,
 //! `--maglev-table-size`, `--cgroup-path`, `--interfaces`, `--socket-lb-scope`, the pin
 //! directory, `--manifests`) have no field and are not written.
+//!
+//! A kube-proxy flag without an effect here is written as given, over the file's value. Each
+//! section is built by one function below, from the settings ([`AgentConfig`]), the file as
+//! read and the kube-proxy flags.
 
 use std::time::Duration;
 
 use serde_yaml_ng::Value;
 
+use super::defaults::kube_proxy as kp;
 use super::file::{
     ClientConnection, Conntrack, DetectLocal, IpTables, Ipvs, KubeProxyConfiguration, Logging,
     NfTables, Winkernel,
@@ -51,44 +56,23 @@ fn flag(file: &Option<bool>, base: bool) -> Option<bool> {
 }
 
 /// Builds the effective document of `c`, from the file as read (`read`, default when there
-/// is none) and the kube-proxy flags `k`.
+/// is none) and the kube-proxy flags `k`. Unless `max_per_core_given`, `conntrack.maxPerCore`
+/// is written as null (see [`conntrack`]).
 pub(super) fn effective(
     c: &AgentConfig,
     k: &KubeProxyFlags,
     read: &KubeProxyConfiguration,
+    max_per_core_given: bool,
 ) -> KubeProxyConfiguration {
-    let rc = read.client_connection.clone().unwrap_or_default();
-    let rt = read.conntrack.clone().unwrap_or_default();
-    let rd = read.detect_local.clone().unwrap_or_default();
-    let ri = read.iptables.clone().unwrap_or_default();
-    let rv = read.ipvs.clone().unwrap_or_default();
-    let rn = read.nftables.clone().unwrap_or_default();
-    let rl = read.logging.clone().unwrap_or_default();
-    let rw = read.winkernel.clone().unwrap_or_default();
-    let kubeconfig = match &c.source {
-        SourceChoice::Api(Some(p)) => p.display().to_string(),
-        _ => String::new(),
-    };
-    let scheduler = IpvsScheduler::of_algorithm(c.lb_algorithm)
-        .map(IpvsScheduler::name)
-        .unwrap_or("");
-    let masquerade_bit = value(&ri.masquerade_bit, num(14));
-    let mut doc = KubeProxyConfiguration {
+    KubeProxyConfiguration {
         api_version: text(API_VERSION),
         bind_address: Some(
             c.bind_address
                 .map(|ip| ip.to_string())
-                .unwrap_or_else(|| "0.0.0.0".into()),
+                .unwrap_or_else(|| kp::BIND_ADDRESS.into()),
         ),
         bind_address_hard_fail: Some(c.bind_address_hard_fail),
-        client_connection: Some(ClientConnection {
-            accept_content_types: string(&rc.accept_content_types, ""),
-            burst: value(&rc.burst, num(10)),
-            content_type: string(&rc.content_type, "application/vnd.kubernetes.protobuf"),
-            kubeconfig: Some(kubeconfig),
-            qps: value(&rc.qps, num(5)),
-            other: Default::default(),
-        }),
+        client_connection: Some(client_connection(c, k, read)),
         cluster_cidr: Some(
             c.cluster_cidrs
                 .iter()
@@ -96,168 +80,229 @@ pub(super) fn effective(
                 .collect::<Vec<_>>()
                 .join(","),
         ),
-        config_sync_period: value(&read.config_sync_period, dur(Duration::from_secs(900))),
-        conntrack: Some(Conntrack {
-            max_per_core: num(c.tc.conntrack_max_per_core as i64),
-            min: num(c.tc.conntrack_min as i64),
-            tcp_be_liberal: flag(&rt.tcp_be_liberal, false),
-            tcp_close_wait_timeout: value(
-                &rt.tcp_close_wait_timeout,
-                dur(Duration::from_secs(3600)),
-            ),
-            tcp_established_timeout: dur(c.tc.conntrack_tcp_timeout_established),
-            udp_stream_timeout: dur(c.tc.conntrack_udp_timeout_stream),
-            udp_timeout: dur(c.udp_flow_timeout),
-            other: Default::default(),
-        }),
-        detect_local: Some(DetectLocal {
-            bridge_interface: string(&rd.bridge_interface, ""),
-            interface_name_prefix: string(&rd.interface_name_prefix, ""),
-            other: Default::default(),
-        }),
-        detect_local_mode: string(&read.detect_local_mode, "ClusterCIDR"),
-        enable_profiling: flag(&read.enable_profiling, false),
-        feature_gates: read.feature_gates.clone().filter(|g| !g.is_empty()),
+        config_sync_period: match k.config_sync_period {
+            Some(d) => dur(d),
+            None => value(&read.config_sync_period, dur(kp::CONFIG_SYNC_PERIOD)),
+        },
+        conntrack: Some(conntrack(c, k, read, max_per_core_given)),
+        detect_local: Some(detect_local(k, read)),
+        detect_local_mode: match &k.detect_local_mode {
+            Some(m) => Some(m.clone()),
+            None => string(&read.detect_local_mode, kp::DETECT_LOCAL_MODE),
+        },
+        enable_profiling: k.profiling.or(flag(&read.enable_profiling, false)),
+        feature_gates: match &k.feature_gates {
+            Some(g) => Some(g.0.clone()),
+            None => read.feature_gates.clone(),
+        }
+        .filter(|g| !g.is_empty()),
         healthz_bind_address: Some(
             c.healthz_bind_address
                 .map(|a| a.to_string())
                 .unwrap_or_default(),
         ),
         hostname_override: Some(c.hostname_override.clone().unwrap_or_default()),
-        iptables: Some(IpTables {
-            localhost_node_ports: flag(&ri.localhost_node_ports, true),
-            masquerade_all: Some(c.tc.masquerade_all),
-            masquerade_bit: masquerade_bit.clone(),
-            min_sync_period: dur(c.min_sync_period),
-            sync_period: dur(c.sync_period),
-            other: Default::default(),
-        }),
-        ipvs: Some(Ipvs {
-            exclude_cidrs: rv.exclude_cidrs.clone().filter(|v| !v.is_empty()),
-            min_sync_period: dur(c.min_sync_period),
-            scheduler: text(scheduler),
-            strict_arp: flag(&rv.strict_arp, false),
-            sync_period: dur(c.sync_period),
-            tcp_fin_timeout: value(&rv.tcp_fin_timeout, dur(Duration::ZERO)),
-            tcp_timeout: value(&rv.tcp_timeout, dur(Duration::ZERO)),
-            udp_timeout: value(&rv.udp_timeout, dur(Duration::ZERO)),
-            other: Default::default(),
-        }),
+        iptables: Some(iptables(c, k, read)),
+        ipvs: Some(ipvs(c, k, read)),
         kind: text(KIND),
-        logging: Some(Logging {
-            flush_frequency: value(&rl.flush_frequency, dur(Duration::from_secs(5))),
-            format: text(c.log_format.name()),
-            options: rl.options.clone().filter(|v| !v.is_null()),
-            verbosity: num(c.verbosity.unwrap_or(0) as i64),
-            vmodule: rl.vmodule.clone().filter(|v| !v.is_null()),
-            other: Default::default(),
-        }),
+        logging: Some(logging(c, k, read)),
         metrics_bind_address: Some(
             c.metrics_bind_address
                 .map(|a| a.to_string())
                 .unwrap_or_default(),
         ),
         mode: text(""),
-        nftables: Some(NfTables {
-            masquerade_all: Some(c.tc.masquerade_all),
-            masquerade_bit: value(&rn.masquerade_bit, num(14)),
-            min_sync_period: dur(c.min_sync_period),
-            sync_period: dur(c.sync_period),
-            other: Default::default(),
-        }),
+        nftables: Some(nftables(c, k, read)),
         node_port_addresses: c.nodeport_addresses.as_ref().map(|n| n.items()),
         oom_score_adj: num(c.oom_score_adj as i64),
-        port_range: string(&read.port_range, ""),
-        show_hidden_metrics_for_version: string(&read.show_hidden_metrics_for_version, ""),
+        port_range: match &k.proxy_port_range {
+            Some(r) => Some(r.clone()),
+            None => string(&read.port_range, ""),
+        },
+        show_hidden_metrics_for_version: match &k.show_hidden_metrics_for_version {
+            Some(v) => Some(v.clone()),
+            None => string(&read.show_hidden_metrics_for_version, ""),
+        },
         windows_run_as_service: read.windows_run_as_service.filter(|b| *b),
-        winkernel: Some(Winkernel {
-            enable_dsr: flag(&rw.enable_dsr, false),
-            forward_health_check_vip: flag(&rw.forward_health_check_vip, false),
-            network_name: string(&rw.network_name, ""),
-            root_hns_endpoint_name: string(&rw.root_hns_endpoint_name, ""),
-            source_vip: string(&rw.source_vip, ""),
-            other: Default::default(),
-        }),
+        winkernel: Some(winkernel(read)),
         other: Default::default(),
-    };
+    }
+}
 
-    // kube-proxy flags without an effect here: written as given.
-    let cc = doc.client_connection.as_mut().expect("set above");
-    if let Some(t) = &k.kube_api_content_type {
-        cc.content_type = Some(t.clone());
+/// `clientConnection`: the kubeconfig of the API source.
+fn client_connection(
+    c: &AgentConfig,
+    k: &KubeProxyFlags,
+    read: &KubeProxyConfiguration,
+) -> ClientConnection {
+    let rc = read.client_connection.clone().unwrap_or_default();
+    let kubeconfig = match &c.source {
+        SourceChoice::Api(Some(p)) => p.display().to_string(),
+        _ => String::new(),
+    };
+    ClientConnection {
+        accept_content_types: string(&rc.accept_content_types, ""),
+        burst: match k.kube_api_burst {
+            Some(n) => num(n as i64),
+            None => value(&rc.burst, num(kp::BURST)),
+        },
+        content_type: match &k.kube_api_content_type {
+            Some(t) => Some(t.clone()),
+            None => string(&rc.content_type, kp::CONTENT_TYPE),
+        },
+        kubeconfig: Some(kubeconfig),
+        qps: match k.kube_api_qps {
+            Some(q) => Some(Value::Number(serde_yaml_ng::Number::from(q as f64))),
+            None => value(&rc.qps, num(kp::QPS)),
+        },
+        other: Default::default(),
     }
-    if let Some(n) = k.kube_api_burst {
-        cc.burst = num(n as i64);
+}
+
+/// `conntrack`: the north-south conntrack table and the UDP flow timeout.
+///
+/// Unless given (`max_per_core_given`), `maxPerCore` is written as null, so that each
+/// program applies its own default to the file: 0 here (a preallocated table), 32768 in
+/// kube-proxy, for which 0 would mean "leave nf_conntrack_max alone" after a rollback.
+fn conntrack(
+    c: &AgentConfig,
+    k: &KubeProxyFlags,
+    read: &KubeProxyConfiguration,
+    max_per_core_given: bool,
+) -> Conntrack {
+    let rt = read.conntrack.clone().unwrap_or_default();
+    Conntrack {
+        max_per_core: match max_per_core_given {
+            true => num(c.tc.conntrack_max_per_core as i64),
+            false => Some(Value::Null),
+        },
+        min: num(c.tc.conntrack_min as i64),
+        tcp_be_liberal: k
+            .conntrack_tcp_be_liberal
+            .or(flag(&rt.tcp_be_liberal, false)),
+        tcp_close_wait_timeout: match k.conntrack_tcp_timeout_close_wait {
+            Some(d) => dur(d),
+            None => value(
+                &rt.tcp_close_wait_timeout,
+                dur(kp::CONNTRACK_TCP_CLOSE_WAIT_TIMEOUT),
+            ),
+        },
+        tcp_established_timeout: dur(c.tc.conntrack_tcp_timeout_established),
+        udp_stream_timeout: dur(c.tc.conntrack_udp_timeout_stream),
+        udp_timeout: dur(c.udp_flow_timeout),
+        other: Default::default(),
     }
-    if let Some(q) = k.kube_api_qps {
-        cc.qps = Some(Value::Number(serde_yaml_ng::Number::from(q as f64)));
+}
+
+/// `detectLocal`: nothing has an effect here.
+fn detect_local(k: &KubeProxyFlags, read: &KubeProxyConfiguration) -> DetectLocal {
+    let rd = read.detect_local.clone().unwrap_or_default();
+    DetectLocal {
+        bridge_interface: match &k.pod_bridge_interface {
+            Some(b) => Some(b.clone()),
+            None => string(&rd.bridge_interface, ""),
+        },
+        interface_name_prefix: match &k.pod_interface_name_prefix {
+            Some(p) => Some(p.clone()),
+            None => string(&rd.interface_name_prefix, ""),
+        },
+        other: Default::default(),
     }
-    if let Some(g) = &k.feature_gates {
-        doc.feature_gates = Some(g.0.clone()).filter(|g| !g.is_empty());
+}
+
+/// `iptables`: the sync periods and `masqueradeAll`, as in every mode's section.
+fn iptables(c: &AgentConfig, k: &KubeProxyFlags, read: &KubeProxyConfiguration) -> IpTables {
+    let ri = read.iptables.clone().unwrap_or_default();
+    IpTables {
+        localhost_node_ports: k
+            .iptables_localhost_nodeports
+            .or(flag(&ri.localhost_node_ports, kp::LOCALHOST_NODE_PORTS)),
+        masquerade_all: Some(c.tc.masquerade_all),
+        masquerade_bit: masquerade_bit(k, &ri.masquerade_bit),
+        min_sync_period: dur(c.min_sync_period),
+        sync_period: dur(c.sync_period),
+        other: Default::default(),
     }
-    if let Some(p) = k.profiling {
-        doc.enable_profiling = Some(p);
+}
+
+/// `nftables`: the sync periods and `masqueradeAll`, as in every mode's section.
+fn nftables(c: &AgentConfig, k: &KubeProxyFlags, read: &KubeProxyConfiguration) -> NfTables {
+    let rn = read.nftables.clone().unwrap_or_default();
+    NfTables {
+        masquerade_all: Some(c.tc.masquerade_all),
+        masquerade_bit: masquerade_bit(k, &rn.masquerade_bit),
+        min_sync_period: dur(c.min_sync_period),
+        sync_period: dur(c.sync_period),
+        other: Default::default(),
     }
-    if let Some(v) = &k.show_hidden_metrics_for_version {
-        doc.show_hidden_metrics_for_version = Some(v.clone());
+}
+
+/// `masqueradeBit` of the iptables and nftables sections: `--iptables-masquerade-bit`, else
+/// the section's, else kube-proxy's default.
+fn masquerade_bit(k: &KubeProxyFlags, read: &Option<Value>) -> Option<Value> {
+    match k.iptables_masquerade_bit {
+        Some(b) => num(b as i64),
+        None => value(read, num(kp::MASQUERADE_BIT)),
     }
-    if let Some(b) = k.iptables_masquerade_bit {
-        doc.iptables.as_mut().expect("set above").masquerade_bit = num(b as i64);
-        doc.nftables.as_mut().expect("set above").masquerade_bit = num(b as i64);
+}
+
+/// `ipvs`: the sync periods, and the default algorithm by its scheduler name (empty when it
+/// has none).
+fn ipvs(c: &AgentConfig, k: &KubeProxyFlags, read: &KubeProxyConfiguration) -> Ipvs {
+    let rv = read.ipvs.clone().unwrap_or_default();
+    let scheduler = IpvsScheduler::of_algorithm(c.lb_algorithm)
+        .map(IpvsScheduler::name)
+        .unwrap_or("");
+    let timeout = |flag: Option<Duration>, read: &Option<Value>| match flag {
+        Some(d) => dur(d),
+        None => value(read, dur(Duration::ZERO)),
+    };
+    Ipvs {
+        exclude_cidrs: match k.ipvs_exclude_cidrs.is_empty() {
+            false => Some(k.ipvs_exclude_cidrs.clone()),
+            true => rv.exclude_cidrs.clone().filter(|v| !v.is_empty()),
+        },
+        min_sync_period: dur(c.min_sync_period),
+        scheduler: text(scheduler),
+        strict_arp: k.ipvs_strict_arp.or(flag(&rv.strict_arp, false)),
+        sync_period: dur(c.sync_period),
+        tcp_fin_timeout: timeout(k.ipvs_tcpfin_timeout, &rv.tcp_fin_timeout),
+        tcp_timeout: timeout(k.ipvs_tcp_timeout, &rv.tcp_timeout),
+        udp_timeout: timeout(k.ipvs_udp_timeout, &rv.udp_timeout),
+        other: Default::default(),
     }
-    if let Some(l) = k.iptables_localhost_nodeports {
-        doc.iptables
-            .as_mut()
-            .expect("set above")
-            .localhost_node_ports = Some(l);
+}
+
+/// `logging`: the format and the verbosity.
+fn logging(c: &AgentConfig, k: &KubeProxyFlags, read: &KubeProxyConfiguration) -> Logging {
+    let rl = read.logging.clone().unwrap_or_default();
+    Logging {
+        flush_frequency: match k.log_flush_frequency {
+            Some(d) => dur(d),
+            None => value(&rl.flush_frequency, dur(kp::LOG_FLUSH_FREQUENCY)),
+        },
+        format: text(c.log_format.name()),
+        options: rl.options.clone().filter(|v| !v.is_null()),
+        verbosity: num(c.verbosity.unwrap_or(0) as i64),
+        vmodule: match &k.vmodule {
+            Some(v) => vmodule(v),
+            None => rl.vmodule.clone().filter(|v| !v.is_null()),
+        },
+        other: Default::default(),
     }
-    let ipvs = doc.ipvs.as_mut().expect("set above");
-    if !k.ipvs_exclude_cidrs.is_empty() {
-        ipvs.exclude_cidrs = Some(k.ipvs_exclude_cidrs.clone());
+}
+
+/// `winkernel`: Windows only, written as read.
+fn winkernel(read: &KubeProxyConfiguration) -> Winkernel {
+    let rw = read.winkernel.clone().unwrap_or_default();
+    Winkernel {
+        enable_dsr: flag(&rw.enable_dsr, false),
+        forward_health_check_vip: flag(&rw.forward_health_check_vip, false),
+        network_name: string(&rw.network_name, ""),
+        root_hns_endpoint_name: string(&rw.root_hns_endpoint_name, ""),
+        source_vip: string(&rw.source_vip, ""),
+        other: Default::default(),
     }
-    if let Some(a) = k.ipvs_strict_arp {
-        ipvs.strict_arp = Some(a);
-    }
-    for (flag, field) in [
-        (k.ipvs_tcp_timeout, &mut ipvs.tcp_timeout),
-        (k.ipvs_tcpfin_timeout, &mut ipvs.tcp_fin_timeout),
-        (k.ipvs_udp_timeout, &mut ipvs.udp_timeout),
-    ] {
-        if let Some(d) = flag {
-            *field = dur(d);
-        }
-    }
-    if let Some(m) = &k.detect_local_mode {
-        doc.detect_local_mode = Some(m.clone());
-    }
-    let dl = doc.detect_local.as_mut().expect("set above");
-    if let Some(b) = &k.pod_bridge_interface {
-        dl.bridge_interface = Some(b.clone());
-    }
-    if let Some(p) = &k.pod_interface_name_prefix {
-        dl.interface_name_prefix = Some(p.clone());
-    }
-    let ct = doc.conntrack.as_mut().expect("set above");
-    if let Some(d) = k.conntrack_tcp_timeout_close_wait {
-        ct.tcp_close_wait_timeout = dur(d);
-    }
-    if let Some(b) = k.conntrack_tcp_be_liberal {
-        ct.tcp_be_liberal = Some(b);
-    }
-    if let Some(d) = k.config_sync_period {
-        doc.config_sync_period = dur(d);
-    }
-    if let Some(r) = &k.proxy_port_range {
-        doc.port_range = Some(r.clone());
-    }
-    let lg = doc.logging.as_mut().expect("set above");
-    if let Some(d) = k.log_flush_frequency {
-        lg.flush_frequency = dur(d);
-    }
-    if let Some(v) = &k.vmodule {
-        lg.vmodule = vmodule(v);
-    }
-    doc
 }
 
 /// `--vmodule pattern=N,...` as v1alpha1's `vmodule` list of `{filePattern, verbosity}`;

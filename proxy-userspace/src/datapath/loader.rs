@@ -275,6 +275,19 @@ pub fn wait_pin_dir_free(dir: &Path, wait: std::time::Duration) -> Result<Option
     }
 }
 
+/// A map type number of the object as aya's [`aya::maps::MapType`]; `None` for a number
+/// this build does not know (`check` names the object's map types with it too).
+pub(crate) fn map_type(t: u32) -> Option<aya::maps::MapType> {
+    use aya_obj::generated::bpf_map_type;
+    if t >= bpf_map_type::__MAX_BPF_MAP_TYPE as u32 {
+        return None;
+    }
+    // SAFETY: `bpf_map_type` is `repr(u32)` with every value from 0 to
+    // `__MAX_BPF_MAP_TYPE` defined (the kernel numbers them densely), checked above.
+    let t: bpf_map_type = unsafe { std::mem::transmute::<u32, bpf_map_type>(t) };
+    aya::maps::MapType::try_from(t).ok()
+}
+
 /// Path of the pinned link of program `prog`.
 pub fn link_pin(dir: &Path, prog: &str) -> PathBuf {
     dir.join(format!("link_{prog}"))
@@ -368,7 +381,7 @@ pub fn replace_incompatible_pins(dir: &Path) -> Result<Vec<(&'static str, String
             Err(_) => Some("(unknown to this build)".to_string()),
         }
         .map(|pinned| {
-            let now = match crate::check::map_type(want_type) {
+            let now = match map_type(want_type) {
                 Some(t) => format!("{t:?}"),
                 None => want_type.to_string(),
             };

@@ -117,8 +117,8 @@ impl Default for TcSettings {
             masquerade_all: false,
             conntrack_max_per_core: DEFAULT_CONNTRACK_MAX_PER_CORE,
             conntrack_min: DEFAULT_CONNTRACK_MIN,
-            conntrack_tcp_timeout_established: crate::config::DEFAULT_CT_TCP_ESTABLISHED,
-            conntrack_udp_timeout_stream: crate::config::DEFAULT_CT_UDP_STREAM,
+            conntrack_tcp_timeout_established: DEFAULT_CT_TCP_ESTABLISHED,
+            conntrack_udp_timeout_stream: DEFAULT_CT_UDP_STREAM,
         }
     }
 }
@@ -134,6 +134,13 @@ pub const DEFAULT_CONNTRACK_MIN: u32 = 131072;
 pub const MIN_CONNTRACK_FLOWS: u32 = 1024;
 /// Largest conntrack table in flows (about 5 GiB preallocated).
 pub const MAX_CONNTRACK_FLOWS: u32 = 16 * 1024 * 1024;
+/// Default of `--conntrack-tcp-timeout-established` (kube-proxy's): the idle timeout of an
+/// established TCP flow.
+pub const DEFAULT_CT_TCP_ESTABLISHED: std::time::Duration =
+    std::time::Duration::from_secs(24 * 3600);
+/// Default of `--conntrack-udp-timeout-stream` (the kernel's
+/// `nf_conntrack_udp_timeout_stream`): the idle timeout of a UDP flow that saw replies.
+pub const DEFAULT_CT_UDP_STREAM: std::time::Duration = std::time::Duration::from_secs(120);
 
 impl TcSettings {
     /// Flows of the conntrack table: max(per-core x CPUs, min), kube-proxy's rule for

@@ -372,50 +372,6 @@ pub fn algorithm_names() -> String {
     format!("{} (IPVS: {})", own.join(", "), ipvs.join(", "))
 }
 
-/// Parses an IPVS scheduler name (kube-proxy's `--ipvs-scheduler` and
-/// `ipvs.scheduler`, ipvsadm's `-s`) into the algorithm that does what the scheduler does
-/// ([`Algorithm::IPVS`]; the differences are listed there). `flags` are IPVS's scheduler
-/// flags as ipvsadm's `-b` takes them, comma-separated (`""` for none): `sh-port` /
-/// `mh-port` make `sh` / `mh` hash the client port too ([`Algorithm::Maglev`]);
-/// `sh-fallback` / `mh-fallback` are accepted and change nothing (a quiesced endpoint is
-/// never in the table here, so a client always gets an available backend).
-///
-/// An empty name is an error: kube-proxy's blank default (`rr`) belongs to its IPVS mode,
-/// so a caller reading a configuration treats a blank field as unset. The error names the
-/// accepted schedulers, and the nearest algorithm for `lblc` / `lblcr`.
-pub fn parse_ipvs_scheduler(name: &str, flags: &str) -> Result<Algorithm, String> {
-    let mut algorithm = match Algorithm::from_ipvs(name) {
-        Some(a) => a,
-        None => {
-            let names: Vec<&str> = Algorithm::IPVS.iter().map(|(n, _)| *n).collect();
-            let hint = match name {
-                "lblc" | "lblcr" => {
-                    "; the locality-based schedulers have no equivalent here (dh sends each \
-                     destination address to one backend, lc balances by connections)"
-                }
-                _ => "",
-            };
-            return Err(format!(
-                "IPVS scheduler {name:?} is not one of {}{hint}",
-                names.join(", ")
-            ));
-        }
-    };
-    for flag in flags.split(',').map(str::trim).filter(|f| !f.is_empty()) {
-        match (name, flag) {
-            ("sh", "sh-port") | ("mh", "mh-port") => algorithm = Algorithm::Maglev,
-            ("sh", "sh-fallback") | ("mh", "mh-fallback") => {}
-            _ => {
-                return Err(format!(
-                    "IPVS scheduler flag {flag:?} does not apply to {name:?} (sh takes sh-port, \
-                     sh-fallback; mh takes mh-port, mh-fallback)"
-                ));
-            }
-        }
-    }
-    Ok(algorithm)
-}
-
 /// Every backend set the data path must implement, in key order (what [`build`] returns;
 /// the agent reads [`Model::ports`] instead of copying it).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -3300,33 +3256,11 @@ pub(crate) mod tests {
         ];
         for (n, a) in ipvs {
             assert_eq!(parse_algorithm(n), Some(a), "{n}");
-            assert_eq!(parse_ipvs_scheduler(n, ""), Ok(a), "{n}");
         }
         // IPVS names are exact (case-sensitive), and the own names are not IPVS names.
         assert_eq!(parse_algorithm("WLC"), None);
         assert_eq!(parse_algorithm(""), None);
-        assert!(parse_ipvs_scheduler("least-connections", "").is_err());
         assert!(algorithm_names().ends_with("(IPVS: rr, wrr, lc, wlc, sed, nq, sh, dh, mh)"));
-        // Scheduler flags as ipvsadm -b takes them.
-        assert_eq!(parse_ipvs_scheduler("sh", "sh-port"), Ok(Algorithm::Maglev));
-        assert_eq!(
-            parse_ipvs_scheduler("mh", "mh-fallback, mh-port"),
-            Ok(Algorithm::Maglev)
-        );
-        assert_eq!(
-            parse_ipvs_scheduler("sh", "sh-fallback"),
-            Ok(Algorithm::SourceHash)
-        );
-        assert_eq!(
-            parse_ipvs_scheduler("mh", "sh-port"),
-            Err("IPVS scheduler flag \"sh-port\" does not apply to \"mh\" (sh takes sh-port, sh-fallback; mh takes mh-port, mh-fallback)".into())
-        );
-        assert_eq!(
-            parse_ipvs_scheduler("", ""),
-            Err("IPVS scheduler \"\" is not one of rr, wrr, lc, wlc, sed, nq, sh, dh, mh".into())
-        );
-        let e = parse_ipvs_scheduler("lblcr", "").unwrap_err();
-        assert!(e.contains("locality-based") && e.contains("dh"), "{e}");
         // The data path counts connections for the least-load family only.
         let counted: Vec<&str> = Algorithm::ALL
             .iter()

@@ -1,0 +1,514 @@
+//! The agent's flags, bound with clap: ebpf-proxy's own and every flag of kube-proxy
+//! (`cmd/kube-proxy/app/options.go`, and the logging flags of component-base `logs/api/v1`,
+//! in kubernetes/kubernetes). A flag's name, help, syntax and range are defined here, once;
+//! its value type and parser are shared with the file ([`super::values`]), its default is in
+//! [`super::defaults`] (the help repeats it in words), and [`super::AgentConfig::resolve`]
+//! applies the flags given onto the settings, over the file.
+//!
+//! Settings left out are `None` (or empty), so that a flag given at its default value still
+//! overrides the file.
+
+use std::{net::IpAddr, path::PathBuf, time::Duration};
+
+use anyhow::Result;
+use proxy_common::Algorithm;
+
+use super::defaults::{DEFAULT_BPFFS, DEFAULT_PIN_DIR, MAX_CONNTRACK_FLOWS, OOM_SCORE_ADJ_RANGE};
+use super::go::{FeatureGates, parse_go_bool};
+use super::values::{
+    ClusterCidrs, LogFormat, NodePortAddresses, SchedulerFlag, ServerAddress,
+    check_detect_local_mode, number_in, parse_conntrack_min, parse_duration,
+    parse_positive_duration, parse_scheduler_flag, parse_timeout,
+};
+use crate::datapath::tc::XdpSetting;
+
+/// The bpffs mount and the pin directory (every subcommand that touches pins takes them).
+#[derive(clap::Args, Debug, Clone)]
+pub struct PinArgs {
+    /// Mount point of the BPF file system.
+    #[arg(allow_hyphen_values = true, long, default_value = DEFAULT_BPFFS)]
+    pub bpffs: PathBuf,
+    /// Directory under --bpffs holding the pinned maps and links.
+    #[arg(allow_hyphen_values = true, long, default_value = DEFAULT_PIN_DIR)]
+    pub pin_dir: String,
+}
+
+impl Default for PinArgs {
+    fn default() -> Self {
+        PinArgs {
+            bpffs: PathBuf::from(DEFAULT_BPFFS),
+            pin_dir: DEFAULT_PIN_DIR.into(),
+        }
+    }
+}
+
+impl PinArgs {
+    /// The pin directory, after checking the name.
+    pub fn dir(&self) -> Result<PathBuf> {
+        crate::datapath::loader::check_pin_dir_name(&self.pin_dir)?;
+        Ok(crate::datapath::loader::pin_dir(&self.bpffs, &self.pin_dir))
+    }
+}
+
+fn parse_qps(s: &str) -> Result<f32, String> {
+    match s.trim().parse::<f32>() {
+        Ok(n) if n.is_finite() && n >= 0.0 => Ok(n),
+        _ => Err("must be a number of queries per second (0 or more, e.g. 5 or 0.5)".into()),
+    }
+}
+
+fn parse_detect_local_mode(s: &str) -> Result<String, String> {
+    check_detect_local_mode(s).map(|()| s.to_string())
+}
+
+/// `--north-south-mode`: `snat`, `dsr` or `hybrid`.
+fn parse_north_south_mode(s: &str) -> Result<crate::model::NorthSouthMode, String> {
+    crate::model::NorthSouthMode::from_name(s.trim())
+        .ok_or_else(|| format!("{s:?} is not a north-south mode (snat, dsr, hybrid)"))
+}
+
+fn parse_lb_algorithm(s: &str) -> Result<proxy_common::Algorithm, String> {
+    crate::model::parse_algorithm(s)
+        .ok_or_else(|| format!("{s:?} is not one of {}", crate::model::algorithm_names()))
+}
+
+fn parse_maglev_size(s: &str) -> Result<u32, String> {
+    let n: u32 = s.parse().map_err(|_| format!("{s:?} is not a number"))?;
+    if !crate::maglev::is_prime(n) || n as usize > proxy_common::MAGLEV_MAX || n < 7 {
+        return Err(format!(
+            "{n} is not a prime between 7 and {} (e.g. 251, 1021, 4093, 16381, 65521)",
+            proxy_common::MAGLEV_MAX
+        ));
+    }
+    Ok(n)
+}
+
+/// The flags of the agent (`ebpf-proxy run`, or `ebpf-proxy` with no subcommand as
+/// kube-proxy is run). A setting left out is taken from the configuration file (`--config`),
+/// else its default: [`super::AgentConfig::resolve`] merges them once.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct RunFlags {
+    /// kube-proxy configuration file (KubeProxyConfiguration, kubeproxy.config.k8s.io/v1alpha1).
+    /// Flags given on the command line override its values.
+    #[arg(allow_hyphen_values = true, long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Read Services and EndpointSlices from this directory of manifests (*.yaml, *.yml,
+    /// *.json), watched for changes, instead of the Kubernetes API.
+    #[arg(allow_hyphen_values = true, long, conflicts_with = "kubeconfig")]
+    pub manifests: Option<PathBuf>,
+    /// Kubeconfig for the Kubernetes API [default: $KUBECONFIG or ~/.kube/config, else the
+    /// in-cluster service account, as kube-rs `Config::infer`]. Read before anything is
+    /// attached: a missing or broken configuration stops start-up.
+    #[arg(allow_hyphen_values = true, long)]
+    pub kubeconfig: Option<PathBuf>,
+    /// Minimum time between two syncs from the API source; an isolated change after a
+    /// quiet period is applied at once; 0 syncs every change at once (kube-proxy's
+    /// --iptables-min-sync-period) [default: 1s].
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_duration)]
+    pub min_sync_period: Option<Duration>,
+    /// Period of the verification that compares the maps with what was applied and
+    /// repairs entries changed behind the agent's back (kube-proxy's --iptables-sync-period).
+    /// /healthz fails when an update stays pending for twice this long [default: 30s].
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_positive_duration)]
+    pub sync_period: Option<Duration>,
+    /// Address of the Prometheus metrics server (`/metrics`): ip:port, an IP alone (port
+    /// 10249), or empty to disable it; port 0 picks a free port [default: 127.0.0.1:10249].
+    #[arg(allow_hyphen_values = true, long)]
+    pub metrics_bind_address: Option<ServerAddress>,
+    /// cgroup v2 directory to attach the socket programs to [default: the cgroup2 mount root
+    /// from /proc/self/mounts, i.e. every process of the node].
+    #[arg(allow_hyphen_values = true, long)]
+    pub cgroup_path: Option<PathBuf>,
+    #[command(flatten)]
+    pub pins: PinArgs,
+    /// Name of this node [default: $NODE_NAME, else the hostname]; trimmed and lowercased,
+    /// as kube-proxy does.
+    #[arg(allow_hyphen_values = true, long)]
+    pub hostname_override: Option<String>,
+    /// Backend selection of Services without the `ebpf-proxy.io/lb-algorithm` annotation:
+    /// random (kube-proxy's), round-robin, weighted-round-robin, least-connections,
+    /// source-hash, maglev, weighted-least-connections, shortest-expected-delay, never-queue,
+    /// destination-hash, or an IPVS scheduler name (rr, wrr, lc, wlc, sed, nq, sh, dh, mh)
+    /// [default: random].
+    #[arg(allow_hyphen_values = true, long, value_parser = parse_lb_algorithm)]
+    pub lb_algorithm: Option<Algorithm>,
+    /// Which sockets the socket programs translate: `all`, or `host-only` (only the node's
+    /// own network namespace; pods are translated per packet on their interfaces, as
+    /// Cilium's `socketLB.hostNamespaceOnly`). Pods and namespaces also opt out one by one
+    /// with the label or annotation `ebpf-proxy.io/socket-lb: disabled` [default: all].
+    #[arg(allow_hyphen_values = true, long, value_enum)]
+    pub socket_lb_scope: Option<crate::model::bypass::SocketLbScope>,
+    /// How a flow from outside (node port, external or LB IP, `externalTrafficPolicy:
+    /// Cluster`) reaches a backend on another node: `snat` (source-NAT to this node's
+    /// address, kube-proxy's), `dsr` (direct server return: the packet is forwarded
+    /// encapsulated, IPIP or IPv6-in-IPv6, and the backend's node answers the client
+    /// directly; the backend sees the client's address), or `hybrid` (DSR for TCP, SNAT for
+    /// UDP). Every node must run the same mode (a DSR packet is accepted by the backend's
+    /// node only when it runs DSR for that Service too). Services override it with the
+    /// annotation `ebpf-proxy.io/north-south-mode` [default: snat].
+    #[arg(allow_hyphen_values = true, long, value_name = "MODE", value_parser = parse_north_south_mode)]
+    pub north_south_mode: Option<crate::model::NorthSouthMode>,
+    /// Level of the kernel programs' own log lines (aya-log), forwarded to the agent's log
+    /// under the target `ebpf_proxy::kernel` whatever `--log-level` says: off, error, warn,
+    /// info, debug (one line per decision: a connection translated or refused, a packet
+    /// flow started, dropped or rejected) or trace (also every connect() to an address
+    /// that is no frontend). Off costs nothing: the verifier removes the disabled lines
+    /// [default: off].
+    #[arg(allow_hyphen_values = true, long, value_enum)]
+    pub kernel_log_level: Option<crate::datapath::loader::KernelLogLevel>,
+    /// Close the TCP connections of client sockets translated to an endpoint that left its
+    /// Service (gone from the EndpointSlices, or neither ready nor serving), with sock_diag's
+    /// SOCK_DESTROY in the socket's network namespace, as `ss -K` does. Off by default, as
+    /// kube-proxy leaves established connections alone [default: false].
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", value_parser = parse_go_bool, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub close_connections_to_removed_endpoints: bool,
+    /// Size of the Maglev lookup tables of source-hash and maglev Services: a prime from 7 to
+    /// 65521 (larger tables spread backends more evenly; each costs 4 bytes per entry)
+    /// [default: 16381].
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_maglev_size)]
+    pub maglev_table_size: Option<u32>,
+    /// Address of the health server (`/healthz`, `/livez`): ip:port, an IP alone (port
+    /// 10256), or empty to disable it; port 0 picks a free port [default: 0.0.0.0:10256].
+    #[arg(allow_hyphen_values = true, long)]
+    pub healthz_bind_address: Option<ServerAddress>,
+    /// Address of the agent's own status server (`/readyz`, `/livez`, `/status`; read by
+    /// `ebpf-proxy status` and the DaemonSet's probes), on a port kube-proxy never binds so
+    /// that its answers cannot come from kube-proxy while both run: ip:port, an IP alone
+    /// (port 10266), or empty to disable it; port 0 picks a free port
+    /// [default: 127.0.0.1:10266].
+    #[arg(allow_hyphen_values = true, long)]
+    pub status_bind_address: Option<ServerAddress>,
+    /// Log level of the agent (error, warn, info, debug, trace; other crates log warnings
+    /// only), or a tracing filter directive with `=` or `,` (e.g. `info,kube=debug`)
+    /// [default: info, or the one of -v].
+    #[arg(allow_hyphen_values = true, long)]
+    pub log_level: Option<String>,
+    /// Log format: one text line or one JSON object per event [default: text].
+    #[arg(allow_hyphen_values = true, long, value_enum)]
+    pub log_format: Option<LogFormat>,
+    /// CIDR of the cluster's pods, or an IPv4 and an IPv6 CIDR separated by a comma
+    /// (kube-proxy's --cluster-cidr): traffic entering the node to a cluster IP from a
+    /// client outside the prefix of its family is masqueraded (tc path).
+    #[arg(allow_hyphen_values = true, long)]
+    pub cluster_cidr: Option<ClusterCidrs>,
+    /// Node addresses that serve NodePorts: comma-separated CIDRs, or `primary` (the
+    /// node's first InternalIP per family, kube-proxy's nftables default) [default: every
+    /// InternalIP and ExternalIP of this node's Node object] (kube-proxy's
+    /// --nodeport-addresses).
+    #[arg(allow_hyphen_values = true, long)]
+    pub nodeport_addresses: Option<NodePortAddresses>,
+    /// Size of the frontend map (VIP x port x protocol, plus one entry per VIP) when created
+    /// [default: 65536].
+    #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
+    pub max_frontends: Option<u32>,
+    /// Size of the backend slot map (sum of all services' endpoint counts) when created
+    /// [default: 262144].
+    #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
+    pub max_backend_slots: Option<u32>,
+    /// Size of the backend map (distinct endpoint address x port x protocol) when created
+    /// [default: 131072].
+    #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
+    pub max_backends: Option<u32>,
+    /// Size of the per-socket reverse-NAT and UDP flow maps (LRU) when created; connected
+    /// sockets' reverse-NAT slots get the largest power of two not above it
+    /// [default: 262144].
+    #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
+    pub max_sockets: Option<u32>,
+    /// Idle time after which an unconnected UDP flow picks a backend anew, like conntrack's
+    /// nf_conntrack_udp_timeout (e.g. 30s, 2m; kube-proxy's --conntrack-udp-timeout)
+    /// [default: 30s].
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_positive_duration)]
+    pub udp_flow_timeout: Option<Duration>,
+    /// Interfaces that serve NodePorts, external IPs and LB IPs to traffic from outside the
+    /// node, comma-separated [default: the interfaces of the agent's network namespace that
+    /// carry one of this node's InternalIP/ExternalIP addresses from its Node object].
+    #[arg(allow_hyphen_values = true, long, value_delimiter = ',')]
+    pub interfaces: Vec<String>,
+    /// XDP in front of the tcx programs on the external interfaces, for the same
+    /// NodePorts, external IPs and LB IPs with the same conntrack: `native` (driver XDP on
+    /// every external interface; an interface without it is an error), `best-effort`
+    /// (native where the driver supports it, else generic XDP, else the tcx programs
+    /// alone) or `disabled`. `ebpf-proxy check` tells which interfaces have native XDP
+    /// [default: disabled].
+    #[arg(allow_hyphen_values = true, long, value_enum, value_name = "MODE")]
+    pub xdp: Option<XdpSetting>,
+    /// The peers of veth external interfaces run an XDP program in native mode, so frames
+    /// the XDP program sends back or redirects into a veth are delivered: lets --xdp use
+    /// native XDP on veths, which it otherwise refuses (native) or skips (best-effort)
+    /// [default: false].
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", value_parser = parse_go_bool, action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub xdp_veth_peers_ready: bool,
+    /// Source-NAT every external flow of a Cluster-policy Service to the node address, also
+    /// when the backend runs on this node (kube-proxy's --masquerade-all).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
+    pub masquerade_all: Option<bool>,
+    /// Flows tracked per CPU by the north-south conntrack table (kube-proxy's
+    /// --conntrack-max-per-core); the table holds max(this x CPUs, --conntrack-min) flows.
+    /// The table is preallocated (about 320 bytes per flow), unlike the kernel's conntrack
+    /// limit kube-proxy sets, so the default is 0: --conntrack-min alone, whatever the core
+    /// count. Fixed when the pinned table is created [default: 0].
+    #[arg(long, allow_hyphen_values = true, value_parser = number_in(0u32, MAX_CONNTRACK_FLOWS), value_name = "N")]
+    pub conntrack_max_per_core: Option<u32>,
+    /// Least number of flows of the north-south conntrack table (kube-proxy's
+    /// --conntrack-min), from 1024 (smaller LRU tables lose live flows to the kernel's batch
+    /// eviction) to 16777216; 0 keeps the default [default: 131072].
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_conntrack_min, value_name = "N")]
+    pub conntrack_min: Option<u32>,
+    /// Idle timeout of an established TCP flow in the north-south conntrack (kube-proxy's
+    /// --conntrack-tcp-timeout-established), e.g. 24h; 0 keeps the default [default: 24h].
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_timeout)]
+    pub conntrack_tcp_timeout_established: Option<Duration>,
+    /// Idle timeout of a UDP flow that saw replies in the north-south conntrack (kube-proxy's
+    /// --conntrack-udp-timeout-stream, the kernel's nf_conntrack_udp_timeout_stream), e.g.
+    /// 2m; 0 keeps the default. Unreplied UDP flows use --udp-flow-timeout [default: 2m].
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_timeout)]
+    pub conntrack_udp_timeout_stream: Option<Duration>,
+    /// kube-proxy's other flags.
+    #[command(flatten)]
+    pub kube_proxy: KubeProxyFlags,
+}
+
+/// kube-proxy's flags that ebpf-proxy has no name of its own for (the others are in
+/// [`RunFlags`] under their kube-proxy names). Each is `None` unless given.
+#[derive(clap::Args, Debug, Clone, Default)]
+#[command(next_help_heading = "kube-proxy flags")]
+pub struct KubeProxyFlags {
+    /// Write the effective configuration (flags, --config and defaults merged) to FILE as a
+    /// KubeProxyConfiguration and exit.
+    #[arg(allow_hyphen_values = true, long, value_name = "FILE")]
+    pub write_config_to: Option<PathBuf>,
+    /// Remove everything ebpf-proxy installed (programs, links, pinned maps under
+    /// --bpffs/--pin-dir) and exit, as `ebpf-proxy cleanup`.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
+    pub cleanup: Option<bool>,
+    /// Do the privileged start-up (preflight, mount bpffs, load, attach and pin the data
+    /// path), then exit; a later run adopts what was pinned.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
+    pub init_only: Option<bool>,
+    /// Proxy mode: empty or `ebpf`; kube-proxy's iptables, ipvs, nftables and kernelspace
+    /// modes stop start-up with an error.
+    #[arg(allow_hyphen_values = true, long, value_name = "MODE")]
+    pub proxy_mode: Option<String>,
+    /// URL of the Kubernetes API server, overriding the kubeconfig's.
+    #[arg(allow_hyphen_values = true, long, value_name = "URL")]
+    pub master: Option<String>,
+    /// Exit when the health or metrics server cannot bind its address (otherwise the bind is
+    /// retried every 5 s while the data path runs).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
+    pub bind_address_hard_fail: Option<bool>,
+    /// Same as --sync-period.
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_positive_duration, value_name = "DURATION")]
+    pub iptables_sync_period: Option<Duration>,
+    /// Same as --min-sync-period.
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, value_name = "DURATION")]
+    pub iptables_min_sync_period: Option<Duration>,
+    /// Same as --sync-period.
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_positive_duration, value_name = "DURATION")]
+    pub ipvs_sync_period: Option<Duration>,
+    /// Same as --min-sync-period.
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, value_name = "DURATION")]
+    pub ipvs_min_sync_period: Option<Duration>,
+    /// Default algorithm by its IPVS scheduler name: rr, wrr, lc, wlc, sed, nq, sh, dh, mh
+    /// (see --lb-algorithm; mh is source-hash); empty keeps the default algorithm.
+    #[arg(allow_hyphen_values = true, long, value_name = "SCHEDULER", value_parser = parse_scheduler_flag, conflicts_with = "lb_algorithm")]
+    pub ipvs_scheduler: Option<SchedulerFlag>,
+    /// Same as --udp-flow-timeout (0 keeps the default).
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_timeout, value_name = "DURATION")]
+    pub conntrack_udp_timeout: Option<Duration>,
+    /// oom_score_adj of the agent process, -1000..=1000 [default: -999].
+    #[arg(long, allow_hyphen_values = true, value_parser = number_in(OOM_SCORE_ADJ_RANGE.0, OOM_SCORE_ADJ_RANGE.1), value_name = "N")]
+    pub oom_score_adj: Option<i32>,
+    /// Deprecated in kube-proxy: port of the health server (0 disables it).
+    #[arg(allow_hyphen_values = true, long, value_name = "PORT", value_parser = number_in(0u16, u16::MAX))]
+    pub healthz_port: Option<u16>,
+    /// Deprecated in kube-proxy: port of the metrics server (0 disables it).
+    #[arg(allow_hyphen_values = true, long, value_name = "PORT", value_parser = number_in(0u16, u16::MAX))]
+    pub metrics_port: Option<u16>,
+    /// Same as --log-format.
+    #[arg(allow_hyphen_values = true, long, value_enum, value_name = "FORMAT")]
+    pub logging_format: Option<LogFormat>,
+    /// klog verbosity: 0-2 is --log-level info, 3-4 debug, 5 and more trace.
+    #[arg(allow_hyphen_values = true, short = 'v', long = "v", value_name = "N", value_parser = number_in(0u32, u32::MAX))]
+    pub verbosity: Option<u32>,
+    /// kube-proxy's idea of the node's primary IP; only its family is used here (the
+    /// default server addresses are IPv6 when it is IPv6).
+    #[arg(allow_hyphen_values = true, long, value_name = "IP")]
+    pub bind_address: Option<IpAddr>,
+    /// No effect here.
+    #[arg(allow_hyphen_values = true, long, value_name = "Name=bool,...")]
+    pub feature_gates: Option<FeatureGates>,
+    /// No effect here (the client sends JSON).
+    #[arg(allow_hyphen_values = true, long, value_name = "TYPE")]
+    pub kube_api_content_type: Option<String>,
+    /// No effect here (the client does not throttle).
+    #[arg(allow_hyphen_values = true, long, value_name = "N", value_parser = number_in(0i32, i32::MAX))]
+    pub kube_api_burst: Option<i32>,
+    /// No effect here (the client does not throttle).
+    #[arg(allow_hyphen_values = true, long, value_name = "QPS", value_parser = parse_qps)]
+    pub kube_api_qps: Option<f32>,
+    /// No effect here (no /debug/pprof).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
+    pub profiling: Option<bool>,
+    /// No effect here.
+    #[arg(allow_hyphen_values = true, long, value_name = "VERSION")]
+    pub show_hidden_metrics_for_version: Option<String>,
+    /// No effect here (no fwmark).
+    #[arg(allow_hyphen_values = true, long, value_name = "BIT", value_parser = number_in(0i32, 31))]
+    pub iptables_masquerade_bit: Option<i32>,
+    /// No effect here: node ports are never served on loopback (as kube-proxy's nftables
+    /// mode).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
+    pub iptables_localhost_nodeports: Option<bool>,
+    /// No effect here.
+    #[arg(
+        allow_hyphen_values = true,
+        long,
+        value_delimiter = ',',
+        value_name = "CIDR,..."
+    )]
+    pub ipvs_exclude_cidrs: Vec<String>,
+    /// No effect here.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
+    pub ipvs_strict_arp: Option<bool>,
+    /// No effect here.
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, value_name = "DURATION")]
+    pub ipvs_tcp_timeout: Option<Duration>,
+    /// No effect here.
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, value_name = "DURATION")]
+    pub ipvs_tcpfin_timeout: Option<Duration>,
+    /// No effect here.
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, value_name = "DURATION")]
+    pub ipvs_udp_timeout: Option<Duration>,
+    /// How kube-proxy tells local traffic: ClusterCIDR (what --cluster-cidr does here),
+    /// NodeCIDR, BridgeInterface or InterfaceNamePrefix (accepted, no effect here); any
+    /// other value stops start-up, as in kube-proxy.
+    #[arg(allow_hyphen_values = true, long, value_name = "MODE", value_parser = parse_detect_local_mode)]
+    pub detect_local_mode: Option<String>,
+    /// No effect here.
+    #[arg(allow_hyphen_values = true, long, value_name = "NAME")]
+    pub pod_bridge_interface: Option<String>,
+    /// No effect here.
+    #[arg(allow_hyphen_values = true, long, value_name = "PREFIX")]
+    pub pod_interface_name_prefix: Option<String>,
+    /// No effect here.
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, value_name = "DURATION")]
+    pub conntrack_tcp_timeout_close_wait: Option<Duration>,
+    /// No effect here.
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
+    pub conntrack_tcp_be_liberal: Option<bool>,
+    /// No effect here (watches are not resynced).
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, value_name = "DURATION")]
+    pub config_sync_period: Option<Duration>,
+    /// Removed from kube-proxy (userspace mode); no effect here.
+    #[arg(allow_hyphen_values = true, long, value_name = "RANGE")]
+    pub proxy_port_range: Option<String>,
+    /// No effect here.
+    #[arg(allow_hyphen_values = true, long, value_name = "PATTERN=N,...")]
+    pub vmodule: Option<String>,
+    /// No effect here (logs are not buffered).
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, value_name = "DURATION")]
+    pub log_flush_frequency: Option<Duration>,
+    /// No effect here (logs go to stderr).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
+    pub log_text_split_stream: Option<bool>,
+    /// No effect here.
+    #[arg(allow_hyphen_values = true, long, value_name = "SIZE")]
+    pub log_text_info_buffer_size: Option<String>,
+    /// No effect here (logs go to stderr).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
+    pub log_json_split_stream: Option<bool>,
+    /// No effect here.
+    #[arg(allow_hyphen_values = true, long, value_name = "SIZE")]
+    pub log_json_info_buffer_size: Option<String>,
+    /// No effect here (cAdvisor's flag, linked into kube-proxy).
+    #[arg(allow_hyphen_values = true, long, value_name = "FILES")]
+    pub boot_id_file: Option<String>,
+    /// No effect here (cAdvisor's flag, linked into kube-proxy).
+    #[arg(allow_hyphen_values = true, long, value_name = "FILES")]
+    pub machine_id_file: Option<String>,
+}
+
+impl KubeProxyFlags {
+    /// One warning per flag given that has no effect here (a zero value, such as
+    /// `--profiling=false`, is not reported).
+    pub fn warnings(&self) -> Vec<String> {
+        let given = |set: bool, name: &str| {
+            set.then(|| format!("flag --{name} has no effect in ebpf-proxy: ignored"))
+        };
+        let text = |v: &Option<String>| v.as_deref().is_some_and(|s| !s.trim().is_empty());
+        let yes = |v: &Option<bool>| v.unwrap_or(false);
+        let nonzero = |v: &Option<Duration>| v.is_some_and(|d| !d.is_zero());
+        [
+            given(
+                self.bind_address.is_some_and(|ip| !ip.is_unspecified()),
+                "bind-address",
+            ),
+            given(
+                self.feature_gates.as_ref().is_some_and(|g| !g.0.is_empty()),
+                "feature-gates",
+            ),
+            given(text(&self.kube_api_content_type), "kube-api-content-type"),
+            given(
+                self.kube_api_burst.is_some_and(|n| n != 0),
+                "kube-api-burst",
+            ),
+            given(self.kube_api_qps.is_some_and(|n| n != 0.0), "kube-api-qps"),
+            given(yes(&self.profiling), "profiling"),
+            given(
+                text(&self.show_hidden_metrics_for_version),
+                "show-hidden-metrics-for-version",
+            ),
+            given(
+                self.iptables_masquerade_bit.is_some(),
+                "iptables-masquerade-bit",
+            ),
+            given(
+                yes(&self.iptables_localhost_nodeports),
+                "iptables-localhost-nodeports",
+            ),
+            given(!self.ipvs_exclude_cidrs.is_empty(), "ipvs-exclude-cidrs"),
+            given(yes(&self.ipvs_strict_arp), "ipvs-strict-arp"),
+            given(nonzero(&self.ipvs_tcp_timeout), "ipvs-tcp-timeout"),
+            given(nonzero(&self.ipvs_tcpfin_timeout), "ipvs-tcpfin-timeout"),
+            given(nonzero(&self.ipvs_udp_timeout), "ipvs-udp-timeout"),
+            given(
+                self.detect_local_mode
+                    .as_deref()
+                    .is_some_and(|m| !m.is_empty() && m != "ClusterCIDR"),
+                "detect-local-mode",
+            ),
+            given(text(&self.pod_bridge_interface), "pod-bridge-interface"),
+            given(
+                text(&self.pod_interface_name_prefix),
+                "pod-interface-name-prefix",
+            ),
+            given(
+                nonzero(&self.conntrack_tcp_timeout_close_wait),
+                "conntrack-tcp-timeout-close-wait",
+            ),
+            given(
+                yes(&self.conntrack_tcp_be_liberal),
+                "conntrack-tcp-be-liberal",
+            ),
+            given(nonzero(&self.config_sync_period), "config-sync-period"),
+            given(text(&self.proxy_port_range), "proxy-port-range"),
+            given(text(&self.vmodule), "vmodule"),
+            given(nonzero(&self.log_flush_frequency), "log-flush-frequency"),
+            given(yes(&self.log_text_split_stream), "log-text-split-stream"),
+            given(
+                text(&self.log_text_info_buffer_size),
+                "log-text-info-buffer-size",
+            ),
+            given(yes(&self.log_json_split_stream), "log-json-split-stream"),
+            given(
+                text(&self.log_json_info_buffer_size),
+                "log-json-info-buffer-size",
+            ),
+            given(text(&self.boot_id_file), "boot-id-file"),
+            given(text(&self.machine_id_file), "machine-id-file"),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
+    }
+}

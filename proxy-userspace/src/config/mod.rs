@@ -1,0 +1,210 @@
+//! The agent's settings: command-line flags ([`RunFlags`]: ebpf-proxy's own and every flag of
+//! kube-proxy), kube-proxy's configuration file (`--config`, a `KubeProxyConfiguration` of
+//! `kubeproxy.config.k8s.io/v1alpha1`, see [`mod@file`]) and the defaults, merged once into the
+//! typed [`AgentConfig`] by [`AgentConfig::resolve`]: a flag given on the command line wins,
+//! then the file, then the default.
+//!
+//! kube-proxy's flags are those of `cmd/kube-proxy/app/options.go` (and the logging flags of
+//! component-base `logs/api/v1`) in kubernetes/kubernetes. Each has kube-proxy's meaning where
+//! ebpf-proxy has one; the others are accepted and named in one warning each when given a
+//! value other than their zero value. The same holds for the file's fields. Values use Go's
+//! syntaxes ([`go`]): durations such as `1m0s` or `1.5s`, booleans as `--flag=false`.
+//!
+//! `--proxy-mode` / `mode`: empty or `ebpf` run the agent; kube-proxy's own modes stop
+//! start-up with one line that says what ebpf-proxy is ([`ProxyMode::require_ebpf`]).
+//!
+//! The layout follows kube-proxy's (`pkg/proxy/apis/config`): one settings type,
+//! [`AgentConfig`] (here); its defaults, [`defaults`]; the value types and their checks,
+//! shared by the flags and the file, [`values`]; the flags, [`flags`]; the file, read and
+//! checked section by section, [`mod@file`]; the merge and the checks across settings,
+//! `resolve`; the written-back `KubeProxyConfiguration`, built from [`AgentConfig`],
+//! `written`.
+//!
+//! Adding a setting: its field in [`AgentConfig`] and its default in [`defaults`]; its flag
+//! in [`flags`] (a value type of [`values`] when the file takes it too); for a
+//! `KubeProxyConfiguration` field, its [`FileSettings`] field read in the field's section
+//! of [`mod@file`] (the document types already hold every v1alpha1 field) and its line in the
+//! section of `written`; then its one precedence line in `resolve`. A kube-proxy flag or
+//! field that gains an effect leaves the warnings of [`KubeProxyFlags::warnings`] and
+//! [`file::validate`].
+
+pub mod defaults;
+pub mod file;
+pub mod flags;
+pub mod go;
+mod resolve;
+pub mod values;
+mod written;
+
+use std::{
+    net::{IpAddr, SocketAddr},
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use anyhow::{Context, Result};
+use ipnet::IpNet;
+use proxy_common::Algorithm;
+
+pub use self::defaults::{
+    DEFAULT_BPFFS, DEFAULT_CONNTRACK_MAX_PER_CORE, DEFAULT_CONNTRACK_MIN,
+    DEFAULT_CT_TCP_ESTABLISHED, DEFAULT_CT_UDP_STREAM, DEFAULT_HEALTHZ_PORT, DEFAULT_METRICS_PORT,
+    DEFAULT_MIN_SYNC_PERIOD, DEFAULT_OOM_SCORE_ADJ, DEFAULT_PIN_DIR, DEFAULT_SYNC_PERIOD,
+    DEFAULT_UDP_FLOW_TIMEOUT, MAX_PERIOD,
+};
+pub use self::file::yaml::plain_type_error;
+pub use self::file::{FileSettings, KubeProxyConfiguration, Loaded, load, parse};
+pub use self::flags::{KubeProxyFlags, PinArgs, RunFlags};
+pub use self::resolve::log_level_of_verbosity;
+pub use self::values::{
+    ClusterCidrs, DETECT_LOCAL_MODES, IpvsScheduler, LogFormat, NodePortAddresses, ProxyMode,
+    SchedulerFlag, ServerAddress, check_detect_local_mode, number_in, parse_conntrack_min,
+    parse_duration, parse_positive_duration, parse_timeout,
+};
+use crate::datapath::tc::TcSettings;
+
+/// The `apiVersion` a configuration file must have.
+pub const API_VERSION: &str = "kubeproxy.config.k8s.io/v1alpha1";
+/// The `kind` a configuration file must have.
+pub const KIND: &str = "KubeProxyConfiguration";
+
+/// Where the agent reads objects from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SourceChoice {
+    /// A directory of manifests (`--manifests`).
+    Manifests(PathBuf),
+    /// The Kubernetes API, with this kubeconfig (else `Config::infer`).
+    Api(Option<PathBuf>),
+}
+
+/// What the process does with the settings (kube-proxy's order: `--write-config-to` first,
+/// then `--cleanup`, then `--init-only`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Run the agent.
+    Run,
+    /// `--write-config-to FILE`: write the effective configuration and exit.
+    WriteConfig(PathBuf),
+    /// `--cleanup`: remove the data path and exit.
+    Cleanup,
+    /// `--init-only`: set up the data path and exit.
+    InitOnly,
+}
+
+/// Sizes of the maps created at start (adopted pins keep theirs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MapSizeSettings {
+    /// `--max-frontends`.
+    pub frontends: u32,
+    /// `--max-backend-slots`.
+    pub slots: u32,
+    /// `--max-backends`.
+    pub backends: u32,
+    /// `--max-sockets`.
+    pub sockets: u32,
+}
+
+/// Every setting of the agent, merged once from the flags, the configuration file and the
+/// defaults (a flag given wins, then the file, then the default), typed.
+#[derive(Clone, Debug)]
+pub struct AgentConfig {
+    /// What to do.
+    pub action: Action,
+    /// `--proxy-mode` / `mode` (only [`ProxyMode::Ebpf`] runs).
+    pub proxy_mode: ProxyMode,
+    /// Where objects come from.
+    pub source: SourceChoice,
+    /// `--master`: the API server's URL, overriding the kubeconfig's.
+    pub master: Option<String>,
+    /// `--min-sync-period` (the pacing of the API source).
+    pub min_sync_period: Duration,
+    /// `--sync-period`.
+    pub sync_period: Duration,
+    /// `--metrics-bind-address` (`None`: no metrics server).
+    pub metrics_bind_address: Option<SocketAddr>,
+    /// `--healthz-bind-address` (`None`: no health server).
+    pub healthz_bind_address: Option<SocketAddr>,
+    /// `--status-bind-address` (`None`: no status server).
+    pub status_bind_address: Option<SocketAddr>,
+    /// `--bind-address-hard-fail`: a server that cannot bind stops the agent.
+    pub bind_address_hard_fail: bool,
+    /// `--bind-address` (kept for the written configuration).
+    pub bind_address: Option<IpAddr>,
+    /// `--cgroup-path` (`None`: the cgroup2 mount root).
+    pub cgroup_path: Option<PathBuf>,
+    /// The pin directory.
+    pub pins: PinArgs,
+    /// `--hostname-override`, trimmed and lowercased (the node name is resolved at start).
+    pub hostname_override: Option<String>,
+    /// `--lb-algorithm` (or `--ipvs-scheduler`).
+    pub lb_algorithm: Algorithm,
+    /// `--maglev-table-size`.
+    pub maglev_table_size: u32,
+    /// `--socket-lb-scope`.
+    pub socket_lb_scope: crate::model::bypass::SocketLbScope,
+    /// `--north-south-mode`.
+    pub north_south_mode: crate::model::NorthSouthMode,
+    /// `--kernel-log-level`.
+    pub kernel_log_level: crate::datapath::loader::KernelLogLevel,
+    /// `--close-connections-to-removed-endpoints`.
+    pub close_connections_to_removed_endpoints: bool,
+    /// `--log-level` (or `-v`).
+    pub log_level: String,
+    /// `-v` / `logging.verbosity` as given (for the written configuration).
+    pub verbosity: Option<u32>,
+    /// `--log-format`.
+    pub log_format: LogFormat,
+    /// `--cluster-cidr`.
+    pub cluster_cidrs: Vec<IpNet>,
+    /// `--nodeport-addresses` (`None`: every node address).
+    pub nodeport_addresses: Option<NodePortAddresses>,
+    /// Map sizes.
+    pub map_sizes: MapSizeSettings,
+    /// `--udp-flow-timeout`.
+    pub udp_flow_timeout: Duration,
+    /// The north-south path.
+    pub tc: TcSettings,
+    /// `--oom-score-adj`.
+    pub oom_score_adj: i32,
+    /// One line per flag given that has no effect here.
+    pub warnings: Vec<String>,
+    /// The effective configuration as a `KubeProxyConfiguration` (`--write-config-to`).
+    pub document: KubeProxyConfiguration,
+}
+
+impl AgentConfig {
+    /// The node name: `--hostname-override`, else `$NODE_NAME`, else the hostname
+    /// (lowercased, as kube-proxy's `nodeutil.GetHostname`).
+    pub fn node_name(&self) -> String {
+        self.hostname_override
+            .clone()
+            .filter(|s| !s.is_empty())
+            .or_else(|| {
+                std::env::var("NODE_NAME")
+                    .ok()
+                    .filter(|s| !s.trim().is_empty())
+            })
+            .or_else(|| {
+                std::fs::read_to_string("/proc/sys/kernel/hostname")
+                    .ok()
+                    .map(|s| s.trim().to_string())
+            })
+            .map(|s| s.trim().to_lowercase())
+            .unwrap_or_default()
+    }
+
+    /// The effective configuration as kube-proxy's configuration file (YAML), as
+    /// `--write-config-to` writes it.
+    pub fn kube_proxy_configuration(&self) -> String {
+        serde_yaml_ng::to_string(&self.document).expect("the document serializes")
+    }
+
+    /// `--write-config-to`: writes [`AgentConfig::kube_proxy_configuration`] to `path`.
+    pub fn write_config(&self, path: &Path) -> Result<()> {
+        std::fs::write(path, self.kube_proxy_configuration())
+            .with_context(|| format!("--write-config-to {}", path.display()))
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests;

@@ -1,0 +1,379 @@
+//! [`AgentConfig::resolve`]: the flags given, the file's settings and the defaults applied onto
+//! the one settings type, each setting's precedence written once here (a flag given wins, then
+//! the file, then the default of [`super::defaults`]), then the checks across settings, then
+//! the written-back document built from the result ([`super::written`]).
+
+use std::{net::SocketAddr, time::Duration};
+
+use anyhow::{Result, bail};
+use proxy_common::Algorithm;
+
+use super::defaults::{
+    self, DEFAULT_CONNTRACK_MAX_PER_CORE, DEFAULT_CONNTRACK_MIN, DEFAULT_CT_TCP_ESTABLISHED,
+    DEFAULT_CT_UDP_STREAM, DEFAULT_LOG_LEVEL, DEFAULT_MAX_BACKENDS, DEFAULT_MAX_FRONTENDS,
+    DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCKETS, DEFAULT_MIN_SYNC_PERIOD, DEFAULT_OOM_SCORE_ADJ,
+    DEFAULT_STATUS_PORT, DEFAULT_SYNC_PERIOD, DEFAULT_UDP_FLOW_TIMEOUT, MAGLEV_DEFAULT, MAX_PERIOD,
+};
+use super::go::format_go_duration;
+use super::values::{IpvsScheduler, LogFormat, ProxyMode, SchedulerFlag, ServerAddress};
+use super::{
+    Action, AgentConfig, FileSettings, KubeProxyConfiguration, KubeProxyFlags, MapSizeSettings,
+    RunFlags, SourceChoice, written,
+};
+use crate::datapath::tc::TcSettings;
+
+impl AgentConfig {
+    /// Merges the flags with the configuration file's settings (`file`, when `--config` was
+    /// given) and the defaults.
+    ///
+    /// Errors: a mode other than empty or `ebpf` (except with `--cleanup`), an IPVS
+    /// scheduler the data path does not implement, flags of one setting that disagree,
+    /// `--min-sync-period` longer than `--sync-period` (as kube-proxy's validation, whether
+    /// they come from flags or the file), an empty `--hostname-override`.
+    pub fn resolve(flags: RunFlags, file: Option<FileSettings>) -> Result<AgentConfig> {
+        let f = file.unwrap_or_default();
+        let k = &flags.kube_proxy;
+        // The fallible steps run in this order: it decides which of several errors is told.
+        let action = action(k);
+        let proxy_mode = proxy_mode(&flags, &f, &action)?;
+        let periods = SyncPeriodFlags::given(&flags)?;
+        let hostname_override = hostname_override(&flags, &f)?;
+        let udp_flow_timeout = agree(
+            &[
+                ("--udp-flow-timeout", flags.udp_flow_timeout),
+                (
+                    "--conntrack-udp-timeout",
+                    k.conntrack_udp_timeout.filter(|d| !d.is_zero()),
+                ),
+            ],
+            format_go_duration,
+        )?;
+        let (log_level, verbosity, log_format) = logging(&flags, &f);
+        let bind_address = k.bind_address.or(f.bind_address);
+        let ipv6 = bind_address.is_some_and(|ip| ip.is_ipv6());
+        let mut c = AgentConfig {
+            action,
+            proxy_mode,
+            source: source(&flags, &f),
+            master: k.master.clone().filter(|m| !m.trim().is_empty()),
+            min_sync_period: periods
+                .min
+                .or(f.min_sync_period)
+                .unwrap_or(DEFAULT_MIN_SYNC_PERIOD),
+            sync_period: periods
+                .sync
+                .or(f.sync_period)
+                .unwrap_or(DEFAULT_SYNC_PERIOD),
+            metrics_bind_address: server(
+                flags.metrics_bind_address,
+                f.metrics_bind_address,
+                k.metrics_port,
+                defaults::metrics_bind_address(ipv6),
+            ),
+            healthz_bind_address: server(
+                flags.healthz_bind_address,
+                f.healthz_bind_address,
+                k.healthz_port,
+                defaults::healthz_bind_address(ipv6),
+            ),
+            status_bind_address: match flags.status_bind_address {
+                Some(a) => a.resolve(DEFAULT_STATUS_PORT),
+                None => Some(defaults::status_bind_address()),
+            },
+            bind_address_hard_fail: k
+                .bind_address_hard_fail
+                .or(f.bind_address_hard_fail)
+                .unwrap_or(false),
+            bind_address,
+            cgroup_path: flags.cgroup_path.clone(),
+            pins: flags.pins.clone(),
+            hostname_override,
+            lb_algorithm: lb_algorithm(&flags, &f),
+            maglev_table_size: flags.maglev_table_size.unwrap_or(MAGLEV_DEFAULT),
+            socket_lb_scope: flags.socket_lb_scope.unwrap_or_default(),
+            north_south_mode: flags.north_south_mode.unwrap_or_default(),
+            kernel_log_level: flags.kernel_log_level.unwrap_or_default(),
+            close_connections_to_removed_endpoints: flags.close_connections_to_removed_endpoints,
+            log_level,
+            verbosity,
+            log_format,
+            cluster_cidrs: flags
+                .cluster_cidr
+                .clone()
+                .or(f.cluster_cidr.clone())
+                .map(|c| c.0)
+                .unwrap_or_default(),
+            nodeport_addresses: flags
+                .nodeport_addresses
+                .clone()
+                .or(f.node_port_addresses.clone()),
+            map_sizes: map_sizes(&flags),
+            udp_flow_timeout: udp_flow_timeout
+                .or(f.udp_flow_timeout)
+                .unwrap_or(DEFAULT_UDP_FLOW_TIMEOUT),
+            tc: north_south(&flags, &f),
+            oom_score_adj: k
+                .oom_score_adj
+                .or(f.oom_score_adj)
+                .unwrap_or(DEFAULT_OOM_SCORE_ADJ),
+            warnings: warnings(&flags),
+            document: KubeProxyConfiguration::default(),
+        };
+        c.check_sync_periods(&periods, &f)?;
+        // Whether the operator chose a per-core figure: the written file leaves it unset
+        // otherwise (see `written::effective`).
+        let max_per_core_given =
+            flags.conntrack_max_per_core.is_some() || f.conntrack_max_per_core.is_some();
+        c.document = written::effective(&c, k, &f.document, max_per_core_given);
+        Ok(c)
+    }
+
+    /// kube-proxy's validation of the sync periods, whether they come from flags or the
+    /// file: the period at most [`MAX_PERIOD`], the minimum not longer than the period.
+    fn check_sync_periods(&self, flags: &SyncPeriodFlags, f: &FileSettings) -> Result<()> {
+        if self.sync_period > MAX_PERIOD {
+            bail!("--sync-period must be at most 8760h (a year)");
+        }
+        if self.min_sync_period > self.sync_period {
+            // Name where each value came from: a flag, the config file, or the default.
+            let origin =
+                |flag: Option<Duration>, file: Option<Duration>, field: &str| match (flag, file) {
+                    (Some(_), _) => String::new(),
+                    (None, Some(_)) => format!(", the config file's {field}"),
+                    (None, None) => ", the default".to_string(),
+                };
+            bail!(
+                "--min-sync-period ({}{}) is longer than --sync-period ({}{})",
+                format_go_duration(self.min_sync_period),
+                origin(flags.min, f.min_sync_period, "minSyncPeriod"),
+                format_go_duration(self.sync_period),
+                origin(flags.sync, f.sync_period, "syncPeriod"),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// What the process does (kube-proxy's order: `--write-config-to` first, then `--cleanup`,
+/// then `--init-only`).
+fn action(k: &KubeProxyFlags) -> Action {
+    if let Some(path) = k.write_config_to.clone() {
+        Action::WriteConfig(path)
+    } else if k.cleanup == Some(true) {
+        Action::Cleanup
+    } else if k.init_only == Some(true) {
+        Action::InitOnly
+    } else {
+        Action::Run
+    }
+}
+
+/// `--proxy-mode`, else the file's `mode`: only ebpf runs, except that `--cleanup` removes
+/// what ebpf-proxy installed whatever the mode says. The error names where the mode came
+/// from.
+fn proxy_mode(flags: &RunFlags, f: &FileSettings, action: &Action) -> Result<ProxyMode> {
+    let (mode, origin) = match &flags.kube_proxy.proxy_mode {
+        Some(m) => (ProxyMode::parse(m), "--proxy-mode".to_string()),
+        None => {
+            let origin = match &flags.config {
+                Some(path) => format!("--config {}: mode", path.display()),
+                None => "--config: mode".to_string(),
+            };
+            (f.mode.clone().unwrap_or_default(), origin)
+        }
+    };
+    if *action != Action::Cleanup {
+        mode.require_ebpf(&origin)?;
+    }
+    Ok(mode)
+}
+
+/// `--manifests`, else the API with `--kubeconfig`, else the file's kubeconfig (also a
+/// source choice; `--manifests` is the other one).
+fn source(flags: &RunFlags, f: &FileSettings) -> SourceChoice {
+    match &flags.manifests {
+        Some(m) => SourceChoice::Manifests(m.clone()),
+        None => SourceChoice::Api(flags.kubeconfig.clone().or(f.kubeconfig.clone())),
+    }
+}
+
+/// The sync periods the flags give: each under its three kube-proxy names, which must agree.
+struct SyncPeriodFlags {
+    sync: Option<Duration>,
+    min: Option<Duration>,
+}
+
+impl SyncPeriodFlags {
+    fn given(flags: &RunFlags) -> Result<SyncPeriodFlags> {
+        let k = &flags.kube_proxy;
+        let sync = agree(
+            &[
+                ("--sync-period", flags.sync_period),
+                ("--iptables-sync-period", k.iptables_sync_period),
+                ("--ipvs-sync-period", k.ipvs_sync_period),
+            ],
+            format_go_duration,
+        )?;
+        let min = agree(
+            &[
+                ("--min-sync-period", flags.min_sync_period),
+                ("--iptables-min-sync-period", k.iptables_min_sync_period),
+                ("--ipvs-min-sync-period", k.ipvs_min_sync_period),
+            ],
+            format_go_duration,
+        )?;
+        Ok(SyncPeriodFlags { sync, min })
+    }
+}
+
+/// The one value of a setting given by several flags (kube-proxy's per-mode names of one
+/// setting): they must agree.
+fn agree<T: PartialEq + Copy>(
+    given: &[(&str, Option<T>)],
+    show: impl Fn(T) -> String,
+) -> Result<Option<T>> {
+    let mut found: Option<(&str, T)> = None;
+    for (name, v) in given {
+        let Some(v) = v else { continue };
+        match found {
+            Some((first, f)) if f != *v => bail!(
+                "{name} {} differs from {first} {}; give one value",
+                show(*v),
+                show(f)
+            ),
+            Some(_) => {}
+            None => found = Some((name, *v)),
+        }
+    }
+    Ok(found.map(|(_, v)| v))
+}
+
+/// `--hostname-override`, else the file's, trimmed and lowercased as kube-proxy does; an
+/// empty flag is an error.
+fn hostname_override(flags: &RunFlags, f: &FileSettings) -> Result<Option<String>> {
+    match &flags.hostname_override {
+        Some(h) => {
+            let h = h.trim().to_lowercase();
+            if h.is_empty() {
+                bail!("--hostname-override: an empty name is invalid");
+            }
+            Ok(Some(h))
+        }
+        None => Ok(f.hostname_override.clone().map(|h| h.trim().to_lowercase())),
+    }
+}
+
+/// `--lb-algorithm`, else `--ipvs-scheduler` (empty: the default algorithm, over the file),
+/// else the file's `ipvs.scheduler`, else random.
+fn lb_algorithm(flags: &RunFlags, f: &FileSettings) -> Algorithm {
+    match (flags.lb_algorithm, flags.kube_proxy.ipvs_scheduler) {
+        (Some(a), _) => a,
+        (None, Some(SchedulerFlag(Some(s)))) => s.algorithm(),
+        (None, Some(SchedulerFlag(None))) => Algorithm::default(),
+        (None, None) => f
+            .ipvs_scheduler
+            .map(IpvsScheduler::algorithm)
+            .unwrap_or_default(),
+    }
+}
+
+/// The log level (`--log-level`, else the one of `-v` or the file's verbosity), the
+/// verbosity as given, and the format (`--log-format`, `--logging-format`, the file's).
+fn logging(flags: &RunFlags, f: &FileSettings) -> (String, Option<u32>, LogFormat) {
+    let k = &flags.kube_proxy;
+    let verbosity = k.verbosity.or(f.verbosity);
+    let log_level = flags
+        .log_level
+        .clone()
+        .or_else(|| verbosity.map(|v| log_level_of_verbosity(v).to_string()))
+        .unwrap_or_else(|| DEFAULT_LOG_LEVEL.into());
+    let log_format = flags
+        .log_format
+        .or(k.logging_format)
+        .or(f.log_format)
+        .unwrap_or_default();
+    (log_level, verbosity, log_format)
+}
+
+/// The log level of a klog verbosity: 0-2 info (kube-proxy logs its normal operation up to
+/// V(2)), 3-4 debug, 5 and more trace.
+pub fn log_level_of_verbosity(v: u32) -> &'static str {
+    match v {
+        0..=2 => "info",
+        3..=4 => "debug",
+        _ => "trace",
+    }
+}
+
+/// A server's address: the flag (empty disables the server), else the file's, else
+/// `default`; a deprecated port flag then sets the port or, at 0, disables the server.
+fn server(
+    flag: Option<ServerAddress>,
+    file: Option<SocketAddr>,
+    port_flag: Option<u16>,
+    default: SocketAddr,
+) -> Option<SocketAddr> {
+    let mut addr = match flag {
+        Some(a) => a.resolve(default.port()),
+        None => Some(file.unwrap_or(default)),
+    };
+    if let Some(port) = port_flag {
+        addr = (port != 0).then(|| SocketAddr::new(addr.map_or(default.ip(), |a| a.ip()), port));
+    }
+    addr
+}
+
+/// The map sizes: flags only (`KubeProxyConfiguration` has no field for them).
+fn map_sizes(flags: &RunFlags) -> MapSizeSettings {
+    MapSizeSettings {
+        frontends: flags.max_frontends.unwrap_or(DEFAULT_MAX_FRONTENDS),
+        slots: flags.max_backend_slots.unwrap_or(DEFAULT_MAX_SLOTS),
+        backends: flags.max_backends.unwrap_or(DEFAULT_MAX_BACKENDS),
+        sockets: flags.max_sockets.unwrap_or(DEFAULT_MAX_SOCKETS),
+    }
+}
+
+/// The north-south path; a conntrack flag at 0 keeps the file's value or the default, as
+/// kube-proxy's "leave as is".
+fn north_south(flags: &RunFlags, f: &FileSettings) -> TcSettings {
+    TcSettings {
+        interfaces: flags.interfaces.clone(),
+        xdp: flags.xdp.unwrap_or_default(),
+        xdp_veth_peers_ready: flags.xdp_veth_peers_ready,
+        masquerade_all: flags.masquerade_all.or(f.masquerade_all).unwrap_or(false),
+        conntrack_max_per_core: flags
+            .conntrack_max_per_core
+            .or(f.conntrack_max_per_core)
+            .unwrap_or(DEFAULT_CONNTRACK_MAX_PER_CORE),
+        conntrack_min: flags
+            .conntrack_min
+            .filter(|&n| n != 0)
+            .or(f.conntrack_min)
+            .unwrap_or(DEFAULT_CONNTRACK_MIN),
+        conntrack_tcp_timeout_established: flags
+            .conntrack_tcp_timeout_established
+            .filter(|d| !d.is_zero())
+            .or(f.conntrack_tcp_timeout_established)
+            .unwrap_or(DEFAULT_CT_TCP_ESTABLISHED),
+        conntrack_udp_timeout_stream: flags
+            .conntrack_udp_timeout_stream
+            .filter(|d| !d.is_zero())
+            .or(f.conntrack_udp_timeout_stream)
+            .unwrap_or(DEFAULT_CT_UDP_STREAM),
+    }
+}
+
+/// One line per flag given that has no effect here, then one when the two log format flags
+/// disagree.
+fn warnings(flags: &RunFlags) -> Vec<String> {
+    let k = &flags.kube_proxy;
+    let mut warnings = k.warnings();
+    if k.logging_format.is_some()
+        && flags.log_format.is_some()
+        && k.logging_format != flags.log_format
+    {
+        warnings
+            .push("flags --log-format and --logging-format disagree: --log-format is used".into());
+    }
+    warnings
+}
