@@ -688,11 +688,6 @@ impl Model {
             .filter_map(move |s| self.slices.get(&(namespace.to_string(), s.clone())))
             .filter_map(|s| s.parsed.as_ref())
     }
-
-    /// Number of Services and EndpointSlices held.
-    pub fn object_counts(&self) -> (usize, usize) {
-        (self.services.len(), self.slices.len())
-    }
 }
 
 /// (namespace, name) of an object; the namespace defaults to "default".
