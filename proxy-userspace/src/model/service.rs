@@ -6,7 +6,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use ipnet::IpNet;
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::core::v1::{Service, ServiceSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 use super::selection::{NorthSouthMode, algorithm_and_weights, north_south_mode};
@@ -15,6 +15,9 @@ use super::vocab::{Algorithm, Family, Protocol, UNUSABLE, parse_ip, usable_vip};
 /// Default `sessionAffinityConfig.clientIP.timeoutSeconds` (Kubernetes API: 3 hours).
 pub const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10800;
 
+/// A Service port: (name, "" when unnamed; protocol; port).
+pub(crate) type ServicePort = (String, Protocol, u16);
+
 /// What a Service offers, once it passed validation: cluster IPs (at most one per family,
 /// in `clusterIPs` order), ports (name, protocol, port), external addresses
 /// (`spec.externalIPs` and `status.loadBalancer.ingress[].ip` in VIP mode, with what they
@@ -22,7 +25,7 @@ pub const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10800;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Frontends {
     pub vips: Vec<IpAddr>,
-    pub ports: Vec<(String, Protocol, u16)>,
+    pub ports: Vec<ServicePort>,
     pub external: Vec<(IpAddr, &'static str)>,
     /// `spec.ports[].nodePort` by port name, where set.
     pub node_ports: BTreeMap<String, u16>,
@@ -138,7 +141,7 @@ impl ServiceInfo {
 
 /// A Service's [`Frontends`]. `Ok(None)` for a Service that has no frontends by design
 /// (headless, ExternalName, no cluster IP); `Err(reason)` for an invalid Service. Per-port
-/// and per-address problems go to `warnings`.
+/// and per-address problems go to `warnings` (only when the Service is valid).
 fn frontends(svc: &Service, warnings: &mut Vec<String>) -> Result<Option<Frontends>, String> {
     let Some(spec) = svc.spec.as_ref() else {
         return Ok(None);
@@ -146,6 +149,27 @@ fn frontends(svc: &Service, warnings: &mut Vec<String>) -> Result<Option<Fronten
     if spec.type_.as_deref() == Some("ExternalName") {
         return Ok(None);
     }
+    let Some(vips) = cluster_ips(spec)? else {
+        return Ok(None);
+    };
+    traffic_policies(spec)?;
+    let mut port_warnings = Vec::new();
+    let (ports, node_ports) = ports(spec, &mut port_warnings)?;
+    let external = external_addresses(svc, spec, &mut port_warnings);
+    let affinity = affinity(spec)?;
+    warnings.extend(port_warnings);
+    Ok(Some(Frontends {
+        vips,
+        ports,
+        external,
+        node_ports,
+        affinity,
+    }))
+}
+
+/// The cluster IPs (`clusterIPs`, else `clusterIP`), at most one per family; `Ok(None)` for a
+/// headless Service or one without a cluster IP.
+fn cluster_ips(spec: &ServiceSpec) -> Result<Option<Vec<IpAddr>>, String> {
     let cluster_ip = spec.cluster_ip.as_deref().filter(|s| !s.is_empty());
     let ip_strings: Vec<&str> = match spec.cluster_ips.as_deref() {
         Some(ips) if !ips.is_empty() => {
@@ -178,6 +202,11 @@ fn frontends(svc: &Service, warnings: &mut Vec<String>) -> Result<Option<Fronten
         }
         vips.push(ip);
     }
+    Ok(Some(vips))
+}
+
+/// Checks `internalTrafficPolicy` and `externalTrafficPolicy`: unset, `Cluster` or `Local`.
+fn traffic_policies(spec: &ServiceSpec) -> Result<(), String> {
     for policy in [
         (
             "internalTrafficPolicy",
@@ -195,12 +224,19 @@ fn frontends(svc: &Service, warnings: &mut Vec<String>) -> Result<Option<Fronten
             return Err(format!("{field} {v:?} is not Cluster or Local"));
         }
     }
+    Ok(())
+}
 
+/// The Service ports (name, protocol, port) and the node port of each port name. SCTP ports
+/// and out-of-range node ports are skipped with a warning in `port_warnings`.
+fn ports(
+    spec: &ServiceSpec,
+    port_warnings: &mut Vec<String>,
+) -> Result<(Vec<ServicePort>, BTreeMap<String, u16>), String> {
     let mut ports = Vec::new();
     let mut node_ports = BTreeMap::new();
     let mut seen_ports: BTreeSet<(i32, String)> = BTreeSet::new();
     let mut seen_names: BTreeSet<&str> = BTreeSet::new();
-    let mut port_warnings = Vec::new();
     for p in spec.ports.iter().flatten() {
         let name = p.name.as_deref().unwrap_or("");
         let proto_name = p.protocol.as_deref().unwrap_or("TCP");
@@ -247,7 +283,16 @@ fn frontends(svc: &Service, warnings: &mut Vec<String>) -> Result<Option<Fronten
         }
         ports.push((name.to_string(), protocol, p.port as u16));
     }
+    Ok((ports, node_ports))
+}
 
+/// The usable external addresses (`spec.externalIPs`, then load balancer ingress IPs in VIP
+/// mode), each with what it is; the others are skipped with a warning in `port_warnings`.
+fn external_addresses(
+    svc: &Service,
+    spec: &ServiceSpec,
+    port_warnings: &mut Vec<String>,
+) -> Vec<(IpAddr, &'static str)> {
     let mut external = Vec::new();
     let mut candidates: Vec<(&str, &'static str)> = spec
         .external_ips
@@ -283,7 +328,12 @@ fn frontends(svc: &Service, warnings: &mut Vec<String>) -> Result<Option<Fronten
             Err(e) => port_warnings.push(format!("{what} {e}; address skipped")),
         }
     }
-    let affinity = match spec.session_affinity.as_deref() {
+    external
+}
+
+/// The ClientIP affinity timeout in seconds, 0 without affinity.
+fn affinity(spec: &ServiceSpec) -> Result<u32, String> {
+    Ok(match spec.session_affinity.as_deref() {
         None | Some("") | Some("None") => 0,
         Some("ClientIP") => {
             let t = spec
@@ -302,13 +352,5 @@ fn frontends(svc: &Service, warnings: &mut Vec<String>) -> Result<Option<Fronten
             }
         }
         Some(other) => return Err(format!("sessionAffinity {other:?} is not None or ClientIP")),
-    };
-    warnings.extend(port_warnings);
-    Ok(Some(Frontends {
-        vips,
-        ports,
-        external,
-        node_ports,
-        affinity,
-    }))
+    })
 }
