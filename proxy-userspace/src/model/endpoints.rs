@@ -272,3 +272,6 @@ pub(crate) fn merge<'a>(slices: impl Iterator<Item = &'a ParsedSlice>) -> Servic
     }
     out
 }
+
+#[cfg(test)]
+mod tests;

@@ -247,3 +247,6 @@ pub(crate) fn resolve(
     }
     out
 }
+
+#[cfg(test)]
+mod tests;

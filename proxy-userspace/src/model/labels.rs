@@ -26,3 +26,6 @@ pub fn excluded_by_labels(meta: &ObjectMeta) -> bool {
         .as_ref()
         .is_some_and(|l| l.contains_key(SERVICE_PROXY_NAME_LABEL) || l.contains_key(HEADLESS_LABEL))
 }
+
+#[cfg(test)]
+mod tests;

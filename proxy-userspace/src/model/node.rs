@@ -151,3 +151,6 @@ impl NodeState {
         self.addresses.iter().map(|a| a.ip).collect()
     }
 }
+
+#[cfg(test)]
+mod tests;

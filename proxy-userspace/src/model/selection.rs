@@ -207,3 +207,6 @@ pub(crate) fn algorithm_and_weights(
     }
     (algorithm, weights)
 }
+
+#[cfg(test)]
+mod tests;

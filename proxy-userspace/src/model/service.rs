@@ -354,3 +354,6 @@ fn affinity(spec: &ServiceSpec) -> Result<u32, String> {
         Some(other) => return Err(format!("sessionAffinity {other:?} is not None or ClientIP")),
     })
 }
+
+#[cfg(test)]
+mod tests;

@@ -323,3 +323,6 @@ impl ServiceSets<'_> {
         d
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -79,3 +79,6 @@ pub fn categorize(eps: &PortEndpoints, node: &str, zone: &str) -> EndpointSets {
         topology,
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -732,3 +732,6 @@ impl Model {
         model
     }
 }
+
+#[cfg(test)]
+mod tests;

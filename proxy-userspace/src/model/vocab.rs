@@ -239,3 +239,6 @@ pub(crate) fn parse_ip(s: &str) -> Result<IpAddr, String> {
     }
     Ok(ip)
 }
+
+#[cfg(test)]
+mod tests;
