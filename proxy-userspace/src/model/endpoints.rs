@@ -1,4 +1,4 @@
-//! EndpointSlices read once, when they change, into [`SliceInfo`], and the endpoints of a
+//! EndpointSlices read once, when they change, into `SliceInfo`, and the endpoints of a
 //! Service port merged from its slices (kube-proxy's pkg/proxy endpointslicecache). Which of
 //! them this node uses is [`categorize`](super::categorize)'s.
 

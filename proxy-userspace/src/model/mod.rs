@@ -1,23 +1,23 @@
 //! The desired-state model: the one reader of Kubernetes objects. Services, EndpointSlices
-//! and this node's Node object arrive as changes
-//! ([`Change`](crate::source::Change)); each is read once, into the
-//! model's own types, and a change that reads the same as before is dropped (as kube-proxy's
-//! change trackers drop no-op updates). [`Model::commit`] then recomputes only the Services
+//! and this node's Node object arrive as changes ([`Change`](crate::source::Change)); each
+//! is read once, into the model's own types, and a change that reads the same as before is
+//! dropped (as kube-proxy's change trackers drop no-op updates). [`Model::commit`] then recomputes only the Services
 //! the changes touched and reports which backend sets and node facts changed ([`Delta`]).
 //! No I/O, no aya; deterministic (the same objects always give the same state and errors,
 //! whatever order the changes came in).
 //!
-//! Concerns, one module each, each importing only those listed before it: [`vocab`] (the
+//! Concerns, one module each, each importing only those listed before it: `vocab` (the
 //! shared identities and terms: keys, protocols, families, scopes, what a backend set is),
-//! [`labels`] (the labels that link, place or exclude objects), [`selection`] (algorithms,
+//! `labels` (the labels that link, place or exclude objects), `selection` (algorithms,
 //! weights and north-south mode, with the `ebpf-proxy.io/*` annotations choosing them),
-//! [`service`] (a Service's frontends and policies), [`endpoints`] (slices and endpoint
-//! conditions), [`topology`] (which endpoints this node uses: readiness, terminating
+//! `service` (a Service's frontends and policies), [`endpoints`] (slices and endpoint
+//! conditions), `topology` (which endpoints this node uses: readiness, terminating
 //! fallback, topology hints), [`node`] (this node's flags, addresses and zone),
-//! [`frontends`] (ownership of contested frontends), [`sets`] (the backend sets and other
-//! facts one Service gives), [`tracker`] (the change tracking of [`Model`]) and [`explain`]
+//! `frontends` (ownership of contested frontends), `sets` (the backend sets and other
+//! facts one Service gives), `tracker` (the change tracking of [`Model`]) and [`explain`]
 //! (why an endpoint is or is not used). [`bypass`] (which pods bypass socket-level
-//! translation) stands apart.
+//! translation) stands apart. The public items of the crate-private modules are re-exported
+//! here.
 //!
 //! Rules (kube-proxy semantics; where its modes differ, the nftables mode of KEP-3866):
 //!
@@ -46,7 +46,7 @@
 //!   same family; a port is 0 or above 65535; a port/protocol pair or a port name appears
 //!   twice; a protocol is not TCP, UDP or SCTP; or one of its frontends (VIP, port,
 //!   protocol) is already used by another Service (the oldest Service keeps it, see
-//!   [`frontends`]).
+//!   `frontends`).
 //! - A Service without ports has no frontends.
 //! - External addresses: every `spec.externalIPs` entry and every
 //!   `status.loadBalancer.ingress[].ip` whose `ipMode` is unset or `VIP` (KEP-1860: with
@@ -114,14 +114,14 @@ pub mod bypass;
 pub mod endpoints;
 pub mod explain;
 pub(crate) mod frontends;
-pub mod labels;
+pub(crate) mod labels;
 pub mod node;
-pub mod selection;
+pub(crate) mod selection;
 pub(crate) mod service;
 pub(crate) mod sets;
-pub mod topology;
-pub mod tracker;
-pub mod vocab;
+pub(crate) mod topology;
+pub(crate) mod tracker;
+pub(crate) mod vocab;
 
 pub use endpoints::{EndpointInfo, PortEndpoints, TRIGGER_TIME_ANNOTATION};
 pub use explain::{eligibility, why_not};
