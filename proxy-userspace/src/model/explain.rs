@@ -3,7 +3,10 @@
 
 use std::net::SocketAddr;
 
-use super::{EndpointInfo, EndpointSets, Model, ServicePortKey, categorize};
+use super::endpoints::EndpointInfo;
+use super::topology::{EndpointSets, categorize};
+use super::tracker::Model;
+use super::vocab::ServicePortKey;
 
 /// Every endpoint of the Service port and family of `key` as this node reads it, each with
 /// the reason it is not in the backend set (`None` when it is). `local_only`: the set is a

@@ -26,7 +26,7 @@ use std::net::{IpAddr, SocketAddr};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 use super::service::ServiceInfo;
-use super::{Family, Protocol, SvcKey};
+use super::vocab::{Family, Protocol, SvcKey};
 
 /// A frontend as claimed: (address, port) x protocol.
 pub(crate) type Claim = (SocketAddr, Protocol);
@@ -247,3 +247,6 @@ pub(crate) fn resolve(
     }
     out
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,15 +1,39 @@
-//! This node's `v1` Node object, read once into [`NodeState`]: its addresses with the roles
-//! they play (node ports, SNAT and the choice of external interfaces), its zone, and whether
-//! it is being removed (for `/healthz`'s `nodeEligible`).
+//! What the model knows of this node: the flags that shape it ([`NodeInfo`]) and its `v1`
+//! Node object, read once into [`NodeState`]: its addresses with the roles they play (node
+//! ports, SNAT and the choice of external interfaces), its zone, and whether it is being
+//! removed (for `/healthz`'s `nodeEligible`).
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
 use std::sync::Arc;
 
+use ipnet::IpNet;
 use k8s_openapi::api::core::v1::Node;
 
-use super::service::usable_vip;
-use super::{Family, ModelError, NodeInfo, ZONE_LABEL};
+use super::labels::ZONE_LABEL;
+use super::selection::NorthSouthMode;
+use super::vocab::{Algorithm, Family, ModelError, usable_vip};
+
+/// Information about this node that does not come from objects: its name
+/// (`--hostname-override`) and the flags that shape the model. Its zone and addresses come
+/// from the Node object of that name ([`NodeState`]).
+#[derive(Clone, Debug, Default)]
+pub struct NodeInfo {
+    /// Node name.
+    pub name: String,
+    /// `--nodeport-addresses` CIDRs: node ports are served only on node addresses inside
+    /// one of them; empty means every node address (kube-proxy's iptables default).
+    pub nodeport_addresses: Vec<IpNet>,
+    /// `--nodeport-addresses primary`: only the node's primary address of each family (its
+    /// first `InternalIP`), the default of kube-proxy's nftables mode.
+    pub nodeport_primary: bool,
+    /// `--lb-algorithm`: the algorithm of Services without
+    /// [`ALGORITHM_ANNOTATION`](super::selection::ALGORITHM_ANNOTATION).
+    pub default_algorithm: Algorithm,
+    /// `--north-south-mode`: the mode of Services without
+    /// [`NORTH_SOUTH_MODE_ANNOTATION`](super::selection::NORTH_SOUTH_MODE_ANNOTATION).
+    pub north_south_mode: NorthSouthMode,
+}
 
 /// One `InternalIP` or `ExternalIP` of this node's `status.addresses`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -127,3 +151,6 @@ impl NodeState {
         self.addresses.iter().map(|a| a.ip).collect()
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -6,14 +6,17 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use ipnet::IpNet;
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::core::v1::{Service, ServiceSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
-use super::{
-    ALGORITHM_ANNOTATION, Algorithm, DEFAULT_AFFINITY_TIMEOUT_S, Family, MAX_WEIGHT,
-    NORTH_SOUTH_MODE_ANNOTATION, NorthSouthMode, Protocol, WEIGHTS_ANNOTATION, algorithm_names,
-    parse_algorithm,
-};
+use super::selection::{NorthSouthMode, algorithm_and_weights, north_south_mode};
+use super::vocab::{Algorithm, Family, Protocol, UNUSABLE, parse_ip, usable_vip};
+
+/// Default `sessionAffinityConfig.clientIP.timeoutSeconds` (Kubernetes API: 3 hours).
+pub const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10800;
+
+/// A Service port: (name, "" when unnamed; protocol; port).
+pub(crate) type ServicePort = (String, Protocol, u16);
 
 /// What a Service offers, once it passed validation: cluster IPs (at most one per family,
 /// in `clusterIPs` order), ports (name, protocol, port), external addresses
@@ -22,7 +25,7 @@ use super::{
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Frontends {
     pub vips: Vec<IpAddr>,
-    pub ports: Vec<(String, Protocol, u16)>,
+    pub ports: Vec<ServicePort>,
     pub external: Vec<(IpAddr, &'static str)>,
     /// `spec.ports[].nodePort` by port name, where set.
     pub node_ports: BTreeMap<String, u16>,
@@ -47,11 +50,15 @@ pub(crate) struct ServiceInfo {
     pub internal_local: bool,
     /// `externalTrafficPolicy: Local`.
     pub external_local: bool,
-    /// Algorithm ([`ALGORITHM_ANNOTATION`] or the default).
+    /// Algorithm ([`ALGORITHM_ANNOTATION`](super::selection::ALGORITHM_ANNOTATION) or the
+    /// default).
     pub algorithm: Algorithm,
-    /// Endpoint weights by pod name or address ([`WEIGHTS_ANNOTATION`]).
+    /// Endpoint weights by pod name or address
+    /// ([`WEIGHTS_ANNOTATION`](super::selection::WEIGHTS_ANNOTATION)).
     pub weights: BTreeMap<String, u32>,
-    /// North-south mode ([`NORTH_SOUTH_MODE_ANNOTATION`] or the default).
+    /// North-south mode
+    /// ([`NORTH_SOUTH_MODE_ANNOTATION`](super::selection::NORTH_SOUTH_MODE_ANNOTATION) or the
+    /// default).
     pub north_south: NorthSouthMode,
     /// Problems with the selection annotations (reported after the frontend errors).
     pub selection_warnings: Vec<String>,
@@ -65,39 +72,6 @@ pub(crate) struct ServiceInfo {
     /// Every parseable `status.loadBalancer.ingress[].ip` (whatever its mode), the addresses
     /// source ranges restrict when they are ingress frontends of the Service.
     pub lb_ips: BTreeSet<IpAddr>,
-}
-
-/// Checks that an address may be a frontend or an endpoint: not unspecified, loopback,
-/// link-local (169.254.0.0/16, fe80::/10: a cloud's metadata address among them),
-/// multicast or broadcast. A frontend there would hijack node traffic; the API server's
-/// validation rejects the same for endpoints and external IPs.
-pub(crate) fn usable_vip(ip: &IpAddr) -> bool {
-    !(ip.is_unspecified()
-        || ip.is_loopback()
-        || ip.is_multicast()
-        || matches!(ip, IpAddr::V4(v4) if v4.is_broadcast() || v4.is_link_local())
-        || matches!(ip, IpAddr::V6(v6) if v6.is_unicast_link_local()))
-}
-
-/// What [`usable_vip`] refuses, for messages.
-pub(crate) const UNUSABLE: &str = "unspecified, loopback, link-local, multicast or broadcast";
-
-/// Parses an address field. IPv4-mapped IPv6 addresses (`::ffff:a.b.c.d`) are refused, as
-/// the API server's stricter IP validation does (KEP-4858): the data path stores IPv4
-/// addresses in that very form, so one would silently become an IPv4 address of an IPv6
-/// object.
-pub(crate) fn parse_ip(s: &str) -> Result<IpAddr, String> {
-    let ip: IpAddr = s
-        .parse()
-        .map_err(|_| format!("{s:?} is not a valid IP address"))?;
-    if let IpAddr::V6(v6) = ip
-        && v6.to_ipv4_mapped().is_some()
-    {
-        return Err(format!(
-            "{s:?} is an IPv4-mapped IPv6 address (write the IPv4 address itself)"
-        ));
-    }
-    Ok(ip)
 }
 
 impl ServiceInfo {
@@ -117,7 +91,8 @@ impl ServiceInfo {
         let internal_local =
             spec.and_then(|s| s.internal_traffic_policy.as_deref()) == Some("Local");
         let mut selection_warnings = Vec::new();
-        let (algorithm, weights) = selection(svc, default_algorithm, &mut selection_warnings);
+        let (algorithm, weights) =
+            algorithm_and_weights(svc, default_algorithm, &mut selection_warnings);
         let north_south = north_south_mode(svc, default_mode, &mut selection_warnings);
         let health_check = spec
             .filter(|_| external_local)
@@ -166,7 +141,7 @@ impl ServiceInfo {
 
 /// A Service's [`Frontends`]. `Ok(None)` for a Service that has no frontends by design
 /// (headless, ExternalName, no cluster IP); `Err(reason)` for an invalid Service. Per-port
-/// and per-address problems go to `warnings`.
+/// and per-address problems go to `warnings` (only when the Service is valid).
 fn frontends(svc: &Service, warnings: &mut Vec<String>) -> Result<Option<Frontends>, String> {
     let Some(spec) = svc.spec.as_ref() else {
         return Ok(None);
@@ -174,6 +149,27 @@ fn frontends(svc: &Service, warnings: &mut Vec<String>) -> Result<Option<Fronten
     if spec.type_.as_deref() == Some("ExternalName") {
         return Ok(None);
     }
+    let Some(vips) = cluster_ips(spec)? else {
+        return Ok(None);
+    };
+    traffic_policies(spec)?;
+    let mut port_warnings = Vec::new();
+    let (ports, node_ports) = ports(spec, &mut port_warnings)?;
+    let external = external_addresses(svc, spec, &mut port_warnings);
+    let affinity = affinity(spec)?;
+    warnings.extend(port_warnings);
+    Ok(Some(Frontends {
+        vips,
+        ports,
+        external,
+        node_ports,
+        affinity,
+    }))
+}
+
+/// The cluster IPs (`clusterIPs`, else `clusterIP`), at most one per family; `Ok(None)` for a
+/// headless Service or one without a cluster IP.
+fn cluster_ips(spec: &ServiceSpec) -> Result<Option<Vec<IpAddr>>, String> {
     let cluster_ip = spec.cluster_ip.as_deref().filter(|s| !s.is_empty());
     let ip_strings: Vec<&str> = match spec.cluster_ips.as_deref() {
         Some(ips) if !ips.is_empty() => {
@@ -206,6 +202,11 @@ fn frontends(svc: &Service, warnings: &mut Vec<String>) -> Result<Option<Fronten
         }
         vips.push(ip);
     }
+    Ok(Some(vips))
+}
+
+/// Checks `internalTrafficPolicy` and `externalTrafficPolicy`: unset, `Cluster` or `Local`.
+fn traffic_policies(spec: &ServiceSpec) -> Result<(), String> {
     for policy in [
         (
             "internalTrafficPolicy",
@@ -223,12 +224,19 @@ fn frontends(svc: &Service, warnings: &mut Vec<String>) -> Result<Option<Fronten
             return Err(format!("{field} {v:?} is not Cluster or Local"));
         }
     }
+    Ok(())
+}
 
+/// The Service ports (name, protocol, port) and the node port of each port name. SCTP ports
+/// and out-of-range node ports are skipped with a warning in `port_warnings`.
+fn ports(
+    spec: &ServiceSpec,
+    port_warnings: &mut Vec<String>,
+) -> Result<(Vec<ServicePort>, BTreeMap<String, u16>), String> {
     let mut ports = Vec::new();
     let mut node_ports = BTreeMap::new();
     let mut seen_ports: BTreeSet<(i32, String)> = BTreeSet::new();
     let mut seen_names: BTreeSet<&str> = BTreeSet::new();
-    let mut port_warnings = Vec::new();
     for p in spec.ports.iter().flatten() {
         let name = p.name.as_deref().unwrap_or("");
         let proto_name = p.protocol.as_deref().unwrap_or("TCP");
@@ -275,7 +283,16 @@ fn frontends(svc: &Service, warnings: &mut Vec<String>) -> Result<Option<Fronten
         }
         ports.push((name.to_string(), protocol, p.port as u16));
     }
+    Ok((ports, node_ports))
+}
 
+/// The usable external addresses (`spec.externalIPs`, then load balancer ingress IPs in VIP
+/// mode), each with what it is; the others are skipped with a warning in `port_warnings`.
+fn external_addresses(
+    svc: &Service,
+    spec: &ServiceSpec,
+    port_warnings: &mut Vec<String>,
+) -> Vec<(IpAddr, &'static str)> {
     let mut external = Vec::new();
     let mut candidates: Vec<(&str, &'static str)> = spec
         .external_ips
@@ -311,7 +328,12 @@ fn frontends(svc: &Service, warnings: &mut Vec<String>) -> Result<Option<Fronten
             Err(e) => port_warnings.push(format!("{what} {e}; address skipped")),
         }
     }
-    let affinity = match spec.session_affinity.as_deref() {
+    external
+}
+
+/// The ClientIP affinity timeout in seconds, 0 without affinity.
+fn affinity(spec: &ServiceSpec) -> Result<u32, String> {
+    Ok(match spec.session_affinity.as_deref() {
         None | Some("") | Some("None") => 0,
         Some("ClientIP") => {
             let t = spec
@@ -330,86 +352,8 @@ fn frontends(svc: &Service, warnings: &mut Vec<String>) -> Result<Option<Fronten
             }
         }
         Some(other) => return Err(format!("sessionAffinity {other:?} is not None or ClientIP")),
-    };
-    warnings.extend(port_warnings);
-    Ok(Some(Frontends {
-        vips,
-        ports,
-        external,
-        node_ports,
-        affinity,
-    }))
-}
-
-/// The Service's [`NORTH_SOUTH_MODE_ANNOTATION`], else `default`; a value that is not a mode
-/// is reported in `warn` and `default` used.
-fn north_south_mode(
-    svc: &Service,
-    default: NorthSouthMode,
-    warn: &mut Vec<String>,
-) -> NorthSouthMode {
-    let Some(v) = svc
-        .metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(NORTH_SOUTH_MODE_ANNOTATION))
-    else {
-        return default;
-    };
-    NorthSouthMode::from_name(v.trim()).unwrap_or_else(|| {
-        warn.push(format!(
-            "annotation {NORTH_SOUTH_MODE_ANNOTATION} {v:?} is not one of snat, dsr, hybrid; using {}",
-            default.name()
-        ));
-        default
     })
 }
 
-/// A Service's algorithm ([`ALGORITHM_ANNOTATION`], else `default`) and endpoint weights
-/// ([`WEIGHTS_ANNOTATION`], by pod name or address). A bad annotation is reported through
-/// `warn` and ignored (default algorithm, weight 1), the rest of the Service still works.
-fn selection(
-    svc: &Service,
-    default: Algorithm,
-    warn: &mut Vec<String>,
-) -> (Algorithm, BTreeMap<String, u32>) {
-    let ann = svc.metadata.annotations.as_ref();
-    let mut algorithm = default;
-    if let Some(v) = ann.and_then(|a| a.get(ALGORITHM_ANNOTATION)) {
-        match parse_algorithm(v.trim()) {
-            Some(a) => algorithm = a,
-            None => warn.push(format!(
-                "annotation {ALGORITHM_ANNOTATION} {v:?} is not one of {}; using {}",
-                algorithm_names(),
-                default.name()
-            )),
-        }
-    }
-    let mut weights = BTreeMap::new();
-    if let Some(v) = ann.and_then(|a| a.get(WEIGHTS_ANNOTATION)) {
-        match serde_json::from_str::<BTreeMap<String, i64>>(v) {
-            Ok(m) => {
-                for (k, w) in m {
-                    match u32::try_from(w) {
-                        Ok(w) if w <= MAX_WEIGHT => {
-                            weights.insert(k, w);
-                        }
-                        _ => warn.push(format!(
-                            "annotation {WEIGHTS_ANNOTATION}: weight {w} of {k:?} is not 0-{MAX_WEIGHT}; weight 1 used"
-                        )),
-                    }
-                }
-            }
-            Err(e) => warn.push(format!(
-                "annotation {WEIGHTS_ANNOTATION} is not a JSON object of integer weights ({e}); every weight is 1"
-            )),
-        }
-        if !algorithm.uses_weights() && weights.values().any(|w| *w != 0) {
-            warn.push(format!(
-                "annotation {WEIGHTS_ANNOTATION}: weights other than 0 have no effect with algorithm {}",
-                algorithm.name()
-            ));
-        }
-    }
-    (algorithm, weights)
-}
+#[cfg(test)]
+mod tests;
