@@ -1794,27 +1794,6 @@ spec:
         );
     }
 
-    #[test]
-    fn display_omits_unknown_parts() {
-        assert_eq!(
-            SourceError::file("f.yaml", "boom").to_string(),
-            "f.yaml: boom"
-        );
-        assert_eq!(
-            SourceError::object("f.yaml", "Service", "a", "b", "r").to_string(),
-            "f.yaml: Service a/b: r"
-        );
-        assert_eq!(
-            SourceError::object("f.yaml", "Service", "", "", "r").to_string(),
-            "f.yaml: Service: r"
-        );
-        assert_eq!(
-            SourceError::object("", "Service", "a", "b", "r").to_string(),
-            "Service a/b: r"
-        );
-        assert_eq!(SourceError::file("", "r").to_string(), "r");
-    }
-
     fn write(dir: &Path, name: &str, text: &str) {
         std::fs::write(dir.join(name), text).unwrap();
     }
