@@ -115,20 +115,13 @@ pub(super) fn dispatch(
             .or_insert_with(|| Value::String(kind.into()));
     }
     let (ns, name) = raw_key(&value);
-    let api = str_field(&value, "apiVersion").map(str::to_owned);
-    let kind = str_field(&value, "kind").map(str::to_owned);
-    let (api, kind) = match (api, kind) {
-        (Some(a), Some(k)) if !a.is_empty() && !k.is_empty() => (a, k),
-        (a, k) => {
-            let missing = match (a.as_deref().unwrap_or(""), k.as_deref().unwrap_or("")) {
-                ("", "") => "apiVersion and kind",
-                ("", _) => "apiVersion",
-                _ => "kind",
-            };
+    let (api, kind) = match type_of(&value) {
+        Ok(t) => t,
+        Err((kind, missing)) => {
             let shown_ns = if name.is_empty() { String::new() } else { ns };
             errors.push(SourceError::object(
                 origin,
-                k.unwrap_or_default(),
+                kind,
                 shown_ns,
                 name,
                 format!("missing {missing}; object skipped"),
@@ -137,16 +130,7 @@ pub(super) fn dispatch(
         }
     };
 
-    let item_type = match (api.as_str(), kind.as_str()) {
-        ("v1", "List") => Some(None),
-        ("v1", "ServiceList") => Some(Some((SERVICE_API, "Service"))),
-        ("v1", "NodeList") => Some(Some((SERVICE_API, "Node"))),
-        ("discovery.k8s.io/v1", "EndpointSliceList") => {
-            Some(Some((ENDPOINT_SLICE_API, "EndpointSlice")))
-        }
-        _ => None,
-    };
-    if let Some(item_type) = item_type {
+    if let Some(item_type) = list_item_type_of(&api, &kind) {
         match value.get_mut("items").map(Value::take) {
             None | Some(Value::Null) => {} // an empty list
             Some(Value::Array(items)) => {
@@ -165,19 +149,68 @@ pub(super) fn dispatch(
         return;
     }
 
+    match read_object(origin, &api, kind, ns, name, value) {
+        Ok(object) => objects.push(object),
+        Err(e) => errors.push(e),
+    }
+}
+
+/// `(apiVersion, kind)` of a raw object. When either is missing or empty: the kind as far as
+/// it can be read (or "") and what is missing, for the error.
+fn type_of(value: &Value) -> Result<(String, String), (String, &'static str)> {
+    let api = str_field(value, "apiVersion").map(str::to_owned);
+    let kind = str_field(value, "kind").map(str::to_owned);
+    match (api, kind) {
+        (Some(a), Some(k)) if !a.is_empty() && !k.is_empty() => Ok((a, k)),
+        (a, k) => {
+            let missing = match (a.as_deref().unwrap_or(""), k.as_deref().unwrap_or("")) {
+                ("", "") => "apiVersion and kind",
+                ("", _) => "apiVersion",
+                _ => "kind",
+            };
+            Err((k.unwrap_or_default(), missing))
+        }
+    }
+}
+
+/// For a list kind, the `(apiVersion, kind)` its items default to (`None` for a `v1` `List`,
+/// whose items name their own); `None` for every other kind.
+fn list_item_type_of(api: &str, kind: &str) -> Option<Option<(&'static str, &'static str)>> {
+    match (api, kind) {
+        ("v1", "List") => Some(None),
+        ("v1", "ServiceList") => Some(Some((SERVICE_API, "Service"))),
+        ("v1", "NodeList") => Some(Some((SERVICE_API, "Node"))),
+        ("discovery.k8s.io/v1", "EndpointSliceList") => {
+            Some(Some((ENDPOINT_SLICE_API, "EndpointSlice")))
+        }
+        _ => None,
+    }
+}
+
+/// Reads one object (not a list) of `api`/`kind` into its k8s-openapi type, its namespace
+/// filled in (`ns`, or none for the cluster-scoped Node and Namespace). The error skips it:
+/// a kind that is not read, a missing name, or a value that does not deserialize.
+fn read_object(
+    origin: &str,
+    api: &str,
+    kind: String,
+    ns: String,
+    name: String,
+    value: Value,
+) -> Result<Object, SourceError> {
     let shown_ns = if name.is_empty() {
         String::new()
     } else {
         ns.clone()
     };
-    match (api.as_str(), kind.as_str()) {
+    match (api, kind.as_str()) {
         (SERVICE_API, "Service")
         | (ENDPOINT_SLICE_API, "EndpointSlice")
         | (SERVICE_API, "Node")
         | (SERVICE_API, "Pod")
         | (SERVICE_API, "Namespace") => {}
         _ => {
-            errors.push(SourceError::object(
+            return Err(SourceError::object(
                 origin,
                 kind.clone(),
                 shown_ns,
@@ -187,18 +220,16 @@ pub(super) fn dispatch(
                      EndpointSlice, v1 Node, v1 Pod and v1 Namespace are read); object skipped"
                 ),
             ));
-            return;
         }
     }
     if name.is_empty() {
-        errors.push(SourceError::object(
+        return Err(SourceError::object(
             origin,
             kind,
             "",
             "",
             "metadata.name is missing; object skipped",
         ));
-        return;
     }
     let result = if kind == "Pod" {
         serde_json::from_value::<Pod>(value).map(|mut p| {
@@ -226,16 +257,7 @@ pub(super) fn dispatch(
             Object::EndpointSlice(Sourced::new(origin, s))
         })
     };
-    match result {
-        Ok(object) => objects.push(object),
-        Err(e) => errors.push(SourceError::object(
-            origin,
-            kind,
-            ns,
-            name,
-            format!("{e}; object skipped"),
-        )),
-    }
+    result.map_err(|e| SourceError::object(origin, kind, ns, name, format!("{e}; object skipped")))
 }
 
 #[cfg(test)]
