@@ -115,12 +115,6 @@ impl ManifestSource {
         }
     }
 
-    /// Sets the quiet time after the last event on a file that may still be written.
-    pub fn with_debounce(mut self, debounce: Duration) -> Self {
-        self.debounce = debounce;
-        self
-    }
-
     /// Sets the periodic re-read interval.
     pub fn with_resync(mut self, resync: Duration) -> Self {
         self.resync = resync;
