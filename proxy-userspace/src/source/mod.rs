@@ -1,6 +1,6 @@
 //! Sources of Kubernetes objects. Every source delivers [`Batch`]es of [`Change`]s: objects
 //! added or replaced and objects gone, in order, plus the source's own errors. The one
-//! model ([`crate::model::Model`]) reads each changed object once; nothing re-reads a whole
+//! model (`model::Model`) reads each changed object once; nothing re-reads a whole
 //! snapshot.
 //!
 //! A source marks its view complete ([`Batch::synced`]) once it has read everything it
