@@ -86,7 +86,7 @@ impl XdpMode {
 
 /// Settings of the north-south data path (flags `--interfaces`, `--xdp`, `--masquerade-all`
 /// and `--conntrack-*`, merged with the configuration file by
-/// [`crate::config::AgentConfig`]).
+/// `config::AgentConfig`).
 #[derive(Debug, Clone)]
 pub struct TcSettings {
     /// `--interfaces`: the external interfaces, when given.

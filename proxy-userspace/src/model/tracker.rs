@@ -22,7 +22,7 @@ use super::sets::{self, ServiceOutput};
 use super::vocab::{
     DesiredService, DesiredState, Family, ModelError, Protocol, ServicePortKey, SvcKey,
 };
-use crate::source::{Change, Kind, Object, ObjectSet};
+use crate::source::event::{Change, Kind, Object, ObjectSet};
 
 /// What a `healthCheckNodePort` server reports.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -9,7 +9,7 @@ use std::net::{IpAddr, SocketAddr};
 /// A validation error (or warning) for one object: names origin file, kind,
 /// namespace/name and reason. Every one is non-fatal (the object, port or endpoint named
 /// is skipped), so callers log them at warning level.
-pub use crate::source::SourceError as ModelError;
+pub use crate::source::error::SourceError as ModelError;
 
 pub use proxy_common::Algorithm;
 

@@ -17,7 +17,7 @@
 //!   every retry.
 //! - Services and EndpointSlices are watched with kube-proxy's label selector
 //!   `!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless`
-//!   ([`crate::model::PROXY_LABEL_SELECTOR`]), so objects meant for another proxy and the
+//!   ([`crate::model::labels::PROXY_LABEL_SELECTOR`]), so objects meant for another proxy and the
 //!   slices of headless Services are filtered by the API server (an object that gains a
 //!   label arrives as a deletion); the model applies the same rule to every source. The
 //!   Node is watched by name (`metadata.name=NODE`).
@@ -265,7 +265,9 @@ async fn merge(mut parts: mpsc::Receiver<Part>, tx: mpsc::Sender<Batch>) {
 pub fn watch_config(kind: Kind, node_name: &str) -> watcher::Config {
     let cfg = watcher::Config::default();
     match kind {
-        Kind::Service | Kind::EndpointSlice => cfg.labels(crate::model::PROXY_LABEL_SELECTOR),
+        Kind::Service | Kind::EndpointSlice => {
+            cfg.labels(crate::model::labels::PROXY_LABEL_SELECTOR)
+        }
         Kind::Node => cfg.fields(&format!("metadata.name={node_name}")),
         // This node's pods only (as kubelet watches its own), for the socket-level bypass.
         Kind::Pod => cfg.fields(&format!("spec.nodeName={node_name}")),
