@@ -414,7 +414,8 @@ fn the_daemonsets_pod_runs_under_podman_and_serves_the_node() {
     let live_at = started.elapsed();
     assert!(!ready_seen, "Ready before the first sync");
     let pod = lab.pod.as_ref().unwrap();
-    // The README's wait while kube-proxy runs: synced, from the agent itself.
+    // The wait of the guide's switching steps while kube-proxy runs: synced, from the agent
+    // itself.
     let out = pod
         .exec(
             0,

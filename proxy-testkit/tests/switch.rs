@@ -321,7 +321,8 @@ impl Lab {
         }
     }
 
-    /// `ebpf-proxy ARGS...` in the node namespace, as a command of the README's steps.
+    /// `ebpf-proxy ARGS...` in the node namespace, as a command of the guide's switching
+    /// steps.
     fn ebpf_proxy(&self, args: &[&str]) -> std::process::Output {
         self.node
             .exec_timeout(
@@ -679,8 +680,8 @@ fn switch_and_back(mode: Mode, tag: &str) {
         "{mode:?}: healthy {} ms after the agent started",
         (healthy - started) / 1_000_000
     );
-    // The README's wait before kube-proxy goes: every agent synced and serving the
-    // north-south path, read from the agent itself.
+    // The guide's switching steps' wait before kube-proxy goes: every agent synced and
+    // serving the north-south path, read from the agent itself.
     let status = lab.status_addr();
     let out = lab.ebpf_proxy(&[
         "status",

@@ -2,8 +2,9 @@
 //! `ss -K` sends), for `--close-connections-to-removed-endpoints`.
 //!
 //! Why not `bpf_sock_destroy`: it is only callable from tracing (socket iterator) programs,
-//! which this kernel refuses (see the README's notes on tracing programs). sock_diag needs
-//! `CONFIG_INET_DIAG_DESTROY` and `CAP_NET_ADMIN` in the socket's network namespace.
+//! which this kernel refuses (see the guide's docs/src/benchmarks.md on tracing programs).
+//! sock_diag needs `CONFIG_INET_DIAG_DESTROY` and `CAP_NET_ADMIN` in the socket's network
+//! namespace.
 //!
 //! A sock_diag netlink socket only sees the sockets of the network namespace it was
 //! created in, and a client socket lives in its pod's namespace. So for each network

@@ -265,8 +265,8 @@ fn charts() -> Option<[&'static Render; 2]> {
 /// `dataPathCleanup.nodes` in the rollback's render.
 const ROLLBACK_NODES: i32 = 3;
 
-/// The values of the rollback's `helm upgrade` (README, values.yaml, NOTES.txt) on top of
-/// the defaults: the agents stopped, the data path cleanup Job on.
+/// The values of the rollback's `helm upgrade` (the guide's switching steps, values.yaml,
+/// NOTES.txt) on top of the defaults: the agents stopped, the data path cleanup Job on.
 fn rollback_args() -> Vec<String> {
     [
         format!("apiServer.address={ADDRESS}"),

@@ -15,10 +15,13 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 
+mod guide;
 mod image;
 
 /// bpf-linker version known to work with the nightly toolchain's LLVM and aya-ebpf 0.2.
 const BPF_LINKER_VERSION: &str = "0.13.0";
+/// mdbook version that builds the guide (docs/book.toml's keys are 0.5's).
+const MDBOOK_VERSION: &str = "0.5.4";
 /// Target of the eBPF crate.
 const BPF_TARGET: &str = "bpfel-unknown-none";
 /// Commands the tests and the demo need, and the Debian packages that provide them.
@@ -99,8 +102,9 @@ enum Cmd {
         #[arg(long, value_name = "BIN")]
         libraries_of: PathBuf,
     },
-    /// Set up if needed, build, build the image when podman can run it (its reference in
-    /// $EBPF_PROXY_IMAGE), run every test single-threaded (needs root).
+    /// Set up if needed, build the guide (docs/) and check its links, build, build the image
+    /// when podman can run it (its reference in $EBPF_PROXY_IMAGE), run every test
+    /// single-threaded (needs root).
     Test {
         /// Extra arguments for the test binaries (after `--`), e.g. a test name filter.
         #[arg(last = true)]
@@ -146,6 +150,7 @@ fn main() -> ExitCode {
         }
         Cmd::ImageRootfs { dir, libraries_of } => image::image_rootfs(&dir, &libraries_of),
         Cmd::Test { args } => setup_if_needed()
+            .and_then(|()| guide::build())
             .and_then(|()| build())
             .and_then(|()| image::for_tests())
             .and_then(|image| test(&args, image.as_deref())),
@@ -304,6 +309,15 @@ fn has_bpf_linker() -> bool {
     succeeds(Command::new("bpf-linker").arg("--version"))
 }
 
+/// `mdbook --version` of the mdbook on PATH, e.g. `mdbook v0.5.4`.
+fn mdbook_version() -> Option<String> {
+    stdout_of(Command::new("mdbook").arg("--version")).ok()
+}
+
+fn has_mdbook() -> bool {
+    mdbook_version().is_some_and(|v| v == format!("mdbook v{MDBOOK_VERSION}"))
+}
+
 /// Finds `name` on PATH or in the sbin directories (a non-root PATH may lack them).
 fn find_tool(name: &str) -> Option<PathBuf> {
     let path = env::var_os("PATH").unwrap_or_default();
@@ -397,6 +411,7 @@ fn needs_setup() -> bool {
     !(has_nightly()
         && has_rust_src()
         && has_bpf_linker()
+        && has_mdbook()
         && missing_tools().is_empty()
         && missing_container_tools().is_empty()
         && missing_pip_tools().is_empty()
@@ -474,6 +489,16 @@ fn setup() -> Result<()> {
             "bpf-linker {BPF_LINKER_VERSION} against the nightly toolchain's libLLVM"
         ));
         install_bpf_linker()?;
+    }
+
+    if has_mdbook() {
+        done(&format!("mdbook {MDBOOK_VERSION}"));
+    } else {
+        doing(&format!(
+            "mdbook {MDBOOK_VERSION} (for the guide; found: {})",
+            mdbook_version().as_deref().unwrap_or("none")
+        ));
+        install_mdbook()?;
     }
 
     let missing = missing_tools();
@@ -666,6 +691,32 @@ fn install_bpf_linker() -> Result<()> {
     if !has_bpf_linker() {
         bail!(
             "bpf-linker was installed but `bpf-linker --version` fails (is ~/.cargo/bin on PATH?)"
+        );
+    }
+    Ok(())
+}
+
+/// Builds the pinned mdbook from crates.io (about a minute on 2 cores): the registries
+/// reached here have no official build of it. Without the default features `serve` and
+/// `watch` (a web server and a file watcher, which `mdbook build` does not use), with
+/// `search` (the book's search box).
+fn install_mdbook() -> Result<()> {
+    run(clean_cargo(None).args([
+        "install",
+        "mdbook",
+        "--locked",
+        "--force",
+        "--version",
+        MDBOOK_VERSION,
+        "--no-default-features",
+        "--features",
+        "search",
+    ]))?;
+    if !has_mdbook() {
+        bail!(
+            "mdbook {MDBOOK_VERSION} was installed but `mdbook --version` says {:?} (is \
+             ~/.cargo/bin on PATH, ahead of another mdbook?)",
+            mdbook_version()
         );
     }
     Ok(())

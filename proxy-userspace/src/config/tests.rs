@@ -1136,10 +1136,11 @@ logging: {format: json}
     assert!(flags_err(&["--sync-period", "9999999999999s"]).contains("8760h"));
 }
 
+/// The example of the guide's configuration file chapter.
 #[test]
-fn readme_example_is_valid_and_quiet() {
-    let readme = include_str!("../../../README.md");
-    let section = &readme[readme.find("### Configuration file").expect("section")..];
+fn guide_example_is_valid_and_quiet() {
+    let guide = include_str!("../../../docs/src/reference/configuration.md");
+    let section = &guide[guide.find("# Configuration file").expect("section")..];
     let start = section.find("```yaml\n").expect("yaml block") + "```yaml\n".len();
     let example = &section[start..start + section[start..].find("```").unwrap()];
     let l = parse(example).unwrap();

@@ -723,7 +723,7 @@ impl Results {
         o
     }
 
-    /// The tables that go into the README.
+    /// The tables that go into the guide's benchmarks chapters (docs/src/benchmarks*.md).
     pub fn headline(&self) -> String {
         let mut o = String::new();
         if !self.services.is_empty() {
