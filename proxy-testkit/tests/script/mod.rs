@@ -1,7 +1,7 @@
 //! The scenario files' reader and runner (after Cilium's script tests): a file is a
 //! txtar archive whose comment is the script, one step a line, and whose files are the
-//! manifests the steps name. See `tests/scenarios/README.md` for the format and the
-//! commands.
+//! manifests (or packet fixtures' objects) the steps name. See `tests/scenarios/README.md`
+//! for the format and the commands.
 //!
 //! [`run_dir`] runs every scenario of a directory, each on its own, and reports all
 //! failures at the end; a failing step is named by file and line. `EBPF_PROXY_SCENARIO`
@@ -9,6 +9,7 @@
 
 #![allow(dead_code)]
 
+pub mod packets;
 pub mod socket;
 
 use std::{
