@@ -1143,6 +1143,35 @@ mod tests {
         assert!(!path.exists());
     }
 
+    /// Needs root; creates namespaces `epwire-*`. A host on the wire reaches a pod routed
+    /// behind a node.
+    #[test]
+    fn wire_hosts_reach_pods_behind_a_node() {
+        assert!(is_root(), "needs root: run `cargo xtask test` as root");
+        let mut wire = Wire::new("epwire").unwrap();
+        let (node, _) = wire
+            .node("n", &["198.18.100.1/24"], "198.18.1.1/24")
+            .unwrap();
+        let (client, port) = wire.host("c", &["198.18.100.100/24"]).unwrap();
+        assert_eq!(port, "p1");
+        client
+            .ip(&["route", "add", "198.18.1.0/24", "via", "198.18.100.1"])
+            .unwrap();
+        let pod = wire
+            .pod(&node, "p0", "198.18.1.10/24", "198.18.1.1")
+            .unwrap();
+        // A RST (connection refused) from the pod's closed port proves the route both ways.
+        let dst: std::net::SocketAddr = "198.18.1.10:9".parse().unwrap();
+        let r = in_netns(&client.path(), move || {
+            std::net::TcpStream::connect_timeout(&dst, Duration::from_secs(2))
+        })
+        .unwrap();
+        assert_eq!(r.unwrap_err().kind(), io::ErrorKind::ConnectionRefused);
+        let paths = [pod.path(), client.path(), node.path(), wire.ns().path()];
+        drop((pod, client, node, wire));
+        assert!(paths.iter().all(|p| !p.exists()));
+    }
+
     /// Needs root (skipped otherwise); creates the cgroup `ebpf-proxy-unit`.
     #[test]
     fn cgroup_spawn_and_cleanup() {
