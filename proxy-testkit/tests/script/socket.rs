@@ -459,37 +459,8 @@ fn check_probe(step: &Step, lines: &[Probe], took: Duration) {
             "took-under" => {
                 assert!(took < duration(v), "took {took:?}: {lines:?}");
             }
-            "chi2" => {
-                let c = by_name(lines);
-                let w = weights(v);
-                let total: u64 = w.iter().map(|(_, x)| x).sum();
-                let counts: Vec<usize> = w.iter().map(|(n, _)| *c.get(n).unwrap_or(&0)).collect();
-                let n: usize = counts.iter().sum();
-                let x2: f64 = counts
-                    .iter()
-                    .zip(&w)
-                    .map(|(c, (_, x))| {
-                        let e = n as f64 * *x as f64 / total as f64;
-                        (*c as f64 - e).powi(2) / e
-                    })
-                    .sum();
-                let critical = CHI2_P001[w.len() - 2];
-                println!("shares {counts:?} for {v}: chi2 = {x2:.2} (critical {critical})");
-                assert!(x2 < critical, "{counts:?} against {v}: chi2 {x2}");
-            }
-            "least-cost" => {
-                let seq = sequence(lines);
-                let cost = match v.as_str() {
-                    "wlc" => sched::wlc_cost,
-                    "sed" => sched::sed_cost,
-                    "nq" => sched::nq_cost,
-                    other => panic!("least-cost={other}: wlc, sed or nq"),
-                };
-                let w = weights(step.get("weights").expect("least-cost needs weights="));
-                let w: Vec<(&str, u64)> = w.iter().map(|(n, x)| (n.as_str(), *x)).collect();
-                println!("{v}: {seq:?}");
-                sched::assert_least_cost(&seq, &w, cost);
-            }
+            "chi2" => check_chi2(v, lines),
+            "least-cost" => check_least_cost(step, v, lines),
             "weights" => assert!(
                 step.get("least-cost").is_some(),
                 "weights= goes with least-cost="
@@ -512,20 +483,60 @@ fn check_probe(step: &Step, lines: &[Probe], took: Duration) {
                 }
                 assert!(got == want, "{k} {got:?}, want {want:?}: {seq:?}");
             }
-            "windows" => {
-                // `W:N`: at least N windows of W successive backends hold W different ones.
-                let (size, min) = v.split_once(':').expect("windows=SIZE:MIN");
-                let (size, min): (usize, usize) = (size.parse().unwrap(), min.parse().unwrap());
-                let seq = sequence(lines);
-                let full = seq
-                    .windows(size)
-                    .filter(|w| w.iter().collect::<BTreeSet<_>>().len() == size)
-                    .count();
-                println!("sequence {seq:?}: {full} windows of {size} hold {size} backends");
-                assert!(full >= min, "{seq:?}");
-            }
+            "windows" => check_windows(v, lines),
             "repeat" | "union" => {}
             _ => unreachable!(),
         }
     }
+}
+
+/// `chi2=NAME:WEIGHT,...`: the answers split as the weights, by a chi-square test at
+/// p = 0.001 (degrees of freedom: names - 1).
+fn check_chi2(v: &str, lines: &[Probe]) {
+    let c = by_name(lines);
+    let w = weights(v);
+    let total: u64 = w.iter().map(|(_, x)| x).sum();
+    let counts: Vec<usize> = w.iter().map(|(n, _)| *c.get(n).unwrap_or(&0)).collect();
+    let n: usize = counts.iter().sum();
+    let x2: f64 = counts
+        .iter()
+        .zip(&w)
+        .map(|(c, (_, x))| {
+            let e = n as f64 * *x as f64 / total as f64;
+            (*c as f64 - e).powi(2) / e
+        })
+        .sum();
+    let critical = CHI2_P001[w.len() - 2];
+    println!("shares {counts:?} for {v}: chi2 = {x2:.2} (critical {critical})");
+    assert!(x2 < critical, "{counts:?} against {v}: chi2 {x2}");
+}
+
+/// `least-cost=wlc|sed|nq` with `weights=`: every choice of the sequence went to a backend
+/// of least IPVS cost given the choices before it (see `sched::assert_least_cost`).
+fn check_least_cost(step: &Step, v: &str, lines: &[Probe]) {
+    let seq = sequence(lines);
+    let cost = match v {
+        "wlc" => sched::wlc_cost,
+        "sed" => sched::sed_cost,
+        "nq" => sched::nq_cost,
+        other => panic!("least-cost={other}: wlc, sed or nq"),
+    };
+    let w = weights(step.get("weights").expect("least-cost needs weights="));
+    let w: Vec<(&str, u64)> = w.iter().map(|(n, x)| (n.as_str(), *x)).collect();
+    println!("{v}: {seq:?}");
+    sched::assert_least_cost(&seq, &w, cost);
+}
+
+/// `windows=SIZE:MIN`: at least MIN windows of SIZE successive backends hold SIZE different
+/// ones.
+fn check_windows(v: &str, lines: &[Probe]) {
+    let (size, min) = v.split_once(':').expect("windows=SIZE:MIN");
+    let (size, min): (usize, usize) = (size.parse().unwrap(), min.parse().unwrap());
+    let seq = sequence(lines);
+    let full = seq
+        .windows(size)
+        .filter(|w| w.iter().collect::<BTreeSet<_>>().len() == size)
+        .count();
+    println!("sequence {seq:?}: {full} windows of {size} hold {size} backends");
+    assert!(full >= min, "{seq:?}");
 }
