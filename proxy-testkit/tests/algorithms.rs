@@ -1,15 +1,13 @@
 //! Privileged integration tests of the scheduling algorithms and ClientIP session affinity
-//! with real connections from a pod namespace through the socket-level data path.
+//! with real connections from a pod namespace through the socket-level data path, where the
+//! test steers the choice in code: connections held open while others are made, affinity
+//! timing, many client addresses, `/metrics` and the `affinity` listing.
 //!
-//! Distribution tests use a chi-square test at p = 0.001 (critical values below), so a
-//! correct implementation fails one run in a thousand at most; the deterministic tests
-//! (the least-load algorithms, affinity expiry) hold connections open to steer the choice.
-//! The least-load tests replay every choice against the IPVS scheduler's rule: each
-//! connection, opened while the earlier ones are still open, must go to a backend of
-//! minimal cost at that moment (ties may go either way).
+//! The cases that are objects in and connections out (the distributions of random,
+//! round-robin and weighted-round-robin, maglev against source-hash, the least-load
+//! schedulers replayed against IPVS's rule) are `tests/scenarios/socket/alg-*.txtar`.
 
 mod common;
-mod sched;
 
 use std::{
     collections::BTreeMap,
@@ -19,7 +17,6 @@ use std::{
 };
 
 use common::*;
-use sched::{assert_least_cost, counts as split, nq_cost, sed_cost, tally, wlc_cost};
 
 const VIP: &str = "198.19.0.30";
 
@@ -27,58 +24,18 @@ fn b(i: usize) -> IpAddr {
     IpAddr::V4(backend_v4(i))
 }
 
-/// Chi-square critical values at p = 0.001 for 1..=5 degrees of freedom.
-const CHI2_P001: [f64; 5] = [10.828, 13.816, 16.266, 18.467, 20.515];
-
-/// Chi-square statistic of `counts` against `expected` shares (summing to 1).
-fn chi2(counts: &[usize], expected: &[f64]) -> f64 {
-    let n: usize = counts.iter().sum();
-    counts
-        .iter()
-        .zip(expected)
-        .map(|(c, p)| {
-            let e = n as f64 * p;
-            (*c as f64 - e).powi(2) / e
-        })
-        .sum()
-}
-
-/// Service `default/web` (TCP 80 -> 8080) with metadata annotations and spec lines, and its
-/// slice with `endpoints` (index, pod name).
-fn web(env: &Env, annotations: &[(&str, &str)], spec_extra: &str, endpoints: &[(usize, &str)]) {
-    let mut ann = String::new();
+/// `default/web` (TCP 80 -> 8080) with metadata `annotations` and `spec` lines, its endpoints
+/// the backends `endpoints`, backend `b<i>` backed by pod `pod-<i>`.
+fn web(annotations: &[(&str, &str)], spec: &str, endpoints: &[usize]) -> Web {
+    let mut w = Web::new(VIP).ports(&[HTTP]).spec(spec);
     for (k, v) in annotations {
-        ann += &format!("    {k}: '{v}'\n");
+        w = w.annotation(k, v);
     }
-    let meta_ann = if ann.is_empty() {
-        String::new()
-    } else {
-        format!("  annotations:\n{ann}")
-    };
-    let svc = format!(
-        "apiVersion: v1\nkind: Service\nmetadata:\n  name: web\n  namespace: default\n{meta_ann}spec:\n  clusterIP: {VIP}\n  ports:\n  - {{name: http, port: 80, targetPort: 8080, protocol: TCP}}\n{spec_extra}"
-    );
-    let mut eps = String::new();
-    for (i, pod) in endpoints {
-        eps += &format!(
-            "- addresses: [\"{}\"]\n  targetRef: {{kind: Pod, name: {pod}, namespace: default}}\n",
-            b(*i)
-        );
-    }
-    let sl = format!(
-        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-1\n  namespace: default\n  labels:\n    kubernetes.io/service-name: web\naddressType: IPv4\nports:\n- {{name: http, port: 8080, protocol: TCP}}\nendpoints:\n{eps}"
-    );
-    env.write_manifest("web.yaml", &format!("{svc}---\n{sl}"));
-}
-
-/// Writes the Service and waits until the agent synced it.
-fn apply(env: &Env, write: impl FnOnce()) {
-    let n = env.log().matches("sync done").count();
-    write();
-    env.wait_log(
-        |l| l.matches("sync done").count() > n,
-        "sync after the change",
-    );
+    w.endpoints(
+        endpoints
+            .iter()
+            .map(|i| Endpoint::new(b(*i)).pod(&format!("pod-{i}"))),
+    )
 }
 
 fn counts(env: &Env, n: usize) -> BTreeMap<String, usize> {
@@ -87,92 +44,9 @@ fn counts(env: &Env, n: usize) -> BTreeMap<String, usize> {
 
 fn started(name: &str, n: usize, annotations: &[(&str, &str)], spec: &str) -> Env {
     let mut env = Env::new(name, n, false);
-    let eps: Vec<(usize, String)> = (0..n).map(|i| (i, format!("pod-{i}"))).collect();
-    let eps: Vec<(usize, &str)> = eps.iter().map(|(i, p)| (*i, p.as_str())).collect();
-    web(&env, annotations, spec, &eps);
+    env.write_web(&web(annotations, spec, &(0..n).collect::<Vec<_>>()));
     env.start_agent();
     env
-}
-
-fn share_test(name: &str, algorithm: &str) {
-    let env = started(name, 3, &[("ebpf-proxy.io/lb-algorithm", algorithm)], "");
-    let c = counts(&env, 300);
-    let v: Vec<usize> = (0..3)
-        .map(|i| *c.get(&format!("b{i}")).unwrap_or(&0))
-        .collect();
-    let x2 = chi2(&v, &[1.0 / 3.0; 3]);
-    println!(
-        "{algorithm}: {v:?}, chi2 = {x2:.2} (critical {})",
-        CHI2_P001[1]
-    );
-    assert!(x2 < CHI2_P001[1], "{algorithm}: {v:?} chi2 {x2}");
-}
-
-#[test]
-fn random_spreads_uniformly() {
-    share_test("alg-random", "random");
-}
-
-#[test]
-fn round_robin_spreads_uniformly_and_cycles() {
-    share_test("alg-rr", "round-robin");
-    // Successive connections from one process on one CPU take successive slots: over 30
-    // connections, every backend appears in every window of 3 far more often than random's
-    // 2/9 would give. The cursors are per CPU, so the client is pinned to one CPU (a client
-    // moving between CPUs each connection interleaves two cursors).
-    let env = started(
-        "alg-rr2",
-        3,
-        &[("ebpf-proxy.io/lb-algorithm", "round-robin")],
-        "",
-    );
-    let seq: Vec<String> = env
-        .probe(&[
-            "--cpu",
-            "0",
-            "tcp",
-            "--to",
-            &format!("{VIP}:80"),
-            "--count",
-            "30",
-        ])
-        .iter()
-        .map(|p| p["name"].as_str().unwrap().to_string())
-        .collect();
-    let full = seq
-        .windows(3)
-        .filter(|w| w[0] != w[1] && w[1] != w[2] && w[0] != w[2])
-        .count();
-    println!("round-robin sequence {seq:?}: {full} of 28 windows hold all three");
-    assert!(full >= 20, "{seq:?}");
-}
-
-#[test]
-fn weighted_round_robin_follows_weights_and_zero_drains() {
-    let env = started(
-        "alg-wrr",
-        4,
-        &[
-            ("ebpf-proxy.io/lb-algorithm", "weighted-round-robin"),
-            // By pod name, by address, default 1, and 0 drains pod-3.
-            (
-                "ebpf-proxy.io/weights",
-                r#"{"pod-1": 2, "198.18.0.12": 3, "pod-3": 0}"#,
-            ),
-        ],
-        "",
-    );
-    let c = counts(&env, 300);
-    assert!(
-        !c.contains_key("b3"),
-        "weight 0 takes no new connection: {c:?}"
-    );
-    let v: Vec<usize> = (0..3)
-        .map(|i| *c.get(&format!("b{i}")).unwrap_or(&0))
-        .collect();
-    let x2 = chi2(&v, &[1.0 / 6.0, 2.0 / 6.0, 3.0 / 6.0]);
-    println!("weighted 1:2:3 -> {v:?}, chi2 = {x2:.2}");
-    assert!(x2 < CHI2_P001[1], "{v:?} chi2 {x2}");
 }
 
 /// Starts a netprobe holding one connection to the VIP for `hold`; returns it.
@@ -325,19 +199,11 @@ fn affinity_default_timeout_listing_and_terminating_backend() {
     // terminating: new connections leave it at once, the established one keeps working.
     let mut held = HeldTcp::open(&env.client, env.cg.path(), &format!("{VIP}:80"), &[]);
     assert_eq!(held.backend(), affine, "{}", held.first);
-    apply(&env, || {
-        let text = std::fs::read_to_string(env.manifests.path().join("web.yaml")).unwrap();
-        let needle = format!("- addresses: [\"{}\"]\n", b(i));
-        env.write_manifest(
-            "web.yaml",
-            &text.replace(
-                &needle,
-                &format!(
-                    "{needle}  conditions: {{ready: false, serving: true, terminating: true}}\n"
-                ),
-            ),
-        );
-    });
+    let mut w = web(&[], "  sessionAffinity: ClientIP\n", &[0, 1]);
+    w.endpoints[i] = w.endpoints[i]
+        .clone()
+        .conditions("ready: false, serving: true, terminating: true");
+    env.apply(|| env.write_web(&w));
     let c = counts(&env, 10);
     assert_eq!(
         c.keys().collect::<Vec<_>>(),
@@ -348,29 +214,6 @@ fn affinity_default_timeout_listing_and_terminating_backend() {
     assert_eq!(r["reply"], format!("{affine} still-there"), "{r}");
     held.close();
     env.stop_agent();
-}
-
-#[test]
-fn maglev_spreads_one_clients_connections_and_source_hash_does_not() {
-    let env = started(
-        "alg-maglev",
-        3,
-        &[("ebpf-proxy.io/lb-algorithm", "maglev")],
-        "",
-    );
-    let c = counts(&env, 30);
-    println!("maglev, one client: {c:?}");
-    assert!(c.len() >= 2, "{c:?}");
-    apply(&env, || {
-        web(
-            &env,
-            &[("ebpf-proxy.io/lb-algorithm", "source-hash")],
-            "",
-            &[(0, "pod-0"), (1, "pod-1"), (2, "pod-2")],
-        )
-    });
-    let c = counts(&env, 30);
-    assert_eq!(c.len(), 1, "source-hash, one client: {c:?}");
 }
 
 #[test]
@@ -434,13 +277,12 @@ fn source_hash_is_consistent_and_removal_moves_only_the_removed_backends_clients
     assert_eq!(per.len(), 4, "{per:?}");
 
     // Remove b1: its clients move, the others stay.
-    apply(&env, || {
-        web(
-            &env,
+    env.apply(|| {
+        env.write_web(&web(
             &[("ebpf-proxy.io/lb-algorithm", "source-hash")],
             "",
-            &[(0, "pod-0"), (2, "pod-2"), (3, "pod-3")],
-        )
+            &[0, 2, 3],
+        ))
     });
     let second = probe();
     let moved = first.iter().filter(|(c, n)| second[*c] != **n).count();
@@ -459,112 +301,6 @@ fn source_hash_is_consistent_and_removal_moves_only_the_removed_backends_clients
         moved_others <= 2,
         "{moved_others} clients of remaining backends moved"
     );
-}
-
-/// Opens `n` connections to the VIP one after the other from one process, each kept open
-/// until the last is done, so every choice sees the earlier connections counted. Returns
-/// the backends in connection order.
-fn kept_open(env: &Env, n: usize) -> Vec<String> {
-    env.probe(&[
-        "tcp",
-        "--to",
-        &format!("{VIP}:80"),
-        "--count",
-        &n.to_string(),
-        "--keep-open",
-    ])
-    .iter()
-    .map(|p| {
-        assert_eq!(p["ok"], true, "{p}");
-        p["name"].as_str().unwrap().to_string()
-    })
-    .collect()
-}
-
-/// Three backends weighted 1, 3 and 0 (pod-2 quiesced) by pod name, algorithm `alg`.
-fn weighted_1_3_0(name: &str, alg: &str) -> Env {
-    started(
-        name,
-        3,
-        &[
-            ("ebpf-proxy.io/lb-algorithm", alg),
-            (
-                "ebpf-proxy.io/weights",
-                r#"{"pod-0": 1, "pod-1": 3, "pod-2": 0}"#,
-            ),
-        ],
-        "",
-    )
-}
-
-const W_1_3: [(&str, u64); 2] = [("b0", 1), ("b1", 3)];
-
-#[test]
-fn weighted_least_connections_follows_weights_with_connections_held() {
-    let env = weighted_1_3_0("alg-wlc", "wlc");
-    // The weights reached the kernel: b0 and b1 are members with weights 1 and 3, b2 (weight
-    // 0) is not in the set at all.
-    let mut weights: Vec<u32> = env.snapshot().members.values().copied().collect();
-    weights.sort();
-    assert_eq!(weights, [1, 3]);
-    // 8 connections open together: 2 and 6, the only split where connections / weight
-    // is equal (2/1 = 6/3), and every single choice was a least-loaded backend.
-    let seq = kept_open(&env, 8);
-    println!("wlc 1:3:0, 8 held: {seq:?}");
-    assert_least_cost(&seq, &W_1_3, wlc_cost);
-    let c = tally(&seq);
-    assert_eq!(c, split(&[("b0", 2), ("b1", 6)]));
-    // All closed, the counts are back at zero: 12 held split 3 and 9.
-    let seq = kept_open(&env, 12);
-    assert_least_cost(&seq, &W_1_3, wlc_cost);
-    assert_eq!(tally(&seq), split(&[("b0", 3), ("b1", 9)]));
-}
-
-#[test]
-fn shortest_expected_delay_sends_the_first_connections_to_the_heavier_backend() {
-    let env = weighted_1_3_0("alg-sed", "sed");
-    // (0+1)/1 > (0+1)/3 and 1/1 > (1+1)/3: the first two go to b1 although b0 is idle
-    // (wlc would give them one each: 0/1 = 0/3, then the idle one); then the split follows
-    // the weights.
-    let seq = kept_open(&env, 8);
-    println!("sed 1:3:0, 8 held: {seq:?}");
-    assert_eq!(seq[..2], ["b1", "b1"], "{seq:?}");
-    assert_least_cost(&seq, &W_1_3, sed_cost);
-    assert_eq!(tally(&seq), split(&[("b0", 2), ("b1", 6)]));
-}
-
-#[test]
-fn never_queue_picks_an_idle_backend_first_then_shortest_expected_delay() {
-    // The IPVS name through --lb-algorithm this time (no annotation for the algorithm).
-    let mut env = Env::new("alg-nq", 3, false);
-    web(
-        &env,
-        &[(
-            "ebpf-proxy.io/weights",
-            r#"{"pod-0": 1, "pod-1": 3, "pod-2": 0}"#,
-        )],
-        "",
-        &[(0, "pod-0"), (1, "pod-1"), (2, "pod-2")],
-    );
-    env.extra_agent_args = vec!["--lb-algorithm".into(), "nq".into()];
-    env.start_agent();
-    // Both weighted backends are idle: the first two connections take one each (sed would
-    // give both to b1), never b2, idle but of weight 0. Then (1+1)/1 > (1+1)/3 and on:
-    // b1 until 2/1 = 6/3.
-    let seq = kept_open(&env, 6);
-    println!("nq 1:3:0, 6 held: {seq:?}");
-    let mut first = seq[..2].to_vec();
-    first.sort();
-    assert_eq!(first, ["b0", "b1"], "{seq:?}");
-    assert_least_cost(&seq, &W_1_3, nq_cost);
-    assert_eq!(tally(&seq), split(&[("b0", 1), ("b1", 5)]));
-    // Every weight 1 (annotation removed): nq takes each idle backend once before any
-    // gets a second connection, b2 included now.
-    apply(&env, || {
-        web(&env, &[], "", &[(0, "pod-0"), (1, "pod-1"), (2, "pod-2")])
-    });
-    let seq = kept_open(&env, 3);
-    assert_eq!(tally(&seq).len(), 3, "{seq:?}");
 }
 
 #[test]
@@ -624,13 +360,12 @@ fn destination_hash_maps_each_frontend_to_one_backend_whoever_the_client() {
     );
     // The same clients to one frontend with source-hash spread over backends: dh ignores
     // the client, sh does not.
-    apply(&env, || {
-        web(
-            &env,
+    env.apply(|| {
+        env.write_web(&web(
             &[("ebpf-proxy.io/lb-algorithm", "sh")],
             &spec,
-            &[(0, "pod-0"), (1, "pod-1"), (2, "pod-2")],
-        )
+            &[0, 1, 2],
+        ))
     });
     let c = from_all(VIP);
     println!("sh, 12 clients to {VIP}: {c:?}");

@@ -253,7 +253,7 @@ fn endpoint_churn_never_disturbs_services_whose_ready_backends_stay() {
     eprintln!("{rounds} object changes in {churned:?}");
 
     // The churn stops and its objects go: only the steady Services remain in the maps.
-    let before = env.log().matches("sync done").count();
+    let before = env.syncs();
     for name in CHURN {
         for f in [format!("{name}.yaml"), format!("{name}-slice.yaml")] {
             let _ = std::fs::remove_file(env.manifests.path().join(f));
@@ -262,10 +262,7 @@ fn endpoint_churn_never_disturbs_services_whose_ready_backends_stay() {
     for (name, _, _) in STEADY {
         let _ = std::fs::remove_file(env.manifests.path().join(format!("{name}-slice-2.yaml")));
     }
-    env.wait_log(
-        |l| l.matches("sync done").count() > before,
-        "the sync after the churn",
-    );
+    env.wait_log(|l| syncs(l) > before, "the sync after the churn");
     env.wait_maps(
         |s| {
             s.frontends.len() == 4
@@ -280,10 +277,10 @@ fn endpoint_churn_never_disturbs_services_whose_ready_backends_stay() {
     // The maps can reach the end state before the last removals are read (deleting the
     // slice of a Service already gone writes nothing but is a change): let those settle,
     // then two verifications pass with the churn over; none may have repaired anything.
-    let mut n = env.log().matches("sync done").count();
+    let mut n = env.syncs();
     for _ in 0..20 {
         std::thread::sleep(Duration::from_millis(500));
-        let now = env.log().matches("sync done").count();
+        let now = env.syncs();
         if now == n {
             break;
         }
@@ -296,7 +293,7 @@ fn endpoint_churn_never_disturbs_services_whose_ready_backends_stay() {
         "a verification found the maps different from what was applied:\n{log}"
     );
     assert!(!log.contains("Service not applied"), "{log}");
-    assert_eq!(log.matches("sync done").count(), n, "no change, no sync");
+    assert_eq!(syncs(&log), n, "no change, no sync");
 
     // A restarted agent adopts the maps and rewrites nothing.
     env.stop_agent();

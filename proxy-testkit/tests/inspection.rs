@@ -20,16 +20,6 @@ fn b(i: usize) -> IpAddr {
     IpAddr::V4(backend_v4(i))
 }
 
-fn agent_json(env: &Env, args: &[&str]) -> serde_json::Value {
-    let out = Command::new(AGENT)
-        .args(args)
-        .args(["--pin-dir", &env.pin_dir, "-o", "json"])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{args:?}: {out:?}");
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{args:?}: {e}: {out:?}"))
-}
-
 fn manifests(env: &Env) {
     let svc = service(
         "default",
@@ -79,7 +69,7 @@ fn counters_are_exact_after_known_traffic_and_metrics_parse() {
     let r = env.tcp(&format!("{VIP}:81"), 2);
     assert!(r.iter().all(|p| errno(p) == Some(111)), "{r:?}");
 
-    let stats = agent_json(&env, &["stats"]);
+    let stats = env.agent_json(&["stats"]);
     let by_service = |name: &str| {
         stats["services"]
             .as_array()
@@ -129,7 +119,7 @@ fn counters_are_exact_after_known_traffic_and_metrics_parse() {
     );
     assert!(text.contains("tc_snat_ports_exhausted"), "{text}");
 
-    let backends = agent_json(&env, &["backends"]);
+    let backends = env.agent_json(&["backends"]);
     let tcp_total: u64 = backends
         .as_array()
         .unwrap()
@@ -223,7 +213,7 @@ fn conntrack_lists_connected_sockets_and_udp_flows() {
         )
         .unwrap();
     std::thread::sleep(std::time::Duration::from_millis(500));
-    let rows = agent_json(&env, &["conntrack"]);
+    let rows = env.agent_json(&["conntrack"]);
     let rows = rows.as_array().unwrap();
     let flow = rows
         .iter()
@@ -247,7 +237,7 @@ fn conntrack_lists_connected_sockets_and_udp_flows() {
     // Once closed, the connection is gone from the listing (released sockets are forgotten).
     let done = finish_probe(holder);
     assert_eq!(done[0]["ok"], true, "{done:?}");
-    let rows = agent_json(&env, &["conntrack"]);
+    let rows = env.agent_json(&["conntrack"]);
     let open_tcp: Vec<_> = rows
         .as_array()
         .unwrap()
@@ -355,7 +345,7 @@ fn explain_gives_each_endpoints_eligibility_with_the_reason() {
 
     // Zone hints: node-a in zone-a, the hinted endpoint for zone-b is not eligible.
     let node = "apiVersion: v1\nkind: Node\nmetadata: {name: node-a, labels: {topology.kubernetes.io/zone: zone-a}}\n";
-    let syncs = env.log().matches("sync done").count();
+    let syncs = env.syncs();
     env.write_manifest("node.yaml", node);
     let sl = format!(
         "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-1\n  namespace: default\n  labels: {{kubernetes.io/service-name: web}}\naddressType: IPv4\nports: [{{name: http, port: 8080, protocol: TCP}}]\nendpoints:\n{}  hints: {{forZones: [{{name: zone-a}}]}}\n{}  hints: {{forZones: [{{name: zone-b}}]}}\n",
@@ -372,7 +362,7 @@ fn explain_gives_each_endpoints_eligibility_with_the_reason() {
         },
         "Cluster policy synced",
     );
-    assert!(env.log().matches("sync done").count() > syncs);
+    assert!(env.syncs() > syncs);
     let out = Command::new(AGENT)
         .args(["explain", &format!("{VIP}:80"), "--pin-dir", &env.pin_dir])
         .args(["--manifests"])
@@ -433,7 +423,7 @@ fn a_services_connections_survive_a_backend_leaving() {
     let (n0, n1) = (got["b0"] as u64, got["b1"] as u64);
     assert!(n0 > 0 && n1 > 0 && n0 + n1 == 10, "{got:?}");
     let connections = |env: &Env| -> u64 {
-        let stats = agent_json(env, &["stats"]);
+        let stats = env.agent_json(&["stats"]);
         stats["services"]
             .as_array()
             .unwrap()
@@ -444,7 +434,7 @@ fn a_services_connections_survive_a_backend_leaving() {
             .unwrap()
     };
     let backend_connections = |env: &Env| -> BTreeMap<String, u64> {
-        agent_json(env, &["backends"])
+        env.agent_json(&["backends"])
             .as_array()
             .unwrap()
             .iter()

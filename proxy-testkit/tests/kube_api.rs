@@ -342,24 +342,17 @@ fn restart_waits_for_the_initial_lists_before_removing_anything() {
     // The API answers slowly now: a new agent must not sync (and flush) before both lists
     // have completed.
     api.server.set_delay(Duration::from_secs(2));
-    let syncs = env.log().matches("sync done").count();
+    let before = env.syncs();
     env.start_agent_with(&api.agent_args());
     std::thread::sleep(Duration::from_millis(1000));
-    assert_eq!(
-        env.log().matches("sync done").count(),
-        syncs,
-        "synced before the lists completed"
-    );
+    assert_eq!(env.syncs(), before, "synced before the lists completed");
     assert_eq!(backend_count(&env), 2);
     assert_eq!(
         by_name(&env.tcp(&format!("{VIP}:80"), 20)).len(),
         2,
         "data path kept while listing"
     );
-    env.wait_log(
-        |l| l.matches("sync done").count() > syncs,
-        "sync after the lists",
-    );
+    env.wait_log(|l| syncs(l) > before, "sync after the lists");
     let last = env
         .log()
         .lines()

@@ -34,9 +34,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use common::{AGENT, BPFFS, NETPROBE, agent_path};
+use common::{AGENT, BPFFS, DNS, Endpoint, HTTP, NETPROBE, Port, Web, agent_path, of_type};
 use proxy_testkit::testbed::{
-    ChildGuard, Netns, TestCgroup, ensure_bpffs, in_netns, is_root, output_in,
+    ChildGuard, Netns, TestCgroup, Wire, ensure_bpffs, in_netns, is_root, output_in,
 };
 use proxy_userspace::datapath::{loader, tc};
 
@@ -74,7 +74,7 @@ impl Agent {
     }
 
     fn syncs(&self) -> usize {
-        self.log().matches("sync done").count()
+        common::syncs(&self.log())
     }
 
     /// Waits (bounded) until the log has more than `n` syncs.
@@ -106,7 +106,7 @@ struct Lab {
     /// The wire's pass-through XDP links (`--xdp native` labs), before the wire so they
     /// are released first.
     _wire_xdp: Vec<std::os::fd::OwnedFd>,
-    _wire: Netns,
+    wire: Wire,
 }
 
 /// Whether the agents of a lab run with `--xdp native`.
@@ -114,10 +114,6 @@ struct Lab {
 enum Xdp {
     Off,
     Native,
-}
-
-fn ns(tag: &str, what: &str) -> Netns {
-    Netns::create(&format!("ns4-{tag}-{what}")).expect("netns")
 }
 
 impl Lab {
@@ -139,50 +135,29 @@ impl Lab {
             "built without the eBPF object: run `cargo xtask test`"
         );
         ensure_bpffs().expect("bpffs");
-        let wire = ns(tag, "w");
-        wire.ip(&[
-            "link",
-            "add",
-            "wire0",
-            "type",
-            "bridge",
-            "forward_delay",
-            "0",
-        ])
-        .unwrap();
-        wire.ip(&["link", "set", "wire0", "up"]).unwrap();
+        let mut wire = Wire::new(&format!("ns4-{tag}")).expect("wire");
         let mut wire_xdp = Vec::new();
-        let client = ns(tag, "c");
-        let a = ns(tag, "a");
-        let b = ns(tag, "b");
-        for (i, (n, addr)) in [(&a, NODE_A), (&b, NODE_B), (&client, CLIENT)]
-            .into_iter()
-            .enumerate()
-        {
-            let port = format!("p{i}");
-            wire.add_bridge_port(&port, "wire0", n).unwrap();
-            n.ip(&["addr", "add", &format!("{addr}/24"), "dev", "eth0"])
-                .unwrap();
-            n.ip(&["link", "set", "eth0", "up"]).unwrap();
-            if xdp == Xdp::Native {
+        let (a, pa) = wire
+            .node("a", &[&format!("{NODE_A}/24")], "198.18.1.1/24")
+            .unwrap();
+        let (b, pb) = wire
+            .node("b", &[&format!("{NODE_B}/24")], "198.18.2.1/24")
+            .unwrap();
+        let (client, pc) = wire.host("c", &[&format!("{CLIENT}/24")]).unwrap();
+        if xdp == Xdp::Native {
+            for (n, port) in [(&a, &pa), (&b, &pb), (&client, &pc)] {
                 // XDP_TX'd frames reach the bridge promptly only through a port with an
                 // XDP program; every sender completes its checksums, as on a physical wire.
-                wire_xdp.push(wire.attach_xdp_pass(&port).unwrap());
-                wire.set_tx_checksum_off(&port).unwrap();
+                wire_xdp.push(wire.ns().attach_xdp_pass(port).unwrap());
+                wire.ns().set_tx_checksum_off(port).unwrap();
                 n.set_tx_checksum_off("eth0").unwrap();
             }
         }
-        for (n, gw, other_subnet, other_node) in [
-            (&a, "198.18.1.1/24", "198.18.2.0/24", NODE_B),
-            (&b, "198.18.2.1/24", "198.18.1.0/24", NODE_A),
-        ] {
-            n.ip(&["link", "add", "br0", "type", "bridge", "forward_delay", "0"])
-                .unwrap();
-            n.ip(&["addr", "add", gw, "dev", "br0"]).unwrap();
-            n.ip(&["link", "set", "br0", "up"]).unwrap();
+        for (n, other_subnet, other_node) in
+            [(&a, "198.18.2.0/24", NODE_B), (&b, "198.18.1.0/24", NODE_A)]
+        {
             n.ip(&["route", "add", other_subnet, "via", other_node])
                 .unwrap();
-            n.sysctl("net/ipv4/ip_forward", "1").unwrap();
         }
         client
             .ip(&["route", "add", "198.19.100.0/24", "via", NODE_A])
@@ -197,7 +172,7 @@ impl Lab {
             nodes: vec![a, b],
             client,
             _wire_xdp: wire_xdp,
-            _wire: wire,
+            wire,
         };
         lab.add_pod(0, "a0", POD_A0, "198.18.1.1");
         lab.add_pod(1, "b0", POD_B0, "198.18.2.1");
@@ -212,17 +187,11 @@ impl Lab {
 
     /// A pod behind node `node` (0 = a, 1 = b) serving its name on TCP 8080 and UDP 5353.
     fn add_pod(&mut self, node: usize, name: &str, addr: &str, gw: &str) {
-        let pod = ns(&self.tag, name);
         let n = &self.nodes[node];
-        let veth = format!("v{name}");
-        n.add_bridge_port(&veth, "br0", &pod).unwrap();
-        pod.ip(&["addr", "add", &format!("{addr}/24"), "dev", "eth0"])
-            .unwrap();
-        pod.ip(&["link", "set", "eth0", "up"]).unwrap();
-        pod.ip(&["route", "add", "default", "via", gw]).unwrap();
+        let pod = self.wire.pod(n, name, &format!("{addr}/24"), gw).unwrap();
         if self.xdp == Xdp::Native {
             pod.set_tx_checksum_off("eth0").unwrap();
-            n.set_tx_checksum_off(&veth).unwrap();
+            n.set_tx_checksum_off(&format!("v{name}")).unwrap();
         }
         let server = pod
             .spawn(
@@ -493,25 +462,49 @@ fn both_backends(c: &Path, fes: &[String], nodes: [&str; 2], client: &str, mode:
 const T: Duration = Duration::from_secs(2);
 const SHORT: Duration = Duration::from_millis(700);
 
-/// Service `default/web`: TCP 80 -> 8080 (NodePort 30080), UDP 53 -> 5353 (NodePort 30053),
-/// an external IP and an LB IP, endpoints a0 (node-a) and b0 (node-b). Extra spec lines go
-/// after `spec:`.
-fn web(lab: &Lab, spec_extra: &str, endpoints: &[(&str, &str)]) {
-    web_with(lab, "", spec_extra, endpoints)
+/// The closed port of the lab's Service: UDP 54 -> 5999 (NodePort 30054), where no backend
+/// listens.
+const CLOSED: Port = Port {
+    name: "closed",
+    port: 54,
+    target: 5999,
+    proto: "UDP",
+    node_port: Some(30054),
+};
+
+/// The lab's ports: TCP 80 -> 8080 (NodePort 30080), UDP 53 -> 5353 (NodePort 30053) and
+/// [`CLOSED`].
+const LAB_PORTS: [Port; 3] = [HTTP.node_port(30080), DNS.node_port(30053), CLOSED];
+
+/// `endpoints` (address, node) as the slices' endpoints.
+fn on_nodes(endpoints: &[(&str, &str)]) -> Vec<Endpoint> {
+    endpoints
+        .iter()
+        .map(|(ip, node)| Endpoint::new(ip.parse::<std::net::IpAddr>().unwrap()).on(node))
+        .collect()
 }
 
-/// [`web`] with a `metadata.annotations` flow mapping body (e.g. `"a: b"`).
-fn web_with(lab: &Lab, annotations: &str, spec_extra: &str, endpoints: &[(&str, &str)]) {
-    let eps: String = endpoints
-        .iter()
-        .map(|(ip, node)| format!("- addresses: [\"{ip}\"]\n  nodeName: {node}\n"))
-        .collect();
-    lab.write(
-        "web.yaml",
-        &format!(
-            "apiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: default, annotations: {{{annotations}}}}}\nspec:\n  type: LoadBalancer\n  clusterIP: 198.19.0.30\n  externalIPs: [{EXTERNAL_IP}]\n{spec_extra}  ports:\n  - {{name: http, port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP}}\n  - {{name: dns, port: 53, targetPort: 5353, nodePort: 30053, protocol: UDP}}\n  - {{name: closed, port: 54, targetPort: 5999, nodePort: 30054, protocol: UDP}}\nstatus:\n  loadBalancer:\n    ingress: [{{ip: {LB_IP}}}]\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-1\n  namespace: default\n  labels: {{kubernetes.io/service-name: web}}\naddressType: IPv4\nports:\n- {{name: http, port: 8080, protocol: TCP}}\n- {{name: dns, port: 5353, protocol: UDP}}\n- {{name: closed, port: 5999, protocol: UDP}}\nendpoints:\n{eps}"
-        ),
-    );
+/// Service `default/web` of type LoadBalancer: [`LAB_PORTS`], cluster IP 198.19.0.30, an
+/// external IP and an LB IP, endpoints (address, node). Extra spec lines go after `spec:`.
+fn web(lab: &Lab, spec_extra: &str, endpoints: &[(&str, &str)]) {
+    web_with(lab, &[], spec_extra, endpoints)
+}
+
+/// [`web`] with `metadata.annotations`.
+fn web_with(lab: &Lab, annotations: &[(&str, &str)], spec_extra: &str, endpoints: &[(&str, &str)]) {
+    let mut w = Web::new("198.19.0.30")
+        .ports(&LAB_PORTS)
+        .spec(&format!(
+            "  type: LoadBalancer\n  externalIPs: [{EXTERNAL_IP}]\n{spec_extra}"
+        ))
+        .status(&format!(
+            "status:\n  loadBalancer:\n    ingress: [{{ip: {LB_IP}}}]\n"
+        ))
+        .endpoints(on_nodes(endpoints));
+    for (k, v) in annotations {
+        w = w.annotation(k, v);
+    }
+    lab.write("web.yaml", &w.yaml());
 }
 
 const BOTH: [(&str, &str); 2] = [(POD_A0, "node-a"), (POD_B0, "node-b")];
@@ -1126,16 +1119,7 @@ fn hold(client: &Path, to: &str) -> (TcpStream, String) {
 /// `ebpf-proxy <command> --pin-dir <agent a's> -o json`, parsed.
 fn agent_json(lab: &Lab, a: usize, command: &str) -> serde_json::Value {
     let dir = lab.agents[a].pin.file_name().unwrap().to_str().unwrap();
-    let out = Command::new(AGENT)
-        .args([command, "--pin-dir", dir, "-o", "json"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{command}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    common::agent_json(dir, &[command])
 }
 
 /// `ebpf-proxy backends -o json` of agent `a`: "address:port/PROTO" -> least-connections
@@ -1186,7 +1170,7 @@ fn least_connections_counts_tc_flows_and_gives_them_back() {
     // a0 and a1 on node-a (client address kept), b0 on node-b (reached through SNAT).
     web_with(
         &lab,
-        "ebpf-proxy.io/lb-algorithm: least-connections",
+        &[("ebpf-proxy.io/lb-algorithm", "least-connections")],
         "",
         &[(POD_A0, "node-a"), (POD_A1, "node-a"), (POD_B0, "node-b")],
     );
@@ -1303,7 +1287,7 @@ fn affinity_and_algorithms_apply_to_node_ports_and_lb_ips() {
     // one, so which backend a new connection gets tells whether the affinity held.
     web_with(
         &lab,
-        "ebpf-proxy.io/lb-algorithm: least-connections",
+        &[("ebpf-proxy.io/lb-algorithm", "least-connections")],
         "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 2}}\n",
         &local,
     );
@@ -1334,7 +1318,12 @@ fn affinity_and_algorithms_apply_to_node_ports_and_lb_ips() {
 
     // Source hashing on the node port: one client address always gets the same backend.
     let n = lab.agents[0].syncs();
-    web_with(&lab, "ebpf-proxy.io/lb-algorithm: source-hash", "", &local);
+    web_with(
+        &lab,
+        &[("ebpf-proxy.io/lb-algorithm", "source-hash")],
+        "",
+        &local,
+    );
     lab.agents[0].wait_sync_after(n);
     let names: std::collections::BTreeSet<String> =
         (0..12).map(|_| tcp_whoami(&c, &np, T).unwrap().0).collect();
@@ -1347,7 +1336,12 @@ fn affinity_and_algorithms_apply_to_node_ports_and_lb_ips() {
     // Round-robin on the node port: per-CPU cursors, so each backend gets its share within
     // one per CPU of an even split.
     let n = lab.agents[0].syncs();
-    web_with(&lab, "ebpf-proxy.io/lb-algorithm: round-robin", "", &local);
+    web_with(
+        &lab,
+        &[("ebpf-proxy.io/lb-algorithm", "round-robin")],
+        "",
+        &local,
+    );
     lab.agents[0].wait_sync_after(n);
     let mut seen = std::collections::BTreeMap::<String, usize>::new();
     for _ in 0..30 {
@@ -1568,26 +1562,23 @@ impl Lab {
 
 /// Dual-stack `default/web`: the ports of [`web`], cluster IPs, external IPs and LB IPs of
 /// both families; IPv4 endpoints `v4` and IPv6 endpoints `v6` as (address, node).
+fn dual(v4: &[(&str, &str)], v6: &[(&str, &str)]) -> Web {
+    Web::new("198.19.0.30")
+        .cluster_ip(CLUSTER_IP6)
+        .ports(&LAB_PORTS)
+        .spec(&format!(
+            "  type: LoadBalancer\n  ipFamilyPolicy: RequireDualStack\n  ipFamilies: [IPv4, IPv6]\n  externalIPs: [{EXTERNAL_IP}, '{EXTERNAL_IP6}']\n"
+        ))
+        .status(&format!(
+            "status:\n  loadBalancer:\n    ingress: [{{ip: {LB_IP}}}, {{ip: '{LB_IP6}'}}]\n"
+        ))
+        .endpoints(on_nodes(v4))
+        .endpoints(on_nodes(v6))
+}
+
+/// Writes [`dual`] with extra spec lines.
 fn web_dual(lab: &Lab, spec_extra: &str, v4: &[(&str, &str)], v6: &[(&str, &str)]) {
-    let eps = |e: &[(&str, &str)]| -> String {
-        e.iter()
-            .map(|(ip, node)| format!("- addresses: [\"{ip}\"]\n  nodeName: {node}\n"))
-            .collect()
-    };
-    let slice = |name: &str, fam: &str, e: &[(&str, &str)]| {
-        format!(
-            "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}\n  namespace: default\n  labels: {{kubernetes.io/service-name: web}}\naddressType: {fam}\nports:\n- {{name: http, port: 8080, protocol: TCP}}\n- {{name: dns, port: 5353, protocol: UDP}}\n- {{name: closed, port: 5999, protocol: UDP}}\nendpoints:\n{}",
-            eps(e)
-        )
-    };
-    lab.write(
-        "web.yaml",
-        &format!(
-            "apiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: default}}\nspec:\n  type: LoadBalancer\n  ipFamilyPolicy: RequireDualStack\n  ipFamilies: [IPv4, IPv6]\n  clusterIP: 198.19.0.30\n  clusterIPs: [198.19.0.30, '{CLUSTER_IP6}']\n  externalIPs: [{EXTERNAL_IP}, '{EXTERNAL_IP6}']\n{spec_extra}  ports:\n  - {{name: http, port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP}}\n  - {{name: dns, port: 53, targetPort: 5353, nodePort: 30053, protocol: UDP}}\n  - {{name: closed, port: 54, targetPort: 5999, nodePort: 30054, protocol: UDP}}\nstatus:\n  loadBalancer:\n    ingress: [{{ip: {LB_IP}}}, {{ip: '{LB_IP6}'}}]\n{}{}",
-            slice("web-1", "IPv4", v4),
-            slice("web-2", "IPv6", v6)
-        ),
-    );
+    lab.write("web.yaml", &dual(v4, v6).spec(spec_extra).yaml());
 }
 
 const BOTH4: [(&str, &str); 2] = [(POD_A0, "node-a"), (POD_B0, "node-b")];
@@ -1710,9 +1701,10 @@ fn services_without_endpoints_are_rejected_from_outside_in_both_families() {
     // No EndpointSlice at all.
     lab.write(
         "web.yaml",
-        &format!(
-            "apiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: default}}\nspec:\n  type: LoadBalancer\n  externalTrafficPolicy: Local\n  ipFamilyPolicy: RequireDualStack\n  ipFamilies: [IPv4, IPv6]\n  clusterIP: 198.19.0.30\n  clusterIPs: [198.19.0.30, '{CLUSTER_IP6}']\n  externalIPs: [{EXTERNAL_IP}, '{EXTERNAL_IP6}']\n  ports:\n  - {{name: http, port: 80, targetPort: 8080, nodePort: 30080, protocol: TCP}}\n  - {{name: dns, port: 53, targetPort: 5353, nodePort: 30053, protocol: UDP}}\nstatus:\n  loadBalancer:\n    ingress: [{{ip: {LB_IP}}}, {{ip: '{LB_IP6}'}}]\n"
-        ),
+        &dual(&[], &[])
+            .ports(&LAB_PORTS[..2])
+            .spec("  externalTrafficPolicy: Local\n")
+            .service_yaml(),
     );
     lab.start_agent(0, &[]);
     let c = lab.client_path();
@@ -2072,7 +2064,7 @@ fn monitor_shows_tc_flows_drops_and_flow_ends() {
     let a = mon_a.stop();
     let b = mon_b.stop();
 
-    let new: Vec<&serde_json::Value> = b.iter().filter(|e| e["type"] == "flow-new").collect();
+    let new: Vec<&serde_json::Value> = of_type(&b, "flow-new");
     assert_eq!(new.len(), 2, "{b:#?}");
     for e in &new {
         assert_eq!(e["frontend"], format!("{NODE_B}:30080"), "{e}");
@@ -2090,7 +2082,7 @@ fn monitor_shows_tc_flows_drops_and_flow_ends() {
         );
     }
     assert_ne!(new[0]["client"], new[1]["client"], "two connections");
-    let ends: Vec<&serde_json::Value> = b.iter().filter(|e| e["type"] == "flow-end").collect();
+    let ends: Vec<&serde_json::Value> = of_type(&b, "flow-end");
     assert_eq!(ends.len(), 2, "{b:#?}");
     for e in &ends {
         let involves_client = [&e["client"], &e["frontend"]]
@@ -2099,7 +2091,7 @@ fn monitor_shows_tc_flows_drops_and_flow_ends() {
         assert!(involves_client, "{e}");
     }
 
-    let drops: Vec<&serde_json::Value> = a.iter().filter(|e| e["type"] == "flow-drop").collect();
+    let drops: Vec<&serde_json::Value> = of_type(&a, "flow-drop");
     assert!(!drops.is_empty(), "{a:#?}");
     for e in &drops {
         assert_eq!(e["reason"], "no-local-endpoints", "{e}");
@@ -2342,15 +2334,13 @@ fn dsr_replies_bypass_the_entry_node_and_mtu_and_restarts_hold() {
 fn dsr_hybrid_annotation_in_both_families() {
     let mut lab = Lab::new("dh");
     lab.add_ipv6();
-    web_dual(&lab, "", &[(POD_B0, "node-b")], &[(POD_B06, "node-b")]);
-    // The annotation, added to the dual-stack Service.
-    let path = lab.manifests.path().join("web.yaml");
-    let text = std::fs::read_to_string(&path).unwrap().replacen(
-        "metadata: {name: web, namespace: default}",
-        "metadata: {name: web, namespace: default, annotations: {ebpf-proxy.io/north-south-mode: hybrid}}",
-        1,
+    // The annotation, on the dual-stack Service.
+    lab.write(
+        "web.yaml",
+        &dual(&[(POD_B0, "node-b")], &[(POD_B06, "node-b")])
+            .annotation("ebpf-proxy.io/north-south-mode", "hybrid")
+            .yaml(),
     );
-    lab.write("web.yaml", &text);
     lab.start_agent(0, &[]);
     lab.start_agent(1, &[]);
     let c = lab.client_path();

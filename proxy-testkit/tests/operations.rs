@@ -22,22 +22,13 @@ use proxy_userspace::datapath::loader;
 
 const VIP: &str = "198.19.0.10";
 
-/// A Service `default/web` (TCP 80 -> 8080) with the given ready IPv4 endpoints.
+/// A Service `default/web` (TCP 80 -> 8080) with the given backends as ready endpoints.
 fn web(env: &Env, endpoints: &[usize]) {
-    let svc = service("default", "web", &[VIP], &[("http", 80, 8080, "TCP")]);
-    let eps: Vec<(IpAddr, bool)> = endpoints
+    let eps: Vec<IpAddr> = endpoints
         .iter()
-        .map(|i| (IpAddr::V4(backend_v4(*i)), true))
+        .map(|i| IpAddr::V4(backend_v4(*i)))
         .collect();
-    let sl = slice(
-        "default",
-        "web-1",
-        "web",
-        "IPv4",
-        &[("http", 8080, "TCP")],
-        &eps,
-    );
-    env.write_manifest("web.yaml", &format!("{svc}---\n{sl}"));
+    env.write_web(&Web::new(VIP).ports(&[HTTP]).ready(&eps));
 }
 
 fn agent(args: &[&str]) -> Output {

@@ -1,5 +1,11 @@
-//! Privileged integration tests of the socket-level data path: the real programs attached to
-//! a test cgroup, the real agent fed by manifests, real sockets in pod namespaces.
+//! Privileged integration tests of the socket-level data path that drive the agent's life
+//! cycle and read its maps directly: restarts, cleanup, the reverse-NAT slots of connected
+//! sockets and upgrades from older pins. The real programs are attached to a test cgroup,
+//! the real agent is fed by manifests, real sockets run in pod namespaces.
+//!
+//! The cases that are only objects in and connections out (reaching backends, refusals,
+//! endpoint changes, bad input, a full map, the `services` command) are scenario files in
+//! `tests/scenarios/socket/`, run by `tests/scenarios.rs`.
 //!
 //! Run as root with `cargo xtask test` (which builds the eBPF object first). Each test has
 //! its own namespaces, cgroup and pin directory, cleaned up on drop.
@@ -12,581 +18,18 @@ use std::{
 };
 
 use common::*;
-use proxy_common::FRONTEND_F_VIP_MARKER;
 
 const ECONNREFUSED: i64 = 111;
 const VIP: &str = "198.19.0.10";
-
-fn ip(s: &str) -> IpAddr {
-    s.parse().unwrap()
-}
 
 fn b(i: usize) -> IpAddr {
     IpAddr::V4(backend_v4(i))
 }
 
-/// A Service `default/web` (TCP 80 -> 8080 "http", UDP 53 -> 5353 "dns") with the given
-/// ready IPv4 endpoints.
-fn web(env: &Env, endpoints: &[IpAddr]) {
-    let svc = service(
-        "default",
-        "web",
-        &[VIP],
-        &[("http", 80, 8080, "TCP"), ("dns", 53, 5353, "UDP")],
-    );
-    let eps: Vec<(IpAddr, bool)> = endpoints.iter().map(|a| (*a, true)).collect();
-    let sl = slice(
-        "default",
-        "web-1",
-        "web",
-        "IPv4",
-        &[("http", 8080, "TCP"), ("dns", 5353, "UDP")],
-        &eps,
-    );
-    env.write_manifest("web.yaml", &format!("{svc}---\n{sl}"));
-}
-
-#[test]
-fn tcp_and_udp_reach_every_backend_and_peer_is_the_vip() {
-    let mut env = Env::new("reach", 3, false);
-    web(&env, &[b(0), b(1), b(2)]);
-    env.start_agent();
-
-    let tcp = env.tcp(&format!("{VIP}:80"), 60);
-    let counts = by_name(&tcp);
-    println!("TCP per backend: {counts:?}");
-    assert_eq!(counts.len(), 3, "every backend answers TCP: {counts:?}");
-    for p in &tcp {
-        // getpeername() shows the VIP, not the pod.
-        assert_eq!(p["peer"], format!("{VIP}:80"), "{p}");
-    }
-
-    // A dual-stack IPv6 socket reaching the IPv4 VIP as ::ffff:a.b.c.d is translated too.
-    let mapped = format!("[::ffff:{VIP}]:80");
-    let r = env.tcp(&mapped, 5);
-    assert_eq!(by_name(&r).values().sum::<usize>(), 5);
-    for p in &r {
-        assert_eq!(
-            p["peer"], mapped,
-            "getpeername on the IPv6 socket shows the mapped VIP: {p}"
-        );
-    }
-
-    // Connected UDP: one backend per socket; several sockets reach every backend.
-    let mut udp_counts = std::collections::BTreeMap::new();
-    for _ in 0..40 {
-        let r = env.udp(&format!("{VIP}:53"), 2, true);
-        let c = by_name(&r);
-        assert_eq!(
-            c.len(),
-            1,
-            "a connected UDP socket keeps its backend: {c:?}"
-        );
-        for p in &r {
-            assert_eq!(p["peer"], format!("{VIP}:53"), "{p}");
-            assert_eq!(
-                p["from"],
-                format!("{VIP}:53"),
-                "recvfrom shows the VIP: {p}"
-            );
-        }
-        for (k, v) in c {
-            *udp_counts.entry(k).or_insert(0) += v;
-        }
-        if udp_counts.len() == 3 {
-            break;
-        }
-    }
-    println!("connected UDP per backend: {udp_counts:?}");
-    assert_eq!(udp_counts.len(), 3, "every backend answers UDP");
-
-    // Unconnected UDP: one socket's flow to one frontend sticks to one backend.
-    let r = env.udp(&format!("{VIP}:53"), 10, false);
-    let c = by_name(&r);
-    assert_eq!(
-        c.len(),
-        1,
-        "an unconnected UDP flow keeps its backend: {c:?}"
-    );
-    for p in &r {
-        assert_eq!(
-            p["from"],
-            format!("{VIP}:53"),
-            "recvfrom shows the VIP: {p}"
-        );
-    }
-    let mut seen = std::collections::BTreeSet::new();
-    for _ in 0..40 {
-        seen.extend(by_name(&env.udp(&format!("{VIP}:53"), 1, false)).into_keys());
-        if seen.len() == 3 {
-            break;
-        }
-    }
-    assert_eq!(
-        seen.len(),
-        3,
-        "new flows spread over every backend: {seen:?}"
-    );
-
-    // Health: 200 once synced, with kube-proxy's JSON fields.
-    let h = env.health_addr();
-    let out = std::process::Command::new("curl")
-        .args(["-s", "-w", "\n%{http_code}", &format!("http://{h}/healthz")])
-        .output()
-        .expect("curl");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.ends_with("\n200"), "healthz: {text}");
-    assert!(
-        text.contains("lastUpdated") && text.contains("currentTime"),
-        "{text}"
-    );
-}
-
-#[test]
-fn pod_ip_addressed_directly_is_never_translated() {
-    let mut env = Env::new("direct", 2, false);
-    web(&env, &[b(0), b(1)]);
-    env.start_agent();
-    let target = format!("{}:8080", backend_v4(1));
-    for p in env.tcp(&target, 5) {
-        assert_eq!(p["ok"], true, "{p}");
-        assert_eq!(p["name"], "b1");
-        assert_eq!(p["peer"], target, "getpeername untouched: {p}");
-    }
-    let target = format!("{}:5353", backend_v4(0));
-    for p in env.udp(&target, 3, false) {
-        assert_eq!(p["ok"], true, "{p}");
-        assert_eq!(p["from"], target, "recvfrom untouched: {p}");
-    }
-}
-
-/// One unconnected UDP socket alternates between a VIP and the address of the VIP's only
-/// endpoint: each reply is shown as coming from where the socket's last datagram to that
-/// peer went (the VIP, then the pod, then the VIP again), in both families.
-#[test]
-fn udp_reply_source_follows_the_last_datagram_to_the_peer() {
-    let mut env = Env::new("lastsend", 1, true);
-    let vip6 = "fd00:96::10";
-    let svc = service("default", "web", &[VIP], &[("dns", 53, 5353, "UDP")]);
-    let sl = slice(
-        "default",
-        "web-1",
-        "web",
-        "IPv4",
-        &[("dns", 5353, "UDP")],
-        &[(b(0), true)],
-    );
-    let svc6 = service("default", "web6", &[vip6], &[("dns", 53, 5353, "UDP")]);
-    let sl6 = slice(
-        "default",
-        "web6-1",
-        "web6",
-        "IPv6",
-        &[("dns", 5353, "UDP")],
-        &[(IpAddr::V6(backend_v6(0)), true)],
-    );
-    env.write_manifest("web.yaml", &format!("{svc}---\n{sl}---\n{svc6}---\n{sl6}"));
-    env.start_agent();
-    for (vip, pod) in [
-        (format!("{VIP}:53"), format!("{}:5353", backend_v4(0))),
-        (format!("[{vip6}]:53"), format!("[{}]:5353", backend_v6(0))),
-    ] {
-        let r = env.probe(&[
-            "udp",
-            "--to",
-            &vip,
-            "--to",
-            &pod,
-            "--count",
-            "6",
-            "--timeout-ms",
-            "2000",
-        ]);
-        assert_eq!(r.len(), 6, "{r:?}");
-        for (i, p) in r.iter().enumerate() {
-            assert_eq!(p["ok"], true, "{p}");
-            assert_eq!(p["name"], "b0", "{p}");
-            let want = if i % 2 == 0 { &vip } else { &pod };
-            assert_eq!(p["from"], want.as_str(), "datagram {i}: {r:?}");
-        }
-    }
-
-    // A socket connected through one VIP, then disconnected (`connect(AF_UNSPEC)`), sends
-    // through another VIP of the same endpoint and back: each reply comes from the VIP
-    // of the datagram before it, not from the one the socket was once connected to.
-    let vip2 = "198.19.0.11";
-    let svc2 = service("default", "web2", &[vip2], &[("dns", 53, 5353, "UDP")]);
-    let sl2 = slice(
-        "default",
-        "web2-1",
-        "web2",
-        "IPv4",
-        &[("dns", 5353, "UDP")],
-        &[(b(0), true)],
-    );
-    env.write_manifest("web2.yaml", &format!("{svc2}---\n{sl2}"));
-    env.wait_maps(
-        |s| s.names.values().any(|n| n.starts_with("default/web2:")),
-        "web2",
-    );
-    // Datagrams alternate between `first` (connected, then disconnected) and `second`
-    // (sendto); each reply comes from where the datagram before it went.
-    let alternate = |first: &str, second: &str| {
-        let r = env.probe(&[
-            "udp",
-            "--to",
-            first,
-            "--to",
-            second,
-            "--count",
-            "4",
-            "--connected",
-            "--then-disconnect",
-            "--timeout-ms",
-            "2000",
-        ]);
-        assert_eq!(r.len(), 4, "{r:?}");
-        for (i, p) in r.iter().enumerate() {
-            assert_eq!(p["ok"], true, "{p}");
-            let want = if i % 2 == 0 { first } else { second };
-            assert_eq!(p["from"], want, "datagram {i}: {r:?}");
-        }
-    };
-    alternate(&format!("{VIP}:53"), &format!("{vip2}:53"));
-    // The same, sending to the pod itself after the disconnect: its replies come from the
-    // pod, until a datagram goes through the VIP again.
-    alternate(&format!("{VIP}:53"), &format!("{}:5353", backend_v4(0)));
-}
-
-#[test]
-fn ipv6_cluster_ip() {
-    let mut env = Env::new("ipv6", 2, true);
-    let vip6 = "fd00:96::10";
-    let svc = service(
-        "default",
-        "web6",
-        &[vip6],
-        &[("http", 80, 8080, "TCP"), ("dns", 53, 5353, "UDP")],
-    );
-    let eps: Vec<(IpAddr, bool)> = (0..2).map(|i| (IpAddr::V6(backend_v6(i)), true)).collect();
-    let sl = slice(
-        "default",
-        "web6-1",
-        "web6",
-        "IPv6",
-        &[("http", 8080, "TCP"), ("dns", 5353, "UDP")],
-        &eps,
-    );
-    env.write_manifest("web6.yaml", &format!("{svc}---\n{sl}"));
-    env.start_agent();
-
-    let to = format!("[{vip6}]:80");
-    let tcp = env.tcp(&to, 30);
-    let c = by_name(&tcp);
-    assert_eq!(c.len(), 2, "{c:?}");
-    assert!(tcp.iter().all(|p| p["peer"] == to.as_str()), "{tcp:?}");
-    let to = format!("[{vip6}]:53");
-    let udp = env.udp(&to, 3, false);
-    assert_eq!(by_name(&udp).len(), 1);
-    assert!(udp.iter().all(|p| p["from"] == to.as_str()), "{udp:?}");
-    // Undefined port on an IPv6 VIP.
-    let r = env.tcp(&format!("[{vip6}]:81"), 1);
-    assert_eq!(errno(&r[0]), Some(ECONNREFUSED), "{r:?}");
-}
-
-#[test]
-fn zero_endpoints_and_undefined_port_are_refused() {
-    let mut env = Env::new("refuse", 1, false);
-    web(&env, &[]);
-    env.start_agent();
-    let start = Instant::now();
-    let r = env.tcp(&format!("{VIP}:80"), 1);
-    assert_eq!(errno(&r[0]), Some(ECONNREFUSED), "no endpoints, TCP: {r:?}");
-    let r = env.udp(&format!("{VIP}:53"), 1, false);
-    assert_eq!(
-        errno(&r[0]),
-        Some(ECONNREFUSED),
-        "no endpoints, UDP sendto: {r:?}"
-    );
-    let r = env.udp(&format!("{VIP}:53"), 1, true);
-    assert_eq!(
-        errno(&r[0]),
-        Some(ECONNREFUSED),
-        "no endpoints, UDP connect: {r:?}"
-    );
-    // A port the VIP does not define, and the other protocol of a defined port.
-    let r = env.tcp(&format!("{VIP}:8080"), 1);
-    assert_eq!(errno(&r[0]), Some(ECONNREFUSED), "undefined port: {r:?}");
-    let r = env.tcp(&format!("{VIP}:53"), 1);
-    assert_eq!(
-        errno(&r[0]),
-        Some(ECONNREFUSED),
-        "TCP on a UDP-only port: {r:?}"
-    );
-    let r = env.udp(&format!("{VIP}:80"), 1, false);
-    assert_eq!(
-        errno(&r[0]),
-        Some(ECONNREFUSED),
-        "UDP on a TCP-only port: {r:?}"
-    );
-    // "At once": no connect timeout was involved.
-    assert!(
-        start.elapsed() < Duration::from_secs(5),
-        "refusals took {:?}",
-        start.elapsed()
-    );
-
-    // From none to some: the next connection succeeds.
-    web(&env, &[b(0)]);
-    env.wait_maps(
-        |s| s.frontends.values().any(|f| f.backend_count == 1),
-        "endpoint added",
-    );
-    assert_eq!(by_name(&env.tcp(&format!("{VIP}:80"), 3)).len(), 1);
-    assert_eq!(by_name(&env.udp(&format!("{VIP}:53"), 2, false)).len(), 1);
-}
-
-#[test]
-fn endpoint_removal_takes_effect_without_restart() {
-    let mut env = Env::new("remove", 3, false);
-    web(&env, &[b(0), b(1), b(2)]);
-    env.start_agent();
-    assert_eq!(by_name(&env.tcp(&format!("{VIP}:80"), 60)).len(), 3);
-
-    let written = Instant::now();
-    web(&env, &[b(0), b(1)]);
-    let waited = env.wait_maps(
-        |s| {
-            s.frontends
-                .values()
-                .all(|f| f.flags & FRONTEND_F_VIP_MARKER != 0 || f.backend_count == 2)
-        },
-        "backend removed",
-    );
-    let _ = waited;
-    println!("file change to data path update: {:?}", written.elapsed());
-    let c = by_name(&env.tcp(&format!("{VIP}:80"), 60));
-    assert!(
-        !c.contains_key("b2"),
-        "removed endpoint still chosen: {c:?}"
-    );
-    assert_eq!(c.len(), 2, "{c:?}");
-    // The removed backend's entries are gone; the unused backend ids were deleted.
-    let s = env.snapshot();
-    assert_eq!(
-        s.backends.len(),
-        4,
-        "2 endpoints x (TCP, UDP): {:?}",
-        s.backends
-    );
-
-    // Deleting the manifest file removes the service; its VIP is no longer a VIP.
-    env.remove_manifest("web.yaml");
-    env.wait_maps(
-        |s| s.frontends.is_empty() && s.slots.is_empty() && s.backends.is_empty(),
-        "service removed",
-    );
-}
-
-#[test]
-fn several_slices_are_merged_and_target_ports_resolve_per_endpoint() {
-    let mut env = Env::new("slices", 3, false);
-    // One Service port "http" whose endpoints listen on different container ports: b0/b1 on
-    // 8080 (slice 1), b2 on 8081 (slice 2, as after a rolling update of a named targetPort).
-    let svc = service("default", "web", &[VIP], &[("http", 80, 8080, "TCP")]);
-    let s1 = slice(
-        "default",
-        "web-a",
-        "web",
-        "IPv4",
-        &[("http", 8080, "TCP")],
-        &[(b(0), true), (b(1), true)],
-    );
-    // b1 appears in both slices with the same port: merged, not duplicated.
-    let s2 = slice(
-        "default",
-        "web-b",
-        "web",
-        "IPv4",
-        &[("http", 8081, "TCP")],
-        &[(b(2), true), (b(1), false)],
-    );
-    let s3 = slice(
-        "default",
-        "web-c",
-        "web",
-        "IPv4",
-        &[("http", 8080, "TCP")],
-        &[(b(1), true)],
-    );
-    env.write_manifest("web.yaml", &format!("{svc}---\n{s1}---\n{s2}"));
-    env.write_manifest("web-c.yaml", &s3);
-    env.start_agent();
-    let s = env.snapshot();
-    let fe = s.frontends.values().find(|f| f.flags == 0).unwrap();
-    assert_eq!(
-        fe.backend_count, 3,
-        "b0:8080, b1:8080 (deduplicated), b2:8081"
-    );
-    let c = by_name(&env.tcp(&format!("{VIP}:80"), 60));
-    assert_eq!(c.len(), 3, "{c:?}");
-}
-
-#[test]
-fn bad_input_is_skipped_with_one_clear_line_and_others_keep_working() {
-    let mut env = Env::new("badinput", 1, false);
-    web(&env, &[b(0)]);
-    env.write_manifest(
-        "broken.yaml",
-        "apiVersion: v1\nkind: Service\nmetadata: {name: x\n  - [unclosed",
-    );
-    env.write_manifest(
-        "bad-ip.yaml",
-        &service(
-            "default",
-            "bad-ip",
-            &["10.96.300.1"],
-            &[("http", 80, 8080, "TCP")],
-        ),
-    );
-    env.write_manifest(
-        "port0.yaml",
-        &service(
-            "default",
-            "port-zero",
-            &["198.19.0.20"],
-            &[("http", 0, 8080, "TCP")],
-        ),
-    );
-    env.write_manifest(
-        "port-big.yaml",
-        &service(
-            "default",
-            "port-big",
-            &["198.19.0.21"],
-            &[("http", 70000, 8080, "TCP")],
-        ),
-    );
-    env.write_manifest(
-        "family.yaml",
-        &format!(
-            "{}---\n{}",
-            service(
-                "default",
-                "fam",
-                &["198.19.0.22"],
-                &[("http", 80, 8080, "TCP")]
-            ),
-            slice(
-                "default",
-                "fam-1",
-                "fam",
-                "IPv4",
-                &[("http", 8080, "TCP")],
-                &[(ip("fd00::1"), true), (b(0), true)]
-            )
-        ),
-    );
-    env.write_manifest(
-        "kind.yaml",
-        "apiVersion: example.com/v1\nkind: Gadget\nmetadata: {name: g, namespace: default}\n",
-    );
-    env.start_agent();
-    let log = env.log();
-    for (needle, what) in [
-        ("broken.yaml", "unparseable file"),
-        ("Service default/bad-ip", "invalid IP"),
-        ("Service default/port-zero", "port 0"),
-        ("Service default/port-big", "port above 65535"),
-        ("EndpointSlice default/fam-1", "wrong-family address"),
-        ("Gadget", "unknown kind"),
-    ] {
-        let lines: Vec<&str> = log
-            .lines()
-            .filter(|l| l.contains("skipped") && l.contains(needle))
-            .collect();
-        assert_eq!(
-            lines.len(),
-            1,
-            "{what}: expected one error line naming {needle:?}, got {lines:?}\n{log}"
-        );
-        println!("{what}: {}", lines[0]);
-    }
-    // Every other service works, including the one whose slice had one bad address.
-    assert_eq!(by_name(&env.tcp(&format!("{VIP}:80"), 3)).len(), 1);
-    assert_eq!(by_name(&env.tcp("198.19.0.22:80", 3)).len(), 1);
-    // The agent is still running, and a later fix is picked up.
-    env.write_manifest(
-        "port0.yaml",
-        &service(
-            "default",
-            "port-zero",
-            &["198.19.0.20"],
-            &[("http", 80, 8080, "TCP")],
-        ),
-    );
-    env.wait_maps(
-        |s| {
-            s.names
-                .values()
-                .any(|n| n.starts_with("default/port-zero:"))
-        },
-        "fixed service",
-    );
-    // Still one line per bad object: errors are not repeated on every sync.
-    let log = env.log();
-    assert_eq!(
-        log.lines()
-            .filter(|l| l.contains("skipped") && l.contains("Service default/bad-ip"))
-            .count(),
-        1
-    );
-}
-
-#[test]
-fn full_map_is_reported_and_existing_state_is_kept() {
-    let mut env = Env::new("full", 3, false);
-    env.extra_agent_args = vec!["--max-backends".into(), "2".into()];
-    let svc = service("default", "web", &[VIP], &[("http", 80, 8080, "TCP")]);
-    let two = slice(
-        "default",
-        "web-1",
-        "web",
-        "IPv4",
-        &[("http", 8080, "TCP")],
-        &[(b(0), true), (b(1), true)],
-    );
-    env.write_manifest("web.yaml", &format!("{svc}---\n{two}"));
-    env.start_agent();
-    let before = env.snapshot();
-    assert_eq!(before.backends.len(), 2);
-    let three = slice(
-        "default",
-        "web-1",
-        "web",
-        "IPv4",
-        &[("http", 8080, "TCP")],
-        &[(b(0), true), (b(1), true), (b(2), true)],
-    );
-    env.write_manifest("web.yaml", &format!("{svc}---\n{three}"));
-    env.wait_log(|l| l.contains("map BACKENDS is full"), "full map error");
-    let log = env.log();
-    let line = log
-        .lines()
-        .find(|l| l.contains("map BACKENDS is full"))
-        .unwrap();
-    assert!(
-        line.contains("limit 2") && line.contains("--max-backends"),
-        "{line}"
-    );
-    assert_eq!(env.snapshot(), before, "nothing half-applied");
-    assert_eq!(by_name(&env.tcp(&format!("{VIP}:80"), 20)).len(), 2);
-}
-
 #[test]
 fn open_connection_survives_agent_restart_and_data_path_works_while_agent_is_down() {
     let mut env = Env::new("restart", 2, false);
-    web(&env, &[b(0), b(1)]);
+    env.write_web(&Web::new(VIP).ready(&[b(0), b(1)]));
     env.start_agent();
 
     // An established TCP connection through a VIP, held open by an interactive netprobe.
@@ -654,7 +97,7 @@ fn open_connection_survives_agent_restart_and_data_path_works_while_agent_is_dow
 #[test]
 fn cleanup_detaches_and_removes_everything() {
     let mut env = Env::new("cleanup", 1, false);
-    web(&env, &[b(0)]);
+    env.write_web(&Web::new(VIP).ready(&[b(0)]));
     env.start_agent();
     // A cleanup started while the agent still runs (a DaemonSet pod terminating) waits for
     // it to stop, and removes nothing before.
@@ -698,33 +141,6 @@ fn cleanup_detaches_and_removes_everything() {
     assert!(out.status.success());
 }
 
-#[test]
-fn services_command_prints_frontends_from_pinned_maps() {
-    let mut env = Env::new("svccmd", 2, false);
-    web(&env, &[b(0), b(1)]);
-    env.start_agent();
-    env.stop_agent();
-    // Works while the agent is down: it reads the pinned maps.
-    let out = std::process::Command::new(AGENT)
-        .args(["services", "--pin-dir", &env.pin_dir])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    println!("{text}");
-    assert!(out.status.success());
-    assert!(
-        text.contains("default/web:http/TCP/v4") && text.contains("198.19.0.10:80"),
-        "{text}"
-    );
-    assert!(text.contains(&format!("{}:8080", backend_v4(0))), "{text}");
-    let out = std::process::Command::new(AGENT)
-        .args(["services", "--pin-dir", &env.pin_dir, "-o", "json"])
-        .output()
-        .unwrap();
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(v.as_array().unwrap().len(), 2);
-}
-
 /// The connected sockets' reverse-NAT slots (`SOCK_NAT`) of `env`: (slot, cookie) of each
 /// slot in use, and `SOCK_NAT_SPILLED`.
 fn slots_in_use(env: &Env) -> (Vec<(u32, u64)>, u32) {
@@ -744,22 +160,12 @@ fn slots_in_use(env: &Env) -> (Vec<(u32, u64)>, u32) {
     (used, spilled.get(&0, 0).unwrap())
 }
 
-/// `ebpf-proxy <command> -o json` on `env`'s pins.
-fn agent_json(env: &Env, command: &str) -> serde_json::Value {
-    let out = std::process::Command::new(AGENT)
-        .args([command, "--pin-dir", &env.pin_dir, "-o", "json"])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{command}: {out:?}");
-    serde_json::from_slice(&out.stdout).unwrap()
-}
-
 #[test]
 fn connected_sockets_take_slots_spill_when_taken_and_free_them_on_close() {
     let mut env = Env::new("slots", 2, false);
     // 64 slots and 16 overflow entries.
     env.extra_agent_args = vec!["--max-sockets".into(), "64".into()];
-    web(&env, &[b(0), b(1)]);
+    env.write_web(&Web::new(VIP).ready(&[b(0), b(1)]));
     // A Service whose endpoint refuses (nothing listens on 9999), least-connections: each
     // connect is counted, and its release must give the count back.
     let svc = service(
@@ -829,7 +235,7 @@ fn connected_sockets_take_slots_spill_when_taken_and_free_them_on_close() {
     // An entry the full overflow map refused (a batch of cookies ending among the 65)
     // counts as `map_update_failed`; that socket's getpeername() shows its endpoint.
     let failed = |env: &Env| {
-        agent_json(env, "stats")["reasons"]["map_update_failed"]
+        env.agent_json(&["stats"])["reasons"]["map_update_failed"]
             .as_u64()
             .unwrap() as u32
     };
@@ -857,7 +263,7 @@ fn connected_sockets_take_slots_spill_when_taken_and_free_them_on_close() {
         );
     }
     // Operators see the spills in `stats` (and /metrics).
-    let stats = agent_json(&env, "stats");
+    let stats = env.agent_json(&["stats"]);
     assert_eq!(
         stats["reasons"]["reverse_nat_spilled"],
         u64::from(spilled),
@@ -877,7 +283,7 @@ fn connected_sockets_take_slots_spill_when_taken_and_free_them_on_close() {
     // Refused connects while every slot is taken overflow, and go all the same.
     refused(&env);
     if used.len() == 64 && spilled + 4 <= 16 {
-        let after = agent_json(&env, "stats")["reasons"]["reverse_nat_spilled"]
+        let after = env.agent_json(&["stats"])["reasons"]["reverse_nat_spilled"]
             .as_u64()
             .unwrap();
         assert_eq!(
@@ -904,7 +310,7 @@ fn connected_sockets_take_slots_spill_when_taken_and_free_them_on_close() {
     let mut left = 0;
     proxy_userspace::datapath::maps::for_each_connected(&env.pin_path(), |_, _| left += 1).unwrap();
     assert_eq!(left, 0);
-    let backends = agent_json(&env, "backends");
+    let backends = env.agent_json(&["backends"]);
     let shut = backends
         .as_array()
         .unwrap()
@@ -936,7 +342,7 @@ fn upgrade_from_pins_without_slots_keeps_open_connections_reverse_nat() {
         SPILLED_LEGACY, SockNat,
     };
     let mut env = Env::new("slots-upgrade", 1, false);
-    web(&env, &[b(0)]);
+    env.write_web(&Web::new(VIP).ready(&[b(0)]));
     env.start_agent();
     let mut held = HeldTcp::open(&env.client, env.cg.path(), &format!("{VIP}:80"), &[]);
     assert_eq!(held.first["ok"], true, "{}", held.first);
@@ -1005,7 +411,7 @@ fn upgrade_carries_slots_without_backends_over() {
     };
     use proxy_userspace::datapath::loader::{MapSizes, load_pinned};
     let mut env = Env::new("slots-carry", 2, false);
-    web(&env, &[b(0), b(1)]);
+    env.write_web(&Web::new(VIP).ready(&[b(0), b(1)]));
     env.start_agent();
     env.stop_agent();
     let dir = env.pin_path();

@@ -42,7 +42,7 @@ use std::{
 use common::{AGENT, BPFFS, NETPROBE, Probe, agent_path};
 use proxy_testkit::{
     kube_proxy_rules::{self as rules, Svc},
-    testbed::{ChildGuard, Netns, TestCgroup, ensure_bpffs, in_netns, is_root},
+    testbed::{ChildGuard, Netns, TestCgroup, Wire, ensure_bpffs, in_netns, is_root},
 };
 use proxy_userspace::datapath::{ServiceMaps, loader, maps, tc};
 
@@ -82,7 +82,6 @@ enum Mode {
 
 /// The lab. Field order is drop order: processes, then the cgroup, then the namespaces.
 struct Lab {
-    tag: String,
     agent: Option<ChildGuard>,
     servers: Vec<ChildGuard>,
     manifests: tempfile::TempDir,
@@ -92,7 +91,7 @@ struct Lab {
     pods: Vec<Netns>,
     node: Netns,
     client: Netns,
-    _wire: Netns,
+    wire: Wire,
 }
 
 impl Drop for Lab {
@@ -107,10 +106,6 @@ impl Drop for Lab {
     }
 }
 
-fn ns(tag: &str, what: &str) -> Netns {
-    Netns::create(&format!("sw-{tag}-{what}")).expect("netns")
-}
-
 impl Lab {
     /// The namespaces, three pods serving their name on TCP 8080, ebpf-proxy's manifests
     /// (not yet read: the agent starts later) and the cgroup of the node's clients.
@@ -121,18 +116,15 @@ impl Lab {
             "built without the eBPF object: run `cargo xtask test`"
         );
         ensure_bpffs().expect("bpffs");
-        let wire = ns(tag, "w");
-        wire.add_bridge("wire0").unwrap();
-        let client = ns(tag, "c");
-        let node = ns(tag, "n");
-        for (i, (n, addr)) in [(&node, NODE), (&client, CLIENT)].into_iter().enumerate() {
-            wire.plug(&format!("p{i}"), "wire0", n, &[&format!("{addr}/24")])
-                .unwrap();
-        }
-        node.add_bridge("br0").unwrap();
-        node.ip(&["addr", "add", &format!("{NODE_POD_SIDE}/24"), "dev", "br0"])
+        let mut wire = Wire::new(&format!("sw-{tag}")).expect("wire");
+        let (node, _) = wire
+            .node(
+                "n",
+                &[&format!("{NODE}/24")],
+                &format!("{NODE_POD_SIDE}/24"),
+            )
             .unwrap();
-        node.sysctl("net/ipv4/ip_forward", "1").unwrap();
+        let (client, _) = wire.host("c", &[&format!("{CLIENT}/24")]).unwrap();
         // A default route, as a node has one: a ClusterIP is no local or connected address,
         // and a socket that kube-proxy's rules translate needs a route to it before the
         // rules rewrite its packets. It leads into the wire, which ends in the lab.
@@ -172,7 +164,6 @@ impl Lab {
         let manifests = tempfile::tempdir().unwrap();
         let log = manifests.path().with_extension("agent.log");
         let mut lab = Lab {
-            tag: tag.into(),
             agent: None,
             servers: Vec::new(),
             manifests,
@@ -182,7 +173,7 @@ impl Lab {
             pods: Vec::new(),
             node,
             client,
-            _wire: wire,
+            wire,
         };
         for i in 0..3 {
             lab.add_pod(i);
@@ -200,14 +191,9 @@ impl Lab {
 
     fn add_pod(&mut self, i: usize) {
         let name = format!("b{i}");
-        let p = ns(&self.tag, &name);
-        self.node
-            .add_bridge_port(&format!("v{name}"), "br0", &p)
-            .unwrap();
-        p.ip(&["addr", "add", &format!("{}/24", pod(i)), "dev", "eth0"])
-            .unwrap();
-        p.ip(&["link", "set", "eth0", "up"]).unwrap();
-        p.ip(&["route", "add", "default", "via", NODE_POD_SIDE])
+        let p = self
+            .wire
+            .pod(&self.node, &name, &format!("{}/24", pod(i)), NODE_POD_SIDE)
             .unwrap();
         let server = p
             .spawn(

@@ -8,6 +8,10 @@
 
 #![allow(dead_code)]
 
+mod objects;
+
+pub use objects::*;
+
 use std::{
     collections::BTreeMap,
     ffi::OsStr,
@@ -190,15 +194,36 @@ impl Env {
         fs::remove_file(self.manifests.path().join(file)).unwrap();
     }
 
+    /// Writes `web` as the manifest `web.yaml`.
+    pub fn write_web(&self, web: &Web) {
+        self.write_manifest("web.yaml", &web.yaml());
+    }
+
     /// Starts the agent and waits (at most 20 s) until its first sync is done.
     pub fn start_agent(&mut self) {
         let source = vec![
             "--manifests".to_string(),
             self.manifests.path().display().to_string(),
         ];
-        let n = self.log().matches("sync done").count();
+        let n = self.syncs();
         self.start_agent_with(&source);
-        self.wait_log(|l| l.matches("sync done").count() > n, "first sync");
+        self.wait_log(|l| syncs(l) > n, "first sync");
+    }
+
+    /// The agent's completed syncs so far (see [`syncs`]).
+    pub fn syncs(&self) -> usize {
+        syncs(&self.log())
+    }
+
+    /// Makes a change of the manifests with `write` and waits (at most 20 s) until the
+    /// agent synced after it.
+    pub fn apply(&self, write: impl FnOnce()) {
+        apply_on(self, &[], write)
+    }
+
+    /// `ebpf-proxy ARGS... --pin-dir <this agent's> -o json`, parsed (see [`agent_json`]).
+    pub fn agent_json(&self, args: &[&str]) -> serde_json::Value {
+        agent_json(&self.pin_dir, args)
     }
 
     /// Starts the agent with the given source arguments (e.g. `--kubeconfig F`), without
@@ -446,6 +471,58 @@ impl Drop for Env {
         let _ = loader::cleanup(&self.pin_path());
         let _ = fs::remove_file(&self.agent_log);
     }
+}
+
+/// The syncs an agent completed, by its log: one `sync done` line each.
+pub fn syncs(log: &str) -> usize {
+    log.matches("sync done").count()
+}
+
+/// Makes a change of the manifests with `write` and waits (at most 20 s) until `env`'s
+/// agent and every one of `others` synced after it.
+pub fn apply_on(env: &Env, others: &[&OtherNode], write: impl FnOnce()) {
+    let before: Vec<usize> = std::iter::once(env.syncs())
+        .chain(others.iter().map(|o| syncs(&o.log())))
+        .collect();
+    write();
+    let start = Instant::now();
+    loop {
+        let now: Vec<usize> = std::iter::once(env.syncs())
+            .chain(others.iter().map(|o| syncs(&o.log())))
+            .collect();
+        if now.iter().zip(&before).all(|(n, b)| n > b) {
+            return;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "no sync after the change:\n{}\n{}",
+            env.log(),
+            others
+                .iter()
+                .map(|o| o.log())
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// `ebpf-proxy ARGS... --pin-dir PIN_DIR -o json` (PIN_DIR a directory name under
+/// [`BPFFS`]), parsed; panics unless the command succeeds with JSON.
+pub fn agent_json(pin_dir: &str, args: &[&str]) -> serde_json::Value {
+    let out = Command::new(AGENT)
+        .args(args)
+        .args(["--pin-dir", pin_dir, "-o", "json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{args:?}: {out:?}");
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{args:?}: {e}: {out:?}"))
+}
+
+/// The events of type `kind` (`translate`, `refuse`, `flow-new`, ...) in a monitor's JSON
+/// lines.
+pub fn of_type<'a>(events: &'a [serde_json::Value], kind: &str) -> Vec<&'a serde_json::Value> {
+    events.iter().filter(|e| e["type"] == kind).collect()
 }
 
 /// Waits for a netprobe started with piped stdout to end and returns its JSON lines.

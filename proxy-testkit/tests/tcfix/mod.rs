@@ -1,7 +1,9 @@
 //! Support of the packet-level tests of the tc programs: the real object loaded with its
 //! maps pinned in a private bpffs directory, maps seeded by the agent's own model and
-//! reconciler ([`Harness::seed`]), packets built and checked byte by byte, and programs run
-//! through `BPF_PROG_TEST_RUN` (no lab namespaces, links or interfaces; nothing is attached).
+//! reconciler ([`Harness::seed`]), packets built and checked byte by byte ([`step`]), and
+//! programs run through `BPF_PROG_TEST_RUN` (no lab namespaces, links or interfaces; nothing
+//! is attached). Used by `tc_fixtures.rs` and by the packet scenario files
+//! (`tests/scenarios/tc/`, through `script::packets`).
 //!
 //! Each harness runs in a thread of its own moved into a fresh network namespace
 //! ([`in_private_netns`]): `BPF_PROG_TEST_RUN` gives the program that namespace's loopback
@@ -888,4 +890,78 @@ pub fn diff(a: &[u8], b: &[u8]) -> String {
         ),
         None => format!("lengths {} and {}", a.len(), b.len()),
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// fixtures
+// ---------------------------------------------------------------------------------------
+
+/// One fixture: runs `prog` on `input` and checks the verdict, the output frame
+/// (`want`, or the input unchanged when `None`), valid checksums of a translated frame,
+/// and that counter `counter` grew by one.
+pub fn step(
+    h: &Harness,
+    what: &str,
+    prog: &str,
+    input: &[u8],
+    verdict: i32,
+    want: Option<&[u8]>,
+    counter: Option<&str>,
+) -> Vec<u8> {
+    let before = h.counters();
+    let (v, out) = h.run(prog, input);
+    assert_eq!(v, verdict, "{what}: verdict (output {})", show(&out));
+    let want = want.unwrap_or(input);
+    assert!(
+        out == want,
+        "{what}: output {} differs from the expected {}: {}",
+        show(&out),
+        show(want),
+        diff(&out, want)
+    );
+    if out != input {
+        verify(&out).unwrap_or_else(|e| panic!("{what}: {e} wrong in {}", show(&out)));
+    }
+    if let Some(c) = counter {
+        let after = h.counters();
+        assert_eq!(
+            after[c],
+            before[c] + 1,
+            "{what}: counter {c} (before {before:?}, after {after:?})"
+        );
+    }
+    out
+}
+
+/// What the tc ingress program answers to `p` (a TCP or UDP packet from a client) when it
+/// rejects it, built here from scratch: an ICMP (3/3) or ICMPv6 (1/4) port unreachable from
+/// the address `p` was sent to, back to its sender, quoting `p`'s IP header (options and
+/// all) and the first bytes of its L4 header (UDP 8, TCP its 20-byte header), Ethernet
+/// addresses swapped, TTL 64, IPv4 identification 0.
+pub fn port_unreachable(p: &Packet) -> Vec<u8> {
+    let ip = p.ip();
+    let hl = if p.v6() {
+        40
+    } else {
+        ((ip[0] & 0x0f) as usize) * 4
+    };
+    let (ty, code) = if p.v6() { (1, 4) } else { (3, 3) };
+    let e = Packet::icmp_error(
+        &p.dst.ip().to_string(),
+        &p.src.ip().to_string(),
+        ty,
+        code,
+        &ip,
+        hl + if p.proto == TCP { 20 } else { 8 },
+    );
+    let mut f = e.frame();
+    f[..6].copy_from_slice(&SRC_MAC);
+    f[6..12].copy_from_slice(&DST_MAC);
+    if !p.v6() {
+        f[18..20].copy_from_slice(&[0, 0]);
+        f[24..26].copy_from_slice(&[0, 0]);
+        let c = checksum(&f[14..34]);
+        f[24..26].copy_from_slice(&c.to_be_bytes());
+    }
+    f
 }
