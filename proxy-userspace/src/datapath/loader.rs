@@ -1104,7 +1104,7 @@ fn drain_flows(dir: &Path) -> Option<std::time::Duration> {
     let ct: HashMap<MapData, CtKey, CtEntry> = open(CONNTRACK)?.try_into().ok()?;
     let start = std::time::Instant::now();
     while start.elapsed() < DRAIN_MAX {
-        let now = super::tc::monotonic_ns();
+        let now = super::clock::monotonic_ns();
         let busy = ct.iter().filter_map(|kv| kv.ok()).any(|(_, e)| {
             e.flags & CT_F_EGRESS == 0
                 && !ct_closed(e.flags)

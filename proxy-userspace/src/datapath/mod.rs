@@ -8,6 +8,7 @@
 pub mod addr;
 pub mod batch;
 pub mod bypass;
+pub mod clock;
 pub mod fake;
 pub mod kernel;
 pub mod loader;

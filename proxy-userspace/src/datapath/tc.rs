@@ -339,17 +339,7 @@ pub fn lc_collect_interval(udp_timeout: std::time::Duration) -> std::time::Durat
     )
 }
 
-/// `CLOCK_MONOTONIC` in nanoseconds: the clock of `bpf_ktime_get_ns`, so of the conntrack
-/// entries' `last_seen_ns`.
-pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime(2) into a timespec we own.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
+pub use crate::datapath::clock::monotonic_ns;
 
 fn link_name(prog: &str, ifname: &str) -> String {
     format!("link_{prog}_{ifname}")
