@@ -1,5 +1,5 @@
 //! The kernel's monotonic clock, shared by the loader's drain and the tc path (and read by
-//! `inspect` and `monitor` through [`crate::datapath::tc::monotonic_ns`]): a leaf module, so
+//! `inspect` and `monitor` through its re-export `tc::monotonic_ns`): a leaf module, so
 //! neither of them imports the other for it.
 
 /// `CLOCK_MONOTONIC` in nanoseconds: the clock of `bpf_ktime_get_ns`, so of the conntrack
