@@ -1,0 +1,67 @@
+//! The north-south data path's kernel side: the tcx programs `tc_ingress`/`tc_egress`
+//! (`proxy-ebpf/src/tc.rs`) attached to interfaces through pinned links, the tc maps the
+//! agent writes (`proxy_common::nat`), this network namespace's interfaces and routes, and
+//! the collection of ended least-connections flows. What to attach where and what to write
+//! is the reconciler's ([`crate::reconcile::node`]).
+//!
+//! The XDP program `xdp_ingress` (`proxy-ebpf/src/xdp.rs`) goes in front of the tcx ingress
+//! program of the external interfaces when `--xdp` asks for it ([`XdpSetting`]); the tcx
+//! programs stay attached behind it and remain the complete path, so an interface without
+//! XDP, or a moment without it (an agent restart replaces the XDP link), only costs speed.
+//!
+//! Links are pinned as `link_tc_ingress_<ifname>` and `link_tc_egress_<ifname>` in the pin
+//! directory, the XDP link as `link_xdp_<mode>_<ifname>` (mode `native` or `generic`, so
+//! `services` and the metrics read the mode from the pin's name), so they survive agent restarts and `ebpf-proxy cleanup` detaches them (it
+//! removes every `link_*` pin). A restarted agent attaches its own links before it removes
+//! the old pins; tcx runs both meanwhile, and the second program finds nothing to do on a
+//! packet the first one translated.
+
+mod attach;
+mod interfaces;
+mod kernel;
+mod maps;
+mod settings;
+
+pub use crate::datapath::clock::monotonic_ns;
+pub(crate) use attach::attach_pinned;
+pub use attach::{XdpMode, install_tail_calls, linked_interfaces, tc_interfaces, xdp_modes};
+pub use interfaces::{
+    check_interfaces, if_index, interface_addresses, interface_names, route_device,
+};
+pub use kernel::TcKernel;
+pub use maps::{allowed_ranges, conntrack_entries, counters, pinned_source_ranges};
+pub use settings::{
+    CONNTRACK_WARN_BYTES, CONNTRACK_WARN_MEMORY_SHARE, ConntrackSize,
+    DEFAULT_CONNTRACK_MAX_PER_CORE, DEFAULT_CONNTRACK_MIN, DEFAULT_CT_TCP_ESTABLISHED,
+    DEFAULT_CT_UDP_STREAM, HTAB_BUCKET_BYTES, HTAB_ELEM_OVERHEAD, MAX_CONNTRACK_FLOWS,
+    MIN_CONNTRACK_FLOWS, TcSettings, XdpSetting, conntrack_prealloc_bytes, own_cgroup_memory_max,
+    parse_memory_max, tc_config,
+};
+
+/// Name of the ingress program in the object.
+pub const INGRESS_PROGRAM: &str = "tc_ingress";
+
+/// The program `tc_ingress` tail-calls to reject a packet to a frontend without endpoints.
+pub const REJECT_PROGRAM: &str = "tc_reject";
+
+/// Name of the egress program in the object.
+pub const EGRESS_PROGRAM: &str = "tc_egress";
+
+/// Name of the XDP program in the object.
+pub const XDP_PROGRAM: &str = "xdp_ingress";
+
+/// Name of the least-connections collection program in the object (never attached; run by
+/// [`TcPath::collect_lc_flows`] through `BPF_PROG_TEST_RUN`).
+pub const LC_GC_PROGRAM: &str = "tc_lc_gc";
+
+/// How often the agent looks for timed-out or evicted least-connections flows: half the
+/// shortest conntrack timeout (unreplied UDP), within 1..=10 s.
+pub fn lc_collect_interval(udp_timeout: std::time::Duration) -> std::time::Duration {
+    (udp_timeout / 2).clamp(
+        std::time::Duration::from_secs(1),
+        std::time::Duration::from_secs(10),
+    )
+}
+
+#[cfg(test)]
+mod tests;
