@@ -533,10 +533,26 @@ pub fn consistency_violations(
     tables: &BTreeMap<u32, Vec<u32>>,
     moment: Moment,
 ) -> Vec<String> {
+    let mut out = Vec::new();
+    let (counts, marked) = frontend_violations(s, &mut out);
+    reference_violations(s, tables, &mut out);
+    if moment == Moment::AtRest {
+        leftover_violations(s, tables, &counts, &marked, &mut out);
+        membership_violations(s, &mut out);
+    }
+    out
+}
+
+/// The rules of every non-marker frontend at any write (its name, its VIP marker, its slots
+/// and their backends) into `out`; returns the backend count by service id and the
+/// addresses that have a cluster-IP frontend.
+fn frontend_violations(
+    s: &Snapshot,
+    out: &mut Vec<String>,
+) -> (BTreeMap<u32, u32>, BTreeSet<[u8; 16]>) {
     use super::vip::{has_marker, marker_key};
     use proxy_common::FRONTEND_F_VIP_MARKER;
 
-    let mut out = Vec::new();
     // Backend count by service id, over the non-marker frontends.
     let mut counts: BTreeMap<u32, u32> = BTreeMap::new();
     let mut marked: BTreeSet<[u8; 16]> = BTreeSet::new();
@@ -578,6 +594,11 @@ pub fn consistency_violations(
             }
         }
     }
+    (counts, marked)
+}
+
+/// The memberships' and the Maglev tables' backends and weights, at any write, into `out`.
+fn reference_violations(s: &Snapshot, tables: &BTreeMap<u32, Vec<u32>>, out: &mut Vec<String>) {
     for (m, w) in &s.members {
         if !s.backends.contains_key(&m.backend_id) {
             out.push(format!("member {m:?} names a missing backend"));
@@ -596,62 +617,77 @@ pub fn consistency_violations(
             ));
         }
     }
-    if moment == Moment::AtRest {
-        for (k, f) in &s.frontends {
-            if f.flags & FRONTEND_F_VIP_MARKER != 0 && !marked.contains(&k.addr) {
-                out.push(format!("VIP marker {k:?} without a cluster-IP frontend"));
-            }
+}
+
+/// At rest: markers, slots, backends, tables and memberships that nothing claims, into
+/// `out`; `counts` and `marked` as [`frontend_violations`] returns them.
+fn leftover_violations(
+    s: &Snapshot,
+    tables: &BTreeMap<u32, Vec<u32>>,
+    counts: &BTreeMap<u32, u32>,
+    marked: &BTreeSet<[u8; 16]>,
+    out: &mut Vec<String>,
+) {
+    use proxy_common::FRONTEND_F_VIP_MARKER;
+
+    for (k, f) in &s.frontends {
+        if f.flags & FRONTEND_F_VIP_MARKER != 0 && !marked.contains(&k.addr) {
+            out.push(format!("VIP marker {k:?} without a cluster-IP frontend"));
         }
-        for k in s.slots.keys() {
-            if counts.get(&k.service_id).is_none_or(|c| k.slot >= *c) {
-                out.push(format!("orphan slot {k:?}"));
-            }
+    }
+    for k in s.slots.keys() {
+        if counts.get(&k.service_id).is_none_or(|c| k.slot >= *c) {
+            out.push(format!("orphan slot {k:?}"));
         }
-        let named: BTreeSet<u32> = s.slots.values().copied().collect();
-        for id in s.backends.keys() {
-            if !named.contains(id) {
-                out.push(format!("orphan backend {id}"));
-            }
+    }
+    let named: BTreeSet<u32> = s.slots.values().copied().collect();
+    for id in s.backends.keys() {
+        if !named.contains(id) {
+            out.push(format!("orphan backend {id}"));
         }
-        for id in tables.keys() {
-            if !counts.contains_key(id) {
-                out.push(format!("orphan Maglev table of service id {id}"));
-            }
+    }
+    for id in tables.keys() {
+        if !counts.contains_key(id) {
+            out.push(format!("orphan Maglev table of service id {id}"));
         }
-        for m in s.members.keys() {
-            if !counts.contains_key(&m.service_id) {
-                out.push(format!("orphan member {m:?}"));
-            }
+    }
+    for m in s.members.keys() {
+        if !counts.contains_key(&m.service_id) {
+            out.push(format!("orphan member {m:?}"));
         }
-        // Frontends that read memberships: every backend of their slots is a member (the
-        // least-load scan skips a backend without a weight, the hashes one without a
-        // membership).
-        for (k, f) in &s.frontends {
-            let reads = f.affinity_timeout_s != 0
-                || proxy_common::Algorithm::from_u8(f.algorithm).is_some_and(|a| a.reads_members());
-            if f.flags & FRONTEND_F_VIP_MARKER != 0 || !reads {
-                continue;
-            }
-            for slot in 0..f.backend_count {
-                let key = BackendSlotKey {
+    }
+}
+
+/// At rest: frontends that read memberships have every backend of their slots as a member
+/// (the least-load scan skips a backend without a weight, the hashes one without a
+/// membership), into `out`.
+fn membership_violations(s: &Snapshot, out: &mut Vec<String>) {
+    use proxy_common::FRONTEND_F_VIP_MARKER;
+
+    for (k, f) in &s.frontends {
+        let reads = f.affinity_timeout_s != 0
+            || proxy_common::Algorithm::from_u8(f.algorithm).is_some_and(|a| a.reads_members());
+        if f.flags & FRONTEND_F_VIP_MARKER != 0 || !reads {
+            continue;
+        }
+        for slot in 0..f.backend_count {
+            let key = BackendSlotKey {
+                service_id: f.service_id,
+                slot,
+            };
+            if let Some(b) = s.slots.get(&key) {
+                let m = MemberKey {
                     service_id: f.service_id,
-                    slot,
+                    backend_id: *b,
                 };
-                if let Some(b) = s.slots.get(&key) {
-                    let m = MemberKey {
-                        service_id: f.service_id,
-                        backend_id: *b,
-                    };
-                    if !s.members.contains_key(&m) {
-                        out.push(format!(
-                            "frontend {k:?}: backend {b} of slot {slot} is not a member"
-                        ));
-                    }
+                if !s.members.contains_key(&m) {
+                    out.push(format!(
+                        "frontend {k:?}: backend {b} of slot {slot} is not a member"
+                    ));
                 }
             }
         }
     }
-    out
 }
 
 impl FakeDatapath {
