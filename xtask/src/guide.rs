@@ -15,7 +15,8 @@ use std::time::Instant;
 
 use anyhow::{Result, bail};
 
-use crate::{run, target_dir, workspace};
+use crate::command::run;
+use crate::{target_dir, workspace};
 
 /// The guide's mdBook root, relative to the workspace.
 pub const BOOK: &str = "docs";

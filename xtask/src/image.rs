@@ -29,7 +29,9 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 
-use crate::{find_tool, run, show, stdout_of, target_dir, workspace};
+use crate::command::{run, show, stdout_of};
+use crate::setup::find_tool;
+use crate::{target_dir, workspace};
 
 // ---------------------------------------------------------------------------------------
 // contents

