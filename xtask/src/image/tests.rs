@@ -1,4 +1,9 @@
+use std::collections::BTreeSet;
+
+use super::build::hard_limit;
+use super::rootfs::{inside, parse_ldd};
 use super::*;
+use crate::workspace;
 
 /// One instruction of a Containerfile: its keyword (upper case) and its arguments, with
 /// continuation lines joined.
