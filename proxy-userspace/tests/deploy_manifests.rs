@@ -2259,7 +2259,7 @@ const KUBE_PROXY_PATH: &str = "/usr/local/bin/kube-proxy";
 #[test]
 fn the_image_runs_kubeadms_kube_proxy_command() {
     // The Containerfile's runtime stage installs the agent and copies the root filesystem
-    // of `cargo xtask image-rootfs`, whose list (xtask/src/image.rs, shared with
+    // of `cargo xtask image-rootfs`, whose list (xtask/src/image/mod.rs, shared with
     // `cargo xtask image`) links kube-proxy's path to the agent. xtask's own tests check
     // the rest: that the Containerfile matches the list and that the rootfs has the links.
     let containerfile = fs::read_to_string(repo().join("Containerfile")).unwrap();
@@ -2277,12 +2277,12 @@ fn the_image_runs_kubeadms_kube_proxy_command() {
             .any(|l| l.trim() == "COPY --from=build /rootfs/ /"),
         "the runtime stage does not copy the build stage's /rootfs:\n{runtime}"
     );
-    let image_list = fs::read_to_string(repo().join("xtask/src/image.rs")).unwrap();
+    let image_list = fs::read_to_string(repo().join("xtask/src/image/mod.rs")).unwrap();
     let agent_links = image_list
         .split_once("pub const AGENT_LINKS")
         .and_then(|(_, rest)| rest.split_once(";\n"))
         .map(|(links, _)| links)
-        .expect("AGENT_LINKS in xtask/src/image.rs");
+        .expect("AGENT_LINKS in xtask/src/image/mod.rs");
     assert!(
         agent_links.contains(&format!("link(\"{KUBE_PROXY_PATH}\", \"ebpf-proxy\")")),
         "no {KUBE_PROXY_PATH} -> ebpf-proxy link in xtask's AGENT_LINKS: {agent_links}"
