@@ -111,7 +111,7 @@ impl Migration {
 /// size, value size or creation flags (an agent upgrade across a layout change). The load
 /// that follows creates them anew; adopting them instead would make the programs fail
 /// verification or misread their values. `max_entries` is not a layout: a map keeps the size
-/// it was created with (see [`MapSizes`]), except the counter arrays indexed by a fixed list
+/// it was created with (see [`super::MapSizes`]), except the counter arrays indexed by a fixed list
 /// ([`FIXED_INDEX_MAPS`]), replaced when smaller than this build's (a newer build counts
 /// more things; its new counters would otherwise never count). Returns each replaced map's
 /// name and why. A pin that cannot be read is left for the load to report.

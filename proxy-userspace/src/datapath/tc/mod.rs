@@ -51,7 +51,7 @@ pub const EGRESS_PROGRAM: &str = "tc_egress";
 pub const XDP_PROGRAM: &str = "xdp_ingress";
 
 /// Name of the least-connections collection program in the object (never attached; run by
-/// [`TcPath::collect_lc_flows`] through `BPF_PROG_TEST_RUN`).
+/// [`TcKernel::collect_lc_flows`] through `BPF_PROG_TEST_RUN`).
 pub const LC_GC_PROGRAM: &str = "tc_lc_gc";
 
 /// How often the agent looks for timed-out or evicted least-connections flows: half the

@@ -243,7 +243,7 @@ pub fn parse_memory_max(text: &str) -> Option<u64> {
     text.trim().parse().ok()
 }
 
-/// The flags and cluster CIDRs of the tc configuration ([`TC_CONFIG`]) for these flags
+/// The flags and cluster CIDRs of the tc configuration ([`proxy_common::nat::TC_CONFIG`]) for these flags
 /// (the timeouts are left 0: the defaults).
 pub fn tc_config(args: &TcSettings, cluster_cidrs: &[IpNet]) -> TcConfig {
     let mut config = TcConfig::default();
