@@ -49,7 +49,7 @@ use crate::{
     source::{Batch, KubeSource, ManifestSource, Source, SourceError, apiconfig},
 };
 
-pub use crate::servers::Health;
+pub use crate::status::Health;
 
 /// What the loop reacts to.
 #[derive(Debug)]
