@@ -36,12 +36,12 @@ use crate::{
     datapath::addr::ip_to_bytes,
     datapath::{
         Datapath, FlowCollection, ServiceMaps,
+        healthcheck::HealthCheckServers,
         kernel::KernelDatapath,
         loader::{self, MapSizes},
         maps::PinnedMaps,
         tc::TcKernel,
     },
-    healthcheck::HealthCheckServers,
     metrics::{Metrics, node_families},
     model::{Delta, Model, NodeInfo, Protocol, Scope, ServicePortKey},
     reconcile::{NodeConfig, Outcome, Reconciler},

@@ -167,7 +167,7 @@ impl Fatal {
 /// on either family is an error.
 fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
     let l = if addr.ip().is_unspecified() {
-        crate::healthcheck::listen(addr.port())?
+        crate::datapath::healthcheck::listen(addr.port())?
     } else {
         let l = std::net::TcpListener::bind(addr)?;
         l.set_nonblocking(true)?;
