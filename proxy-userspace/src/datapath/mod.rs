@@ -15,6 +15,7 @@ pub mod loader;
 pub mod maps;
 pub mod tc;
 pub mod veth;
+pub mod view;
 pub mod vip;
 
 use std::collections::{BTreeMap, BTreeSet};
