@@ -1,21 +1,18 @@
 //! Inspection of the pinned data path (`ebpf-proxy services`, `affinity`): reads the maps
-//! only, so it works while the agent is down, and prints aligned tables or JSON.
-
-use std::path::Path;
+//! only ([`PinnedView`]), so it works while the agent is down, and prints aligned tables or
+//! JSON.
 
 use anyhow::{Context, Result};
-use aya::maps::{HashMap, Map, MapData};
 use proxy_common::{
-    AFFINITY, AffinityKey, AffinityValue, Algorithm, FRONTEND_F_EXTERNAL, FRONTEND_F_LOCAL_ONLY,
-    FRONTEND_F_VIP_MARKER, SCOPE_INGRESS,
+    Algorithm, FRONTEND_F_EXTERNAL, FRONTEND_F_LOCAL_ONLY, FRONTEND_F_VIP_MARKER, SCOPE_INGRESS,
 };
 use serde::Serialize;
 
 use crate::datapath::{
-    ServiceMaps, Snapshot,
+    Snapshot,
     addr::{bytes_to_ip, proto_name, to_socket_addr},
-    maps::PinnedMaps,
     tc::monotonic_ns,
+    view::PinnedView,
 };
 
 /// Prints `rows` under `header` with columns padded to their widest cell (the last column is
@@ -146,8 +143,8 @@ pub fn service_rows(snap: &Snapshot) -> Vec<ServiceRow> {
 }
 
 /// Prints `ebpf-proxy services`.
-pub fn print_services(maps: &PinnedMaps, json: bool) -> Result<()> {
-    let rows = service_rows(&maps.snapshot()?);
+pub fn print_services(view: &PinnedView, json: bool) -> Result<()> {
+    let rows = service_rows(&view.snapshot()?);
     let header = [
         "SERVICE",
         "FRONTEND",
@@ -198,12 +195,9 @@ pub struct AffinityRow {
     pub expires_in_s: Option<f64>,
 }
 
-/// The affinity entries of the pin directory `dir`, sorted by service and client.
-pub fn affinity_rows(dir: &Path, snap: &Snapshot) -> Result<Vec<AffinityRow>> {
-    let path = dir.join(AFFINITY);
-    let data = MapData::from_pin(&path).with_context(|| format!("open {}", path.display()))?;
-    let map: HashMap<MapData, AffinityKey, AffinityValue> =
-        HashMap::try_from(Map::LruHashMap(data)).context("open AFFINITY")?;
+/// The affinity entries of the pinned data path, sorted by service and client.
+pub fn affinity_rows(view: &PinnedView, snap: &Snapshot) -> Result<Vec<AffinityRow>> {
+    let entries = view.affinity()?;
     let now = monotonic_ns();
     let timeout_of = |group: u32| {
         snap.frontends
@@ -212,8 +206,7 @@ pub fn affinity_rows(dir: &Path, snap: &Snapshot) -> Result<Vec<AffinityRow>> {
             .map(|f| f.affinity_timeout_s)
     };
     let mut rows = Vec::new();
-    for kv in map.iter() {
-        let (k, v) = kv.context("iterate AFFINITY")?;
+    for (k, v) in entries {
         let client = if k.client[..8] == proxy_common::client_of_netns(0)[..8] {
             let mut c = [0u8; 8];
             c.copy_from_slice(&k.client[8..]);
@@ -244,8 +237,8 @@ pub fn affinity_rows(dir: &Path, snap: &Snapshot) -> Result<Vec<AffinityRow>> {
 }
 
 /// Prints `ebpf-proxy affinity`.
-pub fn print_affinity(dir: &Path, maps: &PinnedMaps, json: bool) -> Result<()> {
-    let rows = affinity_rows(dir, &maps.snapshot()?)?;
+pub fn print_affinity(view: &PinnedView, json: bool) -> Result<()> {
+    let rows = affinity_rows(view, &view.snapshot()?)?;
     let header = ["SERVICE", "CLIENT", "BACKEND", "AGE", "EXPIRES IN"];
     print_rows(&rows, json, &header, |r| {
         vec![
@@ -280,9 +273,9 @@ pub struct BackendRow {
 }
 
 /// The backends of the maps with their services and counters.
-pub fn backend_rows(dir: &Path, snap: &Snapshot) -> Result<Vec<BackendRow>> {
-    let stats = crate::datapath::maps::read_backend_stats(dir).unwrap_or_default();
-    let active = read_u32_map(dir, proxy_common::LC_COUNTS).unwrap_or_default();
+pub fn backend_rows(view: &PinnedView, snap: &Snapshot) -> Result<Vec<BackendRow>> {
+    let stats = view.backend_stats().unwrap_or_default();
+    let active = view.lc_counts().unwrap_or_default();
     let mut services: std::collections::BTreeMap<u32, std::collections::BTreeSet<String>> =
         Default::default();
     for (k, bid) in &snap.slots {
@@ -307,23 +300,9 @@ pub fn backend_rows(dir: &Path, snap: &Snapshot) -> Result<Vec<BackendRow>> {
         .collect())
 }
 
-/// A pinned `u32 -> u32` hash map as a BTreeMap.
-pub(crate) fn read_u32_map(dir: &Path, name: &str) -> Result<std::collections::BTreeMap<u32, u32>> {
-    let path = dir.join(name);
-    let data = MapData::from_pin(&path).with_context(|| format!("open {}", path.display()))?;
-    let map: HashMap<MapData, u32, u32> =
-        HashMap::try_from(Map::HashMap(data)).with_context(|| format!("open {name}"))?;
-    let mut out = std::collections::BTreeMap::new();
-    for kv in map.iter() {
-        let (k, v) = kv.with_context(|| format!("iterate {name}"))?;
-        out.insert(k, v);
-    }
-    Ok(out)
-}
-
 /// Prints `ebpf-proxy backends`.
-pub fn print_backends(dir: &Path, maps: &PinnedMaps, json: bool) -> Result<()> {
-    let rows = backend_rows(dir, &maps.snapshot()?)?;
+pub fn print_backends(view: &PinnedView, json: bool) -> Result<()> {
+    let rows = backend_rows(view, &view.snapshot()?)?;
     let header = [
         "ID",
         "BACKEND",
@@ -372,9 +351,9 @@ pub struct Stats {
     pub tc_reasons: std::collections::BTreeMap<&'static str, u64>,
 }
 
-/// Reads the counters of the pin directory `dir`.
-pub fn stats(dir: &Path, snap: &Snapshot) -> Result<Stats> {
-    let per = crate::datapath::maps::read_service_stats(dir)?;
+/// Reads the counters of the pinned data path.
+pub fn stats(view: &PinnedView, snap: &Snapshot) -> Result<Stats> {
+    let per = view.service_stats()?;
     let services = per
         .iter()
         .map(|(id, st)| StatsRow {
@@ -386,12 +365,12 @@ pub fn stats(dir: &Path, snap: &Snapshot) -> Result<Stats> {
             bytes: st.bytes,
         })
         .collect();
-    let values = crate::datapath::maps::read_counters(dir)?;
+    let values = view.counters()?;
     let reasons = proxy_common::Counter::ALL
         .iter()
         .map(|(c, n)| (*n, values.get(*c as usize).copied().unwrap_or(0)))
         .collect();
-    let tc = crate::datapath::maps::read_tc_counters(dir).unwrap_or_default();
+    let tc = view.tc_counters().unwrap_or_default();
     let tc_reasons = proxy_common::nat::TcCounter::ALL
         .iter()
         .map(|(c, n)| (*n, tc.get(*c as usize).copied().unwrap_or(0)))
@@ -404,8 +383,8 @@ pub fn stats(dir: &Path, snap: &Snapshot) -> Result<Stats> {
 }
 
 /// Prints `ebpf-proxy stats`.
-pub fn print_stats(dir: &Path, maps: &PinnedMaps, json: bool) -> Result<()> {
-    let s = stats(dir, &maps.snapshot()?)?;
+pub fn print_stats(view: &PinnedView, json: bool) -> Result<()> {
+    let s = stats(view, &view.snapshot()?)?;
     if json {
         println!("{}", serde_json::to_string_pretty(&s)?);
         return Ok(());
@@ -483,20 +462,13 @@ pub struct ConntrackRow {
     pub stale: bool,
 }
 
-/// The socket-level translations of the pin directory `dir` (the socket programs' equivalent
+/// The socket-level translations of the pinned data path (the socket programs' equivalent
 /// of a conntrack table).
-pub fn conntrack_rows(dir: &Path, snap: &Snapshot) -> Result<Vec<ConntrackRow>> {
-    use proxy_common::{STALE_SOCKETS, UDP_FLOWS, UdpFlow, UdpFlowKey};
-    let open = |name: &str| -> Result<MapData> {
-        let path = dir.join(name);
-        MapData::from_pin(&path).with_context(|| format!("open {}", path.display()))
-    };
-    let stale: HashMap<MapData, u64, u32> =
-        HashMap::try_from(Map::LruHashMap(open(STALE_SOCKETS)?)).context("open STALE_SOCKETS")?;
-    let is_stale = |c: u64| stale.get(&c, 0).is_ok();
+pub fn conntrack_rows(view: &PinnedView, snap: &Snapshot) -> Result<Vec<ConntrackRow>> {
+    let stale = view.stale_sockets()?;
     let name = |id: u32| snap.names.get(&id).cloned().unwrap_or_else(|| "?".into());
     let mut rows = Vec::new();
-    crate::datapath::maps::for_each_connected(dir, |k, v| {
+    view.for_each_connected(|k, v| {
         rows.push(ConntrackRow {
             kind: "connected",
             cookie: k.cookie,
@@ -505,14 +477,11 @@ pub fn conntrack_rows(dir: &Path, snap: &Snapshot) -> Result<Vec<ConntrackRow>> 
             backend: to_socket_addr(k.addr, k.port).to_string(),
             service: name(v.service_id),
             idle_s: None,
-            stale: is_stale(k.cookie),
+            stale: stale.contains(k.cookie),
         })
     })?;
     let now = monotonic_ns();
-    let flows: HashMap<MapData, UdpFlowKey, UdpFlow> =
-        HashMap::try_from(Map::LruHashMap(open(UDP_FLOWS)?)).context("open UDP_FLOWS")?;
-    for kv in flows.iter() {
-        let (k, f) = kv.context("iterate UDP_FLOWS")?;
+    for (k, f) in view.udp_flows()? {
         let backend = snap
             .backends
             .get(&f.backend_id)
@@ -534,8 +503,8 @@ pub fn conntrack_rows(dir: &Path, snap: &Snapshot) -> Result<Vec<ConntrackRow>> 
 }
 
 /// Prints `ebpf-proxy conntrack`.
-pub fn print_conntrack(dir: &Path, maps: &PinnedMaps, json: bool) -> Result<()> {
-    let rows = conntrack_rows(dir, &maps.snapshot()?)?;
+pub fn print_conntrack(view: &PinnedView, json: bool) -> Result<()> {
+    let rows = conntrack_rows(view, &view.snapshot()?)?;
     let header = [
         "KIND", "COOKIE", "PROTO", "FRONTEND", "BACKEND", "IDLE", "STATE", "SERVICE",
     ];
@@ -682,14 +651,14 @@ pub fn external_verdict(
     v
 }
 
-/// Explains `addr`/`proto` from the pinned maps of `dir`, and with `source` (a model fed
+/// Explains `addr`/`proto` from the pinned maps of `view`, and with `source` (a model fed
 /// the objects, as this node reads them) also which endpoints are eligible and why the
 /// others are not.
 ///
 /// `node`: the node name assumed, as shown; `source_ranges`: the `TC_SOURCE_RANGES`
 /// entries (pinned, or those an agent would write for `source`).
 pub fn explain(
-    dir: &Path,
+    view: &PinnedView,
     snap: &Snapshot,
     addr: std::net::SocketAddr,
     proto: u8,
@@ -698,8 +667,8 @@ pub fn explain(
     source_ranges: &std::collections::BTreeMap<crate::datapath::SourceRangeKey, u32>,
 ) -> Result<Explanation> {
     use crate::datapath::addr::{ip_to_bytes, port_to_map};
-    let stats = crate::datapath::maps::read_service_stats(dir).unwrap_or_default();
-    let bstats = crate::datapath::maps::read_backend_stats(dir).unwrap_or_default();
+    let stats = view.service_stats().unwrap_or_default();
+    let bstats = view.backend_stats().unwrap_or_default();
     let key_addr = ip_to_bytes(addr.ip());
     let key_port = port_to_map(addr.port());
     let rows = service_rows(snap);
@@ -847,7 +816,7 @@ pub fn explain(
         verdict,
         external_verdict,
         ignored_slices,
-        paths: workload_paths(dir, source),
+        paths: workload_paths(view, source),
     })
 }
 
@@ -910,13 +879,12 @@ fn skipped_for(
 
 /// Which path serves which workload of this node, one line each: the socket programs
 /// (`connect`, `sendmsg`) or, for pods that bypass socket-level translation, the per-packet
-/// programs on their interface. From the pins of `dir` (the scope, how many pod namespaces
+/// programs on their interface. From the pins of `view` (the scope, how many pod namespaces
 /// are bypassed and on which interfaces) and, with `model`, the pods by name and why.
-pub fn workload_paths(dir: &Path, model: Option<&crate::model::Model>) -> Vec<String> {
-    use crate::datapath::bypass::{attached_pods, read_pinned};
+pub fn workload_paths(view: &PinnedView, model: Option<&crate::model::Model>) -> Vec<String> {
     use proxy_common::bypass::BYPASS_CFG_HOST_ONLY;
     let mut out = Vec::new();
-    let pinned = read_pinned(dir).ok();
+    let pinned = view.bypass().ok();
     let host_only = match (pinned.as_ref(), model) {
         (Some((cfg, _)), _) => cfg.flags & BYPASS_CFG_HOST_ONLY != 0,
         (None, Some(m)) => m.bypass().scope() == crate::model::bypass::SocketLbScope::HostOnly,
@@ -929,7 +897,7 @@ pub fn workload_paths(dir: &Path, model: Option<&crate::model::Model>) -> Vec<St
         "socket path: every workload of the attached cgroup but the bypassed pods".to_string()
     });
     if let Some((_, cookies)) = &pinned {
-        let links = attached_pods(dir);
+        let links = view.bypass_links();
         if !cookies.is_empty() || !links.is_empty() {
             out.push(format!(
                 "per-packet path (pod_ingress/pod_egress): {} pod network namespace(s), interfaces {}",
@@ -1146,7 +1114,7 @@ spec: {clusterIP: 10.96.0.20, ports: [{port: 70000}]}
             "n1",
         );
         let snap = desired_snapshot(&model).unwrap();
-        let nowhere = dir.path().join("no-pins");
+        let nowhere = PinnedView::new(&dir.path().join("no-pins"));
         let none = Default::default();
         let ask = |t: &str| {
             let target: std::net::SocketAddr = t.parse().unwrap();
@@ -1208,7 +1176,7 @@ endpoints:
             "n1",
         );
         let snap = desired_snapshot(&model).unwrap();
-        let nowhere = dir.path().join("no-pins");
+        let nowhere = PinnedView::new(&dir.path().join("no-pins"));
         let target: std::net::SocketAddr = "10.96.0.10:80".parse().unwrap();
         let none = Default::default();
         let e = explain(&nowhere, &snap, target, 6, Some(&model), "n1 (test)", &none).unwrap();
@@ -1312,7 +1280,7 @@ endpoints:
             let snap = desired_snapshot(&model).unwrap();
             let ranges = crate::reconcile::node::source_range_entries(&model);
             let e = explain(
-                Path::new("/nonexistent"),
+                &PinnedView::new(std::path::Path::new("/nonexistent")),
                 &snap,
                 "203.0.113.9:80".parse().unwrap(),
                 6,

@@ -25,7 +25,7 @@ use prometheus_client::{
 };
 use proxy_common::Counter as DpCounter;
 
-use crate::datapath::{Capacity, maps::read_counters};
+use crate::datapath::{Capacity, view::PinnedView};
 use crate::model::Family as ModelFamily;
 
 /// Label set `{map="FRONTENDS"}`.
@@ -289,12 +289,12 @@ pub struct Metrics {
 /// with label `reason`, see `proxy_common::Counter`).
 #[derive(Debug)]
 struct DatapathCounters {
-    pin_dir: PathBuf,
+    view: PinnedView,
 }
 
 impl Collector for DatapathCounters {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let Ok(values) = read_counters(&self.pin_dir) else {
+        let Ok(values) = self.view.counters() else {
             return Ok(());
         };
         {
@@ -311,7 +311,7 @@ impl Collector for DatapathCounters {
                 ConstCounter::new(v).encode(m)?;
             }
         }
-        if let Ok(values) = crate::datapath::maps::read_tc_counters(&self.pin_dir) {
+        if let Ok(values) = self.view.tc_counters() {
             let mut family = encoder.encode_descriptor(
                 "ebpf_proxy_tc_events",
                 "North-south (tc) data path events by reason (tc_new_flow, tc_snat, tc_dropped_no_local_endpoints, tc_conntrack_full, tc_source_range_denied, ...), summed over CPUs",
@@ -329,8 +329,8 @@ impl Collector for DatapathCounters {
             // One series per interface with the north-south programs: the XDP mode it runs in
             // (`none`: the tcx programs alone). The family is declared also without
             // interfaces, so dashboards and alerts find it on every node.
-            let xdp = crate::datapath::tc::xdp_modes(&self.pin_dir);
-            let ifaces = crate::datapath::tc::tc_interfaces(&self.pin_dir);
+            let xdp = self.view.xdp_modes();
+            let ifaces = self.view.tc_interfaces();
             let mut family = encoder.encode_descriptor(
                 "ebpf_proxy_interface_xdp",
                 "Interfaces with the north-south programs, by the XDP mode each runs in (native, generic, or none: the tcx programs alone); always 1",
@@ -354,7 +354,7 @@ impl DatapathCounters {
     /// emitted, events lost by cause, the data path's time spent emitting, and whether a
     /// monitor holds the lease.
     fn encode_monitor(&self, encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let Ok(t) = crate::monitor::read_cpu_totals(&self.pin_dir) else {
+        let Ok(t) = self.view.monitor_totals() else {
             return Ok(());
         };
         {
@@ -383,7 +383,7 @@ impl DatapathCounters {
             )?;
             ConstCounter::new(t.emit_ns as f64 / 1e9).encode(family)?;
         }
-        let active = crate::monitor::lease_held(&self.pin_dir).unwrap_or(false);
+        let active = self.view.monitor_lease_held().unwrap_or(false);
         let family = encoder.encode_descriptor(
             "ebpf_proxy_monitor_active",
             "1 while an `ebpf-proxy monitor` holds the event stream's lease (events are emitted), else 0",
@@ -397,17 +397,14 @@ impl DatapathCounters {
     /// `BACKENDS`. One series per service id (Service port x protocol x family x scope) and
     /// per backend (address x port x protocol): bounded by the map sizes.
     fn encode_per_service(&self, encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        use crate::datapath::{
-            ServiceMaps,
-            maps::{PinnedMaps, read_backend_stats, read_service_stats},
-        };
-        let Ok(maps) = PinnedMaps::open(&self.pin_dir) else {
+        use crate::datapath::ServiceMaps;
+        let Ok(maps) = self.view.service_maps() else {
             return Ok(());
         };
         let (Ok(snap), Ok(svc), Ok(be)) = (
             maps.snapshot(),
-            read_service_stats(&self.pin_dir),
-            read_backend_stats(&self.pin_dir),
+            self.view.service_stats(),
+            self.view.backend_stats(),
         ) else {
             return Ok(());
         };
@@ -495,8 +492,7 @@ impl DatapathCounters {
             ConstCounter::new(*n).encode(m)?;
         }
         // The data path's own least-connections counts (connections and tc flows open now).
-        let active = crate::inspect::read_u32_map(&self.pin_dir, proxy_common::LC_COUNTS)
-            .unwrap_or_default();
+        let active = self.view.lc_counts().unwrap_or_default();
         let mut family = encoder.encode_descriptor(
             "ebpf_proxy_backend_active_connections",
             "Open connections and live tc flows counted for least-connections per backend (address:port, protocol); 0 unless a Service using it has that algorithm",
@@ -566,7 +562,9 @@ impl Metrics {
             "TCP connections closed because their endpoint left the Service (--close-connections-to-removed-endpoints)",
             connections_closed.clone(),
         );
-        registry.register_collector(Box::new(DatapathCounters { pin_dir }));
+        registry.register_collector(Box::new(DatapathCounters {
+            view: PinnedView::new(&pin_dir),
+        }));
         Self {
             registry,
             families,

@@ -21,22 +21,21 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray, RingBuf};
+use aya::maps::{Array, Map, MapData, RingBuf};
 use proxy_common::{
-    Algorithm, SERVICE_NAMES, ServiceName,
+    Algorithm,
     monitor::{
         EVENT_F_AFFINITY_HIT, EVENT_F_AFFINITY_MISS, EVENT_F_DATAGRAM, EVENT_F_DSR, EVENT_F_SNAT,
         EVENT_F_STALE_REPAIRED, EVENT_F_TUPLE, EventKind, EventReason, HOOK_SKB, HOOK_SOCK,
-        HOOK_TC_EGRESS, HOOK_TC_INGRESS, HOOK_XDP, MONITOR_CPU, MONITOR_CTL, MONITOR_EVENTS,
-        MonitorCpu, MonitorCtl, MonitorEvent,
+        HOOK_TC_EGRESS, HOOK_TC_INGRESS, HOOK_XDP, MonitorCtl, MonitorEvent,
     },
 };
 use serde::Serialize;
 
 use crate::datapath::{
     addr::{bytes_to_ip, port_from_map, proto_name},
-    decode_name,
     tc::monotonic_ns,
+    view::{PinnedView, ServiceNames},
 };
 
 /// How long a lease lasts without a refresh.
@@ -380,29 +379,6 @@ pub fn lost_line(l: &Lost, json: bool) -> String {
     }
 }
 
-/// The per-CPU state of `MONITOR_CPU` pinned under `dir`, summed over CPUs.
-pub fn read_cpu_totals(dir: &Path) -> Result<MonitorCpu> {
-    let path = dir.join(MONITOR_CPU);
-    let data = MapData::from_pin(&path).with_context(|| format!("open {}", path.display()))?;
-    let a: PerCpuArray<MapData, MonitorCpu> = PerCpuArray::try_from(Map::PerCpuArray(data))?;
-    let mut t = MonitorCpu::default();
-    for c in a.get(&0, 0)?.iter() {
-        t.emitted += c.emitted;
-        t.rate_limited += c.rate_limited;
-        t.ring_full += c.ring_full;
-        t.emit_ns += c.emit_ns;
-    }
-    Ok(t)
-}
-
-/// Whether a monitor holds the lease of the data path pinned under `dir` now.
-pub fn lease_held(dir: &Path) -> Result<bool> {
-    let path = dir.join(MONITOR_CTL);
-    let data = MapData::from_pin(&path).with_context(|| format!("open {}", path.display()))?;
-    let a: Array<MapData, MonitorCtl> = Array::try_from(Map::Array(data))?;
-    Ok(a.get(&0, 0)?.expiry_ns > monotonic_ns())
-}
-
 /// The monitor's lease on the event stream: held from [`Lease::take`] to its drop, which
 /// clears it.
 pub struct Lease {
@@ -411,17 +387,10 @@ pub struct Lease {
 }
 
 impl Lease {
-    /// Takes the lease of the data path pinned under `dir` with `rate` events per second
-    /// and CPU (0: unlimited) and bursts of `burst`.
-    pub fn take(dir: &Path, rate: u32, burst: u32) -> Result<Lease> {
-        let path = dir.join(MONITOR_CTL);
-        let data = MapData::from_pin(&path).with_context(|| {
-            format!(
-                "open {} (no event stream: is the agent of this version running? check --bpffs/--pin-dir)",
-                path.display()
-            )
-        })?;
-        let ctl: Array<MapData, MonitorCtl> = Array::try_from(Map::Array(data))?;
+    /// Takes the lease of the data path of `view` with `rate` events per second and CPU
+    /// (0: unlimited) and bursts of `burst`.
+    pub fn take(view: &PinnedView, rate: u32, burst: u32) -> Result<Lease> {
+        let ctl = view.monitor_control()?;
         let cost_ns = if rate == 0 {
             0
         } else {
@@ -483,16 +452,14 @@ extern "C" fn on_signal(_: libc::c_int) {
 /// Service port names by id, read from `SERVICE_NAMES` again (at most once a second) when
 /// an event names an id it does not know.
 struct Names {
-    map: HashMap<MapData, u32, ServiceName>,
+    map: ServiceNames,
     known: BTreeMap<u32, String>,
     last_read: Option<Instant>,
 }
 
 impl Names {
-    fn open(dir: &Path) -> Result<Names> {
-        let path = dir.join(SERVICE_NAMES);
-        let data = MapData::from_pin(&path).with_context(|| format!("open {}", path.display()))?;
-        let map = HashMap::try_from(Map::HashMap(data))?;
+    fn open(view: &PinnedView) -> Result<Names> {
+        let map = view.service_names()?;
         let mut n = Names {
             map,
             known: BTreeMap::new(),
@@ -503,12 +470,7 @@ impl Names {
     }
 
     fn reload(&mut self) {
-        self.known = self
-            .map
-            .iter()
-            .filter_map(|r| r.ok())
-            .map(|(id, n)| (id, decode_name(&n)))
-            .collect();
+        self.known = self.map.read();
         self.last_read = Some(Instant::now());
     }
 
@@ -594,17 +556,12 @@ fn lock(dir: &Path) -> Result<MonitorLock> {
 /// SIGTERM arrived; writes the lines to `out`.
 pub fn run(opts: &Options, out: &mut dyn std::io::Write) -> Result<()> {
     let dir = &opts.dir;
+    let view = PinnedView::new(dir);
     // The event stream first: a mistyped pin directory leaves nothing behind.
-    let path = dir.join(MONITOR_EVENTS);
-    let data = MapData::from_pin(&path).with_context(|| {
-        format!(
-            "open {} (no event stream: is the agent of this version running? check --bpffs/--pin-dir)",
-            path.display()
-        )
-    })?;
+    let data = view.event_stream()?;
     let _lock = lock(dir)?;
     let mut ring = RingBuf::try_from(Map::RingBuf(data))?;
-    let mut names = Names::open(dir)?;
+    let mut names = Names::open(&view)?;
     // SAFETY: installing a handler that only stores to an atomic.
     unsafe {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
@@ -612,12 +569,12 @@ pub fn run(opts: &Options, out: &mut dyn std::io::Write) -> Result<()> {
     }
     // Records left from an earlier monitor are not this run's events.
     while ring.next().is_some() {}
-    let base = read_cpu_totals(dir)?;
+    let base = view.monitor_totals()?;
     let base_lost = Lost {
         rate_limited: base.rate_limited,
         ring_full: base.ring_full,
     };
-    let mut lease = Lease::take(dir, opts.rate, opts.burst)?;
+    let mut lease = Lease::take(&view, opts.rate, opts.burst)?;
     let offset = wall_offset_ns();
     let start = Instant::now();
     let mut last_refresh = Instant::now();
@@ -625,7 +582,7 @@ pub fn run(opts: &Options, out: &mut dyn std::io::Write) -> Result<()> {
     let mut printed = 0u64;
     let fd = ring.as_raw_fd();
     let report = |out: &mut dyn std::io::Write, reported: &mut Lost| -> Result<()> {
-        let t = read_cpu_totals(dir)?;
+        let t = view.monitor_totals()?;
         let now = Lost {
             rate_limited: t.rate_limited,
             ring_full: t.ring_full,
