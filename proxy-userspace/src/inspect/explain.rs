@@ -3,7 +3,7 @@
 //! given) and, with the objects, which endpoints are eligible and why the others are not.
 
 use anyhow::{Context, Result};
-use proxy_common::{FRONTEND_F_LOCAL_ONLY, FRONTEND_F_VIP_MARKER, SCOPE_INGRESS};
+use proxy_common::{FRONTEND_F_LOCAL_ONLY, FRONTEND_F_VIP_MARKER, Frontend, SCOPE_INGRESS};
 use serde::Serialize;
 
 use super::{ServiceRow, print_table, service_rows};
@@ -191,48 +191,8 @@ pub fn explain(
             flags: row.flags.clone(),
             backends: row.backends.clone(),
         };
-        let backend_connections = snap
-            .slots
-            .iter()
-            .filter(|(sk, _)| sk.service_id == f.service_id)
-            .filter_map(|(_, bid)| {
-                let b = snap.backends.get(bid)?;
-                Some((
-                    to_socket_addr(b.addr, b.port).to_string(),
-                    bstats.get(bid).copied().unwrap_or(0),
-                ))
-            })
-            .collect();
-        let endpoints = source.and_then(|model| {
-            let key = crate::reconcile::parse_service_name(snap.names.get(&f.service_id)?)?;
-            let local_only = f.flags & FRONTEND_F_LOCAL_ONLY != 0;
-            let in_slots: std::collections::BTreeSet<String> =
-                row.backends.iter().cloned().collect();
-            Some(
-                crate::model::eligibility(model, &key, local_only)
-                    .into_iter()
-                    .map(|(a, e, mut reason)| {
-                        if reason.is_none()
-                            && row.algorithm == "weighted-round-robin"
-                            && !in_slots.contains(&a.to_string())
-                        {
-                            reason = Some("weight 0 (ebpf-proxy.io/weights)".into());
-                        }
-                        ExplainedEndpoint {
-                            endpoint: a.to_string(),
-                            pod: e.pod.to_string(),
-                            local: e.local,
-                            ready: e.ready,
-                            serving: e.serving,
-                            terminating: e.terminating,
-                            zone_hints: e.zone_hints().iter().cloned().collect(),
-                            eligible: reason.is_none(),
-                            reason,
-                        }
-                    })
-                    .collect(),
-            )
-        });
+        let backend_connections = backend_connections(snap, f.service_id, &bstats);
+        let endpoints = source.and_then(|model| explained_endpoints(model, snap, f, &row));
         let st = stats.get(&f.service_id).copied().unwrap_or_default();
         let (connections, refused) = (st.connections, st.refused);
         frontends.push(ExplainedFrontend {
@@ -247,8 +207,92 @@ pub fn explain(
         .frontends
         .iter()
         .any(|(k, f)| k.addr == key_addr && k.proto == 0 && f.flags & FRONTEND_F_VIP_MARKER != 0);
+    let verdict = local_verdict(&frontends, marker);
+    let ranges = crate::datapath::tc::allowed_ranges(source_ranges, addr.ip());
+    let external_verdict = external_verdict(&frontends, ranges.as_deref());
+    let ignored_slices = source
+        .map(|m| ignored_slices(m, &frontends))
+        .unwrap_or_default();
+    let skipped = source
+        .map(|m| skipped_for(m, &frontends, &format!("{addr}/{}", proto_name(proto))))
+        .unwrap_or_default();
+    Ok(Explanation {
+        skipped,
+        target: format!("{addr}/{}", proto_name(proto)),
+        from: "pinned maps",
+        node: node.to_string(),
+        frontends,
+        verdict,
+        external_verdict,
+        ignored_slices,
+        paths: workload_paths(view, source),
+    })
+}
+
+/// Connections sent to each backend in the slots of `service_id` (`bstats`: by backend id,
+/// from every Service using that backend), by backend address.
+fn backend_connections(
+    snap: &Snapshot,
+    service_id: u32,
+    bstats: &std::collections::BTreeMap<u32, u64>,
+) -> std::collections::BTreeMap<String, u64> {
+    snap.slots
+        .iter()
+        .filter(|(sk, _)| sk.service_id == service_id)
+        .filter_map(|(_, bid)| {
+            let b = snap.backends.get(bid)?;
+            Some((
+                to_socket_addr(b.addr, b.port).to_string(),
+                bstats.get(bid).copied().unwrap_or(0),
+            ))
+        })
+        .collect()
+}
+
+/// The endpoints of the Service port behind frontend `f` (shown as `row`) with their
+/// eligibility on this node, from `model`; `None` when the frontend's service id has no
+/// name in `snap` or the name is not a Service port's.
+fn explained_endpoints(
+    model: &crate::model::Model,
+    snap: &Snapshot,
+    f: &Frontend,
+    row: &ServiceRow,
+) -> Option<Vec<ExplainedEndpoint>> {
+    let key = crate::reconcile::parse_service_name(snap.names.get(&f.service_id)?)?;
+    let local_only = f.flags & FRONTEND_F_LOCAL_ONLY != 0;
+    let in_slots: std::collections::BTreeSet<String> = row.backends.iter().cloned().collect();
+    Some(
+        crate::model::eligibility(model, &key, local_only)
+            .into_iter()
+            .map(|(a, e, mut reason)| {
+                if reason.is_none()
+                    && row.algorithm == "weighted-round-robin"
+                    && !in_slots.contains(&a.to_string())
+                {
+                    reason = Some("weight 0 (ebpf-proxy.io/weights)".into());
+                }
+                ExplainedEndpoint {
+                    endpoint: a.to_string(),
+                    pod: e.pod.to_string(),
+                    local: e.local,
+                    ready: e.ready,
+                    serving: e.serving,
+                    terminating: e.terminating,
+                    zone_hints: e.zone_hints().iter().cloned().collect(),
+                    eligible: reason.is_none(),
+                    reason,
+                }
+            })
+            .collect(),
+    )
+}
+
+/// The verdict for a connection from this node (the socket programs' lookup): the node
+/// scope frontend among `frontends`; without one, refused when the address is a cluster IP
+/// (`marker`: it has a VIP marker) and left alone otherwise.
+fn local_verdict(frontends: &[ExplainedFrontend], marker: bool) -> String {
     let node_scope = frontends.iter().find(|f| f.frontend.scope == "node");
-    let verdict = match node_scope {
+    match node_scope {
         Some(f) if !f.frontend.backends.is_empty() => format!(
             "translated to one of {} backend(s) by {}{}",
             f.frontend.backends.len(),
@@ -273,40 +317,26 @@ pub fn explain(
             "refused (ECONNREFUSED): the cluster IP does not define this port and protocol".into()
         }
         None => "not a frontend: left alone by ebpf-proxy".into(),
-    };
-    let ranges = crate::datapath::tc::allowed_ranges(source_ranges, addr.ip());
-    let external_verdict = external_verdict(&frontends, ranges.as_deref());
+    }
+}
+
+/// [`Explanation::ignored_slices`]: the EndpointSlices of `model` without the service-name
+/// label in the namespaces of `frontends`' Services.
+fn ignored_slices(model: &crate::model::Model, frontends: &[ExplainedFrontend]) -> Vec<String> {
     let namespaces: std::collections::BTreeSet<&str> = frontends
         .iter()
         .filter_map(|f| f.frontend.service.split('/').next())
         .collect();
-    let ignored_slices = source
-        .map(|m| {
-            m.errors()
-                .into_iter()
-                .filter(|e| {
-                    e.kind == "EndpointSlice"
-                        && e.reason == crate::model::endpoints::UNLABELED_SLICE
-                        && namespaces.contains(e.namespace.as_str())
-                })
-                .map(|e| format!("{}/{}", e.namespace, e.name))
-                .collect()
+    model
+        .errors()
+        .into_iter()
+        .filter(|e| {
+            e.kind == "EndpointSlice"
+                && e.reason == crate::model::endpoints::UNLABELED_SLICE
+                && namespaces.contains(e.namespace.as_str())
         })
-        .unwrap_or_default();
-    let skipped = source
-        .map(|m| skipped_for(m, &frontends, &format!("{addr}/{}", proto_name(proto))))
-        .unwrap_or_default();
-    Ok(Explanation {
-        skipped,
-        target: format!("{addr}/{}", proto_name(proto)),
-        from: "pinned maps",
-        node: node.to_string(),
-        frontends,
-        verdict,
-        external_verdict,
-        ignored_slices,
-        paths: workload_paths(view, source),
-    })
+        .map(|e| format!("{}/{}", e.namespace, e.name))
+        .collect()
 }
 
 /// At most this many skipped Services are listed by `explain` for a target that is no
