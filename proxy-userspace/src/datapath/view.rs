@@ -4,7 +4,7 @@
 //! `ebpf-proxy monitor`. Every pinned map they read is opened here, one way: by path, when
 //! it is read, nothing held between reads (a view outlives an agent restart and reads what
 //! the next agent pinned), the path named in the error. This is the read side of the maps
-//! the agent writes through [`PinnedMaps`](super::maps::PinnedMaps) and
+//! the agent writes through [`PinnedMaps`] and
 //! [`TcKernel`](super::tc::TcKernel), as Cilium's `pkg/loadbalancer/maps` is the one way its
 //! CLI and metrics dump the load-balancing maps.
 //!
