@@ -11,7 +11,7 @@
 //! cloud load balancer only sends traffic to nodes that can serve it without leaving the
 //! node. Which ports to serve and what they report is the model's (`Model::health_checks`);
 //! the reconciler starts, updates, stops and retries the servers through [`HealthServers`],
-//! and the kernel data path ([`KernelDatapath`](super::kernel::KernelDatapath)) holds them.
+//! and the kernel data path (`kernel::KernelDatapath`) holds them.
 //!
 //! Each server listens on `[::]:port` with `IPV6_V6ONLY` off, so it answers on the node's
 //! IPv4 and IPv6 addresses (kube-proxy listens on every node address of both families);
