@@ -14,6 +14,7 @@ use std::{
 };
 
 use common::*;
+use proxy_userspace::datapath::view::PinnedView;
 use serde_json::Value;
 
 const VIP: &str = "198.19.0.50";
@@ -295,7 +296,7 @@ fn filters_select_events_and_losses_over_the_rate_are_reported() {
     assert!(shown > 0 && shown < 60, "{shown} shown");
     assert!(shown as u64 + total >= 60, "{shown} shown + {total} lost");
     // The data path's counters agree, and the agent exports them.
-    let t = proxy_userspace::monitor::read_cpu_totals(&env.pin_path()).unwrap();
+    let t = PinnedView::new(&env.pin_path()).monitor_totals().unwrap();
     assert!(
         t.rate_limited >= total && t.emitted >= shown as u64,
         "{t:?}"

@@ -10,7 +10,6 @@ pub mod check;
 pub mod cli;
 pub mod config;
 pub mod datapath;
-pub mod healthcheck;
 pub mod inspect;
 pub mod kernel_log;
 pub mod kube_proxy;

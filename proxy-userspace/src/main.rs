@@ -13,7 +13,7 @@ use proxy_userspace::{
         ServicesArgs,
     },
     config::{self, Action, AgentConfig, LogFormat, PinArgs, RunFlags},
-    datapath::{ServiceMaps, loader, maps::PinnedMaps},
+    datapath::{loader, view::PinnedView},
     model::{Model, NodeInfo},
 };
 use tracing::{info, warn};
@@ -249,10 +249,10 @@ fn status_command(args: proxy_userspace::cli::StatusArgs) -> ExitCode {
 
 fn services(args: ServicesArgs) -> Result<()> {
     let dir = args.pins.dir()?;
-    let maps = open_pins(&dir)?;
-    proxy_userspace::inspect::print_services(&maps, args.output == Output::Json)?;
+    let view = open_pins(&dir)?;
+    proxy_userspace::inspect::print_services(&view, args.output == Output::Json)?;
     if args.output == Output::Table
-        && let Ok(c) = maps.counters()
+        && let Ok(c) = view.counters()
     {
         let parts: Vec<String> = Counter::ALL
             .iter()
@@ -262,14 +262,14 @@ fn services(args: ServicesArgs) -> Result<()> {
             "\ncounters: {} (`ebpf-proxy stats` says what each counts)",
             parts.join(" ")
         );
-        for line in proxy_userspace::inspect::workload_paths(&dir, None) {
+        for line in proxy_userspace::inspect::workload_paths(&view, None) {
             println!("{line}");
         }
     }
     if args.output == Output::Table {
-        use proxy_userspace::datapath::tc;
-        let xdp = tc::xdp_modes(&dir);
-        let parts: Vec<String> = tc::tc_interfaces(&dir)
+        let xdp = view.xdp_modes();
+        let parts: Vec<String> = view
+            .tc_interfaces()
             .iter()
             .map(|i| {
                 let mode = xdp.get(i).map_or("none", |m| m.as_str());
@@ -285,17 +285,14 @@ fn services(args: ServicesArgs) -> Result<()> {
 
 fn affinity(args: ServicesArgs) -> Result<()> {
     let dir = args.pins.dir()?;
-    let maps = open_pins(&dir)?;
-    proxy_userspace::inspect::print_affinity(&dir, &maps, args.output == Output::Json)
+    let view = open_pins(&dir)?;
+    proxy_userspace::inspect::print_affinity(&view, args.output == Output::Json)
 }
 
-fn inspect_with(
-    args: ServicesArgs,
-    print: fn(&std::path::Path, &PinnedMaps, bool) -> Result<()>,
-) -> Result<()> {
+fn inspect_with(args: ServicesArgs, print: fn(&PinnedView, bool) -> Result<()>) -> Result<()> {
     let dir = args.pins.dir()?;
-    let maps = open_pins(&dir)?;
-    print(&dir, &maps, args.output == Output::Json)
+    let view = open_pins(&dir)?;
+    print(&view, args.output == Output::Json)
 }
 
 /// Parses `ADDR:PORT[/PROTO]` (IPv6 as `[ADDR]:PORT`; PROTO `TCP` or `UDP`, any case,
@@ -366,14 +363,15 @@ fn explain(args: ExplainArgs) -> Result<()> {
     };
     // With objects but no data path pinned (a laptop, a node before the agent runs), the
     // explanation is of what an agent would program for them.
+    let view = PinnedView::new(&dir);
     let (snapshot, pinned) = match (open_pins(&dir), &model) {
-        (Ok(maps), _) => (maps.snapshot()?, true),
+        (Ok(pins), _) => (pins.snapshot()?, true),
         (Err(_), Some(m)) => (proxy_userspace::inspect::desired_snapshot(m)?, false),
         (Err(e), None) => return Err(e),
     };
     // The tc path's source ranges: pinned (none without a tc path), else an agent's.
     let ranges = match (&model, pinned) {
-        (_, true) => proxy_userspace::datapath::tc::pinned_source_ranges(&dir).unwrap_or_default(),
+        (_, true) => view.source_ranges().unwrap_or_default(),
         (Some(m), false) => proxy_userspace::reconcile::node::source_range_entries(m),
         (None, false) => Default::default(),
     };
@@ -385,7 +383,7 @@ fn explain(args: ExplainArgs) -> Result<()> {
         "the hostname; set --hostname-override for another node"
     };
     let mut e = proxy_userspace::inspect::explain(
-        &dir,
+        &view,
         &snapshot,
         addr,
         proto,
@@ -462,13 +460,16 @@ fn list_from_api(
     })
 }
 
-fn open_pins(dir: &std::path::Path) -> Result<PinnedMaps> {
-    PinnedMaps::open(dir).with_context(|| {
+/// The view of the data path pinned at `dir`, once its service maps open.
+fn open_pins(dir: &std::path::Path) -> Result<PinnedView> {
+    let view = PinnedView::new(dir);
+    view.service_maps().with_context(|| {
         format!(
             "no ebpf-proxy data path pinned at {} (is the agent running? check --bpffs/--pin-dir)",
             dir.display()
         )
-    })
+    })?;
+    Ok(view)
 }
 
 /// `ebpf-proxy monitor`: the filters checked, then the stream until --count, --duration

@@ -21,22 +21,21 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray, RingBuf};
+use aya::maps::{Array, Map, MapData, RingBuf};
 use proxy_common::{
-    Algorithm, SERVICE_NAMES, ServiceName,
+    Algorithm,
     monitor::{
         EVENT_F_AFFINITY_HIT, EVENT_F_AFFINITY_MISS, EVENT_F_DATAGRAM, EVENT_F_DSR, EVENT_F_SNAT,
         EVENT_F_STALE_REPAIRED, EVENT_F_TUPLE, EventKind, EventReason, HOOK_SKB, HOOK_SOCK,
-        HOOK_TC_EGRESS, HOOK_TC_INGRESS, HOOK_XDP, MONITOR_CPU, MONITOR_CTL, MONITOR_EVENTS,
-        MonitorCpu, MonitorCtl, MonitorEvent,
+        HOOK_TC_EGRESS, HOOK_TC_INGRESS, HOOK_XDP, MonitorCtl, MonitorEvent,
     },
 };
 use serde::Serialize;
 
 use crate::datapath::{
     addr::{bytes_to_ip, port_from_map, proto_name},
-    decode_name,
     tc::monotonic_ns,
+    view::{PinnedView, ServiceNames},
 };
 
 /// How long a lease lasts without a refresh.
@@ -380,29 +379,6 @@ pub fn lost_line(l: &Lost, json: bool) -> String {
     }
 }
 
-/// The per-CPU state of `MONITOR_CPU` pinned under `dir`, summed over CPUs.
-pub fn read_cpu_totals(dir: &Path) -> Result<MonitorCpu> {
-    let path = dir.join(MONITOR_CPU);
-    let data = MapData::from_pin(&path).with_context(|| format!("open {}", path.display()))?;
-    let a: PerCpuArray<MapData, MonitorCpu> = PerCpuArray::try_from(Map::PerCpuArray(data))?;
-    let mut t = MonitorCpu::default();
-    for c in a.get(&0, 0)?.iter() {
-        t.emitted += c.emitted;
-        t.rate_limited += c.rate_limited;
-        t.ring_full += c.ring_full;
-        t.emit_ns += c.emit_ns;
-    }
-    Ok(t)
-}
-
-/// Whether a monitor holds the lease of the data path pinned under `dir` now.
-pub fn lease_held(dir: &Path) -> Result<bool> {
-    let path = dir.join(MONITOR_CTL);
-    let data = MapData::from_pin(&path).with_context(|| format!("open {}", path.display()))?;
-    let a: Array<MapData, MonitorCtl> = Array::try_from(Map::Array(data))?;
-    Ok(a.get(&0, 0)?.expiry_ns > monotonic_ns())
-}
-
 /// The monitor's lease on the event stream: held from [`Lease::take`] to its drop, which
 /// clears it.
 pub struct Lease {
@@ -411,17 +387,10 @@ pub struct Lease {
 }
 
 impl Lease {
-    /// Takes the lease of the data path pinned under `dir` with `rate` events per second
-    /// and CPU (0: unlimited) and bursts of `burst`.
-    pub fn take(dir: &Path, rate: u32, burst: u32) -> Result<Lease> {
-        let path = dir.join(MONITOR_CTL);
-        let data = MapData::from_pin(&path).with_context(|| {
-            format!(
-                "open {} (no event stream: is the agent of this version running? check --bpffs/--pin-dir)",
-                path.display()
-            )
-        })?;
-        let ctl: Array<MapData, MonitorCtl> = Array::try_from(Map::Array(data))?;
+    /// Takes the lease of the data path of `view` with `rate` events per second and CPU
+    /// (0: unlimited) and bursts of `burst`.
+    pub fn take(view: &PinnedView, rate: u32, burst: u32) -> Result<Lease> {
+        let ctl = view.monitor_control()?;
         let cost_ns = if rate == 0 {
             0
         } else {
@@ -483,16 +452,14 @@ extern "C" fn on_signal(_: libc::c_int) {
 /// Service port names by id, read from `SERVICE_NAMES` again (at most once a second) when
 /// an event names an id it does not know.
 struct Names {
-    map: HashMap<MapData, u32, ServiceName>,
+    map: ServiceNames,
     known: BTreeMap<u32, String>,
     last_read: Option<Instant>,
 }
 
 impl Names {
-    fn open(dir: &Path) -> Result<Names> {
-        let path = dir.join(SERVICE_NAMES);
-        let data = MapData::from_pin(&path).with_context(|| format!("open {}", path.display()))?;
-        let map = HashMap::try_from(Map::HashMap(data))?;
+    fn open(view: &PinnedView) -> Result<Names> {
+        let map = view.service_names()?;
         let mut n = Names {
             map,
             known: BTreeMap::new(),
@@ -503,12 +470,7 @@ impl Names {
     }
 
     fn reload(&mut self) {
-        self.known = self
-            .map
-            .iter()
-            .filter_map(|r| r.ok())
-            .map(|(id, n)| (id, decode_name(&n)))
-            .collect();
+        self.known = self.map.read();
         self.last_read = Some(Instant::now());
     }
 
@@ -594,17 +556,12 @@ fn lock(dir: &Path) -> Result<MonitorLock> {
 /// SIGTERM arrived; writes the lines to `out`.
 pub fn run(opts: &Options, out: &mut dyn std::io::Write) -> Result<()> {
     let dir = &opts.dir;
+    let view = PinnedView::new(dir);
     // The event stream first: a mistyped pin directory leaves nothing behind.
-    let path = dir.join(MONITOR_EVENTS);
-    let data = MapData::from_pin(&path).with_context(|| {
-        format!(
-            "open {} (no event stream: is the agent of this version running? check --bpffs/--pin-dir)",
-            path.display()
-        )
-    })?;
+    let data = view.event_stream()?;
     let _lock = lock(dir)?;
     let mut ring = RingBuf::try_from(Map::RingBuf(data))?;
-    let mut names = Names::open(dir)?;
+    let mut names = Names::open(&view)?;
     // SAFETY: installing a handler that only stores to an atomic.
     unsafe {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
@@ -612,12 +569,12 @@ pub fn run(opts: &Options, out: &mut dyn std::io::Write) -> Result<()> {
     }
     // Records left from an earlier monitor are not this run's events.
     while ring.next().is_some() {}
-    let base = read_cpu_totals(dir)?;
+    let base = view.monitor_totals()?;
     let base_lost = Lost {
         rate_limited: base.rate_limited,
         ring_full: base.ring_full,
     };
-    let mut lease = Lease::take(dir, opts.rate, opts.burst)?;
+    let mut lease = Lease::take(&view, opts.rate, opts.burst)?;
     let offset = wall_offset_ns();
     let start = Instant::now();
     let mut last_refresh = Instant::now();
@@ -625,7 +582,7 @@ pub fn run(opts: &Options, out: &mut dyn std::io::Write) -> Result<()> {
     let mut printed = 0u64;
     let fd = ring.as_raw_fd();
     let report = |out: &mut dyn std::io::Write, reported: &mut Lost| -> Result<()> {
-        let t = read_cpu_totals(dir)?;
+        let t = view.monitor_totals()?;
         let now = Lost {
             rate_limited: t.rate_limited,
             ring_full: t.ring_full,
@@ -685,189 +642,4 @@ pub fn run(opts: &Options, out: &mut dyn std::io::Write) -> Result<()> {
 }
 
 #[cfg(test)]
-mod tests {
-    use proxy_common::{PROTO_TCP, PROTO_UDP, client_of_netns};
-
-    use super::*;
-    use crate::datapath::addr::{ip_to_bytes, port_to_map};
-
-    fn event(kind: EventKind, reason: EventReason) -> MonitorEvent {
-        MonitorEvent {
-            ts_ns: 2_000_000_000,
-            cookie: 7,
-            netns: 4026531840,
-            client: client_of_netns(4026531840),
-            frontend: ip_to_bytes("198.19.0.10".parse().unwrap()),
-            frontend_port: port_to_map(80),
-            backend: ip_to_bytes("198.18.0.2".parse().unwrap()),
-            backend_port: port_to_map(8080),
-            service_id: 3,
-            backend_id: 5,
-            kind: kind as u8,
-            reason: reason as u8,
-            proto: PROTO_TCP,
-            algorithm: Algorithm::Random as u8,
-            hook: HOOK_SOCK,
-            ..Default::default()
-        }
-    }
-
-    #[test]
-    fn decodes_a_record_of_the_right_size_only() {
-        let e = event(EventKind::SockTranslate, EventReason::None);
-        // SAFETY: reading the bytes of a plain struct.
-        let bytes = unsafe {
-            std::slice::from_raw_parts(
-                (&e as *const MonitorEvent).cast::<u8>(),
-                std::mem::size_of::<MonitorEvent>(),
-            )
-        };
-        assert_eq!(decode(bytes), Some(e));
-        assert_eq!(decode(&bytes[1..]), None);
-    }
-
-    #[test]
-    fn shows_socket_and_flow_events() {
-        let e = event(EventKind::SockTranslate, EventReason::None);
-        let s = show(&e, Some("default/web:http/TCP/v4".into()), 1_000_000_000);
-        assert_eq!(s.kind, "translate");
-        assert_eq!(s.reason, None);
-        assert_eq!(s.client.as_deref(), Some("netns:4026531840"));
-        assert_eq!(s.frontend, "198.19.0.10:80");
-        assert_eq!(s.backend.as_deref(), Some("198.18.0.2:8080"));
-        assert_eq!(s.algorithm, Some("random"));
-        assert_eq!(s.time, 3.0);
-        let j: serde_json::Value = serde_json::to_value(&s).unwrap();
-        assert_eq!(j["type"], "translate");
-        assert_eq!(j["service"], "default/web:http/TCP/v4");
-        assert!(j.get("reason").is_none());
-        assert!(j.get("nat").is_none());
-        let line = text_line(&s);
-        assert!(
-            line.contains("translate  TCP netns:4026531840 -> 198.19.0.10:80 => 198.18.0.2:8080"),
-            "{line}"
-        );
-        assert!(line.contains("service=default/web:http/TCP/v4"), "{line}");
-
-        let mut r = event(EventKind::SockRefuse, EventReason::NoLocalEndpoints);
-        r.backend = [0; 16];
-        r.backend_port = [0; 2];
-        r.backend_id = 0;
-        let s = show(&r, None, 0);
-        assert_eq!(s.reason, Some("no-local-endpoints"));
-        assert_eq!(s.backend, None);
-        assert!(text_line(&s).contains("reason=no-local-endpoints service_id=3"));
-
-        let mut f = event(EventKind::FlowNew, EventReason::None);
-        f.flags = EVENT_F_SNAT | EVENT_F_AFFINITY_HIT;
-        f.hook = HOOK_TC_INGRESS;
-        f.client = ip_to_bytes("2001:db8::1".parse().unwrap());
-        f.client_port = port_to_map(40000);
-        f.nat = ip_to_bytes("198.18.0.1".parse().unwrap());
-        f.nat_port = port_to_map(61000);
-        let s = show(&f, None, 0);
-        assert_eq!(s.client.as_deref(), Some("[2001:db8::1]:40000"));
-        assert_eq!(s.nat.as_deref(), Some("198.18.0.1:61000"));
-        assert_eq!(s.affinity, Some("hit"));
-        assert_eq!(s.hook, "tc-ingress");
-        assert!(text_line(&s).contains("snat=198.18.0.1:61000"));
-        f.hook = HOOK_XDP;
-        assert!(text_line(&show(&f, None, 0)).contains(" hook=xdp"));
-    }
-
-    #[test]
-    fn filters_by_every_criterion() {
-        let e = event(EventKind::SockRefuse, EventReason::NoEndpoints);
-        let name = Some("default/web:http/TCP/v4");
-        assert!(Filter::default().matches(&e, None));
-        let f = |f: Filter| f.matches(&e, name);
-        assert!(f(Filter {
-            service: Some("default/web".into()),
-            ..Default::default()
-        }));
-        assert!(!f(Filter {
-            service: Some("default/we".into()),
-            ..Default::default()
-        }));
-        assert!(
-            !Filter {
-                service: Some("default/web".into()),
-                ..Default::default()
-            }
-            .matches(&e, None)
-        );
-        assert!(f(Filter {
-            address: Some("198.18.0.2".parse().unwrap()),
-            ..Default::default()
-        }));
-        assert!(!f(Filter {
-            address: Some("198.18.0.3".parse().unwrap()),
-            ..Default::default()
-        }));
-        assert!(f(Filter {
-            port: Some(8080),
-            ..Default::default()
-        }));
-        assert!(f(Filter {
-            port: Some(80),
-            ..Default::default()
-        }));
-        assert!(!f(Filter {
-            port: Some(81),
-            ..Default::default()
-        }));
-        assert!(!f(Filter {
-            protocol: Some(PROTO_UDP),
-            ..Default::default()
-        }));
-        assert!(f(Filter {
-            kinds: vec![EventKind::SockTranslate, EventKind::SockRefuse],
-            ..Default::default()
-        }));
-        assert!(!f(Filter {
-            kinds: vec![EventKind::FlowNew],
-            ..Default::default()
-        }));
-        assert!(f(Filter {
-            reasons: vec![EventReason::NoEndpoints],
-            ..Default::default()
-        }));
-        assert!(!f(Filter {
-            reasons: vec![EventReason::UndefinedPort],
-            ..Default::default()
-        }));
-    }
-
-    #[test]
-    fn parses_names_and_reports_losses() {
-        assert_eq!(parse_kind("flow-new").unwrap(), EventKind::FlowNew);
-        assert!(parse_kind("nope").is_err());
-        assert_eq!(
-            parse_reason("undefined-port").unwrap(),
-            EventReason::UndefinedPort
-        );
-        assert!(parse_reason("").is_err());
-        for (k, n) in EventKind::ALL {
-            assert_eq!(EventKind::from_u8(k as u8), Some(k));
-            assert_eq!(k.name(), n);
-        }
-        let base = Lost {
-            rate_limited: 5,
-            ring_full: 1,
-        };
-        let now = Lost {
-            rate_limited: 12,
-            ring_full: 3,
-        };
-        let d = now.since(&base);
-        assert_eq!(d.total(), 9);
-        assert_eq!(
-            lost_line(&d, false),
-            "-- 9 events lost (rate limit: 7, ring buffer full: 2)"
-        );
-        let j: serde_json::Value = serde_json::from_str(&lost_line(&d, true)).unwrap();
-        assert_eq!(j["lost"], 9);
-        assert_eq!(j["rate_limited"], 7);
-        assert_eq!(j["ring_full"], 2);
-    }
-}
+mod tests;

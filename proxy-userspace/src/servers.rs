@@ -32,46 +32,17 @@ use axum::{Json, extract::State, http::StatusCode, response::IntoResponse};
 use tokio::sync::watch;
 use tracing::{error, info};
 
-use crate::{metrics::Metrics, model::Family};
+use crate::{
+    metrics::Metrics,
+    status::{Health, ServerState},
+};
 
 /// How long a server waits before trying its address again (kube-proxy's 5 s).
 pub const BIND_RETRY: Duration = Duration::from_secs(5);
 
-/// What `/healthz` and `/livez` report.
-#[derive(Debug, Clone)]
-pub struct Health {
-    /// Time of the last successful sync; `None` until the first one.
-    pub last_updated: Option<SystemTime>,
-    /// When the oldest update not yet applied arrived; `None` when none is pending.
-    pub queued: Option<SystemTime>,
-    /// How long an update may stay pending before the agent is unhealthy.
-    pub timeout: Duration,
-    /// This node is neither being deleted nor tainted for deletion.
-    pub node_eligible: bool,
-    /// The IP families the node runs (one `status` entry each).
-    pub families: Vec<Family>,
-}
-
+/// The health server's answer for [`Health`] (kube-proxy's rules, in the module
+/// documentation).
 impl Health {
-    /// Nothing synced yet, node eligible.
-    pub fn new(timeout: Duration, families: Vec<Family>) -> Health {
-        Health {
-            last_updated: None,
-            queued: None,
-            timeout,
-            node_eligible: true,
-            families,
-        }
-    }
-
-    /// Healthy at `now` (the `/livez` condition; `/healthz` adds eligibility)?
-    pub fn healthy(&self, now: SystemTime) -> bool {
-        self.last_updated.is_some()
-            && self
-                .queued
-                .is_none_or(|q| now.duration_since(q).unwrap_or_default() < self.timeout)
-    }
-
     /// The answer to `/healthz` (`with_node`) or `/livez` at `now`: status and body.
     pub fn answer(&self, now: SystemTime, with_node: bool) -> (StatusCode, serde_json::Value) {
         let healthy = self.healthy(now);
@@ -159,17 +130,6 @@ pub fn metrics_app(metrics: Arc<Metrics>) -> axum::Router {
         .with_state(metrics)
 }
 
-/// Where a server stands.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ServerState {
-    /// Not tried yet.
-    Starting,
-    /// Serving on this address.
-    Listening(SocketAddr),
-    /// The last attempt failed with this error; retried every [`BIND_RETRY`].
-    Failing(String),
-}
-
 /// `--bind-address-hard-fail`: the first server failure, for the agent to stop on.
 #[derive(Debug, Default)]
 pub struct Fatal {
@@ -207,7 +167,7 @@ impl Fatal {
 /// on either family is an error.
 fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
     let l = if addr.ip().is_unspecified() {
-        crate::healthcheck::listen(addr.port())?
+        crate::datapath::healthcheck::listen(addr.port())?
     } else {
         let l = std::net::TcpListener::bind(addr)?;
         l.set_nonblocking(true)?;
@@ -273,6 +233,7 @@ pub fn spawn(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::Family;
 
     fn families() -> Vec<Family> {
         vec![Family::V4, Family::V6]

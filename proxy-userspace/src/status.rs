@@ -17,6 +17,11 @@
 //! - `/status`: the whole [`Status`] as JSON, always 200.
 //!
 //! Every answer's body is the [`Status`] document.
+//!
+//! The state the agent's servers share is defined here too, so the servers read it and
+//! publish into it without this module depending on them: the sync health ([`Health`], which
+//! the health server (`servers`) renders for `/healthz` and `/livez`) and each server's
+//! state ([`ServerState`]).
 
 use std::{
     io::{Read, Write},
@@ -30,11 +35,61 @@ use axum::{Json, extract::State, http::StatusCode, response::IntoResponse};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use crate::servers::{Health, ServerState};
+use crate::model::Family;
 
 /// The status server's default port: not one of the ports Kubernetes components use
 /// (10248-10259), so kube-proxy, the kubelet and the control plane never hold it.
 pub const DEFAULT_STATUS_PORT: u16 = 10266;
+
+/// The agent's sync health: what `/healthz` and `/livez` report (the health server renders
+/// it, `servers`) and what `/readyz` and `/livez` here read. The agent updates it after
+/// every sync.
+#[derive(Debug, Clone)]
+pub struct Health {
+    /// Time of the last successful sync; `None` until the first one.
+    pub last_updated: Option<SystemTime>,
+    /// When the oldest update not yet applied arrived; `None` when none is pending.
+    pub queued: Option<SystemTime>,
+    /// How long an update may stay pending before the agent is unhealthy.
+    pub timeout: Duration,
+    /// This node is neither being deleted nor tainted for deletion.
+    pub node_eligible: bool,
+    /// The IP families the node runs (one `status` entry each).
+    pub families: Vec<Family>,
+}
+
+impl Health {
+    /// Nothing synced yet, node eligible.
+    pub fn new(timeout: Duration, families: Vec<Family>) -> Health {
+        Health {
+            last_updated: None,
+            queued: None,
+            timeout,
+            node_eligible: true,
+            families,
+        }
+    }
+
+    /// Healthy at `now` (the `/livez` condition; `/healthz` adds eligibility)?
+    pub fn healthy(&self, now: SystemTime) -> bool {
+        self.last_updated.is_some()
+            && self
+                .queued
+                .is_none_or(|q| now.duration_since(q).unwrap_or_default() < self.timeout)
+    }
+}
+
+/// Where one of the agent's servers stands, as the server task (`servers::spawn`) publishes
+/// it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ServerState {
+    /// Not tried yet.
+    Starting,
+    /// Serving on this address.
+    Listening(SocketAddr),
+    /// The last attempt failed with this error; retried every `servers::BIND_RETRY`.
+    Failing(String),
+}
 
 /// The north-south path (NodePorts, external IPs and LB IPs for traffic entering the node)
 /// as the last sync left it.
@@ -119,7 +174,7 @@ pub struct Listener {
     pub name: &'static str,
     /// The configured address.
     pub address: SocketAddr,
-    /// Its state, as [`crate::servers::spawn`] publishes it.
+    /// Its state, as the server task (`servers::spawn`) publishes it.
     pub state: watch::Receiver<ServerState>,
 }
 

@@ -24,7 +24,9 @@ use std::{
 };
 
 use proxy_testkit::testbed::{ChildGuard, Lab, Pod, TestCgroup, ensure_bpffs, is_root, spawn_in};
-use proxy_userspace::datapath::{ServiceMaps, Snapshot, loader, maps::PinnedMaps};
+use proxy_userspace::datapath::{
+    ServiceMaps, Snapshot, loader, maps::PinnedMaps, view::PinnedView,
+};
 
 /// The agent binary `ebpf-proxy`, for `Command::new(AGENT)`; resolved on first use by
 /// [`agent_path`].
@@ -660,7 +662,7 @@ impl MonitorRun {
             _dir: dir,
         };
         let start = Instant::now();
-        while !proxy_userspace::monitor::lease_held(pin).unwrap_or(false) {
+        while !PinnedView::new(pin).monitor_lease_held().unwrap_or(false) {
             assert!(
                 start.elapsed() < Duration::from_secs(10),
                 "the monitor did not take the lease"
@@ -690,7 +692,7 @@ impl MonitorRun {
             .expect("the monitor did not stop");
         assert!(status.success(), "monitor: {status:?}");
         assert!(
-            !proxy_userspace::monitor::lease_held(&self.pin).unwrap(),
+            !PinnedView::new(&self.pin).monitor_lease_held().unwrap(),
             "the monitor left its lease set"
         );
         let lock = proxy_userspace::monitor::lock_path(&self.pin);

@@ -17,7 +17,7 @@ use crate::{
     metrics::Metrics,
     model::Model,
     reconcile::Reconciler,
-    servers::Health,
+    status::Health,
     source::Batch,
 };
 

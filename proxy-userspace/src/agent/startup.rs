@@ -12,12 +12,12 @@ use crate::{
     config::{AgentConfig, NodePortAddresses, SourceChoice},
     datapath::{
         ServiceMaps,
+        healthcheck::HealthCheckServers,
         kernel::KernelDatapath,
         loader::{self, MapSizes},
         maps::PinnedMaps,
         tc::TcKernel,
     },
-    healthcheck::HealthCheckServers,
     model::NodeInfo,
     source::{Batch, KubeSource, ManifestSource, Source, apiconfig},
 };

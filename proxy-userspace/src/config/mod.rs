@@ -62,20 +62,12 @@ pub use self::values::{
     parse_duration, parse_positive_duration, parse_timeout,
 };
 use crate::datapath::tc::TcSettings;
+pub use crate::source::SourceChoice;
 
 /// The `apiVersion` a configuration file must have.
 pub const API_VERSION: &str = "kubeproxy.config.k8s.io/v1alpha1";
 /// The `kind` a configuration file must have.
 pub const KIND: &str = "KubeProxyConfiguration";
-
-/// Where the agent reads objects from.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum SourceChoice {
-    /// A directory of manifests (`--manifests`).
-    Manifests(PathBuf),
-    /// The Kubernetes API, with this kubeconfig (else `Config::infer`).
-    Api(Option<PathBuf>),
-}
 
 /// What the process does with the settings (kube-proxy's order: `--write-config-to` first,
 /// then `--cleanup`, then `--init-only`).

@@ -1,5 +1,5 @@
-//! The value types of the settings and their syntaxes, shared by the flags ([`super::flags`])
-//! and the configuration file ([`super::file`]), so that a value is checked by one rule
+//! The value types of the settings and their syntaxes, shared by the flags (`flags.rs`)
+//! and the configuration file (`file.rs`), so that a value is checked by one rule
 //! whichever way it is given: CIDR lists, NodePort addresses, proxy modes, IPVS schedulers,
 //! server addresses, log formats, durations and ranged numbers.
 

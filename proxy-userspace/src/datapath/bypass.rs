@@ -31,6 +31,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{self, File};
 use std::io;
+use std::net::IpAddr;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
@@ -46,7 +47,46 @@ use proxy_common::bypass::{
 use tracing::info;
 
 use crate::datapath::loader::OBJECT;
-use crate::model::bypass::{BypassedPod, SocketLbScope};
+
+/// `--socket-lb-scope`: which network namespaces the socket programs translate.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum SocketLbScope {
+    /// Every socket of the attached cgroup (pods and the node's own processes).
+    #[default]
+    All,
+    /// Only sockets of the node's own network namespace; every pod is translated per
+    /// packet (Cilium's `socketLB.hostNamespaceOnly`).
+    HostOnly,
+}
+
+impl SocketLbScope {
+    /// The flag's value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SocketLbScope::All => "all",
+            SocketLbScope::HostOnly => "host-only",
+        }
+    }
+}
+
+/// A pod of this node that bypasses socket-level translation.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct BypassedPod {
+    /// `metadata.namespace`.
+    pub namespace: String,
+    /// `metadata.name`.
+    pub name: String,
+    /// `metadata.uid`: how the agent finds the pod's cgroup (kubelet names it after the
+    /// UID) and from it the pod's network namespace and interface.
+    pub uid: String,
+    /// `status.podIPs`.
+    pub ips: Vec<IpAddr>,
+    /// Changes whenever the pod may have a new sandbox (network namespace): its
+    /// `resourceVersion`, else its IPs; the agent resolves the pod again then.
+    pub version: String,
+    /// Why it is bypassed: `pod`, `namespace` or `host-only`.
+    pub reason: &'static str,
+}
 
 /// The program on the ingress of a bypassed pod's node-side interface (packets leaving
 /// the pod).
@@ -433,7 +473,7 @@ impl BypassKernel {
             .all(|p| self.dir.join(link_name(p, ifname)).exists())
     }
 
-    /// Programs the bypass for `pods` (the model's [`crate::model::Model::bypassed`]).
+    /// Programs the bypass for `pods` (the model's `Model::bypassed`).
     /// A pod already programmed is looked up again when its version changed or with
     /// `recheck` (a verification). Order, so that a pod is never left without a path: the
     /// programs are attached before its namespace is listed (its sockets leave the socket

@@ -6,11 +6,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
+use super::HealthCheck;
 use super::{
     Capacity, DatapathError, HealthServers, Interface, Interfaces, NodeMaps, NodeSnapshot,
     Released, ServiceMaps, Snapshot, SourceRangeKey,
 };
-use crate::model::HealthCheck;
 use proxy_common::{
     Backend, BackendSlot, BackendSlotKey, Frontend, FrontendKey, MemberKey,
     nat::{DsrKey, DsrTarget, IfaceAddr},
@@ -603,7 +603,7 @@ fn reference_violations(s: &Snapshot, tables: &BTreeMap<u32, Vec<u32>>, out: &mu
         if !s.backends.contains_key(&m.backend_id) {
             out.push(format!("member {m:?} names a missing backend"));
         }
-        if !(1..=crate::model::MAX_WEIGHT).contains(w) {
+        if !(1..=super::MAX_WEIGHT).contains(w) {
             out.push(format!("member {m:?} has weight {w}, not 1-100"));
         }
     }

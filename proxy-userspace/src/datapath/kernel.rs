@@ -18,7 +18,7 @@ use super::{
     maps::PinnedMaps,
     tc::{self, TcKernel},
 };
-use crate::{healthcheck::HealthCheckServers, model::HealthCheck};
+use super::{HealthCheck, healthcheck::HealthCheckServers};
 
 /// The node's data path. See the module documentation.
 pub struct KernelDatapath {

@@ -457,8 +457,8 @@ impl super::PairCounters for KernelPairs {
 
 impl PinnedMaps {
     /// Releases what was translated to UDP backends that left a service: `released` holds
-    /// (service id, backend id, backend) as [`crate::reconcile::services::Report::released`]
-    /// gives them.
+    /// (service id, backend id, backend), as [`ServiceMaps::release_stale`] takes them (the
+    /// reconciler's `Report::released`).
     /// `UDP_FLOWS` entries of those pairs are deleted, and connected UDP sockets whose
     /// reverse-NAT entry names such a pair are put into `STALE_SOCKETS`, after the egress
     /// program that fails their sends is attached (see [`PinnedMaps::set_cgroup`]). This is

@@ -2,30 +2,31 @@
 //! be tested without BPF or root ([`fake::FakeDatapath`]) and run for real
 //! ([`kernel::KernelDatapath`]): the service maps ([`ServiceMaps`]), the north-south maps
 //! ([`NodeMaps`]), the node's interfaces and the tc programs attached to them
-//! ([`Interfaces`]), and the `healthCheckNodePort` servers ([`HealthServers`]).
-//! [`Datapath`] is all four.
+//! ([`Interfaces`]), and the `healthCheckNodePort` servers ([`HealthServers`], served by
+//! [`healthcheck::HealthCheckServers`]). [`Datapath`] is all four.
 
 pub mod addr;
 pub mod batch;
 pub mod bypass;
 pub mod clock;
 pub mod fake;
+pub mod healthcheck;
 pub mod kernel;
 pub mod loader;
 pub mod maps;
 pub mod tc;
 pub mod veth;
+pub mod view;
 pub mod vip;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
+use ipnet::IpNet;
 use proxy_common::{
     Backend, BackendSlot, BackendSlotKey, Frontend, FrontendKey, MemberKey, ServiceName,
-    nat::{DsrKey, DsrTarget, IfaceAddr, SourceRange},
+    nat::{DsrKey, DsrTarget, IfaceAddr, SOURCE_RANGE_ALLOW, SOURCE_RANGE_RESTRICTED, SourceRange},
 };
-
-use crate::model::HealthCheck;
 
 /// Error of a data path operation.
 #[derive(Debug, thiserror::Error)]
@@ -60,6 +61,11 @@ pub struct Capacity {
     /// Of `SERVICE_NAMES` (one per service id).
     pub services: u32,
 }
+
+/// Highest weight an endpoint may have: `MEMBERS` values are 1..=this, and a weighted
+/// round-robin set repeats a backend in its slots as often as its weight, so it bounds the
+/// slots a service uses.
+pub const MAX_WEIGHT: u32 = 100;
 
 /// Full contents of the service maps, as read back from the kernel.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -270,6 +276,57 @@ pub fn apply_pair_sweep(
 /// A `TC_SOURCE_RANGES` key: (prefix length in bits over the whole [`SourceRange`], data).
 pub type SourceRangeKey = (u32, SourceRange);
 
+/// The `TC_SOURCE_RANGES` entries of `loadBalancerSourceRanges`: `ranges` holds each
+/// restricted LB IP with the CIDRs it admits (as the model's `Model::source_ranges` gives
+/// them); per LB IP a marker and one allowed prefix per CIDR (IPv4 as IPv4-mapped
+/// addresses).
+pub fn source_range_entries<'a, C>(
+    ranges: impl IntoIterator<Item = (&'a IpAddr, C)>,
+) -> BTreeMap<SourceRangeKey, u32>
+where
+    C: IntoIterator<Item = &'a IpNet>,
+{
+    let mut out = BTreeMap::new();
+    for (lb, cidrs) in ranges {
+        let lb_addr = addr::ip_to_bytes(*lb);
+        out.insert(
+            (
+                128,
+                SourceRange {
+                    lb_addr,
+                    client: [0; 16],
+                },
+            ),
+            SOURCE_RANGE_RESTRICTED,
+        );
+        for c in cidrs {
+            let bits = match c {
+                IpNet::V4(_) => 96 + c.prefix_len() as u32,
+                IpNet::V6(_) => c.prefix_len() as u32,
+            };
+            let mut client = addr::ip_to_bytes(c.addr());
+            mask(&mut client, bits);
+            out.insert(
+                (128 + bits, SourceRange { lb_addr, client }),
+                SOURCE_RANGE_ALLOW,
+            );
+        }
+    }
+    out
+}
+
+/// Clears the bits of `a` after the first `bits`.
+fn mask(a: &mut [u8; 16], bits: u32) {
+    for (i, b) in a.iter_mut().enumerate() {
+        let start = i as u32 * 8;
+        if start >= bits {
+            *b = 0;
+        } else if start + 8 > bits {
+            *b &= 0xffu8 << (8 - (bits - start));
+        }
+    }
+}
+
 /// Full contents of the north-south maps the agent writes.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NodeSnapshot {
@@ -328,6 +385,18 @@ pub trait Interfaces {
     fn attach(&mut self, name: &str, external: bool) -> anyhow::Result<Option<tc::XdpMode>>;
     /// Detaches them.
     fn detach(&mut self, name: &str) -> anyhow::Result<()>;
+}
+
+/// What a `healthCheckNodePort` server reports.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HealthCheck {
+    /// Namespace of the Service.
+    pub namespace: String,
+    /// Name of the Service.
+    pub name: String,
+    /// Distinct endpoint addresses of the Service's `externalTrafficPolicy` backend sets on
+    /// this node.
+    pub local_endpoints: usize,
 }
 
 /// The `healthCheckNodePort` servers (one per port, on every address).

@@ -24,49 +24,11 @@ use std::net::IpAddr;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
+pub use crate::datapath::bypass::{BypassedPod, SocketLbScope};
+
 /// Label or annotation (on a Pod or a Namespace) choosing socket-level translation:
 /// `disabled` (bypass it: translate per packet) or `enabled`.
 pub const SOCKET_LB_KEY: &str = "ebpf-proxy.io/socket-lb";
-
-/// `--socket-lb-scope`: which network namespaces the socket programs translate.
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum SocketLbScope {
-    /// Every socket of the attached cgroup (pods and the node's own processes).
-    #[default]
-    All,
-    /// Only sockets of the node's own network namespace; every pod is translated per
-    /// packet (Cilium's `socketLB.hostNamespaceOnly`).
-    HostOnly,
-}
-
-impl SocketLbScope {
-    /// The flag's value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            SocketLbScope::All => "all",
-            SocketLbScope::HostOnly => "host-only",
-        }
-    }
-}
-
-/// A pod of this node that bypasses socket-level translation.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct BypassedPod {
-    /// `metadata.namespace`.
-    pub namespace: String,
-    /// `metadata.name`.
-    pub name: String,
-    /// `metadata.uid`: how the agent finds the pod's cgroup (kubelet names it after the
-    /// UID) and from it the pod's network namespace and interface.
-    pub uid: String,
-    /// `status.podIPs`.
-    pub ips: Vec<IpAddr>,
-    /// Changes whenever the pod may have a new sandbox (network namespace): its
-    /// `resourceVersion`, else its IPs; the agent resolves the pod again then.
-    pub version: String,
-    /// Why it is bypassed: `pod`, `namespace` or `host-only`.
-    pub reason: &'static str,
-}
 
 /// What the model keeps of a Pod.
 #[derive(Clone, Debug, PartialEq, Eq)]

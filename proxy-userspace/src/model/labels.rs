@@ -15,10 +15,9 @@ pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
 pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
 /// Label the EndpointSlice controller puts on the slices of headless Services.
 pub const HEADLESS_LABEL: &str = "service.kubernetes.io/headless";
-/// The label selector of kube-proxy's Service and EndpointSlice watches
-/// (`cmd/kube-proxy/app/server.go`): objects with either label are not proxied.
-pub const PROXY_LABEL_SELECTOR: &str =
-    "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
+/// The label selector of kube-proxy's Service and EndpointSlice watches (the API source's,
+/// which filters with it; the model applies the same rule to every source).
+pub use crate::source::kubeapi::PROXY_LABEL_SELECTOR;
 
 /// True when an object's labels exclude it from proxying ([`PROXY_LABEL_SELECTOR`]).
 pub fn excluded_by_labels(meta: &ObjectMeta) -> bool {

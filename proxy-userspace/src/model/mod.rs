@@ -123,6 +123,7 @@ pub(crate) mod topology;
 pub(crate) mod tracker;
 pub(crate) mod vocab;
 
+pub use crate::datapath::HealthCheck;
 pub use endpoints::{EndpointInfo, PortEndpoints, TRIGGER_TIME_ANNOTATION};
 pub use explain::{eligibility, why_not};
 pub use labels::{
@@ -136,7 +137,7 @@ pub use selection::{
 };
 pub use service::DEFAULT_AFFINITY_TIMEOUT_S;
 pub use topology::{EndpointSets, categorize};
-pub use tracker::{Delta, HealthCheck, Model, build};
+pub use tracker::{Delta, Model, build};
 pub use vocab::{
     Algorithm, DesiredService, DesiredState, DsrPairs, Family, MAX_WEIGHT, ModelError, Protocol,
     Scope, ServicePortKey, SvcKey,

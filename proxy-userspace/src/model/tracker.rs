@@ -22,19 +22,8 @@ use super::sets::{self, ServiceOutput};
 use super::vocab::{
     DesiredService, DesiredState, Family, ModelError, Protocol, ServicePortKey, SvcKey,
 };
+use crate::datapath::HealthCheck;
 use crate::source::event::{Change, Kind, Object, ObjectSet};
-
-/// What a `healthCheckNodePort` server reports.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct HealthCheck {
-    /// Namespace of the Service.
-    pub namespace: String,
-    /// Name of the Service.
-    pub name: String,
-    /// Distinct endpoint addresses of the Service's `externalTrafficPolicy` backend sets on
-    /// this node.
-    pub local_endpoints: usize,
-}
 
 /// What one [`Model::commit`] changed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

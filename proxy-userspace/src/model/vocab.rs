@@ -161,8 +161,8 @@ pub struct DsrPairs {
     pub local: BTreeSet<SocketAddr>,
 }
 
-/// Highest weight an endpoint may have (bounds the slots a service uses).
-pub const MAX_WEIGHT: u32 = 100;
+/// Highest weight an endpoint may have (the data path's bound).
+pub use crate::datapath::MAX_WEIGHT;
 
 /// Every backend set the data path must implement, in key order (what
 /// [`build`](super::build) returns; the agent reads [`Model::ports`](super::Model::ports)

@@ -20,11 +20,7 @@ use std::{
     net::IpAddr,
 };
 
-use ipnet::IpNet;
-use proxy_common::nat::{
-    DsrKey, DsrTarget, IFACE_F_POD, IfaceAddr, SOURCE_RANGE_ALLOW, SOURCE_RANGE_RESTRICTED,
-    SourceRange,
-};
+use proxy_common::nat::{DsrKey, DsrTarget, IFACE_F_POD, IfaceAddr};
 
 use crate::{
     datapath::{Datapath, DatapathError, SourceRangeKey, addr::ip_to_bytes},
@@ -72,48 +68,10 @@ pub struct NodeConfig {
     pub snat_local: bool,
 }
 
-/// The `TC_SOURCE_RANGES` entries of the model's source ranges: per restricted LB IP a
-/// marker and one allowed prefix per CIDR (IPv4 as IPv4-mapped addresses).
+/// The `TC_SOURCE_RANGES` entries of the model's source ranges
+/// ([`source_range_entries`](crate::datapath::source_range_entries)).
 pub fn source_range_entries(model: &Model) -> BTreeMap<SourceRangeKey, u32> {
-    let mut out = BTreeMap::new();
-    for (lb, cidrs) in model.source_ranges() {
-        let lb_addr = ip_to_bytes(*lb);
-        out.insert(
-            (
-                128,
-                SourceRange {
-                    lb_addr,
-                    client: [0; 16],
-                },
-            ),
-            SOURCE_RANGE_RESTRICTED,
-        );
-        for c in cidrs {
-            let bits = match c {
-                IpNet::V4(_) => 96 + c.prefix_len() as u32,
-                IpNet::V6(_) => c.prefix_len() as u32,
-            };
-            let mut client = ip_to_bytes(c.addr());
-            mask(&mut client, bits);
-            out.insert(
-                (128 + bits, SourceRange { lb_addr, client }),
-                SOURCE_RANGE_ALLOW,
-            );
-        }
-    }
-    out
-}
-
-/// Clears the bits of `a` after the first `bits`.
-fn mask(a: &mut [u8; 16], bits: u32) {
-    for (i, b) in a.iter_mut().enumerate() {
-        let start = i as u32 * 8;
-        if start >= bits {
-            *b = 0;
-        } else if start + 8 > bits {
-            *b &= 0xffu8 << (8 - (bits - start));
-        }
-    }
+    crate::datapath::source_range_entries(model.source_ranges())
 }
 
 /// An IPv6 address that can be a SNAT source towards other nodes: not link-local

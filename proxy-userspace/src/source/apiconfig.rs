@@ -17,7 +17,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result, bail};
 
-use crate::config::SourceChoice;
+use super::SourceChoice;
 
 /// Where the kubelet mounts a pod's service account credentials (`token`, `ca.crt`,
 /// `namespace`).

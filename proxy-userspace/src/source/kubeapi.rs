@@ -17,7 +17,7 @@
 //!   every retry.
 //! - Services and EndpointSlices are watched with kube-proxy's label selector
 //!   `!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless`
-//!   ([`crate::model::labels::PROXY_LABEL_SELECTOR`]), so objects meant for another proxy and the
+//!   ([`PROXY_LABEL_SELECTOR`]), so objects meant for another proxy and the
 //!   slices of headless Services are filtered by the API server (an object that gains a
 //!   label arrives as a deletion); the model applies the same rule to every source. The
 //!   Node is watched by name (`metadata.name=NODE`).
@@ -54,6 +54,13 @@ pub const API_ACCESS: &[(&str, &str, &[&str])] = &[
     ("", "pods", &["list", "watch"]),
     ("", "namespaces", &["list", "watch"]),
 ];
+
+/// The label selector of kube-proxy's Service and EndpointSlice watches
+/// (`cmd/kube-proxy/app/server.go`): objects with either label
+/// (`service.kubernetes.io/service-proxy-name`, `service.kubernetes.io/headless`) are not
+/// proxied; the model applies the same rule to objects of every source.
+pub const PROXY_LABEL_SELECTOR: &str =
+    "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
 
 /// Origin recorded on objects from the API (appears in skipped-object messages).
 pub const API_ORIGIN: &str = "api";
@@ -265,9 +272,7 @@ async fn merge(mut parts: mpsc::Receiver<Part>, tx: mpsc::Sender<Batch>) {
 pub fn watch_config(kind: Kind, node_name: &str) -> watcher::Config {
     let cfg = watcher::Config::default();
     match kind {
-        Kind::Service | Kind::EndpointSlice => {
-            cfg.labels(crate::model::labels::PROXY_LABEL_SELECTOR)
-        }
+        Kind::Service | Kind::EndpointSlice => cfg.labels(PROXY_LABEL_SELECTOR),
         Kind::Node => cfg.fields(&format!("metadata.name={node_name}")),
         // This node's pods only (as kubelet watches its own), for the socket-level bypass.
         Kind::Pod => cfg.fields(&format!("spec.nodeName={node_name}")),

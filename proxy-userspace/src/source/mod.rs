@@ -15,10 +15,21 @@ pub mod event;
 pub mod kubeapi;
 pub mod manifests;
 
+use std::path::PathBuf;
+
 pub use error::SourceError;
 pub use event::{Batch, Change, Kind, Object, ObjectSet, Sourced};
 pub use kubeapi::KubeSource;
 pub use manifests::ManifestSource;
+
+/// Where the agent reads objects from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SourceChoice {
+    /// A directory of manifests (`--manifests`).
+    Manifests(PathBuf),
+    /// The Kubernetes API, with this kubeconfig (else `Config::infer`).
+    Api(Option<PathBuf>),
+}
 
 /// A producer of [`Batch`]es; implemented by [`ManifestSource`] (a directory of YAML/JSON
 /// files) and [`KubeSource`] (the Kubernetes API), so both feed one model.

@@ -2,7 +2,7 @@
 //! (`proxy-ebpf/src/tc.rs`) attached to interfaces through pinned links, the tc maps the
 //! agent writes (`proxy_common::nat`), this network namespace's interfaces and routes, and
 //! the collection of ended least-connections flows. What to attach where and what to write
-//! is the reconciler's ([`crate::reconcile::node`]).
+//! is the reconciler's (`reconcile::node`).
 //!
 //! The XDP program `xdp_ingress` (`proxy-ebpf/src/xdp.rs`) goes in front of the tcx ingress
 //! program of the external interfaces when `--xdp` asks for it ([`XdpSetting`]); the tcx

@@ -250,7 +250,7 @@ fn source_ranges_restrict_lb_ips_with_valid_ranges_of_their_family() {
         )]
     );
     // As map entries: a restriction marker and one allowed prefix per range.
-    let e = crate::reconcile::node::source_range_entries(&m);
+    let e = crate::datapath::source_range_entries(m.source_ranges());
     let lb = crate::datapath::addr::ip_to_bytes("203.0.113.9".parse().unwrap());
     let marker = proxy_common::nat::SourceRange {
         lb_addr: lb,

@@ -9,9 +9,9 @@
 //!
 //! and status 200 when this node has N > 0 endpoints of the Service, 503 otherwise, so a
 //! cloud load balancer only sends traffic to nodes that can serve it without leaving the
-//! node. Which ports to serve and what they report is the model's
-//! ([`crate::model::Model::health_checks`]); the reconciler starts, updates, stops and
-//! retries the servers through [`HealthServers`].
+//! node. Which ports to serve and what they report is the model's (`Model::health_checks`);
+//! the reconciler starts, updates, stops and retries the servers through [`HealthServers`],
+//! and the kernel data path (`kernel::KernelDatapath`) holds them.
 //!
 //! Each server listens on `[::]:port` with `IPV6_V6ONLY` off, so it answers on the node's
 //! IPv4 and IPv6 addresses (kube-proxy listens on every node address of both families);
@@ -27,7 +27,7 @@ use std::{
 use axum::{extract::State, http::StatusCode, response::IntoResponse};
 use tracing::info;
 
-use crate::{datapath::HealthServers, model::HealthCheck};
+use super::{HealthCheck, HealthServers};
 
 /// A listening socket for `port` on every address: `[::]` dual-stack, or `0.0.0.0` when
 /// IPv6 cannot be used (a busy port is an error, not a reason to fall back).
