@@ -155,7 +155,11 @@ fn rewrite_direct(h: &Hit) {
         let tcp_csum = at::<u16>(h.data, TCP_CSUM_OFF);
         let (old_addr, old_port) = (*daddr, *dport);
         *ip_csum = update32(*ip_csum, old_addr, h.to.daddr);
-        *tcp_csum = update16(update32(*tcp_csum, old_addr, h.to.daddr), old_port, h.to.dport);
+        *tcp_csum = update16(
+            update32(*tcp_csum, old_addr, h.to.daddr),
+            old_port,
+            h.to.dport,
+        );
         *daddr = h.to.daddr;
         *dport = h.to.dport;
     }
