@@ -107,7 +107,7 @@ fn lookup(data: usize, end: usize) -> Option<Hit> {
             ports: *at::<u32>(data, ETH_HLEN + 20),
             proto: 6,
         };
-        let to = *FLOOR_FLOWS.get(&key)?;
+        let to = *FLOOR_FLOWS.get(key)?;
         Some(Hit { data, to })
     }
 }
