@@ -17,12 +17,17 @@
 //!   verification) and the memlock of its BPF maps;
 //! - the control-plane targets, each met or missed (report.rs).
 //!
+//! `ebpf-proxy-bench micro` (micro.rs) is apart: the cost of one packet in each packet
+//! program through `BPF_PROG_TEST_RUN`, next to a minimal floor program and Katran's.
+//!
 //! Safety: everything runs in a lab of network namespaces (`epb-*`) and a child cgroup
 //! (`ebpf-proxy-bench`) created here and removed on exit, panic or Ctrl-C; iptables and nft
 //! run only inside the lab's client namespaces (setns before exec; a failed setns fails the
 //! spawn); traffic goes only to lab addresses (198.18.0.0/15); every loop is bounded in count
 //! and time. The agent's pins live in `/sys/fs/bpf/ebpf-proxy-bench` and are removed.
 
+#[path = "bench/micro.rs"]
+mod micro;
 #[path = "bench/northsouth.rs"]
 mod northsouth;
 #[path = "bench/progstats.rs"]
@@ -145,6 +150,10 @@ struct Opts {
 
 #[derive(Subcommand)]
 enum Sub {
+    /// Per-packet cost of each packet program (BPF_PROG_TEST_RUN, nothing attached), next to
+    /// a minimal floor program and, with --katran-object, Katran's balancer (needs root;
+    /// results in target/bench/micro.md and micro.json).
+    Micro(micro::MicroOpts),
     /// (internal) Load client: sequential connections, one JSON line of results.
     #[command(hide = true)]
     Client {
@@ -217,6 +226,7 @@ fn main() -> ExitCode {
             warmup,
         }) => northsouth::udp_client_main(to, count, secs, warmup),
         Some(Sub::ServeUdp { listen, name }) => northsouth::serve_udp(listen, &name),
+        Some(Sub::Micro(opts)) => micro::micro(opts),
         None => {
             for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
                 // SAFETY: the handler only stores to an atomic (async-signal-safe).

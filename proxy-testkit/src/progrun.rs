@@ -1,0 +1,931 @@
+//! Running the real object's packet programs through `BPF_PROG_TEST_RUN`, for the packet
+//! micro-benchmark (`ebpf-proxy-bench micro`): the object loaded with its maps pinned in a
+//! private bpffs directory, maps seeded by the agent's own model and reconciler
+//! ([`Harness::seed`]), packets built byte by byte ([`Packet`]), programs run without lab
+//! namespaces, links or interfaces; nothing is attached.
+//!
+//! A copy of the packet-fixture tests' support (`tests/tcfix`), plus what the bench needs
+//! on top ([`Harness::with_sizes`], [`Harness::run_timed`], [`Harness::program`]); the
+//! tests are meant to use this module instead of their own copy.
+//!
+//! Each harness runs in a thread of its own moved into a fresh network namespace
+//! ([`in_private_netns`]): `BPF_PROG_TEST_RUN` gives the program that namespace's loopback
+//! device (ifindex 1) and FIB, so a FIB lookup finds no route and every result is the same
+//! on every machine. The namespace dies with the thread; the pin directory is removed on
+//! drop and a leftover of a crashed run is removed before use.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::{IpAddr, SocketAddr},
+    os::unix::fs::MetadataExt,
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
+
+use aya::{
+    Ebpf,
+    maps::{HashMap, MapData},
+    programs::{Program, SchedClassifier, TestRun, TestRunOptions, Xdp},
+};
+use proxy_common::{
+    Backend, BackendSlot, BackendSlotKey, Config, Frontend, FrontendKey, MemberKey,
+    nat::{CONNTRACK, CtEntry, CtKey, DsrKey, DsrTarget, IfaceAddr},
+};
+use proxy_userspace::{
+    config::DEFAULT_UDP_FLOW_TIMEOUT,
+    datapath::{
+        Capacity, DatapathError, HealthServers, Interface, Interfaces, NodeMaps, NodeSnapshot,
+        Released, ServiceMaps, Snapshot, SourceRangeKey,
+        addr::ip_to_bytes,
+        kernel::KernelDatapath,
+        loader::{self, MapSizes},
+        maps::PinnedMaps,
+        tc::{TcKernel, TcSettings},
+    },
+    healthcheck::HealthCheckServers,
+    model::{HealthCheck, Model, NodeInfo},
+    reconcile::{NodeConfig, Reconciler},
+    source::{ObjectSet, manifests::parse_documents},
+};
+
+pub const BPFFS: &str = "/sys/fs/bpf";
+/// tc return codes: `TCX_NEXT` (let through), `TC_ACT_SHOT`, `TC_ACT_REDIRECT`.
+pub const PASS: i32 = -1;
+pub const DROP: i32 = 2;
+pub const REDIRECT: i32 = 7;
+/// XDP return codes.
+pub const XDP_DROP: i32 = 1;
+pub const XDP_PASS: i32 = 2;
+pub const XDP_TX: i32 = 3;
+pub const XDP_REDIRECT: i32 = 4;
+/// The XDP program of the external interfaces.
+pub const XDP: &str = "xdp_ingress";
+/// The ifindex `BPF_PROG_TEST_RUN` gives a tc program: the namespace's loopback device.
+pub const TEST_IFINDEX: u32 = 1;
+/// Name under which the fixture's data path reports the interface of [`TEST_IFINDEX`].
+pub const TEST_IFNAME: &str = "fixture0";
+
+/// Runs `f` in a new thread moved into a new network namespace of its own (`unshare`
+/// affects the calling thread only); the namespace goes away with the thread. Panics of
+/// `f` are propagated.
+pub fn in_private_netns<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    std::thread::spawn(move || {
+        // SAFETY: unshare(2) on this thread only.
+        let r = unsafe { libc::unshare(libc::CLONE_NEWNET) };
+        assert_eq!(
+            r,
+            0,
+            "unshare(CLONE_NEWNET): {} (the tc packet tests need root)",
+            std::io::Error::last_os_error()
+        );
+        f()
+    })
+    .join()
+    .unwrap_or_else(|e| std::panic::resume_unwind(e))
+}
+
+/// Whether the calling thread is in the root network namespace (that of PID 1).
+fn in_root_netns() -> bool {
+    let ino = |p: &str| std::fs::metadata(p).map(|m| m.ino()).ok();
+    ino("/proc/thread-self/ns/net") == ino("/proc/1/ns/net")
+}
+
+/// How the tc side of the agent is configured for a fixture.
+#[derive(Clone, Debug, Default)]
+pub struct TcOptions {
+    /// `--masquerade-all`.
+    pub masquerade_all: bool,
+    /// `--cluster-cidr`.
+    pub cluster_cidrs: Vec<ipnet::IpNet>,
+}
+
+/// The data path the fixtures seed through the agent's reconciler: the agent's
+/// [`KernelDatapath`] on the harness's pinned maps for everything the reconciler writes
+/// (service maps, north-south maps; health-check servers, which the fixtures do not use),
+/// and a stand-in for the network namespace's interfaces. The programs run through
+/// `BPF_PROG_TEST_RUN` and see the packet arrive on [`TEST_IFINDEX`]; this data path
+/// reports that index as the node's one external interface [`TEST_IFNAME`], carrying the
+/// node's addresses, so the reconciler picks it and writes its SNAT addresses
+/// (`TC_IFACE_ADDRS`) by its own rule. "Attaching" to it only records the name: a test run
+/// needs no link. There are no routes, so no pod-facing interface is picked (as in the
+/// fixture's empty namespace).
+struct FixtureDatapath {
+    kernel: KernelDatapath,
+    /// The node's external interface, as [`Interfaces::interfaces`] reports it.
+    iface: Interface,
+    /// Interfaces the reconciler attached to (only ever [`TEST_IFNAME`]).
+    attached: BTreeSet<String>,
+}
+
+impl ServiceMaps for FixtureDatapath {
+    fn capacity(&self) -> Capacity {
+        self.kernel.capacity()
+    }
+    fn snapshot(&self) -> Result<Snapshot, DatapathError> {
+        self.kernel.snapshot()
+    }
+    fn put_frontend(&mut self, key: &FrontendKey, value: &Frontend) -> Result<(), DatapathError> {
+        self.kernel.put_frontend(key, value)
+    }
+    fn delete_frontend(&mut self, key: &FrontendKey) -> Result<(), DatapathError> {
+        self.kernel.delete_frontend(key)
+    }
+    fn put_slot(&mut self, key: &BackendSlotKey, value: &BackendSlot) -> Result<(), DatapathError> {
+        self.kernel.put_slot(key, value)
+    }
+    fn delete_slot(&mut self, key: &BackendSlotKey) -> Result<(), DatapathError> {
+        self.kernel.delete_slot(key)
+    }
+    fn put_backend(&mut self, id: u32, value: &Backend) -> Result<(), DatapathError> {
+        self.kernel.put_backend(id, value)
+    }
+    fn delete_backend(&mut self, id: u32) -> Result<(), DatapathError> {
+        self.kernel.delete_backend(id)
+    }
+    fn put_name(&mut self, service_id: u32, name: &str) -> Result<(), DatapathError> {
+        self.kernel.put_name(service_id, name)
+    }
+    fn delete_name(&mut self, service_id: u32) -> Result<(), DatapathError> {
+        self.kernel.delete_name(service_id)
+    }
+    fn put_member(&mut self, key: &MemberKey, weight: u32) -> Result<(), DatapathError> {
+        self.kernel.put_member(key, weight)
+    }
+    fn delete_member(&mut self, key: &MemberKey) -> Result<(), DatapathError> {
+        self.kernel.delete_member(key)
+    }
+    fn get_maglev(&self, service_id: u32) -> Result<Option<Vec<u32>>, DatapathError> {
+        self.kernel.get_maglev(service_id)
+    }
+    fn put_maglev(&mut self, service_id: u32, table: &[u32]) -> Result<(), DatapathError> {
+        self.kernel.put_maglev(service_id, table)
+    }
+    fn delete_maglev(&mut self, service_id: u32) -> Result<(), DatapathError> {
+        self.kernel.delete_maglev(service_id)
+    }
+    fn release_stale(
+        &mut self,
+        released: &[(u32, u32, Backend)],
+    ) -> Result<Released, DatapathError> {
+        self.kernel.release_stale(released)
+    }
+}
+
+impl NodeMaps for FixtureDatapath {
+    fn node_snapshot(&self) -> Result<NodeSnapshot, DatapathError> {
+        self.kernel.node_snapshot()
+    }
+    fn put_local_endpoint(&mut self, addr: &[u8; 16]) -> Result<(), DatapathError> {
+        self.kernel.put_local_endpoint(addr)
+    }
+    fn delete_local_endpoint(&mut self, addr: &[u8; 16]) -> Result<(), DatapathError> {
+        self.kernel.delete_local_endpoint(addr)
+    }
+    fn put_source_range(&mut self, key: &SourceRangeKey, value: u32) -> Result<(), DatapathError> {
+        self.kernel.put_source_range(key, value)
+    }
+    fn delete_source_range(&mut self, key: &SourceRangeKey) -> Result<(), DatapathError> {
+        self.kernel.delete_source_range(key)
+    }
+    fn put_iface_addr(&mut self, ifindex: u32, value: &IfaceAddr) -> Result<(), DatapathError> {
+        self.kernel.put_iface_addr(ifindex, value)
+    }
+    fn delete_iface_addr(&mut self, ifindex: u32) -> Result<(), DatapathError> {
+        self.kernel.delete_iface_addr(ifindex)
+    }
+    fn put_dsr(&mut self, key: &DsrKey, value: &DsrTarget) -> Result<(), DatapathError> {
+        self.kernel.put_dsr(key, value)
+    }
+    fn delete_dsr(&mut self, key: &DsrKey) -> Result<(), DatapathError> {
+        self.kernel.delete_dsr(key)
+    }
+}
+
+impl Interfaces for FixtureDatapath {
+    fn interfaces(&self) -> anyhow::Result<BTreeMap<String, Interface>> {
+        Ok(BTreeMap::from([(
+            TEST_IFNAME.to_string(),
+            self.iface.clone(),
+        )]))
+    }
+    fn route_device(&self, _ip: &IpAddr) -> Option<String> {
+        None
+    }
+    fn attached(&self) -> BTreeSet<String> {
+        self.attached.clone()
+    }
+    fn attach(
+        &mut self,
+        name: &str,
+        _external: bool,
+    ) -> anyhow::Result<Option<proxy_userspace::datapath::tc::XdpMode>> {
+        anyhow::ensure!(name == TEST_IFNAME, "no interface {name:?} in the fixture");
+        self.attached.insert(name.to_string());
+        Ok(None)
+    }
+    fn detach(&mut self, name: &str) -> anyhow::Result<()> {
+        self.attached.remove(name);
+        Ok(())
+    }
+}
+
+impl HealthServers for FixtureDatapath {
+    fn serve_health(&mut self, port: u16, check: &HealthCheck) -> std::io::Result<()> {
+        self.kernel.serve_health(port, check)
+    }
+    fn update_health(&mut self, port: u16, check: &HealthCheck) {
+        self.kernel.update_health(port, check)
+    }
+    fn stop_health(&mut self, port: u16) {
+        self.kernel.stop_health(port)
+    }
+}
+
+/// The object with maps pinned under a private directory and the tc programs loaded.
+pub struct Harness {
+    pub dir: PathBuf,
+    ebpf: Ebpf,
+}
+
+impl Harness {
+    /// Loads the embedded object with small maps pinned under `/sys/fs/bpf/<name>` (a
+    /// leftover of an earlier run removed first) and loads the tc programs and those of the
+    /// bypassed pods' interfaces (`pod_ingress`, `pod_egress`) into the kernel.
+    ///
+    /// Must run in a private network namespace ([`in_private_netns`]), so the programs'
+    /// FIB lookups see an empty namespace.
+    pub fn new(name: &str) -> Harness {
+        Harness::with_sizes(
+            name,
+            MapSizes {
+                frontends: 1024,
+                slots: 1024,
+                backends: 1024,
+                sockets: 1024,
+                conntrack_flows: 1024,
+            },
+        )
+    }
+
+    /// [`Harness::new`] with the map sizes `sizes`.
+    pub fn with_sizes(name: &str, sizes: MapSizes) -> Harness {
+        assert!(
+            !in_root_netns(),
+            "the tc packet fixtures run in a private network namespace: call Harness::new inside in_private_netns"
+        );
+        assert!(
+            !loader::OBJECT.is_empty(),
+            "built without the eBPF object: run `cargo xtask build-ebpf` first"
+        );
+        loader::ensure_bpffs(Path::new(BPFFS)).expect("bpffs");
+        let dir = Path::new(BPFFS).join(format!("ebpf-proxy-fixture-{name}"));
+        let _ = loader::cleanup(&dir);
+        let mut ebpf = loader::load_pinned(&dir, sizes).expect("load the object with pinned maps");
+        for prog in [
+            "tc_ingress",
+            "tc_egress",
+            "tc_lc_gc",
+            "pod_ingress",
+            "pod_egress",
+        ] {
+            let p: &mut SchedClassifier = ebpf
+                .program_mut(prog)
+                .expect("program in the object")
+                .try_into()
+                .expect("a tc program");
+            p.load().unwrap_or_else(|e| panic!("load {prog}: {e:#}"));
+        }
+        let p: &mut Xdp = ebpf
+            .program_mut(XDP)
+            .expect("program in the object")
+            .try_into()
+            .expect("an XDP program");
+        p.load().unwrap_or_else(|e| panic!("load {XDP}: {e:#}"));
+        proxy_userspace::datapath::tc::install_tail_calls(&mut ebpf).expect("tail calls");
+        Harness { dir, ebpf }
+    }
+
+    /// Seeds the maps as the agent does for the objects in `yaml` on node `node`: a
+    /// [`Model`] fed every object and committed; the configurations written (`CONFIG`, and
+    /// `TC_CONFIG` by [`TcKernel::new`] from `tc`); then the agent's first reconcile over
+    /// the pinned maps: [`Reconciler::adopt`], [`Reconciler::apply_all`] (service maps,
+    /// node-local endpoints, source ranges, interfaces and their SNAT addresses) and
+    /// [`Reconciler::verify`]. Every map write goes through the agent's
+    /// [`KernelDatapath`]; only the interfaces are the fixture's ([`FixtureDatapath`]).
+    /// Returns the model.
+    ///
+    /// This is the one place that knows how the agent fills the maps: when the agent's
+    /// reconciler API changes, only this function changes.
+    pub fn seed(&self, yaml: &str, node: &str, tc: &TcOptions) -> Model {
+        let (objs, errors) = parse_documents("fixture.yaml", yaml);
+        assert!(errors.is_empty(), "fixture errors: {errors:?}");
+        let mut objects = ObjectSet::default();
+        for o in objs {
+            objects.insert(o);
+        }
+        let node = NodeInfo {
+            name: node.into(),
+            ..Default::default()
+        };
+        let model = Model::from_objects(&objects, &node);
+        assert!(
+            model.errors().is_empty(),
+            "model errors: {:?}",
+            model.errors()
+        );
+        assert!(
+            model.health_checks().is_empty(),
+            "a healthCheckNodePort server needs a tokio runtime, which the fixtures do not run"
+        );
+
+        let maps = PinnedMaps::open(&self.dir).expect("open the pinned maps");
+        maps.write_config(&Config {
+            udp_flow_timeout_ns: DEFAULT_UDP_FLOW_TIMEOUT.as_nanos() as u64,
+            _reserved: 0,
+        })
+        .expect("write CONFIG");
+        let settings = TcSettings {
+            masquerade_all: tc.masquerade_all,
+            ..Default::default()
+        };
+        let tc_kernel = TcKernel::new(
+            &self.dir,
+            &settings,
+            &tc.cluster_cidrs,
+            DEFAULT_UDP_FLOW_TIMEOUT,
+        )
+        .expect("write TC_CONFIG, open the tc maps");
+        let config = NodeConfig {
+            interfaces: Vec::new(),
+            snat_local: tc_kernel.snat_local(),
+        };
+        let mut dp = FixtureDatapath {
+            kernel: KernelDatapath {
+                maps,
+                tc: tc_kernel,
+                health: HealthCheckServers::default(),
+            },
+            iface: Interface {
+                index: TEST_IFINDEX,
+                addrs: model.node().addresses.iter().map(|a| a.ip).collect(),
+            },
+            attached: BTreeSet::new(),
+        };
+        let mut reconciler =
+            Reconciler::adopt(&dp, config, Duration::from_secs(30)).expect("adopt the maps");
+        let now = Instant::now();
+        let out = reconciler.apply_all(&mut dp, &model, now);
+        assert!(out.failed.is_empty(), "reconcile: {:?}", out.failed);
+        let v = reconciler.verify(&mut dp, &model, now);
+        assert!(v.failed.is_empty(), "verify: {:?}", v.failed);
+        assert!(
+            reconciler.node.errors().is_empty(),
+            "reconcile: {:?}",
+            reconciler.node.errors()
+        );
+        assert_eq!(
+            reconciler.node.interfaces().collect::<Vec<_>>(),
+            [TEST_IFNAME],
+            "the reconciler picks the fixture's interface"
+        );
+        model
+    }
+
+    /// Opens a pinned map of the harness.
+    pub fn map<T: TryFrom<aya::maps::Map, Error = aya::maps::MapError>>(&self, name: &str) -> T {
+        let data = MapData::from_pin(self.dir.join(name)).expect("pinned map");
+        T::try_from(aya::maps::Map::from_map_data(data).expect("map")).expect("map type")
+    }
+
+    /// Runs program `prog` on `frame`: its return code and the frame it left. Panics when
+    /// the kernel refuses to run it (see [`runnable`]).
+    pub fn run(&self, prog: &str, frame: &[u8]) -> (i32, Vec<u8>) {
+        self.try_run(prog, frame)
+            .unwrap_or_else(|e| panic!("BPF_PROG_TEST_RUN of {prog} on {} bytes: {e}", frame.len()))
+    }
+
+    /// [`Harness::run`], with the kernel's refusal as an error. `prog` is a tc program or
+    /// [`XDP`] (which sees the frame arrive on [`TEST_IFINDEX`] too).
+    pub fn try_run(&self, prog: &str, frame: &[u8]) -> std::io::Result<(i32, Vec<u8>)> {
+        let mut out = Vec::new();
+        let (v, _) = test_run(self.program(prog), frame, &mut out)?;
+        Ok((v, out))
+    }
+
+    /// Runs program `prog` once on `frame` (as [`Harness::try_run`]) leaving the frame it
+    /// left in `out` (its capacity reused): its return code and the run time the kernel
+    /// reports (from a clock read before the program to one after it, so a few tens of
+    /// nanoseconds of the clock's own cost are included).
+    pub fn run_timed(
+        &self,
+        prog: &str,
+        frame: &[u8],
+        out: &mut Vec<u8>,
+    ) -> std::io::Result<(i32, Duration)> {
+        test_run(self.program(prog), frame, out)
+    }
+
+    /// Program `prog` of the object (loaded).
+    pub fn program(&self, prog: &str) -> &Program {
+        self.ebpf.program(prog).expect("program in the object")
+    }
+
+    /// The tc counters, by name.
+    pub fn counters(&self) -> BTreeMap<&'static str, u64> {
+        proxy_userspace::datapath::tc::counters(&self.dir).expect("counters")
+    }
+
+    /// Every conntrack entry.
+    pub fn conntrack(&self) -> Vec<(CtKey, CtEntry)> {
+        let m: HashMap<MapData, CtKey, CtEntry> = self.map(CONNTRACK);
+        m.iter().filter_map(|r| r.ok()).collect()
+    }
+
+    /// Removes every conntrack entry: the flows this node knew are lost (as when the LRU
+    /// table evicts them, or for a node that never saw them).
+    pub fn forget_flows(&self) {
+        let mut m: HashMap<MapData, CtKey, CtEntry> = self.map(CONNTRACK);
+        let keys: Vec<CtKey> = m.keys().filter_map(|k| k.ok()).collect();
+        for k in keys {
+            m.remove(&k).expect("remove a conntrack entry");
+        }
+    }
+
+    /// The SNAT source port of the flow from `client` to backend `backend` (its SNAT stage).
+    pub fn snat_port(&self, client: SocketAddr, backend: SocketAddr, proto: u8) -> Option<u16> {
+        let key = CtKey {
+            saddr: ip_to_bytes(client.ip()),
+            daddr: ip_to_bytes(backend.ip()),
+            sport: client.port().to_be_bytes(),
+            dport: backend.port().to_be_bytes(),
+            proto,
+            _pad: [0; 3],
+        };
+        let m: HashMap<MapData, CtKey, CtEntry> = self.map(CONNTRACK);
+        m.get(&key, 0).ok().map(|e| u16::from_be_bytes(e.sport))
+    }
+}
+
+/// Runs `program` (a tc or XDP program, loaded) once through `BPF_PROG_TEST_RUN` on
+/// `frame`, leaving the frame it left in `out` (room for 256 more bytes than `frame`):
+/// its return code and the kernel's run time. Repeats are never asked of the kernel: it
+/// would run the program again on the frame the first run left.
+pub fn test_run(
+    program: &Program,
+    frame: &[u8],
+    out: &mut Vec<u8>,
+) -> std::io::Result<(i32, Duration)> {
+    out.clear();
+    out.resize(frame.len() + 256, 0);
+    let opts = TestRunOptions {
+        data_in: Some(frame),
+        data_out: Some(out.as_mut_slice()),
+        ..TestRunOptions::new()
+    };
+    let r = match program {
+        Program::Xdp(p) => p.test_run(opts),
+        Program::SchedClassifier(p) => p.test_run(opts),
+        _ => return Err(std::io::Error::other("not a tc or XDP program")),
+    };
+    let r = r.map_err(|e| match e {
+        aya::programs::ProgramError::SyscallError(s) => s.io_error,
+        e => std::io::Error::other(e.to_string()),
+    })?;
+    out.truncate(r.data_size_out as usize);
+    Ok((r.return_value as i32, r.duration))
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        let _ = loader::cleanup(&self.dir);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// packets
+// ---------------------------------------------------------------------------------------
+
+pub const TCP: u8 = 6;
+pub const UDP: u8 = 17;
+pub const ICMP: u8 = 1;
+pub const ICMPV6: u8 = 58;
+pub const SYN: u8 = 0x02;
+pub const ACK: u8 = 0x10;
+pub const FIN: u8 = 0x01;
+pub const RST: u8 = 0x04;
+/// MACs of the frames built here (the programs only rewrite them when they redirect).
+pub const SRC_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x01];
+pub const DST_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x02];
+
+/// A TCP or UDP packet (or an ICMP/ICMPv6 message with `payload` as its body) to build.
+#[derive(Clone, Debug)]
+pub struct Packet {
+    pub src: SocketAddr,
+    pub dst: SocketAddr,
+    pub proto: u8,
+    pub tcp_flags: u8,
+    pub payload: Vec<u8>,
+    /// IPv4 options (a multiple of 4 bytes).
+    pub ip_options: Vec<u8>,
+    /// IPv4 flags and fragment offset (host order, as in the header); 0 = none.
+    pub frag: u16,
+    /// IPv4 TTL / IPv6 hop limit.
+    pub ttl: u8,
+    /// UDP over IPv4: send a zero checksum ("none").
+    pub udp_no_csum: bool,
+    /// IPv6 extension headers before the L4 header: (type, body after the first two bytes).
+    pub ext: Vec<(u8, Vec<u8>)>,
+    /// ICMP type and code (for `proto` ICMP/ICMPv6); the body follows after 4 more bytes
+    /// (`icmp_rest`).
+    pub icmp: (u8, u8),
+    pub icmp_rest: [u8; 4],
+    /// TCP options (a multiple of 4 bytes).
+    pub tcp_options: Vec<u8>,
+}
+
+impl Packet {
+    pub fn new(proto: u8, src: &str, dst: &str) -> Packet {
+        Packet {
+            src: src.parse().expect("src"),
+            dst: dst.parse().expect("dst"),
+            proto,
+            tcp_flags: if proto == TCP { SYN } else { 0 },
+            payload: b"hello".to_vec(),
+            ip_options: Vec::new(),
+            frag: 0,
+            ttl: 64,
+            udp_no_csum: false,
+            ext: Vec::new(),
+            icmp: (0, 0),
+            icmp_rest: [0; 4],
+            tcp_options: Vec::new(),
+        }
+    }
+
+    pub fn tcp(src: &str, dst: &str, flags: u8) -> Packet {
+        Packet {
+            tcp_flags: flags,
+            ..Packet::new(TCP, src, dst)
+        }
+    }
+
+    pub fn udp(src: &str, dst: &str) -> Packet {
+        Packet::new(UDP, src, dst)
+    }
+
+    /// An ICMP (or ICMPv6, by the family of the addresses) error `ty`/`code` from `src` to
+    /// `dst` quoting `quoted` (an IP packet, cut to `quote_len` bytes).
+    pub fn icmp_error(
+        src: &str,
+        dst: &str,
+        ty: u8,
+        code: u8,
+        quoted: &[u8],
+        quote_len: usize,
+    ) -> Packet {
+        let v6 = src.parse::<IpAddr>().expect("src").is_ipv6();
+        let q = &quoted[..quote_len.min(quoted.len())];
+        let mut p = Packet::new(if v6 { ICMPV6 } else { ICMP }, &sock(src, 0), &sock(dst, 0));
+        p.icmp = (ty, code);
+        p.payload = q.to_vec();
+        p
+    }
+
+    pub fn v6(&self) -> bool {
+        self.src.is_ipv6()
+    }
+
+    /// The L4 header and payload, with its checksum.
+    fn l4(&self) -> Vec<u8> {
+        let mut l4 = Vec::new();
+        match self.proto {
+            TCP => {
+                l4.extend_from_slice(&self.src.port().to_be_bytes());
+                l4.extend_from_slice(&self.dst.port().to_be_bytes());
+                l4.extend_from_slice(&1000u32.to_be_bytes()); // seq
+                l4.extend_from_slice(
+                    &(if self.tcp_flags & ACK != 0 {
+                        2000u32
+                    } else {
+                        0
+                    })
+                    .to_be_bytes(),
+                );
+                assert_eq!(self.tcp_options.len() % 4, 0, "TCP options length");
+                l4.push((5 + self.tcp_options.len() as u8 / 4) << 4);
+                l4.push(self.tcp_flags);
+                l4.extend_from_slice(&64240u16.to_be_bytes());
+                l4.extend_from_slice(&[0, 0, 0, 0]); // checksum, urgent
+                l4.extend_from_slice(&self.tcp_options);
+                l4.extend_from_slice(&self.payload);
+            }
+            UDP => {
+                l4.extend_from_slice(&self.src.port().to_be_bytes());
+                l4.extend_from_slice(&self.dst.port().to_be_bytes());
+                l4.extend_from_slice(&((8 + self.payload.len()) as u16).to_be_bytes());
+                l4.extend_from_slice(&[0, 0]);
+                l4.extend_from_slice(&self.payload);
+            }
+            _ => {
+                l4.push(self.icmp.0);
+                l4.push(self.icmp.1);
+                l4.extend_from_slice(&[0, 0]);
+                l4.extend_from_slice(&self.icmp_rest);
+                l4.extend_from_slice(&self.payload);
+            }
+        }
+        let off = csum_offset(self.proto);
+        if !(self.proto == UDP && self.udp_no_csum && !self.v6()) {
+            let mut c = l4_checksum(self.src.ip(), self.dst.ip(), self.proto, &l4);
+            if c == 0 && self.proto == UDP {
+                c = 0xffff; // zero means "no checksum" in UDP (RFC 768)
+            }
+            l4[off..off + 2].copy_from_slice(&c.to_be_bytes());
+        }
+        l4
+    }
+
+    /// The IP packet (no Ethernet header).
+    pub fn ip(&self) -> Vec<u8> {
+        let l4 = self.l4();
+        match (self.src.ip(), self.dst.ip()) {
+            (IpAddr::V4(s), IpAddr::V4(d)) => {
+                let hlen = 20 + self.ip_options.len();
+                let mut h = vec![0u8; hlen];
+                h[0] = 0x40 | (hlen / 4) as u8;
+                h[2..4].copy_from_slice(&((hlen + l4.len()) as u16).to_be_bytes());
+                h[4..6].copy_from_slice(&0x1234u16.to_be_bytes());
+                h[6..8].copy_from_slice(&self.frag.to_be_bytes());
+                h[8] = self.ttl;
+                h[9] = self.proto;
+                h[12..16].copy_from_slice(&s.octets());
+                h[16..20].copy_from_slice(&d.octets());
+                h[20..].copy_from_slice(&self.ip_options);
+                let c = checksum(&h);
+                h[10..12].copy_from_slice(&c.to_be_bytes());
+                h.extend_from_slice(&l4);
+                h
+            }
+            (IpAddr::V6(s), IpAddr::V6(d)) => {
+                let mut ext = Vec::new();
+                let mut types: Vec<u8> = self.ext.iter().map(|(t, _)| *t).collect();
+                types.push(self.proto);
+                for (i, (_, body)) in self.ext.iter().enumerate() {
+                    let len = 2 + body.len();
+                    assert_eq!(len % 8, 0, "extension header length");
+                    ext.push(types[i + 1]);
+                    ext.push(if self.ext[i].0 == 44 {
+                        0
+                    } else {
+                        (len / 8 - 1) as u8
+                    });
+                    ext.extend_from_slice(body);
+                }
+                let mut h = vec![0u8; 40];
+                h[0] = 0x60;
+                h[4..6].copy_from_slice(&((ext.len() + l4.len()) as u16).to_be_bytes());
+                h[6] = types[0];
+                h[7] = self.ttl;
+                h[8..24].copy_from_slice(&s.octets());
+                h[24..40].copy_from_slice(&d.octets());
+                h.extend_from_slice(&ext);
+                h.extend_from_slice(&l4);
+                h
+            }
+            _ => panic!("mixed families"),
+        }
+    }
+
+    /// The Ethernet frame.
+    pub fn frame(&self) -> Vec<u8> {
+        ether(&self.ip(), self.v6())
+    }
+}
+
+/// Whether `BPF_PROG_TEST_RUN` runs a tc program on `frame`: the kernel refuses (EINVAL)
+/// frames with nothing after the Ethernet header and IPv4 or IPv6 frames shorter than the
+/// fixed IP header, so such frames cannot be tested this way.
+pub fn runnable(frame: &[u8]) -> bool {
+    let min = match frame.get(12..14) {
+        Some([0x08, 0x00]) => 14 + 20,
+        Some([0x86, 0xdd]) => 14 + 40,
+        _ => 15,
+    };
+    frame.len() >= min
+}
+
+/// An Ethernet frame around IP packet `ip`.
+pub fn ether(ip: &[u8], v6: bool) -> Vec<u8> {
+    let mut f = Vec::with_capacity(14 + ip.len());
+    f.extend_from_slice(&DST_MAC);
+    f.extend_from_slice(&SRC_MAC);
+    f.extend_from_slice(if v6 { &[0x86, 0xdd] } else { &[0x08, 0x00] });
+    f.extend_from_slice(ip);
+    f
+}
+
+/// `ip:port` (brackets for IPv6).
+pub fn sock(ip: &str, port: u16) -> String {
+    let ip: IpAddr = ip.parse().expect("ip");
+    SocketAddr::new(ip, port).to_string()
+}
+
+fn csum_offset(proto: u8) -> usize {
+    match proto {
+        TCP => 16,
+        UDP => 6,
+        _ => 2,
+    }
+}
+
+/// The Internet checksum (RFC 1071) of `data`.
+pub fn checksum(data: &[u8]) -> u16 {
+    !fold(sum(data, 0))
+}
+
+fn sum(data: &[u8], mut acc: u64) -> u64 {
+    for c in data.chunks(2) {
+        acc += u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]) as u64;
+    }
+    acc
+}
+
+fn fold(mut s: u64) -> u16 {
+    while s > 0xffff {
+        s = (s & 0xffff) + (s >> 16);
+    }
+    s as u16
+}
+
+/// The checksum of L4 segment `l4` (checksum field zeroed or not: it is computed over the
+/// bytes as given, so a correct segment sums to 0 when the field is included) with the
+/// pseudo-header of `src`, `dst` and `proto` (ICMPv4 has none).
+pub fn l4_checksum(src: IpAddr, dst: IpAddr, proto: u8, l4: &[u8]) -> u16 {
+    let mut acc = 0u64;
+    if proto != ICMP {
+        match (src, dst) {
+            (IpAddr::V4(s), IpAddr::V4(d)) => {
+                acc = sum(&s.octets(), acc);
+                acc = sum(&d.octets(), acc);
+            }
+            (IpAddr::V6(s), IpAddr::V6(d)) => {
+                acc = sum(&s.octets(), acc);
+                acc = sum(&d.octets(), acc);
+            }
+            _ => panic!("mixed families"),
+        }
+        acc += proto as u64 + l4.len() as u64;
+    }
+    !fold(sum(l4, acc))
+}
+
+/// What a frame holds, as far as checksums go.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Decoded {
+    pub src: IpAddr,
+    pub dst: IpAddr,
+    pub proto: u8,
+    /// Offset of the L4 header in the frame.
+    pub l4: usize,
+    /// A fragment other than the first (no L4 header to check).
+    pub later_fragment: bool,
+}
+
+/// Decodes an Ethernet + IPv4/IPv6 frame far enough to check its checksums; `None` for
+/// anything else or anything malformed.
+pub fn decode(f: &[u8]) -> Option<Decoded> {
+    let et = u16::from_be_bytes([*f.get(12)?, *f.get(13)?]);
+    let ip = f.get(14..)?;
+    match et {
+        0x0800 => {
+            let ihl = ((*ip.first()? & 0x0f) as usize) * 4;
+            if ip[0] >> 4 != 4 || ihl < 20 || ip.len() < ihl {
+                return None;
+            }
+            let total = u16::from_be_bytes([ip[2], ip[3]]) as usize;
+            if total < ihl || total > ip.len() {
+                return None;
+            }
+            let frag = u16::from_be_bytes([ip[6], ip[7]]);
+            Some(Decoded {
+                src: IpAddr::from(<[u8; 4]>::try_from(&ip[12..16]).ok()?),
+                dst: IpAddr::from(<[u8; 4]>::try_from(&ip[16..20]).ok()?),
+                proto: ip[9],
+                l4: 14 + ihl,
+                later_fragment: frag & 0x1fff != 0 || frag & 0x2000 != 0,
+            })
+        }
+        0x86dd => {
+            if ip.len() < 40 || ip[0] >> 4 != 6 {
+                return None;
+            }
+            let payload = u16::from_be_bytes([ip[4], ip[5]]) as usize;
+            if 40 + payload > ip.len() {
+                return None;
+            }
+            let mut next = ip[6];
+            let mut off = 40;
+            let mut frag = false;
+            loop {
+                match next {
+                    0 | 43 | 60 => {
+                        next = *ip.get(off)?;
+                        off += (*ip.get(off + 1)? as usize + 1) * 8;
+                    }
+                    44 => {
+                        let fo = u16::from_be_bytes([*ip.get(off + 2)?, *ip.get(off + 3)?]);
+                        frag = fo & 0xfff9 != 0;
+                        next = *ip.get(off)?;
+                        off += 8;
+                    }
+                    _ => break,
+                }
+            }
+            Some(Decoded {
+                src: IpAddr::from(<[u8; 16]>::try_from(&ip[8..24]).ok()?),
+                dst: IpAddr::from(<[u8; 16]>::try_from(&ip[24..40]).ok()?),
+                proto: next,
+                l4: 14 + off,
+                later_fragment: frag,
+            })
+        }
+        _ => None,
+    }
+}
+
+/// Checks the IPv4 header checksum and the TCP, UDP, ICMP or ICMPv6 checksum of a frame
+/// (over the whole IP payload; fragments and IPv4 UDP without a checksum are skipped).
+/// `Err` says which one is wrong.
+pub fn verify(f: &[u8]) -> Result<(), String> {
+    let d = decode(f).ok_or("not a decodable IP frame")?;
+    let end = if d.src.is_ipv4() {
+        let ihl = ((f[14] & 0x0f) as usize) * 4;
+        if checksum(&f[14..14 + ihl]) != 0 {
+            return Err("IPv4 header checksum".into());
+        }
+        14 + u16::from_be_bytes([f[16], f[17]]) as usize
+    } else {
+        14 + 40 + u16::from_be_bytes([f[18], f[19]]) as usize
+    };
+    if d.later_fragment || !matches!(d.proto, TCP | UDP | ICMP | ICMPV6) {
+        return Ok(());
+    }
+    let l4 = f.get(d.l4..end).ok_or("L4 beyond the IP length")?;
+    if d.proto == UDP && d.src.is_ipv4() && l4.get(6..8) == Some(&[0, 0]) {
+        return Ok(());
+    }
+    if l4_checksum(d.src, d.dst, d.proto, l4) != 0 {
+        return Err(format!("L4 checksum (protocol {})", d.proto));
+    }
+    Ok(())
+}
+
+/// IP packet `translated` with the L4 checksum of `as_sent` (both TCP or UDP packets of
+/// the same shape): what an ICMP error's quote looks like after translation, since the
+/// programs leave the quoted L4 checksum as it was.
+pub fn requote(translated: &Packet, as_sent: &[u8]) -> Vec<u8> {
+    let mut ip = translated.ip();
+    let l4 = if translated.v6() {
+        40
+    } else {
+        ((ip[0] & 0x0f) as usize) * 4
+    };
+    let off = l4 + csum_offset(translated.proto);
+    ip[off..off + 2].copy_from_slice(&as_sent[off..off + 2]);
+    ip
+}
+
+/// A short printable view of a frame for assertion messages.
+pub fn show(f: &[u8]) -> String {
+    match decode(f) {
+        Some(d) => {
+            let ports = match d.proto {
+                TCP | UDP if f.len() >= d.l4 + 4 && !d.later_fragment => format!(
+                    " {}->{}",
+                    u16::from_be_bytes([f[d.l4], f[d.l4 + 1]]),
+                    u16::from_be_bytes([f[d.l4 + 2], f[d.l4 + 3]])
+                ),
+                _ => String::new(),
+            };
+            format!(
+                "{} -> {} proto {}{ports} ({} bytes)",
+                d.src,
+                d.dst,
+                d.proto,
+                f.len()
+            )
+        }
+        None => format!("undecodable ({} bytes)", f.len()),
+    }
+}
+
+/// The first differing byte of two frames, for assertion messages.
+pub fn diff(a: &[u8], b: &[u8]) -> String {
+    match a.iter().zip(b).position(|(x, y)| x != y) {
+        Some(i) => format!(
+            "first difference at byte {i}: got {:#04x}, want {:#04x}",
+            a[i], b[i]
+        ),
+        None => format!("lengths {} and {}", a.len(), b.len()),
+    }
+}
