@@ -6,18 +6,28 @@
 //! hash map ([`FLOOR_FLOWS`]), rewrites the destination address and port with incremental
 //! checksum updates (RFC 1624) and redirects to the ifindex of the map's value; anything
 //! else passes untouched:
-//! - `floor_tc` (tc): direct packet access, checksums computed in the program;
-//! - `floor_tc_helpers` (tc): the same rewrite through the skb helpers the product's tc
-//!   programs use (`bpf_skb_store_bytes`, `bpf_l3_csum_replace`, `bpf_l4_csum_replace`
-//!   with the pseudo-header flag, which also keep `skb->csum` right for `CHECKSUM_COMPLETE`);
-//! - `floor_xdp` (XDP): direct packet access, as `floor_tc`.
+//! - `floor_tc` and `floor_xdp`: direct packet access, checksums computed in the program
+//!   (the floor proper);
+//! - `floor_tc_helpers`: the same through the skb helpers the product's tc programs use,
+//!   as few calls as that takes: one `bpf_skb_load_bytes` of the headers, then
+//!   `bpf_skb_store_bytes`, `bpf_l3_csum_replace` and `bpf_l4_csum_replace` (the latter
+//!   with the pseudo-header flag, which also keeps `skb->csum` right for
+//!   `CHECKSUM_COMPLETE`);
+//! - `floor_xdp_helpers`: the same through `bpf_xdp_load_bytes` and `bpf_xdp_store_bytes`
+//!   as the product's XDP program accesses packets (which works on multi-buffer frames
+//!   too), checksums computed in the program;
+//! - `floor_tc_pass` and `floor_xdp_pass`: return at once, so their time is what the
+//!   measurement itself adds to every program (the clock reads and the call).
 
 #![no_std]
 #![no_main]
 
 use aya_ebpf::{
     bindings::xdp_action::XDP_PASS,
-    helpers::{bpf_l3_csum_replace, bpf_l4_csum_replace, bpf_redirect, bpf_skb_store_bytes},
+    helpers::{
+        bpf_l3_csum_replace, bpf_l4_csum_replace, bpf_redirect, bpf_skb_load_bytes,
+        bpf_skb_store_bytes, bpf_xdp_load_bytes, bpf_xdp_store_bytes,
+    },
     macros::{classifier, map, xdp},
     maps::HashMap,
     programs::{TcContext, XdpContext},
@@ -92,6 +102,18 @@ fn lookup(data: usize, end: usize) -> Option<Hit> {
         return None;
     }
     // SAFETY: the whole of [data, data + MIN_LEN) is checked to be in the packet above.
+    let to = unsafe { lookup_at(data)? };
+    Some(Hit { data, to })
+}
+
+/// Parses the `MIN_LEN` bytes of headers at `data` (in the packet or a copy) and looks
+/// their tuple up.
+///
+/// # Safety
+/// `[data, data + MIN_LEN)` must be readable.
+#[inline(always)]
+unsafe fn lookup_at(data: usize) -> Option<FloorTarget> {
+    // SAFETY: the caller's.
     unsafe {
         // EtherType 0x0800, IPv4 with a 20-byte header, TCP, not a fragment.
         if *at::<u16>(data, 12) != 0x0800u16.to_be()
@@ -107,10 +129,18 @@ fn lookup(data: usize, end: usize) -> Option<Hit> {
             ports: *at::<u32>(data, ETH_HLEN + 20),
             proto: 6,
         };
-        let to = *FLOOR_FLOWS.get(key)?;
-        Some(Hit { data, to })
+        Some(*FLOOR_FLOWS.get(key)?)
     }
 }
+
+/// Room for the headers a helper variant reads (up to and including the TCP checksum),
+/// from [`HEADERS_AT`] on: the stack, unlike the packet, takes only aligned loads, and there
+/// the IPv4 header starts 8-byte aligned.
+#[repr(C, align(8))]
+struct Headers([u8; HEADERS_AT + MIN_LEN]);
+
+/// Where the frame's first byte goes in [`Headers`].
+const HEADERS_AT: usize = 2;
 
 /// Adds 16-bit word `x` to a ones' complement sum (unfolded).
 #[inline(always)]
@@ -177,51 +207,61 @@ pub fn floor_tc(ctx: TcContext) -> i32 {
 
 #[classifier]
 pub fn floor_tc_helpers(ctx: TcContext) -> i32 {
-    let Some(h) = lookup(ctx.data(), ctx.data_end()) else {
-        return TCX_NEXT;
-    };
-    // SAFETY: offsets checked by `lookup`; the old values are read before the helpers,
-    // which may move the packet, and never through `h.data` after them.
+    // Uninitialised: the helper writes it (zeroing it first would cost a byte loop).
+    let mut h = core::mem::MaybeUninit::<Headers>::uninit();
+    let skb = ctx.skb.skb;
+    let base = h.as_mut_ptr() as usize + HEADERS_AT;
+    // SAFETY: the helpers read and write the packet within its bounds (or fail) and
+    // `h` (MIN_LEN bytes) only; `lookup_at` reads `h` once the first helper filled it.
     unsafe {
-        let old_addr = *at::<u32>(h.data, IP_DST_OFF);
-        let old_port = *at::<u16>(h.data, TCP_DPORT_OFF);
-        let skb = ctx.skb.skb;
-        let (new_addr, new_port) = (h.to.daddr, h.to.dport);
+        if bpf_skb_load_bytes(skb as *const _, 0, base as *mut _, MIN_LEN as u32) != 0 {
+            return TCX_NEXT;
+        }
+        let Some(to) = lookup_at(base) else {
+            return TCX_NEXT;
+        };
+        let old_addr = *at::<u32>(base, IP_DST_OFF);
+        let old_port = *at::<u16>(base, TCP_DPORT_OFF);
         if bpf_l4_csum_replace(
             skb,
             TCP_CSUM_OFF as u32,
             old_addr as u64,
-            new_addr as u64,
+            to.daddr as u64,
             BPF_F_PSEUDO_HDR | 4,
         ) != 0
             || bpf_l4_csum_replace(
                 skb,
                 TCP_CSUM_OFF as u32,
                 old_port as u64,
-                new_port as u64,
+                to.dport as u64,
                 2,
             ) != 0
-            || bpf_l3_csum_replace(skb, IP_CSUM_OFF as u32, old_addr as u64, new_addr as u64, 4)
+            || bpf_l3_csum_replace(skb, IP_CSUM_OFF as u32, old_addr as u64, to.daddr as u64, 4)
                 != 0
             || bpf_skb_store_bytes(
                 skb,
                 IP_DST_OFF as u32,
-                &new_addr as *const u32 as *const _,
+                &to.daddr as *const u32 as *const _,
                 4,
                 0,
             ) != 0
             || bpf_skb_store_bytes(
                 skb,
                 TCP_DPORT_OFF as u32,
-                &new_port as *const u16 as *const _,
+                &to.dport as *const u16 as *const _,
                 2,
                 0,
             ) != 0
         {
             return 2; // TC_ACT_SHOT
         }
-        bpf_redirect(h.to.ifindex, 0) as i32
+        bpf_redirect(to.ifindex, 0) as i32
     }
+}
+
+#[classifier]
+pub fn floor_tc_pass(_ctx: TcContext) -> i32 {
+    TCX_NEXT
 }
 
 #[xdp]
@@ -232,6 +272,48 @@ pub fn floor_xdp(ctx: XdpContext) -> u32 {
     rewrite_direct(&h);
     // SAFETY: helper without memory arguments.
     unsafe { bpf_redirect(h.to.ifindex, 0) as u32 }
+}
+
+#[xdp]
+pub fn floor_xdp_helpers(ctx: XdpContext) -> u32 {
+    let mut h = core::mem::MaybeUninit::<Headers>::uninit();
+    let x = ctx.ctx;
+    let base = h.as_mut_ptr() as usize + HEADERS_AT;
+    // SAFETY: the helpers read and write the frame within its bounds (or fail) and `h`
+    // (MIN_LEN bytes) or the stack values passed only; `lookup_at` reads `h` once the
+    // first helper filled it.
+    unsafe {
+        if bpf_xdp_load_bytes(x, 0, base as *mut _, MIN_LEN as u32) != 0 {
+            return XDP_PASS;
+        }
+        let Some(to) = lookup_at(base) else {
+            return XDP_PASS;
+        };
+        let old_addr = *at::<u32>(base, IP_DST_OFF);
+        let old_port = *at::<u16>(base, TCP_DPORT_OFF);
+        let ip_csum = update32(*at::<u16>(base, IP_CSUM_OFF), old_addr, to.daddr);
+        let tcp_csum = update16(
+            update32(*at::<u16>(base, TCP_CSUM_OFF), old_addr, to.daddr),
+            old_port,
+            to.dport,
+        );
+        let store = |off: usize, p: *const u8, len: u32| {
+            bpf_xdp_store_bytes(x, off as u32, p as *mut _, len) == 0
+        };
+        if !(store(IP_CSUM_OFF, &ip_csum as *const u16 as *const u8, 2)
+            && store(IP_DST_OFF, &to.daddr as *const u32 as *const u8, 4)
+            && store(TCP_DPORT_OFF, &to.dport as *const u16 as *const u8, 2)
+            && store(TCP_CSUM_OFF, &tcp_csum as *const u16 as *const u8, 2))
+        {
+            return 1; // XDP_DROP
+        }
+        bpf_redirect(to.ifindex, 0) as u32
+    }
+}
+
+#[xdp]
+pub fn floor_xdp_pass(_ctx: XdpContext) -> u32 {
+    XDP_PASS
 }
 
 #[cfg(not(test))]

@@ -999,10 +999,14 @@ fn routes() -> Result<()> {
 // the floor
 // ---------------------------------------------------------------------------------------
 
-/// The floor's tc, tc-with-helpers and XDP programs.
+/// The floor's programs (proxy-ebpf/src/bin/floor.rs): direct access, the helpers'
+/// access, and empty (what the measurement adds), per hook.
 const FLOOR_TC: &str = "floor_tc";
 const FLOOR_TC_HELPERS: &str = "floor_tc_helpers";
+const FLOOR_TC_PASS: &str = "floor_tc_pass";
 const FLOOR_XDP: &str = "floor_xdp";
+const FLOOR_XDP_HELPERS: &str = "floor_xdp_helpers";
+const FLOOR_XDP_PASS: &str = "floor_xdp_pass";
 
 /// The floor object loaded, its flow table holding the flow of the tracked TCP case
 /// (client:40000 -> node port 30080, to 10.0.1.5:8080 on ifindex 1).
@@ -1010,12 +1014,14 @@ fn floor_object(path: &Path) -> Result<Object> {
     let mut ebpf = EbpfLoader::new()
         .load_file(path)
         .with_context(|| format!("load {}", path.display()))?;
-    for p in [FLOOR_TC, FLOOR_TC_HELPERS] {
+    for p in [FLOOR_TC, FLOOR_TC_HELPERS, FLOOR_TC_PASS] {
         let prog: &mut SchedClassifier = ebpf.program_mut(p).context(p)?.try_into()?;
         prog.load().with_context(|| format!("load {p}"))?;
     }
-    let prog: &mut Xdp = ebpf.program_mut(FLOOR_XDP).context(FLOOR_XDP)?.try_into()?;
-    prog.load().context("load floor_xdp")?;
+    for p in [FLOOR_XDP, FLOOR_XDP_HELPERS, FLOOR_XDP_PASS] {
+        let prog: &mut Xdp = ebpf.program_mut(p).context(p)?.try_into()?;
+        prog.load().with_context(|| format!("load {p}"))?;
+    }
     // FloorKey and FloorTarget of proxy-ebpf/src/bin/floor.rs.
     let ip = |s: &str| s.parse::<std::net::Ipv4Addr>().expect("address").octets();
     let mut key = [0u8; 16];
@@ -1036,24 +1042,39 @@ fn floor_object(path: &Path) -> Result<Object> {
 
 fn floor_cases() -> Vec<Case> {
     let frame = data(CLIENT, 40000, NODE, 30080);
-    vec![
-        Case::new("floor: tc, direct access", FLOOR_TC, Hook::Tc, Like::Anchor)
+    let floor = |name, prog, hook, verdict| {
+        Case::new(name, prog, hook, Like::Anchor)
             .object("floor")
-            .verdict(REDIRECT)
-            .frame(frame.clone()),
-        Case::new(
-            "floor: tc, skb helpers",
+            .verdict(verdict)
+            .frame(frame.clone())
+    };
+    vec![
+        floor("floor: tc, direct access", FLOOR_TC, Hook::Tc, REDIRECT),
+        floor(
+            "floor: tc, through the skb helpers",
             FLOOR_TC_HELPERS,
             Hook::Tc,
-            Like::Anchor,
-        )
-        .object("floor")
-        .verdict(REDIRECT)
-        .frame(frame.clone()),
-        Case::new("floor: XDP", FLOOR_XDP, Hook::Xdp, Like::Anchor)
-            .object("floor")
-            .verdict(XDP_REDIRECT)
-            .frame(frame),
+            REDIRECT,
+        ),
+        floor("floor: tc, empty program", FLOOR_TC_PASS, Hook::Tc, PASS),
+        floor(
+            "floor: XDP, direct access",
+            FLOOR_XDP,
+            Hook::Xdp,
+            XDP_REDIRECT,
+        ),
+        floor(
+            "floor: XDP, through bpf_xdp_load/store_bytes",
+            FLOOR_XDP_HELPERS,
+            Hook::Xdp,
+            XDP_REDIRECT,
+        ),
+        floor(
+            "floor: XDP, empty program",
+            FLOOR_XDP_PASS,
+            Hook::Xdp,
+            XDP_PASS,
+        ),
     ]
 }
 
@@ -1182,6 +1203,8 @@ struct Row {
     /// The lowest and highest of the runs' medians.
     run_median_min: f64,
     run_median_max: f64,
+    /// Median less the empty program's of the case's hook: what the program itself takes.
+    net: Option<f64>,
     /// Median over the floor of the case's hook, and over Katran's comparable packet.
     x_floor: Option<f64>,
     x_katran: Option<f64>,
@@ -1209,6 +1232,7 @@ impl Row {
             p90: crate::report::percentile(&all, 90.0),
             run_median_min: meds.first().copied().unwrap_or(f64::NAN),
             run_median_max: meds.last().copied().unwrap_or(f64::NAN),
+            net: None,
             x_floor: None,
             x_katran: None,
         }
@@ -1236,15 +1260,18 @@ impl Report {
         };
         let floor_tc = median_of(&rows, FLOOR_TC);
         let floor_xdp = median_of(&rows, FLOOR_XDP);
+        let empty_tc = median_of(&rows, FLOOR_TC_PASS);
+        let empty_xdp = median_of(&rows, FLOOR_XDP_PASS);
         let katran = |name: &str| rows.iter().find(|r| r.case.name == name).map(|r| r.median);
         let k_tracked = katran("Katran: TCP data, known flow (LRU hit)");
         let k_new = katran("Katran: SYN of a new flow");
         for r in &mut rows {
-            let floor = match r.case.hook {
-                Hook::Tc => floor_tc,
-                Hook::Xdp => floor_xdp,
+            let (floor, empty) = match r.case.hook {
+                Hook::Tc => (floor_tc, empty_tc),
+                Hook::Xdp => (floor_xdp, empty_xdp),
             };
             r.x_floor = floor.map(|f| r.median / f);
+            r.net = empty.map(|e| r.median - e);
             let k = match r.case.like {
                 Like::Tracked => k_tracked,
                 Like::New => k_new,
@@ -1273,9 +1300,11 @@ impl Report {
             s,
             "# ebpf-proxy packet programs, ns per packet (BPF_PROG_TEST_RUN)\n\n\
              Kernel {}; {} runs x {} samples per case (after {} warm-up runs each){}. \
-             Median, p10 and p90 over every sample; the range of the runs' medians; the \
-             median over the floor of the case's hook (tc: `floor_tc`, XDP: `floor_xdp`) and \
-             over Katran's comparable packet (a known flow, or a new flow's SYN).\n",
+             Median, p10 and p90 over every sample; the range of the runs' medians; net: \
+             the median less the empty program's of the same hook (what the measurement \
+             adds); the median over the floor of the case's hook (tc: `floor_tc`, XDP: \
+             `floor_xdp`) and over Katran's comparable packet (a known flow, or a new \
+             flow's SYN).\n",
             self.kernel,
             self.runs,
             self.samples_per_run,
@@ -1286,14 +1315,14 @@ impl Report {
         );
         let _ = writeln!(
             s,
-            "| case | program | median | p10 | p90 | run medians | x floor | x Katran |\n\
-             |---|---|---:|---:|---:|---:|---:|---:|"
+            "| case | program | median | p10 | p90 | run medians | net | x floor | x Katran |\n\
+             |---|---|---:|---:|---:|---:|---:|---:|---:|"
         );
         let x = |v: Option<f64>| v.map(|v| format!("{v:.2}")).unwrap_or_else(|| "-".into());
         for r in &self.rows {
             let _ = writeln!(
                 s,
-                "| {} | {} | {:.0} | {:.0} | {:.0} | {:.0}-{:.0} | {} | {} |",
+                "| {} | {} | {:.0} | {:.0} | {:.0} | {:.0}-{:.0} | {} | {} | {} |",
                 r.case.name,
                 r.case.prog,
                 r.median,
@@ -1301,6 +1330,9 @@ impl Report {
                 r.p90,
                 r.run_median_min,
                 r.run_median_max,
+                r.net
+                    .map(|v| format!("{v:.0}"))
+                    .unwrap_or_else(|| "-".into()),
                 x(r.x_floor),
                 x(r.x_katran)
             );
