@@ -114,9 +114,16 @@ enum Cmd {
     Demo,
     /// Set up if needed (plus iptables, nftables, fonts), build the agent and the bench
     /// (proxy-testkit's `bench` feature), run the benchmarks against kube-proxy's rule sets
-    /// (needs root; results in target/bench/).
+    /// (needs root; results in target/bench/). `bench micro`: the per-packet
+    /// micro-benchmark only.
     Bench {
-        /// Arguments for ebpf-proxy-bench (after `--`), e.g. `--quick` or `--services 100,1000`.
+        /// `micro`: only the per-packet micro-benchmark of the packet programs
+        /// (`ebpf-proxy-bench micro`: BPF_PROG_TEST_RUN, no agent, no lab, no peers; builds
+        /// the eBPF objects and the bench only).
+        #[arg(value_parser = ["micro"])]
+        part: Option<String>,
+        /// Arguments for ebpf-proxy-bench (after `--`), e.g. `--quick` or `--services 100,1000`;
+        /// with `micro`, its own (e.g. `--runs 5`, `--katran-object PATH`).
         #[arg(last = true)]
         args: Vec<String>,
     },
@@ -157,7 +164,13 @@ fn main() -> ExitCode {
         Cmd::Demo => setup_if_needed()
             .and_then(|()| build())
             .and_then(|()| demo()),
-        Cmd::Bench { args } => setup_if_needed()
+        Cmd::Bench {
+            part: Some(_),
+            args,
+        } => setup_if_needed()
+            .and_then(|()| build_ebpf())
+            .and_then(|()| bench_micro(&args)),
+        Cmd::Bench { part: None, args } => setup_if_needed()
             .and_then(|()| bench_setup())
             .and_then(|()| build_ebpf())
             .and_then(|()| bench(&args)),
@@ -927,6 +940,26 @@ fn bench(args: &[String]) -> Result<()> {
     let ws = workspace();
     run(Command::new(target_dir().join("release/ebpf-proxy-bench"))
         .current_dir(&ws)
+        .args(args))
+}
+
+/// `cargo xtask bench micro`: the bench binary alone (the agent's object is embedded in
+/// it through proxy-userspace; the floor's is read from target/), run as `micro`.
+fn bench_micro(args: &[String]) -> Result<()> {
+    warn_unless_root("the micro-benchmark");
+    run(host_cargo().args([
+        "build",
+        "--release",
+        "-p",
+        "proxy-testkit",
+        "--features",
+        "proxy-testkit/bench",
+        "--bin",
+        "ebpf-proxy-bench",
+    ]))?;
+    run(Command::new(target_dir().join("release/ebpf-proxy-bench"))
+        .current_dir(workspace())
+        .arg("micro")
         .args(args))
 }
 
