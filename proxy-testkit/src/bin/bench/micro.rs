@@ -88,8 +88,8 @@ pub struct MicroOpts {
     /// Pin the measuring threads to this CPU.
     #[arg(long)]
     cpu: Option<usize>,
-    /// Write `bpftool prog dump xlated` (with source lines) and `dump jited` of every
-    /// measured program into DIR, while they are loaded.
+    /// Write `bpftool prog dump xlated` (with source lines) and the machine code (raw) of
+    /// every measured program into DIR, while they are loaded.
     #[arg(long, value_name = "DIR")]
     dump: Option<PathBuf>,
     /// Output directory (`micro.json`, `micro.md`).
@@ -407,30 +407,84 @@ pub fn micro(opts: MicroOpts) -> Result<()> {
     Ok(())
 }
 
-/// `bpftool prog dump xlated id N linum` and `dump jited id N` of every program.
+/// `bpftool prog dump xlated id N linum` of every program into `<object>.<prog>.xlated.txt`,
+/// and its machine code, raw, into `<object>.<prog>.jited.bin` (read with
+/// `BPF_OBJ_GET_INFO_BY_FD`: Debian's bpftool has no disassembler; on x86-64
+/// `objdump -D -b binary -m i386:x86-64 FILE` reads it).
 fn dump(dir: &Path, progs: &[ProgMeta]) -> Result<()> {
     fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
     for p in progs {
-        for (what, extra) in [("xlated", Some("linum")), ("jited", None)] {
-            let id = p.id.to_string();
-            let mut c = Command::new("bpftool");
-            c.args(["prog", "dump", what, "id", &id]);
-            if let Some(e) = extra {
-                c.arg(e);
-            }
-            let out = c.output().context("run bpftool")?;
-            let file = dir.join(format!("{}.{}.{what}.txt", p.object, p.prog));
-            fs::File::create(&file)?.write_all(&out.stdout)?;
-            if !out.status.success() {
-                eprintln!(
-                    "micro: bpftool prog dump {what} id {id}: {}",
-                    String::from_utf8_lossy(&out.stderr).trim()
-                );
-            }
+        let id = p.id.to_string();
+        let xlated = dir.join(format!("{}.{}.xlated.txt", p.object, p.prog));
+        let out = Command::new("bpftool")
+            .args(["prog", "dump", "xlated", "id", &id, "linum"])
+            .output()
+            .context("run bpftool")?;
+        fs::File::create(&xlated)?.write_all(&out.stdout)?;
+        if !out.status.success() {
+            eprintln!(
+                "micro: bpftool prog dump xlated id {id} ({}): {}",
+                p.prog,
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
         }
+        let jited = jited_image(p.id).with_context(|| format!("machine code of {}", p.prog))?;
+        fs::write(
+            dir.join(format!("{}.{}.jited.bin", p.object, p.prog)),
+            jited,
+        )?;
     }
     eprintln!("micro: program dumps in {}", dir.display());
     Ok(())
+}
+
+/// The machine code of program `id`: `BPF_PROG_GET_FD_BY_ID`, then `BPF_OBJ_GET_INFO_BY_FD`
+/// with a buffer for `jited_prog_insns`.
+fn jited_image(id: u32) -> Result<Vec<u8>> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    /// `bpf()` commands (uapi `enum bpf_cmd`).
+    const PROG_GET_FD_BY_ID: libc::c_long = 13;
+    const OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+    let bpf = |cmd: libc::c_long, attr: &mut [u64; 16]| -> std::io::Result<libc::c_long> {
+        // SAFETY: `attr` is a writable, zero-padded `union bpf_attr`; the pointers in it
+        // point at live buffers of the caller of the size it says.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                cmd,
+                attr.as_mut_ptr(),
+                std::mem::size_of_val(attr) as libc::c_uint,
+            )
+        };
+        if r < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(r)
+        }
+    };
+    let mut attr = [0u64; 16];
+    attr[0] = id as u64; // prog_id
+    let fd = bpf(PROG_GET_FD_BY_ID, &mut attr)?;
+    // SAFETY: a descriptor the kernel just returned to us.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    // `struct bpf_prog_info` up to `xlated_prog_insns`: jited_prog_len at byte 16,
+    // jited_prog_insns (a pointer) at byte 24.
+    let info_of = |info: &mut [u64; 5]| -> std::io::Result<()> {
+        let mut attr = [0u64; 16];
+        // bpf_fd, info_len, then info (a pointer).
+        attr[0] = fd.as_raw_fd() as u64 | (std::mem::size_of_val(info) as u64) << 32;
+        attr[1] = info.as_mut_ptr() as u64;
+        bpf(OBJ_GET_INFO_BY_FD, &mut attr).map(|_| ())
+    };
+    let mut info = [0u64; 5];
+    info_of(&mut info)?;
+    let len = (info[2] & 0xffff_ffff) as usize;
+    let mut image = vec![0u8; len];
+    let mut info = [0u64; 5];
+    info[2] = len as u64;
+    info[3] = image.as_mut_ptr() as u64;
+    info_of(&mut info)?;
+    Ok(image)
 }
 
 /// A worker's thread (already in its own network namespace): sets its target up, reports
