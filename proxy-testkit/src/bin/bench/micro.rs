@@ -286,6 +286,18 @@ struct Worker {
     cmds: mpsc::Sender<bool>,
     replies: mpsc::Receiver<Result<Reply>>,
     cases: Vec<CaseMeta>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Worker {
+    /// Stops the worker and waits for it, so its harness removes its pin directory before
+    /// the process exits (on an error too).
+    fn drop(&mut self) {
+        let _ = self.cmds.send(false);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 /// `ebpf-proxy-bench micro`.
@@ -319,7 +331,7 @@ pub fn micro(opts: MicroOpts) -> Result<()> {
         let (cmd_tx, cmd_rx) = mpsc::channel::<bool>();
         let (rep_tx, rep_rx) = mpsc::channel::<Result<Reply>>();
         let o = opts.clone();
-        std::thread::spawn(move || {
+        let thread = std::thread::spawn(move || {
             in_private_netns(move || {
                 let tx = rep_tx.clone();
                 if let Err(e) = worker(&kind, &o, &cmd_rx, &rep_tx) {
@@ -327,22 +339,24 @@ pub fn micro(opts: MicroOpts) -> Result<()> {
                 }
             })
         });
-        let (cases, progs) = match rep_rx.recv() {
-            Ok(Ok(Reply::Ready(c, p))) => (c, p),
-            Ok(Ok(Reply::Run(_))) => bail!("{name}: unexpected reply"),
-            Ok(Err(e)) => return Err(e),
-            Err(_) => bail!("{name}: the worker died while setting up (see above)"),
+        let mut w = Worker {
+            name,
+            cmds: cmd_tx,
+            replies: rep_rx,
+            cases: Vec::new(),
+            thread: Some(thread),
         };
-        eprintln!("micro: {name}: {} cases", cases.len());
-        workers.push((
-            Worker {
-                name,
-                cmds: cmd_tx,
-                replies: rep_rx,
-                cases,
-            },
-            progs,
-        ));
+        let progs = match w.replies.recv() {
+            Ok(Ok(Reply::Ready(c, p))) => {
+                w.cases = c;
+                p
+            }
+            Ok(Ok(Reply::Run(_))) => bail!("{}: unexpected reply", w.name),
+            Ok(Err(e)) => return Err(e),
+            Err(_) => bail!("{}: the worker died while setting up (see above)", w.name),
+        };
+        eprintln!("micro: {}: {} cases", w.name, w.cases.len());
+        workers.push((w, progs));
     }
     let progs: Vec<ProgMeta> = {
         let mut seen = BTreeMap::new();
@@ -380,13 +394,13 @@ pub fn micro(opts: MicroOpts) -> Result<()> {
         }
         eprintln!("micro: run {} of {} done", run + 1, opts.runs);
     }
-    for w in &workers {
-        let _ = w.cmds.send(false);
-    }
+    // Dropping the workers stops them and removes their pins.
+    let cases: Vec<Vec<CaseMeta>> = workers.iter().map(|w| w.cases.clone()).collect();
+    drop(workers);
 
     let mut rows = Vec::new();
-    for (wi, w) in workers.iter().enumerate() {
-        for (ci, c) in w.cases.iter().enumerate() {
+    for (wi, cases) in cases.iter().enumerate() {
+        for (ci, c) in cases.iter().enumerate() {
             rows.push(Row::new(c.clone(), &samples[wi][ci]));
         }
     }
