@@ -929,3 +929,77 @@ pub fn diff(a: &[u8], b: &[u8]) -> String {
         None => format!("lengths {} and {}", a.len(), b.len()),
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// fixtures
+// ---------------------------------------------------------------------------------------
+
+/// One fixture: runs `prog` on `input` and checks the verdict, the output frame
+/// (`want`, or the input unchanged when `None`), valid checksums of a translated frame,
+/// and that counter `counter` grew by one.
+pub fn step(
+    h: &Harness,
+    what: &str,
+    prog: &str,
+    input: &[u8],
+    verdict: i32,
+    want: Option<&[u8]>,
+    counter: Option<&str>,
+) -> Vec<u8> {
+    let before = h.counters();
+    let (v, out) = h.run(prog, input);
+    assert_eq!(v, verdict, "{what}: verdict (output {})", show(&out));
+    let want = want.unwrap_or(input);
+    assert!(
+        out == want,
+        "{what}: output {} differs from the expected {}: {}",
+        show(&out),
+        show(want),
+        diff(&out, want)
+    );
+    if out != input {
+        verify(&out).unwrap_or_else(|e| panic!("{what}: {e} wrong in {}", show(&out)));
+    }
+    if let Some(c) = counter {
+        let after = h.counters();
+        assert_eq!(
+            after[c],
+            before[c] + 1,
+            "{what}: counter {c} (before {before:?}, after {after:?})"
+        );
+    }
+    out
+}
+
+/// What the tc ingress program answers to `p` (a TCP or UDP packet from a client) when it
+/// rejects it, built here from scratch: an ICMP (3/3) or ICMPv6 (1/4) port unreachable from
+/// the address `p` was sent to, back to its sender, quoting `p`'s IP header (options and
+/// all) and the first bytes of its L4 header (UDP 8, TCP its 20-byte header), Ethernet
+/// addresses swapped, TTL 64, IPv4 identification 0.
+pub fn port_unreachable(p: &Packet) -> Vec<u8> {
+    let ip = p.ip();
+    let hl = if p.v6() {
+        40
+    } else {
+        ((ip[0] & 0x0f) as usize) * 4
+    };
+    let (ty, code) = if p.v6() { (1, 4) } else { (3, 3) };
+    let e = Packet::icmp_error(
+        &p.dst.ip().to_string(),
+        &p.src.ip().to_string(),
+        ty,
+        code,
+        &ip,
+        hl + if p.proto == TCP { 20 } else { 8 },
+    );
+    let mut f = e.frame();
+    f[..6].copy_from_slice(&SRC_MAC);
+    f[6..12].copy_from_slice(&DST_MAC);
+    if !p.v6() {
+        f[18..20].copy_from_slice(&[0, 0]);
+        f[24..26].copy_from_slice(&[0, 0]);
+        let c = checksum(&f[14..34]);
+        f[24..26].copy_from_slice(&c.to_be_bytes());
+    }
+    f
+}
