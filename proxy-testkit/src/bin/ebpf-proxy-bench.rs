@@ -26,7 +26,7 @@
 //! spawn); traffic goes only to lab addresses (198.18.0.0/15); every loop is bounded in count
 //! and time. The agent's pins live in `/sys/fs/bpf/ebpf-proxy-bench` and are removed.
 
-#[path = "bench/micro.rs"]
+#[path = "bench/micro/mod.rs"]
 mod micro;
 #[path = "bench/northsouth.rs"]
 mod northsouth;
@@ -83,9 +83,13 @@ struct Opts {
     #[arg(long)]
     quick: bool,
     /// Run one part only: `cluster-ip` (control plane, memory and the socket path to a
-    /// ClusterIP) or `north-south` (NodePorts from a client outside the cluster).
-    #[arg(long, value_parser = ["cluster-ip", "north-south"])]
+    /// ClusterIP), `north-south` (NodePorts from a client outside the cluster) or `micro`
+    /// (each packet program alone, as `ebpf-proxy-bench micro` with its defaults).
+    #[arg(long, value_parser = ["cluster-ip", "north-south", "micro"])]
     only: Option<String>,
+    /// Katran's balancer object for the per-packet part's anchor (see `micro --help`).
+    #[arg(long, value_name = "PATH")]
+    katran_object: Option<PathBuf>,
     /// North-south: numbers of ClusterIP services (10 endpoints each) loaded next to the
     /// four NodePort services (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "1000", value_parser = at_least_one)]
@@ -413,8 +417,9 @@ fn bench(mut o: Opts) -> Result<()> {
         o.conn_secs = 1.0;
         o.ns_services = vec![100];
     }
-    let cluster_ip = o.only.as_deref() != Some("north-south");
-    let north_south = o.only.as_deref() != Some("cluster-ip");
+    let only = |part: &str| o.only.is_none() || o.only.as_deref() == Some(part);
+    let (cluster_ip, north_south, per_packet) =
+        (only("cluster-ip"), only("north-south"), only("micro"));
     if !cluster_ip {
         o.services.clear();
     }
@@ -464,6 +469,13 @@ fn bench(mut o: Opts) -> Result<()> {
     }
     if north_south {
         northsouth::run(&o, &me, &agent_bin, &cases, &mut results)?;
+    }
+    if per_packet {
+        // Last, alone on the machine: no agent, lab or peer is left running.
+        micro::micro(micro::MicroOpts::defaults(&o.out, o.katran_object.clone(), o.quick))?;
+        if !cluster_ip && !north_south {
+            return Ok(());
+        }
     }
     results.total_s = started.elapsed().as_secs_f64();
     results.write(&o.out)?;
