@@ -17,7 +17,7 @@ mod setup;
 mod tasks;
 
 use setup::{setup, setup_if_needed};
-use tasks::{bench, bench_setup, build, build_ebpf, demo, fuzz, test};
+use tasks::{bench, bench_micro, bench_setup, build, build_ebpf, demo, fuzz, test};
 
 #[derive(Parser)]
 #[command(name = "xtask", about = "ebpf-proxy developer tasks")]
@@ -70,9 +70,16 @@ enum Cmd {
     Demo,
     /// Set up if needed (plus iptables, nftables, fonts), build the agent and the bench
     /// (proxy-testkit's `bench` feature), run the benchmarks against kube-proxy's rule sets
-    /// (needs root; results in target/bench/).
+    /// (needs root; results in target/bench/); the per-packet micro-benchmark last. `bench
+    /// micro`: the per-packet micro-benchmark only.
     Bench {
-        /// Arguments for ebpf-proxy-bench (after `--`), e.g. `--quick` or `--services 100,1000`.
+        /// `micro`: only the per-packet micro-benchmark of the packet programs
+        /// (`ebpf-proxy-bench micro`: BPF_PROG_TEST_RUN, no agent, no lab, no peers; builds
+        /// the eBPF objects and the bench only).
+        #[arg(value_parser = ["micro"])]
+        part: Option<String>,
+        /// Arguments for ebpf-proxy-bench (after `--`), e.g. `--quick` or `--services 100,1000`;
+        /// with `micro`, its own (e.g. `--runs 5`, `--katran-object PATH`).
         #[arg(last = true)]
         args: Vec<String>,
     },
@@ -113,7 +120,13 @@ fn main() -> ExitCode {
         Cmd::Demo => setup_if_needed()
             .and_then(|()| build())
             .and_then(|()| demo()),
-        Cmd::Bench { args } => setup_if_needed()
+        Cmd::Bench {
+            part: Some(_),
+            args,
+        } => setup_if_needed()
+            .and_then(|()| build_ebpf())
+            .and_then(|()| bench_micro(&args)),
+        Cmd::Bench { part: None, args } => setup_if_needed()
             .and_then(|()| bench_setup())
             .and_then(|()| build_ebpf())
             .and_then(|()| bench(&args)),

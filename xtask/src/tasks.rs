@@ -30,11 +30,16 @@ pub(crate) fn build_ebpf() -> Result<()> {
         .env("CARGO_TARGET_DIR", target_dir())
         .env("RUSTFLAGS", "-C debuginfo=2 -C link-arg=--btf");
     run(&mut c)?;
-    let obj = target_dir().join(BPF_TARGET).join("release/ebpf-proxy");
-    if !obj.exists() {
-        bail!("the eBPF build finished but {} is missing", obj.display());
+    // The agent's object, and the micro-benchmark's floor programs in one of their own
+    // (`ebpf-proxy-bench micro`), which the agent never embeds.
+    for name in ["ebpf-proxy", "ebpf-proxy-floor"] {
+        let obj = target_dir().join(BPF_TARGET).join("release").join(name);
+        if !obj.exists() {
+            bail!("the eBPF build finished but {} is missing", obj.display());
+        }
+        eprintln!("xtask: eBPF object {}", obj.display());
     }
-    eprintln!("xtask: eBPF object {} ({:.1?})", obj.display(), t.elapsed());
+    eprintln!("xtask: eBPF objects built ({:.1?})", t.elapsed());
     Ok(())
 }
 
@@ -183,6 +188,26 @@ pub(crate) fn bench_setup() -> Result<()> {
     }
     doing(&format!("apt packages {}", missing.join(", ")));
     apt_install(&missing)
+}
+
+/// `cargo xtask bench micro`: the bench binary alone (the agent's object is embedded in
+/// it through proxy-userspace; the floor's is read from target/), run as `micro`.
+pub(crate) fn bench_micro(args: &[String]) -> Result<()> {
+    warn_unless_root("the micro-benchmark");
+    run(host_cargo().args([
+        "build",
+        "--release",
+        "-p",
+        "proxy-testkit",
+        "--features",
+        "proxy-testkit/bench",
+        "--bin",
+        "ebpf-proxy-bench",
+    ]))?;
+    run(Command::new(target_dir().join("release/ebpf-proxy-bench"))
+        .current_dir(workspace())
+        .arg("micro")
+        .args(args))
 }
 
 pub(crate) fn bench(args: &[String]) -> Result<()> {

@@ -17,12 +17,17 @@
 //!   verification) and the memlock of its BPF maps;
 //! - the control-plane targets, each met or missed (report.rs).
 //!
+//! `ebpf-proxy-bench micro` (micro.rs) is apart: the cost of one packet in each packet
+//! program through `BPF_PROG_TEST_RUN`, next to a minimal floor program and Katran's.
+//!
 //! Safety: everything runs in a lab of network namespaces (`epb-*`) and a child cgroup
 //! (`ebpf-proxy-bench`) created here and removed on exit, panic or Ctrl-C; iptables and nft
 //! run only inside the lab's client namespaces (setns before exec; a failed setns fails the
 //! spawn); traffic goes only to lab addresses (198.18.0.0/15); every loop is bounded in count
 //! and time. The agent's pins live in `/sys/fs/bpf/ebpf-proxy-bench` and are removed.
 
+#[path = "bench/micro/mod.rs"]
+mod micro;
 #[path = "bench/northsouth.rs"]
 mod northsouth;
 #[path = "bench/progstats.rs"]
@@ -78,9 +83,13 @@ struct Opts {
     #[arg(long)]
     quick: bool,
     /// Run one part only: `cluster-ip` (control plane, memory and the socket path to a
-    /// ClusterIP) or `north-south` (NodePorts from a client outside the cluster).
-    #[arg(long, value_parser = ["cluster-ip", "north-south"])]
+    /// ClusterIP), `north-south` (NodePorts from a client outside the cluster) or `micro`
+    /// (each packet program alone, as `ebpf-proxy-bench micro` with its defaults).
+    #[arg(long, value_parser = ["cluster-ip", "north-south", "micro"])]
     only: Option<String>,
+    /// Katran's balancer object for the per-packet part's anchor (see `micro --help`).
+    #[arg(long, value_name = "PATH")]
+    katran_object: Option<PathBuf>,
     /// North-south: numbers of ClusterIP services (10 endpoints each) loaded next to the
     /// four NodePort services (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "1000", value_parser = at_least_one)]
@@ -145,6 +154,10 @@ struct Opts {
 
 #[derive(Subcommand)]
 enum Sub {
+    /// Per-packet cost of each packet program (BPF_PROG_TEST_RUN, nothing attached), next to
+    /// a minimal floor program and, with --katran-object, Katran's balancer (needs root;
+    /// results in target/bench/micro.md and micro.json).
+    Micro(micro::MicroOpts),
     /// (internal) Load client: sequential connections, one JSON line of results.
     #[command(hide = true)]
     Client {
@@ -217,6 +230,7 @@ fn main() -> ExitCode {
             warmup,
         }) => northsouth::udp_client_main(to, count, secs, warmup),
         Some(Sub::ServeUdp { listen, name }) => northsouth::serve_udp(listen, &name),
+        Some(Sub::Micro(opts)) => micro::micro(opts),
         None => {
             for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
                 // SAFETY: the handler only stores to an atomic (async-signal-safe).
@@ -403,8 +417,9 @@ fn bench(mut o: Opts) -> Result<()> {
         o.conn_secs = 1.0;
         o.ns_services = vec![100];
     }
-    let cluster_ip = o.only.as_deref() != Some("north-south");
-    let north_south = o.only.as_deref() != Some("cluster-ip");
+    let only = |part: &str| o.only.is_none() || o.only.as_deref() == Some(part);
+    let (cluster_ip, north_south, per_packet) =
+        (only("cluster-ip"), only("north-south"), only("micro"));
     if !cluster_ip {
         o.services.clear();
     }
@@ -454,6 +469,17 @@ fn bench(mut o: Opts) -> Result<()> {
     }
     if north_south {
         northsouth::run(&o, &me, &agent_bin, &cases, &mut results)?;
+    }
+    if per_packet {
+        // Last, alone on the machine: no agent, lab or peer is left running.
+        micro::micro(micro::MicroOpts::defaults(
+            &o.out,
+            o.katran_object.clone(),
+            o.quick,
+        ))?;
+        if !cluster_ip && !north_south {
+            return Ok(());
+        }
     }
     results.total_s = started.elapsed().as_secs_f64();
     results.write(&o.out)?;

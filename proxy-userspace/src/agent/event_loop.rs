@@ -17,8 +17,8 @@ use crate::{
     metrics::Metrics,
     model::Model,
     reconcile::Reconciler,
-    status::Health,
     source::Batch,
+    status::Health,
 };
 
 /// Completes with `attaching` once it is done; never when there is nothing to wait for.
