@@ -189,8 +189,9 @@ pub const fn ct_timeout_ns(
     if configured != 0 { configured } else { default }
 }
 
-/// Conntrack key: a packet's tuple. 40 bytes.
-#[repr(C)]
+/// Conntrack key: a packet's tuple. 40 bytes, 8-byte aligned (so the eBPF programs build
+/// and compare it in whole words, not byte by byte).
+#[repr(C, align(8))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct CtKey {
     /// Source address, network byte order, IPv4-mapped for IPv4.
@@ -225,8 +226,31 @@ pub struct CtEntry {
     pub _pad: u16,
     /// [`crate::Frontend::service_id`] of the flow.
     pub service_id: u32,
-    /// `bpf_ktime_get_ns()` of the last packet in this entry's direction.
+    /// The conntrack clock's tick ([`CT_PEER_TICK_SHIFT`]) when a packet of this entry last
+    /// refreshed the other direction's entry (its `last_seen_ns` and state bits).
+    pub peer_tick: u32,
+    /// The conntrack clock (`CLOCK_MONOTONIC`, nanoseconds) at the last packet of the flow
+    /// in this direction, or in the other direction when that one refreshed it: behind the
+    /// flow's last packet by less than [`CT_PEER_LAG_NS`].
     pub last_seen_ns: u64,
+}
+
+/// The conntrack clock in ticks of 2^30 ns (about 1.07 s): a packet refreshes the other
+/// direction's entry of its flow only when its state bits change or the tick moved on
+/// ([`CtEntry::peer_tick`]), so a tracked packet costs one conntrack lookup rather than two.
+pub const CT_PEER_TICK_SHIFT: u32 = 30;
+
+/// How far an entry's `last_seen_ns` may lag its flow's last packet (one tick of
+/// [`CT_PEER_TICK_SHIFT`]); liveness allows for it ([`ct_alive`]).
+pub const CT_PEER_LAG_NS: u64 = 1 << CT_PEER_TICK_SHIFT;
+
+/// Whether a conntrack entry last seen at `seen` is alive at `now` (nanoseconds of the
+/// conntrack clock) with idle timeout `timeout_ns` ([`ct_timeout_ns`]): idle for at most the
+/// timeout plus [`CT_PEER_LAG_NS`], so both directions of a flow end together, between
+/// its timeout and about a second after it. One rule for the tc programs and the agent.
+#[inline(always)]
+pub const fn ct_alive(now: u64, seen: u64, timeout_ns: u64) -> bool {
+    now.saturating_sub(seen) <= timeout_ns.saturating_add(CT_PEER_LAG_NS)
 }
 
 /// [`CtEntry::flags`]: this entry is the reply direction (backend -> client).

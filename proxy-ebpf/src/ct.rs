@@ -5,10 +5,10 @@
 //! entry's rewritten tuple gives the key of the other direction's entry ([`peer_key`]), so
 //! either direction updates the other (state bits, last seen).
 
-use aya_ebpf::bindings::BPF_ANY;
+use aya_ebpf::{bindings::BPF_ANY, helpers::bpf_ktime_get_coarse_ns};
 use proxy_common::nat::{
-    CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_REPLY, CT_F_RST, CT_F_SEEN_REPLY, CtEntry, CtKey,
-    TcCounter, ct_closed, ct_timeout_ns,
+    CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_REPLY, CT_F_RST, CT_F_SEEN_REPLY, CT_PEER_TICK_SHIFT,
+    CtEntry, CtKey, TcCounter, ct_alive, ct_closed, ct_timeout_ns,
 };
 
 use crate::{
@@ -16,6 +16,18 @@ use crate::{
     packet::{TCP_FIN, TCP_RST},
     types::Scratch,
 };
+
+/// The conntrack clock, nanoseconds of `CLOCK_MONOTONIC` at the resolution of the kernel's
+/// tick (`bpf_ktime_get_coarse_ns`, Linux >= 5.11): the entries' `last_seen_ns` and every
+/// liveness check of the packet paths. Timeouts are seconds long, so a tick (at most 10 ms)
+/// changes nothing, and the coarse clock is a plain read where the precise one reads the
+/// clock source (a virtual machine's TSC or kvm-clock costs tens of nanoseconds a packet).
+/// The agent reads the same clock (`CLOCK_MONOTONIC`).
+#[inline(always)]
+pub fn now() -> u64 {
+    // SAFETY: helper without arguments or side effects.
+    unsafe { bpf_ktime_get_coarse_ns() }
+}
 
 /// The state bits both directions of a flow share.
 pub const SHARED_FLAGS: u16 = CT_F_SEEN_REPLY | CT_F_FIN_ORIG | CT_F_FIN_REPLY | CT_F_RST;
@@ -45,7 +57,7 @@ pub fn timeout_of(flags: u16, proto: u8) -> u64 {
 /// Whether an entry with `flags`, last seen at `seen`, is still alive at `now`.
 #[inline(always)]
 pub fn alive(flags: u16, seen: u64, proto: u8, now: u64) -> bool {
-    now.saturating_sub(seen) <= timeout_of(flags, proto)
+    ct_alive(now, seen, timeout_of(flags, proto))
 }
 
 /// Flags of `entry` after a packet with `tcp_flags` in its direction.
@@ -77,6 +89,12 @@ pub fn peer_key(entry: &CtEntry, proto: u8) -> CtKey {
         proto,
         _pad: [0; 3],
     }
+}
+
+/// The conntrack clock's tick at `now` ([`CT_PEER_TICK_SHIFT`]).
+#[inline(always)]
+pub fn tick(now: u64) -> u32 {
+    (now >> CT_PEER_TICK_SHIFT) as u32
 }
 
 /// Shares the state bits and liveness with the other direction.

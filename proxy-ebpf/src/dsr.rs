@@ -303,6 +303,7 @@ pub fn accept<B: Buf>(b: &B, pkt: &Pkt, now: u64) -> Verdict {
         flags: CT_F_DSR_DECAP,
         _pad: 0,
         service_id: sid,
+        peer_tick: 0,
         last_seen_ns: now,
     };
     sc.rev = CtEntry {
@@ -313,6 +314,7 @@ pub fn accept<B: Buf>(b: &B, pkt: &Pkt, now: u64) -> Verdict {
         flags: CT_F_REPLY | CT_F_DSR_DECAP,
         _pad: 0,
         service_id: sid,
+        peer_tick: 0,
         last_seen_ns: now,
     };
     if let Err(c) = track_pair(&pkt.key, sc) {

@@ -40,14 +40,16 @@ use proxy_common::{
         CT_F_DSR_DECAP, CT_F_DSR_ENCAP, CT_F_EGRESS, CT_F_POD, CT_F_REPLY, CT_F_SEEN_REPLY,
         CT_F_SNAT, CtEntry, CtKey, IFACE_F_POD, SNAT_KEEP_PORT_MIN, SNAT_PORT_COUNT, SNAT_PORT_MIN,
         SNAT_PORT_TRIES, SOURCE_RANGE_RESTRICTED, SourceRange, TC_CFG_CLUSTER_CIDR_V4,
-        TC_CFG_CLUSTER_CIDR_V6, TC_CFG_DRAIN, TC_CFG_MASQUERADE_ALL, TcCounter,
+        TC_CFG_CLUSTER_CIDR_V6, TC_CFG_DRAIN, TC_CFG_MASQUERADE_ALL, TcCounter, ct_alive,
     },
 };
 
 use crate::{
     addr::L4Addr,
     csum::rewrite,
-    ct::{SHARED_FLAGS, alive, is_closed, peer_key, timeout_of, touch_peer, track, track_pair},
+    ct::{
+        self, SHARED_FLAGS, alive, is_closed, peer_key, timeout_of, touch_peer, track, track_pair,
+    },
     dsr, klog,
     lb::{self, select},
     lc,
@@ -148,12 +150,21 @@ fn tracked_as<B: Buf, const POD: bool>(
             flags |= CT_F_SEEN_REPLY;
         }
     }
+    // The other direction's entry is refreshed when the flow's state bits change, else
+    // once a tick: a second lookup only then (liveness allows for the lag, `ct_alive`).
+    let tick = ct::tick(now);
+    let refresh_peer = (flags ^ entry.flags) & SHARED_FLAGS != 0 || entry.peer_tick != tick;
     // SAFETY: as above; word-sized stores.
     unsafe {
         (*e).last_seen_ns = now;
         (*e).flags = flags;
+        if refresh_peer {
+            (*e).peer_tick = tick;
+        }
     }
-    touch_peer(&entry, proto, flags, now);
+    if refresh_peer {
+        touch_peer(&entry, proto, flags, now);
+    }
     if entry.flags & CT_F_EGRESS == 0 && is_closed(flags) && !is_closed(entry.flags) {
         // The flow closed: its least-connections count, if any, is given back now.
         flow_closed(&pkt.key, &entry);
@@ -463,6 +474,7 @@ fn try_new_flow<B: Buf, const POD: bool>(
         flags: pod_flag,
         _pad: 0,
         service_id: fe.service_id,
+        peer_tick: 0,
         last_seen_ns: now,
     };
     sc.rev = CtEntry {
@@ -473,6 +485,7 @@ fn try_new_flow<B: Buf, const POD: bool>(
         flags: CT_F_REPLY | pod_flag,
         _pad: 0,
         service_id: fe.service_id,
+        peer_tick: 0,
         last_seen_ns: now,
     };
     if snat {
@@ -518,7 +531,7 @@ fn try_new_flow<B: Buf, const POD: bool>(
                     let (seen, flags) = unsafe { ((*old).last_seen_ns, (*old).flags) };
                     // SAFETY: as above.
                     let same = unsafe { (*old).daddr == k.saddr && (*old).dport == k.sport };
-                    if !same && now.saturating_sub(seen) <= timeout_of(flags, k.proto) {
+                    if !same && ct_alive(now, seen, timeout_of(flags, k.proto)) {
                         continue;
                     }
                     BPF_ANY

@@ -65,6 +65,15 @@ pub const TCP_ACK: u8 = 0x10;
 pub trait Buf {
     /// Reads a `T` at `off`; `None` past the end.
     fn load<T>(&self, off: usize) -> Option<T>;
+    /// Reads a `T` at `off` as [`Buf::load`] does, directly when it lies in the part of the
+    /// frame the program reaches without a helper ([`direct`]): for the few fixed headers
+    /// every packet's parse reads. Elsewhere `load` (a helper call): each direct access is
+    /// a branch the verifier explores with the packet's range, and used everywhere they
+    /// would bring the programs near the verifier's limit of a million instructions.
+    fn read<T>(&self, off: usize) -> Option<T>;
+    /// [`Buf::load16`], directly when the 16 bytes lie in that part of the frame (see
+    /// [`Buf::read`]).
+    fn read16(&self, off: usize, dst: &mut [u8; 16]) -> bool;
     /// Reads 16 bytes at `off` straight into `dst` (no stack temporary).
     fn load16(&self, off: usize, dst: &mut [u8; 16]) -> bool;
     /// Writes `v` at `off`.
@@ -111,6 +120,32 @@ pub trait Buf {
     fn encap_room(&self, len: u32, v6: bool) -> bool;
     /// Removes the `len` bytes of an outer header right after the Ethernet header.
     fn decap_room(&self, len: u32, v6: bool) -> bool;
+}
+
+/// Where `size_of::<T>()` bytes at `off` lie in the part of the frame the program can
+/// reach directly (`[data, end)`: the linear part of an skb, the first buffer of an XDP
+/// frame), or `None` when they do not all lie there (the hooks then use their helpers,
+/// which reach the whole frame). Direct access is a plain load or store where a helper call
+/// costs tens of nanoseconds, and a packet's headers are nearly always in that part.
+///
+/// The comparison is on the pointer itself, as the verifier needs to learn the range.
+#[inline(always)]
+pub fn direct<T>(data: usize, end: usize, off: usize) -> Option<*mut T> {
+    let p = data + off;
+    if p + core::mem::size_of::<T>() > end {
+        return None;
+    }
+    Some(p as *mut T)
+}
+
+/// Reads a `T` at `p` (from [`direct`]), wherever it is aligned.
+///
+/// # Safety
+/// `p` must come from [`direct`] for the same `T`.
+#[inline(always)]
+pub unsafe fn read_at<T>(p: *mut T) -> T {
+    // SAFETY: in the packet, per the caller; unaligned is allowed.
+    unsafe { p.read_unaligned() }
 }
 
 /// A parsed IPv4 or IPv6 packet: its tuple (for TCP and UDP) and where its fields are.
@@ -161,7 +196,7 @@ pub fn l4_csum_off(proto: u8) -> usize {
 /// Parses the frame into `pkt` (see the module documentation).
 #[inline(always)]
 pub fn parse<B: Buf>(b: &B, pkt: &mut Pkt) -> Kind {
-    let Some(ethertype) = b.load::<u16>(12) else {
+    let Some(ethertype) = b.read::<u16>(12) else {
         return Kind::Other;
     };
     match u16::from_be(ethertype) {
@@ -174,7 +209,7 @@ pub fn parse<B: Buf>(b: &B, pkt: &mut Pkt) -> Kind {
 #[inline(always)]
 fn parse_v4<B: Buf>(b: &B, pkt: &mut Pkt) -> Option<Kind> {
     // Version, header length, total length.
-    let w0: [u8; 4] = b.load(ETH_HLEN)?;
+    let w0: [u8; 4] = b.read(ETH_HLEN)?;
     if w0[0] >> 4 != 4 {
         return None;
     }
@@ -183,11 +218,11 @@ fn parse_v4<B: Buf>(b: &B, pkt: &mut Pkt) -> Option<Kind> {
         return None;
     }
     // Flags and fragment offset, then TTL and protocol.
-    let w1: [u8; 4] = b.load(ETH_HLEN + 4)?;
+    let w1: [u8; 4] = b.read(ETH_HLEN + 4)?;
     if u16::from_be_bytes([w1[2], w1[3]]) & 0x1fff != 0 {
         return None; // a later fragment: no ports to translate by
     }
-    let w2: [u8; 2] = b.load(ETH_HLEN + 8)?;
+    let w2: [u8; 2] = b.read(ETH_HLEN + 8)?;
     let proto = w2[1];
     let l4 = ETH_HLEN + ihl;
     let total = u16::from_be_bytes([w0[2], w0[3]]) as usize;
@@ -199,8 +234,8 @@ fn parse_v4<B: Buf>(b: &B, pkt: &mut Pkt) -> Option<Kind> {
     if proto == PROTO_ICMP {
         return Some(Kind::Icmp);
     }
-    let saddr: u32 = b.load(IP_SRC_OFF)?;
-    let daddr: u32 = b.load(IP_DST_OFF)?;
+    let saddr: u32 = b.read(IP_SRC_OFF)?;
+    let daddr: u32 = b.read(IP_DST_OFF)?;
     if proto == PROTO_IPIP {
         pkt.key.saddr = v4_mapped(saddr);
         pkt.key.daddr = v4_mapped(daddr);
@@ -210,7 +245,7 @@ fn parse_v4<B: Buf>(b: &B, pkt: &mut Pkt) -> Option<Kind> {
     if proto != PROTO_TCP && proto != PROTO_UDP {
         return None;
     }
-    let ports: [u8; 4] = b.load(l4)?;
+    let ports: [u8; 4] = b.read(l4)?;
     pkt.key = CtKey {
         saddr: v4_mapped(saddr),
         daddr: v4_mapped(daddr),
@@ -232,7 +267,7 @@ fn parse_v6<B: Buf>(b: &B, pkt: &mut Pkt) -> Kind {
 #[inline(always)]
 fn try_parse_v6<B: Buf>(b: &B, pkt: &mut Pkt) -> Option<Kind> {
     // Version ... payload length, next header.
-    let w: [u8; 8] = b.load(ETH_HLEN)?;
+    let w: [u8; 8] = b.read(ETH_HLEN)?;
     if w[0] >> 4 != 6 {
         return None;
     }
@@ -274,7 +309,7 @@ fn try_parse_v6<B: Buf>(b: &B, pkt: &mut Pkt) -> Option<Kind> {
         return Some(Kind::Icmp6);
     }
     if next == PROTO_IPV6 {
-        if !b.load16(IP6_SRC_OFF, &mut pkt.key.saddr) || !b.load16(IP6_DST_OFF, &mut pkt.key.daddr)
+        if !b.read16(IP6_SRC_OFF, &mut pkt.key.saddr) || !b.read16(IP6_DST_OFF, &mut pkt.key.daddr)
         {
             return None;
         }
@@ -284,8 +319,8 @@ fn try_parse_v6<B: Buf>(b: &B, pkt: &mut Pkt) -> Option<Kind> {
     if next != PROTO_TCP && next != PROTO_UDP {
         return None;
     }
-    let ports: [u8; 4] = b.load(off)?;
-    if !b.load16(IP6_SRC_OFF, &mut pkt.key.saddr) || !b.load16(IP6_DST_OFF, &mut pkt.key.daddr) {
+    let ports: [u8; 4] = b.read(off)?;
+    if !b.read16(IP6_SRC_OFF, &mut pkt.key.saddr) || !b.read16(IP6_DST_OFF, &mut pkt.key.daddr) {
         return None;
     }
     pkt.key.sport = [ports[0], ports[1]];
@@ -329,5 +364,5 @@ pub fn tcp_flags<B: Buf>(b: &B, pkt: &Pkt) -> u8 {
     if pkt.key.proto != PROTO_TCP {
         return 0;
     }
-    b.load::<u8>(pkt.l4 + 13).unwrap_or(0)
+    b.read::<u8>(pkt.l4 + 13).unwrap_or(0)
 }

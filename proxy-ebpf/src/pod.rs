@@ -22,10 +22,11 @@
 //! modules' (`nat`, `ct`, `lb`, `csum`, `icmp`); this file maps their [`Verdict`] to tc's
 //! return codes.
 
-use aya_ebpf::{helpers::bpf_ktime_get_ns, macros::classifier, programs::TcContext};
+use aya_ebpf::{macros::classifier, programs::TcContext};
 use proxy_common::nat::{TAIL_REJECT, TcCounter};
 
 use crate::{
+    ct,
     icmp::{on_icmp, on_icmp6},
     maps::TC_TAILS,
     nat::{count_new_flow, new_pod_flow, tracked_pod},
@@ -58,8 +59,7 @@ fn on_packet<const FROM_POD: bool>(ctx: &TcContext) -> Verdict {
         Kind::Icmp | Kind::Icmp6 | Kind::Encap | Kind::Other => return Verdict::Pass,
     }
     let flags = tcp_flags(ctx, &pkt);
-    // SAFETY: helper without side effects.
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = ct::now();
     if let Some(v) = tracked_pod(ctx, &pkt, flags, now, FROM_POD) {
         return v;
     }

@@ -26,11 +26,11 @@
 //! The logic lives in the shared modules (`packet`, `nat`, `ct`, `csum`, `icmp`, `lb`,
 //! `lc`); this file maps their [`Verdict`] to tc's return codes.
 
-use aya_ebpf::{helpers::bpf_ktime_get_ns, macros::classifier, programs::TcContext};
+use aya_ebpf::{macros::classifier, programs::TcContext};
 use proxy_common::nat::{CtKey, TAIL_REJECT, TcCounter};
 
 use crate::{
-    dsr,
+    ct, dsr,
     icmp::{on_icmp, on_icmp6, reject},
     lc,
     maps::{TC_SCRATCH, TC_TAILS},
@@ -54,8 +54,7 @@ pub fn tc_egress(ctx: TcContext) -> i32 {
 fn on_packet<const INGRESS: bool>(ctx: &TcContext) -> Verdict {
     // One `Pkt` for both families, in this frame (stack).
     let mut pkt = Pkt::new();
-    // SAFETY: helper without side effects.
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = ct::now();
     // A direct server return packet, decapsulated: its flow starts here if it is new.
     let mut decapsulated = false;
     match parse(ctx, &mut pkt) {
@@ -142,8 +141,7 @@ pub fn tc_lc_gc(ctx: TcContext) -> i32 {
     let Ok(key) = ctx.load::<CtKey>(ETH_HLEN) else {
         return 2;
     };
-    // SAFETY: helper without side effects.
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = ct::now();
     if flow_open(&key, now) {
         return 0;
     }

@@ -37,7 +37,7 @@ use aya_ebpf::{
         xdp_action::{XDP_DROP, XDP_PASS, XDP_REDIRECT, XDP_TX},
     },
     helpers::{
-        bpf_fib_lookup, bpf_ktime_get_ns, bpf_redirect, bpf_xdp_adjust_head, bpf_xdp_adjust_tail,
+        bpf_fib_lookup, bpf_redirect, bpf_xdp_adjust_head, bpf_xdp_adjust_tail,
         bpf_xdp_get_buff_len, bpf_xdp_load_bytes, bpf_xdp_store_bytes,
     },
     macros::xdp,
@@ -47,11 +47,11 @@ use proxy_common::nat::{CT_F_EGRESS, CT_F_REPLY, CT_F_SNAT, TcCounter};
 
 use crate::{
     csum::{BPF_F_MARK_MANGLED_0, failed},
-    ct::alive,
+    ct::{self, alive},
     fib,
     maps::{TC_CONNTRACK, TC_SCRATCH},
     nat::{count_new_flow, new_flow, tracked},
-    packet::{Buf, ETH_HLEN, IP_CSUM_OFF, Kind, Pkt, parse, tcp_flags},
+    packet::{Buf, ETH_HLEN, IP_CSUM_OFF, Kind, Pkt, direct, parse, read_at, tcp_flags},
     stats::count_tc,
     verdict::Verdict,
 };
@@ -86,8 +86,7 @@ fn on_frame(ctx: &XdpContext) -> u32 {
         return XDP_PASS;
     }
     let flags = tcp_flags(ctx, &pkt);
-    // SAFETY: helper without side effects.
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = ct::now();
     match plan(&pkt, now) {
         Plan::Stack => XDP_PASS,
         Plan::Reply => reply(ctx, &pkt, flags, now),
@@ -336,6 +335,27 @@ fn csum_update(sum: u16, from: u64, to: u64, size: u64) -> u16 {
 /// keep), the FIB lookup on the XDP context. `send_out` uses the next hop the entry point
 /// looked up before translating.
 impl Buf for XdpContext {
+    #[inline(always)]
+    fn read<T>(&self, off: usize) -> Option<T> {
+        match direct::<T>(self.data(), self.data_end(), off) {
+            // SAFETY: from `direct`.
+            Some(p) => Some(unsafe { read_at(p) }),
+            None => <Self as Buf>::load(self, off),
+        }
+    }
+
+    #[inline(always)]
+    fn read16(&self, off: usize, dst: &mut [u8; 16]) -> bool {
+        match direct::<[u8; 16]>(self.data(), self.data_end(), off) {
+            Some(p) => {
+                // SAFETY: from `direct`.
+                *dst = unsafe { read_at(p) };
+                true
+            }
+            None => <Self as Buf>::load16(self, off, dst),
+        }
+    }
+
     #[inline(always)]
     fn load<T>(&self, off: usize) -> Option<T> {
         let mut v = core::mem::MaybeUninit::<T>::uninit();

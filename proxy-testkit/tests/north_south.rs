@@ -1440,6 +1440,7 @@ fn snat_bindings_survive_eviction_and_a_taken_port_is_never_shared() {
         flags: CT_F_REPLY | CT_F_SNAT,
         _pad: 0,
         service_id: 0,
+        peer_tick: 0,
         last_seen_ns: tc::monotonic_ns(),
     };
     ct().insert(reply_key, other, 0).unwrap();

@@ -28,7 +28,14 @@ pub(crate) fn build_ebpf() -> Result<()> {
             BPF_TARGET,
         ])
         .env("CARGO_TARGET_DIR", target_dir())
-        .env("RUSTFLAGS", "-C debuginfo=2 -C link-arg=--btf");
+        // BTF for the maps; and memset/memcpy/memmove of known small sizes written out as
+        // loads and stores: with bpf-linker's default (LLVM's in-order memcpy expansion)
+        // LLVM emits every memset as a call to aya-ebpf's `memset`, a byte loop, costing
+        // about four instructions a byte on every packet that zeroes a key.
+        .env(
+            "RUSTFLAGS",
+            "-C debuginfo=2 -C link-arg=--btf -C link-arg=--disable-expand-memcpy-in-order",
+        );
     run(&mut c)?;
     // The agent's object, and the micro-benchmark's floor programs in one of their own
     // (`ebpf-proxy-bench micro`), which the agent never embeds.
