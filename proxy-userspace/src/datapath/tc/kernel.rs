@@ -17,7 +17,7 @@ use ipnet::IpNet;
 use proxy_common::nat::{
     CONNTRACK, CtEntry, CtKey, DSR, DsrKey, DsrTarget, IFACE_ADDRS, IfaceAddr, LC_FLOWS,
     LOCAL_ENDPOINTS, SOURCE_RANGES, SourceRange, TC_CFG_CLUSTER_CIDR_V4, TC_CFG_CLUSTER_CIDR_V6,
-    TC_CFG_MASQUERADE_ALL, TC_CONFIG, TcConfig, ct_closed, ct_timeout_ns,
+    TC_CFG_MASQUERADE_ALL, TC_CONFIG, TcConfig, ct_alive, ct_closed, ct_timeout_ns,
 };
 
 use super::{
@@ -151,7 +151,7 @@ impl TcKernel {
                         c.udp_ns,
                         c.udp_stream_ns,
                     );
-                    ct_closed(e.flags) || now.saturating_sub(e.last_seen_ns) > timeout
+                    ct_closed(e.flags) || !ct_alive(now, e.last_seen_ns, timeout)
                 }
                 Err(_) => true,
             })
