@@ -65,15 +65,37 @@ pub const TCP_ACK: u8 = 0x10;
 pub trait Buf {
     /// Reads a `T` at `off`; `None` past the end.
     fn load<T>(&self, off: usize) -> Option<T>;
-    /// Reads a `T` at `off` as [`Buf::load`] does, directly when it lies in the part of the
-    /// frame the program reaches without a helper ([`direct`]): for the few fixed headers
-    /// every packet's parse reads. Elsewhere `load` (a helper call): each direct access is
-    /// a branch the verifier explores with the packet's range, and used everywhere they
-    /// would bring the programs near the verifier's limit of a million instructions.
-    fn read<T>(&self, off: usize) -> Option<T>;
-    /// [`Buf::load16`], directly when the 16 bytes lie in that part of the frame (see
+    /// The part of the frame the program reaches without a helper: the linear part of an
+    /// skb, the first buffer of an XDP frame, as `(data, data_end)` addresses.
+    fn linear(&self) -> (usize, usize);
+    /// Reads a `T` at `off` as [`Buf::load`] does, directly when it lies in
+    /// [`Buf::linear`] ([`direct`]): for the few fixed headers every packet's parse reads.
+    /// Elsewhere `load` (a helper call): each direct access is a branch the verifier
+    /// explores with the packet's range, and used everywhere they would bring the programs
+    /// near the verifier's limit of a million instructions.
+    #[inline(always)]
+    fn read<T>(&self, off: usize) -> Option<T> {
+        let (data, end) = self.linear();
+        match direct::<T>(data, end, off) {
+            // SAFETY: from `direct`.
+            Some(p) => Some(unsafe { read_at(p) }),
+            None => self.load(off),
+        }
+    }
+    /// [`Buf::load16`], directly when the 16 bytes lie in [`Buf::linear`] (see
     /// [`Buf::read`]).
-    fn read16(&self, off: usize, dst: &mut [u8; 16]) -> bool;
+    #[inline(always)]
+    fn read16(&self, off: usize, dst: &mut [u8; 16]) -> bool {
+        let (data, end) = self.linear();
+        match direct::<[u8; 16]>(data, end, off) {
+            Some(p) => {
+                // SAFETY: from `direct`.
+                *dst = unsafe { read_at(p) };
+                true
+            }
+            None => self.load16(off, dst),
+        }
+    }
     /// Reads 16 bytes at `off` straight into `dst` (no stack temporary).
     fn load16(&self, off: usize, dst: &mut [u8; 16]) -> bool;
     /// Writes `v` at `off`.

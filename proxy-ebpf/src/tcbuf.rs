@@ -10,11 +10,7 @@ use aya_ebpf::{
     programs::TcContext,
 };
 
-use crate::{
-    fib,
-    packet::{Buf, direct, read_at},
-    verdict::Verdict,
-};
+use crate::{fib, packet::Buf, verdict::Verdict};
 
 /// `bpf_skb_adjust_room` flags: the room is an outer IPv4 / IPv6 header (GSO and the
 /// inner header offsets follow), or an outer one removed.
@@ -30,24 +26,8 @@ impl Buf for TcContext {
     }
 
     #[inline(always)]
-    fn read<T>(&self, off: usize) -> Option<T> {
-        match direct::<T>(self.data(), self.data_end(), off) {
-            // SAFETY: from `direct`.
-            Some(p) => Some(unsafe { read_at(p) }),
-            None => <Self as Buf>::load(self, off),
-        }
-    }
-
-    #[inline(always)]
-    fn read16(&self, off: usize, dst: &mut [u8; 16]) -> bool {
-        match direct::<[u8; 16]>(self.data(), self.data_end(), off) {
-            Some(p) => {
-                // SAFETY: from `direct`.
-                *dst = unsafe { read_at(p) };
-                true
-            }
-            None => <Self as Buf>::load16(self, off, dst),
-        }
+    fn linear(&self) -> (usize, usize) {
+        (self.data(), self.data_end())
     }
 
     #[inline(always)]

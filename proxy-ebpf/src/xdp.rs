@@ -51,7 +51,7 @@ use crate::{
     fib,
     maps::{TC_CONNTRACK, TC_SCRATCH},
     nat::{count_new_flow, new_flow, tracked},
-    packet::{Buf, ETH_HLEN, IP_CSUM_OFF, Kind, Pkt, direct, parse, read_at, tcp_flags},
+    packet::{Buf, ETH_HLEN, IP_CSUM_OFF, Kind, Pkt, parse, tcp_flags},
     stats::count_tc,
     verdict::Verdict,
 };
@@ -336,24 +336,8 @@ fn csum_update(sum: u16, from: u64, to: u64, size: u64) -> u16 {
 /// looked up before translating.
 impl Buf for XdpContext {
     #[inline(always)]
-    fn read<T>(&self, off: usize) -> Option<T> {
-        match direct::<T>(self.data(), self.data_end(), off) {
-            // SAFETY: from `direct`.
-            Some(p) => Some(unsafe { read_at(p) }),
-            None => <Self as Buf>::load(self, off),
-        }
-    }
-
-    #[inline(always)]
-    fn read16(&self, off: usize, dst: &mut [u8; 16]) -> bool {
-        match direct::<[u8; 16]>(self.data(), self.data_end(), off) {
-            Some(p) => {
-                // SAFETY: from `direct`.
-                *dst = unsafe { read_at(p) };
-                true
-            }
-            None => <Self as Buf>::load16(self, off, dst),
-        }
+    fn linear(&self) -> (usize, usize) {
+        (self.data(), self.data_end())
     }
 
     #[inline(always)]
