@@ -157,7 +157,7 @@ const CMD_LINK_CREATE: libc::c_long = 28;
 
 /// One `bpf()` call with `attr` (a zero-padded `union bpf_attr`); the returned descriptor or
 /// the OS error.
-fn bpf(cmd: libc::c_long, attr: &mut [u64; 16]) -> std::io::Result<libc::c_long> {
+pub(crate) fn bpf(cmd: libc::c_long, attr: &mut [u64; 16]) -> std::io::Result<libc::c_long> {
     // SAFETY: `attr` is a valid, writable buffer of the size passed; the pointers inside it
     // point at live buffers of this call's caller.
     let r = unsafe {

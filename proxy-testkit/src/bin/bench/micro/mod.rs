@@ -487,23 +487,7 @@ fn jited_image(id: u32) -> Result<Vec<u8>> {
     /// `bpf()` commands (uapi `enum bpf_cmd`).
     const PROG_GET_FD_BY_ID: libc::c_long = 13;
     const OBJ_GET_INFO_BY_FD: libc::c_long = 15;
-    let bpf = |cmd: libc::c_long, attr: &mut [u64; 16]| -> std::io::Result<libc::c_long> {
-        // SAFETY: `attr` is a writable, zero-padded `union bpf_attr`; the pointers in it
-        // point at live buffers of the caller of the size it says.
-        let r = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                cmd,
-                attr.as_mut_ptr(),
-                std::mem::size_of_val(attr) as libc::c_uint,
-            )
-        };
-        if r < 0 {
-            Err(std::io::Error::last_os_error())
-        } else {
-            Ok(r)
-        }
-    };
+    let bpf = crate::progstats::bpf;
     let mut attr = [0u64; 16];
     attr[0] = id as u64; // prog_id
     let fd = bpf(PROG_GET_FD_BY_ID, &mut attr)?;
