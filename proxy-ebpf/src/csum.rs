@@ -114,6 +114,9 @@ pub fn store_port<B: Buf>(
     }
 }
 
+/// [`rewrite`] of an IPv4 packet. Its writes go straight into the packet where the hook
+/// allows it ([`Buf::write`]): the rewrite of every tracked packet; the checksums follow
+/// through the helpers, which also keep `skb->csum` right.
 #[inline(always)]
 fn rewrite4<B: Buf>(b: &B, pkt: &Pkt, to: &CtEntry) -> Result<(), Verdict> {
     let k = &pkt.key;
@@ -121,31 +124,24 @@ fn rewrite4<B: Buf>(b: &B, pkt: &Pkt, to: &CtEntry) -> Result<(), Verdict> {
     let m = mangled(k.proto);
     let addr = |a: &[u8; 16]| u32::from_ne_bytes([a[12], a[13], a[14], a[15]]);
     let port = |p: [u8; 2]| u16::from_ne_bytes(p);
-    if k.saddr != to.saddr {
-        store_addr4(
-            b,
-            IP_SRC_OFF,
-            addr(&k.saddr),
-            addr(&to.saddr),
-            Some(csum),
-            m,
-        )?;
+    for (off, old, new) in [
+        (IP_SRC_OFF, addr(&k.saddr), addr(&to.saddr)),
+        (IP_DST_OFF, addr(&k.daddr), addr(&to.daddr)),
+    ] {
+        if old != new {
+            ok(b.write(off, &new))?;
+            ok(b.l3_csum_replace(IP_CSUM_OFF, old as u64, new as u64, 4))?;
+            ok(b.l4_csum_replace(csum, old as u64, new as u64, BPF_F_PSEUDO_HDR | m | 4))?;
+        }
     }
-    if k.daddr != to.daddr {
-        store_addr4(
-            b,
-            IP_DST_OFF,
-            addr(&k.daddr),
-            addr(&to.daddr),
-            Some(csum),
-            m,
-        )?;
-    }
-    if k.sport != to.sport {
-        store_port(b, pkt.l4, port(k.sport), port(to.sport), csum, m, false)?;
-    }
-    if k.dport != to.dport {
-        store_port(b, pkt.l4 + 2, port(k.dport), port(to.dport), csum, m, false)?;
+    for (off, old, new) in [
+        (pkt.l4, port(k.sport), port(to.sport)),
+        (pkt.l4 + 2, port(k.dport), port(to.dport)),
+    ] {
+        if old != new {
+            ok(b.write(off, &new))?;
+            ok(b.l4_csum_replace(csum, old as u64, new as u64, m | 2))?;
+        }
     }
     Ok(())
 }

@@ -82,6 +82,24 @@ pub trait Buf {
             None => self.load(off),
         }
     }
+    /// Writes `v` at `off` as [`Buf::store`] does, directly when it lies in [`Buf::linear`]:
+    /// for the rewrite of a translated packet's addresses and ports (see [`Buf::read`] for
+    /// why not everywhere). On tc, a program that writes the packet directly has the
+    /// verifier unclone a cloned skb at its start, as `bpf_skb_store_bytes` does at each
+    /// call; neither changes `skb->csum`, which every rewrite keeps right through the
+    /// checksum update that comes with it.
+    #[inline(always)]
+    fn write<T>(&self, off: usize, v: &T) -> bool {
+        let (data, end) = self.linear();
+        match direct::<T>(data, end, off) {
+            Some(p) => {
+                // SAFETY: from `direct`.
+                unsafe { write_at(p, v) };
+                true
+            }
+            None => self.store(off, v),
+        }
+    }
     /// [`Buf::load16`], directly when the 16 bytes lie in [`Buf::linear`] (see
     /// [`Buf::read`]).
     #[inline(always)]
@@ -168,6 +186,22 @@ pub fn direct<T>(data: usize, end: usize, off: usize) -> Option<*mut T> {
 pub unsafe fn read_at<T>(p: *mut T) -> T {
     // SAFETY: in the packet, per the caller; unaligned is allowed.
     unsafe { p.read_unaligned() }
+}
+
+/// Writes `v` at `p` (from [`direct`]), wherever it is aligned.
+///
+/// # Safety
+/// `p` must come from [`direct`] for the same `T`.
+#[inline(always)]
+pub unsafe fn write_at<T>(p: *mut T, v: &T) {
+    // SAFETY: in the packet, per the caller; a byte copy, so any alignment does.
+    unsafe {
+        core::ptr::copy_nonoverlapping(
+            v as *const T as *const u8,
+            p as *mut u8,
+            core::mem::size_of::<T>(),
+        )
+    }
 }
 
 /// A parsed IPv4 or IPv6 packet: its tuple (for TCP and UDP) and where its fields are.

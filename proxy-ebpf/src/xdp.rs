@@ -340,6 +340,13 @@ impl Buf for XdpContext {
         (self.data(), self.data_end())
     }
 
+    /// Through the helper: direct writes here would take `xdp_ingress` past the
+    /// verifier's budget (see [`Buf::read`]).
+    #[inline(always)]
+    fn write<T>(&self, off: usize, v: &T) -> bool {
+        self.store(off, v)
+    }
+
     #[inline(always)]
     fn load<T>(&self, off: usize) -> Option<T> {
         let mut v = core::mem::MaybeUninit::<T>::uninit();
