@@ -114,13 +114,12 @@ pub fn store_port<B: Buf>(
     }
 }
 
-/// [`rewrite`] of an IPv4 packet. Its writes go straight into the packet where the hook
-/// allows it ([`Buf::write`]): the rewrite of every tracked packet; the checksums follow
-/// through the helpers, which also keep `skb->csum` right.
+/// [`rewrite`] of an IPv4 packet: each changed address and port written, its checksums
+/// updated through the helpers (which also keep `skb->csum` right).
 #[inline(always)]
 fn rewrite4<B: Buf>(b: &B, pkt: &Pkt, to: &CtEntry) -> Result<(), Verdict> {
     let k = &pkt.key;
-    let csum = pkt.l4 + l4_csum_off(k.proto);
+    let csum = pkt.l4() + l4_csum_off(k.proto);
     let m = mangled(k.proto);
     let addr = |a: &[u8; 16]| u32::from_ne_bytes([a[12], a[13], a[14], a[15]]);
     let port = |p: [u8; 2]| u16::from_ne_bytes(p);
@@ -129,17 +128,17 @@ fn rewrite4<B: Buf>(b: &B, pkt: &Pkt, to: &CtEntry) -> Result<(), Verdict> {
         (IP_DST_OFF, addr(&k.daddr), addr(&to.daddr)),
     ] {
         if old != new {
-            ok(b.write(off, &new))?;
+            ok(b.store(off, &new))?;
             ok(b.l3_csum_replace(IP_CSUM_OFF, old as u64, new as u64, 4))?;
             ok(b.l4_csum_replace(csum, old as u64, new as u64, BPF_F_PSEUDO_HDR | m | 4))?;
         }
     }
     for (off, old, new) in [
-        (pkt.l4, port(k.sport), port(to.sport)),
-        (pkt.l4 + 2, port(k.dport), port(to.dport)),
+        (pkt.l4(), port(k.sport), port(to.sport)),
+        (pkt.l4() + 2, port(k.dport), port(to.dport)),
     ] {
         if old != new {
-            ok(b.write(off, &new))?;
+            ok(b.store(off, &new))?;
             ok(b.l4_csum_replace(csum, old as u64, new as u64, m | 2))?;
         }
     }
@@ -152,7 +151,7 @@ fn rewrite4<B: Buf>(b: &B, pkt: &Pkt, to: &CtEntry) -> Result<(), Verdict> {
 #[inline(always)]
 fn rewrite6<B: Buf>(b: &B, pkt: &Pkt, to: &CtEntry) -> Result<(), Verdict> {
     let k = &pkt.key;
-    let csum = pkt.l4 + l4_csum_off(k.proto);
+    let csum = pkt.l4() + l4_csum_off(k.proto);
     let m = mangled(k.proto);
     let port = |p: [u8; 2]| u16::from_ne_bytes(p);
     if k.saddr != to.saddr {
@@ -174,10 +173,18 @@ fn rewrite6<B: Buf>(b: &B, pkt: &Pkt, to: &CtEntry) -> Result<(), Verdict> {
         )?;
     }
     if k.sport != to.sport {
-        store_port(b, pkt.l4, port(k.sport), port(to.sport), csum, m, true)?;
+        store_port(b, pkt.l4(), port(k.sport), port(to.sport), csum, m, true)?;
     }
     if k.dport != to.dport {
-        store_port(b, pkt.l4 + 2, port(k.dport), port(to.dport), csum, m, true)?;
+        store_port(
+            b,
+            pkt.l4() + 2,
+            port(k.dport),
+            port(to.dport),
+            csum,
+            m,
+            true,
+        )?;
     }
     Ok(())
 }

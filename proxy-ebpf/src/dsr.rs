@@ -181,7 +181,7 @@ pub fn decap<B: Buf>(b: &B, pkt: &mut Pkt) -> Option<Verdict> {
         return Some(Verdict::Pass);
     }
     let v6 = pkt.v6;
-    let over = pkt.l4 - ETH_HLEN;
+    let over = pkt.l4() - ETH_HLEN;
     if over != if v6 { IP6_HLEN } else { 20 } {
         return Some(Verdict::Pass); // outer options or extension headers: not ours
     }
@@ -207,7 +207,7 @@ pub fn decap<B: Buf>(b: &B, pkt: &mut Pkt) -> Option<Verdict> {
 }
 
 /// The backend port `TC_DSR` gives the encapsulated packet `pkt` (outer addresses in
-/// `pkt.key`, inner header at `pkt.l4`): its inner destination and protocol, with the outer
+/// `pkt.key`, inner header at `pkt.l4()`): its inner destination and protocol, with the outer
 /// destination as the backend; the frontend address as it is (external and LB IPs), else
 /// zero (a node port, on whichever node's address). A packet of a flow this node already
 /// tracks for that backend ([`CT_F_DSR_DECAP`]) is accepted without the pair: the pair goes
@@ -219,7 +219,7 @@ fn lookup<B: Buf>(b: &B, pkt: &Pkt) -> Option<[u8; 2]> {
     let sc = TC_SCRATCH.get_ptr_mut(0)?;
     // SAFETY: this CPU's slot, used only while this program runs.
     let sc = unsafe { &mut *sc };
-    let inner = pkt.l4;
+    let inner = pkt.l4();
     let mut key = DsrKey {
         frontend: [0; 16],
         backend: pkt.key.daddr,
@@ -358,19 +358,19 @@ fn service_of<B: Buf>(b: &B, pkt: &Pkt) -> u32 {
 /// checksum follows. A SYN without an MSS option is left as it is.
 #[inline(never)]
 pub fn clamp_mss<B: Buf>(b: &B, pkt: &Pkt) {
-    if pkt.key.proto != PROTO_TCP || b.load::<u8>(pkt.l4 + 13).is_none_or(|f| f & TCP_SYN == 0) {
+    if pkt.key.proto != PROTO_TCP || b.load::<u8>(pkt.l4() + 13).is_none_or(|f| f & TCP_SYN == 0) {
         return;
     }
-    let Some(doff) = b.load::<u8>(pkt.l4 + 12) else {
+    let Some(doff) = b.load::<u8>(pkt.l4() + 12) else {
         return;
     };
-    let end = pkt.l4 + ((doff >> 4) as usize) * 4;
+    let end = pkt.l4() + ((doff >> 4) as usize) * 4;
     let over = if pkt.v6 {
         DSR_OVERHEAD_V6
     } else {
         DSR_OVERHEAD_V4
     } as u16;
-    let mut off = pkt.l4 + 20;
+    let mut off = pkt.l4() + 20;
     for _ in 0..MAX_TCP_OPTIONS {
         if off + 4 > end {
             return;
@@ -396,7 +396,7 @@ pub fn clamp_mss<B: Buf>(b: &B, pkt: &Pkt) {
                     let new = (mss - over).to_be();
                     if b.store(off + 2, &new) {
                         let _ = b.l4_csum_replace(
-                            pkt.l4 + l4_csum_off(PROTO_TCP),
+                            pkt.l4() + l4_csum_off(PROTO_TCP),
                             old as u64,
                             new as u64,
                             2,

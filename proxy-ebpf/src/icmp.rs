@@ -46,10 +46,10 @@ const ICMP6_DEST_UNREACH: u8 = 1;
 const ICMP6_PACKET_TOO_BIG: u8 = 2;
 const ICMP6_TIME_EXCEEDED: u8 = 3;
 
-/// An ICMP packet (`pkt.l4` is its header).
+/// An ICMP packet (`pkt.l4()` is its header).
 #[inline(never)]
 pub fn on_icmp<B: Buf>(b: &B, pkt: &Pkt, ingress: bool) -> Verdict {
-    match translate4(b, pkt.l4) {
+    match translate4(b, pkt.l4()) {
         Ok(true) if ingress => {
             let (Some(s), Some(d)) = (b.load::<u32>(IP_SRC_OFF), b.load::<u32>(IP_DST_OFF)) else {
                 return Verdict::Pass;
@@ -148,10 +148,10 @@ fn translate4<B: Buf>(b: &B, l4: usize) -> Result<bool, Verdict> {
     Ok(true)
 }
 
-/// An ICMPv6 packet (`pkt.l4` is its header, after any extension headers).
+/// An ICMPv6 packet (`pkt.l4()` is its header, after any extension headers).
 #[inline(never)]
 pub fn on_icmp6<B: Buf>(b: &B, pkt: &Pkt, ingress: bool) -> Verdict {
-    match translate6(b, pkt.l4, ingress) {
+    match translate6(b, pkt.l4(), ingress) {
         Ok(v) | Err(v) => v,
     }
 }
@@ -296,9 +296,9 @@ const QUOTED_TCP: usize = 20;
 #[inline(always)]
 fn quoted_l4<B: Buf>(b: &B, pkt: &Pkt) -> Option<([u8; QUOTED_TCP], usize)> {
     if pkt.key.proto == PROTO_TCP {
-        Some((b.load::<[u8; QUOTED_TCP]>(pkt.l4)?, QUOTED_TCP))
+        Some((b.load::<[u8; QUOTED_TCP]>(pkt.l4())?, QUOTED_TCP))
     } else {
-        let a = b.load::<[u8; QUOTED_UDP]>(pkt.l4)?;
+        let a = b.load::<[u8; QUOTED_UDP]>(pkt.l4())?;
         let mut l4 = [0u8; QUOTED_TCP];
         l4[..QUOTED_UDP].copy_from_slice(&a);
         Some((l4, QUOTED_UDP))
@@ -384,7 +384,7 @@ fn swapped_eth(macs: &[u8; 12], out: &mut [u8]) {
 #[inline(always)]
 fn reject4<B: Buf>(b: &B, pkt: &Pkt, mtu: u32) -> bool {
     // The quote: the IP header (options included) and the first bytes of the L4 header.
-    let ip_len = pkt.l4 - ETH_HLEN;
+    let ip_len = pkt.l4() - ETH_HLEN;
     let (Some(macs), Some((l4, l4_len))) = (b.load::<[u8; 12]>(0), quoted_l4(b, pkt)) else {
         return false;
     };
@@ -433,7 +433,7 @@ fn reject4<B: Buf>(b: &B, pkt: &Pkt, mtu: u32) -> bool {
 /// `pkt` in place.
 #[inline(always)]
 fn reject6<B: Buf>(b: &B, pkt: &Pkt, mtu: u32) -> bool {
-    if pkt.l4 != ETH_HLEN + IP6_HLEN {
+    if pkt.l4() != ETH_HLEN + IP6_HLEN {
         return false; // extension headers: see `reject`
     }
     // The fixed header's first 8 bytes (version .. hop limit), then the L4 bytes.

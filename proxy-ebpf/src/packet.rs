@@ -65,55 +65,6 @@ pub const TCP_ACK: u8 = 0x10;
 pub trait Buf {
     /// Reads a `T` at `off`; `None` past the end.
     fn load<T>(&self, off: usize) -> Option<T>;
-    /// The part of the frame the program reaches without a helper: the linear part of an
-    /// skb, the first buffer of an XDP frame, as `(data, data_end)` addresses.
-    fn linear(&self) -> (usize, usize);
-    /// Reads a `T` at `off` as [`Buf::load`] does, directly when it lies in
-    /// [`Buf::linear`] ([`direct`]): for the few fixed headers every packet's parse reads.
-    /// Elsewhere `load` (a helper call): each direct access is a branch the verifier
-    /// explores with the packet's range, and used everywhere they would bring the programs
-    /// near the verifier's limit of a million instructions.
-    #[inline(always)]
-    fn read<T>(&self, off: usize) -> Option<T> {
-        let (data, end) = self.linear();
-        match direct::<T>(data, end, off) {
-            // SAFETY: from `direct`.
-            Some(p) => Some(unsafe { read_at(p) }),
-            None => self.load(off),
-        }
-    }
-    /// Writes `v` at `off` as [`Buf::store`] does, directly when it lies in [`Buf::linear`]:
-    /// for the rewrite of a translated packet's addresses and ports (see [`Buf::read`] for
-    /// why not everywhere). On tc, a program that writes the packet directly has the
-    /// verifier unclone a cloned skb at its start, as `bpf_skb_store_bytes` does at each
-    /// call; neither changes `skb->csum`, which every rewrite keeps right through the
-    /// checksum update that comes with it.
-    #[inline(always)]
-    fn write<T>(&self, off: usize, v: &T) -> bool {
-        let (data, end) = self.linear();
-        match direct::<T>(data, end, off) {
-            Some(p) => {
-                // SAFETY: from `direct`.
-                unsafe { write_at(p, v) };
-                true
-            }
-            None => self.store(off, v),
-        }
-    }
-    /// [`Buf::load16`], directly when the 16 bytes lie in [`Buf::linear`] (see
-    /// [`Buf::read`]).
-    #[inline(always)]
-    fn read16(&self, off: usize, dst: &mut [u8; 16]) -> bool {
-        let (data, end) = self.linear();
-        match direct::<[u8; 16]>(data, end, off) {
-            Some(p) => {
-                // SAFETY: from `direct`.
-                *dst = unsafe { read_at(p) };
-                true
-            }
-            None => self.load16(off, dst),
-        }
-    }
     /// Reads 16 bytes at `off` straight into `dst` (no stack temporary).
     fn load16(&self, off: usize, dst: &mut [u8; 16]) -> bool;
     /// Writes `v` at `off`.
@@ -162,65 +113,31 @@ pub trait Buf {
     fn decap_room(&self, len: u32, v6: bool) -> bool;
 }
 
-/// Where `size_of::<T>()` bytes at `off` lie in the part of the frame the program can
-/// reach directly (`[data, end)`: the linear part of an skb, the first buffer of an XDP
-/// frame), or `None` when they do not all lie there (the hooks then use their helpers,
-/// which reach the whole frame). Direct access is a plain load or store where a helper call
-/// costs tens of nanoseconds, and a packet's headers are nearly always in that part.
-///
-/// The comparison is on the pointer itself, as the verifier needs to learn the range.
-#[inline(always)]
-pub fn direct<T>(data: usize, end: usize, off: usize) -> Option<*mut T> {
-    let p = data + off;
-    if p + core::mem::size_of::<T>() > end {
-        return None;
-    }
-    Some(p as *mut T)
-}
-
-/// Reads a `T` at `p` (from [`direct`]), wherever it is aligned.
-///
-/// # Safety
-/// `p` must come from [`direct`] for the same `T`.
-#[inline(always)]
-pub unsafe fn read_at<T>(p: *mut T) -> T {
-    // SAFETY: in the packet, per the caller; unaligned is allowed.
-    unsafe { p.read_unaligned() }
-}
-
-/// Writes `v` at `p` (from [`direct`]), wherever it is aligned.
-///
-/// # Safety
-/// `p` must come from [`direct`] for the same `T`.
-#[inline(always)]
-pub unsafe fn write_at<T>(p: *mut T, v: &T) {
-    // SAFETY: in the packet, per the caller; a byte copy, so any alignment does.
-    unsafe {
-        core::ptr::copy_nonoverlapping(
-            v as *const T as *const u8,
-            p as *mut u8,
-            core::mem::size_of::<T>(),
-        )
-    }
-}
-
 /// A parsed IPv4 or IPv6 packet: its tuple (for TCP and UDP) and where its fields are.
 pub struct Pkt {
     /// The packet's tuple, also the conntrack key of its direction (TCP and UDP only).
     pub key: CtKey,
-    /// Offset of the L4 header in the frame.
-    pub l4: usize,
+    /// Offset of the L4 header in the frame ([`Pkt::l4`]): 32 bits, so that the whole
+    /// `Pkt` takes 48 bytes of the entry points' frames, not 56 (the packet programs' call
+    /// chains share the 512-byte stack).
+    l4_off: u32,
     /// An IPv6 packet (plain IPv6 addresses in `key`), else IPv4 (IPv4-mapped).
     pub v6: bool,
 }
 
 impl Pkt {
+    /// Offset of the L4 header in the frame.
+    #[inline(always)]
+    pub fn l4(&self) -> usize {
+        self.l4_off as usize
+    }
+
     /// An empty packet to parse into (one per program, in its frame).
     #[inline(always)]
     pub fn new() -> Pkt {
         Pkt {
             key: CtKey::default(),
-            l4: 0,
+            l4_off: 0,
             v6: false,
         }
     }
@@ -252,7 +169,7 @@ pub fn l4_csum_off(proto: u8) -> usize {
 /// Parses the frame into `pkt` (see the module documentation).
 #[inline(always)]
 pub fn parse<B: Buf>(b: &B, pkt: &mut Pkt) -> Kind {
-    let Some(ethertype) = b.read::<u16>(12) else {
+    let Some(ethertype) = b.load::<u16>(12) else {
         return Kind::Other;
     };
     match u16::from_be(ethertype) {
@@ -265,7 +182,7 @@ pub fn parse<B: Buf>(b: &B, pkt: &mut Pkt) -> Kind {
 #[inline(always)]
 fn parse_v4<B: Buf>(b: &B, pkt: &mut Pkt) -> Option<Kind> {
     // Version, header length, total length.
-    let w0: [u8; 4] = b.read(ETH_HLEN)?;
+    let w0: [u8; 4] = b.load(ETH_HLEN)?;
     if w0[0] >> 4 != 4 {
         return None;
     }
@@ -274,24 +191,24 @@ fn parse_v4<B: Buf>(b: &B, pkt: &mut Pkt) -> Option<Kind> {
         return None;
     }
     // Flags and fragment offset, then TTL and protocol.
-    let w1: [u8; 4] = b.read(ETH_HLEN + 4)?;
+    let w1: [u8; 4] = b.load(ETH_HLEN + 4)?;
     if u16::from_be_bytes([w1[2], w1[3]]) & 0x1fff != 0 {
         return None; // a later fragment: no ports to translate by
     }
-    let w2: [u8; 2] = b.read(ETH_HLEN + 8)?;
+    let w2: [u8; 2] = b.load(ETH_HLEN + 8)?;
     let proto = w2[1];
     let l4 = ETH_HLEN + ihl;
     let total = u16::from_be_bytes([w0[2], w0[3]]) as usize;
     if !fits(b, total, ihl + min_l4_len(proto)) {
         return None;
     }
-    pkt.l4 = l4;
+    pkt.l4_off = l4 as u32;
     pkt.v6 = false;
     if proto == PROTO_ICMP {
         return Some(Kind::Icmp);
     }
-    let saddr: u32 = b.read(IP_SRC_OFF)?;
-    let daddr: u32 = b.read(IP_DST_OFF)?;
+    let saddr: u32 = b.load(IP_SRC_OFF)?;
+    let daddr: u32 = b.load(IP_DST_OFF)?;
     if proto == PROTO_IPIP {
         pkt.key.saddr = v4_mapped(saddr);
         pkt.key.daddr = v4_mapped(daddr);
@@ -301,7 +218,7 @@ fn parse_v4<B: Buf>(b: &B, pkt: &mut Pkt) -> Option<Kind> {
     if proto != PROTO_TCP && proto != PROTO_UDP {
         return None;
     }
-    let ports: [u8; 4] = b.read(l4)?;
+    let ports: [u8; 4] = b.load(l4)?;
     pkt.key = CtKey {
         saddr: v4_mapped(saddr),
         daddr: v4_mapped(daddr),
@@ -323,7 +240,7 @@ fn parse_v6<B: Buf>(b: &B, pkt: &mut Pkt) -> Kind {
 #[inline(always)]
 fn try_parse_v6<B: Buf>(b: &B, pkt: &mut Pkt) -> Option<Kind> {
     // Version ... payload length, next header.
-    let w: [u8; 8] = b.read(ETH_HLEN)?;
+    let w: [u8; 8] = b.load(ETH_HLEN)?;
     if w[0] >> 4 != 6 {
         return None;
     }
@@ -359,13 +276,13 @@ fn try_parse_v6<B: Buf>(b: &B, pkt: &mut Pkt) -> Option<Kind> {
     if !fits(b, total, off - ETH_HLEN + min_l4_len(next)) {
         return None;
     }
-    pkt.l4 = off;
+    pkt.l4_off = off as u32;
     pkt.v6 = true;
     if next == PROTO_ICMPV6 {
         return Some(Kind::Icmp6);
     }
     if next == PROTO_IPV6 {
-        if !b.read16(IP6_SRC_OFF, &mut pkt.key.saddr) || !b.read16(IP6_DST_OFF, &mut pkt.key.daddr)
+        if !b.load16(IP6_SRC_OFF, &mut pkt.key.saddr) || !b.load16(IP6_DST_OFF, &mut pkt.key.daddr)
         {
             return None;
         }
@@ -375,8 +292,8 @@ fn try_parse_v6<B: Buf>(b: &B, pkt: &mut Pkt) -> Option<Kind> {
     if next != PROTO_TCP && next != PROTO_UDP {
         return None;
     }
-    let ports: [u8; 4] = b.read(off)?;
-    if !b.read16(IP6_SRC_OFF, &mut pkt.key.saddr) || !b.read16(IP6_DST_OFF, &mut pkt.key.daddr) {
+    let ports: [u8; 4] = b.load(off)?;
+    if !b.load16(IP6_SRC_OFF, &mut pkt.key.saddr) || !b.load16(IP6_DST_OFF, &mut pkt.key.daddr) {
         return None;
     }
     pkt.key.sport = [ports[0], ports[1]];
@@ -420,5 +337,5 @@ pub fn tcp_flags<B: Buf>(b: &B, pkt: &Pkt) -> u8 {
     if pkt.key.proto != PROTO_TCP {
         return 0;
     }
-    b.read::<u8>(pkt.l4 + 13).unwrap_or(0)
+    b.load::<u8>(pkt.l4() + 13).unwrap_or(0)
 }

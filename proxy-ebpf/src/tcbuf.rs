@@ -26,11 +26,6 @@ impl Buf for TcContext {
     }
 
     #[inline(always)]
-    fn linear(&self) -> (usize, usize) {
-        (self.data(), self.data_end())
-    }
-
-    #[inline(always)]
     fn load16(&self, off: usize, dst: &mut [u8; 16]) -> bool {
         // SAFETY: the helper writes exactly 16 bytes into `dst`.
         unsafe {

@@ -336,18 +336,6 @@ fn csum_update(sum: u16, from: u64, to: u64, size: u64) -> u16 {
 /// looked up before translating.
 impl Buf for XdpContext {
     #[inline(always)]
-    fn linear(&self) -> (usize, usize) {
-        (self.data(), self.data_end())
-    }
-
-    /// Through the helper: direct writes here would take `xdp_ingress` past the
-    /// verifier's budget (see [`Buf::read`]).
-    #[inline(always)]
-    fn write<T>(&self, off: usize, v: &T) -> bool {
-        self.store(off, v)
-    }
-
-    #[inline(always)]
     fn load<T>(&self, off: usize) -> Option<T> {
         let mut v = core::mem::MaybeUninit::<T>::uninit();
         // SAFETY: the helper writes exactly `size_of::<T>()` bytes into `v`, or fails.
