@@ -30,9 +30,8 @@ pub(crate) fn build_ebpf() -> Result<()> {
         .env("CARGO_TARGET_DIR", target_dir())
         // bpf-linker's default in-order memcpy expansion makes LLVM emit every memset as a
         // call to aya-ebpf's byte loop; `--disable-expand-memcpy-in-order` would write them
-        // out inline but grows the new-flow call chain past the 512-byte stack with kernel
-        // logs at trace, so the hot path zeroes its keys in whole words itself
-        // (`packet::zero_words`).
+        // out inline, but it grows the new-flow call chain past the 512-byte stack with
+        // kernel logs at trace (docs/src/benchmarks-micro.md), so the default stays.
         .env("RUSTFLAGS", "-C debuginfo=2 -C link-arg=--btf");
     run(&mut c)?;
     // The agent's object, and the micro-benchmark's floor programs in one of their own
