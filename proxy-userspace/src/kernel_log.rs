@@ -14,7 +14,7 @@ pub const TARGET: &str = "ebpf_proxy::kernel";
 
 /// Forwards aya-log records (the `log` crate's) to tracing.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct Forward;
+pub(crate) struct Forward;
 
 impl log::Log for Forward {
     fn enabled(&self, _: &log::Metadata<'_>) -> bool {
@@ -44,7 +44,7 @@ impl log::Log for Forward {
 }
 
 /// The reader of the kernel log ring.
-pub struct KernelLogs(EbpfLogger<Forward>);
+pub(crate) struct KernelLogs(EbpfLogger<Forward>);
 
 impl std::fmt::Debug for KernelLogs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

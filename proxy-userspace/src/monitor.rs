@@ -39,7 +39,7 @@ use crate::datapath::{
 };
 
 /// How long a lease lasts without a refresh.
-pub const LEASE: Duration = Duration::from_secs(3);
+pub(crate) const LEASE: Duration = Duration::from_secs(3);
 
 /// Which events to print. Empty lists and `None` match everything.
 #[derive(Debug, Clone, Default)]
@@ -123,7 +123,7 @@ pub fn parse_reason(s: &str) -> Result<EventReason> {
 
 /// One ring buffer record as a [`MonitorEvent`]; `None` when it has another size (a record
 /// of another build of the data path).
-pub fn decode(bytes: &[u8]) -> Option<MonitorEvent> {
+pub(crate) fn decode(bytes: &[u8]) -> Option<MonitorEvent> {
     if bytes.len() != std::mem::size_of::<MonitorEvent>() {
         return None;
     }
@@ -279,7 +279,7 @@ fn clock(t: f64) -> String {
 }
 
 /// One text line: time, type, protocol, client -> frontend => backend, then the details.
-pub fn text_line(s: &Shown) -> String {
+pub(crate) fn text_line(s: &Shown) -> String {
     let mut line = format!(
         "{} {:<10} {:<3} {} -> {}",
         clock(s.time),
@@ -342,11 +342,11 @@ pub fn text_line(s: &Shown) -> String {
 
 /// Events the data path could not emit, summed over CPUs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-pub struct Lost {
+pub(crate) struct Lost {
     /// Over the per-CPU rate.
     pub rate_limited: u64,
     /// No room in the ring buffer.
-    pub ring_full: u64,
+    pub(crate) ring_full: u64,
 }
 
 impl Lost {
@@ -356,7 +356,7 @@ impl Lost {
     }
 
     /// What was lost since `base`.
-    pub fn since(&self, base: &Lost) -> Lost {
+    pub(crate) fn since(&self, base: &Lost) -> Lost {
         Lost {
             rate_limited: self.rate_limited.saturating_sub(base.rate_limited),
             ring_full: self.ring_full.saturating_sub(base.ring_full),
@@ -365,7 +365,7 @@ impl Lost {
 }
 
 /// The summary line of lost events (`-o json`: `{"lost":N,"rate_limited":..,"ring_full":..}`).
-pub fn lost_line(l: &Lost, json: bool) -> String {
+pub(crate) fn lost_line(l: &Lost, json: bool) -> String {
     if json {
         serde_json::json!({"lost": l.total(), "rate_limited": l.rate_limited, "ring_full": l.ring_full})
             .to_string()
@@ -381,7 +381,7 @@ pub fn lost_line(l: &Lost, json: bool) -> String {
 
 /// The monitor's lease on the event stream: held from [`Lease::take`] to its drop, which
 /// clears it.
-pub struct Lease {
+pub(crate) struct Lease {
     ctl: Array<MapData, MonitorCtl>,
     rate: MonitorCtl,
 }
@@ -409,7 +409,7 @@ impl Lease {
     }
 
     /// Extends the lease by [`LEASE`] from now.
-    pub fn refresh(&mut self) -> Result<()> {
+    pub(crate) fn refresh(&mut self) -> Result<()> {
         let v = MonitorCtl {
             expiry_ns: monotonic_ns() + LEASE.as_nanos() as u64,
             ..self.rate

@@ -39,7 +39,7 @@ use crate::model::Family;
 
 /// The status server's default port: not one of the ports Kubernetes components use
 /// (10248-10259), so kube-proxy, the kubelet and the control plane never hold it.
-pub const DEFAULT_STATUS_PORT: u16 = 10266;
+pub(crate) const DEFAULT_STATUS_PORT: u16 = 10266;
 
 /// The agent's sync health: what `/healthz` and `/livez` report (the health server renders
 /// it, `servers`) and what `/readyz` and `/livez` here read. The agent updates it after
@@ -47,15 +47,15 @@ pub const DEFAULT_STATUS_PORT: u16 = 10266;
 #[derive(Debug, Clone)]
 pub struct Health {
     /// Time of the last successful sync; `None` until the first one.
-    pub last_updated: Option<SystemTime>,
+    pub(crate) last_updated: Option<SystemTime>,
     /// When the oldest update not yet applied arrived; `None` when none is pending.
-    pub queued: Option<SystemTime>,
+    pub(crate) queued: Option<SystemTime>,
     /// How long an update may stay pending before the agent is unhealthy.
     pub timeout: Duration,
     /// This node is neither being deleted nor tainted for deletion.
-    pub node_eligible: bool,
+    pub(crate) node_eligible: bool,
     /// The IP families the node runs (one `status` entry each).
-    pub families: Vec<Family>,
+    pub(crate) families: Vec<Family>,
 }
 
 impl Health {
@@ -82,7 +82,7 @@ impl Health {
 /// Where one of the agent's servers stands, as the server task (`servers::spawn`) publishes
 /// it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ServerState {
+pub(crate) enum ServerState {
     /// Not tried yet.
     Starting,
     /// Serving on this address.
@@ -99,7 +99,7 @@ pub struct NorthSouth {
     /// External interfaces with the tcx programs attached, sorted.
     pub interfaces: Vec<String>,
     /// Pod-facing interfaces with the programs attached (SNAT of local flows), sorted.
-    pub pod_interfaces: Vec<String>,
+    pub(crate) pod_interfaces: Vec<String>,
     /// Failures of the interfaces step (each names the interface and the cause, e.g. "tcx
     /// needs Linux >= 6.6"), until a pass works.
     pub errors: Vec<String>,
@@ -112,7 +112,7 @@ impl NorthSouth {
     }
 
     /// Why the north-south path does not serve this node (`None` when it does).
-    pub fn problem(&self) -> Option<String> {
+    pub(crate) fn problem(&self) -> Option<String> {
         if !self.errors.is_empty() {
             return Some(self.errors.join("; "));
         }
@@ -153,14 +153,14 @@ pub struct Status {
     pub synced: bool,
     /// Time of the last successful sync (RFC 3339), if any.
     #[serde(default)]
-    pub last_synced: Option<String>,
+    pub(crate) last_synced: Option<String>,
     /// `/livez`'s condition: synced, and no update pending for longer than twice
     /// `--sync-period`.
     pub healthy: bool,
     /// `/readyz`'s condition: healthy and every other server listening.
     pub ready: bool,
     /// Why the agent is not ready (empty when it is), one line each.
-    pub not_ready: Vec<String>,
+    pub(crate) not_ready: Vec<String>,
     /// The agent's servers.
     pub servers: Vec<ServerStatus>,
     /// The north-south path.
@@ -169,7 +169,7 @@ pub struct Status {
 
 /// A server of the agent whose state the status reports.
 #[derive(Clone, Debug)]
-pub struct Listener {
+pub(crate) struct Listener {
     /// `health` or `metrics`.
     pub name: &'static str,
     /// The configured address.
@@ -189,7 +189,7 @@ pub struct StatusSources {
     /// The north-south path after the last sync.
     pub north_south: Arc<Mutex<NorthSouth>>,
     /// The other servers (health, metrics) that must listen for the agent to be ready.
-    pub listeners: Vec<Listener>,
+    pub(crate) listeners: Vec<Listener>,
 }
 
 /// A hint added to a bind error: what usually holds the port.
@@ -355,7 +355,7 @@ impl Requirement {
 ///
 /// Errors: nothing listens there (the agent is not running, or runs with another
 /// `--status-bind-address`), or the answer is not a status document.
-pub fn fetch(addr: SocketAddr, timeout: Duration) -> Result<Status> {
+pub(crate) fn fetch(addr: SocketAddr, timeout: Duration) -> Result<Status> {
     let mut s = TcpStream::connect_timeout(&addr, timeout).with_context(|| {
         format!(
             "no ebpf-proxy agent answers on {addr} (is it running on this node, with --status-bind-address {addr}?)"

@@ -42,7 +42,7 @@ use crate::{
     source::{Batch, SourceError},
 };
 
-pub use crate::status::Health;
+pub(crate) use crate::status::Health;
 pub use launch::run;
 pub use startup::{init_only, node_info};
 

@@ -90,9 +90,9 @@ pub struct BypassedPod {
 
 /// The program on the ingress of a bypassed pod's node-side interface (packets leaving
 /// the pod).
-pub const POD_INGRESS_PROGRAM: &str = "pod_ingress";
+pub(crate) const POD_INGRESS_PROGRAM: &str = "pod_ingress";
 /// The program on its egress (packets entering the pod).
-pub const POD_EGRESS_PROGRAM: &str = "pod_egress";
+pub(crate) const POD_EGRESS_PROGRAM: &str = "pod_egress";
 
 /// `SO_NETNS_COOKIE` (`include/uapi/asm-generic/socket.h`, Linux >= 5.14).
 const SO_NETNS_COOKIE: libc::c_int = 71;
@@ -101,7 +101,7 @@ const SO_NETNS_COOKIE: libc::c_int = 71;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PodNet {
     /// Its network namespace cookie.
-    pub netns_cookie: u64,
+    pub(crate) netns_cookie: u64,
     /// The node-side end of its veth: ifindex in the agent's namespace.
     pub ifindex: u32,
     /// Its name.
@@ -122,7 +122,7 @@ pub struct Programmed {
 }
 
 /// The network namespace cookie of the calling thread's namespace.
-pub fn netns_cookie() -> io::Result<u64> {
+pub(crate) fn netns_cookie() -> io::Result<u64> {
     // SAFETY: socket(2); the descriptor is closed below.
     let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
     if fd < 0 {
@@ -152,7 +152,7 @@ pub fn netns_cookie() -> io::Result<u64> {
 /// Interfaces of the calling thread's namespace whose veth peer lives in another namespace:
 /// (name, peer ifindex there), from an `RTM_GETLINK` dump (`IFLA_LINK` with
 /// `IFLA_LINK_NETNSID`).
-pub fn veth_peers() -> io::Result<Vec<(String, u32)>> {
+pub(crate) fn veth_peers() -> io::Result<Vec<(String, u32)>> {
     const RTM_GETLINK: u16 = 18;
     const RTM_NEWLINK: u16 = 16;
     const NLMSG_ERROR: u16 = 2;
@@ -255,7 +255,7 @@ pub fn veth_peers() -> io::Result<Vec<(String, u32)>> {
 
 /// The cgroup kubelet made for the pod with UID `uid` under `root` (see the module
 /// documentation), at most five levels down.
-pub fn find_pod_cgroup(root: &Path, uid: &str) -> Option<PathBuf> {
+pub(crate) fn find_pod_cgroup(root: &Path, uid: &str) -> Option<PathBuf> {
     let under = uid.replace('-', "_");
     let plain = [format!("pod{uid}"), format!("pod{under}")];
     let slice = format!("-pod{under}.slice");
@@ -301,7 +301,7 @@ fn pid_in(dir: &Path, depth: u32) -> Option<u32> {
 
 /// Finds pod `uid` under cgroup `root`: its namespace cookie and the node side of its
 /// interface (see the module documentation).
-pub fn resolve_pod(root: &Path, uid: &str) -> Result<PodNet> {
+pub(crate) fn resolve_pod(root: &Path, uid: &str) -> Result<PodNet> {
     if uid.is_empty() {
         bail!("the Pod has no metadata.uid");
     }

@@ -69,7 +69,7 @@ pub struct FakeDatapath {
     /// Interfaces with the programs attached.
     pub attached: BTreeSet<String>,
     /// Interfaces whose attach fails (as `--xdp native` on a driver without native XDP).
-    pub refuse_attach: BTreeSet<String>,
+    pub(crate) refuse_attach: BTreeSet<String>,
     /// Health-check servers running.
     pub health: BTreeMap<u16, HealthCheck>,
     /// Ports a server cannot bind (in use by another process).
@@ -77,19 +77,19 @@ pub struct FakeDatapath {
     /// Calls of the least-connections collection.
     pub collections: usize,
     /// When set, the service-map write after this many more succeeds fails (EIO), once.
-    pub fail_after: Option<usize>,
+    pub(crate) fail_after: Option<usize>,
     /// Batch as the kernel data path does: between [`ServiceMaps::begin_bulk`] and
     /// [`ServiceMaps::end_bulk`], puts are buffered and written (and logged) in its order.
     /// Off: every put is written at once.
-    pub batching: bool,
+    pub(crate) batching: bool,
     /// Ids with per-service counters (`SERVICE_STATS` keys; the programs create them).
-    pub service_stats: BTreeSet<u32>,
+    pub(crate) service_stats: BTreeSet<u32>,
     /// Connection counters: pairs (`BACKEND_STATS`) and carried keys, the ones with an id
     /// 0 (`STATS_CARRIED`), in one map: (service id, backend id) -> count.
-    pub pair_stats: BTreeMap<MemberKey, u64>,
+    pub(crate) pair_stats: BTreeMap<MemberKey, u64>,
     /// Most carried keys `STATS_CARRIED` takes (`None`: no limit); one beyond is refused as
     /// full.
-    pub pair_stats_max: Option<usize>,
+    pub(crate) pair_stats_max: Option<usize>,
     bulk: Option<Vec<Op>>,
 }
 

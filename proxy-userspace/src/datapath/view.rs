@@ -96,18 +96,18 @@ impl PinnedView {
 
     /// Per service id counters, summed over CPUs, connections included
     /// ([`maps::read_service_stats`]).
-    pub fn service_stats(&self) -> Result<BTreeMap<u32, ServiceStats>, DatapathError> {
+    pub(crate) fn service_stats(&self) -> Result<BTreeMap<u32, ServiceStats>, DatapathError> {
         maps::read_service_stats(&self.dir)
     }
 
     /// Connections and new flows sent to each backend id ([`maps::read_backend_stats`]).
-    pub fn backend_stats(&self) -> Result<BTreeMap<u32, u64>, DatapathError> {
+    pub(crate) fn backend_stats(&self) -> Result<BTreeMap<u32, u64>, DatapathError> {
         maps::read_backend_stats(&self.dir)
     }
 
     /// `LC_COUNTS`: backend id -> connections and tc flows open now, as least-connections
     /// counts them.
-    pub fn lc_counts(&self) -> Result<BTreeMap<u32, u32>> {
+    pub(crate) fn lc_counts(&self) -> Result<BTreeMap<u32, u32>> {
         self.u32_map(LC_COUNTS)
     }
 
@@ -133,7 +133,7 @@ impl PinnedView {
     }
 
     /// `STALE_SOCKETS`, opened for lookups.
-    pub fn stale_sockets(&self) -> Result<StaleSockets> {
+    pub(crate) fn stale_sockets(&self) -> Result<StaleSockets> {
         let map = HashMap::try_from(Map::LruHashMap(self.pin(STALE_SOCKETS)?))
             .context("open STALE_SOCKETS")?;
         Ok(StaleSockets(map))
@@ -149,7 +149,7 @@ impl PinnedView {
     }
 
     /// Every `UDP_FLOWS` entry (an unconnected socket's flow to a frontend), in map order.
-    pub fn udp_flows(&self) -> Result<Vec<(UdpFlowKey, UdpFlow)>> {
+    pub(crate) fn udp_flows(&self) -> Result<Vec<(UdpFlowKey, UdpFlow)>> {
         let map: HashMap<MapData, UdpFlowKey, UdpFlow> =
             HashMap::try_from(Map::LruHashMap(self.pin(UDP_FLOWS)?)).context("open UDP_FLOWS")?;
         map.iter()
@@ -181,7 +181,7 @@ impl PinnedView {
 
     /// The interfaces of bypassed pods with the per-packet programs attached
     /// ([`bypass::attached_pods`]).
-    pub fn bypass_links(&self) -> BTreeSet<String> {
+    pub(crate) fn bypass_links(&self) -> BTreeSet<String> {
         bypass::attached_pods(&self.dir)
     }
 
@@ -209,7 +209,7 @@ impl PinnedView {
 
     /// `SERVICE_NAMES`, opened to be read again whenever the caller needs (the monitor meets
     /// service ids that appeared after it started).
-    pub fn service_names(&self) -> Result<ServiceNames> {
+    pub(crate) fn service_names(&self) -> Result<ServiceNames> {
         Ok(ServiceNames(HashMap::try_from(Map::HashMap(
             self.pin(SERVICE_NAMES)?,
         ))?))
@@ -217,18 +217,18 @@ impl PinnedView {
 
     /// The monitor's event ring buffer, `MONITOR_EVENTS`, as pinned (the monitor takes its
     /// lock before it reads it as a ring buffer: one reader at a time).
-    pub fn event_stream(&self) -> Result<MapData> {
+    pub(crate) fn event_stream(&self) -> Result<MapData> {
         self.monitor_pin(MONITOR_EVENTS)
     }
 
     /// `MONITOR_CTL`, for the monitor's lease (its expiry and rate).
-    pub fn monitor_control(&self) -> Result<Array<MapData, MonitorCtl>> {
+    pub(crate) fn monitor_control(&self) -> Result<Array<MapData, MonitorCtl>> {
         Ok(Array::try_from(Map::Array(self.monitor_pin(MONITOR_CTL)?))?)
     }
 }
 
 /// `STALE_SOCKETS` opened: the cookies of connected UDP sockets whose backend left.
-pub struct StaleSockets(HashMap<MapData, u64, u32>);
+pub(crate) struct StaleSockets(HashMap<MapData, u64, u32>);
 
 impl StaleSockets {
     /// Whether the socket of `cookie` is stale (its sends fail until it reconnects).
@@ -238,7 +238,7 @@ impl StaleSockets {
 }
 
 /// `SERVICE_NAMES` opened ([`PinnedView::service_names`]).
-pub struct ServiceNames(HashMap<MapData, u32, ServiceName>);
+pub(crate) struct ServiceNames(HashMap<MapData, u32, ServiceName>);
 
 impl ServiceNames {
     /// Service id -> name, decoded, as the map holds them now (entries that cannot be read

@@ -17,14 +17,11 @@ use crate::datapath::{
 
 mod explain;
 
-pub use explain::{
-    ExplainedEndpoint, ExplainedFrontend, Explanation, MAX_SKIPPED_SHOWN, desired_snapshot,
-    explain, external_verdict, print_explanation, workload_paths,
-};
+pub use explain::{desired_snapshot, explain, print_explanation, workload_paths};
 
 /// Prints `rows` under `header` with columns padded to their widest cell (the last column is
 /// not padded).
-pub fn print_table(header: &[&str], rows: &[Vec<String>]) {
+pub(crate) fn print_table(header: &[&str], rows: &[Vec<String>]) {
     let mut w: Vec<usize> = header.iter().map(|h| h.len()).collect();
     for r in rows {
         for (i, c) in r.iter().enumerate() {
@@ -86,7 +83,7 @@ pub struct ServiceRow {
     /// Selection algorithm name.
     pub algorithm: &'static str,
     /// ClientIP affinity timeout in seconds, 0 without affinity.
-    pub affinity_timeout_s: u32,
+    pub(crate) affinity_timeout_s: u32,
     /// `local-only`, `external`, `no-endpoints` (a Local policy without endpoints on any node).
     pub flags: Vec<&'static str>,
     /// Backends in slot order (repeated by weight for weighted round-robin).
@@ -94,7 +91,7 @@ pub struct ServiceRow {
 }
 
 /// The frontends of the maps, sorted by service then frontend.
-pub fn service_rows(snap: &Snapshot) -> Vec<ServiceRow> {
+pub(crate) fn service_rows(snap: &Snapshot) -> Vec<ServiceRow> {
     let mut rows = Vec::new();
     for (k, f) in &snap.frontends {
         if f.flags & FRONTEND_F_VIP_MARKER != 0 {
@@ -188,7 +185,7 @@ pub fn print_services(view: &PinnedView, json: bool) -> Result<()> {
 
 /// One entry of `ebpf-proxy affinity`.
 #[derive(Debug, Serialize)]
-pub struct AffinityRow {
+pub(crate) struct AffinityRow {
     /// Name of the Service port (its cluster IP set) the entry belongs to.
     pub service: String,
     /// Client IP, or `netns:<cookie>` for sockets without a bound address.
@@ -196,14 +193,14 @@ pub struct AffinityRow {
     /// Backend address:port the client sticks to.
     pub backend: String,
     /// Seconds since the client's last new connection.
-    pub age_s: f64,
+    pub(crate) age_s: f64,
     /// Seconds until the entry expires (negative: expired, kept until the LRU drops it),
     /// when the frontend's timeout is known.
-    pub expires_in_s: Option<f64>,
+    pub(crate) expires_in_s: Option<f64>,
 }
 
 /// The affinity entries of the pinned data path, sorted by service and client.
-pub fn affinity_rows(view: &PinnedView, snap: &Snapshot) -> Result<Vec<AffinityRow>> {
+pub(crate) fn affinity_rows(view: &PinnedView, snap: &Snapshot) -> Result<Vec<AffinityRow>> {
     let entries = view.affinity()?;
     let now = monotonic_ns();
     let timeout_of = |group: u32| {
@@ -264,7 +261,7 @@ pub fn print_affinity(view: &PinnedView, json: bool) -> Result<()> {
 
 /// One backend of `ebpf-proxy backends`.
 #[derive(Debug, Serialize)]
-pub struct BackendRow {
+pub(crate) struct BackendRow {
     /// Backend id.
     pub id: u32,
     /// address:port.
@@ -280,7 +277,7 @@ pub struct BackendRow {
 }
 
 /// The backends of the maps with their services and counters.
-pub fn backend_rows(view: &PinnedView, snap: &Snapshot) -> Result<Vec<BackendRow>> {
+pub(crate) fn backend_rows(view: &PinnedView, snap: &Snapshot) -> Result<Vec<BackendRow>> {
     let stats = view.backend_stats().unwrap_or_default();
     let active = view.lc_counts().unwrap_or_default();
     let mut services: std::collections::BTreeMap<u32, std::collections::BTreeSet<String>> =
@@ -355,7 +352,7 @@ pub struct Stats {
     /// Per reason (`proxy_common::Counter` names), summed over CPUs.
     pub reasons: std::collections::BTreeMap<&'static str, u64>,
     /// Per reason of the tc path (`proxy_common::nat::TcCounter` names).
-    pub tc_reasons: std::collections::BTreeMap<&'static str, u64>,
+    pub(crate) tc_reasons: std::collections::BTreeMap<&'static str, u64>,
 }
 
 /// Reads the counters of the pinned data path.
@@ -449,7 +446,7 @@ pub fn print_stats(view: &PinnedView, json: bool) -> Result<()> {
 /// One socket-level translation of `ebpf-proxy conntrack`: a connected socket or an
 /// unconnected UDP flow.
 #[derive(Debug, Serialize)]
-pub struct ConntrackRow {
+pub(crate) struct ConntrackRow {
     /// `connected` (TCP connection or connected UDP socket, from `SOCK_NAT` or `REVNAT_SK`)
     /// or `udp-flow` (from `UDP_FLOWS`).
     pub kind: &'static str,
@@ -471,7 +468,7 @@ pub struct ConntrackRow {
 
 /// The socket-level translations of the pinned data path (the socket programs' equivalent
 /// of a conntrack table).
-pub fn conntrack_rows(view: &PinnedView, snap: &Snapshot) -> Result<Vec<ConntrackRow>> {
+pub(crate) fn conntrack_rows(view: &PinnedView, snap: &Snapshot) -> Result<Vec<ConntrackRow>> {
     let stale = view.stale_sockets()?;
     let name = |id: u32| snap.names.get(&id).cloned().unwrap_or_else(|| "?".into());
     let mut rows = Vec::new();

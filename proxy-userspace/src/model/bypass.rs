@@ -24,7 +24,7 @@ use std::net::IpAddr;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
-pub use crate::datapath::bypass::{BypassedPod, SocketLbScope};
+pub(crate) use crate::datapath::bypass::{BypassedPod, SocketLbScope};
 
 /// Label or annotation (on a Pod or a Namespace) choosing socket-level translation:
 /// `disabled` (bypass it: translate per packet) or `enabled`.

@@ -162,7 +162,7 @@ pub struct DsrPairs {
 }
 
 /// Highest weight an endpoint may have (the data path's bound).
-pub use crate::datapath::MAX_WEIGHT;
+pub(crate) use crate::datapath::MAX_WEIGHT;
 
 /// Every backend set the data path must implement, in key order (what
 /// [`build`](super::build) returns; the agent reads [`Model::ports`](super::Model::ports)

@@ -21,8 +21,8 @@
 
 #[cfg(test)]
 mod equivalence;
-pub mod node;
-pub mod services;
+pub(crate) mod node;
+pub(crate) mod services;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -33,7 +33,7 @@ use crate::{
     datapath::{Datapath, DatapathError, Released},
     model::{Delta, Family, Model, ServicePortKey},
 };
-pub use node::{NodeConfig, NodeReconciler};
+pub use node::{NodeConfig, NodeReconciler, source_range_entries};
 pub use services::{Report, ServiceReconciler, parse_service_name, service_name};
 
 /// First retry delay of a failed Service port.
