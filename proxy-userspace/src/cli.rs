@@ -31,10 +31,10 @@ pub struct Cli {
     /// A subcommand; without one, the agent runs with the flags below (kube-proxy's command
     /// line, e.g. `--config=/var/lib/kube-proxy/config.conf --hostname-override=NODE`).
     #[command(subcommand)]
-    pub command: Option<Command>,
+    pub(crate) command: Option<Command>,
     /// The agent's flags, as `run` takes them.
     #[command(flatten)]
-    pub run: RunFlags,
+    pub(crate) run: RunFlags,
 }
 
 /// The subcommands.
@@ -140,13 +140,13 @@ pub struct CheckArgs {
     /// The agent's configuration file, for the settings checked (the conntrack table's
     /// size), as `run --config` reads it.
     #[arg(allow_hyphen_values = true, long, value_name = "FILE")]
-    pub config: Option<PathBuf>,
+    pub(crate) config: Option<PathBuf>,
     /// As `run --conntrack-max-per-core`: the conntrack table's size is checked with it.
     #[arg(allow_hyphen_values = true, long, value_parser = number_in(0u32, crate::datapath::tc::MAX_CONNTRACK_FLOWS), value_name = "N")]
     pub(crate) conntrack_max_per_core: Option<u32>,
     /// As `run --conntrack-min`.
     #[arg(allow_hyphen_values = true, long, value_parser = crate::config::parse_conntrack_min, value_name = "N")]
-    pub conntrack_min: Option<u32>,
+    pub(crate) conntrack_min: Option<u32>,
     /// Output format.
     #[arg(short = 'o', long, value_enum, default_value = "table")]
     pub output: Output,

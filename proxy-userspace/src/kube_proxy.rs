@@ -49,7 +49,7 @@ const OWNED_PREFIXES: [&str; 6] = [
     "KUBE-XLB-",
 ];
 /// kube-proxy's canary chain.
-pub const CANARY: &str = "KUBE-PROXY-CANARY";
+pub(crate) const CANARY: &str = "KUBE-PROXY-CANARY";
 /// The comment of the rule that ends every full sync of `KUBE-SERVICES` (nat).
 const NODEPORTS_LAST_RULE: &str = "-j KUBE-NODEPORTS";
 
@@ -60,7 +60,7 @@ pub fn owned_chain(name: &str) -> bool {
 
 /// One table of `iptables-save` output: chain name -> its rules (the text after
 /// `-A CHAIN `), in order. Built-in chains are included.
-pub type Table = BTreeMap<String, Vec<String>>;
+pub(crate) type Table = BTreeMap<String, Vec<String>>;
 
 /// Parses `iptables-save` output into tables (`nat`, `filter`, ...).
 pub fn parse_iptables_save(text: &str) -> BTreeMap<String, Table> {
@@ -307,7 +307,7 @@ const TOOL_TIMEOUT: Duration = Duration::from_secs(30);
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct IptablesView {
     /// e.g. `iptables-nft (IPv4)`.
-    pub label: String,
+    pub(crate) label: String,
     save: &'static str,
     restore: &'static str,
 }
@@ -375,9 +375,9 @@ fn which(program: &str) -> bool {
 #[derive(Debug, Default)]
 pub struct Found {
     /// Per iptables view read: its label and state.
-    pub iptables: Vec<(String, IptablesState)>,
+    pub(crate) iptables: Vec<(String, IptablesState)>,
     /// nftables tables named kube-proxy, with whether each is synced.
-    pub nft: Vec<(String, bool)>,
+    pub(crate) nft: Vec<(String, bool)>,
     /// `nft list tables` was read (nft is installed and answered).
     pub(crate) nft_read: bool,
     /// Views or tools that could not be read, with why.
@@ -433,7 +433,7 @@ impl Found {
 }
 
 /// Reads kube-proxy's rules on this node (the network namespace this process runs in).
-pub fn read() -> Found {
+pub(crate) fn read() -> Found {
     let mut f = Found::default();
     for v in iptables_views() {
         match read_command(v.save, &[], TOOL_TIMEOUT) {
@@ -513,7 +513,7 @@ pub(crate) fn running_kube_proxies(proc: &Path) -> Vec<String> {
 }
 
 /// What [`cleanup`] did, one line each.
-pub type Report = Vec<String>;
+pub(crate) type Report = Vec<String>;
 
 /// Removes kube-proxy's rules from this node: its chains in every iptables view and its
 /// nftables tables (`dry_run`: only says what it would remove). The IPVS mode's virtual

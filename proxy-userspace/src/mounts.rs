@@ -82,7 +82,7 @@ pub fn ensure_bpffs(path: &Path) -> Result<bool> {
 }
 
 /// [`ensure_bpffs`] without the remedy in its error, for callers that state it themselves.
-pub fn mount_bpffs(path: &Path) -> Result<bool> {
+pub(crate) fn mount_bpffs(path: &Path) -> Result<bool> {
     if find_mount("bpf", Some(path))?.is_some() {
         return Ok(false);
     }

@@ -61,7 +61,7 @@ pub enum SocketLbScope {
 
 impl SocketLbScope {
     /// The flag's value.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             SocketLbScope::All => "all",
             SocketLbScope::HostOnly => "host-only",
@@ -73,19 +73,19 @@ impl SocketLbScope {
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct BypassedPod {
     /// `metadata.namespace`.
-    pub namespace: String,
+    pub(crate) namespace: String,
     /// `metadata.name`.
-    pub name: String,
+    pub(crate) name: String,
     /// `metadata.uid`: how the agent finds the pod's cgroup (kubelet names it after the
     /// UID) and from it the pod's network namespace and interface.
-    pub uid: String,
+    pub(crate) uid: String,
     /// `status.podIPs`.
-    pub ips: Vec<IpAddr>,
+    pub(crate) ips: Vec<IpAddr>,
     /// Changes whenever the pod may have a new sandbox (network namespace): its
     /// `resourceVersion`, else its IPs; the agent resolves the pod again then.
-    pub version: String,
+    pub(crate) version: String,
     /// Why it is bypassed: `pod`, `namespace` or `host-only`.
-    pub reason: &'static str,
+    pub(crate) reason: &'static str,
 }
 
 /// The program on the ingress of a bypassed pod's node-side interface (packets leaving
@@ -99,26 +99,26 @@ const SO_NETNS_COOKIE: libc::c_int = 71;
 
 /// Where a bypassed pod was found.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PodNet {
+pub(crate) struct PodNet {
     /// Its network namespace cookie.
     pub(crate) netns_cookie: u64,
     /// The node-side end of its veth: ifindex in the agent's namespace.
-    pub ifindex: u32,
+    pub(crate) ifindex: u32,
     /// Its name.
-    pub ifname: String,
+    pub(crate) ifname: String,
 }
 
 /// A bypassed pod as programmed.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Programmed {
+pub(crate) struct Programmed {
     /// `namespace/name`.
-    pub pod: String,
+    pub(crate) pod: String,
     /// [`BypassedPod::version`] when it was resolved.
-    pub version: String,
+    pub(crate) version: String,
     /// Where it was found.
-    pub net: PodNet,
+    pub(crate) net: PodNet,
     /// [`BypassedPod::reason`].
-    pub reason: &'static str,
+    pub(crate) reason: &'static str,
 }
 
 /// The network namespace cookie of the calling thread's namespace.
@@ -379,7 +379,7 @@ pub fn read_pinned(dir: &Path) -> Result<(BypassConfig, Vec<u64>)> {
 
 /// The bypass of one pin directory: its maps, its programs (loaded on first use) and what
 /// is programmed, per pod UID.
-pub struct BypassKernel {
+pub(crate) struct BypassKernel {
     dir: PathBuf,
     cgroup_root: PathBuf,
     scope: SocketLbScope,
@@ -395,7 +395,7 @@ pub struct BypassKernel {
 impl BypassKernel {
     /// Opens the bypass maps pinned under `dir`; pods are searched under cgroup
     /// `cgroup_root`. The node's own namespace is the calling thread's.
-    pub fn new(dir: &Path, cgroup_root: &Path, scope: SocketLbScope) -> Result<Self> {
+    pub(crate) fn new(dir: &Path, cgroup_root: &Path, scope: SocketLbScope) -> Result<Self> {
         Ok(Self {
             dir: dir.to_path_buf(),
             cgroup_root: cgroup_root.to_path_buf(),
@@ -408,11 +408,6 @@ impl BypassKernel {
             failures: BTreeMap::new(),
             adopted: false,
         })
-    }
-
-    /// What is programmed, per pod UID.
-    pub fn programmed(&self) -> &BTreeMap<String, Programmed> {
-        &self.programmed
     }
 
     fn ebpf(&mut self) -> Result<&mut Ebpf> {
@@ -480,7 +475,7 @@ impl BypassKernel {
     /// path), and its namespace is unlisted before they are detached. Returns one line per
     /// pod that cannot be bypassed (the first time it fails that way), for the log; such a
     /// pod keeps socket-level translation, unless the scope is `host-only`.
-    pub fn sync(&mut self, pods: &[BypassedPod], recheck: bool) -> Vec<String> {
+    pub(crate) fn sync(&mut self, pods: &[BypassedPod], recheck: bool) -> Vec<String> {
         let mut errors = Vec::new();
         let wanted: BTreeMap<&str, &BypassedPod> =
             pods.iter().map(|p| (p.uid.as_str(), p)).collect();

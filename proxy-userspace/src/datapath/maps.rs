@@ -227,11 +227,6 @@ impl PinnedMaps {
             Array::try_from(map).map_err(|e| map_err("open", CONFIG, e))?;
         a.set(0, cfg, 0).map_err(|e| map_err("update", CONFIG, e))
     }
-
-    /// Sums the per-CPU counters of `COUNTERS`, in `proxy_common::Counter` index order.
-    pub fn counters(&self) -> Result<Vec<u64>, DatapathError> {
-        read_counters(&self.dir)
-    }
 }
 
 /// Sums the per-CPU counters of the `COUNTERS` map pinned under `dir`, in

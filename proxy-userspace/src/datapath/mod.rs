@@ -91,9 +91,9 @@ pub struct Snapshot {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Released {
     /// `UDP_FLOWS` entries deleted.
-    pub flows: usize,
+    pub(crate) flows: usize,
     /// Connected UDP sockets put into `STALE_SOCKETS`.
-    pub sockets: usize,
+    pub(crate) sockets: usize,
 }
 
 /// The service maps. Every write is one map operation; ordering is the caller's.
@@ -162,9 +162,9 @@ pub trait ServiceMaps {
 /// What the agent has bound now, for [`ServiceMaps::sweep_stats`].
 pub struct Bound<'a> {
     /// Whether a service id is bound.
-    pub service: &'a dyn Fn(u32) -> bool,
+    pub(crate) service: &'a dyn Fn(u32) -> bool,
     /// Whether a backend id is bound.
-    pub backend: &'a dyn Fn(u32) -> bool,
+    pub(crate) backend: &'a dyn Fn(u32) -> bool,
     /// Whether (service id, backend id) is in use: the backend is in the service's slots.
     pub(crate) member: &'a dyn Fn(u32, u32) -> bool,
 }
@@ -175,7 +175,7 @@ pub struct Bound<'a> {
 pub(crate) struct PairSweep {
     /// Keys deleted without carrying their count anywhere: carried keys of ids no longer
     /// bound (their series end), pairs whose service and backend are both unbound.
-    pub delete: Vec<MemberKey>,
+    pub(crate) delete: Vec<MemberKey>,
     /// Pairs no longer in use, each with the carried keys, `(service id, 0)` and/or
     /// `(0, backend id)`, its count moves to.
     pub(crate) moves: Vec<(MemberKey, Vec<MemberKey>)>,
@@ -283,7 +283,7 @@ pub type SourceRangeKey = (u32, SourceRange);
 /// restricted LB IP with the CIDRs it admits (as the model's `Model::source_ranges` gives
 /// them); per LB IP a marker and one allowed prefix per CIDR (IPv4 as IPv4-mapped
 /// addresses).
-pub fn source_range_entries<'a, C>(
+pub(crate) fn source_range_entries<'a, C>(
     ranges: impl IntoIterator<Item = (&'a IpAddr, C)>,
 ) -> BTreeMap<SourceRangeKey, u32>
 where
@@ -334,13 +334,13 @@ fn mask(a: &mut [u8; 16], bits: u32) {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NodeSnapshot {
     /// `TC_LOCAL_ENDPOINTS` keys (IPv4-mapped or IPv6 addresses).
-    pub local_endpoints: BTreeSet<[u8; 16]>,
+    pub(crate) local_endpoints: BTreeSet<[u8; 16]>,
     /// `TC_SOURCE_RANGES`.
-    pub source_ranges: BTreeMap<SourceRangeKey, u32>,
+    pub(crate) source_ranges: BTreeMap<SourceRangeKey, u32>,
     /// `TC_IFACE_ADDRS` by interface index.
     pub(crate) iface_addrs: BTreeMap<u32, IfaceAddr>,
     /// `TC_DSR`.
-    pub dsr: BTreeMap<DsrKey, DsrTarget>,
+    pub(crate) dsr: BTreeMap<DsrKey, DsrTarget>,
 }
 
 /// The north-south maps the agent writes. Every write is one map operation.
@@ -394,12 +394,12 @@ pub trait Interfaces {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HealthCheck {
     /// Namespace of the Service.
-    pub namespace: String,
+    pub(crate) namespace: String,
     /// Name of the Service.
-    pub name: String,
+    pub(crate) name: String,
     /// Distinct endpoint addresses of the Service's `externalTrafficPolicy` backend sets on
     /// this node.
-    pub local_endpoints: usize,
+    pub(crate) local_endpoints: usize,
 }
 
 /// The `healthCheckNodePort` servers (one per port, on every address).
@@ -414,7 +414,7 @@ pub trait HealthServers {
 
 /// The periodic collection of least-connections counts of north-south flows that ended
 /// without a FIN or RST the data path saw (timed out, evicted).
-pub trait FlowCollection {
+pub(crate) trait FlowCollection {
     /// Gives the counts of such flows back; returns how many flows were collected.
     fn collect_lc_flows(&mut self) -> anyhow::Result<usize>;
 }

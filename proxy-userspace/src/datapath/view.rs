@@ -50,11 +50,6 @@ impl PinnedView {
         }
     }
 
-    /// The pin directory.
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
     /// The pinned map `name`. Errors: `open <path>` with the cause.
     fn pin(&self, name: &str) -> Result<MapData> {
         let path = self.dir.join(name);
@@ -90,7 +85,7 @@ impl PinnedView {
 
     /// The tc programs' `TC_COUNTERS`, summed over CPUs, in `proxy_common::nat::TcCounter`
     /// index order.
-    pub fn tc_counters(&self) -> Result<Vec<u64>, DatapathError> {
+    pub(crate) fn tc_counters(&self) -> Result<Vec<u64>, DatapathError> {
         maps::read_tc_counters(&self.dir)
     }
 
@@ -124,7 +119,7 @@ impl PinnedView {
     }
 
     /// Every `AFFINITY` entry (client and group -> backend and last use), in map order.
-    pub fn affinity(&self) -> Result<Vec<(AffinityKey, AffinityValue)>> {
+    pub(crate) fn affinity(&self) -> Result<Vec<(AffinityKey, AffinityValue)>> {
         let map: HashMap<MapData, AffinityKey, AffinityValue> =
             HashMap::try_from(Map::LruHashMap(self.pin(AFFINITY)?)).context("open AFFINITY")?;
         map.iter()
@@ -141,7 +136,7 @@ impl PinnedView {
 
     /// Passes every connected socket's reverse-NAT entry to `f`
     /// ([`maps::for_each_connected`]).
-    pub fn for_each_connected(
+    pub(crate) fn for_each_connected(
         &self,
         f: impl FnMut(&RevNatKey, &RevNatValue),
     ) -> Result<(), DatapathError> {
@@ -175,7 +170,7 @@ impl PinnedView {
 
     /// The socket-level bypass: `BYPASS_CONFIG` and the namespace cookies of
     /// `BYPASS_NETNS` ([`bypass::read_pinned`]).
-    pub fn bypass(&self) -> Result<(BypassConfig, Vec<u64>)> {
+    pub(crate) fn bypass(&self) -> Result<(BypassConfig, Vec<u64>)> {
         bypass::read_pinned(&self.dir)
     }
 
@@ -232,7 +227,7 @@ pub(crate) struct StaleSockets(HashMap<MapData, u64, u32>);
 
 impl StaleSockets {
     /// Whether the socket of `cookie` is stale (its sends fail until it reconnects).
-    pub fn contains(&self, cookie: u64) -> bool {
+    pub(crate) fn contains(&self, cookie: u64) -> bool {
         self.0.get(&cookie, 0).is_ok()
     }
 }
@@ -243,7 +238,7 @@ pub(crate) struct ServiceNames(HashMap<MapData, u32, ServiceName>);
 impl ServiceNames {
     /// Service id -> name, decoded, as the map holds them now (entries that cannot be read
     /// are left out).
-    pub fn read(&self) -> BTreeMap<u32, String> {
+    pub(crate) fn read(&self) -> BTreeMap<u32, String> {
         self.0
             .iter()
             .filter_map(|r| r.ok())

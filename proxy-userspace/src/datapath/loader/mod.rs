@@ -77,7 +77,7 @@ pub enum KernelLogLevel {
 
 impl KernelLogLevel {
     /// The flag's spelling.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             KernelLogLevel::Off => "off",
             KernelLogLevel::Error => "error",
@@ -102,7 +102,7 @@ pub fn set_kernel_log_level(level: KernelLogLevel) {
 }
 
 /// The kernel log level loads get now.
-pub fn kernel_log_level() -> KernelLogLevel {
+pub(crate) fn kernel_log_level() -> KernelLogLevel {
     match KERNEL_LOG_LEVEL.load(std::sync::atomic::Ordering::Relaxed) {
         1 => KernelLogLevel::Error,
         2 => KernelLogLevel::Warn,
@@ -152,7 +152,7 @@ pub struct MapSizes {
 
 impl MapSizes {
     /// `max_entries` of `TC_CONNTRACK` for [`MapSizes::conntrack_flows`].
-    pub fn conntrack_entries(&self) -> u32 {
+    pub(crate) fn conntrack_entries(&self) -> u32 {
         self.conntrack_flows.saturating_mul(2).max(2)
     }
 }
