@@ -44,7 +44,7 @@ use crate::{
 
 pub(crate) use crate::status::Health;
 pub use launch::run;
-pub use startup::{init_only, node_info};
+pub use startup::init_only;
 
 /// What the loop reacts to.
 #[derive(Debug)]

@@ -25,12 +25,10 @@ use std::{fmt::Write as _, path::PathBuf};
 use serde::Serialize;
 
 pub(crate) use host::MIN_KERNEL;
-pub use privileges::CAPABILITIES;
-pub use settings::conntrack;
+pub(crate) use settings::{conntrack, socket_destroy};
 // Used by the unit tests only.
 #[cfg(test)]
 pub(crate) use privileges::{effective_capabilities, missing_capabilities};
-pub(crate) use settings::socket_destroy;
 
 use host::{bpffs, btf, cgroup, kernel, memlock};
 use kube_proxy::kube_proxy_rules;

@@ -48,11 +48,15 @@ use proxy_common::Algorithm;
 
 pub(crate) use self::defaults::DEFAULT_BPFFS;
 pub use self::defaults::DEFAULT_UDP_FLOW_TIMEOUT;
-pub(crate) use self::file::FileSettings;
-pub use self::file::{KubeProxyConfiguration, load, parse};
+pub(crate) use self::file::{FileSettings, KubeProxyConfiguration};
+pub use self::file::{load, parse};
 pub(crate) use self::flags::KubeProxyFlags;
 pub use self::flags::{PinArgs, RunFlags};
 pub use self::values::LogFormat;
+pub(crate) use self::values::{
+    IpvsScheduler, NodePortAddresses, number_in, parse_conntrack_min, parse_duration,
+    parse_positive_duration,
+};
 // Used by the unit tests only.
 #[cfg(test)]
 pub(crate) use self::defaults::{
@@ -66,10 +70,6 @@ pub(crate) use self::values::{ClusterCidrs, DETECT_LOCAL_MODES, ServerAddress};
 // The tests read AgentConfig::proxy_mode, whose doc names it.
 #[cfg(any(test, doc))]
 pub(crate) use self::values::ProxyMode;
-pub(crate) use self::values::{
-    IpvsScheduler, NodePortAddresses, number_in, parse_conntrack_min, parse_duration,
-    parse_positive_duration,
-};
 use crate::datapath::tc::TcSettings;
 pub use crate::source::SourceChoice;
 

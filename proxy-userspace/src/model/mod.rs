@@ -130,7 +130,7 @@ pub use node::NodeInfo;
 pub use selection::parse_algorithm;
 pub(crate) use selection::{NorthSouthMode, algorithm_names};
 pub(crate) use tracker::Delta;
-pub use tracker::{Model, build};
+pub use tracker::Model;
 // Used by the unit tests only.
 #[cfg(test)]
 pub(crate) use endpoints::PortEndpoints;
@@ -138,6 +138,8 @@ pub(crate) use endpoints::PortEndpoints;
 pub(crate) use labels::{HEADLESS_LABEL, PROXY_LABEL_SELECTOR, SERVICE_PROXY_NAME_LABEL};
 #[cfg(test)]
 pub(crate) use topology::{EndpointSets, categorize};
+#[cfg(test)]
+pub(crate) use tracker::build;
 #[cfg(test)]
 pub(crate) use vocab::DesiredState;
 pub(crate) use vocab::{Algorithm, DesiredService, Family, Protocol, Scope, ServicePortKey};

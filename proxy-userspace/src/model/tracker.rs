@@ -693,6 +693,7 @@ fn svc_key(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) ->
 /// Builds the desired state from a set of objects at once: a fresh [`Model`] fed every
 /// object. Returns the state and an error for everything skipped, in [`Model::errors`]
 /// order.
+#[cfg(test)]
 pub fn build(objects: &ObjectSet, node: &NodeInfo) -> (DesiredState, Vec<ModelError>) {
     let model = Model::from_objects(objects, node);
     (model.desired_state(), model.errors())

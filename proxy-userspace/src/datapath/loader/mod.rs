@@ -13,7 +13,8 @@ mod pins;
 use aya::EbpfLoader;
 use proxy_common::ALL_MAPS;
 
-pub use crate::mounts::{cgroup2_root, ensure_bpffs};
+pub(crate) use crate::mounts::cgroup2_root;
+pub use crate::mounts::ensure_bpffs;
 pub(crate) use attach::{
     attach_egress, attach_programs, detach_egress, egress_attached, load_and_attach,
     stale_sockets_listed,

@@ -23,25 +23,23 @@ mod maps;
 mod settings;
 
 pub use crate::datapath::clock::monotonic_ns;
-pub(crate) use attach::attach_pinned;
-pub(crate) use attach::linked_interfaces;
-pub use attach::{XdpMode, install_tail_calls, tc_interfaces, xdp_modes};
-pub use interfaces::route_device;
-pub(crate) use interfaces::{check_interfaces, if_index, interface_addresses};
+pub use attach::{XdpMode, install_tail_calls, xdp_modes};
+pub(crate) use attach::{attach_pinned, linked_interfaces, tc_interfaces};
+pub(crate) use interfaces::{check_interfaces, if_index, interface_addresses, route_device};
 pub use kernel::TcKernel;
 pub(crate) use maps::{allowed_ranges, pinned_source_ranges};
 pub use maps::{conntrack_entries, counters};
 pub use settings::TcSettings;
-// Used by the unit tests only.
-#[cfg(test)]
-pub(crate) use interfaces::interface_names;
-#[cfg(test)]
-pub(crate) use settings::tc_config;
 pub(crate) use settings::{
     ConntrackSize, DEFAULT_CONNTRACK_MAX_PER_CORE, DEFAULT_CONNTRACK_MIN,
     DEFAULT_CT_TCP_ESTABLISHED, DEFAULT_CT_UDP_STREAM, MAX_CONNTRACK_FLOWS, MIN_CONNTRACK_FLOWS,
     XdpSetting, own_cgroup_memory_max,
 };
+// Used by the unit tests only.
+#[cfg(test)]
+pub(crate) use interfaces::interface_names;
+#[cfg(test)]
+pub(crate) use settings::tc_config;
 
 /// Name of the ingress program in the object.
 pub(crate) const INGRESS_PROGRAM: &str = "tc_ingress";
