@@ -196,6 +196,7 @@ impl BypassState {
 
     /// Which path serves connections from `client`, a pod address: the bypassed pod it
     /// belongs to on this node, if any.
+    #[cfg(test)]
     pub fn pod_of(&self, node: &str, client: &IpAddr) -> Option<BypassedPod> {
         self.bypassed(node)
             .into_iter()
