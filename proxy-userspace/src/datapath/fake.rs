@@ -499,7 +499,7 @@ impl HealthServers for FakeDatapath {
 pub(crate) enum Moment {
     /// Between any two map writes: what the data path needs to translate every connection
     /// it can see at that instant (the reconciler's write order guarantees it).
-    #[cfg(test)]
+    #[cfg(any(test, doc))]
     AnyWrite,
     /// After a reconciler call returned: additionally nothing is left over.
     AtRest,

@@ -109,6 +109,10 @@
 //!   with the count of distinct addresses in its `externalTrafficPolicy` backend sets; a
 //!   port outside 1-65535 is reported; a port asked for by two Services goes to the first in
 //!   namespace/name order, the other is reported.
+//!
+//! [`PROXY_LABEL_SELECTOR`]: labels::PROXY_LABEL_SELECTOR
+//! [`categorize`]: topology::categorize
+//! [`NodeState`]: node::NodeState
 
 pub(crate) mod bypass;
 pub(crate) mod endpoints;
