@@ -56,6 +56,7 @@ pub struct Delta {
     pub trigger_times: Vec<(Family, String)>,
 }
 
+#[cfg(test)]
 impl Delta {
     /// True when nothing changed.
     pub fn is_empty(&self) -> bool {

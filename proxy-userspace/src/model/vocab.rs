@@ -173,6 +173,8 @@ pub struct DesiredState {
     pub services: BTreeMap<ServicePortKey, DesiredService>,
 }
 
+// Summaries the unit tests check a desired state with.
+#[cfg(test)]
 impl DesiredState {
     /// Every VIP (address of any frontend).
     pub fn vips(&self) -> BTreeSet<IpAddr> {
