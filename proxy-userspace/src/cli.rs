@@ -12,7 +12,8 @@ use crate::config::{PinArgs, RunFlags, number_in};
 /// What `--version` prints after the name, under either name (`ebpf-proxy 0.1.0
 /// (kube-proxy compatible flags)`): this binary's version, not a Kubernetes version as
 /// kube-proxy's `Kubernetes v1.x.y`.
-pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (kube-proxy compatible flags)");
+pub(crate) const VERSION: &str =
+    concat!(env!("CARGO_PKG_VERSION"), " (kube-proxy compatible flags)");
 
 /// A kube-proxy replacement on eBPF: Kubernetes Services load-balanced at the socket level
 /// for clients on the node, and by tc programs for traffic entering it.
@@ -30,10 +31,10 @@ pub struct Cli {
     /// A subcommand; without one, the agent runs with the flags below (kube-proxy's command
     /// line, e.g. `--config=/var/lib/kube-proxy/config.conf --hostname-override=NODE`).
     #[command(subcommand)]
-    pub command: Option<Command>,
+    pub(crate) command: Option<Command>,
     /// The agent's flags, as `run` takes them.
     #[command(flatten)]
-    pub run: RunFlags,
+    pub(crate) run: RunFlags,
 }
 
 /// The subcommands.
@@ -139,13 +140,13 @@ pub struct CheckArgs {
     /// The agent's configuration file, for the settings checked (the conntrack table's
     /// size), as `run --config` reads it.
     #[arg(allow_hyphen_values = true, long, value_name = "FILE")]
-    pub config: Option<PathBuf>,
+    pub(crate) config: Option<PathBuf>,
     /// As `run --conntrack-max-per-core`: the conntrack table's size is checked with it.
     #[arg(allow_hyphen_values = true, long, value_parser = number_in(0u32, crate::datapath::tc::MAX_CONNTRACK_FLOWS), value_name = "N")]
-    pub conntrack_max_per_core: Option<u32>,
+    pub(crate) conntrack_max_per_core: Option<u32>,
     /// As `run --conntrack-min`.
     #[arg(allow_hyphen_values = true, long, value_parser = crate::config::parse_conntrack_min, value_name = "N")]
-    pub conntrack_min: Option<u32>,
+    pub(crate) conntrack_min: Option<u32>,
     /// Output format.
     #[arg(short = 'o', long, value_enum, default_value = "table")]
     pub output: Output,
@@ -324,7 +325,7 @@ pub struct KubeProxyCleanupArgs {
 /// syntax); greater than zero and at most a year.
 ///
 /// Errors: not a number nor a duration, zero or negative, too long.
-pub fn parse_monitor_duration(s: &str) -> Result<std::time::Duration, String> {
+pub(crate) fn parse_monitor_duration(s: &str) -> Result<std::time::Duration, String> {
     // A bare number is seconds: the same checks as any duration flag.
     if s.parse::<f64>().is_ok() {
         return crate::config::parse_positive_duration(&format!("{s}s"));

@@ -14,7 +14,7 @@ pub const TARGET: &str = "ebpf_proxy::kernel";
 
 /// Forwards aya-log records (the `log` crate's) to tracing.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct Forward;
+pub(crate) struct Forward;
 
 impl log::Log for Forward {
     fn enabled(&self, _: &log::Metadata<'_>) -> bool {
@@ -44,7 +44,7 @@ impl log::Log for Forward {
 }
 
 /// The reader of the kernel log ring.
-pub struct KernelLogs(EbpfLogger<Forward>);
+pub(crate) struct KernelLogs(EbpfLogger<Forward>);
 
 impl std::fmt::Debug for KernelLogs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -55,7 +55,7 @@ impl std::fmt::Debug for KernelLogs {
 impl KernelLogs {
     /// Takes the log ring (`AYA_LOGS`, pinned: see `loader::pinned_maps`) of a loaded
     /// object. Errors: the object has no log ring.
-    pub fn new(ebpf: &mut Ebpf) -> Result<Self> {
+    pub(crate) fn new(ebpf: &mut Ebpf) -> Result<Self> {
         EbpfLogger::init_with_logger(ebpf, Forward)
             .map(KernelLogs)
             .context("load: open the kernel log ring AYA_LOGS")
@@ -63,7 +63,7 @@ impl KernelLogs {
 
     /// Forwards the records as they arrive, on the current tokio runtime, until the
     /// runtime stops. Errors: the ring cannot be registered with the runtime.
-    pub fn spawn(self) -> Result<()> {
+    pub(crate) fn spawn(self) -> Result<()> {
         use tokio::io::{Interest, unix::AsyncFd};
         // SAFETY: the descriptor is the ring buffer map's, owned by the logger that the
         // AsyncFd owns from here on: it stays open and the same until both are dropped.

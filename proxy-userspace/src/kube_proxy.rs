@@ -49,7 +49,7 @@ const OWNED_PREFIXES: [&str; 6] = [
     "KUBE-XLB-",
 ];
 /// kube-proxy's canary chain.
-pub const CANARY: &str = "KUBE-PROXY-CANARY";
+pub(crate) const CANARY: &str = "KUBE-PROXY-CANARY";
 /// The comment of the rule that ends every full sync of `KUBE-SERVICES` (nat).
 const NODEPORTS_LAST_RULE: &str = "-j KUBE-NODEPORTS";
 
@@ -60,7 +60,7 @@ pub fn owned_chain(name: &str) -> bool {
 
 /// One table of `iptables-save` output: chain name -> its rules (the text after
 /// `-A CHAIN `), in order. Built-in chains are included.
-pub type Table = BTreeMap<String, Vec<String>>;
+pub(crate) type Table = BTreeMap<String, Vec<String>>;
 
 /// Parses `iptables-save` output into tables (`nat`, `filter`, ...).
 pub fn parse_iptables_save(text: &str) -> BTreeMap<String, Table> {
@@ -107,13 +107,13 @@ fn target(rule: &str) -> Option<&str> {
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct IptablesState {
     /// kube-proxy's chains, by table.
-    pub chains: BTreeMap<String, BTreeSet<String>>,
+    pub(crate) chains: BTreeMap<String, BTreeSet<String>>,
     /// The canary chain exists (kube-proxy runs, or ran).
     pub canary: bool,
     /// `KUBE-SERVICES` (nat) ends with the jump to `KUBE-NODEPORTS`: a full sync happened.
     pub synced: bool,
     /// Service port rules in `KUBE-SERVICES` (nat).
-    pub service_rules: usize,
+    pub(crate) service_rules: usize,
 }
 
 /// kube-proxy's state in one parsed `iptables-save` output.
@@ -180,7 +180,7 @@ pub fn iptables_cleanup(tables: &BTreeMap<String, Table>) -> Option<String> {
 }
 
 /// The tables named `kube-proxy` in `nft list tables` output, as `FAMILY kube-proxy`.
-pub fn nft_tables(list: &str) -> Vec<String> {
+pub(crate) fn nft_tables(list: &str) -> Vec<String> {
     list.lines()
         .filter_map(|l| {
             let mut it = l.split_whitespace();
@@ -196,7 +196,7 @@ pub fn nft_tables(list: &str) -> Vec<String> {
 
 /// Whether an `nft list table FAMILY kube-proxy` listing is of a synced kube-proxy: its
 /// `services` chain and `service-ips` map exist (the first sync writes the table whole).
-pub fn nft_synced(listing: &str) -> bool {
+pub(crate) fn nft_synced(listing: &str) -> bool {
     let has = |what: &str| {
         listing
             .lines()
@@ -208,7 +208,7 @@ pub fn nft_synced(listing: &str) -> bool {
 /// Whether kube-proxy's rules are present, from the output of `iptables-save` /
 /// `ip6tables-save` (a `KUBE-SERVICES` chain) or `nft list tables` (a table named
 /// `kube-proxy`). `tool` names which.
-pub fn found_in(tool: &str, output: &str) -> bool {
+pub(crate) fn found_in(tool: &str, output: &str) -> bool {
     if tool == "nft" {
         !nft_tables(output).is_empty()
     } else {
@@ -219,7 +219,7 @@ pub fn found_in(tool: &str, output: &str) -> bool {
 }
 
 /// Runs a read-only command for at most `timeout`; `None` when it is not installed.
-pub fn read_command(
+pub(crate) fn read_command(
     program: &str,
     args: &[&str],
     timeout: Duration,
@@ -305,9 +305,9 @@ const TOOL_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// One iptables view of the node: a backend and a family, with its save and restore tools.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct IptablesView {
+pub(crate) struct IptablesView {
     /// e.g. `iptables-nft (IPv4)`.
-    pub label: String,
+    pub(crate) label: String,
     save: &'static str,
     restore: &'static str,
 }
@@ -375,13 +375,13 @@ fn which(program: &str) -> bool {
 #[derive(Debug, Default)]
 pub struct Found {
     /// Per iptables view read: its label and state.
-    pub iptables: Vec<(String, IptablesState)>,
+    pub(crate) iptables: Vec<(String, IptablesState)>,
     /// nftables tables named kube-proxy, with whether each is synced.
-    pub nft: Vec<(String, bool)>,
+    pub(crate) nft: Vec<(String, bool)>,
     /// `nft list tables` was read (nft is installed and answered).
-    pub nft_read: bool,
+    pub(crate) nft_read: bool,
     /// Views or tools that could not be read, with why.
-    pub unreadable: Vec<String>,
+    pub(crate) unreadable: Vec<String>,
 }
 
 impl Found {
@@ -433,7 +433,7 @@ impl Found {
 }
 
 /// Reads kube-proxy's rules on this node (the network namespace this process runs in).
-pub fn read() -> Found {
+pub(crate) fn read() -> Found {
     let mut f = Found::default();
     for v in iptables_views() {
         match read_command(v.save, &[], TOOL_TIMEOUT) {
@@ -483,7 +483,7 @@ pub fn wait_programmed(wait: Duration, interval: Duration) -> Found {
 
 /// Processes of this PID namespace that are kube-proxy itself (named `kube-proxy` and not
 /// an ebpf-proxy binary, which answers to that name too): `pid exe` each.
-pub fn running_kube_proxies(proc: &Path) -> Vec<String> {
+pub(crate) fn running_kube_proxies(proc: &Path) -> Vec<String> {
     let Ok(entries) = std::fs::read_dir(proc) else {
         return Vec::new();
     };
@@ -513,7 +513,7 @@ pub fn running_kube_proxies(proc: &Path) -> Vec<String> {
 }
 
 /// What [`cleanup`] did, one line each.
-pub type Report = Vec<String>;
+pub(crate) type Report = Vec<String>;
 
 /// Removes kube-proxy's rules from this node: its chains in every iptables view and its
 /// nftables tables (`dry_run`: only says what it would remove). The IPVS mode's virtual

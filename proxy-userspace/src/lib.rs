@@ -13,14 +13,14 @@ pub mod datapath;
 pub mod inspect;
 pub mod kernel_log;
 pub mod kube_proxy;
-pub mod maglev;
-pub mod metrics;
+mod maglev;
+mod metrics;
 pub mod model;
 pub mod monitor;
 pub mod mounts;
 pub mod reconcile;
-pub mod servers;
-pub mod sockdiag;
+mod servers;
+mod sockdiag;
 pub mod source;
 pub mod status;
 

@@ -372,7 +372,7 @@ fn explain(args: ExplainArgs) -> Result<()> {
     // The tc path's source ranges: pinned (none without a tc path), else an agent's.
     let ranges = match (&model, pinned) {
         (_, true) => view.source_ranges().unwrap_or_default(),
-        (Some(m), false) => proxy_userspace::reconcile::node::source_range_entries(m),
+        (Some(m), false) => proxy_userspace::reconcile::source_range_entries(m),
         (None, false) => Default::default(),
     };
     let node_from = if args.hostname_override.is_some() {
@@ -431,7 +431,7 @@ fn list_from_api(
                         .filter(|m| !m.trim().is_empty())
                 });
                 match master {
-                    Some(m) => proxy_userspace::source::apiconfig::kube_config(
+                    Some(m) => proxy_userspace::source::kube_config(
                         &config::SourceChoice::Api(None),
                         Some(&m),
                     )

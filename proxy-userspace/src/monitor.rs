@@ -39,7 +39,7 @@ use crate::datapath::{
 };
 
 /// How long a lease lasts without a refresh.
-pub const LEASE: Duration = Duration::from_secs(3);
+pub(crate) const LEASE: Duration = Duration::from_secs(3);
 
 /// Which events to print. Empty lists and `None` match everything.
 #[derive(Debug, Clone, Default)]
@@ -61,7 +61,7 @@ pub struct Filter {
 impl Filter {
     /// Whether `e` (whose Service port is named `name`, `ns/name:port/PROTO/family[...]`)
     /// passes.
-    pub fn matches(&self, e: &MonitorEvent, name: Option<&str>) -> bool {
+    pub(crate) fn matches(&self, e: &MonitorEvent, name: Option<&str>) -> bool {
         if let Some(s) = &self.service {
             let Some(n) = name else { return false };
             // The Service part of the Service port's name.
@@ -123,7 +123,7 @@ pub fn parse_reason(s: &str) -> Result<EventReason> {
 
 /// One ring buffer record as a [`MonitorEvent`]; `None` when it has another size (a record
 /// of another build of the data path).
-pub fn decode(bytes: &[u8]) -> Option<MonitorEvent> {
+pub(crate) fn decode(bytes: &[u8]) -> Option<MonitorEvent> {
     if bytes.len() != std::mem::size_of::<MonitorEvent>() {
         return None;
     }
@@ -133,63 +133,63 @@ pub fn decode(bytes: &[u8]) -> Option<MonitorEvent> {
 
 /// An event as the monitor prints it (`-o json`: one object per line).
 #[derive(Debug, Serialize, PartialEq)]
-pub struct Shown {
+pub(crate) struct Shown {
     /// Wall-clock time, seconds since the Unix epoch.
-    pub time: f64,
+    pub(crate) time: f64,
     /// Event type (`translate`, `refuse`, `reverse`, `stale-drop`, `flow-new`,
     /// `flow-drop`, `flow-end`, `icmp`).
     #[serde(rename = "type")]
-    pub kind: &'static str,
+    pub(crate) kind: &'static str,
     /// Why it was refused or dropped (absent otherwise).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub reason: Option<&'static str>,
+    pub(crate) reason: Option<&'static str>,
     /// Which program: `sock`, `skb`, `tc-ingress`, `tc-egress`, `xdp` or `tc`.
-    pub hook: &'static str,
+    pub(crate) hook: &'static str,
     /// `TCP` or `UDP`.
-    pub protocol: &'static str,
+    pub(crate) protocol: &'static str,
     /// Service port name (`ns/name:port/PROTO/family`), when the event has a known one.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub service: Option<String>,
+    pub(crate) service: Option<String>,
     /// Service id (0: none).
-    pub service_id: u32,
+    pub(crate) service_id: u32,
     /// Client `addr:port`, `netns:<cookie>` for a socket the Service sees by its network
     /// namespace; absent when not known.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub client: Option<String>,
+    pub(crate) client: Option<String>,
     /// Frontend `addr:port` (for tuple events: the matched tuple's destination).
-    pub frontend: String,
+    pub(crate) frontend: String,
     /// Backend `addr:port`; absent when refused.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub backend: Option<String>,
+    pub(crate) backend: Option<String>,
     /// Backend id (0: none).
-    pub backend_id: u32,
+    pub(crate) backend_id: u32,
     /// SNAT `addr:port` of a new flow, or the rewritten source of a tuple event.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub nat: Option<String>,
+    pub(crate) nat: Option<String>,
     /// The selection algorithm (absent when not known).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub algorithm: Option<&'static str>,
+    pub(crate) algorithm: Option<&'static str>,
     /// `hit` or `miss` for a frontend with ClientIP affinity.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub affinity: Option<&'static str>,
+    pub(crate) affinity: Option<&'static str>,
     /// The connect() repaired a stale connected UDP socket.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
-    pub stale_repaired: bool,
+    pub(crate) stale_repaired: bool,
     /// An unconnected UDP datagram's flow (translate) or recvmsg() (reverse).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
-    pub datagram: bool,
+    pub(crate) datagram: bool,
     /// A flow sent by direct server return (flow-new).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
-    pub dsr: bool,
+    pub(crate) dsr: bool,
     /// Socket cookie (socket events).
     #[serde(skip_serializing_if = "is_zero")]
-    pub cookie: u64,
+    pub(crate) cookie: u64,
     /// Network namespace cookie (socket events).
     #[serde(skip_serializing_if = "is_zero")]
-    pub netns: u64,
+    pub(crate) netns: u64,
     /// cgroup v2 id of the connecting process (connect/sendmsg events).
     #[serde(skip_serializing_if = "is_zero")]
-    pub cgroup: u64,
+    pub(crate) cgroup: u64,
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -216,7 +216,7 @@ fn endpoint(a: [u8; 16], port: [u8; 2]) -> Option<String> {
 
 /// The event `e` as printed, with its Service port name and the offset from the
 /// monotonic clock to wall-clock time (`wall_offset_ns`, may be negative).
-pub fn show(e: &MonitorEvent, service: Option<String>, wall_offset_ns: i128) -> Shown {
+pub(crate) fn show(e: &MonitorEvent, service: Option<String>, wall_offset_ns: i128) -> Shown {
     let kind = EventKind::from_u8(e.kind).map_or("?", EventKind::name);
     let reason = EventReason::from_u8(e.reason)
         .filter(|r| *r != EventReason::None)
@@ -279,7 +279,7 @@ fn clock(t: f64) -> String {
 }
 
 /// One text line: time, type, protocol, client -> frontend => backend, then the details.
-pub fn text_line(s: &Shown) -> String {
+pub(crate) fn text_line(s: &Shown) -> String {
     let mut line = format!(
         "{} {:<10} {:<3} {} -> {}",
         clock(s.time),
@@ -342,21 +342,21 @@ pub fn text_line(s: &Shown) -> String {
 
 /// Events the data path could not emit, summed over CPUs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
-pub struct Lost {
+pub(crate) struct Lost {
     /// Over the per-CPU rate.
-    pub rate_limited: u64,
+    pub(crate) rate_limited: u64,
     /// No room in the ring buffer.
-    pub ring_full: u64,
+    pub(crate) ring_full: u64,
 }
 
 impl Lost {
     /// Both causes.
-    pub fn total(&self) -> u64 {
+    pub(crate) fn total(&self) -> u64 {
         self.rate_limited + self.ring_full
     }
 
     /// What was lost since `base`.
-    pub fn since(&self, base: &Lost) -> Lost {
+    pub(crate) fn since(&self, base: &Lost) -> Lost {
         Lost {
             rate_limited: self.rate_limited.saturating_sub(base.rate_limited),
             ring_full: self.ring_full.saturating_sub(base.ring_full),
@@ -365,7 +365,7 @@ impl Lost {
 }
 
 /// The summary line of lost events (`-o json`: `{"lost":N,"rate_limited":..,"ring_full":..}`).
-pub fn lost_line(l: &Lost, json: bool) -> String {
+pub(crate) fn lost_line(l: &Lost, json: bool) -> String {
     if json {
         serde_json::json!({"lost": l.total(), "rate_limited": l.rate_limited, "ring_full": l.ring_full})
             .to_string()
@@ -381,7 +381,7 @@ pub fn lost_line(l: &Lost, json: bool) -> String {
 
 /// The monitor's lease on the event stream: held from [`Lease::take`] to its drop, which
 /// clears it.
-pub struct Lease {
+pub(crate) struct Lease {
     ctl: Array<MapData, MonitorCtl>,
     rate: MonitorCtl,
 }
@@ -389,7 +389,7 @@ pub struct Lease {
 impl Lease {
     /// Takes the lease of the data path of `view` with `rate` events per second and CPU
     /// (0: unlimited) and bursts of `burst`.
-    pub fn take(view: &PinnedView, rate: u32, burst: u32) -> Result<Lease> {
+    pub(crate) fn take(view: &PinnedView, rate: u32, burst: u32) -> Result<Lease> {
         let ctl = view.monitor_control()?;
         let cost_ns = if rate == 0 {
             0
@@ -409,7 +409,7 @@ impl Lease {
     }
 
     /// Extends the lease by [`LEASE`] from now.
-    pub fn refresh(&mut self) -> Result<()> {
+    pub(crate) fn refresh(&mut self) -> Result<()> {
         let v = MonitorCtl {
             expiry_ns: monotonic_ns() + LEASE.as_nanos() as u64,
             ..self.rate

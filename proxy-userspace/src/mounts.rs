@@ -61,7 +61,7 @@ const INITIAL_CGROUP_NS: u64 = 0xEFFF_FFFB;
 /// `/proc/self/ns/cgroup` (`cgroup:[INODE]`); `None` when that cannot be read. In another
 /// namespace (a container's, the default for pods on cgroup v2) a cgroup2 mount shows only
 /// the namespace's subtree, so its root is not the node's.
-pub fn in_initial_cgroup_namespace() -> Option<bool> {
+pub(crate) fn in_initial_cgroup_namespace() -> Option<bool> {
     let link = fs::read_link("/proc/self/ns/cgroup").ok()?;
     let ino: u64 = link
         .to_str()?
@@ -82,7 +82,7 @@ pub fn ensure_bpffs(path: &Path) -> Result<bool> {
 }
 
 /// [`ensure_bpffs`] without the remedy in its error, for callers that state it themselves.
-pub fn mount_bpffs(path: &Path) -> Result<bool> {
+pub(crate) fn mount_bpffs(path: &Path) -> Result<bool> {
     if find_mount("bpf", Some(path))?.is_some() {
         return Ok(false);
     }

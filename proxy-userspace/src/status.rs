@@ -39,28 +39,28 @@ use crate::model::Family;
 
 /// The status server's default port: not one of the ports Kubernetes components use
 /// (10248-10259), so kube-proxy, the kubelet and the control plane never hold it.
-pub const DEFAULT_STATUS_PORT: u16 = 10266;
+pub(crate) const DEFAULT_STATUS_PORT: u16 = 10266;
 
 /// The agent's sync health: what `/healthz` and `/livez` report (the health server renders
 /// it, `servers`) and what `/readyz` and `/livez` here read. The agent updates it after
 /// every sync.
 #[derive(Debug, Clone)]
-pub struct Health {
+pub(crate) struct Health {
     /// Time of the last successful sync; `None` until the first one.
-    pub last_updated: Option<SystemTime>,
+    pub(crate) last_updated: Option<SystemTime>,
     /// When the oldest update not yet applied arrived; `None` when none is pending.
-    pub queued: Option<SystemTime>,
+    pub(crate) queued: Option<SystemTime>,
     /// How long an update may stay pending before the agent is unhealthy.
-    pub timeout: Duration,
+    pub(crate) timeout: Duration,
     /// This node is neither being deleted nor tainted for deletion.
-    pub node_eligible: bool,
+    pub(crate) node_eligible: bool,
     /// The IP families the node runs (one `status` entry each).
-    pub families: Vec<Family>,
+    pub(crate) families: Vec<Family>,
 }
 
 impl Health {
     /// Nothing synced yet, node eligible.
-    pub fn new(timeout: Duration, families: Vec<Family>) -> Health {
+    pub(crate) fn new(timeout: Duration, families: Vec<Family>) -> Health {
         Health {
             last_updated: None,
             queued: None,
@@ -71,7 +71,7 @@ impl Health {
     }
 
     /// Healthy at `now` (the `/livez` condition; `/healthz` adds eligibility)?
-    pub fn healthy(&self, now: SystemTime) -> bool {
+    pub(crate) fn healthy(&self, now: SystemTime) -> bool {
         self.last_updated.is_some()
             && self
                 .queued
@@ -82,7 +82,7 @@ impl Health {
 /// Where one of the agent's servers stands, as the server task (`servers::spawn`) publishes
 /// it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ServerState {
+pub(crate) enum ServerState {
     /// Not tried yet.
     Starting,
     /// Serving on this address.
@@ -97,22 +97,17 @@ pub enum ServerState {
 #[serde(rename_all = "camelCase")]
 pub struct NorthSouth {
     /// External interfaces with the tcx programs attached, sorted.
-    pub interfaces: Vec<String>,
+    pub(crate) interfaces: Vec<String>,
     /// Pod-facing interfaces with the programs attached (SNAT of local flows), sorted.
-    pub pod_interfaces: Vec<String>,
+    pub(crate) pod_interfaces: Vec<String>,
     /// Failures of the interfaces step (each names the interface and the cause, e.g. "tcx
     /// needs Linux >= 6.6"), until a pass works.
-    pub errors: Vec<String>,
+    pub(crate) errors: Vec<String>,
 }
 
 impl NorthSouth {
-    /// Every wanted external interface is served: at least one attached, no failure.
-    pub fn serving(&self) -> bool {
-        !self.interfaces.is_empty() && self.errors.is_empty()
-    }
-
     /// Why the north-south path does not serve this node (`None` when it does).
-    pub fn problem(&self) -> Option<String> {
+    pub(crate) fn problem(&self) -> Option<String> {
         if !self.errors.is_empty() {
             return Some(self.errors.join("; "));
         }
@@ -129,16 +124,16 @@ impl NorthSouth {
 /// One of the agent's servers, as `/status` reports it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct ServerStatus {
+pub(crate) struct ServerStatus {
     /// `health`, `metrics` or `status`.
-    pub name: String,
+    pub(crate) name: String,
     /// The configured address (`--healthz-bind-address` and so on).
-    pub address: String,
+    pub(crate) address: String,
     /// `starting`, `listening` or `failing`.
-    pub state: String,
+    pub(crate) state: String,
     /// The last bind or serve error while `failing`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub error: Option<String>,
+    pub(crate) error: Option<String>,
 }
 
 /// What `/status` answers (and the body of `/readyz` and `/livez`).
@@ -146,50 +141,50 @@ pub struct ServerStatus {
 #[serde(rename_all = "camelCase")]
 pub struct Status {
     /// The node's name as the agent uses it.
-    pub node: String,
+    pub(crate) node: String,
     /// The agent's version.
-    pub version: String,
+    pub(crate) version: String,
     /// The first sync is done: the data path holds every Service the source listed.
-    pub synced: bool,
+    pub(crate) synced: bool,
     /// Time of the last successful sync (RFC 3339), if any.
     #[serde(default)]
-    pub last_synced: Option<String>,
+    pub(crate) last_synced: Option<String>,
     /// `/livez`'s condition: synced, and no update pending for longer than twice
     /// `--sync-period`.
-    pub healthy: bool,
+    pub(crate) healthy: bool,
     /// `/readyz`'s condition: healthy and every other server listening.
-    pub ready: bool,
+    pub(crate) ready: bool,
     /// Why the agent is not ready (empty when it is), one line each.
-    pub not_ready: Vec<String>,
+    pub(crate) not_ready: Vec<String>,
     /// The agent's servers.
-    pub servers: Vec<ServerStatus>,
+    pub(crate) servers: Vec<ServerStatus>,
     /// The north-south path.
-    pub north_south: NorthSouth,
+    pub(crate) north_south: NorthSouth,
 }
 
 /// A server of the agent whose state the status reports.
 #[derive(Clone, Debug)]
-pub struct Listener {
+pub(crate) struct Listener {
     /// `health` or `metrics`.
-    pub name: &'static str,
+    pub(crate) name: &'static str,
     /// The configured address.
-    pub address: SocketAddr,
+    pub(crate) address: SocketAddr,
     /// Its state, as the server task (`servers::spawn`) publishes it.
-    pub state: watch::Receiver<ServerState>,
+    pub(crate) state: watch::Receiver<ServerState>,
 }
 
 /// What the status server reads: shared with the agent, which updates `health` and
 /// `north_south` after every sync.
 #[derive(Clone)]
-pub struct StatusSources {
+pub(crate) struct StatusSources {
     /// The node's name.
-    pub node: String,
+    pub(crate) node: String,
     /// Sync state, as `/healthz` and `/livez` report it.
-    pub health: Arc<Mutex<Health>>,
+    pub(crate) health: Arc<Mutex<Health>>,
     /// The north-south path after the last sync.
-    pub north_south: Arc<Mutex<NorthSouth>>,
+    pub(crate) north_south: Arc<Mutex<NorthSouth>>,
     /// The other servers (health, metrics) that must listen for the agent to be ready.
-    pub listeners: Vec<Listener>,
+    pub(crate) listeners: Vec<Listener>,
 }
 
 /// A hint added to a bind error: what usually holds the port.
@@ -210,7 +205,7 @@ fn bind_hint(name: &str, error: &str) -> &'static str {
 
 impl StatusSources {
     /// The status at `now`.
-    pub fn status(&self, now: SystemTime) -> Status {
+    pub(crate) fn status(&self, now: SystemTime) -> Status {
         let (synced, last_synced, healthy, pending_too_long) = {
             let h = self.health.lock().unwrap();
             let healthy = h.healthy(now);
@@ -303,7 +298,7 @@ async fn full(State(s): State<StatusSources>) -> impl IntoResponse {
 }
 
 /// The status server's routes.
-pub fn app(sources: StatusSources) -> axum::Router {
+pub(crate) fn app(sources: StatusSources) -> axum::Router {
     axum::Router::new()
         .route("/readyz", axum::routing::get(readyz))
         .route("/livez", axum::routing::get(livez))
@@ -328,7 +323,7 @@ pub enum Requirement {
 
 impl Requirement {
     /// Why `status` does not meet this requirement (`None` when it does).
-    pub fn unmet(self, status: &Status) -> Option<String> {
+    pub(crate) fn unmet(self, status: &Status) -> Option<String> {
         match self {
             Requirement::Synced if !status.healthy => Some(if status.synced {
                 "synced: an update has been pending for longer than twice --sync-period".into()
@@ -355,7 +350,7 @@ impl Requirement {
 ///
 /// Errors: nothing listens there (the agent is not running, or runs with another
 /// `--status-bind-address`), or the answer is not a status document.
-pub fn fetch(addr: SocketAddr, timeout: Duration) -> Result<Status> {
+pub(crate) fn fetch(addr: SocketAddr, timeout: Duration) -> Result<Status> {
     let mut s = TcpStream::connect_timeout(&addr, timeout).with_context(|| {
         format!(
             "no ebpf-proxy agent answers on {addr} (is it running on this node, with --status-bind-address {addr}?)"
@@ -382,7 +377,7 @@ pub fn fetch(addr: SocketAddr, timeout: Duration) -> Result<Status> {
 }
 
 /// The requirements `status` does not meet, one line each.
-pub fn unmet(status: &Status, require: &[Requirement]) -> Vec<String> {
+pub(crate) fn unmet(status: &Status, require: &[Requirement]) -> Vec<String> {
     require.iter().filter_map(|r| r.unmet(status)).collect()
 }
 

@@ -63,7 +63,7 @@ use k8s_openapi::{
     },
     apimachinery::pkg::util::intstr::IntOrString,
 };
-use proxy_userspace::source::kubeapi::API_ACCESS;
+use proxy_userspace::source::API_ACCESS;
 use serde::Deserialize;
 use serde_json::Value;
 

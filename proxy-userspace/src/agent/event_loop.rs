@@ -207,6 +207,7 @@ impl<D: Datapath + FlowCollection> Agent<D> {
     }
 
     /// When the next sync is due (changes are waiting and the pacing allows it).
+    #[cfg(test)]
     pub fn reconcile_at(&self) -> Option<tokio::time::Instant> {
         self.reconcile_at
     }

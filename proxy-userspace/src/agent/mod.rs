@@ -42,13 +42,13 @@ use crate::{
     source::{Batch, SourceError},
 };
 
-pub use crate::status::Health;
+pub(crate) use crate::status::Health;
 pub use launch::run;
-pub use startup::{init_only, node_info};
+pub use startup::init_only;
 
 /// What the loop reacts to.
 #[derive(Debug)]
-pub enum Event {
+pub(crate) enum Event {
     /// A batch of changes from the source.
     Batch(Batch),
     /// The source stopped for good.
@@ -67,13 +67,13 @@ pub enum Event {
 
 /// The running agent's state, over any data path (the kernel's, or the in-memory fake in
 /// tests).
-pub struct Agent<D> {
+pub(crate) struct Agent<D> {
     /// The model.
-    pub model: Model,
+    pub(crate) model: Model,
     /// The reconciler.
-    pub reconciler: Reconciler,
+    pub(crate) reconciler: Reconciler,
     /// The data path.
-    pub dp: D,
+    pub(crate) dp: D,
     metrics: Arc<Metrics>,
     health: Arc<Mutex<Health>>,
     source_label: &'static str,

@@ -24,10 +24,11 @@ use std::{fmt::Write as _, path::PathBuf};
 
 use serde::Serialize;
 
-pub use host::{MIN_KERNEL, MIN_TCX_KERNEL, parse_kernel_release};
-pub use privileges::{CAPABILITIES, effective_capabilities, missing_capabilities};
-pub use programs::group_errors;
-pub use settings::{conntrack, socket_destroy};
+pub(crate) use host::MIN_KERNEL;
+pub(crate) use settings::{conntrack, socket_destroy};
+// Used by the unit tests only.
+#[cfg(test)]
+pub(crate) use privileges::{effective_capabilities, missing_capabilities};
 
 use host::{bpffs, btf, cgroup, kernel, memlock};
 use kube_proxy::kube_proxy_rules;

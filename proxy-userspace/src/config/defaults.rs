@@ -15,11 +15,11 @@ use std::{
     time::Duration,
 };
 
-pub use crate::datapath::tc::{
+pub(crate) use crate::datapath::tc::{
     DEFAULT_CONNTRACK_MAX_PER_CORE, DEFAULT_CONNTRACK_MIN, DEFAULT_CT_TCP_ESTABLISHED,
     DEFAULT_CT_UDP_STREAM, MAX_CONNTRACK_FLOWS, MIN_CONNTRACK_FLOWS,
 };
-pub use crate::status::DEFAULT_STATUS_PORT;
+pub(crate) use crate::status::DEFAULT_STATUS_PORT;
 /// The map sizes (`--max-*`) and the Maglev table's (`--maglev-table-size`) by default, which
 /// the kernel programs' map definitions share.
 pub use proxy_common::{

@@ -30,7 +30,7 @@ pub struct PinArgs {
     pub bpffs: PathBuf,
     /// Directory under --bpffs holding the pinned maps and links.
     #[arg(allow_hyphen_values = true, long, default_value = DEFAULT_PIN_DIR)]
-    pub pin_dir: String,
+    pub(crate) pin_dir: String,
 }
 
 impl Default for PinArgs {

@@ -28,12 +28,12 @@
 //! field that gains an effect leaves the warnings of [`KubeProxyFlags::warnings`] and
 //! [`file::validate`].
 
-pub mod defaults;
-pub mod file;
-pub mod flags;
-pub mod go;
+pub(crate) mod defaults;
+pub(crate) mod file;
+pub(crate) mod flags;
+pub(crate) mod go;
 mod resolve;
-pub mod values;
+pub(crate) mod values;
 mod written;
 
 use std::{
@@ -46,21 +46,30 @@ use anyhow::{Context, Result};
 use ipnet::IpNet;
 use proxy_common::Algorithm;
 
-pub use self::defaults::{
-    DEFAULT_BPFFS, DEFAULT_CONNTRACK_MAX_PER_CORE, DEFAULT_CONNTRACK_MIN,
-    DEFAULT_CT_TCP_ESTABLISHED, DEFAULT_CT_UDP_STREAM, DEFAULT_HEALTHZ_PORT, DEFAULT_METRICS_PORT,
-    DEFAULT_MIN_SYNC_PERIOD, DEFAULT_OOM_SCORE_ADJ, DEFAULT_PIN_DIR, DEFAULT_SYNC_PERIOD,
-    DEFAULT_UDP_FLOW_TIMEOUT, MAX_PERIOD,
+pub(crate) use self::defaults::DEFAULT_BPFFS;
+pub use self::defaults::DEFAULT_UDP_FLOW_TIMEOUT;
+pub(crate) use self::file::{FileSettings, KubeProxyConfiguration};
+pub use self::file::{load, parse};
+pub(crate) use self::flags::KubeProxyFlags;
+pub use self::flags::{PinArgs, RunFlags};
+pub use self::values::LogFormat;
+pub(crate) use self::values::{
+    IpvsScheduler, NodePortAddresses, number_in, parse_conntrack_min, parse_duration,
+    parse_positive_duration,
 };
-pub use self::file::yaml::plain_type_error;
-pub use self::file::{FileSettings, KubeProxyConfiguration, Loaded, load, parse};
-pub use self::flags::{KubeProxyFlags, PinArgs, RunFlags};
-pub use self::resolve::log_level_of_verbosity;
-pub use self::values::{
-    ClusterCidrs, DETECT_LOCAL_MODES, IpvsScheduler, LogFormat, NodePortAddresses, ProxyMode,
-    SchedulerFlag, ServerAddress, check_detect_local_mode, number_in, parse_conntrack_min,
-    parse_duration, parse_positive_duration, parse_timeout,
+// Used by the unit tests only.
+#[cfg(test)]
+pub(crate) use self::defaults::{
+    DEFAULT_CONNTRACK_MIN, DEFAULT_CT_TCP_ESTABLISHED, DEFAULT_MIN_SYNC_PERIOD,
+    DEFAULT_OOM_SCORE_ADJ, DEFAULT_SYNC_PERIOD,
 };
+#[cfg(test)]
+pub(crate) use self::file::yaml::plain_type_error;
+#[cfg(test)]
+pub(crate) use self::values::{ClusterCidrs, DETECT_LOCAL_MODES, ServerAddress};
+// The tests read AgentConfig::proxy_mode, whose doc names it.
+#[cfg(any(test, doc))]
+pub(crate) use self::values::ProxyMode;
 use crate::datapath::tc::TcSettings;
 pub use crate::source::SourceChoice;
 
@@ -85,7 +94,7 @@ pub enum Action {
 
 /// Sizes of the maps created at start (adopted pins keep theirs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MapSizeSettings {
+pub(crate) struct MapSizeSettings {
     /// `--max-frontends`.
     pub frontends: u32,
     /// `--max-backend-slots`.
@@ -102,26 +111,28 @@ pub struct MapSizeSettings {
 pub struct AgentConfig {
     /// What to do.
     pub action: Action,
-    /// `--proxy-mode` / `mode` (only [`ProxyMode::Ebpf`] runs).
-    pub proxy_mode: ProxyMode,
+    /// `--proxy-mode` / `mode` (only [`ProxyMode::Ebpf`] runs: resolving refuses the others,
+    /// so only the tests read it).
+    #[cfg(test)]
+    pub(crate) proxy_mode: ProxyMode,
     /// Where objects come from.
     pub source: SourceChoice,
     /// `--master`: the API server's URL, overriding the kubeconfig's.
     pub master: Option<String>,
     /// `--min-sync-period` (the pacing of the API source).
-    pub min_sync_period: Duration,
+    pub(crate) min_sync_period: Duration,
     /// `--sync-period`.
-    pub sync_period: Duration,
+    pub(crate) sync_period: Duration,
     /// `--metrics-bind-address` (`None`: no metrics server).
-    pub metrics_bind_address: Option<SocketAddr>,
+    pub(crate) metrics_bind_address: Option<SocketAddr>,
     /// `--healthz-bind-address` (`None`: no health server).
-    pub healthz_bind_address: Option<SocketAddr>,
+    pub(crate) healthz_bind_address: Option<SocketAddr>,
     /// `--status-bind-address` (`None`: no status server).
-    pub status_bind_address: Option<SocketAddr>,
+    pub(crate) status_bind_address: Option<SocketAddr>,
     /// `--bind-address-hard-fail`: a server that cannot bind stops the agent.
-    pub bind_address_hard_fail: bool,
+    pub(crate) bind_address_hard_fail: bool,
     /// `--bind-address` (kept for the written configuration).
-    pub bind_address: Option<IpAddr>,
+    pub(crate) bind_address: Option<IpAddr>,
     /// `--cgroup-path` (`None`: the cgroup2 mount root).
     pub cgroup_path: Option<PathBuf>,
     /// The pin directory.
@@ -129,21 +140,21 @@ pub struct AgentConfig {
     /// `--hostname-override`, trimmed and lowercased (the node name is resolved at start).
     pub hostname_override: Option<String>,
     /// `--lb-algorithm` (or `--ipvs-scheduler`).
-    pub lb_algorithm: Algorithm,
+    pub(crate) lb_algorithm: Algorithm,
     /// `--maglev-table-size`.
-    pub maglev_table_size: u32,
+    pub(crate) maglev_table_size: u32,
     /// `--socket-lb-scope`.
-    pub socket_lb_scope: crate::model::bypass::SocketLbScope,
+    pub(crate) socket_lb_scope: crate::model::bypass::SocketLbScope,
     /// `--north-south-mode`.
     pub north_south_mode: crate::model::NorthSouthMode,
     /// `--kernel-log-level`.
     pub kernel_log_level: crate::datapath::loader::KernelLogLevel,
     /// `--close-connections-to-removed-endpoints`.
-    pub close_connections_to_removed_endpoints: bool,
+    pub(crate) close_connections_to_removed_endpoints: bool,
     /// `--log-level` (or `-v`).
     pub log_level: String,
     /// `-v` / `logging.verbosity` as given (for the written configuration).
-    pub verbosity: Option<u32>,
+    pub(crate) verbosity: Option<u32>,
     /// `--log-format`.
     pub log_format: LogFormat,
     /// `--cluster-cidr`.
@@ -151,13 +162,13 @@ pub struct AgentConfig {
     /// `--nodeport-addresses` (`None`: every node address).
     pub nodeport_addresses: Option<NodePortAddresses>,
     /// Map sizes.
-    pub map_sizes: MapSizeSettings,
+    pub(crate) map_sizes: MapSizeSettings,
     /// `--udp-flow-timeout`.
-    pub udp_flow_timeout: Duration,
+    pub(crate) udp_flow_timeout: Duration,
     /// The north-south path.
     pub tc: TcSettings,
     /// `--oom-score-adj`.
-    pub oom_score_adj: i32,
+    pub(crate) oom_score_adj: i32,
     /// One line per flag given that has no effect here.
     pub warnings: Vec<String>,
     /// The effective configuration as a `KubeProxyConfiguration` (`--write-config-to`).
@@ -187,7 +198,7 @@ impl AgentConfig {
 
     /// The effective configuration as kube-proxy's configuration file (YAML), as
     /// `--write-config-to` writes it.
-    pub fn kube_proxy_configuration(&self) -> String {
+    pub(crate) fn kube_proxy_configuration(&self) -> String {
         serde_yaml_ng::to_string(&self.document).expect("the document serializes")
     }
 

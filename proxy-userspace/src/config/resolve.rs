@@ -35,6 +35,8 @@ impl AgentConfig {
         let k = &flags.kube_proxy;
         // The fallible steps run in this order: it decides which of several errors is told.
         let action = action(k);
+        // Refuses every mode but ebpf; the value itself is kept for the tests only.
+        #[cfg_attr(not(test), allow(unused_variables))]
         let proxy_mode = proxy_mode(&flags, &f, &action)?;
         let periods = SyncPeriodFlags::given(&flags)?;
         let hostname_override = hostname_override(&flags, &f)?;
@@ -53,6 +55,7 @@ impl AgentConfig {
         let ipv6 = bind_address.is_some_and(|ip| ip.is_ipv6());
         let mut c = AgentConfig {
             action,
+            #[cfg(test)]
             proxy_mode,
             source: source(&flags, &f),
             master: k.master.clone().filter(|m| !m.trim().is_empty()),

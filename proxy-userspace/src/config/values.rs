@@ -29,7 +29,7 @@ pub enum LogFormat {
 
 impl LogFormat {
     /// The name in flags and the file: `text` or `json`.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             LogFormat::Text => "text",
             LogFormat::Json => "json",
@@ -38,7 +38,7 @@ impl LogFormat {
 
     /// The format of a name as the file's `logging.format` takes it (the flags' by clap);
     /// `None` for another name.
-    pub fn from_name(name: &str) -> Option<LogFormat> {
+    pub(crate) fn from_name(name: &str) -> Option<LogFormat> {
         [LogFormat::Text, LogFormat::Json]
             .into_iter()
             .find(|f| f.name() == name)

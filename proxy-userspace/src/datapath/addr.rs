@@ -21,22 +21,22 @@ pub fn bytes_to_ip(o: [u8; 16]) -> IpAddr {
 }
 
 /// Port -> map port (network byte order bytes).
-pub fn port_to_map(port: u16) -> [u8; 2] {
+pub(crate) fn port_to_map(port: u16) -> [u8; 2] {
     port.to_be_bytes()
 }
 
 /// Map port (network byte order bytes) -> port.
-pub fn port_from_map(port: [u8; 2]) -> u16 {
+pub(crate) fn port_from_map(port: [u8; 2]) -> u16 {
     u16::from_be_bytes(port)
 }
 
 /// Map address and port -> `SocketAddr`.
-pub fn to_socket_addr(a: [u8; 16], port: [u8; 2]) -> SocketAddr {
+pub(crate) fn to_socket_addr(a: [u8; 16], port: [u8; 2]) -> SocketAddr {
     SocketAddr::new(bytes_to_ip(a), port_from_map(port))
 }
 
 /// Protocol number -> name as Kubernetes spells it.
-pub fn proto_name(p: u8) -> &'static str {
+pub(crate) fn proto_name(p: u8) -> &'static str {
     match p {
         proxy_common::PROTO_TCP => "TCP",
         proxy_common::PROTO_UDP => "UDP",

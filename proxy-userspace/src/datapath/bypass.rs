@@ -61,7 +61,7 @@ pub enum SocketLbScope {
 
 impl SocketLbScope {
     /// The flag's value.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             SocketLbScope::All => "all",
             SocketLbScope::HostOnly => "host-only",
@@ -73,56 +73,56 @@ impl SocketLbScope {
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct BypassedPod {
     /// `metadata.namespace`.
-    pub namespace: String,
+    pub(crate) namespace: String,
     /// `metadata.name`.
-    pub name: String,
+    pub(crate) name: String,
     /// `metadata.uid`: how the agent finds the pod's cgroup (kubelet names it after the
     /// UID) and from it the pod's network namespace and interface.
-    pub uid: String,
+    pub(crate) uid: String,
     /// `status.podIPs`.
-    pub ips: Vec<IpAddr>,
+    pub(crate) ips: Vec<IpAddr>,
     /// Changes whenever the pod may have a new sandbox (network namespace): its
     /// `resourceVersion`, else its IPs; the agent resolves the pod again then.
-    pub version: String,
+    pub(crate) version: String,
     /// Why it is bypassed: `pod`, `namespace` or `host-only`.
-    pub reason: &'static str,
+    pub(crate) reason: &'static str,
 }
 
 /// The program on the ingress of a bypassed pod's node-side interface (packets leaving
 /// the pod).
-pub const POD_INGRESS_PROGRAM: &str = "pod_ingress";
+pub(crate) const POD_INGRESS_PROGRAM: &str = "pod_ingress";
 /// The program on its egress (packets entering the pod).
-pub const POD_EGRESS_PROGRAM: &str = "pod_egress";
+pub(crate) const POD_EGRESS_PROGRAM: &str = "pod_egress";
 
 /// `SO_NETNS_COOKIE` (`include/uapi/asm-generic/socket.h`, Linux >= 5.14).
 const SO_NETNS_COOKIE: libc::c_int = 71;
 
 /// Where a bypassed pod was found.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PodNet {
+pub(crate) struct PodNet {
     /// Its network namespace cookie.
-    pub netns_cookie: u64,
+    pub(crate) netns_cookie: u64,
     /// The node-side end of its veth: ifindex in the agent's namespace.
-    pub ifindex: u32,
+    pub(crate) ifindex: u32,
     /// Its name.
-    pub ifname: String,
+    pub(crate) ifname: String,
 }
 
 /// A bypassed pod as programmed.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Programmed {
+pub(crate) struct Programmed {
     /// `namespace/name`.
-    pub pod: String,
+    pub(crate) pod: String,
     /// [`BypassedPod::version`] when it was resolved.
-    pub version: String,
+    pub(crate) version: String,
     /// Where it was found.
-    pub net: PodNet,
+    pub(crate) net: PodNet,
     /// [`BypassedPod::reason`].
-    pub reason: &'static str,
+    pub(crate) reason: &'static str,
 }
 
 /// The network namespace cookie of the calling thread's namespace.
-pub fn netns_cookie() -> io::Result<u64> {
+pub(crate) fn netns_cookie() -> io::Result<u64> {
     // SAFETY: socket(2); the descriptor is closed below.
     let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
     if fd < 0 {
@@ -152,7 +152,7 @@ pub fn netns_cookie() -> io::Result<u64> {
 /// Interfaces of the calling thread's namespace whose veth peer lives in another namespace:
 /// (name, peer ifindex there), from an `RTM_GETLINK` dump (`IFLA_LINK` with
 /// `IFLA_LINK_NETNSID`).
-pub fn veth_peers() -> io::Result<Vec<(String, u32)>> {
+pub(crate) fn veth_peers() -> io::Result<Vec<(String, u32)>> {
     const RTM_GETLINK: u16 = 18;
     const RTM_NEWLINK: u16 = 16;
     const NLMSG_ERROR: u16 = 2;
@@ -255,7 +255,7 @@ pub fn veth_peers() -> io::Result<Vec<(String, u32)>> {
 
 /// The cgroup kubelet made for the pod with UID `uid` under `root` (see the module
 /// documentation), at most five levels down.
-pub fn find_pod_cgroup(root: &Path, uid: &str) -> Option<PathBuf> {
+pub(crate) fn find_pod_cgroup(root: &Path, uid: &str) -> Option<PathBuf> {
     let under = uid.replace('-', "_");
     let plain = [format!("pod{uid}"), format!("pod{under}")];
     let slice = format!("-pod{under}.slice");
@@ -301,7 +301,7 @@ fn pid_in(dir: &Path, depth: u32) -> Option<u32> {
 
 /// Finds pod `uid` under cgroup `root`: its namespace cookie and the node side of its
 /// interface (see the module documentation).
-pub fn resolve_pod(root: &Path, uid: &str) -> Result<PodNet> {
+pub(crate) fn resolve_pod(root: &Path, uid: &str) -> Result<PodNet> {
     if uid.is_empty() {
         bail!("the Pod has no metadata.uid");
     }
@@ -379,7 +379,7 @@ pub fn read_pinned(dir: &Path) -> Result<(BypassConfig, Vec<u64>)> {
 
 /// The bypass of one pin directory: its maps, its programs (loaded on first use) and what
 /// is programmed, per pod UID.
-pub struct BypassKernel {
+pub(crate) struct BypassKernel {
     dir: PathBuf,
     cgroup_root: PathBuf,
     scope: SocketLbScope,
@@ -395,7 +395,7 @@ pub struct BypassKernel {
 impl BypassKernel {
     /// Opens the bypass maps pinned under `dir`; pods are searched under cgroup
     /// `cgroup_root`. The node's own namespace is the calling thread's.
-    pub fn new(dir: &Path, cgroup_root: &Path, scope: SocketLbScope) -> Result<Self> {
+    pub(crate) fn new(dir: &Path, cgroup_root: &Path, scope: SocketLbScope) -> Result<Self> {
         Ok(Self {
             dir: dir.to_path_buf(),
             cgroup_root: cgroup_root.to_path_buf(),
@@ -408,11 +408,6 @@ impl BypassKernel {
             failures: BTreeMap::new(),
             adopted: false,
         })
-    }
-
-    /// What is programmed, per pod UID.
-    pub fn programmed(&self) -> &BTreeMap<String, Programmed> {
-        &self.programmed
     }
 
     fn ebpf(&mut self) -> Result<&mut Ebpf> {
@@ -480,7 +475,7 @@ impl BypassKernel {
     /// path), and its namespace is unlisted before they are detached. Returns one line per
     /// pod that cannot be bypassed (the first time it fails that way), for the log; such a
     /// pod keeps socket-level translation, unless the scope is `host-only`.
-    pub fn sync(&mut self, pods: &[BypassedPod], recheck: bool) -> Vec<String> {
+    pub(crate) fn sync(&mut self, pods: &[BypassedPod], recheck: bool) -> Vec<String> {
         let mut errors = Vec::new();
         let wanted: BTreeMap<&str, &BypassedPod> =
             pods.iter().map(|p| (p.uid.as_str(), p)).collect();

@@ -18,7 +18,7 @@ use proxy_common::{
 
 /// One write, as logged by [`FakeDatapath`].
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Op {
+pub(crate) enum Op {
     PutFrontend(FrontendKey, Frontend),
     DeleteFrontend(FrontendKey),
     /// A slot by backend id (the fake keeps the id; the copy of the backend is the kernel's).
@@ -53,43 +53,43 @@ pub enum Op {
 #[derive(Debug)]
 pub struct FakeDatapath {
     /// Current contents of the service maps.
-    pub state: Snapshot,
+    pub(crate) state: Snapshot,
     /// Current contents of the north-south maps.
-    pub node: NodeSnapshot,
+    pub(crate) node: NodeSnapshot,
     /// Limits.
-    pub cap: Capacity,
+    pub(crate) cap: Capacity,
     /// Every successful write, in order.
-    pub log: Vec<Op>,
+    pub(crate) log: Vec<Op>,
     /// Maglev tables by service id (their ids are in `state.maglev`).
-    pub tables: BTreeMap<u32, Vec<u32>>,
+    pub(crate) tables: BTreeMap<u32, Vec<u32>>,
     /// The interfaces of the (pretend) network namespace.
     pub interfaces: BTreeMap<String, Interface>,
     /// Routes: (network, prefix length, device), longest prefix wins.
     pub routes: Vec<(IpAddr, u8, String)>,
     /// Interfaces with the programs attached.
-    pub attached: BTreeSet<String>,
+    pub(crate) attached: BTreeSet<String>,
     /// Interfaces whose attach fails (as `--xdp native` on a driver without native XDP).
-    pub refuse_attach: BTreeSet<String>,
+    pub(crate) refuse_attach: BTreeSet<String>,
     /// Health-check servers running.
-    pub health: BTreeMap<u16, HealthCheck>,
+    pub(crate) health: BTreeMap<u16, HealthCheck>,
     /// Ports a server cannot bind (in use by another process).
     pub busy_ports: BTreeSet<u16>,
     /// Calls of the least-connections collection.
-    pub collections: usize,
+    pub(crate) collections: usize,
     /// When set, the service-map write after this many more succeeds fails (EIO), once.
-    pub fail_after: Option<usize>,
+    pub(crate) fail_after: Option<usize>,
     /// Batch as the kernel data path does: between [`ServiceMaps::begin_bulk`] and
     /// [`ServiceMaps::end_bulk`], puts are buffered and written (and logged) in its order.
     /// Off: every put is written at once.
-    pub batching: bool,
+    pub(crate) batching: bool,
     /// Ids with per-service counters (`SERVICE_STATS` keys; the programs create them).
-    pub service_stats: BTreeSet<u32>,
+    pub(crate) service_stats: BTreeSet<u32>,
     /// Connection counters: pairs (`BACKEND_STATS`) and carried keys, the ones with an id
     /// 0 (`STATS_CARRIED`), in one map: (service id, backend id) -> count.
-    pub pair_stats: BTreeMap<MemberKey, u64>,
+    pub(crate) pair_stats: BTreeMap<MemberKey, u64>,
     /// Most carried keys `STATS_CARRIED` takes (`None`: no limit); one beyond is refused as
     /// full.
-    pub pair_stats_max: Option<usize>,
+    pub(crate) pair_stats_max: Option<usize>,
     bulk: Option<Vec<Op>>,
 }
 
@@ -496,9 +496,10 @@ impl HealthServers for FakeDatapath {
 
 /// When a [`consistency_violations`] check is made.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Moment {
+pub(crate) enum Moment {
     /// Between any two map writes: what the data path needs to translate every connection
     /// it can see at that instant (the reconciler's write order guarantees it).
+    #[cfg(any(test, doc))]
     AnyWrite,
     /// After a reconciler call returned: additionally nothing is left over.
     AtRest,
@@ -528,7 +529,7 @@ pub enum Moment {
 ///   table and weighted least-load algorithms) is a member.
 ///
 /// The sync unit tests and the `model` fuzz target use this one definition.
-pub fn consistency_violations(
+pub(crate) fn consistency_violations(
     s: &Snapshot,
     tables: &BTreeMap<u32, Vec<u32>>,
     moment: Moment,

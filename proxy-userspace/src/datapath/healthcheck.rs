@@ -93,9 +93,10 @@ impl HealthServers for HealthCheckServers {
     }
 }
 
+#[cfg(test)]
 impl HealthCheckServers {
     /// Ports served now.
-    pub fn ports(&self) -> Vec<u16> {
+    pub(crate) fn ports(&self) -> Vec<u16> {
         self.servers.keys().copied().collect()
     }
 }

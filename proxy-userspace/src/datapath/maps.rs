@@ -185,7 +185,7 @@ impl PinnedMaps {
 
     /// Lets [`PinnedMaps::release_stale_udp`] attach the egress program to `cgroup` when it
     /// marks a socket stale (the agent's data path; inspection commands never set it).
-    pub fn set_cgroup(&mut self, cgroup: &Path) {
+    pub(crate) fn set_cgroup(&mut self, cgroup: &Path) {
         self.cgroup = Some(cgroup.to_path_buf());
     }
 
@@ -207,7 +207,7 @@ impl PinnedMaps {
 
     /// Detaches the egress program once no socket is listed in `STALE_SOCKETS` (they
     /// reconnected or were closed). Returns whether it detached it.
-    pub fn detach_egress_when_idle(&self) -> Result<bool, DatapathError> {
+    pub(crate) fn detach_egress_when_idle(&self) -> Result<bool, DatapathError> {
         if !crate::datapath::loader::egress_attached(&self.dir)
             || crate::datapath::loader::stale_sockets_listed(&self.dir)
         {
@@ -227,11 +227,6 @@ impl PinnedMaps {
             Array::try_from(map).map_err(|e| map_err("open", CONFIG, e))?;
         a.set(0, cfg, 0).map_err(|e| map_err("update", CONFIG, e))
     }
-
-    /// Sums the per-CPU counters of `COUNTERS`, in `proxy_common::Counter` index order.
-    pub fn counters(&self) -> Result<Vec<u64>, DatapathError> {
-        read_counters(&self.dir)
-    }
 }
 
 /// Sums the per-CPU counters of the `COUNTERS` map pinned under `dir`, in
@@ -242,7 +237,7 @@ pub fn read_counters(dir: &Path) -> Result<Vec<u64>, DatapathError> {
 
 /// Sums the per-CPU counters of the tc path's `TC_COUNTERS` map pinned under `dir`, in
 /// `proxy_common::nat::TcCounter` index order.
-pub fn read_tc_counters(dir: &Path) -> Result<Vec<u64>, DatapathError> {
+pub(crate) fn read_tc_counters(dir: &Path) -> Result<Vec<u64>, DatapathError> {
     read_percpu_counters(dir, proxy_common::nat::TC_COUNTERS)
 }
 
@@ -291,7 +286,7 @@ pub fn read_service_stats(
 
 /// Per-backend connection counts pinned under `dir` ([`read_connection_counts`]), summed over
 /// the backend's keys: backend id -> connections and new flows sent to it.
-pub fn read_backend_stats(
+pub(crate) fn read_backend_stats(
     dir: &Path,
 ) -> Result<std::collections::BTreeMap<u32, u64>, DatapathError> {
     let mut out = std::collections::BTreeMap::new();
@@ -465,7 +460,7 @@ impl PinnedMaps {
     /// the socket level's equivalent of kube-proxy deleting the UDP conntrack entries of a
     /// removed endpoint. Costs one pass over `UDP_FLOWS` and the connected sockets' entries
     /// ([`for_each_connected`]), only when `released` is not empty. TCP sockets are never touched.
-    pub fn release_stale_udp(
+    pub(crate) fn release_stale_udp(
         &self,
         released: &[(u32, u32, Backend)],
     ) -> Result<Released, DatapathError> {
@@ -570,7 +565,7 @@ pub fn for_each_connected(
 
 /// The backends still live per service id, as (address, port) in `REVNAT_SK`'s byte
 /// order: see [`tcp_sockets_to_removed`].
-pub type LiveBackends =
+pub(crate) type LiveBackends =
     std::collections::HashMap<u32, std::collections::HashSet<([u8; 16], [u8; 2])>>;
 
 /// The client sockets `connect()` translated over TCP to a backend that is not live for
@@ -578,7 +573,7 @@ pub type LiveBackends =
 /// whose service id is a key of `live` and whose backend (address, port in network order)
 /// is not in that key's set. Service ids not in `live` are not looked at. One pass over
 /// those entries in the pin directory `dir`.
-pub fn tcp_sockets_to_removed(
+pub(crate) fn tcp_sockets_to_removed(
     dir: &Path,
     live: &LiveBackends,
 ) -> Result<std::collections::BTreeSet<u64>, DatapathError> {

@@ -6,18 +6,18 @@
 //! [`healthcheck::HealthCheckServers`]). [`Datapath`] is all four.
 
 pub mod addr;
-pub mod batch;
+pub(crate) mod batch;
 pub mod bypass;
-pub mod clock;
+pub(crate) mod clock;
 pub mod fake;
 pub mod healthcheck;
 pub mod kernel;
 pub mod loader;
 pub mod maps;
 pub mod tc;
-pub mod veth;
+pub(crate) mod veth;
 pub mod view;
-pub mod vip;
+pub(crate) mod vip;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -65,7 +65,7 @@ pub struct Capacity {
 /// Highest weight an endpoint may have: `MEMBERS` values are 1..=this, and a weighted
 /// round-robin set repeats a backend in its slots as often as its weight, so it bounds the
 /// slots a service uses.
-pub const MAX_WEIGHT: u32 = 100;
+pub(crate) const MAX_WEIGHT: u32 = 100;
 
 /// Full contents of the service maps, as read back from the kernel.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -91,9 +91,9 @@ pub struct Snapshot {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Released {
     /// `UDP_FLOWS` entries deleted.
-    pub flows: usize,
+    pub(crate) flows: usize,
     /// Connected UDP sockets put into `STALE_SOCKETS`.
-    pub sockets: usize,
+    pub(crate) sockets: usize,
 }
 
 /// The service maps. Every write is one map operation; ordering is the caller's.
@@ -162,30 +162,33 @@ pub trait ServiceMaps {
 /// What the agent has bound now, for [`ServiceMaps::sweep_stats`].
 pub struct Bound<'a> {
     /// Whether a service id is bound.
-    pub service: &'a dyn Fn(u32) -> bool,
+    pub(crate) service: &'a dyn Fn(u32) -> bool,
     /// Whether a backend id is bound.
-    pub backend: &'a dyn Fn(u32) -> bool,
+    pub(crate) backend: &'a dyn Fn(u32) -> bool,
     /// Whether (service id, backend id) is in use: the backend is in the service's slots.
-    pub member: &'a dyn Fn(u32, u32) -> bool,
+    pub(crate) member: &'a dyn Fn(u32, u32) -> bool,
 }
 
 /// What a sweep of the connection counters does (`proxy_common::BACKEND_STATS` pairs,
 /// `proxy_common::STATS_CARRIED` carried keys), planned from their keys.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct PairSweep {
+pub(crate) struct PairSweep {
     /// Keys deleted without carrying their count anywhere: carried keys of ids no longer
     /// bound (their series end), pairs whose service and backend are both unbound.
-    pub delete: Vec<MemberKey>,
+    pub(crate) delete: Vec<MemberKey>,
     /// Pairs no longer in use, each with the carried keys, `(service id, 0)` and/or
     /// `(0, backend id)`, its count moves to.
-    pub moves: Vec<(MemberKey, Vec<MemberKey>)>,
+    pub(crate) moves: Vec<(MemberKey, Vec<MemberKey>)>,
 }
 
 /// Plans the sweep of the counters with keys `keys`: a pair (service id, backend id) not in
 /// use goes, its count carried to `(service id, 0)` if that service is bound and to
 /// `(0, backend id)` if that backend is; a carried key of an id no longer bound goes (its
 /// id's series ends); pairs in use stay.
-pub fn plan_pair_sweep(keys: impl IntoIterator<Item = MemberKey>, bound: &Bound<'_>) -> PairSweep {
+pub(crate) fn plan_pair_sweep(
+    keys: impl IntoIterator<Item = MemberKey>,
+    bound: &Bound<'_>,
+) -> PairSweep {
     let mut plan = PairSweep::default();
     for k in keys {
         let (s, b) = (k.service_id, k.backend_id);
@@ -222,7 +225,7 @@ pub fn plan_pair_sweep(keys: impl IntoIterator<Item = MemberKey>, bound: &Bound<
 
 /// The operations [`apply_pair_sweep`] needs on the connection counters: pairs in
 /// `BACKEND_STATS` (counts summed over CPUs), carried keys in `STATS_CARRIED`.
-pub trait PairCounters {
+pub(crate) trait PairCounters {
     /// Creates the carried key `k` with count 0 unless it exists. Errors: the map is full.
     fn ensure(&mut self, k: &MemberKey) -> Result<(), DatapathError>;
     /// Removes the pair `k` and returns its count, in one step (a count the programs add
@@ -241,7 +244,7 @@ pub trait PairCounters {
 /// added to them. A sum therefore never counts a pair twice, and only a failure between
 /// the take and the adds (or an agent dying there) loses that pair's count. Returns how
 /// many keys were deleted.
-pub fn apply_pair_sweep(
+pub(crate) fn apply_pair_sweep(
     plan: &PairSweep,
     m: &mut impl PairCounters,
 ) -> Result<usize, DatapathError> {
@@ -280,7 +283,7 @@ pub type SourceRangeKey = (u32, SourceRange);
 /// restricted LB IP with the CIDRs it admits (as the model's `Model::source_ranges` gives
 /// them); per LB IP a marker and one allowed prefix per CIDR (IPv4 as IPv4-mapped
 /// addresses).
-pub fn source_range_entries<'a, C>(
+pub(crate) fn source_range_entries<'a, C>(
     ranges: impl IntoIterator<Item = (&'a IpAddr, C)>,
 ) -> BTreeMap<SourceRangeKey, u32>
 where
@@ -331,13 +334,13 @@ fn mask(a: &mut [u8; 16], bits: u32) {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NodeSnapshot {
     /// `TC_LOCAL_ENDPOINTS` keys (IPv4-mapped or IPv6 addresses).
-    pub local_endpoints: BTreeSet<[u8; 16]>,
+    pub(crate) local_endpoints: BTreeSet<[u8; 16]>,
     /// `TC_SOURCE_RANGES`.
-    pub source_ranges: BTreeMap<SourceRangeKey, u32>,
+    pub(crate) source_ranges: BTreeMap<SourceRangeKey, u32>,
     /// `TC_IFACE_ADDRS` by interface index.
-    pub iface_addrs: BTreeMap<u32, IfaceAddr>,
+    pub(crate) iface_addrs: BTreeMap<u32, IfaceAddr>,
     /// `TC_DSR`.
-    pub dsr: BTreeMap<DsrKey, DsrTarget>,
+    pub(crate) dsr: BTreeMap<DsrKey, DsrTarget>,
 }
 
 /// The north-south maps the agent writes. Every write is one map operation.
@@ -391,12 +394,12 @@ pub trait Interfaces {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HealthCheck {
     /// Namespace of the Service.
-    pub namespace: String,
+    pub(crate) namespace: String,
     /// Name of the Service.
-    pub name: String,
+    pub(crate) name: String,
     /// Distinct endpoint addresses of the Service's `externalTrafficPolicy` backend sets on
     /// this node.
-    pub local_endpoints: usize,
+    pub(crate) local_endpoints: usize,
 }
 
 /// The `healthCheckNodePort` servers (one per port, on every address).
@@ -411,7 +414,7 @@ pub trait HealthServers {
 
 /// The periodic collection of least-connections counts of north-south flows that ended
 /// without a FIN or RST the data path saw (timed out, evicted).
-pub trait FlowCollection {
+pub(crate) trait FlowCollection {
     /// Gives the counts of such flows back; returns how many flows were collected.
     fn collect_lc_flows(&mut self) -> anyhow::Result<usize>;
 }
@@ -422,7 +425,7 @@ pub trait Datapath: ServiceMaps + NodeMaps + Interfaces + HealthServers {}
 impl<T: ServiceMaps + NodeMaps + Interfaces + HealthServers> Datapath for T {}
 
 /// Encodes a service name for `SERVICE_NAMES`, truncated to the map's value size.
-pub fn encode_name(name: &str) -> ServiceName {
+pub(crate) fn encode_name(name: &str) -> ServiceName {
     let mut v = ServiceName::default();
     let bytes = name.as_bytes();
     let n = bytes.len().min(v.name.len());
@@ -432,7 +435,7 @@ pub fn encode_name(name: &str) -> ServiceName {
 }
 
 /// Decodes a `SERVICE_NAMES` value (lossy on invalid UTF-8).
-pub fn decode_name(v: &ServiceName) -> String {
+pub(crate) fn decode_name(v: &ServiceName) -> String {
     let n = (v.len as usize).min(v.name.len());
     String::from_utf8_lossy(&v.name[..n]).into_owned()
 }

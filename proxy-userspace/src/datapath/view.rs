@@ -50,11 +50,6 @@ impl PinnedView {
         }
     }
 
-    /// The pin directory.
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
     /// The pinned map `name`. Errors: `open <path>` with the cause.
     fn pin(&self, name: &str) -> Result<MapData> {
         let path = self.dir.join(name);
@@ -90,24 +85,24 @@ impl PinnedView {
 
     /// The tc programs' `TC_COUNTERS`, summed over CPUs, in `proxy_common::nat::TcCounter`
     /// index order.
-    pub fn tc_counters(&self) -> Result<Vec<u64>, DatapathError> {
+    pub(crate) fn tc_counters(&self) -> Result<Vec<u64>, DatapathError> {
         maps::read_tc_counters(&self.dir)
     }
 
     /// Per service id counters, summed over CPUs, connections included
     /// ([`maps::read_service_stats`]).
-    pub fn service_stats(&self) -> Result<BTreeMap<u32, ServiceStats>, DatapathError> {
+    pub(crate) fn service_stats(&self) -> Result<BTreeMap<u32, ServiceStats>, DatapathError> {
         maps::read_service_stats(&self.dir)
     }
 
     /// Connections and new flows sent to each backend id ([`maps::read_backend_stats`]).
-    pub fn backend_stats(&self) -> Result<BTreeMap<u32, u64>, DatapathError> {
+    pub(crate) fn backend_stats(&self) -> Result<BTreeMap<u32, u64>, DatapathError> {
         maps::read_backend_stats(&self.dir)
     }
 
     /// `LC_COUNTS`: backend id -> connections and tc flows open now, as least-connections
     /// counts them.
-    pub fn lc_counts(&self) -> Result<BTreeMap<u32, u32>> {
+    pub(crate) fn lc_counts(&self) -> Result<BTreeMap<u32, u32>> {
         self.u32_map(LC_COUNTS)
     }
 
@@ -124,7 +119,7 @@ impl PinnedView {
     }
 
     /// Every `AFFINITY` entry (client and group -> backend and last use), in map order.
-    pub fn affinity(&self) -> Result<Vec<(AffinityKey, AffinityValue)>> {
+    pub(crate) fn affinity(&self) -> Result<Vec<(AffinityKey, AffinityValue)>> {
         let map: HashMap<MapData, AffinityKey, AffinityValue> =
             HashMap::try_from(Map::LruHashMap(self.pin(AFFINITY)?)).context("open AFFINITY")?;
         map.iter()
@@ -133,7 +128,7 @@ impl PinnedView {
     }
 
     /// `STALE_SOCKETS`, opened for lookups.
-    pub fn stale_sockets(&self) -> Result<StaleSockets> {
+    pub(crate) fn stale_sockets(&self) -> Result<StaleSockets> {
         let map = HashMap::try_from(Map::LruHashMap(self.pin(STALE_SOCKETS)?))
             .context("open STALE_SOCKETS")?;
         Ok(StaleSockets(map))
@@ -141,7 +136,7 @@ impl PinnedView {
 
     /// Passes every connected socket's reverse-NAT entry to `f`
     /// ([`maps::for_each_connected`]).
-    pub fn for_each_connected(
+    pub(crate) fn for_each_connected(
         &self,
         f: impl FnMut(&RevNatKey, &RevNatValue),
     ) -> Result<(), DatapathError> {
@@ -149,7 +144,7 @@ impl PinnedView {
     }
 
     /// Every `UDP_FLOWS` entry (an unconnected socket's flow to a frontend), in map order.
-    pub fn udp_flows(&self) -> Result<Vec<(UdpFlowKey, UdpFlow)>> {
+    pub(crate) fn udp_flows(&self) -> Result<Vec<(UdpFlowKey, UdpFlow)>> {
         let map: HashMap<MapData, UdpFlowKey, UdpFlow> =
             HashMap::try_from(Map::LruHashMap(self.pin(UDP_FLOWS)?)).context("open UDP_FLOWS")?;
         map.iter()
@@ -175,13 +170,13 @@ impl PinnedView {
 
     /// The socket-level bypass: `BYPASS_CONFIG` and the namespace cookies of
     /// `BYPASS_NETNS` ([`bypass::read_pinned`]).
-    pub fn bypass(&self) -> Result<(BypassConfig, Vec<u64>)> {
+    pub(crate) fn bypass(&self) -> Result<(BypassConfig, Vec<u64>)> {
         bypass::read_pinned(&self.dir)
     }
 
     /// The interfaces of bypassed pods with the per-packet programs attached
     /// ([`bypass::attached_pods`]).
-    pub fn bypass_links(&self) -> BTreeSet<String> {
+    pub(crate) fn bypass_links(&self) -> BTreeSet<String> {
         bypass::attached_pods(&self.dir)
     }
 
@@ -209,7 +204,7 @@ impl PinnedView {
 
     /// `SERVICE_NAMES`, opened to be read again whenever the caller needs (the monitor meets
     /// service ids that appeared after it started).
-    pub fn service_names(&self) -> Result<ServiceNames> {
+    pub(crate) fn service_names(&self) -> Result<ServiceNames> {
         Ok(ServiceNames(HashMap::try_from(Map::HashMap(
             self.pin(SERVICE_NAMES)?,
         ))?))
@@ -217,33 +212,33 @@ impl PinnedView {
 
     /// The monitor's event ring buffer, `MONITOR_EVENTS`, as pinned (the monitor takes its
     /// lock before it reads it as a ring buffer: one reader at a time).
-    pub fn event_stream(&self) -> Result<MapData> {
+    pub(crate) fn event_stream(&self) -> Result<MapData> {
         self.monitor_pin(MONITOR_EVENTS)
     }
 
     /// `MONITOR_CTL`, for the monitor's lease (its expiry and rate).
-    pub fn monitor_control(&self) -> Result<Array<MapData, MonitorCtl>> {
+    pub(crate) fn monitor_control(&self) -> Result<Array<MapData, MonitorCtl>> {
         Ok(Array::try_from(Map::Array(self.monitor_pin(MONITOR_CTL)?))?)
     }
 }
 
 /// `STALE_SOCKETS` opened: the cookies of connected UDP sockets whose backend left.
-pub struct StaleSockets(HashMap<MapData, u64, u32>);
+pub(crate) struct StaleSockets(HashMap<MapData, u64, u32>);
 
 impl StaleSockets {
     /// Whether the socket of `cookie` is stale (its sends fail until it reconnects).
-    pub fn contains(&self, cookie: u64) -> bool {
+    pub(crate) fn contains(&self, cookie: u64) -> bool {
         self.0.get(&cookie, 0).is_ok()
     }
 }
 
 /// `SERVICE_NAMES` opened ([`PinnedView::service_names`]).
-pub struct ServiceNames(HashMap<MapData, u32, ServiceName>);
+pub(crate) struct ServiceNames(HashMap<MapData, u32, ServiceName>);
 
 impl ServiceNames {
     /// Service id -> name, decoded, as the map holds them now (entries that cannot be read
     /// are left out).
-    pub fn read(&self) -> BTreeMap<u32, String> {
+    pub(crate) fn read(&self) -> BTreeMap<u32, String> {
         self.0
             .iter()
             .filter_map(|r| r.ok())

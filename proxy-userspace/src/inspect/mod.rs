@@ -17,14 +17,11 @@ use crate::datapath::{
 
 mod explain;
 
-pub use explain::{
-    ExplainedEndpoint, ExplainedFrontend, Explanation, MAX_SKIPPED_SHOWN, desired_snapshot,
-    explain, external_verdict, print_explanation, workload_paths,
-};
+pub use explain::{desired_snapshot, explain, print_explanation, workload_paths};
 
 /// Prints `rows` under `header` with columns padded to their widest cell (the last column is
 /// not padded).
-pub fn print_table(header: &[&str], rows: &[Vec<String>]) {
+pub(crate) fn print_table(header: &[&str], rows: &[Vec<String>]) {
     let mut w: Vec<usize> = header.iter().map(|h| h.len()).collect();
     for r in rows {
         for (i, c) in r.iter().enumerate() {
@@ -74,27 +71,27 @@ fn or_dash(s: String) -> String {
 #[derive(Debug, Serialize)]
 pub struct ServiceRow {
     /// `SERVICE_NAMES` name of the backend set (`ns/name:port/PROTO/family[/scope]`).
-    pub service: String,
+    pub(crate) service: String,
     /// Frontend address:port.
-    pub frontend: String,
+    pub(crate) frontend: String,
     /// TCP or UDP.
-    pub protocol: &'static str,
+    pub(crate) protocol: &'static str,
     /// Who the frontend serves: `node` (socket programs) or `ingress` (tc programs).
-    pub scope: &'static str,
+    pub(crate) scope: &'static str,
     /// Service id.
-    pub service_id: u32,
+    pub(crate) service_id: u32,
     /// Selection algorithm name.
-    pub algorithm: &'static str,
+    pub(crate) algorithm: &'static str,
     /// ClientIP affinity timeout in seconds, 0 without affinity.
-    pub affinity_timeout_s: u32,
+    pub(crate) affinity_timeout_s: u32,
     /// `local-only`, `external`, `no-endpoints` (a Local policy without endpoints on any node).
-    pub flags: Vec<&'static str>,
+    pub(crate) flags: Vec<&'static str>,
     /// Backends in slot order (repeated by weight for weighted round-robin).
-    pub backends: Vec<String>,
+    pub(crate) backends: Vec<String>,
 }
 
 /// The frontends of the maps, sorted by service then frontend.
-pub fn service_rows(snap: &Snapshot) -> Vec<ServiceRow> {
+pub(crate) fn service_rows(snap: &Snapshot) -> Vec<ServiceRow> {
     let mut rows = Vec::new();
     for (k, f) in &snap.frontends {
         if f.flags & FRONTEND_F_VIP_MARKER != 0 {
@@ -188,22 +185,22 @@ pub fn print_services(view: &PinnedView, json: bool) -> Result<()> {
 
 /// One entry of `ebpf-proxy affinity`.
 #[derive(Debug, Serialize)]
-pub struct AffinityRow {
+pub(crate) struct AffinityRow {
     /// Name of the Service port (its cluster IP set) the entry belongs to.
-    pub service: String,
+    pub(crate) service: String,
     /// Client IP, or `netns:<cookie>` for sockets without a bound address.
-    pub client: String,
+    pub(crate) client: String,
     /// Backend address:port the client sticks to.
-    pub backend: String,
+    pub(crate) backend: String,
     /// Seconds since the client's last new connection.
-    pub age_s: f64,
+    pub(crate) age_s: f64,
     /// Seconds until the entry expires (negative: expired, kept until the LRU drops it),
     /// when the frontend's timeout is known.
-    pub expires_in_s: Option<f64>,
+    pub(crate) expires_in_s: Option<f64>,
 }
 
 /// The affinity entries of the pinned data path, sorted by service and client.
-pub fn affinity_rows(view: &PinnedView, snap: &Snapshot) -> Result<Vec<AffinityRow>> {
+pub(crate) fn affinity_rows(view: &PinnedView, snap: &Snapshot) -> Result<Vec<AffinityRow>> {
     let entries = view.affinity()?;
     let now = monotonic_ns();
     let timeout_of = |group: u32| {
@@ -264,23 +261,23 @@ pub fn print_affinity(view: &PinnedView, json: bool) -> Result<()> {
 
 /// One backend of `ebpf-proxy backends`.
 #[derive(Debug, Serialize)]
-pub struct BackendRow {
+pub(crate) struct BackendRow {
     /// Backend id.
-    pub id: u32,
+    pub(crate) id: u32,
     /// address:port.
-    pub backend: String,
+    pub(crate) backend: String,
     /// TCP or UDP.
-    pub protocol: &'static str,
+    pub(crate) protocol: &'static str,
     /// Names of the service ids whose slots hold it.
-    pub services: Vec<String>,
+    pub(crate) services: Vec<String>,
     /// Connections and new flows sent to it (per-CPU counters summed).
-    pub connections: u64,
+    pub(crate) connections: u64,
     /// Open connections counted for least-connections (0 when the algorithm is not used).
-    pub active: u32,
+    pub(crate) active: u32,
 }
 
 /// The backends of the maps with their services and counters.
-pub fn backend_rows(view: &PinnedView, snap: &Snapshot) -> Result<Vec<BackendRow>> {
+pub(crate) fn backend_rows(view: &PinnedView, snap: &Snapshot) -> Result<Vec<BackendRow>> {
     let stats = view.backend_stats().unwrap_or_default();
     let active = view.lc_counts().unwrap_or_default();
     let mut services: std::collections::BTreeMap<u32, std::collections::BTreeSet<String>> =
@@ -332,34 +329,34 @@ pub fn print_backends(view: &PinnedView, json: bool) -> Result<()> {
 
 /// One service id of `ebpf-proxy stats`.
 #[derive(Debug, Serialize)]
-pub struct StatsRow {
+pub(crate) struct StatsRow {
     /// Service id.
-    pub service_id: u32,
+    pub(crate) service_id: u32,
     /// Its name.
-    pub service: String,
+    pub(crate) service: String,
     /// Connections and new UDP flows translated.
-    pub connections: u64,
+    pub(crate) connections: u64,
     /// Refused or dropped for lack of (local) endpoints.
-    pub refused: u64,
+    pub(crate) refused: u64,
     /// Packets translated by the tc path.
-    pub packets: u64,
+    pub(crate) packets: u64,
     /// Bytes of those packets.
-    pub bytes: u64,
+    pub(crate) bytes: u64,
 }
 
 /// `ebpf-proxy stats` as data: per-service counters and the per-reason data path counters.
 #[derive(Debug, Serialize)]
-pub struct Stats {
+pub(crate) struct Stats {
     /// Per service id.
-    pub services: Vec<StatsRow>,
+    pub(crate) services: Vec<StatsRow>,
     /// Per reason (`proxy_common::Counter` names), summed over CPUs.
-    pub reasons: std::collections::BTreeMap<&'static str, u64>,
+    pub(crate) reasons: std::collections::BTreeMap<&'static str, u64>,
     /// Per reason of the tc path (`proxy_common::nat::TcCounter` names).
-    pub tc_reasons: std::collections::BTreeMap<&'static str, u64>,
+    pub(crate) tc_reasons: std::collections::BTreeMap<&'static str, u64>,
 }
 
 /// Reads the counters of the pinned data path.
-pub fn stats(view: &PinnedView, snap: &Snapshot) -> Result<Stats> {
+pub(crate) fn stats(view: &PinnedView, snap: &Snapshot) -> Result<Stats> {
     let per = view.service_stats()?;
     let services = per
         .iter()
@@ -449,29 +446,29 @@ pub fn print_stats(view: &PinnedView, json: bool) -> Result<()> {
 /// One socket-level translation of `ebpf-proxy conntrack`: a connected socket or an
 /// unconnected UDP flow.
 #[derive(Debug, Serialize)]
-pub struct ConntrackRow {
+pub(crate) struct ConntrackRow {
     /// `connected` (TCP connection or connected UDP socket, from `SOCK_NAT` or `REVNAT_SK`)
     /// or `udp-flow` (from `UDP_FLOWS`).
-    pub kind: &'static str,
+    pub(crate) kind: &'static str,
     /// Socket cookie.
-    pub cookie: u64,
+    pub(crate) cookie: u64,
     /// TCP or UDP.
-    pub protocol: &'static str,
+    pub(crate) protocol: &'static str,
     /// Frontend address:port the socket addressed.
-    pub frontend: String,
+    pub(crate) frontend: String,
     /// Backend address:port it was translated to.
-    pub backend: String,
+    pub(crate) backend: String,
     /// Service id name.
-    pub service: String,
+    pub(crate) service: String,
     /// Seconds since the flow's last datagram (UDP flows only).
-    pub idle_s: Option<f64>,
+    pub(crate) idle_s: Option<f64>,
     /// Whether the socket's endpoint left and its sends fail until it reconnects.
-    pub stale: bool,
+    pub(crate) stale: bool,
 }
 
 /// The socket-level translations of the pinned data path (the socket programs' equivalent
 /// of a conntrack table).
-pub fn conntrack_rows(view: &PinnedView, snap: &Snapshot) -> Result<Vec<ConntrackRow>> {
+pub(crate) fn conntrack_rows(view: &PinnedView, snap: &Snapshot) -> Result<Vec<ConntrackRow>> {
     let stale = view.stale_sockets()?;
     let name = |id: u32| snap.names.get(&id).cloned().unwrap_or_else(|| "?".into());
     let mut rows = Vec::new();

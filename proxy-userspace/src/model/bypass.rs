@@ -24,7 +24,7 @@ use std::net::IpAddr;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
-pub use crate::datapath::bypass::{BypassedPod, SocketLbScope};
+pub(crate) use crate::datapath::bypass::{BypassedPod, SocketLbScope};
 
 /// Label or annotation (on a Pod or a Namespace) choosing socket-level translation:
 /// `disabled` (bypass it: translate per packet) or `enabled`.
@@ -196,6 +196,7 @@ impl BypassState {
 
     /// Which path serves connections from `client`, a pod address: the bypassed pod it
     /// belongs to on this node, if any.
+    #[cfg(test)]
     pub fn pod_of(&self, node: &str, client: &IpAddr) -> Option<BypassedPod> {
         self.bypassed(node)
             .into_iter()

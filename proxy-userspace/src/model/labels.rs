@@ -17,6 +17,7 @@ pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-
 pub const HEADLESS_LABEL: &str = "service.kubernetes.io/headless";
 /// The label selector of kube-proxy's Service and EndpointSlice watches (the API source's,
 /// which filters with it; the model applies the same rule to every source).
+#[cfg(any(test, doc))]
 pub use crate::source::kubeapi::PROXY_LABEL_SELECTOR;
 
 /// True when an object's labels exclude it from proxying ([`PROXY_LABEL_SELECTOR`]).

@@ -109,13 +109,17 @@
 //!   with the count of distinct addresses in its `externalTrafficPolicy` backend sets; a
 //!   port outside 1-65535 is reported; a port asked for by two Services goes to the first in
 //!   namespace/name order, the other is reported.
+//!
+//! [`PROXY_LABEL_SELECTOR`]: labels::PROXY_LABEL_SELECTOR
+//! [`categorize`]: topology::categorize
+//! [`NodeState`]: node::NodeState
 
-pub mod bypass;
-pub mod endpoints;
-pub mod explain;
+pub(crate) mod bypass;
+pub(crate) mod endpoints;
+pub(crate) mod explain;
 pub(crate) mod frontends;
 pub(crate) mod labels;
-pub mod node;
+pub(crate) mod node;
 pub(crate) mod selection;
 pub(crate) mod service;
 pub(crate) mod sets;
@@ -124,24 +128,25 @@ pub(crate) mod tracker;
 pub(crate) mod vocab;
 
 pub use crate::datapath::HealthCheck;
-pub use endpoints::{EndpointInfo, PortEndpoints, TRIGGER_TIME_ANNOTATION};
-pub use explain::{eligibility, why_not};
-pub use labels::{
-    HEADLESS_LABEL, PROXY_LABEL_SELECTOR, SERVICE_NAME_LABEL, SERVICE_PROXY_NAME_LABEL, ZONE_LABEL,
-    excluded_by_labels,
-};
-pub use node::{NodeAddress, NodeInfo, NodeState};
-pub use selection::{
-    ALGORITHM_ANNOTATION, NORTH_SOUTH_MODE_ANNOTATION, NorthSouthMode, WEIGHTS_ANNOTATION,
-    algorithm_names, parse_algorithm,
-};
-pub use service::DEFAULT_AFFINITY_TIMEOUT_S;
-pub use topology::{EndpointSets, categorize};
-pub use tracker::{Delta, Model, build};
-pub use vocab::{
-    Algorithm, DesiredService, DesiredState, DsrPairs, Family, MAX_WEIGHT, ModelError, Protocol,
-    Scope, ServicePortKey, SvcKey,
-};
+pub(crate) use explain::eligibility;
+pub(crate) use labels::SERVICE_NAME_LABEL;
+pub use node::NodeInfo;
+pub use selection::parse_algorithm;
+pub(crate) use selection::{NorthSouthMode, algorithm_names};
+pub(crate) use tracker::Delta;
+pub use tracker::Model;
+// Used by the unit tests only.
+#[cfg(test)]
+pub(crate) use endpoints::PortEndpoints;
+#[cfg(test)]
+pub(crate) use labels::{HEADLESS_LABEL, PROXY_LABEL_SELECTOR, SERVICE_PROXY_NAME_LABEL};
+#[cfg(test)]
+pub(crate) use topology::{EndpointSets, categorize};
+#[cfg(test)]
+pub(crate) use tracker::build;
+#[cfg(test)]
+pub(crate) use vocab::DesiredState;
+pub(crate) use vocab::{Algorithm, DesiredService, Family, Protocol, Scope, ServicePortKey};
 
 #[cfg(test)]
 pub(crate) mod tests;

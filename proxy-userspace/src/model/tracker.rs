@@ -56,6 +56,7 @@ pub struct Delta {
     pub trigger_times: Vec<(Family, String)>,
 }
 
+#[cfg(test)]
 impl Delta {
     /// True when nothing changed.
     pub fn is_empty(&self) -> bool {
@@ -133,24 +134,24 @@ impl Model {
     }
 
     /// Sets `--socket-lb-scope` (see [`bypass`]).
-    pub fn set_socket_lb_scope(&mut self, scope: bypass::SocketLbScope) {
+    pub(crate) fn set_socket_lb_scope(&mut self, scope: bypass::SocketLbScope) {
         self.bypass.set_scope(scope);
     }
 
     /// The Pods, Namespaces and scope that decide which pods bypass socket-level
     /// translation.
-    pub fn bypass(&self) -> &bypass::BypassState {
+    pub(crate) fn bypass(&self) -> &bypass::BypassState {
         &self.bypass
     }
 
     /// The pods of this node that bypass socket-level translation, in (namespace, name)
     /// order.
-    pub fn bypassed(&self) -> Vec<bypass::BypassedPod> {
+    pub(crate) fn bypassed(&self) -> Vec<bypass::BypassedPod> {
         self.bypass.bypassed(&self.config.name)
     }
 
     /// The node configuration.
-    pub fn config(&self) -> &NodeInfo {
+    pub(crate) fn config(&self) -> &NodeInfo {
         &self.config
     }
 
@@ -564,12 +565,12 @@ impl Model {
     }
 
     /// Every backend set, in key order.
-    pub fn ports(&self) -> &BTreeMap<ServicePortKey, DesiredService> {
+    pub(crate) fn ports(&self) -> &BTreeMap<ServicePortKey, DesiredService> {
         &self.ports
     }
 
     /// One backend set; `None` when it does not exist (removed).
-    pub fn port(&self, key: &ServicePortKey) -> Option<&DesiredService> {
+    pub(crate) fn port(&self, key: &ServicePortKey) -> Option<&DesiredService> {
         self.ports.get(key)
     }
 
@@ -630,14 +631,14 @@ impl Model {
     }
 
     /// The EndpointSlices (names) feeding Service `namespace`/`name`, in name order.
-    pub fn slices_of(&self, namespace: &str, name: &str) -> &[String] {
+    pub(crate) fn slices_of(&self, namespace: &str, name: &str) -> &[String] {
         self.slices_of
             .get(&(namespace.to_string(), name.to_string()))
             .map_or(&[], Vec::as_slice)
     }
 
     /// Number of errors now.
-    pub fn error_count(&self) -> usize {
+    pub(crate) fn error_count(&self) -> usize {
         self.errors.values().map(Vec::len).sum()
     }
 
@@ -651,7 +652,7 @@ impl Model {
     /// Every endpoint of one Service port and family as this node reads it (all slices
     /// merged as for the backend sets), for `ebpf-proxy explain` and for the endpoints
     /// whose connections `--close-connections-to-removed-endpoints` keeps.
-    pub fn endpoints_of(
+    pub(crate) fn endpoints_of(
         &self,
         namespace: &str,
         service: &str,
@@ -693,6 +694,7 @@ fn svc_key(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) ->
 /// Builds the desired state from a set of objects at once: a fresh [`Model`] fed every
 /// object. Returns the state and an error for everything skipped, in [`Model::errors`]
 /// order.
+#[cfg(test)]
 pub fn build(objects: &ObjectSet, node: &NodeInfo) -> (DesiredState, Vec<ModelError>) {
     let model = Model::from_objects(objects, node);
     (model.desired_state(), model.errors())

@@ -130,7 +130,7 @@ pub struct DesiredService {
     /// `proxy_common::FRONTEND_F_*` bits of the frontends (`FRONTEND_F_LOCAL_ONLY`).
     pub flags: u32,
     /// Backend selection for new connections (`--lb-algorithm`, or the Service's
-    /// [`ALGORITHM_ANNOTATION`](super::ALGORITHM_ANNOTATION)).
+    /// [`ALGORITHM_ANNOTATION`](super::selection::ALGORITHM_ANNOTATION)).
     pub algorithm: Algorithm,
     /// `sessionAffinity: ClientIP` timeout in seconds; 0 without affinity.
     pub affinity_timeout_s: u32,
@@ -162,17 +162,19 @@ pub struct DsrPairs {
 }
 
 /// Highest weight an endpoint may have (the data path's bound).
-pub use crate::datapath::MAX_WEIGHT;
+pub(crate) use crate::datapath::MAX_WEIGHT;
 
 /// Every backend set the data path must implement, in key order (what
-/// [`build`](super::build) returns; the agent reads [`Model::ports`](super::Model::ports)
-/// instead of copying it).
+/// [`Model::desired_state`](super::Model::desired_state) returns; the agent reads
+/// [`Model::ports`](super::Model::ports) instead of copying it).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DesiredState {
     /// Backend sets by Service port x protocol x family x scope.
     pub services: BTreeMap<ServicePortKey, DesiredService>,
 }
 
+// Summaries the unit tests check a desired state with.
+#[cfg(test)]
 impl DesiredState {
     /// Every VIP (address of any frontend).
     pub fn vips(&self) -> BTreeSet<IpAddr> {

@@ -21,8 +21,8 @@
 
 #[cfg(test)]
 mod equivalence;
-pub mod node;
-pub mod services;
+pub(crate) mod node;
+pub(crate) mod services;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -33,8 +33,9 @@ use crate::{
     datapath::{Datapath, DatapathError, Released},
     model::{Delta, Family, Model, ServicePortKey},
 };
-pub use node::{NodeConfig, NodeReconciler};
-pub use services::{Report, ServiceReconciler, parse_service_name, service_name};
+pub(crate) use node::NodeReconciler;
+pub use node::{NodeConfig, source_range_entries};
+pub(crate) use services::{Report, ServiceReconciler, parse_service_name};
 
 /// First retry delay of a failed Service port.
 pub const RETRY_MIN: Duration = Duration::from_secs(1);

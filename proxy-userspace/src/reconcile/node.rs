@@ -6,7 +6,7 @@
 //!
 //! Interfaces: `--interfaces` names them; by default they are the interfaces of the agent's
 //! network namespace (not `lo`) that carry one of this node's addresses (its Node object's
-//! `InternalIP`/`ExternalIP`, [`crate::model::NodeState`]). When some flows to local
+//! `InternalIP`/`ExternalIP`, [`crate::model::node::NodeState`]). When some flows to local
 //! backends are source-NATed (`--masquerade-all`, or `--cluster-cidr`), the pod-facing
 //! interfaces get the programs too: those the node routes its endpoints through (longest
 //! non-default route), other than the external ones. Each interface's SNAT address per

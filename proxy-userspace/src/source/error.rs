@@ -15,18 +15,18 @@ pub struct SourceError {
     /// File (or "api") the object came from.
     pub origin: String,
     /// Kind of the object (`Service`, `EndpointSlice`, ...), empty when unknown.
-    pub kind: String,
+    pub(crate) kind: String,
     /// Namespace of the object, empty when unknown.
-    pub namespace: String,
+    pub(crate) namespace: String,
     /// Name of the object, empty when unknown.
-    pub name: String,
+    pub(crate) name: String,
     /// What is wrong and what was skipped.
     pub reason: String,
 }
 
 impl SourceError {
     /// An error about a whole file (or directory).
-    pub fn file(origin: impl Into<String>, reason: impl Into<String>) -> Self {
+    pub(crate) fn file(origin: impl Into<String>, reason: impl Into<String>) -> Self {
         SourceError {
             origin: origin.into(),
             reason: reason.into(),
@@ -35,7 +35,7 @@ impl SourceError {
     }
 
     /// An error about one object.
-    pub fn object(
+    pub(crate) fn object(
         origin: impl Into<String>,
         kind: impl Into<String>,
         namespace: impl Into<String>,

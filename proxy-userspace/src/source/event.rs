@@ -19,7 +19,7 @@ use super::error::SourceError;
 #[derive(Clone, Debug)]
 pub struct Sourced<T> {
     /// The file the object was read from (or "api").
-    pub origin: String,
+    pub(crate) origin: String,
     /// The object. Its `metadata.namespace` is always set (defaulted to `"default"`).
     pub object: std::sync::Arc<T>,
 }
@@ -78,7 +78,7 @@ pub enum Kind {
 
 impl Kind {
     /// The kind as in a manifest.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Kind::Service => "Service",
             Kind::EndpointSlice => "EndpointSlice",
@@ -115,7 +115,7 @@ pub struct Batch {
 
 impl Object {
     /// The object's kind.
-    pub fn kind_of(&self) -> Kind {
+    pub(crate) fn kind_of(&self) -> Kind {
         match self {
             Object::Service(_) => Kind::Service,
             Object::EndpointSlice(_) => Kind::EndpointSlice,
@@ -183,14 +183,14 @@ pub struct ObjectSet {
     /// Services by (namespace, name).
     pub services: BTreeMap<(String, String), Sourced<Service>>,
     /// EndpointSlices by (namespace, name).
-    pub endpoint_slices: BTreeMap<(String, String), Sourced<EndpointSlice>>,
+    pub(crate) endpoint_slices: BTreeMap<(String, String), Sourced<EndpointSlice>>,
     /// Nodes by name: the API source watches this node's only; manifests may hold several
     /// (agents of different nodes can share one directory).
-    pub nodes: BTreeMap<String, Sourced<Node>>,
+    pub(crate) nodes: BTreeMap<String, Sourced<Node>>,
     /// Pods by (namespace, name): the API source watches this node's only.
-    pub pods: BTreeMap<(String, String), Sourced<Pod>>,
+    pub(crate) pods: BTreeMap<(String, String), Sourced<Pod>>,
     /// Namespaces by name.
-    pub namespaces: BTreeMap<String, Sourced<Namespace>>,
+    pub(crate) namespaces: BTreeMap<String, Sourced<Namespace>>,
 }
 
 impl ObjectSet {
@@ -232,7 +232,8 @@ impl ObjectSet {
     }
 
     /// Number of objects of every kind.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
         self.services.len()
             + self.endpoint_slices.len()
             + self.nodes.len()
@@ -241,7 +242,8 @@ impl ObjectSet {
     }
 
     /// True when the set holds no object.
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
         self.len() == 0
     }
 }

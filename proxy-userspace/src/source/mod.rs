@@ -9,18 +9,21 @@
 //! a re-list (a watch that had to start over, a directory listed again) delivers the objects
 //! that changed and a deletion for every object that is gone.
 
-pub mod apiconfig;
-pub mod error;
-pub mod event;
-pub mod kubeapi;
+pub(crate) mod apiconfig;
+pub(crate) mod error;
+pub(crate) mod event;
+pub(crate) mod kubeapi;
 pub mod manifests;
 
 use std::path::PathBuf;
 
+pub use apiconfig::kube_config;
 pub use error::SourceError;
-pub use event::{Batch, Change, Kind, Object, ObjectSet, Sourced};
-pub use kubeapi::KubeSource;
-pub use manifests::ManifestSource;
+pub(crate) use event::Batch;
+pub use event::{Change, Kind, Object, ObjectSet, Sourced};
+pub use kubeapi::API_ACCESS;
+pub(crate) use kubeapi::KubeSource;
+pub(crate) use manifests::ManifestSource;
 
 /// Where the agent reads objects from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -42,7 +45,7 @@ pub enum SourceChoice {
 ///   channel and applies every batch before acting on them.
 /// - The source's task stops when the receiver is dropped; the channel closes when the
 ///   source stops for good.
-pub trait Source {
+pub(crate) trait Source {
     /// Starts the source; see the trait documentation.
     fn start(self) -> anyhow::Result<tokio::sync::mpsc::Receiver<Batch>>;
 }

@@ -13,17 +13,19 @@ mod pins;
 use aya::EbpfLoader;
 use proxy_common::ALL_MAPS;
 
-pub use crate::mounts::{cgroup2_root, ensure_bpffs};
-pub use attach::{
+pub(crate) use crate::mounts::cgroup2_root;
+pub use crate::mounts::ensure_bpffs;
+pub(crate) use attach::{
     attach_egress, attach_programs, detach_egress, egress_attached, load_and_attach,
     stale_sockets_listed,
 };
-pub use cleanup::{CleanupReport, DRAIN_MAX, cleanup};
-pub use errors::verifier_excerpt;
+pub use cleanup::{DRAIN_MAX, cleanup};
 pub use load::{load_pinned, verify_programs};
-pub use lock::{PinDirLock, lock_pin_dir, wait_pin_dir_free};
+pub(crate) use lock::lock_pin_dir;
+pub use lock::wait_pin_dir_free;
 pub use migrate::replace_incompatible_pins;
-pub use pins::{check_cgroup, check_pin_dir_name, is_on_bpffs, link_pin, pin_dir};
+pub(crate) use pins::{check_cgroup, check_pin_dir_name};
+pub use pins::{link_pin, pin_dir};
 
 /// The eBPF object embedded at build time (see `build.rs`); empty when the binary was built
 /// without `cargo xtask build`.
@@ -47,11 +49,11 @@ pub const PROGRAMS: [&str; 8] = [
 /// while `STALE_SOCKETS` has entries ([`attach_egress`], [`detach_egress`]): a cgroup skb
 /// program runs for every packet of every socket of the cgroup, which is the largest part
 /// of what a short TCP connection would pay in BPF time, for sockets that never need it.
-pub const EGRESS_PROGRAM: &str = "sock_egress";
+pub(crate) const EGRESS_PROGRAM: &str = "sock_egress";
 
 /// The cgroup `sock` release program (section `cgroup/sock_release`): gives back the
 /// least-connections count of closed sockets.
-pub const RELEASE_PROGRAM: &str = "sock_release";
+pub(crate) const RELEASE_PROGRAM: &str = "sock_release";
 
 /// `--kernel-log-level`: which of the kernel programs' aya-log lines are written
 /// (`proxy_common::KERNEL_LOG_LEVEL`, set at every load). The numbers are aya-log's levels.
@@ -76,7 +78,7 @@ pub enum KernelLogLevel {
 
 impl KernelLogLevel {
     /// The flag's spelling.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             KernelLogLevel::Off => "off",
             KernelLogLevel::Error => "error",
@@ -101,7 +103,7 @@ pub fn set_kernel_log_level(level: KernelLogLevel) {
 }
 
 /// The kernel log level loads get now.
-pub fn kernel_log_level() -> KernelLogLevel {
+pub(crate) fn kernel_log_level() -> KernelLogLevel {
     match KERNEL_LOG_LEVEL.load(std::sync::atomic::Ordering::Relaxed) {
         1 => KernelLogLevel::Error,
         2 => KernelLogLevel::Warn,
@@ -116,7 +118,7 @@ pub fn kernel_log_level() -> KernelLogLevel {
 /// ([`set_kernel_log_level`]). Every load of the object goes through here: the global's
 /// default in the object is aya-log-ebpf's "everything", so a load that forgot it would
 /// run the programs with every log line.
-pub fn new_loader() -> EbpfLoader<'static> {
+pub(crate) fn new_loader() -> EbpfLoader<'static> {
     let mut loader = EbpfLoader::new();
     // The object has no CO-RE relocations, so the kernel's BTF (about 20 ms and 18 MiB to
     // parse, in the middle of a start-up) is not needed.
@@ -151,7 +153,7 @@ pub struct MapSizes {
 
 impl MapSizes {
     /// `max_entries` of `TC_CONNTRACK` for [`MapSizes::conntrack_flows`].
-    pub fn conntrack_entries(&self) -> u32 {
+    pub(crate) fn conntrack_entries(&self) -> u32 {
         self.conntrack_flows.saturating_mul(2).max(2)
     }
 }
@@ -176,7 +178,7 @@ pub(crate) fn map_type(t: u32) -> Option<aya::maps::MapType> {
 /// pinned rather than created per load for the same reason: with one ring per load the
 /// agent would need a reader per load, and the lines of programs loaded by an earlier
 /// agent (attached until the new links replace theirs) would go nowhere.
-pub fn pinned_maps() -> impl Iterator<Item = &'static str> {
+pub(crate) fn pinned_maps() -> impl Iterator<Item = &'static str> {
     ALL_MAPS
         .iter()
         .chain(proxy_common::nat::TC_MAPS.iter())
@@ -187,7 +189,7 @@ pub fn pinned_maps() -> impl Iterator<Item = &'static str> {
 
 /// Arrays indexed by a fixed list of this build (the counters, the overflow hints), whose
 /// size is the list's.
-pub const FIXED_INDEX_MAPS: [&str; 3] = [
+pub(crate) const FIXED_INDEX_MAPS: [&str; 3] = [
     proxy_common::COUNTERS,
     proxy_common::nat::TC_COUNTERS,
     proxy_common::SOCK_NAT_SPILLED,

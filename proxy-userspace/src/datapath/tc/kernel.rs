@@ -134,7 +134,7 @@ impl TcKernel {
     /// beyond its timeout goes through `tc_lc_gc`, which checks again and releases the count
     /// atomically with the data path. Returns how many flows were released. Cheap when no
     /// least-connections Service has tc flows (the map is empty).
-    pub fn collect_lc_flows(&mut self) -> Result<usize> {
+    pub(crate) fn collect_lc_flows(&mut self) -> Result<usize> {
         let flows: HashMap<MapData, CtKey, u32> = open(&self.dir, LC_FLOWS)?;
         let ct: HashMap<MapData, CtKey, CtEntry> = open(&self.dir, CONNTRACK)?;
         let now = monotonic_ns();
@@ -197,7 +197,7 @@ impl TcKernel {
     ///
     /// Errors: a tcx attachment or pin failed; with `--xdp native`, the interface has no
     /// native XDP.
-    pub fn attach(&mut self, ifname: &str, external: bool) -> Result<Option<XdpMode>> {
+    pub(crate) fn attach(&mut self, ifname: &str, external: bool) -> Result<Option<XdpMode>> {
         if !self.tc_attached.contains(ifname) {
             self.attach_tc(ifname)?;
             self.tc_attached.insert(ifname.to_string());
@@ -229,7 +229,7 @@ impl TcKernel {
     /// says its peer runs an XDP program: without one the frames the program forwards are
     /// lost ([`crate::datapath::veth`]). `--xdp native` refuses it with the remedies,
     /// `best-effort` leaves it to the tcx programs.
-    pub fn attach_xdp(&mut self, ifname: &str, external: bool) -> Result<Option<XdpMode>> {
+    pub(crate) fn attach_xdp(&mut self, ifname: &str, external: bool) -> Result<Option<XdpMode>> {
         self.detach_xdp(ifname)?;
         let unready_veth = external
             && self.xdp != XdpSetting::Disabled
@@ -290,7 +290,7 @@ impl TcKernel {
     }
 
     /// Detaches the programs from `ifname` (removes its pinned links).
-    pub fn detach(&mut self, ifname: &str) -> Result<()> {
+    pub(crate) fn detach(&mut self, ifname: &str) -> Result<()> {
         self.tc_attached.remove(ifname);
         self.detach_xdp(ifname)?;
         for prog in [INGRESS_PROGRAM, EGRESS_PROGRAM] {
@@ -300,12 +300,12 @@ impl TcKernel {
     }
 
     /// Interfaces with a pinned ingress link in the pin directory.
-    pub fn attached(&self) -> BTreeSet<String> {
+    pub(crate) fn attached(&self) -> BTreeSet<String> {
         tc_interfaces(&self.dir)
     }
 
     /// Reads the tc maps the agent writes.
-    pub fn snapshot(&self) -> Result<NodeSnapshot> {
+    pub(crate) fn snapshot(&self) -> Result<NodeSnapshot> {
         let mut s = NodeSnapshot::default();
         for k in self.local.keys() {
             s.local_endpoints
@@ -327,22 +327,22 @@ impl TcKernel {
     }
 
     /// `TC_DSR`.
-    pub fn dsr(&mut self) -> &mut HashMap<MapData, DsrKey, DsrTarget> {
+    pub(crate) fn dsr(&mut self) -> &mut HashMap<MapData, DsrKey, DsrTarget> {
         &mut self.dsr
     }
 
     /// `TC_LOCAL_ENDPOINTS`.
-    pub fn local_endpoints(&mut self) -> &mut HashMap<MapData, [u8; 16], u32> {
+    pub(crate) fn local_endpoints(&mut self) -> &mut HashMap<MapData, [u8; 16], u32> {
         &mut self.local
     }
 
     /// `TC_SOURCE_RANGES`.
-    pub fn source_ranges(&mut self) -> &mut LpmTrie<MapData, SourceRange, u32> {
+    pub(crate) fn source_ranges(&mut self) -> &mut LpmTrie<MapData, SourceRange, u32> {
         &mut self.ranges
     }
 
     /// `TC_IFACE_ADDRS`.
-    pub fn iface_addrs(&mut self) -> &mut HashMap<MapData, u32, IfaceAddr> {
+    pub(crate) fn iface_addrs(&mut self) -> &mut HashMap<MapData, u32, IfaceAddr> {
         &mut self.addrs
     }
 }

@@ -23,40 +23,43 @@ mod maps;
 mod settings;
 
 pub use crate::datapath::clock::monotonic_ns;
-pub(crate) use attach::attach_pinned;
-pub use attach::{XdpMode, install_tail_calls, linked_interfaces, tc_interfaces, xdp_modes};
-pub use interfaces::{
-    check_interfaces, if_index, interface_addresses, interface_names, route_device,
-};
+pub use attach::{XdpMode, install_tail_calls, xdp_modes};
+pub(crate) use attach::{attach_pinned, linked_interfaces, tc_interfaces};
+pub(crate) use interfaces::{check_interfaces, if_index, interface_addresses, route_device};
 pub use kernel::TcKernel;
-pub use maps::{allowed_ranges, conntrack_entries, counters, pinned_source_ranges};
-pub use settings::{
-    CONNTRACK_WARN_BYTES, CONNTRACK_WARN_MEMORY_SHARE, ConntrackSize,
-    DEFAULT_CONNTRACK_MAX_PER_CORE, DEFAULT_CONNTRACK_MIN, DEFAULT_CT_TCP_ESTABLISHED,
-    DEFAULT_CT_UDP_STREAM, HTAB_BUCKET_BYTES, HTAB_ELEM_OVERHEAD, MAX_CONNTRACK_FLOWS,
-    MIN_CONNTRACK_FLOWS, TcSettings, XdpSetting, conntrack_prealloc_bytes, own_cgroup_memory_max,
-    parse_memory_max, tc_config,
+pub(crate) use maps::{allowed_ranges, pinned_source_ranges};
+pub use maps::{conntrack_entries, counters};
+pub use settings::TcSettings;
+pub(crate) use settings::{
+    ConntrackSize, DEFAULT_CONNTRACK_MAX_PER_CORE, DEFAULT_CONNTRACK_MIN,
+    DEFAULT_CT_TCP_ESTABLISHED, DEFAULT_CT_UDP_STREAM, MAX_CONNTRACK_FLOWS, MIN_CONNTRACK_FLOWS,
+    XdpSetting, own_cgroup_memory_max,
 };
+// Used by the unit tests only.
+#[cfg(test)]
+pub(crate) use interfaces::interface_names;
+#[cfg(test)]
+pub(crate) use settings::tc_config;
 
 /// Name of the ingress program in the object.
-pub const INGRESS_PROGRAM: &str = "tc_ingress";
+pub(crate) const INGRESS_PROGRAM: &str = "tc_ingress";
 
 /// The program `tc_ingress` tail-calls to reject a packet to a frontend without endpoints.
-pub const REJECT_PROGRAM: &str = "tc_reject";
+pub(crate) const REJECT_PROGRAM: &str = "tc_reject";
 
 /// Name of the egress program in the object.
-pub const EGRESS_PROGRAM: &str = "tc_egress";
+pub(crate) const EGRESS_PROGRAM: &str = "tc_egress";
 
 /// Name of the XDP program in the object.
-pub const XDP_PROGRAM: &str = "xdp_ingress";
+pub(crate) const XDP_PROGRAM: &str = "xdp_ingress";
 
 /// Name of the least-connections collection program in the object (never attached; run by
 /// [`TcKernel::collect_lc_flows`] through `BPF_PROG_TEST_RUN`).
-pub const LC_GC_PROGRAM: &str = "tc_lc_gc";
+pub(crate) const LC_GC_PROGRAM: &str = "tc_lc_gc";
 
 /// How often the agent looks for timed-out or evicted least-connections flows: half the
 /// shortest conntrack timeout (unreplied UDP), within 1..=10 s.
-pub fn lc_collect_interval(udp_timeout: std::time::Duration) -> std::time::Duration {
+pub(crate) fn lc_collect_interval(udp_timeout: std::time::Duration) -> std::time::Duration {
     (udp_timeout / 2).clamp(
         std::time::Duration::from_secs(1),
         std::time::Duration::from_secs(10),

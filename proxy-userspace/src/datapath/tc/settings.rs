@@ -90,18 +90,18 @@ impl TcSettings {
     /// Flows of the conntrack table: max(per-core x CPUs, min), kube-proxy's rule for
     /// `nf_conntrack_max` (pkg/proxy/conntrack: `getConntrackMax`), within
     /// [`MIN_CONNTRACK_FLOWS`]..=[`MAX_CONNTRACK_FLOWS`].
-    pub fn conntrack_flows(&self) -> u32 {
+    pub(crate) fn conntrack_flows(&self) -> u32 {
         self.conntrack_size().flows
     }
 
     /// The conntrack table's size on this node (CPUs from `available_parallelism`).
-    pub fn conntrack_size(&self) -> ConntrackSize {
+    pub(crate) fn conntrack_size(&self) -> ConntrackSize {
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
         self.conntrack_size_for(u32::try_from(cpus).unwrap_or(u32::MAX))
     }
 
     /// The conntrack table's size for `cpus` CPUs: see [`TcSettings::conntrack_flows`].
-    pub fn conntrack_size_for(&self, cpus: u32) -> ConntrackSize {
+    pub(crate) fn conntrack_size_for(&self, cpus: u32) -> ConntrackSize {
         let per_core = self.conntrack_max_per_core as u64 * cpus as u64;
         let flows = per_core
             .max(self.conntrack_min as u64)

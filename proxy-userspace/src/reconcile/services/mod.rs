@@ -59,7 +59,6 @@ use crate::{
 };
 
 pub use names::{parse_service_name, service_name};
-pub use plan::arrange_slots;
 
 /// What one key has in the maps.
 #[derive(Clone, Debug, PartialEq, Eq)]
