@@ -1,6 +1,6 @@
 //! EndpointSlices read once, when they change, into `SliceInfo`, and the endpoints of a
 //! Service port merged from its slices (kube-proxy's pkg/proxy endpointslicecache). Which of
-//! them this node uses is [`categorize`](super::topology::categorize)'s.
+//! them this node uses is `topology::categorize`'s.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};

@@ -130,7 +130,7 @@ pub struct DesiredService {
     /// `proxy_common::FRONTEND_F_*` bits of the frontends (`FRONTEND_F_LOCAL_ONLY`).
     pub flags: u32,
     /// Backend selection for new connections (`--lb-algorithm`, or the Service's
-    /// [`ALGORITHM_ANNOTATION`](super::selection::ALGORITHM_ANNOTATION)).
+    /// `selection::ALGORITHM_ANNOTATION`).
     pub algorithm: Algorithm,
     /// `sessionAffinity: ClientIP` timeout in seconds; 0 without affinity.
     pub affinity_timeout_s: u32,
