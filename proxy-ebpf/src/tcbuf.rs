@@ -21,6 +21,11 @@ const BPF_F_ADJ_ROOM_DECAP_L3_IPV6: u64 = 1 << 8;
 
 impl Buf for TcContext {
     #[inline(always)]
+    fn linear(&self) -> (usize, usize) {
+        (self.data(), self.data_end())
+    }
+
+    #[inline(always)]
     fn load<T>(&self, off: usize) -> Option<T> {
         TcContext::load(self, off).ok()
     }

@@ -336,6 +336,11 @@ fn csum_update(sum: u16, from: u64, to: u64, size: u64) -> u16 {
 /// looked up before translating.
 impl Buf for XdpContext {
     #[inline(always)]
+    fn linear(&self) -> (usize, usize) {
+        (self.data(), self.data_end())
+    }
+
+    #[inline(always)]
     fn load<T>(&self, off: usize) -> Option<T> {
         let mut v = core::mem::MaybeUninit::<T>::uninit();
         // SAFETY: the helper writes exactly `size_of::<T>()` bytes into `v`, or fails.
