@@ -186,9 +186,10 @@ pub fn parse<B: Buf>(b: &B, pkt: &mut Pkt) -> Kind {
     }
 }
 
-/// Bytes the fast path reads: Ethernet, an IPv4 header without options, and a TCP
-/// header up to its flags (UDP's 8 bytes are within).
-const FAST_V4_LEN: usize = ETH_HLEN + 20 + 14;
+/// Bytes the fast path reads: Ethernet, an IPv4 header without options, and the ports.
+const FAST_V4_LEN: usize = ETH_HLEN + 20 + 4;
+/// ... and up to the TCP flags, for [`tcp_flags`].
+const FAST_TCP_LEN: usize = ETH_HLEN + 20 + 14;
 
 /// The common packet read in place, without a helper call per field: IPv4 without options,
 /// not a later fragment, TCP or UDP, every byte [`parse_v4`] reads within the linear part
@@ -398,8 +399,8 @@ pub fn tcp_flags<B: Buf>(b: &B, pkt: &Pkt) -> u8 {
     // IPv4 without options: the fast path's bytes (see `parse_v4_fast`).
     if pkt.l4() == ETH_HLEN + 20 {
         let (data, end) = b.linear();
-        if data + FAST_V4_LEN <= end {
-            // SAFETY: within FAST_V4_LEN, checked just above.
+        if data + FAST_TCP_LEN <= end {
+            // SAFETY: within FAST_TCP_LEN, checked just above.
             return unsafe { *((data + ETH_HLEN + 20 + 13) as *const u8) };
         }
     }
