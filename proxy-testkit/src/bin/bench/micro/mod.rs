@@ -82,8 +82,8 @@ pub struct MicroOpts {
     /// Untimed runs per case and run before its samples.
     #[arg(long, default_value_t = 200)]
     warmup: usize,
-    /// Katran's balancer object (`balancer.bpf.o`, built from Katran's source as docs/src/benchmarks-micro.md
-    /// describes); without it Katran's rows are left out.
+    /// Katran's balancer object (`balancer.bpf.o`, built from Katran's source as
+    /// docs/src/benchmarks-micro.md describes); without it Katran's rows are left out.
     #[arg(long, value_name = "PATH")]
     katran_object: Option<PathBuf>,
     /// The floor object [default: target/bpfel-unknown-none/release/ebpf-proxy-floor].
