@@ -437,23 +437,38 @@ fn list_from_api(
                     )
                     .await?
                     .expect("an API source"),
-                    None => kube::Config::infer().await?,
+                    None => kube::Config::infer().await.context(
+                        "no Kubernetes API configuration: give --kubeconfig or --master, or \
+                         --manifests DIR to explain from manifests",
+                    )?,
                 }
             }
         };
-        let client = kube::Client::try_from(config)?;
+        let server = config.cluster_url.to_string();
+        let client = kube::Client::try_from(config)
+            .with_context(|| format!("API server {server}: cannot build a client"))?;
+        let from_server = || format!("API server {server}");
         let lp = kube::api::ListParams::default();
         let mut set = ObjectSet::default();
-        for s in kube::Api::<Service>::all(client.clone()).list(&lp).await? {
+        let services = kube::Api::<Service>::all(client.clone())
+            .list(&lp)
+            .await
+            .with_context(|| format!("{}: list Services", from_server()))?;
+        for s in services {
             set.insert(Object::Service(Sourced::new("api", s)));
         }
-        for s in kube::Api::<EndpointSlice>::all(client.clone())
+        let slices = kube::Api::<EndpointSlice>::all(client.clone())
             .list(&lp)
-            .await?
-        {
+            .await
+            .with_context(|| format!("{}: list EndpointSlices", from_server()))?;
+        for s in slices {
             set.insert(Object::EndpointSlice(Sourced::new("api", s)));
         }
-        if let Some(n) = kube::Api::<Node>::all(client).get_opt(node).await? {
+        if let Some(n) = kube::Api::<Node>::all(client)
+            .get_opt(node)
+            .await
+            .with_context(|| format!("{}: get Node {node}", from_server()))?
+        {
             set.insert(Object::Node(Sourced::new("api", n)));
         }
         anyhow::Ok(set)
