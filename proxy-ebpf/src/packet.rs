@@ -186,6 +186,20 @@ pub fn parse<B: Buf>(b: &B, pkt: &mut Pkt) -> Kind {
     }
 }
 
+/// The conntrack key of an IPv4 TCP or UDP packet: addresses as read from it (network
+/// order in memory), IPv4-mapped; the ports' four bytes as they stand.
+#[inline(always)]
+fn key4(saddr: u32, daddr: u32, ports: [u8; 4], proto: u8) -> CtKey {
+    CtKey {
+        saddr: v4_mapped(saddr),
+        daddr: v4_mapped(daddr),
+        sport: [ports[0], ports[1]],
+        dport: [ports[2], ports[3]],
+        proto,
+        _pad: [0; 3],
+    }
+}
+
 /// Bytes the fast path reads: Ethernet, an IPv4 header without options, and the ports.
 const FAST_V4_LEN: usize = ETH_HLEN + 20 + 4;
 /// ... and up to the TCP flags, for [`tcp_flags`].
@@ -227,14 +241,7 @@ fn parse_v4_fast<B: Buf>(b: &B, pkt: &mut Pkt) -> Option<Kind> {
     }
     pkt.l4_off = (ETH_HLEN + 20) as u32;
     pkt.v6 = false;
-    pkt.key = CtKey {
-        saddr: v4_mapped(saddr),
-        daddr: v4_mapped(daddr),
-        sport: [ports[0], ports[1]],
-        dport: [ports[2], ports[3]],
-        proto,
-        _pad: [0; 3],
-    };
+    pkt.key = key4(saddr, daddr, ports, proto);
     Some(Kind::Flow)
 }
 
@@ -278,14 +285,7 @@ fn parse_v4<B: Buf>(b: &B, pkt: &mut Pkt) -> Option<Kind> {
         return None;
     }
     let ports: [u8; 4] = b.load(l4)?;
-    pkt.key = CtKey {
-        saddr: v4_mapped(saddr),
-        daddr: v4_mapped(daddr),
-        sport: [ports[0], ports[1]],
-        dport: [ports[2], ports[3]],
-        proto,
-        _pad: [0; 3],
-    };
+    pkt.key = key4(saddr, daddr, ports, proto);
     Some(Kind::Flow)
 }
 
