@@ -232,32 +232,45 @@ fn read_object(
         ));
     }
     let result = if kind == "Pod" {
-        serde_json::from_value::<Pod>(value).map(|mut p| {
+        typed::<Pod>(value).map(|mut p| {
             p.metadata.namespace = Some(ns.clone());
             Object::Pod(Sourced::new(origin, p))
         })
     } else if kind == "Namespace" {
-        serde_json::from_value::<Namespace>(value).map(|mut n| {
+        typed::<Namespace>(value).map(|mut n| {
             n.metadata.namespace = None;
             Object::Namespace(Sourced::new(origin, n))
         })
     } else if kind == "Node" {
-        serde_json::from_value::<Node>(value).map(|mut n| {
+        typed::<Node>(value).map(|mut n| {
             n.metadata.namespace = None;
             Object::Node(Sourced::new(origin, n))
         })
     } else if kind == "Service" {
-        serde_json::from_value::<Service>(value).map(|mut s| {
+        typed::<Service>(value).map(|mut s| {
             s.metadata.namespace = Some(ns.clone());
             Object::Service(Sourced::new(origin, s))
         })
     } else {
-        serde_json::from_value::<EndpointSlice>(value).map(|mut s| {
+        typed::<EndpointSlice>(value).map(|mut s| {
             s.metadata.namespace = Some(ns.clone());
             Object::EndpointSlice(Sourced::new(origin, s))
         })
     };
     result.map_err(|e| SourceError::object(origin, kind, ns, name, format!("{e}; object skipped")))
+}
+
+/// `value` as a `T`; an error names the field it is about (`spec.ports: invalid type:
+/// ...`), as the configuration file's errors do.
+fn typed<T: serde::de::DeserializeOwned>(value: Value) -> Result<T, String> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        if path == "." {
+            e.inner().to_string()
+        } else {
+            format!("{path}: {}", e.inner())
+        }
+    })
 }
 
 #[cfg(test)]
@@ -391,7 +404,7 @@ spec:
         let line = errors[0].to_string();
         assert!(
             line.starts_with(
-                "t.yaml: Service shop/bad: invalid type: string \"abc\", expected i32"
+                "t.yaml: Service shop/bad: spec.ports[0].port: invalid type: string \"abc\", expected i32"
             ),
             "{line}"
         );
