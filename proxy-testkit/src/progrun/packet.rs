@@ -503,3 +503,39 @@ pub fn port_unreachable(p: &Packet) -> Vec<u8> {
     }
     f
 }
+
+/// IP packet `inner` inside the outer header ebpf-proxy's DSR writes: IPv4 (TOS copied, DF,
+/// TTL 64, protocol 4) or IPv6 (first word copied, hop limit 64, next header 41) from
+/// `src` to `dst`.
+pub fn encapsulated(inner: &[u8], src: &str, dst: &str) -> Vec<u8> {
+    let (s, d): (std::net::IpAddr, std::net::IpAddr) = (src.parse().unwrap(), dst.parse().unwrap());
+    let mut h = match (s, d) {
+        (std::net::IpAddr::V4(s), std::net::IpAddr::V4(d)) => {
+            let mut h = vec![0u8; 20];
+            h[0] = 0x45;
+            h[1] = inner[1];
+            h[2..4].copy_from_slice(&((20 + inner.len()) as u16).to_be_bytes());
+            h[6] = 0x40;
+            h[8] = 64;
+            h[9] = 4;
+            h[12..16].copy_from_slice(&s.octets());
+            h[16..20].copy_from_slice(&d.octets());
+            let c = checksum(&h);
+            h[10..12].copy_from_slice(&c.to_be_bytes());
+            h
+        }
+        (std::net::IpAddr::V6(s), std::net::IpAddr::V6(d)) => {
+            let mut h = vec![0u8; 40];
+            h[..4].copy_from_slice(&inner[..4]);
+            h[4..6].copy_from_slice(&(inner.len() as u16).to_be_bytes());
+            h[6] = 41;
+            h[7] = 64;
+            h[8..24].copy_from_slice(&s.octets());
+            h[24..40].copy_from_slice(&d.octets());
+            h
+        }
+        _ => panic!("mixed families"),
+    };
+    h.extend_from_slice(inner);
+    h
+}

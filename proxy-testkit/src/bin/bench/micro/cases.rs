@@ -322,26 +322,6 @@ pub(super) fn routed_cases() -> Vec<Case> {
     ]
 }
 
-/// IP packet `inner` inside the outer IPv4 header ebpf-proxy's DSR writes (TOS copied, DF,
-/// TTL 64, protocol 4) from `src` to `dst` (as the packet tests build it).
-pub(super) fn encapsulated(inner: &[u8], src: &str, dst: &str) -> Vec<u8> {
-    let (s, d): (std::net::Ipv4Addr, std::net::Ipv4Addr) =
-        (src.parse().expect("src"), dst.parse().expect("dst"));
-    let mut h = vec![0u8; 20];
-    h[0] = 0x45;
-    h[1] = inner[1];
-    h[2..4].copy_from_slice(&((20 + inner.len()) as u16).to_be_bytes());
-    h[6] = 0x40;
-    h[8] = 64;
-    h[9] = 4;
-    h[12..16].copy_from_slice(&s.octets());
-    h[16..20].copy_from_slice(&d.octets());
-    let c = proxy_testkit::progrun::checksum(&h);
-    h[10..12].copy_from_slice(&c.to_be_bytes());
-    h.extend_from_slice(inner);
-    ether(&h, false)
-}
-
 /// Direct server return: the entry node and the backend's node.
 pub(super) fn dsr_cases() -> Vec<Case> {
     use Hook::Tc;
@@ -355,8 +335,13 @@ pub(super) fn dsr_cases() -> Vec<Case> {
             )
     };
     let inner_syn = tcp(CLIENT, 46010, OTHER_NODE, 30093, SYN).ip();
-    let accepted =
-        move |c: Case| c.prime(INGRESS, encapsulated(&inner_syn, OTHER_NODE, LOCAL), PASS);
+    let accepted = move |c: Case| {
+        c.prime(
+            INGRESS,
+            ether(&encapsulated(&inner_syn, OTHER_NODE, LOCAL), false),
+            PASS,
+        )
+    };
     let inner_data = tcp(CLIENT, 46010, OTHER_NODE, 30093, PSH | ACK).ip();
     vec![
         entry(Case::new(
@@ -375,7 +360,7 @@ pub(super) fn dsr_cases() -> Vec<Case> {
             Tracked,
         ))
         .counter("tc_translated")
-        .frame(encapsulated(&inner_data, OTHER_NODE, LOCAL)),
+        .frame(ether(&encapsulated(&inner_data, OTHER_NODE, LOCAL), false)),
         accepted(Case::new(
             "DSR backend node: TCP reply (from the frontend)",
             EGRESS,

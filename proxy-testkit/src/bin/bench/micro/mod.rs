@@ -50,7 +50,7 @@ use aya::{
 };
 use proxy_testkit::progrun::{
     ACK, Harness, PASS, Packet, REDIRECT, SYN, TcOptions, XDP, XDP_PASS, XDP_REDIRECT, XDP_TX,
-    ether, in_private_netns, sock, test_run, verify,
+    encapsulated, ether, in_private_netns, sock, test_run, verify,
 };
 use proxy_userspace::datapath::loader::MapSizes;
 
