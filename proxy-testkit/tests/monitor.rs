@@ -3,7 +3,8 @@
 //! endpoints, for an undefined port, for a Local policy without local endpoints, a stale
 //! connected UDP socket dropped and repaired), reverse translations, the lease given back,
 //! and losses under a burst over the rate reported rather than silent. The tc path's
-//! events are tested in `north_south.rs`, with its two-node lab.
+//! events are tested by the north-south scenario `monitor-flows-and-drops.txtar`, with its
+//! two-node lab.
 
 mod common;
 

@@ -9,6 +9,7 @@
 
 #![allow(dead_code)]
 
+pub mod northsouth;
 pub mod packets;
 pub mod socket;
 
