@@ -390,14 +390,10 @@ pub fn tcp_whoami(client: &Path, to: &str, timeout: Duration) -> Result<(String,
 }
 
 /// One UDP exchange on a connected socket from the client namespace (either family: the
-/// socket is bound to the wildcard of `to`'s): the backend's name and the client address it
-/// saw, or the errno (111 for a translated ICMP port unreachable).
-pub fn udp_whoami(client: &Path, to: &str, timeout: Duration) -> Result<(String, String), i32> {
-    udp_whoami_with(client, to, timeout, |_| {})
-}
-
-/// [`udp_whoami`] on a socket `setup` prepared (socket options) before it connects.
-pub fn udp_whoami_with(
+/// socket is bound to the wildcard of `to`'s), on a socket `setup` prepared (socket options)
+/// before it connects: the backend's name and the client address it saw, or the errno (111
+/// for a translated ICMP port unreachable).
+pub fn udp_whoami(
     client: &Path,
     to: &str,
     timeout: Duration,

@@ -18,8 +18,8 @@ use proxy_testkit::testbed::{ChildGuard, Netns, in_netns, output_in};
 use proxy_userspace::datapath::{ServiceMaps, maps, tc};
 
 use super::{Script, Step, duration, list, panic_text};
-use crate::common::{MonitorRun, NETPROBE, agent_path};
-use crate::nslab::{self, Lab, T, Xdp, ip_of, set_int_opt, tcp_whoami, udp_whoami_with};
+use crate::common::{MonitorRun, NETPROBE, agent_json, agent_path};
+use crate::nslab::{self, Lab, T, Xdp, ip_of, set_int_opt, tcp_whoami, udp_whoami};
 
 /// The nodes, by index.
 const NODES: [&str; 2] = ["node-a", "node-b"];
@@ -144,6 +144,9 @@ fn run_variant(script: &Script, tag: &str, opts: Opts) {
         bags: BTreeMap::new(),
         stream: None,
         timer: None,
+        held: Vec::new(),
+        saved: BTreeMap::new(),
+        pods: vec![("a0".into(), 0), ("b0".into(), 1)],
         lab,
     };
     for step in &script.steps[1..] {
@@ -187,6 +190,12 @@ struct Run {
     stream: Option<JoinHandle<usize>>,
     /// Set by `timer start`.
     timer: Option<Instant>,
+    /// Connections held by `hold`, with the backend that answered each.
+    held: Vec<(TcpStream, String)>,
+    /// Backend names kept by `hold => save=NAME`.
+    saved: BTreeMap<String, String>,
+    /// The lab's pods, in the order of `Lab::pods`: name and node.
+    pods: Vec<(String, usize)>,
     lab: Lab,
 }
 
@@ -303,6 +312,41 @@ impl Run {
                 }
             }
             "tcp" | "udp" => self.exchange(step, w),
+            "pod" => {
+                step.only(&[]);
+                let (name, i, addr) = match &w[1..] {
+                    [n, at, a] if at.starts_with('@') => (n, node(at), a),
+                    _ => panic!("usage: pod NAME @NODE ADDR"),
+                };
+                let gw = ["198.18.1.1", "198.18.2.1"][i];
+                self.lab.add_pod(i, name, addr, gw);
+                self.pods.push((name.clone(), i));
+            }
+            "hold" => self.hold(step, w),
+            "release" => {
+                step.only(&[]);
+                match w.get(1).map(String::as_str) {
+                    Some("all") => self.held.clear(),
+                    Some(n) => self.held.retain(|(_, b)| b != n),
+                    None => panic!("usage: release NAME | release all"),
+                }
+            }
+            "backends" => {
+                let i = node(&at(w, 1, "NODE"));
+                let counts = self.active(i);
+                check_active(step, &counts).unwrap_or_else(|e| panic!("{e}"));
+            }
+            "json" => {
+                step.only(&["has"]);
+                let i = node(&at(w, 1, "NODE"));
+                let args: Vec<&str> = w[2..].iter().map(String::as_str).collect();
+                assert!(!args.is_empty(), "usage: json @NODE COMMAND... => has=T");
+                let dir = self.agent(i).pin.file_name().unwrap().to_str().unwrap();
+                let text = agent_json(dir, &args).to_string();
+                for h in step.all("has") {
+                    assert!(text.contains(h), "{h:?} not in {text}");
+                }
+            }
             "probe" => self.probe(step, w),
             "collected" => {
                 step.only(&["has"]);
@@ -439,7 +483,22 @@ impl Run {
                     }
                 }
                 Some("http") => self.http(step, &w[2..], true),
-                _ => panic!("usage: wait log @NODE TEXT... | wait http URL => ..."),
+                Some("backends") => {
+                    let i = node(&at(w, 2, "NODE"));
+                    let within = step.get("within").map_or(Duration::from_secs(20), duration);
+                    let start = Instant::now();
+                    loop {
+                        let counts = self.active(i);
+                        match check_active(step, &counts) {
+                            Ok(()) => break,
+                            Err(e) => assert!(start.elapsed() < within, "within {within:?}: {e}"),
+                        }
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                }
+                _ => panic!(
+                    "usage: wait log @NODE TEXT... | wait http URL => ... | wait backends @NODE => ..."
+                ),
             },
             "http" => self.http(step, &w[1..], false),
             "check" => {
@@ -527,15 +586,100 @@ impl Run {
         &self.lab.agents[self.agent_index(i)]
     }
 
-    /// A namespace of the lab by name: `client`, `node-a`, `node-b`, `a0`, `b0`.
+    /// A namespace of the lab by name: `client`, `node-a`, `node-b` or a pod (`a0`, `b0`,
+    /// those of `pod`).
     fn netns(&self, name: &str) -> &Netns {
         match name {
             "client" => &self.lab.client,
             "node-a" => &self.lab.nodes[0],
             "node-b" => &self.lab.nodes[1],
-            "a0" => &self.lab.pods[0],
-            "b0" => &self.lab.pods[1],
-            _ => panic!("no namespace {name:?} (client, node-a, node-b, a0, b0)"),
+            _ => {
+                let i = self
+                    .pods
+                    .iter()
+                    .position(|(n, _)| n == name)
+                    .unwrap_or_else(|| {
+                        panic!("no namespace {name:?} (client, node-a, node-b, a0, b0)")
+                    });
+                &self.lab.pods[i]
+            }
+        }
+    }
+
+    /// `ebpf-proxy backends -o json` of node `i`'s agent: "address:port/PROTO" ->
+    /// least-connections count (`active`).
+    fn active(&self, i: usize) -> BTreeMap<String, u64> {
+        let dir = self.agent(i).pin.file_name().unwrap().to_str().unwrap();
+        let rows = agent_json(dir, &["backends"]);
+        rows.as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                (
+                    format!(
+                        "{}/{}",
+                        r["backend"].as_str().unwrap(),
+                        r["protocol"].as_str().unwrap()
+                    ),
+                    r["active"].as_u64().unwrap(),
+                )
+            })
+            .collect()
+    }
+
+    /// `hold --to ADDR [--count N] => ...`: TCP connections from the client held open (until
+    /// `release`), each with the backend that answered (its first line); checked as `tcp`'s,
+    /// and `save=NAME` keeps the (one) answer, `same=NAME` / `differs=NAME` compare with it.
+    fn hold(&mut self, step: &Step, w: &[String]) {
+        let (to, count) = match &w[1..] {
+            [t, to] if t == "--to" => (to, 1),
+            [t, to, c, n] if t == "--to" && c == "--count" => (to, n.parse().expect("--count N")),
+            _ => panic!("usage: hold --to ADDR [--count N] => ..."),
+        };
+        let c = self.lab.client_path();
+        let to: SocketAddr = to.parse().unwrap();
+        let mut got = Vec::new();
+        for _ in 0..count {
+            let r = in_netns(&c, move || -> Result<(TcpStream, String), Failure> {
+                let s = TcpStream::connect_timeout(&to, T)
+                    .map_err(|e| Failure::from_text(e.to_string()))?;
+                s.set_read_timeout(Some(T)).unwrap();
+                let mut name = String::new();
+                BufReader::new(&s)
+                    .read_line(&mut name)
+                    .map_err(|e| Failure::from_text(e.to_string()))?;
+                Ok((s, name.trim().to_string()))
+            })
+            .unwrap();
+            got.push(r.map(|(s, name)| {
+                self.held.push((s, name.clone()));
+                Answer {
+                    name,
+                    peer: String::new(),
+                    echo: None,
+                }
+            }));
+        }
+        let mut plain = step.clone();
+        plain
+            .expect
+            .retain(|(k, _)| !["save", "same", "differs"].contains(&k.as_str()));
+        check_answers(&plain, &got, Duration::ZERO);
+        let names: Vec<&str> = got.iter().flatten().map(|a| a.name.as_str()).collect();
+        if let Some(n) = step.get("save") {
+            assert_eq!(names.len(), 1, "save=NAME keeps one answer");
+            self.saved.insert(n.to_string(), names[0].to_string());
+        }
+        for (k, v) in &step.expect {
+            if k == "same" || k == "differs" {
+                let saved = self
+                    .saved
+                    .get(v)
+                    .unwrap_or_else(|| panic!("no answer saved as {v}"));
+                for n in &names {
+                    assert_eq!(n == saved, k == "same", "{n}, {k} {v} ({saved})");
+                }
+            }
         }
     }
 
@@ -585,7 +729,7 @@ impl Run {
         let mut got: Vec<Result<Answer, Failure>> = Vec::new();
         for _ in 0..count {
             let r = if udp {
-                udp_whoami_with(&c, &to, timeout, |s| {
+                udp_whoami(&c, &to, timeout, |s| {
                     if no_checksum {
                         set_int_opt(s, libc::SOL_SOCKET, libc::SO_NO_CHECK, 1);
                     }
@@ -639,11 +783,12 @@ impl Run {
     fn probe(&mut self, step: &Step, w: &[String]) {
         step.only(&["ok", "n", "collect"]);
         let pod = at(w, 1, "POD");
-        let node = match pod.as_str() {
-            "a0" => 0,
-            "b0" => 1,
-            _ => panic!("probe @a0|@b0"),
-        };
+        let node = self
+            .pods
+            .iter()
+            .find(|(n, _)| *n == pod)
+            .unwrap_or_else(|| panic!("no pod {pod}"))
+            .1;
         let cg = self.agent(node).cg.path().to_path_buf();
         let args: Vec<&str> = w[2..].iter().map(String::as_str).collect();
         let out = output_in(
@@ -853,6 +998,7 @@ const EXCHANGE_KEYS: &[&str] = &[
     "took-under",
     "collect",
     "echo",
+    "even-per-cpu",
 ];
 
 /// One answered exchange: the backend's name, the client address it saw (empty for
@@ -975,10 +1121,54 @@ fn check_answers(step: &Step, got: &[Result<Answer, Failure>], took: Duration) {
                     assert_eq!(ip_of(&a.peer), *v, "source seen by {b}");
                 }
             }
+            "even-per-cpu" => {
+                // Per-CPU cursors: each backend's share is within one per CPU of an even
+                // split.
+                let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+                let even = answers.len() / names.len().max(1);
+                assert!(
+                    names.values().all(|c| c.abs_diff(even) <= cpus),
+                    "{names:?}: not within {cpus} of {even} each"
+                );
+            }
             "fails" | "collect" => {}
             _ => unreachable!(),
         }
     }
+}
+
+/// Checks `backends @NODE` expectations on the least-connections counts: `ADDR:PORT/PROTO=N`
+/// (that backend), `each=N` (every one), `each@SUFFIX=N` (every one whose key ends in
+/// SUFFIX), `sum@SUFFIX=N` (their sum); `within` is `wait`'s.
+fn check_active(step: &Step, counts: &BTreeMap<String, u64>) -> Result<(), String> {
+    for (k, v) in &step.expect {
+        if k == "within" {
+            continue;
+        }
+        let want: u64 = v
+            .parse()
+            .unwrap_or_else(|_| panic!("{k}={v}: not a number"));
+        let of = |suffix: &str| -> Vec<u64> {
+            counts
+                .iter()
+                .filter(|(b, _)| b.ends_with(suffix))
+                .map(|(_, c)| *c)
+                .collect()
+        };
+        let ok = if k == "each" {
+            counts.values().all(|c| *c == want)
+        } else if let Some(suffix) = k.strip_prefix("each@") {
+            of(suffix).iter().all(|c| *c == want)
+        } else if let Some(suffix) = k.strip_prefix("sum@") {
+            of(suffix).iter().sum::<u64>() == want
+        } else {
+            counts.get(k) == Some(&want)
+        };
+        if !ok {
+            return Err(format!("{k}={v} does not hold: counts {counts:?}"));
+        }
+    }
+    Ok(())
 }
 
 /// A comparison of an expectation: `NAME=N`, `NAME>N`, `NAME>=N`, `NAME<N`, `NAME<=N`.
