@@ -217,6 +217,8 @@ fn at(w: &[String], i: usize, what: &str) -> String {
 }
 
 impl Run {
+    /// Runs one step: `w` is its words without the conditions. The commands are described
+    /// in `tests/scenarios/README.md`.
     fn step(&mut self, script: &Script, step: &Step, w: &[String]) {
         match w[0].as_str() {
             "agent" => {
@@ -228,42 +230,8 @@ impl Run {
                     a.extra = flags;
                 }
             }
-            "write" | "apply" => {
-                step.only(&[]);
-                let (section, name) = match &w[1..] {
-                    [s] => (s.as_str(), s.as_str()),
-                    [s, as_, n] if as_ == "as" => (s.as_str(), n.as_str()),
-                    _ => panic!("usage: {} FILE [as NAME]", w[0]),
-                };
-                let text = script.file(section);
-                let before: Vec<usize> = self.lab.agents.iter().map(|a| a.syncs()).collect();
-                self.lab.write(name, &text);
-                if w[0] == "apply" {
-                    for (a, n) in self.lab.agents.iter().zip(before) {
-                        a.wait_sync_after(n);
-                    }
-                }
-            }
-            "start" => {
-                step.only(&[]);
-                let no_wait = w.get(1).is_some_and(|x| x == "--no-wait");
-                let nodes = &w[1 + no_wait as usize..];
-                assert!(!nodes.is_empty(), "usage: start [--no-wait] NODE...");
-                for n in nodes {
-                    let i = node(n);
-                    assert!(
-                        self.lab.agents.iter().all(|a| a.node != i),
-                        "{n} is already started"
-                    );
-                    let flags = self.agent_flags(i);
-                    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-                    if no_wait {
-                        self.lab.spawn_node_agent(i, &flags);
-                    } else {
-                        self.lab.start_agent(i, &flags);
-                    }
-                }
-            }
+            "write" | "apply" => self.write(script, step, w),
+            "start" => self.start(step, w),
             "restart" => {
                 step.only(&[]);
                 let i = node(w.get(1).expect("usage: restart NODE"));
@@ -279,23 +247,7 @@ impl Run {
                     .ip(&args)
                     .unwrap_or_else(|e| panic!("ip -n {ns} {args:?}: {e:#}"));
             }
-            "listen" | "unlisten" => {
-                step.only(&[]);
-                let ns = at(w, 1, "NAMESPACE");
-                let addr = w.get(2).expect("usage: listen @NS ADDR").clone();
-                let key = format!("{ns} {addr}");
-                if w[0] == "listen" {
-                    let path = self.netns(&ns).path();
-                    let l = in_netns(&path, || TcpListener::bind(&addr))
-                        .unwrap()
-                        .unwrap_or_else(|e| panic!("listen on {addr} in {ns}: {e}"));
-                    self.listeners.insert(key, l);
-                } else {
-                    self.listeners
-                        .remove(&key)
-                        .unwrap_or_else(|| panic!("no listener {key}"));
-                }
-            }
+            "listen" | "unlisten" => self.listen(step, w),
             "sleep" => {
                 step.only(&[]);
                 std::thread::sleep(duration(w.get(1).expect("usage: sleep DURATION")));
@@ -358,30 +310,7 @@ impl Run {
             }
             "stream" => self.stream(step, w),
             "pmtu" => self.pmtu(step, w),
-            "counters" => {
-                let i = node(&at(w, 1, "NODE"));
-                let since = match w.get(2).map(String::as_str) {
-                    None => false,
-                    Some("since") => true,
-                    Some(x) => panic!("counters @NODE [since]: not {x:?}"),
-                };
-                let now = tc::counters(&self.agent(i).pin).unwrap();
-                let prev = self.counters[i].replace(now.clone());
-                for (k, op, v) in comparisons(&step.after) {
-                    let mut got = *now
-                        .get(k.as_str())
-                        .unwrap_or_else(|| panic!("no counter {k:?}: {now:?}"));
-                    if since {
-                        let before = prev.as_ref().expect("`counters @NODE` before `since`");
-                        got -= before[k.as_str()];
-                    }
-                    assert!(
-                        op.holds(got, v),
-                        "{k} {got}{} not {op:?} {v}: {now:?}",
-                        if since { " (growth)" } else { "" }
-                    );
-                }
-            }
+            "counters" => self.counters(step, w),
             "conntrack" => {
                 let i = node(&at(w, 1, "NODE"));
                 let n = tc::conntrack_entries(&self.agent(i).pin).unwrap() as u64;
@@ -427,138 +356,244 @@ impl Run {
                 let suffix = w.get(2).expect("usage: stats @NODE SUFFIX => traffic");
                 self.stats(i, suffix);
             }
-            "monitor" => {
-                step.only(&[]);
-                let i = node(&at(w, 2, "NODE"));
-                match w[1].as_str() {
-                    "start" => {
-                        let args: Vec<&str> = w[3..].iter().map(String::as_str).collect();
-                        let pin = self.agent(i).pin.clone();
-                        self.monitors[i] = Some(MonitorRun::start(&pin, &args));
-                    }
-                    "stop" => {
-                        let m = self.monitors[i].take().expect("no monitor running there");
-                        self.events[i] = m.stop();
-                    }
-                    _ => panic!("usage: monitor start @NODE ARGS... | monitor stop @NODE"),
-                }
-            }
+            "monitor" => self.monitor(step, w),
             "events" => {
                 let i = node(&at(w, 1, "NODE"));
                 check_events(step, &self.events[i], w.get(2).map(String::as_str));
             }
-            "log" => {
-                step.only(&["count"]);
-                let i = node(&at(w, 1, "NODE"));
-                let log = self.agent(i).log();
-                let needles = &w[2..];
-                assert!(!needles.is_empty(), "usage: log @NODE TEXT...");
-                match step.get("count") {
-                    Some(c) => {
-                        assert_eq!(needles.len(), 1, "count=N goes with one TEXT");
-                        let n = log.matches(needles[0].as_str()).count();
-                        assert_eq!(n, c.parse::<usize>().unwrap(), "{:?} in\n{log}", needles[0]);
-                    }
-                    None => {
-                        for n in needles {
-                            assert!(log.contains(n.as_str()), "{n:?} missing in\n{log}");
-                        }
-                    }
-                }
-            }
-            "wait" => match w.get(1).map(String::as_str) {
-                Some("log") => {
-                    step.only(&["within"]);
-                    let i = node(&at(w, 2, "NODE"));
-                    let within = step.get("within").map_or(Duration::from_secs(20), duration);
-                    let needles = &w[3..];
-                    let start = Instant::now();
-                    loop {
-                        let log = self.agent(i).log();
-                        if needles.iter().all(|n| log.contains(n.as_str())) {
-                            break;
-                        }
-                        assert!(start.elapsed() < within, "no {needles:?} in\n{log}");
-                        std::thread::sleep(Duration::from_millis(50));
-                    }
-                }
-                Some("http") => self.http(step, &w[2..], true),
-                Some("backends") => {
-                    let i = node(&at(w, 2, "NODE"));
-                    let within = step.get("within").map_or(Duration::from_secs(20), duration);
-                    let start = Instant::now();
-                    loop {
-                        let counts = self.active(i);
-                        match check_active(step, &counts) {
-                            Ok(()) => break,
-                            Err(e) => assert!(start.elapsed() < within, "within {within:?}: {e}"),
-                        }
-                        std::thread::sleep(Duration::from_millis(100));
-                    }
-                }
-                _ => panic!(
-                    "usage: wait log @NODE TEXT... | wait http URL => ... | wait backends @NODE => ..."
-                ),
-            },
+            "log" => self.log(step, w),
+            "wait" => self.wait(step, w),
             "http" => self.http(step, &w[1..], false),
-            "check" => {
-                step.only(&["has"]);
-                let i = node(&at(w, 1, "NODE"));
-                let name = w.get(2).expect("usage: check @NODE CHECK => has=T");
-                let out = self.lab.nodes[i]
-                    .exec_timeout(
-                        agent_path().to_str().unwrap(),
-                        &["check", "-o", "json"],
-                        Duration::from_secs(60),
-                    )
-                    .unwrap();
-                let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
-                let row = rows
-                    .iter()
-                    .find(|r| r["check"] == name.as_str())
-                    .unwrap_or_else(|| panic!("no check {name}: {rows:?}"));
-                let detail = row["detail"].as_str().unwrap();
-                for h in step.all("has") {
-                    assert!(detail.contains(h), "{h:?} not in {row}");
+            "check" => self.check(step, w),
+            "capture" => self.capture(step, w),
+            other => panic!("unknown command {other:?}"),
+        }
+    }
+
+    /// `write FILE [as NAME]` / `apply FILE [as NAME]`: a manifest; `apply` waits until every
+    /// running agent synced after it.
+    fn write(&mut self, script: &Script, step: &Step, w: &[String]) {
+        step.only(&[]);
+        let (section, name) = match &w[1..] {
+            [s] => (s.as_str(), s.as_str()),
+            [s, as_, n] if as_ == "as" => (s.as_str(), n.as_str()),
+            _ => panic!("usage: {} FILE [as NAME]", w[0]),
+        };
+        let text = script.file(section);
+        let before: Vec<usize> = self.lab.agents.iter().map(|a| a.syncs()).collect();
+        self.lab.write(name, &text);
+        if w[0] == "apply" {
+            for (a, n) in self.lab.agents.iter().zip(before) {
+                a.wait_sync_after(n);
+            }
+        }
+    }
+
+    /// `start [--no-wait] NODE...`: the agents, each waited for (first sync, attached programs)
+    /// unless `--no-wait`.
+    fn start(&mut self, step: &Step, w: &[String]) {
+        step.only(&[]);
+        let no_wait = w.get(1).is_some_and(|x| x == "--no-wait");
+        let nodes = &w[1 + no_wait as usize..];
+        assert!(!nodes.is_empty(), "usage: start [--no-wait] NODE...");
+        for n in nodes {
+            let i = node(n);
+            assert!(
+                self.lab.agents.iter().all(|a| a.node != i),
+                "{n} is already started"
+            );
+            let flags = self.agent_flags(i);
+            let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+            if no_wait {
+                self.lab.spawn_node_agent(i, &flags);
+            } else {
+                self.lab.start_agent(i, &flags);
+            }
+        }
+    }
+
+    /// `listen @NS ADDR` / `unlisten @NS ADDR`: holds (frees) a TCP port in NS.
+    fn listen(&mut self, step: &Step, w: &[String]) {
+        step.only(&[]);
+        let ns = at(w, 1, "NAMESPACE");
+        let addr = w.get(2).expect("usage: listen @NS ADDR").clone();
+        let key = format!("{ns} {addr}");
+        if w[0] == "listen" {
+            let path = self.netns(&ns).path();
+            let l = in_netns(&path, || TcpListener::bind(&addr))
+                .unwrap()
+                .unwrap_or_else(|e| panic!("listen on {addr} in {ns}: {e}"));
+            self.listeners.insert(key, l);
+        } else {
+            self.listeners
+                .remove(&key)
+                .unwrap_or_else(|| panic!("no listener {key}"));
+        }
+    }
+
+    /// `counters @NODE [since] => NAME OP N...`: the tc counters, or their growth since the
+    /// node's previous `counters` step.
+    fn counters(&mut self, step: &Step, w: &[String]) {
+        let i = node(&at(w, 1, "NODE"));
+        let since = match w.get(2).map(String::as_str) {
+            None => false,
+            Some("since") => true,
+            Some(x) => panic!("counters @NODE [since]: not {x:?}"),
+        };
+        let now = tc::counters(&self.agent(i).pin).unwrap();
+        let prev = self.counters[i].replace(now.clone());
+        for (k, op, v) in comparisons(&step.after) {
+            let mut got = *now
+                .get(k.as_str())
+                .unwrap_or_else(|| panic!("no counter {k:?}: {now:?}"));
+            if since {
+                let before = prev.as_ref().expect("`counters @NODE` before `since`");
+                got -= before[k.as_str()];
+            }
+            assert!(
+                op.holds(got, v),
+                "{k} {got}{} not {op:?} {v}: {now:?}",
+                if since { " (growth)" } else { "" }
+            );
+        }
+    }
+
+    /// `monitor start @NODE ARGS...` / `monitor stop @NODE`.
+    fn monitor(&mut self, step: &Step, w: &[String]) {
+        step.only(&[]);
+        let i = node(&at(w, 2, "NODE"));
+        match w[1].as_str() {
+            "start" => {
+                let args: Vec<&str> = w[3..].iter().map(String::as_str).collect();
+                let pin = self.agent(i).pin.clone();
+                self.monitors[i] = Some(MonitorRun::start(&pin, &args));
+            }
+            "stop" => {
+                let m = self.monitors[i].take().expect("no monitor running there");
+                self.events[i] = m.stop();
+            }
+            _ => panic!("usage: monitor start @NODE ARGS... | monitor stop @NODE"),
+        }
+    }
+
+    /// `log @NODE TEXT... => [count=N]`: the log holds every TEXT, or the one TEXT N times.
+    fn log(&self, step: &Step, w: &[String]) {
+        step.only(&["count"]);
+        let i = node(&at(w, 1, "NODE"));
+        let log = self.agent(i).log();
+        let needles = &w[2..];
+        assert!(!needles.is_empty(), "usage: log @NODE TEXT...");
+        match step.get("count") {
+            Some(c) => {
+                assert_eq!(needles.len(), 1, "count=N goes with one TEXT");
+                let n = log.matches(needles[0].as_str()).count();
+                assert_eq!(n, c.parse::<usize>().unwrap(), "{:?} in\n{log}", needles[0]);
+            }
+            None => {
+                for n in needles {
+                    assert!(log.contains(n.as_str()), "{n:?} missing in\n{log}");
                 }
             }
-            "capture" => match w.get(1).map(String::as_str) {
-                Some("start") => {
-                    step.only(&[]);
-                    let i = node(&at(w, 2, "NODE"));
-                    let (host, name) = match &w[3..] {
-                        [h, as_, n] if as_ == "as" => (h, n),
-                        _ => panic!("usage: capture start @NODE HOST as NAME"),
-                    };
-                    let c = Capture::start(&self.lab, i, host, name);
-                    self.captures.insert(name.clone(), c);
-                }
-                Some("stop") => {
-                    let name = w.get(2).expect("usage: capture stop NAME => ...");
-                    let c = self
-                        .captures
-                        .get_mut(name.as_str())
-                        .unwrap_or_else(|| panic!("no capture {name}"));
-                    let lines = c.stop();
-                    let host = &c.host;
-                    for (k, op, v) in comparisons(&step.after) {
-                        let n = match k.as_str() {
-                            "from" => from_host(&lines, host),
-                            "to" => to_host(&lines, host),
-                            "tcp-to" => lines
-                                .iter()
-                                .filter(|l| {
-                                    l.contains(&format!("> {host}.")) && l.contains("Flags")
-                                })
-                                .count(),
-                            _ => panic!("capture stop: from, to or tcp-to, not {k:?}"),
-                        };
-                        assert!(op.holds(n as u64, v), "{k}: {n} packets: {lines:#?}");
+        }
+    }
+
+    /// `wait log @NODE TEXT...`, `wait http URL`, `wait backends @NODE`.
+    fn wait(&self, step: &Step, w: &[String]) {
+        match w.get(1).map(String::as_str) {
+            Some("log") => {
+                step.only(&["within"]);
+                let i = node(&at(w, 2, "NODE"));
+                let within = step.get("within").map_or(Duration::from_secs(20), duration);
+                let needles = &w[3..];
+                let start = Instant::now();
+                loop {
+                    let log = self.agent(i).log();
+                    if needles.iter().all(|n| log.contains(n.as_str())) {
+                        break;
                     }
+                    assert!(start.elapsed() < within, "no {needles:?} in\n{log}");
+                    std::thread::sleep(Duration::from_millis(50));
                 }
-                _ => panic!("usage: capture start @NODE HOST as NAME | capture stop NAME"),
-            },
-            other => panic!("unknown command {other:?}"),
+            }
+            Some("http") => self.http(step, &w[2..], true),
+            Some("backends") => {
+                let i = node(&at(w, 2, "NODE"));
+                let within = step.get("within").map_or(Duration::from_secs(20), duration);
+                let start = Instant::now();
+                loop {
+                    let counts = self.active(i);
+                    match check_active(step, &counts) {
+                        Ok(()) => break,
+                        Err(e) => assert!(start.elapsed() < within, "within {within:?}: {e}"),
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
+            _ => panic!(
+                "usage: wait log @NODE TEXT... | wait http URL => ... | wait backends @NODE => ..."
+            ),
+        }
+    }
+
+    /// `check @NODE CHECK => has=T`: the detail of a row of `ebpf-proxy check -o json` run in
+    /// the node's namespace.
+    fn check(&self, step: &Step, w: &[String]) {
+        step.only(&["has"]);
+        let i = node(&at(w, 1, "NODE"));
+        let name = w.get(2).expect("usage: check @NODE CHECK => has=T");
+        let out = self.lab.nodes[i]
+            .exec_timeout(
+                agent_path().to_str().unwrap(),
+                &["check", "-o", "json"],
+                Duration::from_secs(60),
+            )
+            .unwrap();
+        let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+        let row = rows
+            .iter()
+            .find(|r| r["check"] == name.as_str())
+            .unwrap_or_else(|| panic!("no check {name}: {rows:?}"));
+        let detail = row["detail"].as_str().unwrap();
+        for h in step.all("has") {
+            assert!(detail.contains(h), "{h:?} not in {row}");
+        }
+    }
+
+    /// `capture start @NODE HOST as NAME` / `capture stop NAME => from.. to.. tcp-to..`.
+    fn capture(&mut self, step: &Step, w: &[String]) {
+        match w.get(1).map(String::as_str) {
+            Some("start") => {
+                step.only(&[]);
+                let i = node(&at(w, 2, "NODE"));
+                let (host, name) = match &w[3..] {
+                    [h, as_, n] if as_ == "as" => (h, n),
+                    _ => panic!("usage: capture start @NODE HOST as NAME"),
+                };
+                let c = Capture::start(&self.lab, i, host, name);
+                self.captures.insert(name.clone(), c);
+            }
+            Some("stop") => {
+                let name = w.get(2).expect("usage: capture stop NAME => ...");
+                let c = self
+                    .captures
+                    .get_mut(name.as_str())
+                    .unwrap_or_else(|| panic!("no capture {name}"));
+                let lines = c.stop();
+                let host = &c.host;
+                for (k, op, v) in comparisons(&step.after) {
+                    let n = match k.as_str() {
+                        "from" => from_host(&lines, host),
+                        "to" => to_host(&lines, host),
+                        "tcp-to" => lines
+                            .iter()
+                            .filter(|l| l.contains(&format!("> {host}.")) && l.contains("Flags"))
+                            .count(),
+                        _ => panic!("capture stop: from, to or tcp-to, not {k:?}"),
+                    };
+                    assert!(op.holds(n as u64, v), "{k}: {n} packets: {lines:#?}");
+                }
+            }
+            _ => panic!("usage: capture start @NODE HOST as NAME | capture stop NAME"),
         }
     }
 
