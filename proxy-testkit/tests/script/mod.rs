@@ -10,6 +10,7 @@
 #![allow(dead_code)]
 
 pub mod packets;
+pub mod query;
 pub mod socket;
 
 use std::{
