@@ -350,16 +350,6 @@ impl Env {
     pub fn tcp(&self, to: &str, count: usize) -> Vec<Probe> {
         self.probe(&["tcp", "--to", to, "--count", &count.to_string()])
     }
-
-    pub fn udp(&self, to: &str, count: usize, connected: bool) -> Vec<Probe> {
-        let mut args = vec!["udp", "--to", to, "--count"];
-        let c = count.to_string();
-        args.push(&c);
-        if connected {
-            args.push("--connected");
-        }
-        self.probe(&args)
-    }
 }
 
 /// A second "node" on the same lab: its own cgroup (its clients), pin directory and agent,
