@@ -133,9 +133,12 @@ pub fn errno_value(s: &str) -> Option<i64> {
     })
 }
 
-/// The scenario's variables.
+/// The scenario's variables; a binding is printed (unless [`Vars::trial`]).
 #[derive(Clone, Default)]
-pub struct Vars(BTreeMap<String, String>);
+pub struct Vars {
+    values: BTreeMap<String, String>,
+    quiet: bool,
+}
 
 fn var_char(c: char) -> bool {
     c.is_ascii_alphanumeric() || c == '_'
@@ -143,7 +146,15 @@ fn var_char(c: char) -> bool {
 
 impl Vars {
     pub fn set(&mut self, name: &str, value: impl Into<String>) {
-        self.0.insert(name.to_string(), value.into());
+        self.values.insert(name.to_string(), value.into());
+    }
+
+    /// A copy to try conditions on, without printing what they bind.
+    pub fn trial(&self) -> Vars {
+        Vars {
+            values: self.values.clone(),
+            quiet: true,
+        }
     }
 
     /// `s` with every `$NAME` replaced (each must be bound); computed when it then reads as
@@ -162,7 +173,7 @@ impl Vars {
                 .collect();
             assert!(!name.is_empty(), "a `$` without a variable name in {s:?}");
             let v = self
-                .0
+                .values
                 .get(&name)
                 .unwrap_or_else(|| panic!("variable ${name} is not set (in {s:?})"));
             out.push_str(v);
@@ -175,7 +186,7 @@ impl Vars {
     /// The variable `value` names when it is only an unbound `$NAME`.
     fn unbound<'a>(&self, value: &'a str) -> Option<&'a str> {
         let name = value.strip_prefix('$')?;
-        (!name.is_empty() && name.chars().all(var_char) && !self.0.contains_key(name))
+        (!name.is_empty() && name.chars().all(var_char) && !self.values.contains_key(name))
             .then_some(name)
     }
 
@@ -186,7 +197,9 @@ impl Vars {
             && let Some(name) = self.unbound(&c.value)
         {
             let v = got.map_or("null".to_string(), text);
-            println!("  ${name} = {v}");
+            if !self.quiet {
+                println!("  ${name} = {v}");
+            }
             self.set(name, v);
             return Ok(());
         }
@@ -317,8 +330,9 @@ pub fn rows<'a>(v: &'a Value, path: &str) -> Vec<&'a Value> {
     }
 }
 
-/// The keys a [`select`] takes besides fields: `count`, `sum.FIELD`, `@I.FIELD` (the I-th
-/// row, `@last` the last).
+/// Picks the rows meeting every filter, then checks each expectation: `count` (of the rows
+/// picked), `sum.FIELD` (over them), `@I.FIELD` (the I-th row from 0, `@last` the last), or
+/// a field every row picked must meet (some row must be picked).
 pub fn select(rows: &[&Value], filters: &[Cond], expect: &[Cond], vars: &mut Vars) {
     let picked: Vec<&Value> = rows
         .iter()

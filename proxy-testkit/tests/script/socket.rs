@@ -213,35 +213,10 @@ impl Lab {
             }
             "probe" => self.probe(step),
             "background" => self.background(step),
-            "join" => {
-                let name = step.word(1, "a background run's name");
-                let run = self
-                    .background
-                    .remove(name)
-                    .unwrap_or_else(|| panic!("no background run {name:?}"));
-                let lines = finish_probe(run);
-                check_probe(step, &lines, Duration::ZERO, &mut self.vars);
-            }
+            "join" => self.join(step),
             "hold" => self.hold(step),
-            "ask" => {
-                let name = step.word(1, "a held connection's name");
-                let msg = step.word(2, "a message");
-                let held = self
-                    .held
-                    .get_mut(name)
-                    .unwrap_or_else(|| panic!("no held connection {name:?}"));
-                let answer = held.ask(msg);
-                println!("{name}: {answer}");
-                check_json(&answer, &conds(&step.after), &mut self.vars);
-            }
-            "close" => {
-                step.only(&[]);
-                let name = step.word(1, "a held connection's name");
-                self.held
-                    .remove(name)
-                    .unwrap_or_else(|| panic!("no held connection {name:?}"))
-                    .close();
-            }
+            "ask" => self.ask(step),
+            "close" => self.close(step),
             "maps" => {
                 let snap = self.env.snapshot();
                 check_maps(step, &snap, &self.saved).unwrap_or_else(|e| panic!("{e}"));
@@ -249,144 +224,25 @@ impl Lab {
                     self.saved.insert(name.to_string(), snap);
                 }
             }
-            "wait" => match w.get(1).map(String::as_str) {
-                Some("maps") => {
-                    // Checked once for the expectation keys, then polled.
-                    step.only(MAP_KEYS);
-                    self.env.wait_maps(
-                        |s| check_maps(step, s, &self.saved).is_ok(),
-                        &format!("maps {:?}", step.expect),
-                    );
-                }
-                Some("log") => {
-                    step.only(&[]);
-                    let needles = &w[2..];
-                    assert!(!needles.is_empty(), "usage: wait log TEXT...");
-                    self.env.wait_log(
-                        |l| l.lines().any(|l| needles.iter().all(|n| l.contains(n))),
-                        &format!("a log line with {needles:?}"),
-                    );
-                }
-                Some("bypassed") => {
-                    step.only(&[]);
-                    let n: usize = step.word(2, "a number of pods").parse().expect("N");
-                    self.wait_bypassed(n);
-                }
-                Some("conn-counts") => {
-                    let c = conds(&step.after);
-                    known(&c, &["pairs", "carried"]);
-                    let start = Instant::now();
-                    while self.conn_counts(&c, &mut self.vars.clone()).is_err() {
-                        assert!(
-                            start.elapsed() < Duration::from_secs(20),
-                            "{:?} after 20 s: {:?}\n{}",
-                            step.after,
-                            self.conn_counts(&c, &mut self.vars.clone()),
-                            self.env.log()
-                        );
-                        std::thread::sleep(Duration::from_millis(200));
-                    }
-                }
-                _ => panic!(
-                    "usage: wait maps => ... | wait log TEXT... | wait bypassed N \
-                     | wait conn-counts => ..."
-                ),
-            },
+            "wait" => self.wait(step),
             "log" => self.log(step),
             "healthz" => self.healthz(step),
             "cli" => self.cli(step),
-            "json" => {
-                step.only(&[]);
-                let args: Vec<String> = w[1..].iter().map(|a| self.vars.expand(a)).collect();
-                let args: Vec<&str> = args.iter().map(String::as_str).collect();
-                self.json = agent_json(&self.env.pin_dir, &args);
-                println!("{}", self.json);
-            }
-            "select" => {
-                let source = step.word(1, "events, json or json.PATH");
-                let all = match source.split_once('.') {
-                    _ if source == "events" => self.events.iter().collect(),
-                    _ if source == "json" => rows(&self.json, ""),
-                    Some(("json", path)) => rows(&self.json, path),
-                    _ => panic!("select events|json|json.PATH, not {source:?}"),
-                };
-                let filters: Vec<String> = w[2..].to_vec();
-                select(&all, &conds(&filters), &conds(&step.after), &mut self.vars);
-            }
+            "json" => self.json(step),
+            "select" => self.select(step),
             "monitor" => self.monitor(step),
             "metric" => self.metric(step),
             "counters" => self.counters(step),
-            "bypassed" => {
-                let c = conds(&step.after);
-                known(&c, &["count", "interfaces"]);
-                let pin = self.env.pin_path();
-                let (_, cookies) = bypass::read_pinned(&pin).expect("bypass maps");
-                let links = bypass::attached_pods(&pin);
-                let links: Vec<String> = links.into_iter().collect();
-                for c in &c {
-                    let r = match c.key.as_str() {
-                        "count" => self.vars.check_number(c, cookies.len() as u64),
-                        _ => self.vars.check(c, Some(&Value::from(links.join(",")))),
-                    };
-                    r.unwrap_or_else(|e| panic!("{c}: {e}"));
-                }
-            }
+            "bypassed" => self.bypassed(step),
             "pod" => self.pod(step),
-            "exec" => {
-                step.only(&[]);
-                let netns = self.netns(step.word(1, "a pod or node"));
-                let cmd = step.word(2, "a command");
-                let out = proxy_testkit::testbed::output_in(
-                    Some(&netns),
-                    None,
-                    std::process::Command::new(cmd).args(&w[3..]),
-                    Duration::from_secs(10),
-                )
-                .expect(cmd);
-                assert!(
-                    out.status.success(),
-                    "{cmd}: {}",
-                    String::from_utf8_lossy(&out.stderr)
-                );
-            }
+            "exec" => self.exec(step),
             "sleep" => {
                 step.only(&[]);
                 std::thread::sleep(duration(step.word(1, "a duration")));
             }
-            "check" => {
-                step.only(&[]);
-                let [a, op, b] = &w[1..] else {
-                    panic!("usage: check A OP B");
-                };
-                let c = cond(&format!("x{op}{b}"));
-                let a = self.vars.expand(a);
-                let got = a.parse::<f64>().map_or(Value::from(a.clone()), Value::from);
-                self.vars
-                    .check(&c, Some(&got))
-                    .unwrap_or_else(|e| panic!("{e}"));
-            }
-            "ring" => {
-                let n = ring_records(&self.env.pin_path());
-                if w.get(1).is_some_and(|a| a == "drain") {
-                    step.only(&[]);
-                } else {
-                    let c = conds(&step.after);
-                    known(&c, &["records"]);
-                    for c in &c {
-                        self.vars
-                            .check_number(c, n as u64)
-                            .unwrap_or_else(|e| panic!("{e}"));
-                    }
-                }
-            }
-            "conn-counts" => {
-                let c = conds(&step.after);
-                known(&c, &["pairs", "carried"]);
-                let mut vars = std::mem::take(&mut self.vars);
-                let r = self.conn_counts(&c, &mut vars);
-                self.vars = vars;
-                r.unwrap_or_else(|e| panic!("{e}"));
-            }
+            "check" => self.check(step),
+            "ring" => self.ring(step),
+            "conn-counts" => self.conn_counts_step(step),
             "timer" => {
                 step.only(&[]);
                 match &w[1..] {
@@ -400,6 +256,198 @@ impl Lab {
             }
             other => panic!("unknown command {other:?}"),
         }
+    }
+
+    /// `join NAME => ...`: waits for a `background` run to end; its lines checked as a
+    /// probe's.
+    fn join(&mut self, step: &Step) {
+        let name = step.word(1, "a background run's name");
+        let run = self
+            .background
+            .remove(name)
+            .unwrap_or_else(|| panic!("no background run {name:?}"));
+        let lines = finish_probe(run);
+        check_probe(step, &lines, Duration::ZERO, &mut self.vars);
+    }
+
+    /// `ask NAME MSG => CONDITIONS`: a line sent on a held connection; the conditions on the
+    /// answer.
+    fn ask(&mut self, step: &Step) {
+        let name = step.word(1, "a held connection's name");
+        let msg = step.word(2, "a message");
+        let held = self
+            .held
+            .get_mut(name)
+            .unwrap_or_else(|| panic!("no held connection {name:?}"));
+        let answer = held.ask(msg);
+        println!("{name}: {answer}");
+        check_json(&answer, &conds(&step.after), &mut self.vars);
+    }
+
+    /// `close NAME`: closes a held connection.
+    fn close(&mut self, step: &Step) {
+        step.only(&[]);
+        let name = step.word(1, "a held connection's name");
+        self.held
+            .remove(name)
+            .unwrap_or_else(|| panic!("no held connection {name:?}"))
+            .close();
+    }
+
+    /// `wait maps => ...`, `wait log TEXT...`, `wait bypassed N`, `wait conn-counts => ...`.
+    fn wait(&mut self, step: &Step) {
+        let w = &step.words;
+        match w.get(1).map(String::as_str) {
+            Some("maps") => {
+                // Checked once for the expectation keys, then polled.
+                step.only(MAP_KEYS);
+                self.env.wait_maps(
+                    |s| check_maps(step, s, &self.saved).is_ok(),
+                    &format!("maps {:?}", step.expect),
+                );
+            }
+            Some("log") => {
+                step.only(&[]);
+                let needles = &w[2..];
+                assert!(!needles.is_empty(), "usage: wait log TEXT...");
+                self.env.wait_log(
+                    |l| l.lines().any(|l| needles.iter().all(|n| l.contains(n))),
+                    &format!("a log line with {needles:?}"),
+                );
+            }
+            Some("bypassed") => {
+                step.only(&[]);
+                let n: usize = step.word(2, "a number of pods").parse().expect("N");
+                self.wait_bypassed(n);
+            }
+            Some("conn-counts") => {
+                let c = conds(&step.after);
+                known(&c, &["pairs", "carried"]);
+                let start = Instant::now();
+                while self.conn_counts(&c, &mut self.vars.trial()).is_err() {
+                    assert!(
+                        start.elapsed() < Duration::from_secs(20),
+                        "{:?} after 20 s: {:?}\n{}",
+                        step.after,
+                        self.conn_counts(&c, &mut self.vars.trial()),
+                        self.env.log()
+                    );
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+            }
+            _ => panic!(
+                "usage: wait maps => ... | wait log TEXT... | wait bypassed N | \
+                 wait conn-counts => ..."
+            ),
+        }
+    }
+
+    /// `json ARGS...`: the CLI's JSON, kept for `select json`.
+    fn json(&mut self, step: &Step) {
+        let w = &step.words;
+        step.only(&[]);
+        let args: Vec<String> = w[1..].iter().map(|a| self.vars.expand(a)).collect();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.json = agent_json(&self.env.pin_dir, &args);
+        println!("{}", self.json);
+    }
+
+    /// `select events|json|json.PATH [FILTER...] => ...`: see [`select`].
+    fn select(&mut self, step: &Step) {
+        let w = &step.words;
+        let source = step.word(1, "events, json or json.PATH");
+        let all = match source.split_once('.') {
+            _ if source == "events" => self.events.iter().collect(),
+            _ if source == "json" => rows(&self.json, ""),
+            Some(("json", path)) => rows(&self.json, path),
+            _ => panic!("select events|json|json.PATH, not {source:?}"),
+        };
+        let filters: Vec<String> = w[2..].to_vec();
+        select(&all, &conds(&filters), &conds(&step.after), &mut self.vars);
+    }
+
+    /// `bypassed => count=N interfaces=A,B`: the bypassed namespaces and the interfaces with
+    /// the pod programs.
+    fn bypassed(&mut self, step: &Step) {
+        let c = conds(&step.after);
+        known(&c, &["count", "interfaces"]);
+        let pin = self.env.pin_path();
+        let (_, cookies) = bypass::read_pinned(&pin).expect("bypass maps");
+        let links = bypass::attached_pods(&pin);
+        let links: Vec<String> = links.into_iter().collect();
+        for c in &c {
+            let r = match c.key.as_str() {
+                "count" => self.vars.check_number(c, cookies.len() as u64),
+                _ => self.vars.check(c, Some(&Value::from(links.join(",")))),
+            };
+            r.unwrap_or_else(|e| panic!("{c}: {e}"));
+        }
+    }
+
+    /// `exec POD CMD ARGS...`: CMD in the pod's (or the node's) namespace; must succeed.
+    fn exec(&mut self, step: &Step) {
+        let w = &step.words;
+        step.only(&[]);
+        let netns = self.netns(step.word(1, "a pod or node"));
+        let cmd = step.word(2, "a command");
+        let out = proxy_testkit::testbed::output_in(
+            Some(&netns),
+            None,
+            std::process::Command::new(cmd).args(&w[3..]),
+            Duration::from_secs(10),
+        )
+        .expect(cmd);
+        assert!(
+            out.status.success(),
+            "{cmd}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// `check A OP B`: two values compared.
+    fn check(&mut self, step: &Step) {
+        let w = &step.words;
+        step.only(&[]);
+        let [a, op, b] = &w[1..] else {
+            panic!("usage: check A OP B");
+        };
+        // The key names the left side in a failure.
+        let c = Cond {
+            key: a.clone(),
+            ..cond(&format!("x{op}{b}"))
+        };
+        let a = self.vars.expand(a);
+        let got = a.parse::<f64>().map_or(Value::from(a.clone()), Value::from);
+        self.vars
+            .check(&c, Some(&got))
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// `ring drain` / `ring => records=N`: the records waiting in the kernel log ring.
+    fn ring(&mut self, step: &Step) {
+        let w = &step.words;
+        let n = ring_records(&self.env.pin_path());
+        if w.get(1).is_some_and(|a| a == "drain") {
+            step.only(&[]);
+        } else {
+            let c = conds(&step.after);
+            known(&c, &["records"]);
+            for c in &c {
+                self.vars
+                    .check_number(c, n as u64)
+                    .unwrap_or_else(|e| panic!("{e}"));
+            }
+        }
+    }
+
+    /// `conn-counts => pairs=N carried=N`.
+    fn conn_counts_step(&mut self, step: &Step) {
+        let c = conds(&step.after);
+        known(&c, &["pairs", "carried"]);
+        let mut vars = std::mem::take(&mut self.vars);
+        let r = self.conn_counts(&c, &mut vars);
+        self.vars = vars;
+        r.unwrap_or_else(|e| panic!("{e}"));
     }
 
     /// The cgroup of the clients of node `name` (`@name`), or of the first node.
@@ -530,7 +578,7 @@ impl Lab {
         let mut last = None;
         for _ in 0..tries {
             let h = HeldTcp::open(&pod, &cg, &args[0], &extra);
-            let mut scratch = self.vars.clone();
+            let mut scratch = self.vars.trial();
             if c.iter()
                 .all(|c| scratch.check(c, field(&h.first, &c.key)).is_ok())
             {
