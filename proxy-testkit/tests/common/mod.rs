@@ -90,6 +90,10 @@ pub struct Env {
     pub client: Pod,
     pub backends: Vec<Pod>,
     pub extra_agent_args: Vec<String>,
+    /// The network namespace the agent runs in; `None`: the test's own. The per-packet
+    /// path of bypassed pods needs the node namespace, where their veths have their node
+    /// side (its servers then listen there too, out of the test's reach).
+    pub agent_netns: Option<PathBuf>,
     // Dropped after the processes above are gone: cgroup, then the lab.
     pub cg: TestCgroup,
     pub lab: Lab,
@@ -142,6 +146,7 @@ impl Env {
             client,
             backends: Vec::new(),
             extra_agent_args: Vec::new(),
+            agent_netns: None,
             cg,
             lab,
         };
@@ -256,7 +261,9 @@ impl Env {
             .stdout(Stdio::null())
             .stderr(log);
         // spawn_in sets PR_SET_PDEATHSIG, so the agent dies with a killed test run.
-        let child = ChildGuard::new(spawn_in(None, None, &mut cmd).expect("start agent"));
+        let child = ChildGuard::new(
+            spawn_in(self.agent_netns.as_deref(), None, &mut cmd).expect("start agent"),
+        );
         self.agent = Some(child);
     }
 
@@ -342,16 +349,6 @@ impl Env {
 
     pub fn tcp(&self, to: &str, count: usize) -> Vec<Probe> {
         self.probe(&["tcp", "--to", to, "--count", &count.to_string()])
-    }
-
-    pub fn udp(&self, to: &str, count: usize, connected: bool) -> Vec<Probe> {
-        let mut args = vec!["udp", "--to", to, "--count"];
-        let c = count.to_string();
-        args.push(&c);
-        if connected {
-            args.push("--connected");
-        }
-        self.probe(&args)
     }
 }
 
@@ -444,22 +441,14 @@ impl Env {
         node
     }
 
-    /// Runs netprobe in the client pod inside cgroup `cg` (a node's clients); JSON lines.
-    pub fn probe_in(&self, cg: &Path, args: &[&str]) -> Vec<Probe> {
-        let out = self
-            .client
-            .output(
-                Some(cg),
-                Command::new(NETPROBE).args(args),
-                Duration::from_secs(60),
-            )
-            .expect("netprobe");
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .map(|l| {
-                serde_json::from_str(l).unwrap_or_else(|e| panic!("bad netprobe line {l:?}: {e}"))
-            })
-            .collect()
+    /// A pod's sandbox as a kubelet lays it out for the agent to find: the cgroup
+    /// `pod<uid>` under the test cgroup, holding a process of the pod's namespace (dropping
+    /// the guard ends it; the cgroup goes with the test cgroup).
+    pub fn sandbox(&self, pod: &Pod, uid: &str) -> ChildGuard {
+        let cg = self.cg.path().join(format!("pod{uid}"));
+        fs::create_dir(&cg).expect("pod cgroup");
+        pod.spawn(Some(&cg), Command::new("sleep").arg("600"))
+            .expect("pause process")
     }
 }
 
@@ -473,6 +462,22 @@ impl Drop for Env {
         let _ = loader::cleanup(&self.pin_path());
         let _ = fs::remove_file(&self.agent_log);
     }
+}
+
+/// Runs netprobe in network namespace `netns` (a file under `/run/netns`) inside cgroup
+/// `cg`; its JSON lines.
+pub fn probe_at(netns: &Path, cg: &Path, args: &[&str]) -> Vec<Probe> {
+    let out = proxy_testkit::testbed::output_in(
+        Some(netns),
+        Some(cg),
+        Command::new(NETPROBE).args(args),
+        Duration::from_secs(60),
+    )
+    .expect("netprobe");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad netprobe line {l:?}: {e}")))
+        .collect()
 }
 
 /// The syncs an agent completed, by its log: one `sync done` line each.

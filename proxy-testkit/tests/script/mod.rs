@@ -11,6 +11,7 @@
 
 pub mod northsouth;
 pub mod packets;
+pub mod query;
 pub mod socket;
 
 use std::{

@@ -4,14 +4,29 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
+    net::{Ipv4Addr, Ipv6Addr},
+    path::PathBuf,
+    process::Stdio,
     time::{Duration, Instant},
 };
 
-use proxy_common::FRONTEND_F_VIP_MARKER;
-use proxy_userspace::datapath::Snapshot;
+use aya::maps::{Map, MapData, RingBuf};
+use proxy_common::{Counter, FRONTEND_F_LOCAL_ONLY, FRONTEND_F_VIP_MARKER};
+use proxy_testkit::testbed::{ChildGuard, Pod};
+use proxy_userspace::datapath::{
+    Snapshot, bypass,
+    maps::{read_connection_counts, read_counters},
+    tc,
+    view::PinnedView,
+};
+use serde_json::Value;
 
+use super::query::{Cond, Vars, cond, conds, errno_value, field, glob, known, rows, select};
 use super::{Script, Step, duration, list, weights};
-use crate::common::{Env, OtherNode, Probe, apply_on, errno};
+use crate::common::{
+    Env, HeldTcp, MonitorRun, NETPROBE, OtherNode, Probe, agent_json, apply_on, errno,
+    finish_probe, probe_at,
+};
 use crate::sched;
 
 /// Chi-square critical values at p = 0.001 for 1..=5 degrees of freedom: a correct
@@ -20,14 +35,34 @@ const CHI2_P001: [f64; 5] = [10.828, 13.816, 16.266, 18.467, 20.515];
 
 /// A running socket scenario.
 struct Lab {
+    // Dropped before `env`: processes in its pods and cgroups go first.
+    /// The pause processes of the pods' sandboxes (`lab bypass`), by pod name.
+    pause: BTreeMap<String, ChildGuard>,
+    /// Connections held open by `hold NAME`.
+    held: BTreeMap<String, HeldTcp>,
+    /// netprobe runs started by `background NAME`.
+    background: BTreeMap<String, ChildGuard>,
+    /// The monitor started by `monitor ARGS...`.
+    monitor: Option<MonitorRun>,
     env: Env,
     /// The nodes' names (`lab nodes=`); the first is `env`'s own agent. Empty: one node,
     /// without `--hostname-override`.
     nodes: Vec<String>,
     /// The agents of the other nodes, once started.
     others: Vec<OtherNode>,
+    /// The pods a step may name (`in POD`) besides `node`: `client`, and `other` in a
+    /// bypass lab.
+    pods: BTreeMap<String, Pod>,
+    /// The sandbox UID of each pod with a sandbox.
+    uids: BTreeMap<String, String>,
     /// Map snapshots kept by `maps => save=NAME`.
     saved: BTreeMap<String, Snapshot>,
+    /// Counter values kept by `counters mark NAME`.
+    marks: BTreeMap<String, BTreeMap<String, u64>>,
+    /// The events of the last monitor, and the last `json` output, for `select`.
+    events: Vec<Value>,
+    json: Value,
+    vars: Vars,
     timer: Option<Instant>,
 }
 
@@ -47,29 +82,88 @@ pub fn run(script: &Script) {
     }
 }
 
+/// The address of the lab's extra pods by name (`other` is 198.18.0.3), and of the client.
+fn pod_addrs(name: &str) -> (Ipv4Addr, Ipv6Addr) {
+    let last = match name {
+        "client" => 2,
+        "other" => 3,
+        n => panic!("no pod {n:?} in the lab (client, other)"),
+    };
+    (
+        Ipv4Addr::new(198, 18, 0, last),
+        Ipv6Addr::new(0xfd00, 0x198, 0x18, 0, 0, 0, 0, last as u16),
+    )
+}
+
+/// The sandbox UID a bypass lab gives pod `name` at first.
+fn first_uid(name: &str) -> String {
+    format!("0000-{name}-uid")
+}
+
 impl Lab {
-    /// `lab backends=N [ipv6] [nodes=NAME,NAME...]`.
+    /// `lab backends=N [ipv6] [nodes=NAME,NAME...] [bypass]`.
     fn new(script: &Script, step: &Step) -> Lab {
         let mut n = 0;
         let mut ipv6 = false;
+        let mut bypass = false;
         let mut nodes = Vec::new();
         for w in &step.words[1..] {
             match w.split_once('=') {
                 Some(("backends", v)) => n = v.parse().expect("backends=N"),
                 Some(("nodes", v)) => nodes = list(v),
                 None if w == "ipv6" => ipv6 = true,
-                _ => panic!("unknown lab option {w:?} (backends=N, ipv6, nodes=A,B)"),
+                None if w == "bypass" => bypass = true,
+                _ => panic!("unknown lab option {w:?} (backends=N, ipv6, nodes=A,B, bypass)"),
             }
         }
         let mut env = Env::new(&format!("sc-{}", script.name), n, ipv6);
+        let mut pods = BTreeMap::from([("client".to_string(), env.client.clone())]);
+        let mut uids = BTreeMap::new();
+        let mut pause = BTreeMap::new();
+        if bypass {
+            if nodes.is_empty() {
+                nodes = vec!["node-a".into()];
+            }
+            let (v4, v6) = pod_addrs("other");
+            let other = env
+                .lab
+                .add_pod("other", v4, ipv6.then_some(v6))
+                .expect("pod other");
+            pods.insert("other".into(), other);
+            let node = env.lab.node();
+            node.sysctl("net/ipv4/ip_forward", "1").expect("ip_forward");
+            if ipv6 {
+                node.sysctl("net/ipv6/conf/all/forwarding", "1")
+                    .expect("IPv6 forwarding");
+            }
+            for (name, pod) in &pods {
+                let uid = first_uid(name);
+                pause.insert(name.clone(), env.sandbox(pod, &uid));
+                uids.insert(name.clone(), uid);
+            }
+            env.agent_netns = Some(env.lab.node().path());
+        }
         if let Some(first) = nodes.first() {
             env.extra_agent_args = vec!["--hostname-override".into(), first.clone()];
         }
+        let mut vars = Vars::default();
+        vars.set("MANIFESTS", env.manifests.path().display().to_string());
+        vars.set("PIN", env.pin_dir.clone());
         Lab {
+            pause,
+            held: BTreeMap::new(),
+            background: BTreeMap::new(),
+            monitor: None,
             env,
             nodes,
             others: Vec::new(),
+            pods,
+            uids,
             saved: BTreeMap::new(),
+            marks: BTreeMap::new(),
+            events: Vec::new(),
+            json: Value::Null,
+            vars,
             timer: None,
         }
     }
@@ -118,6 +212,11 @@ impl Lab {
                 self.env.stop_agent();
             }
             "probe" => self.probe(step),
+            "background" => self.background(step),
+            "join" => self.join(step),
+            "hold" => self.hold(step),
+            "ask" => self.ask(step),
+            "close" => self.close(step),
             "maps" => {
                 let snap = self.env.snapshot();
                 check_maps(step, &snap, &self.saved).unwrap_or_else(|e| panic!("{e}"));
@@ -125,29 +224,25 @@ impl Lab {
                     self.saved.insert(name.to_string(), snap);
                 }
             }
-            "wait" => match w.get(1).map(String::as_str) {
-                Some("maps") => {
-                    // Checked once for the expectation keys, then polled.
-                    step.only(MAP_KEYS);
-                    self.env.wait_maps(
-                        |s| check_maps(step, s, &self.saved).is_ok(),
-                        &format!("maps {:?}", step.expect),
-                    );
-                }
-                Some("log") => {
-                    step.only(&[]);
-                    let needles = &w[2..];
-                    assert!(!needles.is_empty(), "usage: wait log TEXT...");
-                    self.env.wait_log(
-                        |l| l.lines().any(|l| needles.iter().all(|n| l.contains(n))),
-                        &format!("a log line with {needles:?}"),
-                    );
-                }
-                _ => panic!("usage: wait maps => ... | wait log TEXT..."),
-            },
+            "wait" => self.wait(step),
             "log" => self.log(step),
             "healthz" => self.healthz(step),
             "cli" => self.cli(step),
+            "json" => self.json(step),
+            "select" => self.select(step),
+            "monitor" => self.monitor(step),
+            "metric" => self.metric(step),
+            "counters" => self.counters(step),
+            "bypassed" => self.bypassed(step),
+            "pod" => self.pod(step),
+            "exec" => self.exec(step),
+            "sleep" => {
+                step.only(&[]);
+                std::thread::sleep(duration(step.word(1, "a duration")));
+            }
+            "check" => self.check(step),
+            "ring" => self.ring(step),
+            "conn-counts" => self.conn_counts_step(step),
             "timer" => {
                 step.only(&[]);
                 match &w[1..] {
@@ -161,6 +256,198 @@ impl Lab {
             }
             other => panic!("unknown command {other:?}"),
         }
+    }
+
+    /// `join NAME => ...`: waits for a `background` run to end; its lines checked as a
+    /// probe's.
+    fn join(&mut self, step: &Step) {
+        let name = step.word(1, "a background run's name");
+        let run = self
+            .background
+            .remove(name)
+            .unwrap_or_else(|| panic!("no background run {name:?}"));
+        let lines = finish_probe(run);
+        check_probe(step, &lines, Duration::ZERO, &mut self.vars);
+    }
+
+    /// `ask NAME MSG => CONDITIONS`: a line sent on a held connection; the conditions on the
+    /// answer.
+    fn ask(&mut self, step: &Step) {
+        let name = step.word(1, "a held connection's name");
+        let msg = step.word(2, "a message");
+        let held = self
+            .held
+            .get_mut(name)
+            .unwrap_or_else(|| panic!("no held connection {name:?}"));
+        let answer = held.ask(msg);
+        println!("{name}: {answer}");
+        check_json(&answer, &conds(&step.after), &mut self.vars);
+    }
+
+    /// `close NAME`: closes a held connection.
+    fn close(&mut self, step: &Step) {
+        step.only(&[]);
+        let name = step.word(1, "a held connection's name");
+        self.held
+            .remove(name)
+            .unwrap_or_else(|| panic!("no held connection {name:?}"))
+            .close();
+    }
+
+    /// `wait maps => ...`, `wait log TEXT...`, `wait bypassed N`, `wait conn-counts => ...`.
+    fn wait(&mut self, step: &Step) {
+        let w = &step.words;
+        match w.get(1).map(String::as_str) {
+            Some("maps") => {
+                // Checked once for the expectation keys, then polled.
+                step.only(MAP_KEYS);
+                self.env.wait_maps(
+                    |s| check_maps(step, s, &self.saved).is_ok(),
+                    &format!("maps {:?}", step.expect),
+                );
+            }
+            Some("log") => {
+                step.only(&[]);
+                let needles = &w[2..];
+                assert!(!needles.is_empty(), "usage: wait log TEXT...");
+                self.env.wait_log(
+                    |l| l.lines().any(|l| needles.iter().all(|n| l.contains(n))),
+                    &format!("a log line with {needles:?}"),
+                );
+            }
+            Some("bypassed") => {
+                step.only(&[]);
+                let n: usize = step.word(2, "a number of pods").parse().expect("N");
+                self.wait_bypassed(n);
+            }
+            Some("conn-counts") => {
+                let c = conds(&step.after);
+                known(&c, &["pairs", "carried"]);
+                let start = Instant::now();
+                while self.conn_counts(&c, &mut self.vars.trial()).is_err() {
+                    assert!(
+                        start.elapsed() < Duration::from_secs(20),
+                        "{:?} after 20 s: {:?}\n{}",
+                        step.after,
+                        self.conn_counts(&c, &mut self.vars.trial()),
+                        self.env.log()
+                    );
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+            }
+            _ => panic!(
+                "usage: wait maps => ... | wait log TEXT... | wait bypassed N | \
+                 wait conn-counts => ..."
+            ),
+        }
+    }
+
+    /// `json ARGS...`: the CLI's JSON, kept for `select json`.
+    fn json(&mut self, step: &Step) {
+        let w = &step.words;
+        step.only(&[]);
+        let args: Vec<String> = w[1..].iter().map(|a| self.vars.expand(a)).collect();
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.json = agent_json(&self.env.pin_dir, &args);
+        println!("{}", self.json);
+    }
+
+    /// `select events|json|json.PATH [FILTER...] => ...`: see [`select`].
+    fn select(&mut self, step: &Step) {
+        let w = &step.words;
+        let source = step.word(1, "events, json or json.PATH");
+        let all = match source.split_once('.') {
+            _ if source == "events" => self.events.iter().collect(),
+            _ if source == "json" => rows(&self.json, ""),
+            Some(("json", path)) => rows(&self.json, path),
+            _ => panic!("select events|json|json.PATH, not {source:?}"),
+        };
+        let filters: Vec<String> = w[2..].to_vec();
+        select(&all, &conds(&filters), &conds(&step.after), &mut self.vars);
+    }
+
+    /// `bypassed => count=N interfaces=A,B`: the bypassed namespaces and the interfaces with
+    /// the pod programs.
+    fn bypassed(&mut self, step: &Step) {
+        let c = conds(&step.after);
+        known(&c, &["count", "interfaces"]);
+        let pin = self.env.pin_path();
+        let (_, cookies) = bypass::read_pinned(&pin).expect("bypass maps");
+        let links = bypass::attached_pods(&pin);
+        let links: Vec<String> = links.into_iter().collect();
+        for c in &c {
+            let r = match c.key.as_str() {
+                "count" => self.vars.check_number(c, cookies.len() as u64),
+                _ => self.vars.check(c, Some(&Value::from(links.join(",")))),
+            };
+            r.unwrap_or_else(|e| panic!("{c}: {e}"));
+        }
+    }
+
+    /// `exec POD CMD ARGS...`: CMD in the pod's (or the node's) namespace; must succeed.
+    fn exec(&mut self, step: &Step) {
+        let w = &step.words;
+        step.only(&[]);
+        let netns = self.netns(step.word(1, "a pod or node"));
+        let cmd = step.word(2, "a command");
+        let out = proxy_testkit::testbed::output_in(
+            Some(&netns),
+            None,
+            std::process::Command::new(cmd).args(&w[3..]),
+            Duration::from_secs(10),
+        )
+        .expect(cmd);
+        assert!(
+            out.status.success(),
+            "{cmd}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// `check A OP B`: two values compared.
+    fn check(&mut self, step: &Step) {
+        let w = &step.words;
+        step.only(&[]);
+        let [a, op, b] = &w[1..] else {
+            panic!("usage: check A OP B");
+        };
+        // The key names the left side in a failure.
+        let c = Cond {
+            key: a.clone(),
+            ..cond(&format!("x{op}{b}"))
+        };
+        let a = self.vars.expand(a);
+        let got = a.parse::<f64>().map_or(Value::from(a.clone()), Value::from);
+        self.vars
+            .check(&c, Some(&got))
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// `ring drain` / `ring => records=N`: the records waiting in the kernel log ring.
+    fn ring(&mut self, step: &Step) {
+        let w = &step.words;
+        let n = ring_records(&self.env.pin_path());
+        if w.get(1).is_some_and(|a| a == "drain") {
+            step.only(&[]);
+        } else {
+            let c = conds(&step.after);
+            known(&c, &["records"]);
+            for c in &c {
+                self.vars
+                    .check_number(c, n as u64)
+                    .unwrap_or_else(|e| panic!("{e}"));
+            }
+        }
+    }
+
+    /// `conn-counts => pairs=N carried=N`.
+    fn conn_counts_step(&mut self, step: &Step) {
+        let c = conds(&step.after);
+        known(&c, &["pairs", "carried"]);
+        let mut vars = std::mem::take(&mut self.vars);
+        let r = self.conn_counts(&c, &mut vars);
+        self.vars = vars;
+        r.unwrap_or_else(|e| panic!("{e}"));
     }
 
     /// The cgroup of the clients of node `name` (`@name`), or of the first node.
@@ -185,21 +472,46 @@ impl Lab {
         }
     }
 
-    /// `probe [@NODE] NETPROBE-ARGS... => EXPECTATIONS`: netprobe in the client pod, in the
-    /// clients' cgroup of the node, once or (`repeat=N union=...`) until the answering
-    /// backends of all runs make up `union`.
-    fn probe(&self, step: &Step) {
-        step.only(PROBE_KEYS);
-        let mut args: Vec<&str> = step.words[1..].iter().map(String::as_str).collect();
-        let at = args
-            .first()
-            .and_then(|a| a.strip_prefix('@'))
-            .map(str::to_string);
-        if at.is_some() {
-            args.remove(0);
+    /// The pod `name` of the lab.
+    fn pod_named(&self, name: &str) -> &Pod {
+        self.pods
+            .get(name)
+            .unwrap_or_else(|| panic!("no pod {name:?} (have {:?})", self.pods.keys()))
+    }
+
+    /// The network namespace of pod `name`, or of the node for `node`.
+    fn netns(&self, name: &str) -> PathBuf {
+        match name {
+            "node" => self.env.lab.node().path(),
+            n => self.pod_named(n).path(),
         }
-        assert!(!args.is_empty(), "usage: probe [@NODE] NETPROBE-ARGS...");
-        let cg = self.cgroup(at.as_deref());
+    }
+
+    /// Splits `[@NODE] [in POD] ARGS...` into the cgroup, the pod (the client unless
+    /// named; `node` for the node namespace) and the rest.
+    fn place<'a>(&self, mut args: &'a [String]) -> (PathBuf, String, &'a [String]) {
+        let mut at = None;
+        if let Some(a) = args.first().and_then(|a| a.strip_prefix('@')) {
+            at = Some(a);
+            args = &args[1..];
+        }
+        let mut pod = "client".to_string();
+        if args.first().is_some_and(|a| a == "in") {
+            pod = args.get(1).expect("in POD").clone();
+            args = &args[2..];
+        }
+        assert!(!args.is_empty(), "nothing to run");
+        (self.cgroup(at), pod, args)
+    }
+
+    /// `probe [@NODE] [in POD] NETPROBE-ARGS... => EXPECTATIONS`: netprobe in the pod, in
+    /// the clients' cgroup of the node, once or (`repeat=N union=...`) until the answering
+    /// backends of all runs make up `union`.
+    fn probe(&mut self, step: &Step) {
+        step.only(PROBE_KEYS);
+        let (cg, pod, args) = self.place(&step.words[1..]);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let netns = self.netns(&pod);
         let repeat: usize = step
             .get("repeat")
             .map_or(1, |r| r.parse().expect("repeat=N"));
@@ -212,9 +524,9 @@ impl Lab {
         let mut seen = BTreeSet::new();
         for _ in 0..repeat {
             let t = Instant::now();
-            let lines = self.env.probe_in(&cg, &args);
+            let lines = probe_at(&netns, &cg, &args);
             let took = t.elapsed();
-            check_probe(step, &lines, took);
+            check_probe(step, &lines, took, &mut self.vars);
             if let Some(u) = &union {
                 seen.extend(by_name(&lines).into_keys());
                 if seen.len() >= u.len() {
@@ -227,9 +539,276 @@ impl Lab {
         }
     }
 
+    /// `background NAME [@NODE] [in POD] NETPROBE-ARGS...`: starts netprobe, to be checked
+    /// by `join NAME => ...`.
+    fn background(&mut self, step: &Step) {
+        step.only(&[]);
+        let name = step.word(1, "a name").to_string();
+        let (cg, pod, args) = self.place(&step.words[2..]);
+        let netns = self.netns(&pod);
+        let run = ChildGuard::spawn_in(
+            Some(&netns),
+            Some(&cg),
+            std::process::Command::new(NETPROBE)
+                .args(args)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null()),
+        )
+        .expect("netprobe");
+        assert!(
+            self.background.insert(name.clone(), run).is_none(),
+            "{name} runs already"
+        );
+    }
+
+    /// `hold NAME [in POD] ADDR [NETPROBE-FLAGS...] => CONDITIONS [tries=N]`: an
+    /// established TCP connection held open (`netprobe tcp --interactive`); the conditions
+    /// are on its connect line. With `tries=N`, connections are opened (and the others
+    /// closed) until one meets them, at most N.
+    fn hold(&mut self, step: &Step) {
+        let name = step.word(1, "a name").to_string();
+        let (cg, pod, args) = self.place(&step.words[2..]);
+        let pod = self.pod_named(&pod).clone();
+        let extra: Vec<&str> = args[1..].iter().map(String::as_str).collect();
+        let mut c = conds(&step.after);
+        let tries = match c.iter().position(|c| c.key == "tries") {
+            Some(i) => c.remove(i).value.parse().expect("tries=N"),
+            None => 1,
+        };
+        let mut last = None;
+        for _ in 0..tries {
+            let h = HeldTcp::open(&pod, &cg, &args[0], &extra);
+            let mut scratch = self.vars.trial();
+            if c.iter()
+                .all(|c| scratch.check(c, field(&h.first, &c.key)).is_ok())
+            {
+                check_json(&h.first, &c, &mut self.vars);
+                println!("{name}: {}", h.first);
+                self.held.insert(name, h);
+                return;
+            }
+            last = Some(h.first.clone());
+        }
+        panic!(
+            "no connection meeting {:?} in {tries}: the last {last:?}",
+            step.after
+        );
+    }
+
+    /// `pod remove NAME` / `pod add NAME uid=UID`: a bypass lab's pod goes (its sandbox,
+    /// cgroup, namespace and veth) or comes back under a new UID (the same name and
+    /// address).
+    fn pod(&mut self, step: &Step) {
+        step.only(&[]);
+        let name = step.word(2, "a pod name").to_string();
+        match step.word(1, "add or remove") {
+            "remove" => {
+                drop(self.pause.remove(&name));
+                let uid = self.uids.remove(&name).expect("a pod with a sandbox");
+                let cg = self.env.cg.path().join(format!("pod{uid}"));
+                let t = Instant::now();
+                while let Err(e) = std::fs::remove_dir(&cg) {
+                    assert!(t.elapsed() < Duration::from_secs(2), "rmdir {cg:?}: {e}");
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                assert!(self.env.lab.remove_pod(&name), "no pod {name}");
+            }
+            "add" => {
+                let uid = step
+                    .word(3, "uid=UID")
+                    .strip_prefix("uid=")
+                    .expect("uid=UID")
+                    .to_string();
+                let (v4, v6) = pod_addrs(&name);
+                let v6 = self.env.lab.ipv6().then_some(v6);
+                let pod = self.env.lab.add_pod(&name, v4, v6).expect("pod");
+                assert_eq!(&pod, self.pod_named(&name), "same name and address");
+                let guard = self.env.sandbox(&pod, &uid);
+                self.pause.insert(name.clone(), guard);
+                self.uids.insert(name, uid);
+            }
+            other => panic!("pod add|remove, not {other:?}"),
+        }
+    }
+
+    /// Waits (10 s) until `n` pods are bypassed: namespaces listed and interfaces attached.
+    fn wait_bypassed(&self, n: usize) {
+        let pin = self.env.pin_path();
+        let start = Instant::now();
+        loop {
+            let (_, cookies) = bypass::read_pinned(&pin).expect("bypass maps");
+            let links = bypass::attached_pods(&pin);
+            if cookies.len() == n && links.len() == n {
+                return;
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "expected {n} bypassed pods, have {cookies:?} on {links:?}; agent log:\n{}",
+                self.env.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The socket path's counters (`translated`, `bypassed`, ...) and the tc path's
+    /// (`tc_new_flow`, ...) by name.
+    fn counter_values(&self) -> BTreeMap<String, u64> {
+        let pin = self.env.pin_path();
+        let sock = read_counters(&pin).expect("counters");
+        let mut out: BTreeMap<String, u64> = Counter::ALL
+            .iter()
+            .zip(sock)
+            .map(|((_, name), v)| (name.to_string(), v))
+            .collect();
+        for (name, v) in tc::counters(&pin).expect("tc counters") {
+            out.insert(name.to_string(), v);
+        }
+        out
+    }
+
+    /// `counters mark NAME` / `counters [since NAME] => NAME=N ...`: the data path's
+    /// counters, or their growth since the mark.
+    fn counters(&mut self, step: &Step) {
+        let now = self.counter_values();
+        match &step.words[1..] {
+            [m, name] if m == "mark" => {
+                step.only(&[]);
+                self.marks.insert(name.clone(), now);
+            }
+            rest => {
+                let base = match rest {
+                    [] => BTreeMap::new(),
+                    [s, name] if s == "since" => self
+                        .marks
+                        .get(name)
+                        .unwrap_or_else(|| panic!("no mark {name:?}"))
+                        .clone(),
+                    _ => panic!("usage: counters mark NAME | counters [since NAME] => ..."),
+                };
+                for c in conds(&step.after) {
+                    let v = now
+                        .get(&c.key)
+                        .unwrap_or_else(|| panic!("no counter {:?}: {now:?}", c.key));
+                    let d = v - base.get(&c.key).copied().unwrap_or(0);
+                    self.vars
+                        .check_number(&c, d)
+                        .unwrap_or_else(|e| panic!("{e}: {now:?}"));
+                }
+            }
+        }
+    }
+
+    /// `monitor ARGS...` starts `ebpf-proxy monitor -o json ARGS...` (holding the lease);
+    /// `monitor stop` (SIGINT) and `monitor wait` (it ends by itself) keep its events for
+    /// `select events`; `monitor totals => emitted=N rate_limited=N ring_full=N` are the
+    /// data path's monitor counters.
+    fn monitor(&mut self, step: &Step) {
+        match step.words.get(1).map(String::as_str) {
+            Some("stop") | Some("wait") => {
+                step.only(&[]);
+                let mut m = self.monitor.take().expect("no monitor running");
+                self.events = if step.words[1] == "stop" {
+                    m.stop()
+                } else {
+                    m.finish()
+                };
+                println!("{} events", self.events.len());
+            }
+            Some("totals") => {
+                let t = PinnedView::new(&self.env.pin_path())
+                    .monitor_totals()
+                    .expect("monitor totals");
+                let v = serde_json::json!({
+                    "emitted": t.emitted,
+                    "rate_limited": t.rate_limited,
+                    "ring_full": t.ring_full,
+                });
+                let c = conds(&step.after);
+                known(&c, &["emitted", "rate_limited", "ring_full"]);
+                check_json(&v, &c, &mut self.vars);
+            }
+            _ => {
+                step.only(&[]);
+                assert!(self.monitor.is_none(), "a monitor runs already");
+                let args: Vec<&str> = step.words[1..].iter().map(String::as_str).collect();
+                self.monitor = Some(MonitorRun::start(&self.env.pin_path(), &args));
+            }
+        }
+    }
+
+    /// `metric NAME [LABEL=VALUE...] => value=N | sum=N`: the agent's `/metrics`, parsed
+    /// as Prometheus text; the first sample of NAME with those labels, or the sum of all.
+    fn metric(&mut self, step: &Step) {
+        let name = step.word(1, "a metric name");
+        let addr = self.env.logged_addr("metrics");
+        let out = std::process::Command::new("curl")
+            .args(["-sf", &format!("http://{addr}/metrics")])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        let text = String::from_utf8(out.stdout).unwrap();
+        let scrape = prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_string())))
+            .expect("valid Prometheus text");
+        let samples: Vec<Value> = scrape
+            .samples
+            .iter()
+            .filter(|s| s.metric == name)
+            .map(|s| {
+                let v = match s.value {
+                    prometheus_parse::Value::Counter(v)
+                    | prometheus_parse::Value::Gauge(v)
+                    | prometheus_parse::Value::Untyped(v) => v,
+                    ref other => panic!("{other:?}"),
+                };
+                let mut o: serde_json::Map<String, Value> = s
+                    .labels
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), Value::from(v.to_string())))
+                    .collect();
+                o.insert("value".into(), Value::from(v));
+                Value::Object(o)
+            })
+            .collect();
+        let expect: Vec<Cond> = conds(&step.after)
+            .into_iter()
+            .map(|c| match c.key.as_str() {
+                "value" => Cond {
+                    key: "@0.value".into(),
+                    ..c
+                },
+                "sum" => Cond {
+                    key: "sum.value".into(),
+                    ..c
+                },
+                k => panic!("metric expectations: value, sum; not {k:?}"),
+            })
+            .collect();
+        let rows: Vec<&Value> = samples.iter().collect();
+        select(&rows, &conds(&step.words[2..]), &expect, &mut self.vars);
+    }
+
+    /// `conn-counts => pairs=N carried=N`: the connection counts pinned (pairs and carried
+    /// keys in all, and the count carried to the Service's own key, the one without a
+    /// backend).
+    fn conn_counts(&self, c: &[Cond], vars: &mut Vars) -> Result<(), String> {
+        let pairs = read_connection_counts(&self.env.pin_path()).expect("connection counts");
+        let carried = pairs
+            .iter()
+            .find(|(k, _)| k.backend_id == 0)
+            .map(|(_, n)| *n);
+        for c in c {
+            match c.key.as_str() {
+                "pairs" => vars.check_number(c, pairs.len() as u64),
+                _ => vars.check(c, carried.map(Value::from).as_ref()),
+            }
+            .map_err(|e| format!("{e}: {pairs:?}"))?;
+        }
+        Ok(())
+    }
+
     /// `log TEXT... => count=N has=T`: the agent log's lines holding every TEXT; at least
     /// one, or exactly `count`; the first of them holds each `has`.
-    fn log(&self, step: &Step) {
+    fn log(&mut self, step: &Step) {
         step.only(&["count", "has"]);
         let needles = &step.words[1..];
         assert!(!needles.is_empty(), "usage: log TEXT... => count=N has=T");
@@ -238,17 +817,17 @@ impl Lab {
             .lines()
             .filter(|l| needles.iter().all(|n| l.contains(n)))
             .collect();
-        match step.get("count") {
-            Some(c) => assert_eq!(
-                lines.len(),
-                c.parse::<usize>().expect("count=N"),
-                "lines with {needles:?}: {lines:?}\n{log}"
-            ),
+        match conds(&step.after).iter().find(|c| c.key == "count") {
+            Some(c) => self
+                .vars
+                .check_number(c, lines.len() as u64)
+                .unwrap_or_else(|e| panic!("lines with {needles:?}: {e}: {lines:?}\n{log}")),
             None => assert!(!lines.is_empty(), "no line with {needles:?}:\n{log}"),
         }
         for h in step.all("has") {
+            let h = self.vars.expand(h);
             assert!(
-                lines.first().is_some_and(|l| l.contains(h)),
+                lines.first().is_some_and(|l| l.contains(&h)),
                 "{h:?} not in {lines:?}"
             );
         }
@@ -271,20 +850,50 @@ impl Lab {
         }
     }
 
-    /// `cli ARGS... => has=T json-len=N`: `ebpf-proxy ARGS... --pin-dir <the lab's>`,
-    /// which must succeed.
+    /// `cli ARGS... => has=T json-len=N starts=T line=PREFIX line-has=T fails
+    /// stderr-has=T`: `ebpf-proxy ARGS... --pin-dir <the lab's>`, which must succeed
+    /// (fail, with `fails`).
     fn cli(&self, step: &Step) {
-        step.only(&["has", "json-len"]);
+        step.only(&[
+            "has",
+            "json-len",
+            "starts",
+            "line",
+            "line-has",
+            "fails",
+            "stderr-has",
+        ]);
+        let args: Vec<String> = step.words[1..]
+            .iter()
+            .map(|a| self.vars.expand(a))
+            .collect();
         let out = std::process::Command::new(crate::common::AGENT)
-            .args(&step.words[1..])
+            .args(&args)
             .args(["--pin-dir", &self.env.pin_dir])
             .output()
             .unwrap();
         let text = String::from_utf8_lossy(&out.stdout);
+        let err = String::from_utf8_lossy(&out.stderr);
         println!("{text}");
-        assert!(out.status.success(), "{out:?}");
+        assert_eq!(out.status.success(), step.get("fails").is_none(), "{out:?}");
         for h in step.all("has") {
-            assert!(text.contains(h), "{h:?} not in:\n{text}");
+            let h = self.vars.expand(h);
+            assert!(text.contains(&h), "{h:?} not in:\n{text}");
+        }
+        for h in step.all("stderr-has") {
+            assert!(err.contains(h), "{h:?} not in:\n{err}");
+        }
+        if let Some(s) = step.get("starts") {
+            assert!(text.starts_with(s), "does not start with {s:?}:\n{text}");
+        }
+        if let Some(p) = step.get("line") {
+            let line = text
+                .lines()
+                .find(|l| l.starts_with(p))
+                .unwrap_or_else(|| panic!("no line starting with {p:?}:\n{text}"));
+            for h in step.all("line-has") {
+                assert!(line.contains(h), "{h:?} not in {line:?}");
+            }
         }
         if let Some(n) = step.get("json-len") {
             let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
@@ -295,6 +904,25 @@ impl Lab {
             );
         }
     }
+}
+
+/// Checks conditions on the fields of one JSON object.
+fn check_json(v: &Value, c: &[Cond], vars: &mut Vars) {
+    for c in c {
+        vars.check(c, field(v, &c.key))
+            .unwrap_or_else(|e| panic!("{c} does not hold: {e} in {v}"));
+    }
+}
+
+/// Records waiting in the pinned kernel log ring under `pin` (read and consumed).
+fn ring_records(pin: &std::path::Path) -> usize {
+    let m = MapData::from_pin(pin.join(proxy_common::KERNEL_LOGS)).expect("AYA_LOGS pinned");
+    let mut ring = RingBuf::try_from(Map::RingBuf(m)).expect("ring buffer");
+    let mut n = 0;
+    while ring.next().is_some() {
+        n += 1;
+    }
+    n
 }
 
 /// Checks the map expectations of `step` against `s`; `same=NAME` compares with `saved`
@@ -319,6 +947,13 @@ fn check_maps(step: &Step, s: &Snapshot, saved: &BTreeMap<String, Snapshot>) -> 
                 services.peek().is_some() && services.all(|f| f.backend_count as usize == n())
             }
             "markers" => s.frontends.keys().filter(|k| k.proto == 0).count() == n(),
+            "local-only" => {
+                s.frontends
+                    .values()
+                    .filter(|f| f.flags & FRONTEND_F_LOCAL_ONLY != 0)
+                    .count()
+                    == n()
+            }
             "members" => {
                 let mut w: Vec<u32> = s.members.values().copied().collect();
                 w.sort();
@@ -350,6 +985,7 @@ const MAP_KEYS: &[&str] = &[
     "service",
     "backend-count",
     "markers",
+    "local-only",
     "members",
     "save",
     "same",
@@ -375,6 +1011,8 @@ const PROBE_KEYS: &[&str] = &[
     "windows",
     "repeat",
     "union",
+    "reconnects",
+    "original-dst",
 ];
 
 /// Answers by backend name; panics on a failed probe (every name check implies `ok`).
@@ -393,21 +1031,8 @@ fn sequence(lines: &[Probe]) -> Vec<String> {
         .collect()
 }
 
-/// An errno by name or number.
-fn errno_value(s: &str) -> i64 {
-    match s {
-        "EPERM" => 1,
-        "ECONNREFUSED" => 111,
-        "EHOSTUNREACH" => 113,
-        "ETIMEDOUT" => 110,
-        n => n.parse().unwrap_or_else(|_| {
-            panic!("errno {n:?}: a number or EPERM, ECONNREFUSED, EHOSTUNREACH, ETIMEDOUT")
-        }),
-    }
-}
-
 /// Checks a probe's JSON lines against the step's expectations (see the README).
-fn check_probe(step: &Step, lines: &[Probe], took: Duration) {
+fn check_probe(step: &Step, lines: &[Probe], took: Duration, vars: &mut Vars) {
     for (k, v) in &step.expect {
         match k.as_str() {
             "n" => assert_eq!(lines.len(), v.parse::<usize>().unwrap(), "{lines:?}"),
@@ -450,7 +1075,7 @@ fn check_probe(step: &Step, lines: &[Probe], took: Duration) {
                 }
             }
             "errno" => {
-                let e = errno_value(v);
+                let e = errno_value(v).unwrap_or_else(|| panic!("errno {v:?}: a name or number"));
                 assert!(
                     !lines.is_empty() && lines.iter().all(|p| errno(p) == Some(e)),
                     "want errno {v}: {lines:?}"
@@ -466,13 +1091,36 @@ fn check_probe(step: &Step, lines: &[Probe], took: Duration) {
                 "weights= goes with least-cost="
             ),
             "tally" => {
-                let want: BTreeMap<String, usize> = weights(v)
-                    .into_iter()
-                    .map(|(n, c)| (n, c as usize))
-                    .collect();
                 let seq = sequence(lines);
                 let got = sched::tally(&seq);
-                assert!(got == want, "tally {got:?}, want {want:?}: {seq:?}");
+                let mut names = BTreeSet::new();
+                for pair in list(v) {
+                    let (n, c) = pair
+                        .split_once(':')
+                        .unwrap_or_else(|| panic!("{pair:?} is not name:count"));
+                    names.insert(n.to_string());
+                    let have = *got
+                        .get(n)
+                        .unwrap_or_else(|| panic!("tally: {n} did not answer: {seq:?}"))
+                        as u64;
+                    vars.check_number(&cond(&format!("{n}={c}")), have)
+                        .unwrap_or_else(|e| panic!("tally: {e}: {seq:?}"));
+                }
+                let extra: Vec<&String> = got.keys().filter(|n| !names.contains(*n)).collect();
+                assert!(extra.is_empty(), "tally: {extra:?} answered too: {seq:?}");
+            }
+            "reconnects" => {
+                let n = lines
+                    .iter()
+                    .filter(|p| !p["reconnected_after"].is_null())
+                    .count();
+                assert_eq!(n, v.parse::<usize>().expect("reconnects=N"), "{lines:?}");
+            }
+            "original-dst" => {
+                for p in lines {
+                    let dst = p["original_dst"].as_str().unwrap_or("");
+                    assert!(glob(v, dst), "original_dst {dst:?} is not {v}: {p}");
+                }
             }
             "prefix" | "prefix-sorted" => {
                 let seq = sequence(lines);
