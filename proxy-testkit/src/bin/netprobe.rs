@@ -900,7 +900,11 @@ mod demo {
             mdir.display(),
             cg.path().display()
         );
-        println!("agent log: {}", log.display());
+        // The log lives in the demo's temporary directory, removed when the demo ends.
+        println!(
+            "agent log (while the demo runs; its last lines are shown if the demo fails): {}",
+            log.display()
+        );
         let mut agent = Agent {
             child: Some(ChildGuard::new(
                 testbed::spawn_in(None, None, &mut cmd).context("starting the agent")?,

@@ -66,7 +66,10 @@ pub fn parse(text: &str) -> Result<Loaded> {
         let inner = e.inner().to_string();
         let inner = inner.strip_prefix(&format!("{field}: ")).unwrap_or(&inner);
         let mut msg = plain_type_error(inner);
-        if field != "." && field != "?" {
+        // A named field is reported as a field's error, as validation reports one; only an
+        // error about the whole document says the document is not a configuration.
+        let named = field != "." && field != "?";
+        if named {
             msg = format!("{field}: {msg}");
         }
         // A duplicate key is reported where its mapping starts: name the repeated line.
@@ -78,7 +81,11 @@ pub fn parse(text: &str) -> Result<Loaded> {
         if let Some(line) = line {
             msg = format!("{msg} (line {line})");
         }
-        anyhow::anyhow!("not a KubeProxyConfiguration document: {msg}")
+        if named {
+            anyhow::anyhow!(msg)
+        } else {
+            anyhow::anyhow!("not a KubeProxyConfiguration document: {msg}")
+        }
     })?;
     // A field's invalid value is named by its dotted path: add the line it is on.
     validate(&file).map_err(|e| {

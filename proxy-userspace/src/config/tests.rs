@@ -265,7 +265,7 @@ fn each_invalid_value_names_the_field() {
         ),
         (
             "hostnameOverride: [a]\n",
-            "not a KubeProxyConfiguration document: hostnameOverride: expected a string, found a list",
+            "hostnameOverride: expected a string, found a list",
         ),
         (
             "mode: nftables\nclusterCIDR: 10.0.0.0/8\nmode: iptables\n",
@@ -313,6 +313,17 @@ fn each_invalid_value_names_the_field() {
         let e = format!("{:#}", parse(text).unwrap_err());
         assert!(e.contains(expected), "{text:?}: {e}");
     }
+}
+
+#[test]
+fn a_fields_type_error_is_named_by_the_field_and_only_a_wrong_document_is_called_one() {
+    let e = format!("{:#}", parse(&body("hostnameOverride: [a]\n")).unwrap_err());
+    assert!(e.starts_with("hostnameOverride: expected a string"), "{e}");
+    let e = format!("{:#}", parse("- a\n- b\n").unwrap_err());
+    assert!(
+        e.starts_with("not a KubeProxyConfiguration document: "),
+        "{e}"
+    );
 }
 
 #[test]

@@ -149,7 +149,7 @@ pub(super) fn dispatch(
         return;
     }
 
-    match read_object(origin, &api, kind, ns, name, value) {
+    match read_object(origin, document, &api, kind, ns, name, value) {
         Ok(object) => objects.push(object),
         Err(e) => errors.push(e),
     }
@@ -192,6 +192,7 @@ fn list_item_type_of(api: &str, kind: &str) -> Option<Option<(&'static str, &'st
 /// a kind that is not read, a missing name, or a value that does not deserialize.
 fn read_object(
     origin: &str,
+    document: usize,
     api: &str,
     kind: String,
     ns: String,
@@ -223,12 +224,18 @@ fn read_object(
         }
     }
     if name.is_empty() {
+        // Without a name, the document's number (and the namespace) say which object it is.
+        let at = if ns.is_empty() {
+            format!("document {document}")
+        } else {
+            format!("document {document}, namespace {ns}")
+        };
         return Err(SourceError::object(
             origin,
             kind,
             "",
             "",
-            "metadata.name is missing; object skipped",
+            format!("metadata.name is missing ({at}); object skipped"),
         ));
     }
     let result = if kind == "Pod" {
@@ -369,7 +376,9 @@ metadata: {name: nokind}
         assert!(objects.is_empty());
         assert_eq!(
             lines(&errors),
-            vec!["n.yaml: Service: metadata.name is missing; object skipped"]
+            vec![
+                "n.yaml: Service: metadata.name is missing (document 1, namespace a); object skipped"
+            ]
         );
     }
 
