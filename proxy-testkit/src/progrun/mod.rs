@@ -281,7 +281,10 @@ impl Harness {
         loader::ensure_bpffs(Path::new(BPFFS)).expect("bpffs");
         let dir = Path::new(BPFFS).join(format!("ebpf-proxy-fixture-{name}"));
         let _ = loader::cleanup(&dir);
-        let mut ebpf = loader::load_pinned(&dir, sizes).expect("load the object with pinned maps");
+        // Until the harness owns the pins, a failed load (a panic below) removes them.
+        let pins = PinsGuard(Some(dir));
+        let dir = pins.0.as_deref().expect("set above");
+        let mut ebpf = loader::load_pinned(dir, sizes).expect("load the object with pinned maps");
         for prog in [
             "tc_ingress",
             "tc_egress",
@@ -303,7 +306,10 @@ impl Harness {
             .expect("an XDP program");
         p.load().unwrap_or_else(|e| panic!("load {XDP}: {e:#}"));
         proxy_userspace::datapath::tc::install_tail_calls(&mut ebpf).expect("tail calls");
-        Harness { dir, ebpf }
+        Harness {
+            dir: pins.disarm(),
+            ebpf,
+        }
     }
 
     /// Seeds the maps as the agent does for the objects in `yaml` on node `node`: a
@@ -494,6 +500,25 @@ pub fn test_run(
     })?;
     out.truncate(r.data_size_out as usize);
     Ok((r.return_value as i32, r.duration))
+}
+
+/// A pin directory removed on drop unless [`PinsGuard::disarm`]ed: the harness's pins
+/// while it is being built.
+struct PinsGuard(Option<PathBuf>);
+
+impl PinsGuard {
+    /// The directory, now the caller's to clean up.
+    fn disarm(mut self) -> PathBuf {
+        self.0.take().expect("armed")
+    }
+}
+
+impl Drop for PinsGuard {
+    fn drop(&mut self) {
+        if let Some(dir) = self.0.take() {
+            let _ = loader::cleanup(&dir);
+        }
+    }
 }
 
 impl Drop for Harness {
