@@ -262,6 +262,20 @@ pub fn panic_text(e: &Box<dyn Any + Send>) -> String {
     }
 }
 
+/// The `timer start` / `timer under DURATION` step of every lab kind: `timer` holds the
+/// start; `under` fails unless less than DURATION has passed since.
+pub fn timer(timer: &mut Option<Instant>, step: &Step) {
+    step.only(&[]);
+    match &step.words[1..] {
+        [s] if s == "start" => *timer = Some(Instant::now()),
+        [u, d] if u == "under" => {
+            let t = timer.expect("`timer start` first").elapsed();
+            assert!(t < duration(d), "took {t:?}, not under {d}");
+        }
+        _ => panic!("usage: timer start | timer under DURATION"),
+    }
+}
+
 /// A duration as the scenarios write it: `300ms`, `2s`, `1.5s`.
 pub fn duration(s: &str) -> Duration {
     if let Some(ms) = s.strip_suffix("ms") {

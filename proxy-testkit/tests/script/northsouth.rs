@@ -252,17 +252,7 @@ impl Run {
                 step.only(&[]);
                 std::thread::sleep(duration(w.get(1).expect("usage: sleep DURATION")));
             }
-            "timer" => {
-                step.only(&[]);
-                match &w[1..] {
-                    [s] if s == "start" => self.timer = Some(Instant::now()),
-                    [u, d] if u == "under" => {
-                        let t = self.timer.expect("`timer start` first").elapsed();
-                        assert!(t < duration(d), "took {t:?}, not under {d}");
-                    }
-                    _ => panic!("usage: timer start | timer under DURATION"),
-                }
-            }
+            "timer" => super::timer(&mut self.timer, step),
             "tcp" | "udp" => self.exchange(step, w),
             "pod" => {
                 step.only(&[]);

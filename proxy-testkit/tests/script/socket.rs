@@ -243,17 +243,7 @@ impl Lab {
             "check" => self.check(step),
             "ring" => self.ring(step),
             "conn-counts" => self.conn_counts_step(step),
-            "timer" => {
-                step.only(&[]);
-                match &w[1..] {
-                    [s] if s == "start" => self.timer = Some(Instant::now()),
-                    [u, d] if u == "under" => {
-                        let t = self.timer.expect("`timer start` first").elapsed();
-                        assert!(t < duration(d), "took {t:?}, not under {d}");
-                    }
-                    _ => panic!("usage: timer start | timer under DURATION"),
-                }
-            }
+            "timer" => super::timer(&mut self.timer, step),
             other => panic!("unknown command {other:?}"),
         }
     }
