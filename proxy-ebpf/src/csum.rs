@@ -21,7 +21,8 @@ use proxy_common::{
 
 use crate::{
     packet::{
-        Buf, IP_CSUM_OFF, IP_DST_OFF, IP_SRC_OFF, IP6_DST_OFF, IP6_SRC_OFF, Pkt, l4_csum_off,
+        Buf, ETH_HLEN, IP_CSUM_OFF, IP_DST_OFF, IP_SRC_OFF, IP6_DST_OFF, IP6_SRC_OFF, Pkt,
+        l4_csum_off,
     },
     stats::count_tc,
     verdict::Verdict,
@@ -51,17 +52,29 @@ pub fn ok(done: bool) -> Result<(), Verdict> {
 }
 
 /// Rewrites the packet's tuple to `to`'s (both addresses and ports), fixing the checksums
-/// of its family. Its own BPF function (stack).
-#[inline(never)]
+/// of its family: [`Buf::rewrite`], a global BPF function of each hook (verified once,
+/// whatever the caller's state). A failure is counted there and makes the verdict a drop.
+#[inline(always)]
 pub fn rewrite<B: Buf>(b: &B, pkt: &Pkt, to: &CtEntry) -> Verdict {
+    if b.rewrite(pkt, to) == DIRECT_DONE {
+        Verdict::Pass
+    } else {
+        Verdict::Drop
+    }
+}
+
+/// The body of each hook's [`Buf::rewrite`]: [`DIRECT_DONE`], or [`DIRECT_FAILED`] after
+/// counting the failure.
+#[inline(always)]
+pub fn rewrite_any<B: Buf>(b: &B, pkt: &Pkt, to: &CtEntry) -> i32 {
     let r = if pkt.v6 {
         rewrite6(b, pkt, to)
     } else {
         rewrite4(b, pkt, to)
     };
     match r {
-        Ok(()) => Verdict::Pass,
-        Err(v) => v,
+        Ok(()) => DIRECT_DONE,
+        Err(_) => DIRECT_FAILED,
     }
 }
 
@@ -119,6 +132,20 @@ pub fn store_port<B: Buf>(
 #[inline(always)]
 fn rewrite4<B: Buf>(b: &B, pkt: &Pkt, to: &CtEntry) -> Result<(), Verdict> {
     let k = &pkt.key;
+    if pkt.l4() == FAST_L4_OFF {
+        let word = |a: &[u8; 16]| u32::from_ne_bytes([a[12], a[13], a[14], a[15]]);
+        let ports = |s: [u8; 2], d: [u8; 2]| u32::from_ne_bytes([s[0], s[1], d[0], d[1]]);
+        match b.rewrite4_direct(
+            word(&to.saddr),
+            word(&to.daddr),
+            ports(to.sport, to.dport),
+            k.proto as u32,
+        ) {
+            DIRECT_DONE => return Ok(()),
+            DIRECT_UNFIT => {}
+            _ => return Err(failed()),
+        }
+    }
     let csum = pkt.l4() + l4_csum_off(k.proto);
     let m = mangled(k.proto);
     let addr = |a: &[u8; 16]| u32::from_ne_bytes([a[12], a[13], a[14], a[15]]);
@@ -261,4 +288,85 @@ fn try_store_addr6<B: Buf>(
     }
     ok(b.store(off, new))?;
     l4_csum6(b, csum, 0, diff as u64, flags)
+}
+
+/// Offset of the L4 header of an IPv4 packet without options: where [`Buf::rewrite4_direct`]
+/// applies.
+const FAST_L4_OFF: usize = ETH_HLEN + 20;
+/// [`Buf::rewrite4_direct`]: the packet was rewritten.
+pub const DIRECT_DONE: i32 = 0;
+/// [`Buf::rewrite4_direct`]: the frame's linear part does not hold what the rewrite reads
+/// (or is no IPv4 packet without options): nothing changed, the helpers' path applies.
+pub const DIRECT_UNFIT: i32 = 1;
+/// [`Buf::rewrite4_direct`]: a checksum helper failed (the packet may be half rewritten:
+/// it is dropped).
+pub const DIRECT_FAILED: i32 = -1;
+
+/// Adds a 32-bit word (memory order) to a one's complement accumulator.
+#[inline(always)]
+fn add32(acc: u64, v: u32) -> u64 {
+    acc + (v & 0xffff) as u64 + (v >> 16) as u64
+}
+
+/// One's complement sum folded to 16 bits.
+#[inline(always)]
+pub fn fold16(mut v: u64) -> u16 {
+    v = (v & 0xffff) + (v >> 16);
+    v = (v & 0xffff) + (v >> 16);
+    v = (v & 0xffff) + (v >> 16);
+    v as u16
+}
+
+/// The IPv4 rewrite of [`Buf::rewrite4_direct`] done in the frame at `data..end` (the
+/// linear part, direct packet access): both addresses and ports written and the IP header
+/// checksum updated in place (RFC 1624 eq. 3). Returns the one's complement differences
+/// the L4 checksum at the returned address still needs, the pseudo-header's (addresses)
+/// and the header's own (ports), each folded to 16 bits; `None` when the frame is not an
+/// IPv4 packet without options whose L4 header up to its checksum is in `data..end`.
+///
+/// # Safety
+/// `data..end` must be the packet's readable and writable linear part.
+#[inline(always)]
+pub unsafe fn rewrite4_at(
+    data: usize,
+    end: usize,
+    saddr: u32,
+    daddr: u32,
+    ports: u32,
+    proto: u32,
+) -> Option<(u16, u16, usize)> {
+    // The whole TCP header, or UDP's: the checksum is inside.
+    let need = if proto == PROTO_UDP as u32 { 8 } else { 20 };
+    if data + FAST_L4_OFF + need > end {
+        return None;
+    }
+    let at = |off: usize| data + off;
+    // SAFETY: every access below is within FAST_L4_OFF + need, checked above.
+    unsafe {
+        if *(at(ETH_HLEN) as *const u8) != 0x45 {
+            return None;
+        }
+        let ip_csum = at(IP_CSUM_OFF) as *mut u16;
+        let src = at(IP_SRC_OFF) as *mut u32;
+        let dst = at(IP_DST_OFF) as *mut u32;
+        let l4 = at(FAST_L4_OFF) as *mut u32;
+        let (os, od, op) = (
+            src.read_unaligned(),
+            dst.read_unaligned(),
+            l4.read_unaligned(),
+        );
+        let addrs = fold16(add32(add32(add32(add32(0, !os), saddr), !od), daddr));
+        let port_diff = fold16(add32(add32(0, !op), ports));
+        let old = ip_csum.read_unaligned();
+        ip_csum.write_unaligned(!fold16((!old) as u64 + addrs as u64));
+        src.write_unaligned(saddr);
+        dst.write_unaligned(daddr);
+        l4.write_unaligned(ports);
+        let csum = if proto == PROTO_UDP as u32 {
+            at(FAST_L4_OFF + 6)
+        } else {
+            at(FAST_L4_OFF + 16)
+        };
+        Some((addrs, port_diff, csum))
+    }
 }

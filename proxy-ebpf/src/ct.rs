@@ -81,13 +81,32 @@ pub fn track(entry: &CtEntry, tcp_flags: u8) -> u16 {
 /// reversed.
 #[inline(always)]
 pub fn peer_key(entry: &CtEntry, proto: u8) -> CtKey {
-    CtKey {
-        saddr: entry.daddr,
-        daddr: entry.saddr,
-        sport: entry.dport,
-        dport: entry.sport,
-        proto,
-        _pad: [0; 3],
+    let mut k = core::mem::MaybeUninit::<CtKey>::uninit();
+    let w = k.as_mut_ptr() as *mut u64;
+    let word = |a: &[u8; 16], i: usize| {
+        u64::from_ne_bytes([
+            a[i],
+            a[i + 1],
+            a[i + 2],
+            a[i + 3],
+            a[i + 4],
+            a[i + 5],
+            a[i + 6],
+            a[i + 7],
+        ])
+    };
+    let tail = u16::from_ne_bytes(entry.dport) as u64
+        | (u16::from_ne_bytes(entry.sport) as u64) << 16
+        | (proto as u64) << 32;
+    // SAFETY: `CtKey` is 40 bytes, 8-byte aligned, any bytes valid; written as its five
+    // words (little-endian target), so the padding's zeroes are no `memset` call.
+    unsafe {
+        w.write(word(&entry.daddr, 0));
+        w.add(1).write(word(&entry.daddr, 8));
+        w.add(2).write(word(&entry.saddr, 0));
+        w.add(3).write(word(&entry.saddr, 8));
+        w.add(4).write(tail);
+        k.assume_init()
     }
 }
 

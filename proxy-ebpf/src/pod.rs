@@ -48,26 +48,27 @@ pub fn pod_egress(ctx: TcContext) -> i32 {
 /// `FROM_POD`: the packet leaves the workload (ingress of the host-side interface).
 #[inline(always)]
 fn on_packet<const FROM_POD: bool>(ctx: &TcContext) -> Verdict {
-    let mut pkt = Pkt::new();
-    match parse(ctx, &mut pkt) {
+    let mut slot = core::mem::MaybeUninit::uninit();
+    let pkt = Pkt::init(&mut slot);
+    match parse(ctx, pkt) {
         Kind::Flow => {}
         // Errors about the workload's flows are translated on the way in (a port
         // unreachable from a backend reaches the socket as from the frontend); errors it
         // sends pass, as the north-south programs leave them to their own hooks.
-        Kind::Icmp if !FROM_POD => return on_icmp(ctx, &pkt, false),
-        Kind::Icmp6 if !FROM_POD => return on_icmp6(ctx, &pkt, false),
+        Kind::Icmp if !FROM_POD => return on_icmp(ctx, pkt, false),
+        Kind::Icmp6 if !FROM_POD => return on_icmp6(ctx, pkt, false),
         Kind::Icmp | Kind::Icmp6 | Kind::Encap | Kind::Other => return Verdict::Pass,
     }
-    let flags = tcp_flags(ctx, &pkt);
+    let flags = tcp_flags(ctx, pkt);
     let now = ct::now();
-    if let Some(v) = tracked_pod(ctx, &pkt, flags, now, FROM_POD) {
+    if let Some(v) = tracked_pod(ctx, pkt, flags, now, FROM_POD) {
         return v;
     }
     if !FROM_POD {
         return Verdict::Pass;
     }
-    let v = new_pod_flow(ctx, &pkt, flags, now);
-    count_new_flow(&pkt);
+    let v = new_pod_flow(ctx, pkt, flags, now);
+    count_new_flow(pkt);
     if v == Verdict::Reject {
         // SAFETY: a tail call with our own context; it returns only when it fails (no
         // `tc_reject` in this load's table), and the packet is then dropped, counted.

@@ -53,24 +53,25 @@ pub fn tc_egress(ctx: TcContext) -> i32 {
 #[inline(always)]
 fn on_packet<const INGRESS: bool>(ctx: &TcContext) -> Verdict {
     // One `Pkt` for both families, in this frame (stack).
-    let mut pkt = Pkt::new();
+    let mut slot = core::mem::MaybeUninit::uninit();
+    let pkt = Pkt::init(&mut slot);
     let now = ct::now();
     // A direct server return packet, decapsulated: its flow starts here if it is new.
     let mut decapsulated = false;
-    match parse(ctx, &mut pkt) {
+    match parse(ctx, pkt) {
         Kind::Flow => {}
-        Kind::Icmp => return on_icmp(ctx, &pkt, INGRESS),
-        Kind::Icmp6 => return on_icmp6(ctx, &pkt, INGRESS),
+        Kind::Icmp => return on_icmp(ctx, pkt, INGRESS),
+        Kind::Icmp6 => return on_icmp6(ctx, pkt, INGRESS),
         Kind::Encap if INGRESS => {
-            if let Some(v) = dsr::decap(ctx, &mut pkt) {
+            if let Some(v) = dsr::decap(ctx, pkt) {
                 return v;
             }
             decapsulated = true;
         }
         Kind::Encap | Kind::Other => return Verdict::Pass,
     }
-    let flags = tcp_flags(ctx, &pkt);
-    if let Some(v) = tracked(ctx, &pkt, flags, now, INGRESS) {
+    let flags = tcp_flags(ctx, pkt);
+    if let Some(v) = tracked(ctx, pkt, flags, now, INGRESS) {
         if v == Verdict::Reject {
             // A DSR packet too big once encapsulated: `tc_reject` answers it.
             // SAFETY: a tail call with our own context; it returns only when it fails.
@@ -84,10 +85,10 @@ fn on_packet<const INGRESS: bool>(ctx: &TcContext) -> Verdict {
         return Verdict::Pass;
     }
     if decapsulated {
-        return dsr::accept(ctx, &pkt, now);
+        return dsr::accept(ctx, pkt, now);
     }
-    let v = new_flow(ctx, &pkt, flags, now);
-    count_new_flow(&pkt);
+    let v = new_flow(ctx, pkt, flags, now);
+    count_new_flow(pkt);
     if v == Verdict::Reject {
         // SAFETY: a tail call with our own context; it returns only when it fails.
         unsafe { TC_TAILS.tail_call(ctx, TAIL_REJECT) };
@@ -123,11 +124,12 @@ pub fn tc_reject(ctx: TcContext) -> i32 {
         Some(sc) => unsafe { core::mem::replace(&mut (*sc).reject_mtu, 0) },
         None => 0,
     };
-    let mut pkt = Pkt::new();
-    if parse(&ctx, &mut pkt) != Kind::Flow {
+    let mut slot = core::mem::MaybeUninit::uninit();
+    let pkt = Pkt::init(&mut slot);
+    if parse(&ctx, pkt) != Kind::Flow {
         return drop_with(TcCounter::DroppedNoEndpoints).tc();
     }
-    reject(&ctx, &pkt, mtu).tc()
+    reject(&ctx, pkt, mtu).tc()
 }
 
 /// Least-connections collection, run by the agent through `BPF_PROG_TEST_RUN` (never

@@ -3,14 +3,25 @@
 //! it uses to send a translated reply on.
 
 use aya_ebpf::{
-    bindings::{bpf_adj_room_mode, bpf_fib_lookup as FibParams},
+    bindings::{__sk_buff, bpf_adj_room_mode, bpf_fib_lookup as FibParams},
     helpers::{
-        bpf_fib_lookup, bpf_redirect, bpf_redirect_neigh, bpf_skb_change_tail, bpf_skb_load_bytes,
+        bpf_fib_lookup, bpf_l4_csum_replace, bpf_redirect, bpf_redirect_neigh, bpf_skb_change_tail,
+        bpf_skb_load_bytes,
     },
     programs::TcContext,
 };
 
-use crate::{fib, packet::Buf, verdict::Verdict};
+use proxy_common::{PROTO_UDP, nat::CtEntry};
+
+use crate::{
+    csum::{
+        BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, DIRECT_DONE, DIRECT_FAILED, DIRECT_UNFIT,
+        rewrite_any, rewrite4_at,
+    },
+    fib,
+    packet::{Buf, Pkt},
+    verdict::Verdict,
+};
 
 /// `bpf_skb_adjust_room` flags: the room is an outer IPv4 / IPv6 header (GSO and the
 /// inner header offsets follow), or an outer one removed.
@@ -18,6 +29,54 @@ const BPF_F_ADJ_ROOM_ENCAP_L3_IPV4: u64 = 1 << 1;
 const BPF_F_ADJ_ROOM_ENCAP_L3_IPV6: u64 = 1 << 2;
 const BPF_F_ADJ_ROOM_DECAP_L3_IPV4: u64 = 1 << 7;
 const BPF_F_ADJ_ROOM_DECAP_L3_IPV6: u64 = 1 << 8;
+
+/// [`Buf::rewrite`] of the tc hooks, a global BPF function: the verifier checks it once,
+/// with the context and two pointers to memory of their types' sizes as arguments, not
+/// once per state of each caller. Returns [`DIRECT_DONE`] or [`DIRECT_FAILED`].
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn ebpf_proxy_tc_rewrite(
+    skb: *mut __sk_buff,
+    pkt: *const Pkt,
+    to: *const CtEntry,
+) -> i32 {
+    if pkt.is_null() || to.is_null() {
+        return DIRECT_FAILED;
+    }
+    // SAFETY: our context; both pointers are the caller's, non-null, of their sizes.
+    unsafe { rewrite_any(&TcContext::new(skb), &*pkt, &*to) }
+}
+
+/// [`Buf::rewrite4_direct`] of the tc hooks: the addresses, ports and IP header checksum
+/// written in place; the L4 checksum through `bpf_l4_csum_replace` in its difference
+/// form, once for the pseudo-header and once for the ports, because only the helper knows
+/// the skb's checksum state (a `CHECKSUM_PARTIAL` field takes the pseudo-header's change
+/// inverted and not the ports', a `CHECKSUM_COMPLETE` skb needs `skb->csum` moved by the
+/// pseudo-header's).
+#[inline(always)]
+fn rewrite4_in_place(ctx: &TcContext, saddr: u32, daddr: u32, ports: u32, proto: u32) -> i32 {
+    let skb = ctx.skb.skb;
+    // SAFETY: our context; the frame's linear part as the verifier bounds it.
+    let (data, end) = unsafe { ((*skb).data as usize, (*skb).data_end as usize) };
+    // SAFETY: `data..end` is the linear part.
+    let Some((addrs, port_diff, csum)) =
+        (unsafe { rewrite4_at(data, end, saddr, daddr, ports, proto) })
+    else {
+        return DIRECT_UNFIT;
+    };
+    let off = (csum - data) as u32;
+    let m = if proto == PROTO_UDP as u32 {
+        BPF_F_MARK_MANGLED_0
+    } else {
+        0
+    };
+    // SAFETY: helpers on our own context (size 0: `to` is a difference).
+    let done = unsafe {
+        bpf_l4_csum_replace(skb, off, 0, addrs as u64, BPF_F_PSEUDO_HDR | m) == 0
+            && bpf_l4_csum_replace(skb, off, 0, port_diff as u64, m) == 0
+    };
+    if done { DIRECT_DONE } else { DIRECT_FAILED }
+}
 
 impl Buf for TcContext {
     #[inline(always)]
@@ -121,6 +180,16 @@ impl Buf for TcContext {
     }
 
     const ENCAPSULATES: bool = true;
+
+    #[inline(always)]
+    fn rewrite4_direct(&self, saddr: u32, daddr: u32, ports: u32, proto: u32) -> i32 {
+        rewrite4_in_place(self, saddr, daddr, ports, proto)
+    }
+
+    #[inline(always)]
+    fn rewrite(&self, pkt: &Pkt, to: &CtEntry) -> i32 {
+        ebpf_proxy_tc_rewrite(self.skb.skb, pkt, to)
+    }
 
     #[inline(always)]
     fn is_gso(&self) -> bool {

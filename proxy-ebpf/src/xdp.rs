@@ -35,6 +35,7 @@ use aya_ebpf::{
     bindings::{
         bpf_fib_lookup as FibParams,
         xdp_action::{XDP_DROP, XDP_PASS, XDP_REDIRECT, XDP_TX},
+        xdp_md,
     },
     helpers::{
         bpf_fib_lookup, bpf_redirect, bpf_xdp_adjust_head, bpf_xdp_adjust_tail,
@@ -43,10 +44,16 @@ use aya_ebpf::{
     macros::xdp,
     programs::XdpContext,
 };
-use proxy_common::nat::{CT_F_EGRESS, CT_F_REPLY, CT_F_SNAT, TcCounter};
+use proxy_common::{
+    PROTO_UDP,
+    nat::{CT_F_EGRESS, CT_F_REPLY, CT_F_SNAT, CtEntry, TcCounter},
+};
 
 use crate::{
-    csum::{BPF_F_MARK_MANGLED_0, failed},
+    csum::{
+        BPF_F_MARK_MANGLED_0, DIRECT_DONE, DIRECT_FAILED, DIRECT_UNFIT, failed, fold16,
+        rewrite_any, rewrite4_at,
+    },
     ct::{self, alive},
     fib,
     maps::{TC_CONNTRACK, TC_SCRATCH},
@@ -81,28 +88,29 @@ enum Plan {
 
 #[inline(always)]
 fn on_frame(ctx: &XdpContext) -> u32 {
-    let mut pkt = Pkt::new();
-    if parse(ctx, &mut pkt) != Kind::Flow || expiring(ctx, pkt.v6) {
+    let mut slot = core::mem::MaybeUninit::uninit();
+    let pkt = Pkt::init(&mut slot);
+    if parse(ctx, pkt) != Kind::Flow || expiring(ctx, pkt.v6) {
         return XDP_PASS;
     }
-    let flags = tcp_flags(ctx, &pkt);
+    let flags = tcp_flags(ctx, pkt);
     let now = ct::now();
-    match plan(&pkt, now) {
+    match plan(pkt, now) {
         Plan::Stack => XDP_PASS,
-        Plan::Reply => reply(ctx, &pkt, flags, now),
+        Plan::Reply => reply(ctx, pkt, flags, now),
         Plan::Original => {
             // The SNAT stage's key is the original entry's rewritten tuple.
-            if !stage_key(&pkt) {
+            if !stage_key(pkt) {
                 return XDP_PASS;
             }
-            match tracked(ctx, &pkt, flags, now, true) {
+            match tracked(ctx, pkt, flags, now, true) {
                 Some(Verdict::Pass) => {
                     let Some(sc) = TC_SCRATCH.get_ptr(0) else {
                         return XDP_PASS;
                     };
                     // SAFETY: this CPU's slot, `ekey` written by `stage_key`.
                     pkt.key = unsafe { (*sc).ekey };
-                    snat_stage(ctx, &mut pkt, flags, now)
+                    snat_stage(ctx, pkt, flags, now)
                 }
                 Some(v) => v.xdp(),
                 // Reopened or expired meanwhile: untouched, for tcx.
@@ -117,7 +125,7 @@ fn on_frame(ctx: &XdpContext) -> u32 {
             // one of an earlier packet must not pass for this packet's.
             // SAFETY: this CPU's slot.
             unsafe { (*sc).fwd.last_seen_ns = 0 };
-            let v = new_flow(ctx, &pkt, flags, now);
+            let v = new_flow(ctx, pkt, flags, now);
             if v == Verdict::Reject {
                 // tcx ingress sees the same packet, answers it, and counts and reports it
                 // then: nothing of this run's decision is kept.
@@ -128,7 +136,7 @@ fn on_frame(ctx: &XdpContext) -> u32 {
                 }
                 return XDP_PASS;
             }
-            count_new_flow(&pkt);
+            count_new_flow(pkt);
             if v != Verdict::Pass {
                 return v.xdp();
             }
@@ -140,7 +148,7 @@ fn on_frame(ctx: &XdpContext) -> u32 {
             }
             // SAFETY: as above; `new_flow` wrote the SNAT stage's key there.
             pkt.key = unsafe { (*sc).ekey };
-            snat_stage(ctx, &mut pkt, flags, now)
+            snat_stage(ctx, pkt, flags, now)
         }
     }
 }
@@ -329,6 +337,52 @@ fn csum_update(sum: u16, from: u64, to: u64, size: u64) -> u16 {
     !fold(s)
 }
 
+/// [`Buf::rewrite`] of XDP, a global BPF function (verified once, see
+/// `tcbuf::ebpf_proxy_tc_rewrite`).
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn ebpf_proxy_xdp_rewrite(
+    ctx: *mut xdp_md,
+    pkt: *const Pkt,
+    to: *const CtEntry,
+) -> i32 {
+    if pkt.is_null() || to.is_null() {
+        return DIRECT_FAILED;
+    }
+    // SAFETY: our context; both pointers are the caller's, non-null, of their sizes.
+    unsafe { rewrite_any(&XdpContext::new(ctx), &*pkt, &*to) }
+}
+
+/// [`Buf::rewrite4_direct`] of XDP: everything in place, the L4 checksum included (an XDP
+/// frame has no checksum offload state). A UDP checksum of zero ("none") stays zero, a
+/// computed zero is written as 0xffff (RFC 768).
+#[inline(always)]
+fn rewrite4_in_place(xdp: &XdpContext, saddr: u32, daddr: u32, ports: u32, proto: u32) -> i32 {
+    let ctx = xdp.ctx;
+    // SAFETY: our context; the first buffer as the verifier bounds it.
+    let (data, end) = unsafe { ((*ctx).data as usize, (*ctx).data_end as usize) };
+    // SAFETY: `data..end` is the first buffer of the frame.
+    let Some((addrs, port_diff, csum)) =
+        (unsafe { rewrite4_at(data, end, saddr, daddr, ports, proto) })
+    else {
+        return DIRECT_UNFIT;
+    };
+    let p = csum as *mut u16;
+    // SAFETY: `rewrite4_at` checked the checksum field is within the frame.
+    unsafe {
+        let old = p.read_unaligned();
+        let udp = proto == PROTO_UDP as u32;
+        if !(udp && old == 0) {
+            let mut new = !fold16((!old) as u64 + addrs as u64 + port_diff as u64);
+            if udp && new == 0 {
+                new = 0xffff;
+            }
+            p.write_unaligned(new);
+        }
+    }
+    DIRECT_DONE
+}
+
 /// The packet operations of an XDP frame: `bpf_xdp_load_bytes` / `bpf_xdp_store_bytes`
 /// (bounds checked by the kernel, as the skb helpers of tc; a multi-buffer frame reads
 /// across its fragments), checksums updated here (XDP has no checksum helpers and no checksum offload state to
@@ -469,6 +523,16 @@ impl Buf for XdpContext {
     }
 
     const ENCAPSULATES: bool = false;
+
+    #[inline(always)]
+    fn rewrite4_direct(&self, saddr: u32, daddr: u32, ports: u32, proto: u32) -> i32 {
+        rewrite4_in_place(self, saddr, daddr, ports, proto)
+    }
+
+    #[inline(always)]
+    fn rewrite(&self, pkt: &Pkt, to: &CtEntry) -> i32 {
+        ebpf_proxy_xdp_rewrite(self.ctx, pkt, to)
+    }
 
     #[inline(always)]
     fn encap_room(&self, len: u32, _v6: bool) -> bool {
