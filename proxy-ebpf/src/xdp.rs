@@ -99,16 +99,13 @@ fn on_frame(ctx: &XdpContext) -> u32 {
         Plan::Stack => XDP_PASS,
         Plan::Reply => reply(ctx, pkt, flags, now),
         Plan::Original => {
-            // The SNAT stage's key is the original entry's rewritten tuple.
-            if !stage_key(pkt) {
-                return XDP_PASS;
-            }
+            // `plan` wrote the SNAT stage's key (the original entry's rewritten tuple).
             match tracked(ctx, pkt, flags, now, true) {
                 Some(Verdict::Pass) => {
                     let Some(sc) = TC_SCRATCH.get_ptr(0) else {
                         return XDP_PASS;
                     };
-                    // SAFETY: this CPU's slot, `ekey` written by `stage_key`.
+                    // SAFETY: this CPU's slot, `ekey` written by `plan`.
                     pkt.key = unsafe { (*sc).ekey };
                     snat_stage(ctx, pkt, flags, now)
                 }
@@ -158,10 +155,16 @@ fn on_frame(ctx: &XdpContext) -> u32 {
 #[inline(always)]
 fn expiring(ctx: &XdpContext, v6: bool) -> bool {
     let off = if v6 { IP6_HOPLIMIT_OFF } else { IP_TTL_OFF };
+    let (data, end) = Buf::linear(ctx);
+    if data + IP6_HOPLIMIT_OFF.max(IP_TTL_OFF) < end {
+        // SAFETY: both offsets are within the first buffer, checked above.
+        return unsafe { *((data + off) as *const u8) } <= 1;
+    }
     ctx.load::<u8>(off).is_none_or(|t| t <= 1)
 }
 
-/// Reads the packet's conntrack entry (nothing written). Its own BPF function (stack).
+/// Reads the packet's conntrack entry (nothing written there); for [`Plan::Original`],
+/// writes the SNAT stage's key into the scratch slot's `ekey`. Its own BPF function (stack).
 #[inline(never)]
 fn plan(pkt: &Pkt, now: u64) -> Plan {
     let Some(e) = TC_CONNTRACK.get_ptr(&pkt.key) else {
@@ -173,20 +176,14 @@ fn plan(pkt: &Pkt, now: u64) -> Plan {
         return Plan::New;
     }
     if flags & CT_F_SNAT == 0 {
-        Plan::Stack
-    } else if flags & CT_F_REPLY != 0 {
-        Plan::Reply
-    } else {
-        Plan::Original
+        return Plan::Stack;
     }
-}
-
-/// Writes the SNAT stage's key of the flow whose original entry `pkt.key` names (its
-/// rewritten tuple) into the scratch slot's `ekey`; false when the entry is gone.
-#[inline(never)]
-fn stage_key(pkt: &Pkt) -> bool {
-    let (Some(e), Some(sc)) = (TC_CONNTRACK.get_ptr(&pkt.key), TC_SCRATCH.get_ptr_mut(0)) else {
-        return false;
+    if flags & CT_F_REPLY != 0 {
+        return Plan::Reply;
+    }
+    // The SNAT stage's key, the entry's rewritten tuple, for the entry point.
+    let Some(sc) = TC_SCRATCH.get_ptr_mut(0) else {
+        return Plan::Stack;
     };
     // SAFETY: a map value and this CPU's slot, copied field by field.
     unsafe {
@@ -197,7 +194,7 @@ fn stage_key(pkt: &Pkt) -> bool {
         (*sc).ekey.proto = pkt.key.proto;
         (*sc).ekey._pad = [0; 3];
     }
-    true
+    Plan::Original
 }
 
 /// A reply of a source-NATed flow: the next hop towards the client first (from the
@@ -255,15 +252,39 @@ fn hop(ctx: &XdpContext, src: &[u8; 16], dst: &[u8; 16]) -> bool {
     matches!(fib::lookup(ctx, src, dst, ip_len), Some((0, _)))
 }
 
-/// Writes the next hop's MAC addresses from the scratch slot's FIB result.
+/// Writes the next hop's MAC addresses from the scratch slot's FIB result: in place when
+/// the Ethernet header is in the first buffer (always, in practice), else through the
+/// helpers. A global BPF function (verified once, see `tcbuf::ebpf_proxy_tc_rewrite`).
 #[inline(always)]
 fn set_macs(ctx: &XdpContext) -> bool {
+    ebpf_proxy_xdp_macs(ctx.ctx) == DIRECT_DONE
+}
+
+/// [`set_macs`]: [`DIRECT_DONE`] or [`DIRECT_FAILED`].
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn ebpf_proxy_xdp_macs(ctx: *mut xdp_md) -> i32 {
     let Some(sc) = TC_SCRATCH.get_ptr(0) else {
-        return false;
+        return DIRECT_FAILED;
     };
     // SAFETY: this CPU's slot, filled by `hop`.
     let (smac, dmac) = unsafe { ((*sc).fib.smac, (*sc).fib.dmac) };
-    ctx.store(0, &dmac) && ctx.store(6, &smac)
+    // SAFETY: our context; the first buffer as the verifier bounds it.
+    let (data, end) = unsafe { ((*ctx).data as usize, (*ctx).data_end as usize) };
+    if data + ETH_HLEN <= end {
+        // SAFETY: the first 12 bytes are within the first buffer, checked above.
+        unsafe {
+            (data as *mut [u8; 6]).write_unaligned(dmac);
+            ((data + 6) as *mut [u8; 6]).write_unaligned(smac);
+        }
+        return DIRECT_DONE;
+    }
+    let x = XdpContext::new(ctx);
+    if x.store(0, &dmac) && x.store(6, &smac) {
+        DIRECT_DONE
+    } else {
+        DIRECT_FAILED
+    }
 }
 
 /// Sends the translated frame (MAC addresses already set) out of the interface of the
@@ -296,18 +317,55 @@ fn out(ctx: &XdpContext, v6: bool) -> u32 {
 /// sure it is above 1.
 #[inline(always)]
 fn decrement_ttl(ctx: &XdpContext, v6: bool) -> bool {
-    if v6 {
-        let Some(h) = ctx.load::<u8>(IP6_HOPLIMIT_OFF) else {
-            return false;
+    ebpf_proxy_xdp_ttl(ctx.ctx, v6 as u32) == DIRECT_DONE
+}
+
+/// [`decrement_ttl`]: in place when the IP header is in the first buffer, else through
+/// the helpers. A global BPF function (verified once). [`DIRECT_DONE`] or
+/// [`DIRECT_FAILED`].
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn ebpf_proxy_xdp_ttl(ctx: *mut xdp_md, v6: u32) -> i32 {
+    // SAFETY: our context; the first buffer as the verifier bounds it.
+    let (data, end) = unsafe { ((*ctx).data as usize, (*ctx).data_end as usize) };
+    if v6 != 0 {
+        if data + IP6_HOPLIMIT_OFF < end {
+            // SAFETY: within the first buffer, checked above.
+            unsafe {
+                let h = (data + IP6_HOPLIMIT_OFF) as *mut u8;
+                *h = (*h).wrapping_sub(1);
+            }
+            return DIRECT_DONE;
+        }
+        let x = XdpContext::new(ctx);
+        return match x.load::<u8>(IP6_HOPLIMIT_OFF) {
+            Some(h) if x.store(IP6_HOPLIMIT_OFF, &h.wrapping_sub(1)) => DIRECT_DONE,
+            _ => DIRECT_FAILED,
         };
-        return ctx.store(IP6_HOPLIMIT_OFF, &h.wrapping_sub(1));
     }
     // The TTL is the high byte of the 16-bit word (TTL, protocol) in network order.
-    let Some(old) = ctx.load::<u16>(IP_TTL_OFF) else {
-        return false;
+    if data + IP_CSUM_OFF + 2 <= end {
+        // SAFETY: within the first buffer, checked above; unaligned accesses.
+        unsafe {
+            let w = (data + IP_TTL_OFF) as *mut u16;
+            let c = (data + IP_CSUM_OFF) as *mut u16;
+            let old = w.read_unaligned();
+            let new = u16::from_be(old).wrapping_sub(0x100).to_be();
+            w.write_unaligned(new);
+            c.write_unaligned(csum_update(c.read_unaligned(), old as u64, new as u64, 2));
+        }
+        return DIRECT_DONE;
+    }
+    let x = XdpContext::new(ctx);
+    let Some(old) = x.load::<u16>(IP_TTL_OFF) else {
+        return DIRECT_FAILED;
     };
     let new = u16::from_be(old).wrapping_sub(0x100).to_be();
-    ctx.store(IP_TTL_OFF, &new) && ctx.l3_csum_replace(IP_CSUM_OFF, old as u64, new as u64, 2)
+    if x.store(IP_TTL_OFF, &new) && x.l3_csum_replace(IP_CSUM_OFF, old as u64, new as u64, 2) {
+        DIRECT_DONE
+    } else {
+        DIRECT_FAILED
+    }
 }
 
 /// One's complement sum of `v` folded to 16 bits.
