@@ -222,12 +222,6 @@ impl Env {
         syncs(&self.log())
     }
 
-    /// Makes a change of the manifests with `write` and waits (at most 20 s) until the
-    /// agent synced after it.
-    pub fn apply(&self, write: impl FnOnce()) {
-        apply_on(self, &[], write)
-    }
-
     /// `ebpf-proxy ARGS... --pin-dir <this agent's> -o json`, parsed (see [`agent_json`]).
     pub fn agent_json(&self, args: &[&str]) -> serde_json::Value {
         agent_json(&self.pin_dir, args)

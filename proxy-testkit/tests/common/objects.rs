@@ -167,12 +167,6 @@ impl Web {
         self
     }
 
-    /// With annotation `key: 'value'`.
-    pub fn annotation(mut self, key: &str, value: &str) -> Web {
-        self.annotations.push((key.into(), value.into()));
-        self
-    }
-
     /// With more `spec` lines (see [`Web::spec`]).
     pub fn spec(mut self, lines: &str) -> Web {
         self.spec += lines;

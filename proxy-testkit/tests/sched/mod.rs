@@ -1,6 +1,7 @@
 //! The IPVS least-load schedulers' rules (`net/netfilter/ipvs/ip_vs_wlc.c`, `ip_vs_sed.c`,
 //! `ip_vs_nq.c`) as a replay check of the choices a data path made, shared by the socket
-//! tests (`algorithms`) and the tc packet fixtures (`tc_fixtures`).
+//! scenarios (`least-cost=`, `scenarios/socket/alg-*.txtar`) and the tc packet fixtures
+//! (`tc_fixtures`).
 //!
 //! ebpf-proxy counts every open connection as active (no inactive ones, see
 //! `proxy_common::Algorithm`), so the costs below are IPVS's with `inactconns = 0`.

@@ -150,6 +150,9 @@ impl Script {
                     Some((k, v)) if k.ends_with('>') => {
                         (k.trim_end_matches('>').to_string(), format!(">={v}"))
                     }
+                    Some((k, v)) if k.ends_with('<') => {
+                        (k.trim_end_matches('<').to_string(), format!("<={v}"))
+                    }
                     Some((k, v)) => (k.to_string(), v.to_string()),
                     None => (w.clone(), String::new()),
                 })
@@ -384,7 +387,7 @@ mod tests {
         );
         let s = Script::parse(
             Path::new("t.txtar"),
-            "# c\n\nprobe tcp \\\n  --to x => names=b0,b1 ok distinct>=2\n-- f.yaml --\na: 1\n",
+            "# c\n\nprobe tcp \\\n  --to x => names=b0,b1 ok distinct>=2 moved<=2\n-- f.yaml --\na: 1\n",
         );
         assert_eq!(s.steps.len(), 1);
         assert_eq!(s.steps[0].line, 3);
@@ -392,6 +395,7 @@ mod tests {
         assert_eq!(s.steps[0].get("names"), Some("b0,b1"));
         assert_eq!(s.steps[0].get("ok"), Some(""));
         assert_eq!(s.steps[0].get("distinct"), Some(">=2"));
+        assert_eq!(s.steps[0].get("moved"), Some("<=2"));
         assert_eq!(s.file("f.yaml"), "a: 1\n");
     }
 }

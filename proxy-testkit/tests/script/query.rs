@@ -184,7 +184,7 @@ impl Vars {
     }
 
     /// The variable `value` names when it is only an unbound `$NAME`.
-    fn unbound<'a>(&self, value: &'a str) -> Option<&'a str> {
+    pub fn unbound<'a>(&self, value: &'a str) -> Option<&'a str> {
         let name = value.strip_prefix('$')?;
         (!name.is_empty() && name.chars().all(var_char) && !self.values.contains_key(name))
             .then_some(name)

@@ -4,7 +4,7 @@
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::{Ipv4Addr, Ipv6Addr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::PathBuf,
     process::Stdio,
     time::{Duration, Instant},
@@ -59,9 +59,13 @@ struct Lab {
     saved: BTreeMap<String, Snapshot>,
     /// Counter values kept by `counters mark NAME`.
     marks: BTreeMap<String, BTreeMap<String, u64>>,
-    /// The events of the last monitor, and the last `json` output, for `select`.
+    /// The events of the last monitor, the last `json` output and the lines of the last
+    /// `probe` or `join`, for `select`.
     events: Vec<Value>,
     json: Value,
+    lines: Vec<Probe>,
+    /// What probes kept: `save=NAME`, `collect=BAG`.
+    kept: Kept,
     vars: Vars,
     timer: Option<Instant>,
 }
@@ -163,6 +167,8 @@ impl Lab {
             marks: BTreeMap::new(),
             events: Vec::new(),
             json: Value::Null,
+            lines: Vec::new(),
+            kept: Kept::default(),
             vars,
             timer: None,
         }
@@ -183,10 +189,11 @@ impl Lab {
             "write" | "apply" => {
                 step.only(&[]);
                 let (section, name) = match &w[1..] {
-                    [s] => (s.as_str(), s.as_str()),
-                    [s, as_, n] if as_ == "as" => (s.as_str(), n.as_str()),
+                    [s] => (self.vars.expand(s), self.vars.expand(s)),
+                    [s, as_, n] if as_ == "as" => (self.vars.expand(s), self.vars.expand(n)),
                     _ => panic!("usage: {} FILE [as NAME]", w[0]),
                 };
+                let (section, name) = (section.as_str(), name.as_str());
                 let text = script.file(section);
                 if w[0] == "apply" && self.env.agent.is_some() {
                     let others: Vec<&OtherNode> = self.others.iter().collect();
@@ -244,6 +251,40 @@ impl Lab {
             "ring" => self.ring(step),
             "conn-counts" => self.conn_counts_step(step),
             "timer" => super::timer(&mut self.timer, step),
+            "clock" => {
+                step.only(&[]);
+                let ms = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_millis();
+                self.vars
+                    .set(step.word(1, "a variable name"), ms.to_string());
+            }
+            "addresses" => self.addresses(step),
+            "pins" => {
+                let c = conds(&step.after);
+                known(&c, &["count"]);
+                let prefix = step.word(1, "a pin name prefix");
+                let mut vars = std::mem::take(&mut self.vars);
+                let r = self.pins(prefix, &c, &mut vars);
+                self.vars = vars;
+                r.unwrap_or_else(|e| panic!("{e}"));
+            }
+            "collected" => {
+                let name = step.word(1, "a bag's name");
+                let c = conds(&step.after);
+                known(&c, &["distinct"]);
+                let bag = self
+                    .kept
+                    .bags
+                    .get(name)
+                    .unwrap_or_else(|| panic!("no bag {name:?}"));
+                for c in &c {
+                    self.vars
+                        .check_number(c, bag.len() as u64)
+                        .unwrap_or_else(|e| panic!("{name}: {e}: {bag:?}"));
+                }
+            }
             other => panic!("unknown command {other:?}"),
         }
     }
@@ -257,7 +298,8 @@ impl Lab {
             .remove(name)
             .unwrap_or_else(|| panic!("no background run {name:?}"));
         let lines = finish_probe(run);
-        check_probe(step, &lines, Duration::ZERO, &mut self.vars);
+        check_probe(step, &lines, Duration::ZERO, &mut self.vars, &mut self.kept);
+        self.lines = lines;
     }
 
     /// `ask NAME MSG => CONDITIONS`: a line sent on a held connection; the conditions on the
@@ -284,7 +326,8 @@ impl Lab {
             .close();
     }
 
-    /// `wait maps => ...`, `wait log TEXT...`, `wait bypassed N`, `wait conn-counts => ...`.
+    /// `wait maps => ...`, `wait log TEXT...`, `wait bypassed N`, `wait conn-counts => ...`,
+    /// `wait pins PREFIX => count=N [within=DURATION]`.
     fn wait(&mut self, step: &Step) {
         let w = &step.words;
         match w.get(1).map(String::as_str) {
@@ -325,9 +368,23 @@ impl Lab {
                     std::thread::sleep(Duration::from_millis(200));
                 }
             }
+            Some("pins") => {
+                let prefix = step.word(2, "a pin name prefix");
+                let mut c = conds(&step.after);
+                known(&c, &["count", "within"]);
+                let within = match c.iter().position(|c| c.key == "within") {
+                    Some(i) => duration(&c.remove(i).value),
+                    None => Duration::from_secs(20),
+                };
+                let start = Instant::now();
+                while let Err(e) = self.pins(prefix, &c, &mut self.vars.trial()) {
+                    assert!(start.elapsed() < within, "after {within:?}: {e}");
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
             _ => panic!(
                 "usage: wait maps => ... | wait log TEXT... | wait bypassed N | \
-                 wait conn-counts => ..."
+                 wait conn-counts => ... | wait pins PREFIX => ..."
             ),
         }
     }
@@ -342,15 +399,16 @@ impl Lab {
         println!("{}", self.json);
     }
 
-    /// `select events|json|json.PATH [FILTER...] => ...`: see [`select`].
+    /// `select events|lines|json|json.PATH [FILTER...] => ...`: see [`select`].
     fn select(&mut self, step: &Step) {
         let w = &step.words;
         let source = step.word(1, "events, json or json.PATH");
         let all = match source.split_once('.') {
             _ if source == "events" => self.events.iter().collect(),
+            _ if source == "lines" => self.lines.iter().collect(),
             _ if source == "json" => rows(&self.json, ""),
             Some(("json", path)) => rows(&self.json, path),
-            _ => panic!("select events|json|json.PATH, not {source:?}"),
+            _ => panic!("select events|lines|json|json.PATH, not {source:?}"),
         };
         let filters: Vec<String> = w[2..].to_vec();
         select(&all, &conds(&filters), &conds(&step.after), &mut self.vars);
@@ -430,6 +488,49 @@ impl Lab {
         }
     }
 
+    /// `pins PREFIX => count=N`: the pins of the lab's pin directory named PREFIX...
+    fn pins(&self, prefix: &str, c: &[Cond], vars: &mut Vars) -> Result<(), String> {
+        let names: Vec<String> = std::fs::read_dir(self.env.pin_path())
+            .expect("the pin directory")
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(prefix))
+            .collect();
+        for c in c {
+            vars.check_number(c, names.len() as u64)
+                .map_err(|e| format!("pins {prefix}...: {e}: {names:?}"))?;
+        }
+        Ok(())
+    }
+
+    /// `addresses POD FIRST-LAST`: every address of the range added to the pod's `eth0`
+    /// (clients of many addresses, for `--bind FIRST-LAST`).
+    fn addresses(&mut self, step: &Step) {
+        step.only(&[]);
+        let netns = self.netns(step.word(1, "a pod"));
+        for ip in ip_range(&self.vars.expand(step.word(2, "FIRST-LAST"))) {
+            let len = if ip.is_ipv4() { 32 } else { 128 };
+            let out = proxy_testkit::testbed::output_in(
+                Some(&netns),
+                None,
+                std::process::Command::new("ip").args([
+                    "addr",
+                    "add",
+                    &format!("{ip}/{len}"),
+                    "dev",
+                    "eth0",
+                ]),
+                Duration::from_secs(10),
+            )
+            .expect("ip addr add");
+            assert!(
+                out.status.success(),
+                "ip addr add {ip}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+
     /// `conn-counts => pairs=N carried=N`.
     fn conn_counts_step(&mut self, step: &Step) {
         let c = conds(&step.after);
@@ -478,8 +579,9 @@ impl Lab {
     }
 
     /// Splits `[@NODE] [in POD] ARGS...` into the cgroup, the pod (the client unless
-    /// named; `node` for the node namespace) and the rest.
-    fn place<'a>(&self, mut args: &'a [String]) -> (PathBuf, String, &'a [String]) {
+    /// named; `node` for the node namespace) and the rest, its variables replaced and each
+    /// `--bind FIRST-LAST` made one `--bind` per address of the range.
+    fn place(&self, mut args: &[String]) -> (PathBuf, String, Vec<String>) {
         let mut at = None;
         if let Some(a) = args.first().and_then(|a| a.strip_prefix('@')) {
             at = Some(a);
@@ -491,7 +593,23 @@ impl Lab {
             args = &args[2..];
         }
         assert!(!args.is_empty(), "nothing to run");
-        (self.cgroup(at), pod, args)
+        let mut out = Vec::new();
+        let mut words = args.iter().map(|a| self.vars.expand(a));
+        while let Some(a) = words.next() {
+            if a == "--bind" {
+                let v = words.next().expect("--bind ADDR");
+                if v.contains('-') {
+                    for ip in ip_range(&v) {
+                        out.extend(["--bind".to_string(), ip.to_string()]);
+                    }
+                    continue;
+                }
+                out.extend([a, v]);
+                continue;
+            }
+            out.push(a);
+        }
+        (self.cgroup(at), pod, out)
     }
 
     /// `probe [@NODE] [in POD] NETPROBE-ARGS... => EXPECTATIONS`: netprobe in the pod, in
@@ -516,12 +634,14 @@ impl Lab {
             let t = Instant::now();
             let lines = probe_at(&netns, &cg, &args);
             let took = t.elapsed();
-            check_probe(step, &lines, took, &mut self.vars);
-            if let Some(u) = &union {
+            check_probe(step, &lines, took, &mut self.vars, &mut self.kept);
+            let done = union.as_ref().is_some_and(|u| {
                 seen.extend(by_name(&lines).into_keys());
-                if seen.len() >= u.len() {
-                    break;
-                }
+                seen.len() >= u.len()
+            });
+            self.lines = lines;
+            if done {
+                break;
             }
         }
         if let Some(u) = union {
@@ -1003,6 +1123,12 @@ const PROBE_KEYS: &[&str] = &[
     "union",
     "reconnects",
     "original-dst",
+    "clients",
+    "save",
+    "moved",
+    "since",
+    "except",
+    "collect",
 ];
 
 /// Answers by backend name; panics on a failed probe (every name check implies `ok`).
@@ -1021,19 +1147,123 @@ fn sequence(lines: &[Probe]) -> Vec<String> {
         .collect()
 }
 
-/// Checks a probe's JSON lines against the step's expectations (see the README).
-fn check_probe(step: &Step, lines: &[Probe], took: Duration, vars: &mut Vars) {
+/// What probes kept for later ones and for other steps.
+#[derive(Default)]
+struct Kept {
+    /// `save=NAME`: the backend of each client address.
+    clients: BTreeMap<String, BTreeMap<String, String>>,
+    /// `collect=BAG`: the backends that answered.
+    bags: BTreeMap<String, BTreeSet<String>>,
+}
+
+/// The backend each client address (the line's `local` address) reached; every probe must
+/// have succeeded.
+fn client_backends(lines: &[Probe]) -> BTreeMap<String, String> {
+    lines
+        .iter()
+        .map(|p| {
+            assert_eq!(p["ok"], true, "probe failed: {p}");
+            let local = p["local"].as_str().expect("a line with `local`");
+            let ip = local
+                .parse::<std::net::SocketAddr>()
+                .map_or(local.to_string(), |a| a.ip().to_string());
+            (ip, p["name"].as_str().unwrap().to_string())
+        })
+        .collect()
+}
+
+/// The addresses `FIRST-LAST` (both included, one family).
+fn ip_range(s: &str) -> Vec<IpAddr> {
+    let (a, b) = s
+        .split_once('-')
+        .unwrap_or_else(|| panic!("{s:?} is not FIRST-LAST"));
+    let (a, b): (IpAddr, IpAddr) = (
+        a.parse()
+            .unwrap_or_else(|_| panic!("{a:?}: not an address")),
+        b.parse()
+            .unwrap_or_else(|_| panic!("{b:?}: not an address")),
+    );
+    let n = |ip: IpAddr| match ip {
+        IpAddr::V4(v) => u128::from(u32::from(v)),
+        IpAddr::V6(v) => u128::from(v),
+    };
+    assert!(
+        a.is_ipv4() == b.is_ipv4() && n(a) <= n(b) && n(b) - n(a) < 4096,
+        "{s:?}: a range of one family, FIRST <= LAST, at most 4096 addresses"
+    );
+    (n(a)..=n(b))
+        .map(|x| match a {
+            IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::from(x as u32)),
+            IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::from(x)),
+        })
+        .collect()
+}
+
+/// Checks a probe's JSON lines against the step's expectations (see the README); `save`
+/// and `collect` keep what the lines show in `kept`.
+fn check_probe(step: &Step, lines: &[Probe], took: Duration, vars: &mut Vars, kept: &mut Kept) {
     for (k, v) in &step.expect {
+        // Values may hold variables; `tally`, `moved` and `names` see to theirs.
+        let v = &match k.as_str() {
+            "tally" | "moved" | "names" => v.clone(),
+            _ => vars.expand(v),
+        };
         match k.as_str() {
             "n" => assert_eq!(lines.len(), v.parse::<usize>().unwrap(), "{lines:?}"),
             "ok" => assert!(lines.iter().all(|p| p["ok"] == true), "{lines:?}"),
             "names" => {
                 let got: BTreeSet<String> = by_name(lines).into_keys().collect();
-                let want: BTreeSet<String> = list(v).into_iter().collect();
+                if vars.unbound(v).is_some() {
+                    // Binds the variable to the answering backends.
+                    let all = got.iter().cloned().collect::<Vec<_>>().join(",");
+                    vars.check(&cond(&format!("names={v}")), Some(&Value::from(all)))
+                        .unwrap();
+                    continue;
+                }
+                let want: BTreeSet<String> = list(&vars.expand(v)).into_iter().collect();
                 assert!(
                     got == want,
                     "answering backends {got:?}, want {want:?}: {lines:?}"
                 );
+            }
+            "clients" => {
+                let got = client_backends(lines).len();
+                assert_eq!(got, v.parse::<usize>().expect("clients=N"), "{lines:?}");
+            }
+            "moved" => {
+                let since = step.get("since").expect("moved=N goes with since=NAME");
+                let saved = kept
+                    .clients
+                    .get(since)
+                    .unwrap_or_else(|| panic!("no probe saved as {since:?}"));
+                let except = list(step.get("except").unwrap_or(""));
+                let now = client_backends(lines);
+                let mut moved = Vec::new();
+                for (client, was) in saved {
+                    if except.contains(was) {
+                        continue;
+                    }
+                    let is = now
+                        .get(client)
+                        .unwrap_or_else(|| panic!("client {client} of {since} did not connect"));
+                    if is != was {
+                        moved.push(format!("{client}: {was} -> {is}"));
+                    }
+                }
+                let c = match v.starts_with(['<', '>']) {
+                    true => cond(&format!("moved{v}")),
+                    false => cond(&format!("moved={v}")),
+                };
+                println!("{} clients moved since {since}: {moved:?}", moved.len());
+                vars.check_number(&c, moved.len() as u64)
+                    .unwrap_or_else(|e| panic!("{e} (since {since}): {moved:?}"));
+            }
+            "since" | "except" | "save" => {}
+            "collect" => {
+                kept.bags
+                    .entry(v.clone())
+                    .or_default()
+                    .extend(by_name(lines).into_keys());
             }
             "distinct" => {
                 let got = by_name(lines).len();
@@ -1125,6 +1355,10 @@ fn check_probe(step: &Step, lines: &[Probe], took: Duration, vars: &mut Vars) {
             "repeat" | "union" => {}
             _ => unreachable!(),
         }
+    }
+    if let Some(name) = step.get("save") {
+        kept.clients
+            .insert(vars.expand(name), client_backends(lines));
     }
 }
 
