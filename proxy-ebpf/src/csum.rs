@@ -1,8 +1,12 @@
 //! Rewriting a packet's addresses and ports with their checksums.
 //!
 //! IPv4: the header checksum and the TCP/UDP checksum (whose pseudo-header holds both
-//! addresses) are updated incrementally (`bpf_l3_csum_replace`, `bpf_l4_csum_replace` with
-//! `BPF_F_PSEUDO_HDR`); a UDP checksum of zero ("none") stays zero (`BPF_F_MARK_MANGLED_0`).
+//! addresses) are updated incrementally (RFC 1624). A packet without IP options whose
+//! headers are in the linear part is rewritten in place ([`rewrite4_at`]: addresses, ports
+//! and the header checksum written directly; the L4 checksum by the hook, through
+//! `bpf_l4_csum_replace` in its difference form at tc, in place at XDP); any other through
+//! the helpers (`bpf_l3_csum_replace`, `bpf_l4_csum_replace` with `BPF_F_PSEUDO_HDR`). A
+//! UDP checksum of zero ("none") stays zero (`BPF_F_MARK_MANGLED_0`).
 //!
 //! IPv6 has no header checksum; the TCP/UDP checksum covers a pseudo-header with both
 //! addresses (RFC 8200 section 8.1), so an address rewrite feeds `bpf_csum_diff` of the
@@ -132,15 +136,10 @@ pub fn store_port<B: Buf>(
 #[inline(always)]
 fn rewrite4<B: Buf>(b: &B, pkt: &Pkt, to: &CtEntry) -> Result<(), Verdict> {
     let k = &pkt.key;
+    let addr = |a: &[u8; 16]| u32::from_ne_bytes([a[12], a[13], a[14], a[15]]);
     if pkt.l4() == FAST_L4_OFF {
-        let word = |a: &[u8; 16]| u32::from_ne_bytes([a[12], a[13], a[14], a[15]]);
-        let ports = |s: [u8; 2], d: [u8; 2]| u32::from_ne_bytes([s[0], s[1], d[0], d[1]]);
-        match b.rewrite4_direct(
-            word(&to.saddr),
-            word(&to.daddr),
-            ports(to.sport, to.dport),
-            k.proto as u32,
-        ) {
+        let ports = u32::from_ne_bytes([to.sport[0], to.sport[1], to.dport[0], to.dport[1]]);
+        match b.rewrite4_direct(addr(&to.saddr), addr(&to.daddr), ports, k.proto as u32) {
             DIRECT_DONE => return Ok(()),
             DIRECT_UNFIT => {}
             _ => return Err(failed()),
@@ -148,7 +147,6 @@ fn rewrite4<B: Buf>(b: &B, pkt: &Pkt, to: &CtEntry) -> Result<(), Verdict> {
     }
     let csum = pkt.l4() + l4_csum_off(k.proto);
     let m = mangled(k.proto);
-    let addr = |a: &[u8; 16]| u32::from_ne_bytes([a[12], a[13], a[14], a[15]]);
     let port = |p: [u8; 2]| u16::from_ne_bytes(p);
     for (off, old, new) in [
         (IP_SRC_OFF, addr(&k.saddr), addr(&to.saddr)),

@@ -368,15 +368,6 @@ pub extern "C" fn ebpf_proxy_xdp_ttl(ctx: *mut xdp_md, v6: u32) -> i32 {
     }
 }
 
-/// One's complement sum of `v` folded to 16 bits.
-#[inline(always)]
-fn fold(mut v: u64) -> u16 {
-    v = (v & 0xffff) + (v >> 16);
-    v = (v & 0xffff) + (v >> 16);
-    v = (v & 0xffff) + (v >> 16);
-    v as u16
-}
-
 /// The Internet checksum `sum` updated for a change of `from` to `to` (RFC 1624 eq. 3,
 /// `HC' = ~(~HC + ~m + m')`), as the kernel's `inet_proto_csum_replace*` computes it:
 /// `size` 2 or 4 bytes of memory-order values, or 0 when `to` is a 32-bit difference from
@@ -392,7 +383,7 @@ fn csum_update(sum: u16, from: u64, to: u64, size: u64) -> u16 {
         }
         _ => s += to & 0xffff_ffff,
     }
-    !fold(s)
+    !fold16(s)
 }
 
 /// [`Buf::rewrite`] of XDP, a global BPF function (verified once, see
