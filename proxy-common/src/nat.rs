@@ -35,6 +35,10 @@ pub const LOCAL_ENDPOINTS: &str = "TC_LOCAL_ENDPOINTS";
 pub const IFACE_ADDRS: &str = "TC_IFACE_ADDRS";
 /// Name of the tc configuration map: index 0 -> [`TcConfig`] (BPF_MAP_TYPE_ARRAY).
 pub const TC_CONFIG: &str = "TC_CONFIG";
+/// Name of the conntrack clock map: index 0 -> [`CtClock`] (BPF_MAP_TYPE_ARRAY). Never
+/// pinned: each load of the object has its own, written by the agent before it attaches
+/// any of that load's programs.
+pub const CT_CLOCK: &str = "TC_CT_CLOCK";
 /// Name of the per-CPU tc counter map: [`TcCounter`] as `u32` index -> `u64`
 /// (BPF_MAP_TYPE_PERCPU_ARRAY, [`TC_COUNTER_MAX`] entries).
 pub const TC_COUNTERS: &str = "TC_COUNTERS";
@@ -339,6 +343,25 @@ pub struct TcConfig {
     pub cluster_cidr_v6: [u8; 16],
 }
 
+/// The conntrack clock of the packet programs, index 0 of [`CT_CLOCK`]: `now` in
+/// nanoseconds of `CLOCK_MONOTONIC` is `jiffies * tick_ns + offset_ns` (wrapping u64
+/// arithmetic; `bpf_jiffies64`, Linux >= 5.5). Reading jiffies is a plain load where the
+/// kernel's coarse clock (`bpf_ktime_get_coarse_ns`) converts a timespec on every call,
+/// which cost about 30 ns of each tracked packet. The kernel advances jiffies from the
+/// monotonic clock, one `tick_ns` (`TICK_NSEC`, from `CONFIG_HZ`) at a time, so the two
+/// never drift apart. The agent measures both through a probe program and sets
+/// `offset_ns` so that the result lags `CLOCK_MONOTONIC` by at most two ticks and is
+/// never ahead of it (the agent compares the entries' `last_seen_ns` with its own
+/// clock). `tick_ns` 0 (not calibrated): the programs read the coarse clock. 16 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct CtClock {
+    /// Nanoseconds per jiffy (`TICK_NSEC`); 0: use the coarse clock.
+    pub tick_ns: u64,
+    /// Added to `jiffies * tick_ns` (wrapping: jiffies start near 2^32 at boot).
+    pub offset_ns: u64,
+}
+
 /// [`TcConfig::flags`]: `--cluster-cidr` has an IPv4 prefix: a flow to a cluster IP from a
 /// client outside it is source-NATed (kube-proxy's "masquerade off-cluster traffic to
 /// cluster IPs").
@@ -550,6 +573,7 @@ mod user {
     unsafe impl aya::Pod for CtEntry {}
     unsafe impl aya::Pod for IfaceAddr {}
     unsafe impl aya::Pod for TcConfig {}
+    unsafe impl aya::Pod for CtClock {}
     unsafe impl aya::Pod for SourceRange {}
     unsafe impl aya::Pod for DsrKey {}
     unsafe impl aya::Pod for DsrTarget {}
@@ -560,6 +584,7 @@ const _: () = {
     assert!(core::mem::size_of::<CtEntry>() == 56);
     assert!(core::mem::size_of::<IfaceAddr>() == 40);
     assert!(core::mem::size_of::<TcConfig>() == 56);
+    assert!(core::mem::size_of::<CtClock>() == 16);
     assert!(core::mem::size_of::<SourceRange>() == 32);
     assert!(core::mem::size_of::<DsrKey>() == 36);
     assert!(core::mem::size_of::<DsrTarget>() == 4);

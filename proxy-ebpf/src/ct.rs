@@ -5,26 +5,38 @@
 //! entry's rewritten tuple gives the key of the other direction's entry ([`peer_key`]), so
 //! either direction updates the other (state bits, last seen).
 
-use aya_ebpf::{bindings::BPF_ANY, helpers::bpf_ktime_get_coarse_ns};
+use aya_ebpf::{
+    bindings::BPF_ANY,
+    helpers::{bpf_jiffies64, bpf_ktime_get_coarse_ns},
+};
 use proxy_common::nat::{
     CT_F_FIN_ORIG, CT_F_FIN_REPLY, CT_F_REPLY, CT_F_RST, CT_F_SEEN_REPLY, CT_PEER_TICK_SHIFT,
     CtEntry, CtKey, TcCounter, ct_alive, ct_closed, ct_timeout_ns,
 };
 
 use crate::{
-    maps::{TC_CONFIG, TC_CONNTRACK},
+    maps::{TC_CONFIG, TC_CONNTRACK, TC_CT_CLOCK},
     packet::{TCP_FIN, TCP_RST},
     types::Scratch,
 };
 
 /// The conntrack clock, nanoseconds of `CLOCK_MONOTONIC` at the resolution of the kernel's
-/// tick (`bpf_ktime_get_coarse_ns`, Linux >= 5.11): the entries' `last_seen_ns` and every
-/// liveness check of the packet paths. Timeouts are seconds long, so a tick (at most 10 ms)
-/// changes nothing, and the coarse clock is a plain read where the precise one reads the
-/// clock source (a virtual machine's TSC or kvm-clock costs tens of nanoseconds a packet).
-/// The agent reads the same clock (`CLOCK_MONOTONIC`).
+/// tick: the entries' `last_seen_ns` and every liveness check of the packet paths.
+/// `jiffies * tick_ns + offset_ns` as the agent calibrated this load
+/// (`proxy_common::nat::CtClock`): reading jiffies is a plain load, where the coarse clock
+/// (`bpf_ktime_get_coarse_ns`, Linux >= 5.11, the fallback before calibration) converts a
+/// timespec per call and the precise one reads the clock source (a virtual machine's TSC
+/// or kvm-clock). Timeouts are seconds long, so the lag of up to two ticks (at most 20 ms)
+/// changes nothing. The agent reads `CLOCK_MONOTONIC`, never behind this clock.
 #[inline(always)]
 pub fn now() -> u64 {
+    if let Some(c) = TC_CT_CLOCK.get(0)
+        && c.tick_ns != 0
+    {
+        // SAFETY: helper without arguments or side effects.
+        let j = unsafe { bpf_jiffies64() };
+        return j.wrapping_mul(c.tick_ns).wrapping_add(c.offset_ns);
+    }
     // SAFETY: helper without arguments or side effects.
     unsafe { bpf_ktime_get_coarse_ns() }
 }

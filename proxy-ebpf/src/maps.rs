@@ -18,8 +18,9 @@ use proxy_common::{
     bypass::{BypassConfig, MAX_BYPASS_NETNS},
     monitor::{MONITOR_RING_BYTES, MonitorCpu, MonitorCtl, MonitorEvent},
     nat::{
-        CtEntry, CtKey, DEFAULT_MAX_CONNTRACK, DsrKey, DsrTarget, IfaceAddr, MAX_DSR, MAX_IFACES,
-        MAX_LOCAL_ENDPOINTS, MAX_SOURCE_RANGES, SourceRange, TAIL_SLOTS, TC_COUNTER_MAX, TcConfig,
+        CtClock, CtEntry, CtKey, DEFAULT_MAX_CONNTRACK, DsrKey, DsrTarget, IfaceAddr, MAX_DSR,
+        MAX_IFACES, MAX_LOCAL_ENDPOINTS, MAX_SOURCE_RANGES, SourceRange, TAIL_SLOTS,
+        TC_COUNTER_MAX, TcConfig,
     },
 };
 
@@ -225,6 +226,11 @@ pub static TC_IFACE_ADDRS: HashMap<u32, IfaceAddr, { MAX_IFACES as usize }> = Ha
 /// tc configuration (index 0).
 #[btf_map]
 pub static TC_CONFIG: Array<TcConfig, 1> = Array::new();
+
+/// The conntrack clock (index 0); see `proxy_common::nat::CT_CLOCK`. Not pinned: one per
+/// load, written by the agent before the load's programs are attached.
+#[btf_map]
+pub static TC_CT_CLOCK: Array<CtClock, 1> = Array::new();
 
 /// Tail-call table of the tc programs; see `proxy_common::nat::TAILS`.
 #[btf_map]

@@ -20,13 +20,19 @@
 //!   flows, and replies of flows that were not source-NATed (backend on this node), which
 //!   become frontend -> client. No flow starts here.
 //! - ICMP and ICMPv6 errors quoting a translated packet, on both hooks: `icmp`.
+//! - `tc_clock_probe`: never attached; the agent runs it through `BPF_PROG_TEST_RUN` to
+//!   calibrate the conntrack clock (`ct::now`).
 //! - `tc_lc_gc`: never attached; the agent runs it through `BPF_PROG_TEST_RUN` to give back
 //!   least-connections counts of flows that ended silently.
 //!
 //! The logic lives in the shared modules (`packet`, `nat`, `ct`, `csum`, `icmp`, `lb`,
 //! `lc`); this file maps their [`Verdict`] to tc's return codes.
 
-use aya_ebpf::{macros::classifier, programs::TcContext};
+use aya_ebpf::{
+    helpers::{bpf_jiffies64, bpf_ktime_get_ns},
+    macros::classifier,
+    programs::TcContext,
+};
 use proxy_common::nat::{CtKey, TAIL_REJECT, TcCounter};
 
 use crate::{
@@ -148,4 +154,19 @@ pub fn tc_lc_gc(ctx: TcContext) -> i32 {
         return 0;
     }
     if lc::flow_released(&key) { 1 } else { 2 }
+}
+
+/// The conntrack clock's calibration (`proxy_common::nat::CtClock`), run by the agent
+/// through `BPF_PROG_TEST_RUN` (never attached): writes `jiffies` then `CLOCK_MONOTONIC`
+/// in nanoseconds, two native-endian u64, at bytes 14..30 of the packet (after 14 bytes
+/// standing for an Ethernet header). Returns 0, or 1 when the packet is too short.
+#[classifier]
+pub fn tc_clock_probe(ctx: TcContext) -> i32 {
+    // SAFETY: helpers without arguments or side effects. Jiffies first: the time read
+    // after them is at or past their last tick.
+    let now = unsafe { [bpf_jiffies64(), bpf_ktime_get_ns()] };
+    match ctx.store(ETH_HLEN, &now, 0) {
+        Ok(()) => 0,
+        Err(_) => 1,
+    }
 }

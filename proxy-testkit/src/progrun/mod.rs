@@ -306,6 +306,10 @@ impl Harness {
             .expect("an XDP program");
         p.load().unwrap_or_else(|e| panic!("load {XDP}: {e:#}"));
         proxy_userspace::datapath::tc::install_tail_calls(&mut ebpf).expect("tail calls");
+        // The agent's conntrack clock (jiffies): every fixture checks it calibrates here.
+        proxy_userspace::datapath::tc::program_clock(&mut ebpf)
+            .expect("conntrack clock")
+            .expect("the jiffies fit a CONFIG_HZ");
         Harness {
             dir: pins.disarm(),
             ebpf,

@@ -428,6 +428,8 @@ impl BypassKernel {
             // `pod_ingress` rejects a first packet to a Service without endpoints through
             // the tail-call table of this load.
             crate::datapath::tc::install_tail_calls(&mut ebpf)?;
+            // Before any program of this load is attached.
+            crate::datapath::tc::program_clock_or_warn(&mut ebpf);
             self.ebpf = Some(ebpf);
         }
         Ok(self.ebpf.as_mut().expect("loaded above"))

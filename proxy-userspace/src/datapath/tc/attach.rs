@@ -11,13 +11,14 @@ use anyhow::{Context, Result};
 use aya::{
     Ebpf,
     programs::{
-        LinkOrder, SchedClassifier, TcAttachType,
+        LinkOrder, SchedClassifier, TcAttachType, TestRun, TestRunOptions,
         links::{FdLink, PinnedLink},
         tc::TcAttachOptions,
     },
 };
 
-use super::{INGRESS_PROGRAM, REJECT_PROGRAM};
+use super::{CLOCK_PROBE_PROGRAM, INGRESS_PROGRAM, REJECT_PROGRAM};
+use crate::datapath::clock::calibrate;
 
 /// How XDP runs on an interface.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -65,6 +66,81 @@ pub fn install_tail_calls(ebpf: &mut Ebpf) -> Result<()> {
         .set(proxy_common::nat::TAIL_REJECT, &fd, 0)
         .context("write TC_TAILS")?;
     Ok(())
+}
+
+/// The conntrack clock of this boot, calibrated by the first load of this process
+/// ([`program_clock`]); `None` inside: no calibration fitted, the coarse clock is used.
+static CLOCK: std::sync::OnceLock<Option<proxy_common::nat::CtClock>> = std::sync::OnceLock::new();
+
+/// Writes the conntrack clock (`proxy_common::nat::CtClock`) into `TC_CT_CLOCK` of the load
+/// `ebpf`, before any of its packet programs is attached: calibrated on the first call of
+/// the process through the probe program `tc_clock_probe` (run with `BPF_PROG_TEST_RUN`,
+/// see `datapath::clock::calibrate`), the same values for every later load, so that every program of the
+/// process reads one clock. Returns the clock written, `None` when the calibration fitted
+/// no `CONFIG_HZ` (the map stays zero: the programs read the coarse clock).
+///
+/// Errors: the probe was rejected or failed to run, or the map write failed; the programs
+/// then read the coarse clock, slower but right ([`program_clock_or_warn`]).
+pub fn program_clock(ebpf: &mut Ebpf) -> Result<Option<proxy_common::nat::CtClock>> {
+    let clock = match CLOCK.get() {
+        Some(c) => *c,
+        None => {
+            let p: &mut SchedClassifier = ebpf
+                .program_mut(CLOCK_PROBE_PROGRAM)
+                .with_context(|| format!("program {CLOCK_PROBE_PROGRAM} missing from the object"))?
+                .try_into()?;
+            p.load().map_err(|e| {
+                anyhow::anyhow!("verify: program {CLOCK_PROBE_PROGRAM} was rejected: {e:#}")
+            })?;
+            let c = calibrate(|| probe_clock(p))?;
+            match c {
+                Some(c) => tracing::info!(
+                    tick_ns = c.tick_ns,
+                    "conntrack clock: jiffies (a plain read per packet)"
+                ),
+                None => tracing::warn!(
+                    "conntrack clock: the jiffies fit no CONFIG_HZ; the packet programs read the coarse clock"
+                ),
+            }
+            *CLOCK.get_or_init(|| c)
+        }
+    };
+    if let Some(c) = clock {
+        let map = ebpf
+            .map_mut(proxy_common::nat::CT_CLOCK)
+            .context("map TC_CT_CLOCK missing from the object")?;
+        aya::maps::Array::<_, proxy_common::nat::CtClock>::try_from(map)?
+            .set(0, c, 0)
+            .context("write TC_CT_CLOCK")?;
+    }
+    Ok(clock)
+}
+
+/// [`program_clock`], its error logged as a warning: a load without the calibrated clock
+/// still serves, on the coarse clock.
+pub fn program_clock_or_warn(ebpf: &mut Ebpf) {
+    if let Err(e) = program_clock(ebpf) {
+        tracing::warn!(error = %format!("{e:#}"), "conntrack clock not calibrated: the packet programs read the coarse clock");
+    }
+}
+
+/// One run of `tc_clock_probe`: (jiffies, `CLOCK_MONOTONIC` ns).
+fn probe_clock(p: &SchedClassifier) -> Result<(u64, u64)> {
+    // 14 bytes standing for an Ethernet header (the kernel wants one), then the two words.
+    let data = [0u8; 30];
+    let mut out = [0u8; 30];
+    let r = p
+        .test_run(TestRunOptions {
+            data_in: Some(&data),
+            data_out: Some(&mut out),
+            ..TestRunOptions::new()
+        })
+        .with_context(|| format!("run {CLOCK_PROBE_PROGRAM}"))?;
+    if r.return_value != 0 {
+        anyhow::bail!("{CLOCK_PROBE_PROGRAM} returned {}", r.return_value);
+    }
+    let word = |at: usize| u64::from_ne_bytes(out[at..at + 8].try_into().expect("8 bytes"));
+    Ok((word(14), word(22)))
 }
 
 pub(super) fn link_name(prog: &str, ifname: &str) -> String {

@@ -23,8 +23,8 @@ use proxy_common::nat::{
 use super::{
     EGRESS_PROGRAM, INGRESS_PROGRAM, LC_GC_PROGRAM, XDP_PROGRAM,
     attach::{
-        XdpMode, attach_pinned, install_tail_calls, link_name, remove_link_pin, tc_interfaces,
-        xdp_link_name,
+        XdpMode, attach_pinned, install_tail_calls, link_name, program_clock_or_warn,
+        remove_link_pin, tc_interfaces, xdp_link_name,
     },
     maps::open,
     settings::{TcSettings, XdpSetting, tc_config},
@@ -123,6 +123,8 @@ impl TcKernel {
                 })?;
             }
             install_tail_calls(&mut ebpf)?;
+            // Before any program of this load is attached.
+            program_clock_or_warn(&mut ebpf);
             self.ebpf = Some(ebpf);
         }
         Ok(self.ebpf.as_mut().expect("loaded above"))

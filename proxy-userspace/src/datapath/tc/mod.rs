@@ -23,7 +23,7 @@ mod maps;
 mod settings;
 
 pub use crate::datapath::clock::monotonic_ns;
-pub use attach::{XdpMode, install_tail_calls, xdp_modes};
+pub use attach::{XdpMode, install_tail_calls, program_clock, program_clock_or_warn, xdp_modes};
 pub(crate) use attach::{attach_pinned, linked_interfaces, tc_interfaces};
 pub(crate) use interfaces::{check_interfaces, if_index, interface_addresses, route_device};
 pub use kernel::TcKernel;
@@ -56,6 +56,10 @@ pub(crate) const XDP_PROGRAM: &str = "xdp_ingress";
 /// Name of the least-connections collection program in the object (never attached; run by
 /// [`TcKernel::collect_lc_flows`] through `BPF_PROG_TEST_RUN`).
 pub(crate) const LC_GC_PROGRAM: &str = "tc_lc_gc";
+
+/// Name of the conntrack clock's probe program in the object (never attached; run by
+/// [`program_clock`] through `BPF_PROG_TEST_RUN`).
+pub(crate) const CLOCK_PROBE_PROGRAM: &str = "tc_clock_probe";
 
 /// How often the agent looks for timed-out or evicted least-connections flows: half the
 /// shortest conntrack timeout (unreplied UDP), within 1..=10 s.
