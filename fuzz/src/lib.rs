@@ -3,7 +3,9 @@
 //! Nodes, written as YAML from fuzzer-chosen fields) and its harness.
 //!
 //! The generator lives here, not in the product: the product only offers the one
-//! consistency check of the maps ([`proxy_userspace::datapath::fake::consistency_violations`]).
+//! consistency check of the maps, [`FakeDatapath::consistency_violations`].
+//!
+//! [`FakeDatapath::consistency_violations`]: proxy_userspace::datapath::fake::FakeDatapath::consistency_violations
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};

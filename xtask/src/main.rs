@@ -37,7 +37,7 @@ enum Cmd {
     /// Set up if needed, build, then build the agent's container image from scratch with
     /// buildah into podman's storage, measure it and smoke-test it with podman (root).
     Image {
-        /// Image reference; default localhost/ebpf-proxy:<crate version>.
+        /// Image reference; default `localhost/ebpf-proxy:<crate version>`.
         #[arg(long, value_name = "REF")]
         tag: Option<String>,
         /// Also write the image to FILE as an OCI archive (for `kind load image-archive`,
