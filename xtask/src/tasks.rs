@@ -73,6 +73,23 @@ pub(crate) fn build() -> Result<()> {
     Ok(())
 }
 
+/// `cargo doc --no-deps --workspace` with rustdoc's warnings as errors
+/// (`RUSTDOCFLAGS="-D warnings"`), so a broken intra-doc link, a public item's doc that
+/// links a crate-private item, or stray HTML in a doc comment fails the run. The eBPF crate
+/// (its own workspace, nightly) is left out. The API docs go to target/doc/.
+pub(crate) fn api_docs() -> Result<()> {
+    let t = Instant::now();
+    run(host_cargo()
+        .args(["doc", "--no-deps", "--workspace"])
+        .env("RUSTDOCFLAGS", "-D warnings"))?;
+    eprintln!(
+        "xtask: API docs built without warnings in {} ({:.1?})",
+        target_dir().join("doc").display(),
+        t.elapsed()
+    );
+    Ok(())
+}
+
 fn warn_unless_root(what: &str) {
     if !is_root() {
         eprintln!(
