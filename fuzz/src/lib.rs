@@ -3,7 +3,9 @@
 //! Nodes, written as YAML from fuzzer-chosen fields) and its harness.
 //!
 //! The generator lives here, not in the product: the product only offers the one
-//! consistency check of the maps ([`proxy_userspace::datapath::fake::consistency_violations`]).
+//! consistency check of the maps, [`FakeDatapath::consistency_violations`].
+//!
+//! [`FakeDatapath::consistency_violations`]: proxy_userspace::datapath::fake::FakeDatapath::consistency_violations
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -67,7 +69,7 @@ fn q(s: &str) -> String {
 /// An address field.
 #[derive(Arbitrary, Debug)]
 pub enum Addr {
-    /// One of [`ADDRS`].
+    /// One of `ADDRS` (the index wraps around).
     Pool(u8),
     /// 10.96.0.x (cluster IPs).
     ClusterV4(u8),
@@ -133,7 +135,7 @@ impl Addr {
 /// A port or port-like number.
 #[derive(Arbitrary, Debug)]
 pub enum Port {
-    /// One of [`PORTS`].
+    /// One of `PORTS` (the index wraps around).
     Pool(u8),
     /// Any number.
     Any(i64),
@@ -158,7 +160,7 @@ impl Port {
 /// A CIDR of `loadBalancerSourceRanges`.
 #[derive(Arbitrary, Debug)]
 pub enum Cidr {
-    /// One of [`CIDRS`].
+    /// One of `CIDRS` (the index wraps around).
     Pool(u8),
     /// Anything.
     Text(String),

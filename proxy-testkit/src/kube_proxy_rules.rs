@@ -5,15 +5,15 @@
 //! - [`iptables_full`] / [`iptables_change`] produce the `iptables-restore` input of
 //!   kube-proxy's iptables mode, following kubernetes `pkg/proxy/iptables/proxier.go`
 //!   (`syncProxyRules`, `servicePortChainName`, `servicePortEndpointChainName`,
-//!   `portProtoHash`): KUBE-SERVICES jumps to one KUBE-SVC-<hash> chain per service port,
-//!   which picks a KUBE-SEP-<hash> chain with `-m statistic --mode random --probability
+//!   `portProtoHash`): KUBE-SERVICES jumps to one `KUBE-SVC-<hash>` chain per service port,
+//!   which picks a `KUBE-SEP-<hash>` chain with `-m statistic --mode random --probability
 //!   1/(n-i)`; each KUBE-SEP chain marks hairpin traffic with KUBE-MARK-MASQ and DNATs. The
 //!   hashes are the upstream ones: the first 16 characters of base32(sha256(name)).
 //!   Partial syncs (kube-proxy >= 1.28) rewrite the top-level chains (KUBE-SERVICES with one
 //!   rule per service, so O(N) text) and only the changed service's SVC/SEP chains, and
 //!   delete stale SEP chains with `-X`, all in one `iptables-restore --noflush`. A node port
-//!   ([`Svc::node_port`]) adds a KUBE-NODEPORTS rule to the service's KUBE-EXT-<hash> chain,
-//!   which marks the flow for masquerading and goes on to KUBE-SVC-<hash>
+//!   ([`Svc::node_port`]) adds a KUBE-NODEPORTS rule to the service's `KUBE-EXT-<hash>` chain,
+//!   which marks the flow for masquerading and goes on to `KUBE-SVC-<hash>`
 //!   (`externalTrafficPolicy: Cluster`).
 //! - [`nft_full`] / [`nft_change`] produce the `nft -f` input of kube-proxy's nftables mode,
 //!   following kubernetes `pkg/proxy/nftables/proxier.go` (`setupNFTables`,

@@ -4,7 +4,7 @@
 //!
 //! While it runs, the monitor holds the lease in `MONITOR_CTL` (an expiry on the clock of
 //! `bpf_ktime_get_ns`, refreshed every second, cleared on exit and on SIGINT/SIGTERM; a
-//! monitor that dies leaves an expiry that passes within [`LEASE`]), decodes each record,
+//! monitor that dies leaves an expiry that passes within `LEASE`), decodes each record,
 //! applies the filters, and prints one line per event (text or JSON). Events the data path
 //! could not emit (over the per-CPU rate, or no room in the ring) are counted per CPU in
 //! `MONITOR_CPU`; the monitor prints a summary line whenever that count grew, and at the end.

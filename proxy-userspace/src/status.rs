@@ -19,9 +19,9 @@
 //! Every answer's body is the [`Status`] document.
 //!
 //! The state the agent's servers share is defined here too, so the servers read it and
-//! publish into it without this module depending on them: the sync health ([`Health`], which
+//! publish into it without this module depending on them: the sync health (`Health`, which
 //! the health server (`servers`) renders for `/healthz` and `/livez`) and each server's
-//! state ([`ServerState`]).
+//! state (`ServerState`).
 
 use std::{
     io::{Read, Write},

@@ -17,7 +17,7 @@ mod setup;
 mod tasks;
 
 use setup::{setup, setup_if_needed};
-use tasks::{bench, bench_micro, bench_setup, build, build_ebpf, demo, fuzz, test};
+use tasks::{api_docs, bench, bench_micro, bench_setup, build, build_ebpf, demo, fuzz, test};
 
 #[derive(Parser)]
 #[command(name = "xtask", about = "ebpf-proxy developer tasks")]
@@ -37,7 +37,7 @@ enum Cmd {
     /// Set up if needed, build, then build the agent's container image from scratch with
     /// buildah into podman's storage, measure it and smoke-test it with podman (root).
     Image {
-        /// Image reference; default localhost/ebpf-proxy:<crate version>.
+        /// Image reference; default `localhost/ebpf-proxy:<crate version>`.
         #[arg(long, value_name = "REF")]
         tag: Option<String>,
         /// Also write the image to FILE as an OCI archive (for `kind load image-archive`,
@@ -58,9 +58,9 @@ enum Cmd {
         #[arg(long, value_name = "BIN")]
         libraries_of: PathBuf,
     },
-    /// Set up if needed, build the guide (docs/) and check its links, build, build the image
-    /// when podman can run it (its reference in $EBPF_PROXY_IMAGE), run every test
-    /// single-threaded (needs root).
+    /// Set up if needed, build the guide (docs/) and check its links, build the API docs
+    /// with rustdoc's warnings as errors, build, build the image when podman can run it (its
+    /// reference in $EBPF_PROXY_IMAGE), run every test single-threaded (needs root).
     Test {
         /// Extra arguments for the test binaries (after `--`), e.g. a test name filter.
         #[arg(last = true)]
@@ -114,6 +114,7 @@ fn main() -> ExitCode {
         Cmd::ImageRootfs { dir, libraries_of } => image::image_rootfs(&dir, &libraries_of),
         Cmd::Test { args } => setup_if_needed()
             .and_then(|()| guide::build())
+            .and_then(|()| api_docs())
             .and_then(|()| build())
             .and_then(|()| image::for_tests())
             .and_then(|image| test(&args, image.as_deref())),

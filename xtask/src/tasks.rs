@@ -73,6 +73,37 @@ pub(crate) fn build() -> Result<()> {
     Ok(())
 }
 
+/// `cargo doc --no-deps --workspace` with rustdoc's warnings as errors
+/// (`RUSTDOCFLAGS="-D warnings"`), so a broken intra-doc link, a public item's doc that
+/// links a crate-private item, or stray HTML in a doc comment fails the run; then the same
+/// for the eBPF crate (its own workspace: nightly, `-Z build-std=core` for the BPF target,
+/// as `build_ebpf` builds it). The API docs go to target/doc/ and
+/// target/bpfel-unknown-none/doc/.
+pub(crate) fn api_docs() -> Result<()> {
+    let t = Instant::now();
+    run(host_cargo()
+        .args(["doc", "--no-deps", "--workspace"])
+        .env("RUSTDOCFLAGS", "-D warnings"))?;
+    let mut c = clean_cargo(Some("nightly"));
+    c.current_dir(workspace().join("proxy-ebpf"))
+        .args([
+            "doc",
+            "--no-deps",
+            "-Z",
+            "build-std=core",
+            "--target",
+            BPF_TARGET,
+        ])
+        .env("CARGO_TARGET_DIR", target_dir())
+        .env("RUSTDOCFLAGS", "-D warnings");
+    run(&mut c)?;
+    eprintln!(
+        "xtask: API docs built without warnings ({:.1?})",
+        t.elapsed()
+    );
+    Ok(())
+}
+
 fn warn_unless_root(what: &str) {
     if !is_root() {
         eprintln!(

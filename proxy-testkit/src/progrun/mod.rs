@@ -322,7 +322,7 @@ impl Harness {
     /// the pinned maps: [`Reconciler::adopt`], [`Reconciler::apply_all`] (service maps,
     /// node-local endpoints, source ranges, interfaces and their SNAT addresses) and
     /// [`Reconciler::verify`]. Every map write goes through the agent's
-    /// [`KernelDatapath`]; only the interfaces are the fixture's ([`FixtureDatapath`]).
+    /// [`KernelDatapath`]; only the interfaces are the fixture's (`FixtureDatapath`).
     /// Returns the model.
     ///
     /// This is the one place that knows how the agent fills the maps: when the agent's

@@ -2,7 +2,7 @@
 //! changes into the model, and has the reconciler program every change, in one typed event
 //! loop.
 //!
-//! Events ([`Event`]):
+//! Events (`Event`):
 //! - **Batch**: a source's changes. They are read into the model at once; the model is
 //!   committed and the changes programmed when the source's view is complete and
 //!   `--min-sync-period` allows (API source: an isolated change after a quiet period goes
@@ -15,7 +15,7 @@
 //! - **Stop** (SIGTERM, Ctrl-C): the data path stays attached and pinned for the next agent.
 //!
 //! Health as kube-proxy's healthz server reports it (`pkg/proxy/healthcheck`, see
-//! [`crate::servers`]): healthy once a sync succeeded, unless an update (or a failed Service
+//! `crate::servers`): healthy once a sync succeeded, unless an update (or a failed Service
 //! port) has been pending for longer than twice `--sync-period`; `/healthz` also follows the
 //! node's eligibility, which the model reads from the Node object. The health and metrics
 //! servers bind in the background and are retried while the data path runs.

@@ -56,7 +56,7 @@ pub fn load(path: &Path) -> Result<Loaded> {
 
 /// Parses and validates a configuration file's text (see [`load`]). A value of the wrong
 /// type is reported with its field's path and the kind expected, in words
-/// ([`plain_type_error`]).
+/// (`plain_type_error`).
 pub fn parse(text: &str) -> Result<Loaded> {
     let de = serde_yaml_ng::Deserializer::from_str(text);
     let file: KubeProxyConfiguration = serde_path_to_error::deserialize(de).map_err(|e| {

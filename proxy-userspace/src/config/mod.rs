@@ -1,6 +1,6 @@
 //! The agent's settings: command-line flags ([`RunFlags`]: ebpf-proxy's own and every flag of
 //! kube-proxy), kube-proxy's configuration file (`--config`, a `KubeProxyConfiguration` of
-//! `kubeproxy.config.k8s.io/v1alpha1`, see [`mod@file`]) and the defaults, merged once into the
+//! `kubeproxy.config.k8s.io/v1alpha1`, see `file`) and the defaults, merged once into the
 //! typed [`AgentConfig`] by [`AgentConfig::resolve`]: a flag given on the command line wins,
 //! then the file, then the default.
 //!
@@ -8,25 +8,25 @@
 //! component-base `logs/api/v1`) in kubernetes/kubernetes. Each has kube-proxy's meaning where
 //! ebpf-proxy has one; the others are accepted and named in one warning each when given a
 //! value other than their zero value. The same holds for the file's fields. Values use Go's
-//! syntaxes ([`go`]): durations such as `1m0s` or `1.5s`, booleans as `--flag=false`.
+//! syntaxes (`go`): durations such as `1m0s` or `1.5s`, booleans as `--flag=false`.
 //!
 //! `--proxy-mode` / `mode`: empty or `ebpf` run the agent; kube-proxy's own modes stop
-//! start-up with one line that says what ebpf-proxy is ([`ProxyMode::require_ebpf`]).
+//! start-up with one line that says what ebpf-proxy is (`ProxyMode::require_ebpf`).
 //!
 //! The layout follows kube-proxy's (`pkg/proxy/apis/config`): one settings type,
-//! [`AgentConfig`] (here); its defaults, [`defaults`]; the value types and their checks,
-//! shared by the flags and the file, [`values`]; the flags, [`flags`]; the file, read and
-//! checked section by section, [`mod@file`]; the merge and the checks across settings,
+//! [`AgentConfig`] (here); its defaults, `defaults`; the value types and their checks,
+//! shared by the flags and the file, `values`; the flags, `flags`; the file, read and
+//! checked section by section, `file`; the merge and the checks across settings,
 //! `resolve`; the written-back `KubeProxyConfiguration`, built from [`AgentConfig`],
 //! `written`.
 //!
-//! Adding a setting: its field in [`AgentConfig`] and its default in [`defaults`]; its flag
-//! in [`flags`] (a value type of [`values`] when the file takes it too); for a
-//! `KubeProxyConfiguration` field, its [`FileSettings`] field read in the field's section
-//! of [`mod@file`] (the document types already hold every v1alpha1 field) and its line in the
+//! Adding a setting: its field in [`AgentConfig`] and its default in `defaults`; its flag
+//! in `flags` (a value type of `values` when the file takes it too); for a
+//! `KubeProxyConfiguration` field, its `FileSettings` field read in the field's section
+//! of `file` (the document types already hold every v1alpha1 field) and its line in the
 //! section of `written`; then its one precedence line in `resolve`. A kube-proxy flag or
-//! field that gains an effect leaves the warnings of [`KubeProxyFlags::warnings`] and
-//! [`file::validate`].
+//! field that gains an effect leaves the warnings of `KubeProxyFlags::warnings` and
+//! `file::validate`.
 
 pub(crate) mod defaults;
 pub(crate) mod file;
@@ -202,7 +202,8 @@ impl AgentConfig {
         serde_yaml_ng::to_string(&self.document).expect("the document serializes")
     }
 
-    /// `--write-config-to`: writes [`AgentConfig::kube_proxy_configuration`] to `path`.
+    /// `--write-config-to`: writes the effective configuration as kube-proxy's configuration
+    /// file (YAML, `AgentConfig::kube_proxy_configuration`) to `path`.
     pub fn write_config(&self, path: &Path) -> Result<()> {
         std::fs::write(path, self.kube_proxy_configuration())
             .with_context(|| format!("--write-config-to {}", path.display()))

@@ -692,7 +692,9 @@ fn membership_violations(s: &Snapshot, out: &mut Vec<String>) {
 }
 
 impl FakeDatapath {
-    /// [`consistency_violations`] of the current maps at rest.
+    /// Every rule of the service maps that the current maps break at rest (empty when
+    /// consistent): the crate's one consistency check, `consistency_violations`, at
+    /// `Moment::AtRest`.
     pub fn consistency_violations(&self) -> Vec<String> {
         consistency_violations(&self.state, &self.tables, Moment::AtRest)
     }

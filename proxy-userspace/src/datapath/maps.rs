@@ -300,7 +300,7 @@ pub(crate) fn read_backend_stats(
 
 /// The connection counts pinned under `dir` by key: `BACKEND_STATS`'s pairs, each summed
 /// over CPUs, and the carried counts of `STATS_CARRIED` (keys with one id 0). Never during
-/// this process's sweep of them ([`COUNTS_SWEEP`]), so a reader here never sees a count both
+/// this process's sweep of them (`COUNTS_SWEEP`), so a reader here never sees a count both
 /// on its pair and where it moved; a key met twice (a delete during the walk restarts it)
 /// counts once.
 pub fn read_connection_counts(

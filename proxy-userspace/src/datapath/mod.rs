@@ -151,9 +151,9 @@ pub trait ServiceMaps {
     /// Deletes the counters of ids no longer bound (`SERVICE_STATS` by service id,
     /// `BACKEND_STATS` and `STATS_CARRIED` keys naming such an id) and the (service,
     /// backend) counters of pairs no longer in use, moving their counts to the carried keys
-    /// (`STATS_CARRIED`) of the service and the backend that stay bound ([`plan_pair_sweep`], [`apply_pair_sweep`]): those maps are
-    /// not LRU and ids are not reused soon. Returns how many entries were deleted. Data
-    /// paths without counters delete nothing.
+    /// (`STATS_CARRIED`) of the service and the backend that stay bound (`plan_pair_sweep`,
+    /// `apply_pair_sweep`): those maps are not LRU and ids are not reused soon. Returns how
+    /// many entries were deleted. Data paths without counters delete nothing.
     fn sweep_stats(&mut self, _bound: &Bound<'_>) -> Result<usize, DatapathError> {
         Ok(0)
     }

@@ -9,8 +9,8 @@
 //! CLI and metrics dump the load-balancing maps.
 //!
 //! The view reads; the one writer among its users is the monitor, whose two handles are
-//! opened here too: the event ring buffer it drains ([`PinnedView::event_stream`]) and the
-//! lease it holds on it ([`PinnedView::monitor_control`]).
+//! opened here too: the event ring buffer it drains (`PinnedView::event_stream`) and the
+//! lease it holds on it (`PinnedView::monitor_control`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};

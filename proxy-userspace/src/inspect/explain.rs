@@ -471,7 +471,7 @@ pub fn desired_snapshot(model: &crate::model::Model) -> Result<Snapshot> {
     Ok(dp.state)
 }
 
-/// Prints an [`Explanation`].
+/// Prints what [`explain`] returned: as text, or as JSON with `json`.
 pub fn print_explanation(e: &Explanation, json: bool) -> Result<()> {
     if json {
         println!("{}", serde_json::to_string_pretty(e)?);

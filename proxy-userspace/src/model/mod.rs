@@ -1,8 +1,9 @@
 //! The desired-state model: the one reader of Kubernetes objects. Services, EndpointSlices
 //! and this node's Node object arrive as changes ([`Change`](crate::source::Change)); each
 //! is read once, into the model's own types, and a change that reads the same as before is
-//! dropped (as kube-proxy's change trackers drop no-op updates). [`Model::commit`] then recomputes only the Services
-//! the changes touched and reports which backend sets and node facts changed ([`Delta`]).
+//! dropped (as kube-proxy's change trackers drop no-op updates). [`Model::commit`] then
+//! recomputes only the Services the changes touched and reports which backend sets and node
+//! facts changed (`Delta`).
 //! No I/O, no aya; deterministic (the same objects always give the same state and errors,
 //! whatever order the changes came in).
 //!
@@ -10,12 +11,12 @@
 //! shared identities and terms: keys, protocols, families, scopes, what a backend set is),
 //! `labels` (the labels that link, place or exclude objects), `selection` (algorithms,
 //! weights and north-south mode, with the `ebpf-proxy.io/*` annotations choosing them),
-//! `service` (a Service's frontends and policies), [`endpoints`] (slices and endpoint
+//! `service` (a Service's frontends and policies), `endpoints` (slices and endpoint
 //! conditions), `topology` (which endpoints this node uses: readiness, terminating
-//! fallback, topology hints), [`node`] (this node's flags, addresses and zone),
+//! fallback, topology hints), `node` (this node's flags, addresses and zone),
 //! `frontends` (ownership of contested frontends), `sets` (the backend sets and other
-//! facts one Service gives), `tracker` (the change tracking of [`Model`]) and [`explain`]
-//! (why an endpoint is or is not used). [`bypass`] (which pods bypass socket-level
+//! facts one Service gives), `tracker` (the change tracking of [`Model`]) and `explain`
+//! (why an endpoint is or is not used). `bypass` (which pods bypass socket-level
 //! translation) stands apart. The public items of the crate-private modules are re-exported
 //! here.
 //!
@@ -25,7 +26,7 @@
 //! - Services and EndpointSlices labelled `service.kubernetes.io/service-proxy-name` (any
 //!   value: meant for another proxy, KEP-2447) or `service.kubernetes.io/headless` (the
 //!   EndpointSlice controller's label on the slices of headless Services) are treated as
-//!   absent, as kube-proxy's label selector on its watches ([`PROXY_LABEL_SELECTOR`])
+//!   absent, as kube-proxy's label selector on its watches (`PROXY_LABEL_SELECTOR`)
 //!   filters them out: gaining the label removes what they gave, losing it brings them
 //!   back. The API source sends the same selector to the API server; the rule here applies
 //!   it to every source (manifests too). kube-proxy has no setting to choose a proxy name
@@ -37,7 +38,7 @@
 //!   (`clusterIP: None`), `ExternalName` Services and Services without any cluster IP are
 //!   ignored without error.
 //! - Each `spec.ports[]` entry gives one backend set per cluster IP family, identified by a
-//!   [`ServicePortKey`] (namespace, name, port name, protocol, family). A missing protocol
+//!   `ServicePortKey` (namespace, name, port name, protocol, family). A missing protocol
 //!   is TCP. SCTP ports are skipped with one error each ("SCTP is not supported"); the other
 //!   ports of the Service still work.
 //! - A Service is skipped as a whole, with one error, when: a cluster IP does not parse or
@@ -51,7 +52,7 @@
 //! - External addresses: every `spec.externalIPs` entry and every
 //!   `status.loadBalancer.ingress[].ip` whose `ipMode` is unset or `VIP` (KEP-1860: with
 //!   `Proxy` the load balancer proxies to the nodes) is a frontend on every Service port,
-//!   in a backend set of scope [`Scope::External`]. An address that does not parse or is
+//!   in a backend set of scope `Scope::External`. An address that does not parse or is
 //!   unusable, whose family has no cluster IP, or whose frontend belongs to another Service
 //!   is skipped alone with an error. Seen from this node (the only traffic the socket
 //!   programs see) they use the Cluster endpoints whatever `externalTrafficPolicy` says:
@@ -71,7 +72,7 @@
 //!   ignored; any other address type skips the slice with an error.
 //! - Conditions: `ready` and `serving` unset mean true (the EndpointSlice API: "unknown
 //!   state should be interpreted as ready"), `terminating` unset means false. Which
-//!   endpoints a set gets is kube-proxy's `CategorizeEndpoints` ([`categorize`]): ready
+//!   endpoints a set gets is kube-proxy's `CategorizeEndpoints` (`categorize`): ready
 //!   ones, narrowed by topology hints (`hints.forNodes`, then `hints.forZones` against the
 //!   `topology.kubernetes.io/zone` label of this node's Node object) when every ready
 //!   endpoint has one and one matches; when no endpoint is ready, the serving and
@@ -98,7 +99,7 @@
 //! North-south facts (for the tc path and the health-check servers)
 //! - Node: the usable `InternalIP`/`ExternalIP` addresses of this node's Node object pick
 //!   the external interfaces and their SNAT addresses; those inside `--nodeport-addresses`
-//!   (or the first `InternalIP` per family with `primary`) serve node ports ([`NodeState`]).
+//!   (or the first `InternalIP` per family with `primary`) serve node ports (`NodeState`).
 //! - Local endpoints: every address of an endpoint whose `nodeName` is this node, in any
 //!   slice and condition (reached without leaving the node).
 //! - Source ranges: `loadBalancerSourceRanges` restrict each LB ingress IP that is an ingress
@@ -109,10 +110,6 @@
 //!   with the count of distinct addresses in its `externalTrafficPolicy` backend sets; a
 //!   port outside 1-65535 is reported; a port asked for by two Services goes to the first in
 //!   namespace/name order, the other is reported.
-//!
-//! [`PROXY_LABEL_SELECTOR`]: labels::PROXY_LABEL_SELECTOR
-//! [`categorize`]: topology::categorize
-//! [`NodeState`]: node::NodeState
 
 pub(crate) mod bypass;
 pub(crate) mod endpoints;

@@ -16,7 +16,7 @@ use super::vocab::{Algorithm, Family, ModelError, usable_vip};
 
 /// Information about this node that does not come from objects: its name
 /// (`--hostname-override`) and the flags that shape the model. Its zone and addresses come
-/// from the Node object of that name ([`NodeState`]).
+/// from the Node object of that name (`NodeState`).
 #[derive(Clone, Debug, Default)]
 pub struct NodeInfo {
     /// Node name.
@@ -27,11 +27,11 @@ pub struct NodeInfo {
     /// `--nodeport-addresses primary`: only the node's primary address of each family (its
     /// first `InternalIP`), the default of kube-proxy's nftables mode.
     pub nodeport_primary: bool,
-    /// `--lb-algorithm`: the algorithm of Services without
-    /// [`ALGORITHM_ANNOTATION`](super::selection::ALGORITHM_ANNOTATION).
+    /// `--lb-algorithm`: the algorithm of Services without the `ebpf-proxy.io/lb-algorithm`
+    /// annotation (`ALGORITHM_ANNOTATION`).
     pub default_algorithm: Algorithm,
-    /// `--north-south-mode`: the mode of Services without
-    /// [`NORTH_SOUTH_MODE_ANNOTATION`](super::selection::NORTH_SOUTH_MODE_ANNOTATION).
+    /// `--north-south-mode`: the mode of Services without the
+    /// `ebpf-proxy.io/north-south-mode` annotation (`NORTH_SOUTH_MODE_ANNOTATION`).
     pub north_south_mode: NorthSouthMode,
 }
 

@@ -77,7 +77,7 @@ impl NorthSouthMode {
     }
 }
 
-/// Parses an algorithm name as [`ALGORITHM_ANNOTATION`] and `--lb-algorithm` take it: an
+/// Parses an algorithm name as `ALGORITHM_ANNOTATION` and `--lb-algorithm` take it: an
 /// ebpf-proxy name ([`Algorithm::ALL`]) or an IPVS scheduler name ([`Algorithm::IPVS`]).
 pub fn parse_algorithm(s: &str) -> Option<Algorithm> {
     Algorithm::from_name(s)

@@ -642,7 +642,7 @@ impl Model {
         self.errors.values().map(Vec::len).sum()
     }
 
-    /// Every backend set as a [`DesiredState`] (a copy: for tests and tools).
+    /// Every backend set as a `DesiredState` (a copy: for tests and tools).
     pub fn desired_state(&self) -> DesiredState {
         DesiredState {
             services: self.ports.clone(),

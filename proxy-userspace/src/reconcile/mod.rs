@@ -1,9 +1,9 @@
 //! The one reconciler: it programs every part of the data path from the model — the service
-//! maps ([`services`]), the north-south maps, interfaces and health-check servers ([`node`])
+//! maps (`services`), the north-south maps, interfaces and health-check servers (`node`)
 //! — through the [`Datapath`] seam, so the whole control plane runs against the in-memory
 //! fake in tests.
 //!
-//! - **Per change.** [`Reconciler::apply`] programs what one [`Delta`] of the model names:
+//! - **Per change.** [`Reconciler::apply`] programs what one `Delta` of the model names:
 //!   the changed Service ports and the changed node facts; its cost does not grow with the
 //!   number of Services.
 //! - **Status per Service port.** A Service port is applied, or failed: its Service did not

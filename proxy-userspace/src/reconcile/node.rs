@@ -68,8 +68,8 @@ pub struct NodeConfig {
     pub snat_local: bool,
 }
 
-/// The `TC_SOURCE_RANGES` entries of the model's source ranges
-/// ([`source_range_entries`](crate::datapath::source_range_entries)).
+/// The `TC_SOURCE_RANGES` entries of the model's source ranges (the data path's
+/// `source_range_entries`).
 pub fn source_range_entries(model: &Model) -> BTreeMap<SourceRangeKey, u32> {
     crate::datapath::source_range_entries(model.source_ranges())
 }

@@ -145,7 +145,8 @@ pub async fn service_account_config(dir: &Path, master: &str) -> Result<kube::Co
 /// `--manifests`. Resolved before the data path is touched, so a missing or broken
 /// configuration changes nothing.
 ///
-/// Errors: as [`plan`]; a kubeconfig that cannot be read or used; a bad `--master`.
+/// Errors: those of `plan` (in a pod without `--master`; nothing usable at all); a
+/// kubeconfig that cannot be read or used; a bad `--master`.
 pub async fn kube_config(
     source: &SourceChoice,
     master: Option<&str>,

@@ -1,9 +1,9 @@
-//! Sources of Kubernetes objects. Every source delivers [`Batch`]es of [`Change`]s: objects
+//! Sources of Kubernetes objects. Every source delivers batches (`Batch`) of [`Change`]s: objects
 //! added or replaced and objects gone, in order, plus the source's own errors. The one
 //! model (`model::Model`) reads each changed object once; nothing re-reads a whole
 //! snapshot.
 //!
-//! A source marks its view complete ([`Batch::synced`]) once it has read everything it
+//! A source marks its view complete (`Batch::synced`) once it has read everything it
 //! knows (the initial lists, the directory): the agent programs nothing before, so a
 //! restarted agent never removes backends whose objects have not arrived yet. After that,
 //! a re-list (a watch that had to start over, a directory listed again) delivers the objects

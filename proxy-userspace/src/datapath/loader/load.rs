@@ -88,7 +88,7 @@ fn object_loader(sizes: MapSizes) -> EbpfLoader<'static> {
 /// attach type its section names, e.g. `connect4`) and the verifier. Returns the names of
 /// the programs, with the program type when it is not cgroup `sock_addr`.
 ///
-/// Errors name the step (load, verify) as [`super::load_and_attach`] does.
+/// Errors name the step (load, verify) as `load_and_attach` does.
 pub fn verify_programs() -> Result<Vec<String>> {
     if OBJECT.is_empty() {
         bail!("this binary was built without the eBPF object; build it with `cargo xtask build`");

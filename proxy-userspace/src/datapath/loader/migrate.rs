@@ -112,7 +112,7 @@ impl Migration {
 /// that follows creates them anew; adopting them instead would make the programs fail
 /// verification or misread their values. `max_entries` is not a layout: a map keeps the size
 /// it was created with (see [`super::MapSizes`]), except the counter arrays indexed by a fixed list
-/// ([`FIXED_INDEX_MAPS`]), replaced when smaller than this build's (a newer build counts
+/// (`FIXED_INDEX_MAPS`), replaced when smaller than this build's (a newer build counts
 /// more things; its new counters would otherwise never count). Returns each replaced map's
 /// name and why. A pin that cannot be read is left for the load to report.
 pub fn replace_incompatible_pins(dir: &Path) -> Result<Vec<(&'static str, String)>> {

@@ -7,7 +7,7 @@ use anyhow::{Result, bail};
 
 use super::cgroup2_root;
 
-/// Where the pins live: `<bpffs>/<pin_dir>` (see [`check_pin_dir_name`]).
+/// Where the pins live: `<bpffs>/<pin_dir>` (see `check_pin_dir_name`).
 pub fn pin_dir(bpffs: &Path, pin_dir: &str) -> PathBuf {
     bpffs.join(pin_dir)
 }

@@ -5,7 +5,7 @@
 //! is the reconciler's (`reconcile::node`).
 //!
 //! The XDP program `xdp_ingress` (`proxy-ebpf/src/xdp.rs`) goes in front of the tcx ingress
-//! program of the external interfaces when `--xdp` asks for it ([`XdpSetting`]); the tcx
+//! program of the external interfaces when `--xdp` asks for it (`XdpSetting`); the tcx
 //! programs stay attached behind it and remain the complete path, so an interface without
 //! XDP, or a moment without it (an agent restart replaces the XDP link), only costs speed.
 //!

@@ -72,7 +72,7 @@ pub const DEFAULT_DEBOUNCE: Duration = Duration::from_millis(50);
 /// directory itself removed and re-created).
 pub const DEFAULT_RESYNC: Duration = Duration::from_secs(10);
 
-/// A [`Source`] reading a directory of manifests (see the module documentation) and
+/// A `Source` reading a directory of manifests (see the module documentation) and
 /// following its changes file by file.
 ///
 /// The directory is watched with `notify` (non-recursive). A file that was closed after
@@ -84,12 +84,12 @@ pub const DEFAULT_RESYNC: Duration = Duration::from_secs(10);
 /// events make the whole directory be listed again, as does the periodic resync; a listing
 /// reads only the files whose size, times or inode changed. The objects a changed file
 /// defines become [`Change`]s; the model drops those that read the same as before. A batch
-/// is timed ([`Batch::received`]) from the earliest watch event behind what it holds, as the
+/// is timed (`Batch::received`) from the earliest watch event behind what it holds, as the
 /// watcher received it, so a debounced read counts its wait.
 ///
 /// The first listing parses files in parallel and is sent in chunks of about 1 MiB of
 /// manifest text, each as soon as it is parsed, in batches that are not complete yet
-/// ([`Batch::synced`] false but for the last): the agent reads one chunk into its model
+/// (`Batch::synced` false but for the last): the agent reads one chunk into its model
 /// while the next is parsed, and the parsed objects of a large directory are never all
 /// held at once.
 ///
