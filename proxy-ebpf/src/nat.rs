@@ -89,7 +89,22 @@ pub fn tracked<B: Buf>(
     now: u64,
     ingress: bool,
 ) -> Option<Verdict> {
-    tracked_as::<B, false>(b, pkt, tcp_flags, now, ingress)
+    let e = TC_CONNTRACK.get_ptr_mut(&pkt.key)?;
+    tracked_as::<B, false>(b, pkt, e, side(tcp_flags, ingress), now)
+}
+
+/// [`tracked`] with the packet's entry `e` already looked up (keyed by `pkt.key`), so
+/// that a caller that read it first does not hash the key again.
+#[inline(always)]
+pub fn tracked_at<B: Buf>(
+    b: &B,
+    pkt: &Pkt,
+    e: *mut CtEntry,
+    tcp_flags: u8,
+    now: u64,
+    ingress: bool,
+) -> Option<Verdict> {
+    tracked_as::<B, false>(b, pkt, e, side(tcp_flags, ingress), now)
 }
 
 /// [`tracked`] for the programs on a bypassed workload's interface (`pod_ingress` with
@@ -103,20 +118,29 @@ pub fn tracked_pod<B: Buf>(
     now: u64,
     from_pod: bool,
 ) -> Option<Verdict> {
-    tracked_as::<B, true>(b, pkt, tcp_flags, now, from_pod)
+    let e = TC_CONNTRACK.get_ptr_mut(&pkt.key)?;
+    tracked_as::<B, true>(b, pkt, e, side(tcp_flags, from_pod), now)
 }
 
-/// [`tracked`] and [`tracked_pod`]: `POD` says which programs ask. Its own BPF function.
+/// The TCP flags (bits 0..8) and the side (bit 8: ingress) in one argument: a BPF
+/// function takes at most five.
+#[inline(always)]
+fn side(tcp_flags: u8, ingress: bool) -> u32 {
+    tcp_flags as u32 | (ingress as u32) << 8
+}
+
+/// [`tracked`] and [`tracked_pod`] on the entry `e` of `pkt.key`: `POD` says which
+/// programs ask; `side` holds the TCP flags and the side ([`side`]). Its own BPF function.
 #[inline(never)]
 fn tracked_as<B: Buf, const POD: bool>(
     b: &B,
     pkt: &Pkt,
-    tcp_flags: u8,
+    e: *mut CtEntry,
+    side: u32,
     now: u64,
-    ingress: bool,
 ) -> Option<Verdict> {
+    let (tcp_flags, ingress) = (side as u8, side & 1 << 8 != 0);
     let proto = pkt.key.proto;
-    let e = TC_CONNTRACK.get_ptr_mut(pkt.key)?;
     // SAFETY: a value of the map; concurrent writers only touch the flags/time words.
     let entry = unsafe { *e };
     let live = alive(entry.flags, entry.last_seen_ns, proto, now);

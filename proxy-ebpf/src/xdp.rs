@@ -57,7 +57,7 @@ use crate::{
     ct::{self, alive},
     fib,
     maps::{TC_CONNTRACK, TC_SCRATCH},
-    nat::{count_new_flow, new_flow, tracked},
+    nat::{count_new_flow, new_flow, tracked_at},
     packet::{Buf, ETH_HLEN, IP_CSUM_OFF, Kind, Pkt, parse, tcp_flags},
     stats::count_tc,
     verdict::Verdict,
@@ -86,6 +86,20 @@ enum Plan {
     Reply,
 }
 
+impl Plan {
+    /// The plan for a live ingress-side entry with `flags` ([`plan`] gave it).
+    #[inline(always)]
+    fn of(flags: u16) -> Plan {
+        if flags & CT_F_SNAT == 0 {
+            Plan::Stack
+        } else if flags & CT_F_REPLY != 0 {
+            Plan::Reply
+        } else {
+            Plan::Original
+        }
+    }
+}
+
 #[inline(always)]
 fn on_frame(ctx: &XdpContext) -> u32 {
     let mut slot = core::mem::MaybeUninit::uninit();
@@ -95,12 +109,19 @@ fn on_frame(ctx: &XdpContext) -> u32 {
     }
     let flags = tcp_flags(ctx, pkt);
     let now = ct::now();
-    match plan(pkt, now) {
+    let e = plan(pkt, now);
+    // SAFETY: a value of the map (`plan` checked it); a word-sized read.
+    let kind = if e.is_null() {
+        Plan::New
+    } else {
+        Plan::of(unsafe { (*e).flags })
+    };
+    match kind {
         Plan::Stack => XDP_PASS,
-        Plan::Reply => reply(ctx, pkt, flags, now),
+        Plan::Reply => reply(ctx, pkt, e, flags, now),
         Plan::Original => {
             // `plan` wrote the SNAT stage's key (the original entry's rewritten tuple).
-            match tracked(ctx, pkt, flags, now, true) {
+            match tracked_at(ctx, pkt, e, flags, now, true) {
                 Some(Verdict::Pass) => {
                     let Some(sc) = TC_SCRATCH.get_ptr(0) else {
                         return XDP_PASS;
@@ -163,27 +184,26 @@ fn expiring(ctx: &XdpContext, v6: bool) -> bool {
     ctx.load::<u8>(off).is_none_or(|t| t <= 1)
 }
 
-/// Reads the packet's conntrack entry (nothing written there); for [`Plan::Original`],
-/// writes the SNAT stage's key into the scratch slot's `ekey`. Its own BPF function (stack).
+/// The packet's live ingress-side conntrack entry (nothing written there), null for none
+/// (a new flow, if anything; see [`Plan`]); for the original direction of a source-NATed
+/// flow, writes the SNAT stage's key into the scratch slot's `ekey`. Its own BPF function
+/// (stack).
 #[inline(never)]
-fn plan(pkt: &Pkt, now: u64) -> Plan {
-    let Some(e) = TC_CONNTRACK.get_ptr(&pkt.key) else {
-        return Plan::New;
+fn plan(pkt: &Pkt, now: u64) -> *mut CtEntry {
+    let Some(e) = TC_CONNTRACK.get_ptr_mut(&pkt.key) else {
+        return core::ptr::null_mut();
     };
     // SAFETY: a value of the map, read field by field.
     let (flags, seen) = unsafe { ((*e).flags, (*e).last_seen_ns) };
     if flags & CT_F_EGRESS != 0 || !alive(flags, seen, pkt.key.proto, now) {
-        return Plan::New;
+        return core::ptr::null_mut();
     }
-    if flags & CT_F_SNAT == 0 {
-        return Plan::Stack;
-    }
-    if flags & CT_F_REPLY != 0 {
-        return Plan::Reply;
+    if Plan::of(flags) != Plan::Original {
+        return e;
     }
     // The SNAT stage's key, the entry's rewritten tuple, for the entry point.
     let Some(sc) = TC_SCRATCH.get_ptr_mut(0) else {
-        return Plan::Stack;
+        return core::ptr::null_mut();
     };
     // SAFETY: a map value and this CPU's slot, copied field by field.
     unsafe {
@@ -194,24 +214,22 @@ fn plan(pkt: &Pkt, now: u64) -> Plan {
         (*sc).ekey.proto = pkt.key.proto;
         (*sc).ekey._pad = [0; 3];
     }
-    Plan::Original
+    e
 }
 
-/// A reply of a source-NATed flow: the next hop towards the client first (from the
-/// entry's rewritten tuple), then the shared rewrite, which hands the packet to
-/// [`Buf::send_out`] (the MAC addresses of that next hop).
+/// A reply of a source-NATed flow (`e` its entry, from [`plan`]): the next hop towards
+/// the client first (from the entry's rewritten tuple), then the shared rewrite, which
+/// hands the packet to [`Buf::send_out`] (the MAC addresses of that next hop).
 #[inline(never)]
-fn reply(ctx: &XdpContext, pkt: &Pkt, tcp_flags: u8, now: u64) -> u32 {
-    let Some(e) = TC_CONNTRACK.get_ptr(&pkt.key) else {
-        return XDP_PASS;
-    };
-    // SAFETY: a value of the map; the addresses are read in place by the lookup.
+fn reply(ctx: &XdpContext, pkt: &Pkt, e: *mut CtEntry, tcp_flags: u8, now: u64) -> u32 {
+    // SAFETY: `plan`'s entry, a value of the map; the addresses are read in place by the
+    // lookup.
     let found = unsafe { hop(ctx, &(*e).saddr, &(*e).daddr) };
     if !found {
         count_tc(TcCounter::XdpToStack);
         return XDP_PASS;
     }
-    match tracked(ctx, pkt, tcp_flags, now, true) {
+    match tracked_at(ctx, pkt, e, tcp_flags, now, true) {
         Some(Verdict::Redirect) => out(ctx, pkt.v6),
         Some(v) => v.xdp(),
         None => XDP_PASS,
@@ -224,7 +242,7 @@ fn reply(ctx: &XdpContext, pkt: &Pkt, tcp_flags: u8, now: u64) -> u32 {
 /// goes to the stack, and tcx egress applies the SNAT stage after routing.
 #[inline(never)]
 fn snat_stage(ctx: &XdpContext, pkt: &mut Pkt, tcp_flags: u8, now: u64) -> u32 {
-    let Some(eg) = TC_CONNTRACK.get_ptr(&pkt.key) else {
+    let Some(eg) = TC_CONNTRACK.get_ptr_mut(&pkt.key) else {
         return XDP_PASS;
     };
     // SAFETY: a value of the map; the addresses are read in place by the lookup.
@@ -233,7 +251,7 @@ fn snat_stage(ctx: &XdpContext, pkt: &mut Pkt, tcp_flags: u8, now: u64) -> u32 {
         count_tc(TcCounter::XdpToStack);
         return XDP_PASS;
     }
-    match tracked(ctx, pkt, tcp_flags, now, false) {
+    match tracked_at(ctx, pkt, eg, tcp_flags, now, false) {
         Some(Verdict::Pass) => {}
         Some(v) => return v.xdp(),
         None => return XDP_PASS,
