@@ -1,5 +1,17 @@
-//! Operating the agent: the preflight `check`, the configuration file, JSON logs, SIGTERM
-//! leaving the data path pinned for the next agent, and the Grafana dashboard's metric names.
+//! Operating the agent, the cases that steer it in code: the preflight `check` on this
+//! machine (its rows against the loader's program list), configuration files and kube-proxy
+//! command lines the agent refuses or rewrites before it touches anything (no root, no lab:
+//! the agent binary only; the written configuration is read back with the crate's own
+//! parser), the agent's transparent huge pages (its `/proc/PID/status`), server ports held
+//! by the test process (a busy metrics port, kube-proxy still on the health port, the
+//! status server and `status --require`), pins of another version's layout made before a
+//! start, the Grafana dashboard's metric names against `/metrics`, and counter arrays of
+//! another size loaded in the test process.
+//!
+//! The cases that are only commands in and output, logs and pins out are socket scenario
+//! files (`tests/scenarios/socket/ops-*.txtar`, run by `tests/scenarios.rs`): the failing
+//! `check` and `run`'s preflight, the configuration file applied with JSON logs, `--init-only`
+//! and `--cleanup`, SIGTERM keeping the pinned data path for the next agent.
 //!
 //! The privileged tests (root, `cargo xtask test`) use the fixture of `common` (their own
 //! namespaces, child cgroup and pin directory, removed on drop). `check` only reads, except
@@ -88,81 +100,6 @@ fn check_passes_on_this_machine() {
             "{programs}"
         );
     }
-}
-
-#[test]
-fn check_fails_with_the_documented_messages() {
-    require_root();
-    // A directory that is not a bpffs: reported, never mounted on (no --mount-bpffs).
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path().display().to_string();
-    let out = agent(&["check", "--bpffs", &d]);
-    let table = text(&out.stdout);
-    assert_eq!(out.status.code(), Some(1), "{table}");
-    let line = table.lines().find(|l| l.starts_with("bpffs ")).unwrap();
-    assert!(
-        line.contains("fail") && line.contains(&format!("{d} is not a BPF file system")),
-        "{table}"
-    );
-    // This machine has a bpffs mounted (the tests' own pins live there): that is what a
-    // mistyped --bpffs most likely meant.
-    assert!(
-        table.contains("remedy: point --bpffs at the BPF file system mounted at /"),
-        "{table}"
-    );
-    assert!(
-        !std::fs::read_to_string("/proc/self/mounts")
-            .unwrap()
-            .contains(&d),
-        "check mounted something on {d}"
-    );
-
-    // A cgroup path that does not exist.
-    let bogus = "/sys/fs/cgroup/ebpf-proxy-test-no-such-cgroup";
-    let out = agent(&["check", "--cgroup-path", bogus, "-o", "json"]);
-    assert_eq!(out.status.code(), Some(1));
-    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
-    let cg = rows.iter().find(|r| r["check"] == "cgroup v2").unwrap();
-    assert_eq!(cg["status"], "fail");
-    let detail = cg["detail"].as_str().unwrap();
-    assert!(
-        detail.starts_with(&format!("--cgroup-path {bogus}: No such file or directory")),
-        "{cg}"
-    );
-    assert!(
-        cg["remedy"]
-            .as_str()
-            .unwrap()
-            .starts_with("pass --cgroup-path "),
-        "{cg}"
-    );
-
-    // `run` runs the same checks first and stops with the same message, before it creates
-    // a pin directory or attaches anything.
-    let manifests = tempfile::tempdir().unwrap();
-    let pin_dir = "ebpf-proxy-test-preflight";
-    let out = agent(&[
-        "run",
-        "--manifests",
-        &manifests.path().display().to_string(),
-        "--cgroup-path",
-        bogus,
-        "--pin-dir",
-        pin_dir,
-        "--healthz-bind-address",
-        "127.0.0.1:0",
-        "--metrics-bind-address",
-        "127.0.0.1:0",
-    ]);
-    let err = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(
-        err.contains(&format!(
-            "error: preflight check failed: cgroup v2: {detail} (remedy: pass --cgroup-path "
-        )),
-        "{err}"
-    );
-    assert!(!Path::new(BPFFS).join(pin_dir).exists());
 }
 
 #[test]
@@ -274,136 +211,6 @@ fn kube_proxy_command_lines_run_without_a_subcommand() {
             "{err}"
         );
     }
-}
-
-#[test]
-fn configuration_file_is_applied_flags_override_it_and_logs_are_json() {
-    let mut env = Env::new("ops-config", 1, false);
-    web(&env, &[0]);
-    let config = env.manifests.path().with_extension("config.yaml");
-    let _remove = RemoveOnDrop(config.clone());
-    // healthzBindAddress is not a local address: the agent starts only because the fixture
-    // passes --healthz-bind-address, which overrides the file.
-    std::fs::write(
-        &config,
-        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\n\
-         kind: KubeProxyConfiguration\n\
-         mode: ebpf\n\
-         hostnameOverride: node-from-config\n\
-         healthzBindAddress: 192.0.2.1:10256\n\
-         clusterCIDR: 198.18.0.0/24\n\
-         enableProfiling: true\n\
-         conntrack:\n  udpTimeout: 7s\n  maxPerCore: 0\n  min: 4096\n  udpStreamTimeout: 9s\n  tcpBeLiberal: true\n\
-         logging:\n  format: json\n",
-    )
-    .unwrap();
-    env.extra_agent_args = vec!["--config".into(), config.display().to_string()];
-    env.start_agent();
-
-    let log = env.log();
-    let lines: Vec<serde_json::Value> = log
-        .lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON: {l:?}: {e}")))
-        .collect();
-    let message = |v: &serde_json::Value| v["fields"]["message"].as_str().unwrap_or("").to_string();
-    let warnings: Vec<String> = lines
-        .iter()
-        .filter(|v| v["level"] == "WARN")
-        .map(message)
-        .collect();
-    for field in ["enableProfiling", "conntrack.tcpBeLiberal"] {
-        assert_eq!(
-            warnings
-                .iter()
-                .filter(|w| w.contains(&format!("field \"{field}\"")))
-                .count(),
-            1,
-            "{warnings:?}"
-        );
-    }
-    let attached = lines
-        .iter()
-        .find(|v| message(v) == "data path attached")
-        .expect("attached line");
-    assert_eq!(attached["fields"]["node"], "node-from-config", "{attached}");
-    let cidr = lines
-        .iter()
-        .find(|v| v["fields"]["cluster_cidr"].is_string())
-        .expect("cluster CIDR line");
-    assert_eq!(cidr["fields"]["cluster_cidr"], "198.18.0.0/24");
-    // One info line per sync, with its counts and duration.
-    let syncs: Vec<&serde_json::Value> =
-        lines.iter().filter(|v| message(v) == "sync done").collect();
-    assert_eq!(syncs.len(), 1, "{log}");
-    assert_eq!(syncs[0]["level"], "INFO");
-    assert_eq!(syncs[0]["fields"]["services"], 1);
-    assert!(syncs[0]["fields"]["duration_us"].is_u64());
-
-    // conntrack.udpTimeout became the data path's UDP flow timeout.
-    let map = aya::maps::MapData::from_pin(env.pin_path().join(proxy_common::CONFIG)).unwrap();
-    let a: aya::maps::Array<_, proxy_common::Config> =
-        aya::maps::Array::try_from(aya::maps::Map::Array(map)).unwrap();
-    assert_eq!(
-        a.get(&0, 0).unwrap().udp_flow_timeout_ns,
-        Duration::from_secs(7).as_nanos() as u64
-    );
-    // conntrack.maxPerCore 0 and min 4096: a north-south conntrack of 4096 flows (two
-    // entries each); udpTimeout and udpStreamTimeout are its UDP timeouts.
-    let ct =
-        aya::maps::MapData::from_pin(env.pin_path().join(proxy_common::nat::CONNTRACK)).unwrap();
-    assert_eq!(ct.info().unwrap().max_entries(), 8192);
-    let map =
-        aya::maps::MapData::from_pin(env.pin_path().join(proxy_common::nat::TC_CONFIG)).unwrap();
-    let tc: aya::maps::Array<_, proxy_common::nat::TcConfig> =
-        aya::maps::Array::try_from(aya::maps::Map::Array(map)).unwrap();
-    let tc = tc.get(&0, 0).unwrap();
-    assert_eq!(tc.udp_ns, Duration::from_secs(7).as_nanos() as u64);
-    assert_eq!(tc.udp_stream_ns, Duration::from_secs(9).as_nanos() as u64);
-}
-
-#[test]
-fn init_only_pins_the_data_path_and_cleanup_removes_it_with_kube_proxys_flags() {
-    let env = Env::new("ops-init", 0, false);
-    let manifests = env.manifests.path().display().to_string();
-    let cgroup = env.cg.path().display().to_string();
-    // --init-only: the privileged part of start-up, then exit 0 with the data path pinned
-    // and attached.
-    let out = agent(&[
-        "--init-only",
-        "--manifests",
-        &manifests,
-        "--cgroup-path",
-        &cgroup,
-        "--pin-dir",
-        &env.pin_dir,
-    ]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    assert!(text(&out.stderr).contains("data path initialized (--init-only)"));
-    for p in loader::PROGRAMS {
-        assert!(
-            loader::link_pin(&env.pin_path(), p).exists(),
-            "{p} not pinned"
-        );
-    }
-    // --cleanup removes everything ebpf-proxy installed and exits 0 (here even with a
-    // kube-proxy mode in the flags, which only a run refuses).
-    let out = agent(&[
-        "--cleanup",
-        "--proxy-mode=iptables",
-        "--pin-dir",
-        &env.pin_dir,
-    ]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    assert!(
-        text(&out.stdout).contains("detached"),
-        "{}",
-        text(&out.stdout)
-    );
-    assert!(!env.pin_path().exists());
-    let out = agent(&["--cleanup=true", "--pin-dir", &env.pin_dir]);
-    assert!(out.status.success());
-    assert!(text(&out.stdout).contains("nothing to clean up"));
 }
 
 #[test]
@@ -575,68 +382,6 @@ fn a_health_port_held_by_another_process_keeps_the_agent_unready_until_it_is_fre
         "{}",
         text(&out.stderr)
     );
-}
-
-/// Removes a file on drop.
-struct RemoveOnDrop(std::path::PathBuf);
-
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-#[test]
-fn sigterm_keeps_the_pinned_data_path_and_the_next_agent_adopts_it() {
-    let mut env = Env::new("ops-sigterm", 2, false);
-    web(&env, &[0, 1]);
-    env.start_agent();
-
-    let mut agent = env.agent.take().unwrap();
-    let status = agent.terminate(Duration::from_secs(5)).unwrap();
-    assert!(status.success(), "SIGTERM is a clean stop: {status:?}");
-    assert!(env.log().contains("data path stays attached"));
-
-    // Every map and link is still pinned, and the programs are still attached.
-    for m in proxy_common::ALL_MAPS {
-        assert!(env.pin_path().join(m).exists(), "map {m} unpinned");
-    }
-    for p in loader::PROGRAMS {
-        assert!(
-            loader::link_pin(&env.pin_path(), p).exists(),
-            "link {p} unpinned"
-        );
-    }
-    let out = Command::new("bpftool")
-        .args(["cgroup", "show"])
-        .arg(env.cg.path())
-        .output()
-        .unwrap();
-    let attached = text(&out.stdout);
-    for p in loader::PROGRAMS {
-        assert!(attached.contains(p), "{p} detached: {attached}");
-    }
-    let c = by_name(&env.tcp(&format!("{VIP}:80"), 20));
-    assert_eq!(c.len(), 2, "while the agent is down: {c:?}");
-
-    // The next agent adopts the pins and rewrites nothing.
-    env.start_agent();
-    let log = env.log();
-    let adopted = log
-        .lines()
-        .rfind(|l| l.contains("adopted state from pinned maps"))
-        .unwrap();
-    assert!(adopted.contains("services=1"), "{adopted}");
-    let sync = log.lines().rfind(|l| l.contains("sync done")).unwrap();
-    assert!(
-        sync.contains("writes=0") && sync.contains("deletes=0"),
-        "{sync}"
-    );
-    assert!(
-        !log.contains("another layout"),
-        "a restart of the same version replaces no map: {log}"
-    );
-    assert_eq!(by_name(&env.tcp(&format!("{VIP}:80"), 20)).len(), 2);
 }
 
 #[test]

@@ -1,10 +1,12 @@
-//! Privileged integration tests of the socket-level data path that drive the agent's life
-//! cycle and read its maps directly: restarts, cleanup, the reverse-NAT slots of connected
-//! sockets and upgrades from older pins. The real programs are attached to a test cgroup,
-//! the real agent is fed by manifests, real sockets run in pod namespaces.
+//! Privileged integration tests of the socket-level data path that read or edit its maps
+//! directly: the reverse-NAT slots of connected sockets (read from `SOCK_NAT` while 65
+//! sockets are held open) and upgrades from older pins (entries and maps of an earlier
+//! layout written before a start). The real programs are attached to a test cgroup, the
+//! real agent is fed by manifests, real sockets run in pod namespaces.
 //!
-//! The cases that are only objects in and connections out (reaching backends, refusals,
-//! endpoint changes, bad input, a full map, the `services` command) are scenario files in
+//! The cases that are only objects in and connections, logs and pins out (reaching
+//! backends, refusals, endpoint changes, bad input, a full map, the `services` command, an
+//! agent restart under an open connection, `cleanup`) are scenario files in
 //! `tests/scenarios/socket/`, run by `tests/scenarios.rs`.
 //!
 //! Run as root with `cargo xtask test` (which builds the eBPF object first). Each test has
@@ -24,121 +26,6 @@ const VIP: &str = "198.19.0.10";
 
 fn b(i: usize) -> IpAddr {
     IpAddr::V4(backend_v4(i))
-}
-
-#[test]
-fn open_connection_survives_agent_restart_and_data_path_works_while_agent_is_down() {
-    let mut env = Env::new("restart", 2, false);
-    env.write_web(&Web::new(VIP).ready(&[b(0), b(1)]));
-    env.start_agent();
-
-    // An established TCP connection through a VIP, held open by an interactive netprobe.
-    let svc = service(
-        "default",
-        "hold",
-        &["198.19.0.30"],
-        &[("hold", 80, 8081, "TCP")],
-    );
-    let sl = slice(
-        "default",
-        "hold-1",
-        "hold",
-        "IPv4",
-        &[("hold", 8081, "TCP")],
-        &[(b(0), true), (b(1), true)],
-    );
-    env.write_manifest("hold.yaml", &format!("{svc}---\n{sl}"));
-    env.wait_maps(
-        |s| s.names.values().any(|n| n.starts_with("default/hold:")),
-        "hold service",
-    );
-
-    let mut held = HeldTcp::open(&env.client, env.cg.path(), "198.19.0.30:80", &[]);
-    assert_eq!(held.first["ok"], true, "{}", held.first);
-    let backend = held.backend().to_string();
-    let mut ask = |msg: &str| held.ask(msg);
-    assert_eq!(ask("before")["reply"], format!("{backend} before"));
-
-    // Agent down: the pinned data path keeps answering new connections and the held one.
-    env.stop_agent();
-    assert!(env.log().contains("data path stays attached"));
-    assert_eq!(ask("while-down")["reply"], format!("{backend} while-down"));
-    let c = by_name(&env.tcp(&format!("{VIP}:80"), 20));
-    assert_eq!(c.len(), 2, "new connections while the agent is down: {c:?}");
-
-    // Agent back: it adopts the pinned maps and links and rewrites nothing.
-    env.start_agent();
-    let log = env.log();
-    let last_sync = log.lines().rfind(|l| l.contains("sync done")).unwrap();
-    assert!(
-        last_sync.contains("writes=0") && last_sync.contains("deletes=0"),
-        "{last_sync}"
-    );
-    assert_eq!(ask("after")["reply"], format!("{backend} after"));
-    assert_eq!(by_name(&env.tcp(&format!("{VIP}:80"), 20)).len(), 2);
-    // Exactly one generation of programs is attached after the restart.
-    let out = std::process::Command::new("bpftool")
-        .args(["cgroup", "show"])
-        .arg(env.cg.path())
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(text.matches("connect4").count(), 1, "{text}");
-    // The egress program is attached only while a connected UDP socket is stale.
-    assert_eq!(text.matches("sock_egress").count(), 0, "{text}");
-    assert_eq!(
-        text.matches("cgroup_inet_sock_release").count(),
-        1,
-        "{text}"
-    );
-    assert_eq!(text.lines().count(), 10, "header + 9 programs: {text}");
-}
-
-#[test]
-fn cleanup_detaches_and_removes_everything() {
-    let mut env = Env::new("cleanup", 1, false);
-    env.write_web(&Web::new(VIP).ready(&[b(0)]));
-    env.start_agent();
-    // A cleanup started while the agent still runs (a DaemonSet pod terminating) waits for
-    // it to stop, and removes nothing before.
-    let cleanup = std::process::Command::new(AGENT)
-        .args(["cleanup", "--pin-dir", &env.pin_dir, "--cgroup-path"])
-        .arg(env.cg.path())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(1500));
-    assert!(env.pin_path().exists(), "removed while the agent runs");
-    assert_eq!(
-        by_name(&env.tcp(&format!("{VIP}:80"), 2)).len(),
-        1,
-        "still served"
-    );
-    env.stop_agent();
-    let out = cleanup.wait_with_output().unwrap();
-    assert!(out.status.success(), "{out:?}");
-    assert!(!env.pin_path().exists());
-    let out = std::process::Command::new("bpftool")
-        .args(["cgroup", "show"])
-        .arg(env.cg.path())
-        .output()
-        .unwrap();
-    assert_eq!(
-        String::from_utf8_lossy(&out.stdout).trim(),
-        "",
-        "programs still attached"
-    );
-    // Without the data path the VIP is just an unrouted address: no translation, no refusal
-    // from the program (the lab's node namespace has no route for it).
-    let r = env.probe(&["tcp", "--to", &format!("{VIP}:80"), "--timeout-ms", "300"]);
-    assert_ne!(r[0]["ok"], true, "{r:?}");
-    // Running it again is fine.
-    let out = std::process::Command::new(AGENT)
-        .args(["cleanup", "--pin-dir", &env.pin_dir])
-        .output()
-        .unwrap();
-    assert!(out.status.success());
 }
 
 /// The connected sockets' reverse-NAT slots (`SOCK_NAT`) of `env`: (slot, cookie) of each

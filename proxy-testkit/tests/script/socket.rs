@@ -14,7 +14,7 @@ use aya::maps::{Map, MapData, RingBuf};
 use proxy_common::{Counter, FRONTEND_F_LOCAL_ONLY, FRONTEND_F_VIP_MARKER};
 use proxy_testkit::testbed::{ChildGuard, Pod};
 use proxy_userspace::datapath::{
-    Snapshot, bypass,
+    Snapshot, bypass, loader,
     maps::{read_connection_counts, read_counters},
     tc,
     view::PinnedView,
@@ -42,6 +42,8 @@ struct Lab {
     held: BTreeMap<String, HeldTcp>,
     /// netprobe runs started by `background NAME`.
     background: BTreeMap<String, ChildGuard>,
+    /// CLI runs started by `background NAME cli ARGS...`.
+    commands: BTreeMap<String, ChildGuard>,
     /// The monitor started by `monitor ARGS...`.
     monitor: Option<MonitorRun>,
     env: Env,
@@ -153,10 +155,12 @@ impl Lab {
         let mut vars = Vars::default();
         vars.set("MANIFESTS", env.manifests.path().display().to_string());
         vars.set("PIN", env.pin_dir.clone());
+        vars.set("CGROUP", env.cg.path().display().to_string());
         Lab {
             pause,
             held: BTreeMap::new(),
             background: BTreeMap::new(),
+            commands: BTreeMap::new(),
             monitor: None,
             env,
             nodes,
@@ -183,7 +187,7 @@ impl Lab {
                     Some(n) => vec!["--hostname-override".to_string(), n.clone()],
                     None => Vec::new(),
                 };
-                args.extend(w[1..].iter().cloned());
+                args.extend(w[1..].iter().map(|a| self.vars.expand(a)));
                 self.env.extra_agent_args = args;
             }
             "write" | "apply" => {
@@ -216,7 +220,14 @@ impl Lab {
             }
             "stop" => {
                 step.only(&[]);
-                self.env.stop_agent();
+                if let Some(mut agent) = self.env.agent.take() {
+                    let status = agent.terminate(Duration::from_secs(5)).expect("stop agent");
+                    assert!(
+                        status.success(),
+                        "SIGTERM is a clean stop, not {status:?}; agent log:\n{}",
+                        self.env.log()
+                    );
+                }
             }
             "probe" => self.probe(step),
             "background" => self.background(step),
@@ -234,8 +245,9 @@ impl Lab {
             "wait" => self.wait(step),
             "log" => self.log(step),
             "healthz" => self.healthz(step),
-            "cli" => self.cli(step),
+            "cli" | "cmd" => self.cli(step),
             "json" => self.json(step),
+            "bpftool" => self.bpftool(step),
             "select" => self.select(step),
             "monitor" => self.monitor(step),
             "metric" => self.metric(step),
@@ -263,8 +275,8 @@ impl Lab {
             "addresses" => self.addresses(step),
             "pins" => {
                 let c = conds(&step.after);
-                known(&c, &["count"]);
-                let prefix = step.word(1, "a pin name prefix");
+                known(&c, PIN_KEYS);
+                let prefix = step.words.get(1).map_or("", String::as_str);
                 let mut vars = std::mem::take(&mut self.vars);
                 let r = self.pins(prefix, &c, &mut vars);
                 self.vars = vars;
@@ -290,9 +302,14 @@ impl Lab {
     }
 
     /// `join NAME => ...`: waits for a `background` run to end; its lines checked as a
-    /// probe's.
+    /// probe's (a CLI run's output as `cli` checks it).
     fn join(&mut self, step: &Step) {
         let name = step.word(1, "a background run's name");
+        if let Some(run) = self.commands.remove(name) {
+            let out = run.into_inner().wait_with_output().expect("ebpf-proxy");
+            self.check_cli(step, &out);
+            return;
+        }
         let run = self
             .background
             .remove(name)
@@ -371,7 +388,7 @@ impl Lab {
             Some("pins") => {
                 let prefix = step.word(2, "a pin name prefix");
                 let mut c = conds(&step.after);
-                known(&c, &["count", "within"]);
+                known(&c, &[PIN_KEYS, &["within"]].concat());
                 let within = match c.iter().position(|c| c.key == "within") {
                     Some(i) => duration(&c.remove(i).value),
                     None => Duration::from_secs(20),
@@ -399,19 +416,35 @@ impl Lab {
         println!("{}", self.json);
     }
 
-    /// `select events|lines|json|json.PATH [FILTER...] => ...`: see [`select`].
+    /// `select events|lines|log|json|json.PATH [FILTER...] => ...`: see [`select`].
     fn select(&mut self, step: &Step) {
         let w = &step.words;
-        let source = step.word(1, "events, json or json.PATH");
+        let log: Vec<Value>;
+        let source = step.word(1, "events, lines, log, json or json.PATH");
         let all = match source.split_once('.') {
             _ if source == "events" => self.events.iter().collect(),
             _ if source == "lines" => self.lines.iter().collect(),
             _ if source == "json" => rows(&self.json, ""),
+            _ if source == "log" => {
+                log = self.log_json();
+                log.iter().collect()
+            }
             Some(("json", path)) => rows(&self.json, path),
-            _ => panic!("select events|lines|json|json.PATH, not {source:?}"),
+            _ => panic!("select events|lines|log|json|json.PATH, not {source:?}"),
         };
         let filters: Vec<String> = w[2..].to_vec();
         select(&all, &conds(&filters), &conds(&step.after), &mut self.vars);
+    }
+
+    /// The agent log's lines as JSON (`logging.format: json`); panics on a line that is
+    /// not.
+    fn log_json(&self) -> Vec<Value> {
+        self.env
+            .log()
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON: {l:?}: {e}")))
+            .collect()
     }
 
     /// `bypassed => count=N interfaces=A,B`: the bypassed namespaces and the interfaces with
@@ -438,10 +471,11 @@ impl Lab {
         step.only(&[]);
         let netns = self.netns(step.word(1, "a pod or node"));
         let cmd = step.word(2, "a command");
+        let args: Vec<String> = w[3..].iter().map(|a| self.vars.expand(a)).collect();
         let out = proxy_testkit::testbed::output_in(
             Some(&netns),
             None,
-            std::process::Command::new(cmd).args(&w[3..]),
+            std::process::Command::new(cmd).args(&args),
             Duration::from_secs(10),
         )
         .expect(cmd);
@@ -488,17 +522,47 @@ impl Lab {
         }
     }
 
-    /// `pins PREFIX => count=N`: the pins of the lab's pin directory named PREFIX...
+    /// `pins [PREFIX] => count=N every-map every-link absent`: the pins of the lab's pin
+    /// directory named PREFIX... (all of them without a PREFIX); `every-map`: every map of
+    /// the socket path (`ALL_MAPS`) is pinned; `every-link`: every program's link
+    /// (`loader::PROGRAMS`); `absent`: the pin directory does not exist.
     fn pins(&self, prefix: &str, c: &[Cond], vars: &mut Vars) -> Result<(), String> {
-        let names: Vec<String> = std::fs::read_dir(self.env.pin_path())
-            .expect("the pin directory")
+        let dir = self.env.pin_path();
+        if c.iter().any(|c| c.key == "absent") {
+            assert!(c.len() == 1, "`absent` goes alone");
+            return match dir.exists() {
+                true => Err(format!("{} exists", dir.display())),
+                false => Ok(()),
+            };
+        }
+        let names: Vec<String> = std::fs::read_dir(&dir)
+            .map_err(|e| format!("the pin directory {}: {e}", dir.display()))?
             .filter_map(|e| e.ok())
             .map(|e| e.file_name().to_string_lossy().into_owned())
             .filter(|n| n.starts_with(prefix))
             .collect();
         for c in c {
-            vars.check_number(c, names.len() as u64)
-                .map_err(|e| format!("pins {prefix}...: {e}: {names:?}"))?;
+            let missing: Vec<String> = match c.key.as_str() {
+                "every-map" => proxy_common::ALL_MAPS
+                    .iter()
+                    .filter(|m| !dir.join(m).exists())
+                    .map(|m| m.to_string())
+                    .collect(),
+                "every-link" => loader::PROGRAMS
+                    .iter()
+                    .map(|p| loader::link_pin(&dir, p))
+                    .filter(|p| !p.exists())
+                    .map(|p| p.display().to_string())
+                    .collect(),
+                _ => {
+                    vars.check_number(c, names.len() as u64)
+                        .map_err(|e| format!("pins {prefix}...: {e}: {names:?}"))?;
+                    continue;
+                }
+            };
+            if !missing.is_empty() {
+                return Err(format!("{}: not pinned: {missing:?}", c.key));
+            }
         }
         Ok(())
     }
@@ -650,10 +714,26 @@ impl Lab {
     }
 
     /// `background NAME [@NODE] [in POD] NETPROBE-ARGS...`: starts netprobe, to be checked
-    /// by `join NAME => ...`.
+    /// by `join NAME => ...`; `background NAME cli ARGS...` starts `ebpf-proxy ARGS...` as
+    /// `cli` runs it, `join` then checks it as `cli` does.
     fn background(&mut self, step: &Step) {
         step.only(&[]);
         let name = step.word(1, "a name").to_string();
+        assert!(
+            !self.background.contains_key(&name) && !self.commands.contains_key(&name),
+            "{name} runs already"
+        );
+        if step.words.get(2).is_some_and(|w| w == "cli") {
+            let mut cmd = self.cli_command(&step.words[3..], true);
+            let run = ChildGuard::spawn_in(
+                None,
+                None,
+                cmd.stdout(Stdio::piped()).stderr(Stdio::piped()),
+            )
+            .expect("ebpf-proxy");
+            self.commands.insert(name, run);
+            return;
+        }
         let (cg, pod, args) = self.place(&step.words[2..]);
         let netns = self.netns(&pod);
         let run = ChildGuard::spawn_in(
@@ -665,10 +745,7 @@ impl Lab {
                 .stderr(Stdio::null()),
         )
         .expect("netprobe");
-        assert!(
-            self.background.insert(name.clone(), run).is_none(),
-            "{name} runs already"
-        );
+        self.background.insert(name, run);
     }
 
     /// `hold NAME [in POD] ADDR [NETPROBE-FLAGS...] => CONDITIONS [tries=N]`: an
@@ -916,10 +993,11 @@ impl Lab {
         Ok(())
     }
 
-    /// `log TEXT... => count=N has=T`: the agent log's lines holding every TEXT; at least
-    /// one, or exactly `count`; the first of them holds each `has`.
+    /// `log TEXT... => count=N has=T last-has=T`: the agent log's lines holding every TEXT;
+    /// at least one, or exactly `count`; the first of them holds each `has`, the last each
+    /// `last-has`.
     fn log(&mut self, step: &Step) {
-        step.only(&["count", "has"]);
+        step.only(&["count", "has", "last-has"]);
         let needles = &step.words[1..];
         assert!(!needles.is_empty(), "usage: log TEXT... => count=N has=T");
         let log = self.env.log();
@@ -934,12 +1012,14 @@ impl Lab {
                 .unwrap_or_else(|e| panic!("lines with {needles:?}: {e}: {lines:?}\n{log}")),
             None => assert!(!lines.is_empty(), "no line with {needles:?}:\n{log}"),
         }
-        for h in step.all("has") {
-            let h = self.vars.expand(h);
-            assert!(
-                lines.first().is_some_and(|l| l.contains(&h)),
-                "{h:?} not in {lines:?}"
-            );
+        for (key, line) in [("has", lines.first()), ("last-has", lines.last())] {
+            for h in step.all(key) {
+                let h = self.vars.expand(h);
+                assert!(
+                    line.is_some_and(|l| l.contains(&h)),
+                    "{key}: {h:?} not in {line:?} (of {lines:?})"
+                );
+            }
         }
     }
 
@@ -960,38 +1040,54 @@ impl Lab {
         }
     }
 
-    /// `cli ARGS... => has=T json-len=N starts=T line=PREFIX line-has=T fails
+    /// `ebpf-proxy ARGS... --pin-dir <the lab's>` (variables in ARGS replaced), for `cli`
+    /// and `background NAME cli`; without the `--pin-dir` unless `pin_dir`.
+    fn cli_command(&self, args: &[String], pin_dir: bool) -> std::process::Command {
+        let mut cmd = std::process::Command::new(crate::common::AGENT);
+        cmd.args(args.iter().map(|a| self.vars.expand(a)));
+        if pin_dir {
+            cmd.args(["--pin-dir", &self.env.pin_dir]);
+        }
+        cmd
+    }
+
+    /// `cli ARGS... => has=T json-len=N starts=T line=PREFIX line-has=T fails code=N
     /// stderr-has=T`: `ebpf-proxy ARGS... --pin-dir <the lab's>`, which must succeed
-    /// (fail, with `fails`).
-    fn cli(&self, step: &Step) {
-        step.only(&[
-            "has",
-            "json-len",
-            "starts",
-            "line",
-            "line-has",
-            "fails",
-            "stderr-has",
-        ]);
-        let args: Vec<String> = step.words[1..]
-            .iter()
-            .map(|a| self.vars.expand(a))
-            .collect();
-        let out = std::process::Command::new(crate::common::AGENT)
-            .args(&args)
-            .args(["--pin-dir", &self.env.pin_dir])
+    /// (fail, with `fails`; exit with N, with `code`). `cmd ARGS... => ...`: the same
+    /// without the `--pin-dir` (`check`, kube-proxy's command lines). An output that is JSON
+    /// is kept for `select json`.
+    fn cli(&mut self, step: &Step) {
+        step.only(CLI_KEYS);
+        let out = self
+            .cli_command(&step.words[1..], step.words[0] == "cli")
             .output()
             .unwrap();
+        self.check_cli(step, &out);
+    }
+
+    /// Checks a CLI run's output against the `cli` expectations of `step`; keeps an output
+    /// that is JSON for `select json`.
+    fn check_cli(&mut self, step: &Step, out: &std::process::Output) {
+        step.only(CLI_KEYS);
         let text = String::from_utf8_lossy(&out.stdout);
         let err = String::from_utf8_lossy(&out.stderr);
         println!("{text}");
-        assert_eq!(out.status.success(), step.get("fails").is_none(), "{out:?}");
-        for h in step.all("has") {
-            let h = self.vars.expand(h);
+        match step.get("code") {
+            Some(c) => assert_eq!(
+                out.status.code(),
+                Some(c.parse().expect("code=N")),
+                "{out:?}"
+            ),
+            None => assert_eq!(out.status.success(), step.get("fails").is_none(), "{out:?}"),
+        }
+        let expand = |key: &str| -> Vec<String> {
+            step.all(key).iter().map(|h| self.vars.expand(h)).collect()
+        };
+        for h in expand("has") {
             assert!(text.contains(&h), "{h:?} not in:\n{text}");
         }
-        for h in step.all("stderr-has") {
-            assert!(err.contains(h), "{h:?} not in:\n{err}");
+        for h in expand("stderr-has") {
+            assert!(err.contains(&h), "{h:?} not in:\n{err}");
         }
         if let Some(s) = step.get("starts") {
             assert!(text.starts_with(s), "does not start with {s:?}:\n{text}");
@@ -1001,20 +1097,61 @@ impl Lab {
                 .lines()
                 .find(|l| l.starts_with(p))
                 .unwrap_or_else(|| panic!("no line starting with {p:?}:\n{text}"));
-            for h in step.all("line-has") {
-                assert!(line.contains(h), "{h:?} not in {line:?}");
+            for h in expand("line-has") {
+                assert!(line.contains(&h), "{h:?} not in {line:?}");
             }
         }
+        let json = serde_json::from_slice::<Value>(&out.stdout);
         if let Some(n) = step.get("json-len") {
-            let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+            let v = json.as_ref().expect("JSON");
             assert_eq!(
                 v.as_array().expect("a JSON array").len(),
                 n.parse::<usize>().expect("json-len=N"),
                 "{v}"
             );
         }
+        if let Ok(v) = json {
+            self.json = v;
+        }
+    }
+
+    /// `bpftool ARGS...`: `bpftool -j ARGS...` (variables replaced) must succeed; its JSON
+    /// (no output: `[]`) is kept for `select json`.
+    fn bpftool(&mut self, step: &Step) {
+        step.only(&[]);
+        let args: Vec<String> = step.words[1..]
+            .iter()
+            .map(|a| self.vars.expand(a))
+            .collect();
+        let out = std::process::Command::new("bpftool")
+            .arg("-j")
+            .args(&args)
+            .output()
+            .expect("bpftool");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "bpftool {args:?}: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        self.json = match text.trim() {
+            "" => Value::Array(Vec::new()),
+            t => serde_json::from_str(t).unwrap_or_else(|e| panic!("bpftool: {e}: {t}")),
+        };
+        println!("{}", self.json);
     }
 }
+
+const CLI_KEYS: &[&str] = &[
+    "has",
+    "code",
+    "json-len",
+    "starts",
+    "line",
+    "line-has",
+    "fails",
+    "stderr-has",
+];
 
 /// Checks conditions on the fields of one JSON object.
 fn check_json(v: &Value, c: &[Cond], vars: &mut Vars) {
@@ -1086,6 +1223,8 @@ fn check_maps(step: &Step, s: &Snapshot, saved: &BTreeMap<String, Snapshot>) -> 
     Ok(())
 }
 
+const PIN_KEYS: &[&str] = &["count", "every-map", "every-link", "absent"];
+
 const MAP_KEYS: &[&str] = &[
     "backends",
     "frontends",
@@ -1104,6 +1243,7 @@ const MAP_KEYS: &[&str] = &[
 const PROBE_KEYS: &[&str] = &[
     "n",
     "ok",
+    "fails",
     "names",
     "distinct",
     "without",
@@ -1211,6 +1351,10 @@ fn check_probe(step: &Step, lines: &[Probe], took: Duration, vars: &mut Vars, ke
         match k.as_str() {
             "n" => assert_eq!(lines.len(), v.parse::<usize>().unwrap(), "{lines:?}"),
             "ok" => assert!(lines.iter().all(|p| p["ok"] == true), "{lines:?}"),
+            "fails" => assert!(
+                !lines.is_empty() && lines.iter().all(|p| p["ok"] != true),
+                "want every probe failed: {lines:?}"
+            ),
             "names" => {
                 let got: BTreeSet<String> = by_name(lines).into_keys().collect();
                 if vars.unbound(v).is_some() {
