@@ -9,6 +9,7 @@
 
 #![allow(dead_code)]
 
+pub mod api;
 pub mod northsouth;
 pub mod packets;
 pub mod query;

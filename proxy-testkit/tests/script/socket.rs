@@ -21,11 +21,12 @@ use proxy_userspace::datapath::{
 };
 use serde_json::Value;
 
+use super::api::Api;
 use super::query::{Cond, Vars, cond, conds, errno_value, field, glob, known, rows, select};
 use super::{Script, Step, duration, list, weights};
 use crate::common::{
     Env, HeldTcp, MonitorRun, NETPROBE, OtherNode, Probe, agent_json, apply_on, errno,
-    finish_probe, probe_at,
+    finish_probe, probe_at, syncs,
 };
 use crate::sched;
 
@@ -47,6 +48,9 @@ struct Lab {
     /// The monitor started by `monitor ARGS...`.
     monitor: Option<MonitorRun>,
     env: Env,
+    /// The fake API server of `lab ... api`, the agent's source instead of the manifest
+    /// directory.
+    api: Option<Api>,
     /// The nodes' names (`lab nodes=`); the first is `env`'s own agent. Empty: one node,
     /// without `--hostname-override`.
     nodes: Vec<String>,
@@ -107,11 +111,12 @@ fn first_uid(name: &str) -> String {
 }
 
 impl Lab {
-    /// `lab backends=N [ipv6] [nodes=NAME,NAME...] [bypass]`.
+    /// `lab backends=N [ipv6] [nodes=NAME,NAME...] [bypass] [api]`.
     fn new(script: &Script, step: &Step) -> Lab {
         let mut n = 0;
         let mut ipv6 = false;
         let mut bypass = false;
+        let mut api = false;
         let mut nodes = Vec::new();
         for w in &step.words[1..] {
             match w.split_once('=') {
@@ -119,7 +124,15 @@ impl Lab {
                 Some(("nodes", v)) => nodes = list(v),
                 None if w == "ipv6" => ipv6 = true,
                 None if w == "bypass" => bypass = true,
-                _ => panic!("unknown lab option {w:?} (backends=N, ipv6, nodes=A,B, bypass)"),
+                None if w == "api" => api = true,
+                _ => panic!("unknown lab option {w:?} (backends=N, ipv6, nodes=A,B, bypass, api)"),
+            }
+        }
+        if api {
+            // The other nodes' agents read the manifest directory.
+            assert!(nodes.len() <= 1, "`api`: one node");
+            if nodes.is_empty() {
+                nodes = vec!["node-a".into()];
             }
         }
         let mut env = Env::new(&format!("sc-{}", script.name), n, ipv6);
@@ -156,6 +169,10 @@ impl Lab {
         vars.set("MANIFESTS", env.manifests.path().display().to_string());
         vars.set("PIN", env.pin_dir.clone());
         vars.set("CGROUP", env.cg.path().display().to_string());
+        let api = api.then(|| Api::start(env.manifests.path()));
+        if let Some(api) = &api {
+            vars.set("KUBECONFIG", api.kubeconfig.display().to_string());
+        }
         Lab {
             pause,
             held: BTreeMap::new(),
@@ -163,6 +180,7 @@ impl Lab {
             commands: BTreeMap::new(),
             monitor: None,
             env,
+            api,
             nodes,
             others: Vec::new(),
             pods,
@@ -212,7 +230,23 @@ impl Lab {
             }
             "start" => {
                 step.only(&[]);
-                self.env.start_agent();
+                let wait = match &w[1..] {
+                    [] => true,
+                    [a] if a == "--no-wait" => false,
+                    _ => panic!("usage: start [--no-wait]"),
+                };
+                let source = match &self.api {
+                    Some(api) => api.source(),
+                    None => vec![
+                        "--manifests".to_string(),
+                        self.env.manifests.path().display().to_string(),
+                    ],
+                };
+                let n = self.env.syncs();
+                self.env.start_agent_with(&source);
+                if wait {
+                    self.env.wait_log(|l| syncs(l) > n, "first sync");
+                }
                 for node in self.nodes.iter().skip(1 + self.others.len()) {
                     let other = self.env.add_node(node);
                     self.others.push(other);
@@ -229,6 +263,13 @@ impl Lab {
                     );
                 }
             }
+            "api" => {
+                let api = self.api.as_mut().expect("`api` steps need a `lab ... api`");
+                if let Some(json) = api.step(script, step, &self.vars) {
+                    self.json = json;
+                }
+            }
+            "metrics" => self.metrics(step),
             "probe" => self.probe(step),
             "background" => self.background(step),
             "join" => self.join(step),
@@ -265,12 +306,17 @@ impl Lab {
             "timer" => super::timer(&mut self.timer, step),
             "clock" => {
                 step.only(&[]);
-                let ms = std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .unwrap()
-                    .as_millis();
-                self.vars
-                    .set(step.word(1, "a variable name"), ms.to_string());
+                let now = std::time::SystemTime::now();
+                let v = match step.words.get(2).map(String::as_str) {
+                    None => now
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .unwrap()
+                        .as_millis()
+                        .to_string(),
+                    Some("rfc3339") => humantime::format_rfc3339(now).to_string(),
+                    Some(f) => panic!("usage: clock NAME [rfc3339], not {f:?}"),
+                };
+                self.vars.set(step.word(1, "a variable name"), v);
             }
             "addresses" => self.addresses(step),
             "pins" => {
@@ -351,18 +397,31 @@ impl Lab {
             Some("maps") => {
                 // Checked once for the expectation keys, then polled.
                 step.only(MAP_KEYS);
-                self.env.wait_maps(
+                let took = self.env.wait_maps(
                     |s| check_maps(step, s, &self.saved).is_ok(),
                     &format!("maps {:?}", step.expect),
                 );
+                println!("maps {:?} after {took:?}", step.after);
             }
             Some("log") => {
-                step.only(&[]);
+                let c = conds(&step.after);
+                known(&c, &["count"]);
                 let needles = &w[2..];
-                assert!(!needles.is_empty(), "usage: wait log TEXT...");
+                assert!(!needles.is_empty(), "usage: wait log TEXT... [=> count=N]");
+                let matching = |l: &str| {
+                    l.lines()
+                        .filter(|l| needles.iter().all(|n| l.contains(n)))
+                        .count() as u64
+                };
                 self.env.wait_log(
-                    |l| l.lines().any(|l| needles.iter().all(|n| l.contains(n))),
-                    &format!("a log line with {needles:?}"),
+                    |l| match c.is_empty() {
+                        true => matching(l) > 0,
+                        false => {
+                            let mut vars = self.vars.trial();
+                            c.iter().all(|c| vars.check_number(c, matching(l)).is_ok())
+                        }
+                    },
+                    &format!("log lines with {needles:?} {:?}", step.after),
                 );
             }
             Some("bypassed") => {
@@ -927,13 +986,7 @@ impl Lab {
     /// as Prometheus text; the first sample of NAME with those labels, or the sum of all.
     fn metric(&mut self, step: &Step) {
         let name = step.word(1, "a metric name");
-        let addr = self.env.logged_addr("metrics");
-        let out = std::process::Command::new("curl")
-            .args(["-sf", &format!("http://{addr}/metrics")])
-            .output()
-            .unwrap();
-        assert!(out.status.success(), "{out:?}");
-        let text = String::from_utf8(out.stdout).unwrap();
+        let text = self.scrape();
         let scrape = prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_string())))
             .expect("valid Prometheus text");
         let samples: Vec<Value> = scrape
@@ -974,6 +1027,28 @@ impl Lab {
         select(&rows, &conds(&step.words[2..]), &expect, &mut self.vars);
     }
 
+    /// The agent's `/metrics`, as Prometheus text.
+    fn scrape(&self) -> String {
+        let addr = self.env.logged_addr("metrics");
+        let out = std::process::Command::new("curl")
+            .args(["-sf", &format!("http://{addr}/metrics")])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// `metrics => has=T...`: the agent's `/metrics` text holds each T (a series with its
+    /// labels, `name{label="v"}`).
+    fn metrics(&mut self, step: &Step) {
+        step.only(&["has"]);
+        assert!(step.words.len() == 1, "usage: metrics => has=T...");
+        let text = self.scrape();
+        for h in step.all("has") {
+            assert!(text.contains(h), "{h:?} not in /metrics:\n{text}");
+        }
+    }
+
     /// `conn-counts => pairs=N carried=N`: the connection counts pinned (pairs and carried
     /// keys in all, and the count carried to the Service's own key, the one without a
     /// backend).
@@ -997,7 +1072,8 @@ impl Lab {
     /// at least one, or exactly `count`; the first of them holds each `has`, the last each
     /// `last-has`.
     fn log(&mut self, step: &Step) {
-        step.only(&["count", "has", "last-has"]);
+        let c = conds(&step.after);
+        known(&c, &["count", "has", "last-has"]);
         let needles = &step.words[1..];
         assert!(!needles.is_empty(), "usage: log TEXT... => count=N has=T");
         let log = self.env.log();
@@ -1005,12 +1081,14 @@ impl Lab {
             .lines()
             .filter(|l| needles.iter().all(|n| l.contains(n)))
             .collect();
-        match conds(&step.after).iter().find(|c| c.key == "count") {
-            Some(c) => self
-                .vars
+        let counts: Vec<&Cond> = c.iter().filter(|c| c.key == "count").collect();
+        for c in &counts {
+            self.vars
                 .check_number(c, lines.len() as u64)
-                .unwrap_or_else(|e| panic!("lines with {needles:?}: {e}: {lines:?}\n{log}")),
-            None => assert!(!lines.is_empty(), "no line with {needles:?}:\n{log}"),
+                .unwrap_or_else(|e| panic!("lines with {needles:?}: {e}: {lines:?}\n{log}"));
+        }
+        if counts.is_empty() {
+            assert!(!lines.is_empty(), "no line with {needles:?}:\n{log}");
         }
         for (key, line) in [("has", lines.first()), ("last-has", lines.last())] {
             for h in step.all(key) {
@@ -1023,12 +1101,14 @@ impl Lab {
         }
     }
 
-    /// `healthz => code=N has=T`: the agent's `/healthz`, as curl sees it.
+    /// `healthz [PATH] => code=N has=T`: the agent's `/healthz` (or PATH of its health
+    /// server, `/livez`), as curl sees it.
     fn healthz(&self, step: &Step) {
         step.only(&["code", "has"]);
+        let path = step.words.get(1).map_or("/healthz", String::as_str);
         let h = self.env.health_addr();
         let out = std::process::Command::new("curl")
-            .args(["-s", "-w", "\n%{http_code}", &format!("http://{h}/healthz")])
+            .args(["-s", "-w", "\n%{http_code}", &format!("http://{h}{path}")])
             .output()
             .expect("curl");
         let text = String::from_utf8_lossy(&out.stdout);
@@ -1194,6 +1274,23 @@ fn check_maps(step: &Step, s: &Snapshot, saved: &BTreeMap<String, Snapshot>) -> 
                 services.peek().is_some() && services.all(|f| f.backend_count as usize == n())
             }
             "markers" => s.frontends.keys().filter(|k| k.proto == 0).count() == n(),
+            "backend-sum" => {
+                s.frontends
+                    .values()
+                    .filter(|f| f.flags & FRONTEND_F_VIP_MARKER == 0)
+                    .map(|f| f.backend_count as usize)
+                    .sum::<usize>()
+                    == n()
+            }
+            "vips" => {
+                let vips: BTreeSet<String> = s
+                    .frontends
+                    .keys()
+                    .filter(|k| k.proto != 0)
+                    .map(|k| proxy_userspace::datapath::addr::bytes_to_ip(k.addr).to_string())
+                    .collect();
+                vips == list(v).into_iter().collect()
+            }
             "local-only" => {
                 s.frontends
                     .values()
@@ -1233,6 +1330,8 @@ const MAP_KEYS: &[&str] = &[
     "empty",
     "service",
     "backend-count",
+    "backend-sum",
+    "vips",
     "markers",
     "local-only",
     "members",
