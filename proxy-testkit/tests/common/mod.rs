@@ -520,12 +520,6 @@ pub fn agent_json(pin_dir: &str, args: &[&str]) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{args:?}: {e}: {out:?}"))
 }
 
-/// The events of type `kind` (`translate`, `refuse`, `flow-new`, ...) in a monitor's JSON
-/// lines.
-pub fn of_type<'a>(events: &'a [serde_json::Value], kind: &str) -> Vec<&'a serde_json::Value> {
-    events.iter().filter(|e| e["type"] == kind).collect()
-}
-
 /// Waits for a netprobe started with piped stdout to end and returns its JSON lines.
 pub fn finish_probe(mut guard: ChildGuard) -> Vec<Probe> {
     use std::io::Read;

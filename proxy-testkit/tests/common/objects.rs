@@ -44,7 +44,7 @@ impl Port {
 }
 
 /// One endpoint of an EndpointSlice: its address and, when set, `nodeName`, a `targetRef`
-/// to a pod of the Service's namespace, `conditions` and `hints` (flow mapping bodies, e.g.
+/// to a pod of the Service's namespace, and `conditions` (a flow mapping body, e.g.
 /// `"ready: false, serving: true"`).
 #[derive(Clone, Debug)]
 pub struct Endpoint {
@@ -52,7 +52,6 @@ pub struct Endpoint {
     pub node: Option<String>,
     pub pod: Option<String>,
     pub conditions: Option<String>,
-    pub hints: Option<String>,
 }
 
 impl Endpoint {
@@ -63,7 +62,6 @@ impl Endpoint {
             node: None,
             pod: None,
             conditions: None,
-            hints: None,
         }
     }
 
@@ -90,12 +88,6 @@ impl Endpoint {
         self
     }
 
-    /// With `hints: {<h>}`; an empty `h` means none.
-    pub fn hints(mut self, h: &str) -> Endpoint {
-        self.hints = (!h.is_empty()).then(|| h.into());
-        self
-    }
-
     /// The YAML list item, in the slice's namespace `ns`.
     pub fn yaml(&self, ns: &str) -> String {
         let mut s = format!("- addresses: [\"{}\"]\n", self.addr);
@@ -107,9 +99,6 @@ impl Endpoint {
         }
         if let Some(c) = &self.conditions {
             s += &format!("  conditions: {{{c}}}\n");
-        }
-        if let Some(h) = &self.hints {
-            s += &format!("  hints: {{{h}}}\n");
         }
         s
     }
@@ -152,12 +141,6 @@ impl Web {
     /// Named `name` instead.
     pub fn named(mut self, name: &str) -> Web {
         self.name = name.into();
-        self
-    }
-
-    /// Also cluster IP `ip` (a dual-stack Service's second family).
-    pub fn cluster_ip(mut self, ip: &str) -> Web {
-        self.cluster_ips.push(ip.into());
         self
     }
 
