@@ -24,6 +24,7 @@ use proxy_common::{
 };
 
 use crate::{
+    mem,
     packet::{
         Buf, ETH_HLEN, IP_CSUM_OFF, IP_DST_OFF, IP_SRC_OFF, IP6_DST_OFF, IP6_SRC_OFF, Pkt,
         l4_csum_off,
@@ -65,6 +66,24 @@ pub fn rewrite<B: Buf>(b: &B, pkt: &Pkt, to: &CtEntry) -> Verdict {
     } else {
         Verdict::Drop
     }
+}
+
+/// [`rewrite`] for a tracked packet, the hot path: an IPv4 packet without options is
+/// rewritten in place here, in the caller's function ([`Buf::rewrite4_direct`]), saving the
+/// call of the global function (each call and return costs more than the rewrite's
+/// instructions on CPUs that mitigate return-address speculation); anything else goes
+/// through [`rewrite`]. Not for the new-flow path, whose call chain has no stack to spare.
+#[inline(always)]
+pub fn rewrite_tracked<B: Buf>(b: &B, pkt: &Pkt, to: &CtEntry) -> Verdict {
+    if !pkt.v6 && pkt.l4() == FAST_L4_OFF {
+        let (saddr, daddr, ports) = entry_words4(to);
+        match b.rewrite4_direct(saddr, daddr, ports, pkt.key.proto as u32) {
+            DIRECT_DONE => return Verdict::Pass,
+            DIRECT_UNFIT => {}
+            _ => return failed(),
+        }
+    }
+    rewrite(b, pkt, to)
 }
 
 /// The body of each hook's [`Buf::rewrite`]: [`DIRECT_DONE`], or [`DIRECT_FAILED`] after
@@ -138,8 +157,8 @@ fn rewrite4<B: Buf>(b: &B, pkt: &Pkt, to: &CtEntry) -> Result<(), Verdict> {
     let k = &pkt.key;
     let addr = |a: &[u8; 16]| u32::from_ne_bytes([a[12], a[13], a[14], a[15]]);
     if pkt.l4() == FAST_L4_OFF {
-        let ports = u32::from_ne_bytes([to.sport[0], to.sport[1], to.dport[0], to.dport[1]]);
-        match b.rewrite4_direct(addr(&to.saddr), addr(&to.daddr), ports, k.proto as u32) {
+        let (saddr, daddr, ports) = entry_words4(to);
+        match b.rewrite4_direct(saddr, daddr, ports, k.proto as u32) {
             DIRECT_DONE => return Ok(()),
             DIRECT_UNFIT => {}
             _ => return Err(failed()),
@@ -168,6 +187,28 @@ fn rewrite4<B: Buf>(b: &B, pkt: &Pkt, to: &CtEntry) -> Result<(), Verdict> {
         }
     }
     Ok(())
+}
+
+/// The IPv4 addresses (the last words of the IPv4-mapped `saddr` and `daddr`) and the
+/// ports (`sport` then `dport`, one word) of `e`, as they lie in memory: three word loads,
+/// not twelve byte loads and their shifts.
+#[inline(always)]
+fn entry_words4(e: &CtEntry) -> (u32, u32, u32) {
+    const _: () = assert!(
+        core::mem::align_of::<CtEntry>() >= 4
+            && core::mem::offset_of!(CtEntry, saddr) % 4 == 0
+            && core::mem::offset_of!(CtEntry, daddr) % 4 == 0
+            && core::mem::offset_of!(CtEntry, sport) % 4 == 0
+            && core::mem::offset_of!(CtEntry, dport) == core::mem::offset_of!(CtEntry, sport) + 2
+    );
+    // SAFETY: within `e`, at 4-byte aligned addresses (asserted above).
+    unsafe {
+        (
+            (e.saddr.as_ptr().add(12) as *const u32).read(),
+            (e.daddr.as_ptr().add(12) as *const u32).read(),
+            (e.sport.as_ptr() as *const u32).read(),
+        )
+    }
 }
 
 /// [`rewrite`] of an IPv6 packet: addresses as [`store_addr6`] does (part of the TCP/UDP
@@ -344,22 +385,20 @@ pub unsafe fn rewrite4_at(
         if *(at(ETH_HLEN) as *const u8) != 0x45 {
             return None;
         }
-        let ip_csum = at(IP_CSUM_OFF) as *mut u16;
-        let src = at(IP_SRC_OFF) as *mut u32;
-        let dst = at(IP_DST_OFF) as *mut u32;
-        let l4 = at(FAST_L4_OFF) as *mut u32;
-        let (os, od, op) = (
-            src.read_unaligned(),
-            dst.read_unaligned(),
-            l4.read_unaligned(),
+        let (ip_csum, src, dst, l4) = (
+            at(IP_CSUM_OFF),
+            at(IP_SRC_OFF),
+            at(IP_DST_OFF),
+            at(FAST_L4_OFF),
         );
+        let (os, od, op) = (mem::load32(src), mem::load32(dst), mem::load32(l4));
         let addrs = fold16(add32(add32(add32(add32(0, !os), saddr), !od), daddr));
         let port_diff = fold16(add32(add32(0, !op), ports));
-        let old = ip_csum.read_unaligned();
-        ip_csum.write_unaligned(!fold16((!old) as u64 + addrs as u64));
-        src.write_unaligned(saddr);
-        dst.write_unaligned(daddr);
-        l4.write_unaligned(ports);
+        let old = mem::load16(ip_csum);
+        mem::store16(ip_csum, !fold16((!old) as u64 + addrs as u64));
+        mem::store32(src, saddr);
+        mem::store32(dst, daddr);
+        mem::store32(l4, ports);
         let csum = if proto == PROTO_UDP as u32 {
             at(FAST_L4_OFF + 6)
         } else {

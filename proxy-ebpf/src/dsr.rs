@@ -38,6 +38,7 @@ use crate::{
     maps::{
         FRONTENDS, TC_CONFIG, TC_CONNTRACK, TC_DSR, TC_IFACE_ADDRS, TC_LOCAL_ENDPOINTS, TC_SCRATCH,
     },
+    mem,
     packet::{
         Buf, ETH_HLEN, IP6_HLEN, Kind, PROTO_IPIP, PROTO_IPV6, Pkt, TCP_SYN, l4_csum_off, parse,
     },
@@ -258,8 +259,7 @@ fn lookup<B: Buf>(b: &B, pkt: &Pkt) -> Option<[u8; 2]> {
     sc.ekey.daddr = key.frontend;
     sc.ekey.sport = [ports[0], ports[1]];
     sc.ekey.dport = key.port;
-    sc.ekey.proto = key.proto;
-    sc.ekey._pad = [0; 3];
+    mem::set_proto(&mut sc.ekey, key.proto);
     // SAFETY: the value is copied out at once.
     if let Some(t) = unsafe { TC_DSR.get(&key) } {
         return Some(t.port);

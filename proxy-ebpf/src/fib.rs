@@ -2,7 +2,7 @@
 
 use aya_ebpf::bindings::bpf_fib_lookup as FibParams;
 
-use crate::{maps::TC_SCRATCH, packet::Buf, verdict::Verdict};
+use crate::{maps::TC_SCRATCH, mem, packet::Buf, verdict::Verdict};
 
 /// `AF_INET` / `AF_INET6` for `bpf_fib_lookup`.
 const AF_INET: u8 = 2;
@@ -51,7 +51,8 @@ pub fn lookup<B: Buf>(
     let sc = TC_SCRATCH.get_ptr_mut(0)?;
     // SAFETY: this CPU's scratch slot; the FIB parameters are plain integers.
     let f = unsafe { &mut (*sc).fib };
-    *f = unsafe { core::mem::zeroed() };
+    // SAFETY: the FIB parameters are plain integers (all-zero is valid); a map value.
+    unsafe { mem::zero_words(f) };
     f.ifindex = b.ifindex();
     f.__bindgen_anon_1.tot_len = ip_len;
     if proxy_common::is_v4_mapped(dst) {

@@ -31,6 +31,7 @@ use crate::{
     csum::{BPF_F_PSEUDO_HDR, failed, l4_csum6, ok, store_addr4, store_addr6},
     fib::redirect_out,
     maps::{TC_CONNTRACK, TC_SCRATCH},
+    mem,
     packet::{
         Buf, ETH_HLEN, IP_DST_OFF, IP_SRC_OFF, IP6_DST_OFF, IP6_HLEN, IP6_SRC_OFF, PROTO_ICMP,
         PROTO_ICMPV6, Pkt,
@@ -190,8 +191,7 @@ fn translate6<B: Buf>(b: &B, l4: usize, ingress: bool) -> Result<Verdict, Verdic
     }
     sc.rkey.sport = idport.to_ne_bytes();
     sc.rkey.dport = isport.to_ne_bytes();
-    sc.rkey.proto = proto;
-    sc.rkey._pad = [0; 3];
+    mem::set_proto(&mut sc.rkey, proto);
     let Some(e) = TC_CONNTRACK.get_ptr(&sc.rkey) else {
         return Ok(pass);
     };

@@ -45,6 +45,8 @@
 // types, so the intrinsic is used directly.
 #![allow(internal_features)]
 #![feature(core_intrinsics)]
+// Single-instruction unaligned packet accesses (`mem`).
+#![feature(asm_experimental_arch)]
 
 mod addr;
 mod csum;
@@ -56,6 +58,7 @@ mod klog;
 mod lb;
 mod lc;
 mod maps;
+mod mem;
 mod monitor;
 mod nat;
 mod packet;

@@ -46,7 +46,7 @@ use proxy_common::{
 
 use crate::{
     addr::L4Addr,
-    csum::rewrite,
+    csum::{rewrite, rewrite_tracked},
     ct::{
         self, SHARED_FLAGS, alive, is_closed, peer_key, timeout_of, touch_peer, track, track_pair,
     },
@@ -56,7 +56,7 @@ use crate::{
     maps::{
         TC_CONFIG, TC_CONNTRACK, TC_IFACE_ADDRS, TC_LOCAL_ENDPOINTS, TC_SCRATCH, TC_SOURCE_RANGES,
     },
-    monitor,
+    mem, monitor,
     packet::{Buf, Pkt, TCP_ACK, TCP_SYN},
     stats::{count_packet, count_service, count_tc, drop_with},
     types::{Lookup, NO_BACKEND, Refusal, Request, Scope},
@@ -217,7 +217,7 @@ fn tracked_as<B: Buf, const POD: bool>(
             Verdict::Pass
         });
     }
-    let v = rewrite(b, pkt, &entry);
+    let v = rewrite_tracked(b, pkt, &entry);
     if v == Verdict::Pass
         && entry.flags & (CT_F_REPLY | CT_F_DSR_DECAP) == (CT_F_REPLY | CT_F_DSR_DECAP)
         && tcp_flags & TCP_SYN != 0
@@ -267,26 +267,24 @@ fn snat_binding_held(key: &CtKey, entry: &CtEntry, now: u64) -> bool {
     // written in place and map values read through their pointers: this function's frame
     // adds to `tracked`'s and the entry point's within the 512-byte stack.
     let sc = unsafe { &mut *sc };
-    sc.ekey.saddr = entry.saddr;
-    sc.ekey.daddr = entry.daddr;
+    mem::copy_addr(&mut sc.ekey.saddr, &entry.saddr);
+    mem::copy_addr(&mut sc.ekey.daddr, &entry.daddr);
     sc.ekey.sport = entry.sport;
     sc.ekey.dport = entry.dport;
-    sc.ekey.proto = key.proto;
-    sc.ekey._pad = [0; 3];
+    mem::set_proto(&mut sc.ekey, key.proto);
     let held = match TC_CONNTRACK.get_ptr(&sc.ekey) {
         None => false,
         Some(eg) => {
-            sc.rkey.saddr = entry.daddr;
+            mem::copy_addr(&mut sc.rkey.saddr, &entry.daddr);
             sc.rkey.sport = entry.dport;
             // SAFETY: value of the map, fields copied.
             unsafe {
-                sc.rkey.daddr = (*eg).saddr;
+                mem::copy_addr(&mut sc.rkey.daddr, &(*eg).saddr);
                 sc.rkey.dport = (*eg).sport;
             }
-            sc.rkey.proto = key.proto;
-            sc.rkey._pad = [0; 3];
-            sc.rev.saddr = key.daddr;
-            sc.rev.daddr = key.saddr;
+            mem::set_proto(&mut sc.rkey, key.proto);
+            mem::copy_addr(&mut sc.rev.saddr, &key.daddr);
+            mem::copy_addr(&mut sc.rev.daddr, &key.saddr);
             sc.rev.sport = key.dport;
             sc.rev.dport = key.sport;
             sc.rev.flags = CT_F_REPLY | CT_F_SNAT | (entry.flags & SHARED_FLAGS);

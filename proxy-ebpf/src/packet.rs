@@ -21,7 +21,7 @@ use proxy_common::{
     nat::{CtEntry, CtKey},
 };
 
-use crate::verdict::Verdict;
+use crate::{mem, verdict::Verdict};
 
 /// Length of an Ethernet header.
 pub const ETH_HLEN: usize = 14;
@@ -250,14 +250,14 @@ fn parse_v4_fast<B: Buf>(b: &B, pkt: &mut Pkt) -> Option<Kind> {
     // SAFETY: every offset below is under FAST_V4_LEN, checked above; unaligned reads.
     let (ethertype, vihl, total, frag, proto, saddr, daddr, ports) = unsafe {
         (
-            (at(12) as *const u16).read_unaligned(),
+            mem::load16(at(12)),
             *(at(ETH_HLEN) as *const u8),
-            (at(ETH_HLEN + 2) as *const u16).read_unaligned(),
-            (at(ETH_HLEN + 6) as *const u16).read_unaligned(),
+            mem::load16(at(ETH_HLEN + 2)),
+            mem::load16(at(ETH_HLEN + 6)),
             *(at(ETH_HLEN + 9) as *const u8),
-            (at(IP_SRC_OFF) as *const u32).read_unaligned(),
-            (at(IP_DST_OFF) as *const u32).read_unaligned(),
-            (at(ETH_HLEN + 20) as *const u32).read_unaligned(),
+            mem::load32(at(IP_SRC_OFF)),
+            mem::load32(at(IP_DST_OFF)),
+            mem::load32(at(ETH_HLEN + 20)),
         )
     };
     if u16::from_be(ethertype) != ETH_P_IP
@@ -384,8 +384,7 @@ fn try_parse_v6<B: Buf>(b: &B, pkt: &mut Pkt) -> Option<Kind> {
     }
     pkt.key.sport = [ports[0], ports[1]];
     pkt.key.dport = [ports[2], ports[3]];
-    pkt.key.proto = next;
-    pkt.key._pad = [0; 3];
+    mem::set_proto(&mut pkt.key, next);
     if is_v4_mapped(&pkt.key.saddr) || is_v4_mapped(&pkt.key.daddr) {
         return None;
     }

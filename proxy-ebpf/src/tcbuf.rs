@@ -52,7 +52,8 @@ pub extern "C" fn ebpf_proxy_tc_rewrite(
 /// form, once for the pseudo-header and once for the ports, because only the helper knows
 /// the skb's checksum state (a `CHECKSUM_PARTIAL` field takes the pseudo-header's change
 /// inverted and not the ports', a `CHECKSUM_COMPLETE` skb needs `skb->csum` moved by the
-/// pseudo-header's).
+/// pseudo-header's). Ports whose sum did not change (a Service whose port is its target
+/// port, the common case of DNS) leave the checksum as it is: that call is skipped.
 #[inline(always)]
 fn rewrite4_in_place(ctx: &TcContext, saddr: u32, daddr: u32, ports: u32, proto: u32) -> i32 {
     let skb = ctx.skb.skb;
@@ -73,7 +74,9 @@ fn rewrite4_in_place(ctx: &TcContext, saddr: u32, daddr: u32, ports: u32, proto:
     // SAFETY: helpers on our own context (size 0: `to` is a difference).
     let done = unsafe {
         bpf_l4_csum_replace(skb, off, 0, addrs as u64, BPF_F_PSEUDO_HDR | m) == 0
-            && bpf_l4_csum_replace(skb, off, 0, port_diff as u64, m) == 0
+            && (port_diff == 0
+                || port_diff == 0xffff
+                || bpf_l4_csum_replace(skb, off, 0, port_diff as u64, m) == 0)
     };
     if done { DIRECT_DONE } else { DIRECT_FAILED }
 }

@@ -57,6 +57,7 @@ use crate::{
     ct::{self, alive},
     fib,
     maps::{TC_CONNTRACK, TC_SCRATCH},
+    mem,
     nat::{count_new_flow, new_flow, tracked_at},
     packet::{Buf, ETH_HLEN, IP_CSUM_OFF, Kind, Pkt, parse, tcp_flags},
     stats::count_tc,
@@ -207,12 +208,11 @@ fn plan(pkt: &Pkt, now: u64) -> *mut CtEntry {
     };
     // SAFETY: a map value and this CPU's slot, copied field by field.
     unsafe {
-        (*sc).ekey.saddr = (*e).saddr;
-        (*sc).ekey.daddr = (*e).daddr;
+        mem::copy_addr(&mut (*sc).ekey.saddr, &(*e).saddr);
+        mem::copy_addr(&mut (*sc).ekey.daddr, &(*e).daddr);
         (*sc).ekey.sport = (*e).sport;
         (*sc).ekey.dport = (*e).dport;
-        (*sc).ekey.proto = pkt.key.proto;
-        (*sc).ekey._pad = [0; 3];
+        mem::set_proto(&mut (*sc).ekey, pkt.key.proto);
     }
     e
 }
@@ -292,8 +292,16 @@ pub extern "C" fn ebpf_proxy_xdp_macs(ctx: *mut xdp_md) -> i32 {
     if data + ETH_HLEN <= end {
         // SAFETY: the first 12 bytes are within the first buffer, checked above.
         unsafe {
-            (data as *mut [u8; 6]).write_unaligned(dmac);
-            ((data + 6) as *mut [u8; 6]).write_unaligned(smac);
+            mem::store32(
+                data,
+                u32::from_ne_bytes([dmac[0], dmac[1], dmac[2], dmac[3]]),
+            );
+            mem::store16(data + 4, u16::from_ne_bytes([dmac[4], dmac[5]]));
+            mem::store16(data + 6, u16::from_ne_bytes([smac[0], smac[1]]));
+            mem::store32(
+                data + 8,
+                u32::from_ne_bytes([smac[2], smac[3], smac[4], smac[5]]),
+            );
         }
         return DIRECT_DONE;
     }
@@ -365,12 +373,11 @@ pub extern "C" fn ebpf_proxy_xdp_ttl(ctx: *mut xdp_md, v6: u32) -> i32 {
     if data + IP_CSUM_OFF + 2 <= end {
         // SAFETY: within the first buffer, checked above; unaligned accesses.
         unsafe {
-            let w = (data + IP_TTL_OFF) as *mut u16;
-            let c = (data + IP_CSUM_OFF) as *mut u16;
-            let old = w.read_unaligned();
+            let (w, c) = (data + IP_TTL_OFF, data + IP_CSUM_OFF);
+            let old = mem::load16(w);
             let new = u16::from_be(old).wrapping_sub(0x100).to_be();
-            w.write_unaligned(new);
-            c.write_unaligned(csum_update(c.read_unaligned(), old as u64, new as u64, 2));
+            mem::store16(w, new);
+            mem::store16(c, csum_update(mem::load16(c), old as u64, new as u64, 2));
         }
         return DIRECT_DONE;
     }
@@ -434,17 +441,17 @@ fn rewrite4_in_place(xdp: &XdpContext, saddr: u32, daddr: u32, ports: u32, proto
     else {
         return DIRECT_UNFIT;
     };
-    let p = csum as *mut u16;
+    let p = csum;
     // SAFETY: `rewrite4_at` checked the checksum field is within the frame.
     unsafe {
-        let old = p.read_unaligned();
+        let old = mem::load16(p);
         let udp = proto == PROTO_UDP as u32;
         if !(udp && old == 0) {
             let mut new = !fold16((!old) as u64 + addrs as u64 + port_diff as u64);
             if udp && new == 0 {
                 new = 0xffff;
             }
-            p.write_unaligned(new);
+            mem::store16(p, new);
         }
     }
     DIRECT_DONE
