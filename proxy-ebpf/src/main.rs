@@ -19,7 +19,8 @@
 //! logic): a module imports only modules of the layers before its own.
 //! 1. Shared types: [`addr`] (the L4 address every module passes around), [`verdict`]
 //!    (what happens to a packet, hook-neutral), [`types`] (what a hook asks of the load
-//!    balancer and gets back, the scratch space of a new flow).
+//!    balancer and gets back, the scratch space of a new flow), [`mem`] (word loads and
+//!    stores at any alignment, one instruction each, and word-sized copies).
 //! 2. [`maps`]: every map, and the accessors that only read one.
 //! 3. Counting and tracing: [`stats`] (per-CPU counters, counted drops), [`monitor`] (the
 //!    event stream of `ebpf-proxy monitor`), [`klog`] (debug lines for
