@@ -1,9 +1,11 @@
 //! The agent's flags, bound with clap: ebpf-proxy's own and every flag of kube-proxy
 //! (`cmd/kube-proxy/app/options.go`, and the logging flags of component-base `logs/api/v1`,
-//! in kubernetes/kubernetes). A flag's name, help, syntax and range are defined here, once;
-//! its value type and parser are shared with the file ([`super::values`]), its default is in
-//! [`super::defaults`] (the help repeats it in words), and [`super::AgentConfig::resolve`]
-//! applies the flags given onto the settings, over the file.
+//! in kubernetes/kubernetes). A flag's name, help, syntax and range are defined once: here,
+//! or, for a setting that the file and a default give too, in its row of the table of
+//! `settings`, whose flags [`RunFlags`] flattens in. Its value type and parser are shared
+//! with the file ([`super::values`]), its default is in [`super::defaults`] (the help
+//! repeats it in words), and [`super::AgentConfig::resolve`] applies the flags given onto
+//! the settings, over the file.
 //!
 //! Settings left out are `None` (or empty), so that a flag given at its default value still
 //! overrides the file.
@@ -13,12 +15,12 @@ use std::{net::IpAddr, path::PathBuf, time::Duration};
 use anyhow::Result;
 use proxy_common::Algorithm;
 
-use super::defaults::{DEFAULT_BPFFS, DEFAULT_PIN_DIR, MAX_CONNTRACK_FLOWS, OOM_SCORE_ADJ_RANGE};
+use super::defaults::{DEFAULT_BPFFS, DEFAULT_PIN_DIR, OOM_SCORE_ADJ_RANGE};
 use super::go::{FeatureGates, parse_go_bool};
+use super::settings::{KUBE_PROXY_FLAGS, SettingFlags};
 use super::values::{
     ClusterCidrs, LogFormat, NodePortAddresses, SchedulerFlag, ServerAddress,
-    check_detect_local_mode, number_in, parse_conntrack_min, parse_duration,
-    parse_positive_duration, parse_scheduler_flag, parse_timeout,
+    check_detect_local_mode, number_in, parse_duration, parse_scheduler_flag,
 };
 use crate::datapath::tc::XdpSetting;
 
@@ -101,16 +103,9 @@ pub struct RunFlags {
     /// attached: a missing or broken configuration stops start-up.
     #[arg(allow_hyphen_values = true, long)]
     pub kubeconfig: Option<PathBuf>,
-    /// Minimum time between two syncs from the API source; an isolated change after a
-    /// quiet period is applied at once; 0 syncs every change at once (kube-proxy's
-    /// --iptables-min-sync-period) [default: 1s].
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_duration)]
-    pub min_sync_period: Option<Duration>,
-    /// Period of the verification that compares the maps with what was applied and
-    /// repairs entries changed behind the agent's back (kube-proxy's --iptables-sync-period).
-    /// /healthz fails when an update stays pending for twice this long [default: 30s].
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_positive_duration)]
-    pub sync_period: Option<Duration>,
+    /// The settings of the table of `settings` (read as fields of [`RunFlags`]).
+    #[command(flatten)]
+    pub settings: SettingFlags,
     /// Address of the Prometheus metrics server (`/metrics`): ip:port, an IP alone (port
     /// 10249), or empty to disable it; port 0 picks a free port [default: 127.0.0.1:10249].
     #[arg(allow_hyphen_values = true, long)]
@@ -214,11 +209,6 @@ pub struct RunFlags {
     /// [default: 262144].
     #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
     pub max_sockets: Option<u32>,
-    /// Idle time after which an unconnected UDP flow picks a backend anew, like conntrack's
-    /// nf_conntrack_udp_timeout (e.g. 30s, 2m; kube-proxy's --conntrack-udp-timeout)
-    /// [default: 30s].
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_positive_duration)]
-    pub udp_flow_timeout: Option<Duration>,
     /// Interfaces that serve NodePorts, external IPs and LB IPs to traffic from outside the
     /// node, comma-separated [default: the interfaces of the agent's network namespace that
     /// carry one of this node's InternalIP/ExternalIP addresses from its Node object].
@@ -242,36 +232,23 @@ pub struct RunFlags {
     /// when the backend runs on this node (kube-proxy's --masquerade-all).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
     pub masquerade_all: Option<bool>,
-    /// Flows tracked per CPU by the north-south conntrack table (kube-proxy's
-    /// --conntrack-max-per-core); the table holds max(this x CPUs, --conntrack-min) flows.
-    /// The table is preallocated (about 320 bytes per flow), unlike the kernel's conntrack
-    /// limit kube-proxy sets, so the default is 0: --conntrack-min alone, whatever the core
-    /// count. Fixed when the pinned table is created [default: 0].
-    #[arg(long, allow_hyphen_values = true, value_parser = number_in(0u32, MAX_CONNTRACK_FLOWS), value_name = "N")]
-    pub conntrack_max_per_core: Option<u32>,
-    /// Least number of flows of the north-south conntrack table (kube-proxy's
-    /// --conntrack-min), from 1024 (smaller LRU tables lose live flows to the kernel's batch
-    /// eviction) to 16777216; 0 keeps the default [default: 131072].
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_conntrack_min, value_name = "N")]
-    pub conntrack_min: Option<u32>,
-    /// Idle timeout of an established TCP flow in the north-south conntrack (kube-proxy's
-    /// --conntrack-tcp-timeout-established), e.g. 24h; 0 keeps the default [default: 24h].
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_timeout)]
-    pub conntrack_tcp_timeout_established: Option<Duration>,
-    /// Idle timeout of a UDP flow that saw replies in the north-south conntrack (kube-proxy's
-    /// --conntrack-udp-timeout-stream, the kernel's nf_conntrack_udp_timeout_stream), e.g.
-    /// 2m; 0 keeps the default. Unreplied UDP flows use --udp-flow-timeout [default: 2m].
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_timeout)]
-    pub conntrack_udp_timeout_stream: Option<Duration>,
     /// kube-proxy's other flags.
     #[command(flatten)]
     pub kube_proxy: KubeProxyFlags,
 }
 
+impl std::ops::Deref for RunFlags {
+    type Target = SettingFlags;
+
+    fn deref(&self) -> &SettingFlags {
+        &self.settings
+    }
+}
+
 /// kube-proxy's flags that ebpf-proxy has no name of its own for (the others are in
 /// [`RunFlags`] under their kube-proxy names). Each is `None` unless given.
 #[derive(clap::Args, Debug, Clone, Default)]
-#[command(next_help_heading = "kube-proxy flags")]
+#[command(next_help_heading = KUBE_PROXY_FLAGS)]
 pub struct KubeProxyFlags {
     /// Write the effective configuration (flags, --config and defaults merged) to FILE as a
     /// KubeProxyConfiguration and exit.
@@ -292,29 +269,10 @@ pub struct KubeProxyFlags {
     /// URL of the Kubernetes API server, overriding the kubeconfig's.
     #[arg(allow_hyphen_values = true, long, value_name = "URL")]
     pub master: Option<String>,
-    /// Exit when the health or metrics server cannot bind its address (otherwise the bind is
-    /// retried every 5 s while the data path runs).
-    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
-    pub bind_address_hard_fail: Option<bool>,
-    /// Same as --sync-period.
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_positive_duration, value_name = "DURATION")]
-    pub iptables_sync_period: Option<Duration>,
-    /// Same as --min-sync-period.
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, value_name = "DURATION")]
-    pub iptables_min_sync_period: Option<Duration>,
-    /// Same as --sync-period.
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_positive_duration, value_name = "DURATION")]
-    pub ipvs_sync_period: Option<Duration>,
-    /// Same as --min-sync-period.
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, value_name = "DURATION")]
-    pub ipvs_min_sync_period: Option<Duration>,
     /// Default algorithm by its IPVS scheduler name: rr, wrr, lc, wlc, sed, nq, sh, dh, mh
     /// (see --lb-algorithm; mh is source-hash); empty keeps the default algorithm.
     #[arg(allow_hyphen_values = true, long, value_name = "SCHEDULER", value_parser = parse_scheduler_flag, conflicts_with = "lb_algorithm")]
     pub ipvs_scheduler: Option<SchedulerFlag>,
-    /// Same as --udp-flow-timeout (0 keeps the default).
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_timeout, value_name = "DURATION")]
-    pub conntrack_udp_timeout: Option<Duration>,
     /// oom_score_adj of the agent process, -1000..=1000 [default: -999].
     #[arg(long, allow_hyphen_values = true, value_parser = number_in(OOM_SCORE_ADJ_RANGE.0, OOM_SCORE_ADJ_RANGE.1), value_name = "N")]
     pub oom_score_adj: Option<i32>,

@@ -1,0 +1,425 @@
+//! The settings that a flag, kube-proxy's configuration file and a default all give, each
+//! defined once, by one row of the table at the end of this file: the field of
+//! [`AgentConfig`] it sets, its default, its flags (clap attributes and help, the setting's
+//! own name first, then kube-proxy's other names of it), the `KubeProxyConfiguration` fields
+//! that give it and its value's reader, and the form it is written back in.
+//!
+//! From the table, [`settings!`] makes the flags ([`SettingFlags`], flattened into
+//! [`super::RunFlags`]), what the flags or the file give ([`SettingValues`], inside
+//! [`super::FileSettings`]), where each value came from ([`Origins`]), and the code that
+//! drives every step of the table's settings: the flags of one setting must agree
+//! ([`SettingFlags::given`]); the file's fields are read and checked section by section, in
+//! the file's validation order ([`SettingValues::read`]); a flag given wins, then the file,
+//! then the default ([`apply`]); the written-back document holds the value the agent runs
+//! with ([`write`]).
+//!
+//! The settings whose sources are not of this shape (several flags that mean different
+//! things, a value that depends on another setting, a file field combined otherwise) keep
+//! their code in `flags`, `file`, `resolve` and `written`.
+
+use std::time::Duration;
+
+use anyhow::{Result, bail};
+use serde_yaml_ng::Value;
+
+use super::AgentConfig;
+use super::defaults::{
+    DEFAULT_CONNTRACK_MAX_PER_CORE, DEFAULT_CONNTRACK_MIN, DEFAULT_CT_TCP_ESTABLISHED,
+    DEFAULT_CT_UDP_STREAM, DEFAULT_MIN_SYNC_PERIOD, DEFAULT_SYNC_PERIOD, DEFAULT_UDP_FLOW_TIMEOUT,
+    MAX_CONNTRACK_FLOWS,
+};
+use super::file::{self, KubeProxyConfiguration};
+use super::go::{format_go_duration, parse_go_bool};
+use super::values::{
+    number_in, parse_conntrack_min, parse_duration, parse_positive_duration, parse_timeout,
+};
+
+/// The help heading of kube-proxy's flags (those without a name of ebpf-proxy's own).
+pub(super) const KUBE_PROXY_FLAGS: &str = "kube-proxy flags";
+
+/// Where a setting's value came from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Origin {
+    /// A flag given on the command line.
+    Flag,
+    /// The configuration file.
+    File,
+    /// Neither: the default.
+    #[default]
+    Default,
+}
+
+/// The parts of the configuration file, in the order its validation reads them (which
+/// decides which of several errors is reported).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Section {
+    /// The top level's fields.
+    TopLevel,
+    /// The sync periods of the `iptables`, `nftables` and `ipvs` sections.
+    SyncPeriods,
+    /// `conntrack`.
+    Conntrack,
+}
+
+/// A setting's value type: how it is shown in messages and written back.
+pub trait SettingValue: Copy + PartialEq {
+    /// The type of its `KubeProxyConfiguration` fields.
+    type Field: Clone;
+    /// The value as a message shows it (durations in Go's notation).
+    fn show(self) -> String;
+    /// The value as the written-back document holds it.
+    fn field(self) -> Self::Field;
+}
+
+impl SettingValue for Duration {
+    type Field = Option<Value>;
+    fn show(self) -> String {
+        format_go_duration(self)
+    }
+    fn field(self) -> Option<Value> {
+        Some(Value::String(format_go_duration(self)))
+    }
+}
+
+impl SettingValue for u32 {
+    type Field = Option<Value>;
+    fn show(self) -> String {
+        self.to_string()
+    }
+    fn field(self) -> Option<Value> {
+        Some(Value::Number(self.into()))
+    }
+}
+
+impl SettingValue for bool {
+    type Field = Option<bool>;
+    fn show(self) -> String {
+        self.to_string()
+    }
+    fn field(self) -> Option<bool> {
+        Some(self)
+    }
+}
+
+/// The one value of a setting given by several flags (kube-proxy's per-mode names of one
+/// setting, by field name): they must agree.
+fn agree<T: SettingValue>(given: &[(&str, Option<T>)]) -> Result<Option<T>> {
+    let flag = |field: &str| format!("--{}", field.replace('_', "-"));
+    let mut found: Option<(&str, T)> = None;
+    for &(name, v) in given {
+        let Some(v) = v else { continue };
+        match found {
+            Some((first, f)) if f != v => bail!(
+                "{} {} differs from {} {}; give one value",
+                flag(name),
+                v.show(),
+                flag(first),
+                f.show()
+            ),
+            Some(_) => {}
+            None => found = Some((name, v)),
+        }
+    }
+    Ok(found.map(|(_, v)| v))
+}
+
+/// The value of a setting read so far from the file's fields (`found`, with the field that
+/// gave it) and the next field's (`path`, `v`): they must agree.
+fn agree_field<T: SettingValue>(
+    found: Option<(&'static str, T)>,
+    path: &'static str,
+    v: Option<T>,
+) -> Result<Option<(&'static str, T)>> {
+    match (found, v) {
+        (Some((first, f)), Some(v)) if f != v => bail!(
+            "{path}: {} differs from {first} ({}); give one value",
+            v.show(),
+            f.show()
+        ),
+        (Some(f), _) => Ok(Some(f)),
+        (None, v) => Ok(v.map(|v| (path, v))),
+    }
+}
+
+/// Makes the table's types and functions; see the module's documentation. A row:
+///
+/// ```text
+/// /// What the setting is.
+/// name: Type => field.of.AgentConfig {
+///     default: expression,
+///     flags: { /// help
+///              #[arg(...)] flag_name, ... },
+///     unset: |value: &Type| a flag's value that means "not given",    (optional)
+///     file: Section reader => ["yaml.path" = document.field, ...],
+///     written: |value, origin| the document's field,                   (optional)
+/// }
+/// ```
+///
+/// `reader` is called with the field's dotted path and its value in the document and
+/// returns the setting's value (`None`: unset) or an error naming the path; several fields
+/// must agree. Every field listed is written back, by [`SettingValue::field`] unless
+/// `written` says otherwise.
+macro_rules! settings {
+    (@keep $v:ident) => { $v };
+    (@keep $v:ident, $unset:expr) => { $v.filter(|v| !($unset)(v)) };
+    (@get $doc:ident $field:ident) => { &$doc.$field };
+    (@get $doc:ident $section:ident . $field:ident) => {
+        $doc.$section.as_ref().map_or(&None, |s| &s.$field)
+    };
+    (@get_mut $doc:ident $field:ident) => { &mut $doc.$field };
+    (@get_mut $doc:ident $section:ident . $field:ident) => {
+        &mut $doc.$section.get_or_insert_with(Default::default).$field
+    };
+    (@written $v:expr, $origin:expr) => { SettingValue::field($v) };
+    (@written $v:expr, $origin:expr, $written:expr) => { ($written)($v, $origin) };
+    ($(
+        $(#[$doc:meta])*
+        $name:ident: $ty:ty => $($config:ident).+ {
+            default: $default:expr,
+            flags: { $( $(#[$flag_attr:meta])* $flag:ident ),+ $(,)? },
+            $( unset: $unset:expr, )?
+            file: $section:ident $read:expr => [ $( $yaml:literal = $($path:ident).+ ),+ $(,)? ],
+            $( written: $written:expr, )?
+        }
+    ),* $(,)?) => {
+        /// The flags of the settings of [`settings`](self), each `None` unless given.
+        #[derive(clap::Args, Debug, Clone, Default)]
+        pub struct SettingFlags {
+            $( $(
+                $(#[$flag_attr])*
+                pub $flag: Option<$ty>,
+            )+ )*
+        }
+
+        /// What the flags or the configuration file give of each setting of
+        /// [`settings`](self): `None` where they leave it unset.
+        #[derive(Clone, Debug, Default, PartialEq)]
+        pub struct SettingValues {
+            $(
+                $(#[$doc])*
+                pub $name: Option<$ty>,
+            )*
+        }
+
+        /// Where each setting of [`settings`](self) came from.
+        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+        pub struct Origins {
+            $(
+                $(#[$doc])*
+                pub $name: Origin,
+            )*
+        }
+
+        impl SettingFlags {
+            /// The value of each setting the flags give (a value that means "not given"
+            /// left out).
+            ///
+            /// Errors: flags of one setting that disagree.
+            pub(super) fn given(&self) -> Result<SettingValues> {
+                Ok(SettingValues {
+                    $( $name: {
+                        let keep = |v: Option<$ty>| settings!(@keep v $(, $unset)?);
+                        agree(&[ $( (stringify!($flag), keep(self.$flag)), )+ ])?
+                    }, )*
+                })
+            }
+        }
+
+        impl SettingValues {
+            /// Reads the settings of `section` from the document, checking each value.
+            ///
+            /// Errors: a value its reader refuses, or fields of one setting that disagree;
+            /// the message starts with the field's dotted path.
+            pub(super) fn read(
+                &mut self,
+                doc: &KubeProxyConfiguration,
+                section: Section,
+            ) -> Result<()> {
+                $( if section == Section::$section {
+                    let mut found: Option<(&'static str, $ty)> = None;
+                    $(
+                        found = agree_field(
+                            found,
+                            $yaml,
+                            ($read)($yaml, settings!(@get doc $($path).+))?,
+                        )?;
+                    )+
+                    self.$name = found.map(|(_, v)| v);
+                } )*
+                Ok(())
+            }
+        }
+
+        /// Sets each setting of `c`: the flag given (`flags`), else the file's value
+        /// (`file`), else the default.
+        pub(super) fn apply(
+            c: &mut AgentConfig,
+            flags: &SettingValues,
+            file: &SettingValues,
+        ) -> Origins {
+            let mut origins = Origins::default();
+            $(
+                (c.$($config).+, origins.$name) = match (flags.$name, file.$name) {
+                    (Some(v), _) => (v, Origin::Flag),
+                    (None, Some(v)) => (v, Origin::File),
+                    (None, None) => ($default, Origin::Default),
+                };
+            )*
+            origins
+        }
+
+        /// Writes each setting of `c` into its fields of `doc`.
+        pub(super) fn write(c: &AgentConfig, origins: &Origins, doc: &mut KubeProxyConfiguration) {
+            $( {
+                let value: $ty = c.$($config).+;
+                let field = settings!(@written value, origins.$name $(, $written)?);
+                $( *settings!(@get_mut doc $($path).+) = field.clone(); )+
+            } )*
+        }
+    };
+}
+
+settings! {
+    /// `--sync-period` / `{iptables,nftables,ipvs}.syncPeriod`.
+    sync_period: Duration => sync_period {
+        default: DEFAULT_SYNC_PERIOD,
+        flags: {
+            /// Period of the verification that compares the maps with what was applied and
+            /// repairs entries changed behind the agent's back (kube-proxy's
+            /// --iptables-sync-period). /healthz fails when an update stays pending for twice
+            /// this long [default: 30s].
+            #[arg(long, allow_hyphen_values = true, value_parser = parse_positive_duration)]
+            sync_period,
+            /// Same as --sync-period.
+            #[arg(long, allow_hyphen_values = true, value_parser = parse_positive_duration, value_name = "DURATION", help_heading = KUBE_PROXY_FLAGS)]
+            iptables_sync_period,
+            /// Same as --sync-period.
+            #[arg(long, allow_hyphen_values = true, value_parser = parse_positive_duration, value_name = "DURATION", help_heading = KUBE_PROXY_FLAGS)]
+            ipvs_sync_period,
+        },
+        // Zero is unset: kube-proxy's defaulting replaces it; kubeadm writes 0s everywhere.
+        file: SyncPeriods file::nonzero_duration => [
+            "nftables.syncPeriod" = nftables.sync_period,
+            "iptables.syncPeriod" = iptables.sync_period,
+            "ipvs.syncPeriod" = ipvs.sync_period,
+        ],
+    },
+    /// `--min-sync-period` / `{iptables,nftables,ipvs}.minSyncPeriod`.
+    min_sync_period: Duration => min_sync_period {
+        default: DEFAULT_MIN_SYNC_PERIOD,
+        flags: {
+            /// Minimum time between two syncs from the API source; an isolated change after a
+            /// quiet period is applied at once; 0 syncs every change at once (kube-proxy's
+            /// --iptables-min-sync-period) [default: 1s].
+            #[arg(long, allow_hyphen_values = true, value_parser = parse_duration)]
+            min_sync_period,
+            /// Same as --min-sync-period.
+            #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, value_name = "DURATION", help_heading = KUBE_PROXY_FLAGS)]
+            iptables_min_sync_period,
+            /// Same as --min-sync-period.
+            #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, value_name = "DURATION", help_heading = KUBE_PROXY_FLAGS)]
+            ipvs_min_sync_period,
+        },
+        file: SyncPeriods file::nonzero_duration => [
+            "nftables.minSyncPeriod" = nftables.min_sync_period,
+            "iptables.minSyncPeriod" = iptables.min_sync_period,
+            "ipvs.minSyncPeriod" = ipvs.min_sync_period,
+        ],
+    },
+    /// `--bind-address-hard-fail` / `bindAddressHardFail`.
+    bind_address_hard_fail: bool => bind_address_hard_fail {
+        default: false,
+        flags: {
+            /// Exit when the health or metrics server cannot bind its address (otherwise the
+            /// bind is retried every 5 s while the data path runs).
+            #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL", help_heading = KUBE_PROXY_FLAGS)]
+            bind_address_hard_fail,
+        },
+        file: TopLevel file::boolean => ["bindAddressHardFail" = bind_address_hard_fail],
+    },
+    /// `--udp-flow-timeout` / `conntrack.udpTimeout`.
+    udp_flow_timeout: Duration => udp_flow_timeout {
+        default: DEFAULT_UDP_FLOW_TIMEOUT,
+        flags: {
+            /// Idle time after which an unconnected UDP flow picks a backend anew, like
+            /// conntrack's nf_conntrack_udp_timeout (e.g. 30s, 2m; kube-proxy's
+            /// --conntrack-udp-timeout) [default: 30s].
+            #[arg(long, allow_hyphen_values = true, value_parser = parse_positive_duration)]
+            udp_flow_timeout,
+            /// Same as --udp-flow-timeout (0 keeps the default).
+            #[arg(long, allow_hyphen_values = true, value_parser = parse_timeout, value_name = "DURATION", help_heading = KUBE_PROXY_FLAGS)]
+            conntrack_udp_timeout,
+        },
+        unset: |d: &Duration| d.is_zero(),
+        file: Conntrack file::timeout => ["conntrack.udpTimeout" = conntrack.udp_timeout],
+    },
+    /// `--conntrack-max-per-core` / `conntrack.maxPerCore`.
+    conntrack_max_per_core: u32 => tc.conntrack_max_per_core {
+        default: DEFAULT_CONNTRACK_MAX_PER_CORE,
+        flags: {
+            /// Flows tracked per CPU by the north-south conntrack table (kube-proxy's
+            /// --conntrack-max-per-core); the table holds max(this x CPUs, --conntrack-min)
+            /// flows. The table is preallocated (about 320 bytes per flow), unlike the
+            /// kernel's conntrack limit kube-proxy sets, so the default is 0: --conntrack-min
+            /// alone, whatever the core count. Fixed when the pinned table is created
+            /// [default: 0].
+            #[arg(long, allow_hyphen_values = true, value_parser = number_in(0u32, MAX_CONNTRACK_FLOWS), value_name = "N")]
+            conntrack_max_per_core,
+        },
+        file: Conntrack file::count_in(0, MAX_CONNTRACK_FLOWS) => [
+            "conntrack.maxPerCore" = conntrack.max_per_core,
+        ],
+        // Unless given, written as null, so that each program applies its own default to the
+        // file: 0 here (a preallocated table), 32768 in kube-proxy, for which 0 would mean
+        // "leave nf_conntrack_max alone" after a rollback.
+        written: |n: u32, origin| match origin {
+            Origin::Default => Some(Value::Null),
+            _ => n.field(),
+        },
+    },
+    /// `--conntrack-min` / `conntrack.min`.
+    conntrack_min: u32 => tc.conntrack_min {
+        default: DEFAULT_CONNTRACK_MIN,
+        flags: {
+            /// Least number of flows of the north-south conntrack table (kube-proxy's
+            /// --conntrack-min), from 1024 (smaller LRU tables lose live flows to the kernel's
+            /// batch eviction) to 16777216; 0 keeps the default [default: 131072].
+            #[arg(long, allow_hyphen_values = true, value_parser = parse_conntrack_min, value_name = "N")]
+            conntrack_min,
+        },
+        // 0 is kube-proxy's "leave it as is": the default here.
+        unset: |n: &u32| *n == 0,
+        file: Conntrack file::conntrack_min => ["conntrack.min" = conntrack.min],
+    },
+    /// `--conntrack-tcp-timeout-established` / `conntrack.tcpEstablishedTimeout`.
+    conntrack_tcp_timeout_established: Duration => tc.conntrack_tcp_timeout_established {
+        default: DEFAULT_CT_TCP_ESTABLISHED,
+        flags: {
+            /// Idle timeout of an established TCP flow in the north-south conntrack
+            /// (kube-proxy's --conntrack-tcp-timeout-established), e.g. 24h; 0 keeps the
+            /// default [default: 24h].
+            #[arg(long, allow_hyphen_values = true, value_parser = parse_timeout)]
+            conntrack_tcp_timeout_established,
+        },
+        unset: |d: &Duration| d.is_zero(),
+        file: Conntrack file::timeout => [
+            "conntrack.tcpEstablishedTimeout" = conntrack.tcp_established_timeout,
+        ],
+    },
+    /// `--conntrack-udp-timeout-stream` / `conntrack.udpStreamTimeout`.
+    conntrack_udp_timeout_stream: Duration => tc.conntrack_udp_timeout_stream {
+        default: DEFAULT_CT_UDP_STREAM,
+        flags: {
+            /// Idle timeout of a UDP flow that saw replies in the north-south conntrack
+            /// (kube-proxy's --conntrack-udp-timeout-stream, the kernel's
+            /// nf_conntrack_udp_timeout_stream), e.g. 2m; 0 keeps the default. Unreplied UDP
+            /// flows use --udp-flow-timeout [default: 2m].
+            #[arg(long, allow_hyphen_values = true, value_parser = parse_timeout)]
+            conntrack_udp_timeout_stream,
+        },
+        unset: |d: &Duration| d.is_zero(),
+        file: Conntrack file::timeout => [
+            "conntrack.udpStreamTimeout" = conntrack.udp_stream_timeout,
+        ],
+    },
+}
