@@ -121,8 +121,6 @@ pub struct FileSettings {
     pub node_port_addresses: Option<NodePortAddresses>,
     /// `mode`; `None` when empty.
     pub mode: Option<ProxyMode>,
-    /// `iptables.masqueradeAll` or `nftables.masqueradeAll`.
-    pub masquerade_all: Option<bool>,
     /// `ipvs.scheduler`.
     pub ipvs_scheduler: Option<IpvsScheduler>,
     /// `logging.format`.
@@ -449,17 +447,14 @@ fn sync_periods(file: &KubeProxyConfiguration, s: &mut FileSettings) -> Result<(
 }
 
 /// `iptables`, `nftables` and `ipvs` (their sync periods are read by [`sync_periods`]):
-/// `masqueradeAll` from either of the first two, `ipvs.scheduler`.
+/// `masqueradeAll` from either of the first two (by `settings`), `ipvs.scheduler`.
 fn mode_sections(
     file: &KubeProxyConfiguration,
     s: &mut FileSettings,
     w: &mut Warnings,
 ) -> Result<()> {
-    let mut masquerade_all = None;
+    s.values.read(file, Section::ModeSections)?;
     if let Some(t) = &file.iptables {
-        if t.masquerade_all.is_some() {
-            masquerade_all = Some(masquerade_all.unwrap_or(false) | set_bool(&t.masquerade_all));
-        }
         w.inert(
             "iptables.masqueradeBit",
             set_other_than_number(&t.masquerade_bit, kp::MASQUERADE_BIT),
@@ -470,16 +465,12 @@ fn mode_sections(
         w.unknown("iptables.", &t.other);
     }
     if let Some(t) = &file.nftables {
-        if t.masquerade_all.is_some() {
-            masquerade_all = Some(masquerade_all.unwrap_or(false) | set_bool(&t.masquerade_all));
-        }
         w.inert(
             "nftables.masqueradeBit",
             set_other_than_number(&t.masquerade_bit, kp::MASQUERADE_BIT),
         );
         w.unknown("nftables.", &t.other);
     }
-    s.masquerade_all = masquerade_all;
     if let Some(t) = &file.ipvs {
         if let Some(name) = text(&t.scheduler) {
             s.ipvs_scheduler = Some(

@@ -228,10 +228,6 @@ pub struct RunFlags {
     /// [default: false].
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", value_parser = parse_go_bool, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub xdp_veth_peers_ready: bool,
-    /// Source-NAT every external flow of a Cluster-policy Service to the node address, also
-    /// when the backend runs on this node (kube-proxy's --masquerade-all).
-    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
-    pub masquerade_all: Option<bool>,
     /// kube-proxy's other flags.
     #[command(flatten)]
     pub kube_proxy: KubeProxyFlags,

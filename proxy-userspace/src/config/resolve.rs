@@ -90,7 +90,7 @@ impl AgentConfig {
                 .clone()
                 .or(f.node_port_addresses.clone()),
             map_sizes: map_sizes(&flags),
-            tc: north_south(&flags, &f),
+            tc: north_south(&flags),
             oom_score_adj: k
                 .oom_score_adj
                 .or(f.oom_score_adj)
@@ -259,13 +259,13 @@ fn map_sizes(flags: &RunFlags) -> MapSizeSettings {
     }
 }
 
-/// The north-south path (its conntrack settings are the table's, set by `settings`).
-fn north_south(flags: &RunFlags, f: &FileSettings) -> TcSettings {
+/// The north-south path (`--masquerade-all` and the conntrack settings are the table's, set
+/// by `settings`).
+fn north_south(flags: &RunFlags) -> TcSettings {
     TcSettings {
         interfaces: flags.interfaces.clone(),
         xdp: flags.xdp.unwrap_or_default(),
         xdp_veth_peers_ready: flags.xdp_veth_peers_ready,
-        masquerade_all: flags.masquerade_all.or(f.masquerade_all).unwrap_or(false),
         ..TcSettings::default()
     }
 }

@@ -57,6 +57,8 @@ pub(super) enum Section {
     TopLevel,
     /// The sync periods of the `iptables`, `nftables` and `ipvs` sections.
     SyncPeriods,
+    /// The other fields of the `iptables`, `nftables` and `ipvs` sections.
+    ModeSections,
     /// `conntrack`.
     Conntrack,
 }
@@ -141,6 +143,20 @@ fn agree_field<T: SettingValue>(
     }
 }
 
+/// A combination of a setting's file fields (a row's `combine`): true when any field that
+/// is set is true, `None` when none is set.
+fn any(
+    found: Option<(&'static str, bool)>,
+    path: &'static str,
+    v: Option<bool>,
+) -> Option<(&'static str, bool)> {
+    match (found, v) {
+        (Some((first, a)), Some(b)) => Some((first, a | b)),
+        (found, None) => found,
+        (None, Some(b)) => Some((path, b)),
+    }
+}
+
 /// Makes the table's types and functions; see the module's documentation. A row:
 ///
 /// ```text
@@ -151,14 +167,15 @@ fn agree_field<T: SettingValue>(
 ///              #[arg(...)] flag_name, ... },
 ///     unset: |value: &Type| a flag's value that means "not given",    (optional)
 ///     file: Section reader => ["yaml.path" = document.field, ...],
+///     combine: how several fields combine,                              (optional)
 ///     written: |value, origin| the document's field,                   (optional)
 /// }
 /// ```
 ///
 /// `reader` is called with the field's dotted path and its value in the document and
 /// returns the setting's value (`None`: unset) or an error naming the path; several fields
-/// must agree. Every field listed is written back, by [`SettingValue::field`] unless
-/// `written` says otherwise.
+/// must agree, unless `combine` (such as [`any`]) says how they combine. Every field listed
+/// is written back, by [`SettingValue::field`] unless `written` says otherwise.
 macro_rules! settings {
     (@keep $v:ident) => { $v };
     (@keep $v:ident, $unset:expr) => { $v.filter(|v| !($unset)(v)) };
@@ -170,6 +187,10 @@ macro_rules! settings {
     (@get_mut $doc:ident $section:ident . $field:ident) => {
         &mut $doc.$section.get_or_insert_with(Default::default).$field
     };
+    (@next $found:ident, $path:ident, $v:ident) => { agree_field($found, $path, $v) };
+    (@next $found:ident, $path:ident, $v:ident, $combine:expr) => {
+        Ok($combine($found, $path, $v))
+    };
     (@written $v:expr, $origin:expr) => { SettingValue::field($v) };
     (@written $v:expr, $origin:expr, $written:expr) => { ($written)($v, $origin) };
     ($(
@@ -179,6 +200,7 @@ macro_rules! settings {
             flags: { $( $(#[$flag_attr:meta])* $flag:ident ),+ $(,)? },
             $( unset: $unset:expr, )?
             file: $section:ident $read:expr => [ $( $yaml:literal = $($path:ident).+ ),+ $(,)? ],
+            $( combine: $combine:expr, )?
             $( written: $written:expr, )?
         }
     ),* $(,)?) => {
@@ -236,13 +258,15 @@ macro_rules! settings {
                 section: Section,
             ) -> Result<()> {
                 $( if section == Section::$section {
-                    let mut found: Option<(&'static str, $ty)> = None;
+                    let next = |found: Option<(&'static str, $ty)>,
+                                path: &'static str,
+                                v: Option<$ty>|
+                     -> Result<Option<(&'static str, $ty)>> {
+                        settings!(@next found, path, v $(, $combine)?)
+                    };
+                    let mut found = None;
                     $(
-                        found = agree_field(
-                            found,
-                            $yaml,
-                            ($read)($yaml, settings!(@get doc $($path).+))?,
-                        )?;
+                        found = next(found, $yaml, ($read)($yaml, settings!(@get doc $($path).+))?)?;
                     )+
                     self.$name = found.map(|(_, v)| v);
                 } )*
@@ -267,6 +291,10 @@ macro_rules! settings {
             )*
             origins
         }
+
+        /// The `KubeProxyConfiguration` fields of the table, by dotted path.
+        #[cfg(test)]
+        pub(super) const FIELDS: &[&str] = &[$( $($yaml,)+ )*];
 
         /// Writes each setting of `c` into its fields of `doc`.
         pub(super) fn write(c: &AgentConfig, origins: &Origins, doc: &mut KubeProxyConfiguration) {
@@ -336,6 +364,22 @@ settings! {
             bind_address_hard_fail,
         },
         file: TopLevel file::boolean => ["bindAddressHardFail" = bind_address_hard_fail],
+    },
+    /// `--masquerade-all` / `{iptables,nftables}.masqueradeAll`.
+    masquerade_all: bool => tc.masquerade_all {
+        default: false,
+        flags: {
+            /// Source-NAT every external flow of a Cluster-policy Service to the node address,
+            /// also when the backend runs on this node (kube-proxy's --masquerade-all).
+            #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
+            masquerade_all,
+        },
+        // Either mode's section: kube-proxy reads its own.
+        file: ModeSections file::boolean => [
+            "iptables.masqueradeAll" = iptables.masquerade_all,
+            "nftables.masqueradeAll" = nftables.masquerade_all,
+        ],
+        combine: any,
     },
     /// `--udp-flow-timeout` / `conntrack.udpTimeout`.
     udp_flow_timeout: Duration => udp_flow_timeout {

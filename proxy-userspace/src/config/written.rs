@@ -103,7 +103,7 @@ pub(super) fn effective(
                 .unwrap_or_default(),
         ),
         hostname_override: Some(c.hostname_override.clone().unwrap_or_default()),
-        iptables: Some(iptables(c, k, read)),
+        iptables: Some(iptables(k, read)),
         ipvs: Some(ipvs(c, k, read)),
         kind: text(KIND),
         logging: Some(logging(c, k, read)),
@@ -113,7 +113,7 @@ pub(super) fn effective(
                 .unwrap_or_default(),
         ),
         mode: text(""),
-        nftables: Some(nftables(c, k, read)),
+        nftables: Some(nftables(k, read)),
         node_port_addresses: c.nodeport_addresses.as_ref().map(|n| n.items()),
         oom_score_adj: num(c.oom_score_adj as i64),
         port_range: match &k.proxy_port_range {
@@ -196,24 +196,24 @@ fn detect_local(k: &KubeProxyFlags, read: &KubeProxyConfiguration) -> DetectLoca
     }
 }
 
-/// `iptables`: `masqueradeAll`, as in every mode's section (and the table's sync periods).
-fn iptables(c: &AgentConfig, k: &KubeProxyFlags, read: &KubeProxyConfiguration) -> IpTables {
+/// `iptables`: the fields without an effect here (`masqueradeAll` and the sync periods are
+/// the table's).
+fn iptables(k: &KubeProxyFlags, read: &KubeProxyConfiguration) -> IpTables {
     let ri = read.iptables.clone().unwrap_or_default();
     IpTables {
         localhost_node_ports: k
             .iptables_localhost_nodeports
             .or(flag(&ri.localhost_node_ports, kp::LOCALHOST_NODE_PORTS)),
-        masquerade_all: Some(c.tc.masquerade_all),
         masquerade_bit: masquerade_bit(k, &ri.masquerade_bit),
         ..Default::default()
     }
 }
 
-/// `nftables`: `masqueradeAll`, as in every mode's section (and the table's sync periods).
-fn nftables(c: &AgentConfig, k: &KubeProxyFlags, read: &KubeProxyConfiguration) -> NfTables {
+/// `nftables`: the fields without an effect here (`masqueradeAll` and the sync periods are
+/// the table's).
+fn nftables(k: &KubeProxyFlags, read: &KubeProxyConfiguration) -> NfTables {
     let rn = read.nftables.clone().unwrap_or_default();
     NfTables {
-        masquerade_all: Some(c.tc.masquerade_all),
         masquerade_bit: masquerade_bit(k, &rn.masquerade_bit),
         ..Default::default()
     }
