@@ -22,7 +22,6 @@ use super::values::{
     ClusterCidrs, LogFormat, NodePortAddresses, SchedulerFlag, ServerAddress,
     check_detect_local_mode, number_in, parse_duration, parse_scheduler_flag,
 };
-use crate::datapath::tc::XdpSetting;
 
 /// The bpffs mount and the pin directory (every subcommand that touches pins takes them).
 #[derive(clap::Args, Debug, Clone)]
@@ -63,26 +62,9 @@ fn parse_detect_local_mode(s: &str) -> Result<String, String> {
     check_detect_local_mode(s).map(|()| s.to_string())
 }
 
-/// `--north-south-mode`: `snat`, `dsr` or `hybrid`.
-fn parse_north_south_mode(s: &str) -> Result<crate::model::NorthSouthMode, String> {
-    crate::model::NorthSouthMode::from_name(s.trim())
-        .ok_or_else(|| format!("{s:?} is not a north-south mode (snat, dsr, hybrid)"))
-}
-
 fn parse_lb_algorithm(s: &str) -> Result<proxy_common::Algorithm, String> {
     crate::model::parse_algorithm(s)
         .ok_or_else(|| format!("{s:?} is not one of {}", crate::model::algorithm_names()))
-}
-
-fn parse_maglev_size(s: &str) -> Result<u32, String> {
-    let n: u32 = s.parse().map_err(|_| format!("{s:?} is not a number"))?;
-    if !crate::maglev::is_prime(n) || n as usize > proxy_common::MAGLEV_MAX || n < 7 {
-        return Err(format!(
-            "{n} is not a prime between 7 and {} (e.g. 251, 1021, 4093, 16381, 65521)",
-            proxy_common::MAGLEV_MAX
-        ));
-    }
-    Ok(n)
 }
 
 /// The flags of the agent (`ebpf-proxy run`, or `ebpf-proxy` with no subcommand as
@@ -127,41 +109,12 @@ pub struct RunFlags {
     /// [default: random].
     #[arg(allow_hyphen_values = true, long, value_parser = parse_lb_algorithm)]
     pub lb_algorithm: Option<Algorithm>,
-    /// Which sockets the socket programs translate: `all`, or `host-only` (only the node's
-    /// own network namespace; pods are translated per packet on their interfaces, as
-    /// Cilium's `socketLB.hostNamespaceOnly`). Pods and namespaces also opt out one by one
-    /// with the label or annotation `ebpf-proxy.io/socket-lb: disabled` [default: all].
-    #[arg(allow_hyphen_values = true, long, value_enum)]
-    pub socket_lb_scope: Option<crate::model::bypass::SocketLbScope>,
-    /// How a flow from outside (node port, external or LB IP, `externalTrafficPolicy:
-    /// Cluster`) reaches a backend on another node: `snat` (source-NAT to this node's
-    /// address, kube-proxy's), `dsr` (direct server return: the packet is forwarded
-    /// encapsulated, IPIP or IPv6-in-IPv6, and the backend's node answers the client
-    /// directly; the backend sees the client's address), or `hybrid` (DSR for TCP, SNAT for
-    /// UDP). Every node must run the same mode (a DSR packet is accepted by the backend's
-    /// node only when it runs DSR for that Service too). Services override it with the
-    /// annotation `ebpf-proxy.io/north-south-mode` [default: snat].
-    #[arg(allow_hyphen_values = true, long, value_name = "MODE", value_parser = parse_north_south_mode)]
-    pub north_south_mode: Option<crate::model::NorthSouthMode>,
-    /// Level of the kernel programs' own log lines (aya-log), forwarded to the agent's log
-    /// under the target `ebpf_proxy::kernel` whatever `--log-level` says: off, error, warn,
-    /// info, debug (one line per decision: a connection translated or refused, a packet
-    /// flow started, dropped or rejected) or trace (also every connect() to an address
-    /// that is no frontend). Off costs nothing: the verifier removes the disabled lines
-    /// [default: off].
-    #[arg(allow_hyphen_values = true, long, value_enum)]
-    pub kernel_log_level: Option<crate::datapath::loader::KernelLogLevel>,
     /// Close the TCP connections of client sockets translated to an endpoint that left its
     /// Service (gone from the EndpointSlices, or neither ready nor serving), with sock_diag's
     /// SOCK_DESTROY in the socket's network namespace, as `ss -K` does. Off by default, as
     /// kube-proxy leaves established connections alone [default: false].
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", value_parser = parse_go_bool, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub close_connections_to_removed_endpoints: bool,
-    /// Size of the Maglev lookup tables of source-hash and maglev Services: a prime from 7 to
-    /// 65521 (larger tables spread backends more evenly; each costs 4 bytes per entry)
-    /// [default: 16381].
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_maglev_size)]
-    pub maglev_table_size: Option<u32>,
     /// Address of the health server (`/healthz`, `/livez`): ip:port, an IP alone (port
     /// 10256), or empty to disable it; port 0 picks a free port [default: 0.0.0.0:10256].
     #[arg(allow_hyphen_values = true, long)]
@@ -192,36 +145,11 @@ pub struct RunFlags {
     /// --nodeport-addresses).
     #[arg(allow_hyphen_values = true, long)]
     pub nodeport_addresses: Option<NodePortAddresses>,
-    /// Size of the frontend map (VIP x port x protocol, plus one entry per VIP) when created
-    /// [default: 65536].
-    #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
-    pub max_frontends: Option<u32>,
-    /// Size of the backend slot map (sum of all services' endpoint counts) when created
-    /// [default: 262144].
-    #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
-    pub max_backend_slots: Option<u32>,
-    /// Size of the backend map (distinct endpoint address x port x protocol) when created
-    /// [default: 131072].
-    #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
-    pub max_backends: Option<u32>,
-    /// Size of the per-socket reverse-NAT and UDP flow maps (LRU) when created; connected
-    /// sockets' reverse-NAT slots get the largest power of two not above it
-    /// [default: 262144].
-    #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
-    pub max_sockets: Option<u32>,
     /// Interfaces that serve NodePorts, external IPs and LB IPs to traffic from outside the
     /// node, comma-separated [default: the interfaces of the agent's network namespace that
     /// carry one of this node's InternalIP/ExternalIP addresses from its Node object].
     #[arg(allow_hyphen_values = true, long, value_delimiter = ',')]
     pub interfaces: Vec<String>,
-    /// XDP in front of the tcx programs on the external interfaces, for the same
-    /// NodePorts, external IPs and LB IPs with the same conntrack: `native` (driver XDP on
-    /// every external interface; an interface without it is an error), `best-effort`
-    /// (native where the driver supports it, else generic XDP, else the tcx programs
-    /// alone) or `disabled`. `ebpf-proxy check` tells which interfaces have native XDP
-    /// [default: disabled].
-    #[arg(allow_hyphen_values = true, long, value_enum, value_name = "MODE")]
-    pub xdp: Option<XdpSetting>,
     /// The peers of veth external interfaces run an XDP program in native mode, so frames
     /// the XDP program sends back or redirects into a veth are delivered: lets --xdp use
     /// native XDP on veths, which it otherwise refuses (native) or skips (best-effort)

@@ -10,15 +10,14 @@ use anyhow::{Result, bail};
 use proxy_common::Algorithm;
 
 use super::defaults::{
-    self, DEFAULT_LOG_LEVEL, DEFAULT_MAX_BACKENDS, DEFAULT_MAX_FRONTENDS, DEFAULT_MAX_SLOTS,
-    DEFAULT_MAX_SOCKETS, DEFAULT_OOM_SCORE_ADJ, DEFAULT_STATUS_PORT, MAGLEV_DEFAULT, MAX_PERIOD,
+    self, DEFAULT_LOG_LEVEL, DEFAULT_OOM_SCORE_ADJ, DEFAULT_STATUS_PORT, MAX_PERIOD,
 };
 use super::go::format_go_duration;
 use super::settings::{self, Origin, Origins};
 use super::values::{IpvsScheduler, LogFormat, ProxyMode, SchedulerFlag, ServerAddress};
 use super::{
-    Action, AgentConfig, FileSettings, KubeProxyConfiguration, KubeProxyFlags, MapSizeSettings,
-    RunFlags, SourceChoice, written,
+    Action, AgentConfig, FileSettings, KubeProxyConfiguration, KubeProxyFlags, RunFlags,
+    SourceChoice, written,
 };
 use crate::datapath::tc::TcSettings;
 
@@ -71,10 +70,6 @@ impl AgentConfig {
             pins: flags.pins.clone(),
             hostname_override,
             lb_algorithm: lb_algorithm(&flags, &f),
-            maglev_table_size: flags.maglev_table_size.unwrap_or(MAGLEV_DEFAULT),
-            socket_lb_scope: flags.socket_lb_scope.unwrap_or_default(),
-            north_south_mode: flags.north_south_mode.unwrap_or_default(),
-            kernel_log_level: flags.kernel_log_level.unwrap_or_default(),
             close_connections_to_removed_endpoints: flags.close_connections_to_removed_endpoints,
             log_level,
             verbosity,
@@ -89,7 +84,6 @@ impl AgentConfig {
                 .nodeport_addresses
                 .clone()
                 .or(f.node_port_addresses.clone()),
-            map_sizes: map_sizes(&flags),
             tc: north_south(&flags),
             oom_score_adj: k
                 .oom_score_adj
@@ -249,22 +243,11 @@ fn server(
     addr
 }
 
-/// The map sizes: flags only (`KubeProxyConfiguration` has no field for them).
-fn map_sizes(flags: &RunFlags) -> MapSizeSettings {
-    MapSizeSettings {
-        frontends: flags.max_frontends.unwrap_or(DEFAULT_MAX_FRONTENDS),
-        slots: flags.max_backend_slots.unwrap_or(DEFAULT_MAX_SLOTS),
-        backends: flags.max_backends.unwrap_or(DEFAULT_MAX_BACKENDS),
-        sockets: flags.max_sockets.unwrap_or(DEFAULT_MAX_SOCKETS),
-    }
-}
-
-/// The north-south path (`--masquerade-all` and the conntrack settings are the table's, set
-/// by `settings`).
+/// The north-south path (`--xdp`, `--masquerade-all` and the conntrack settings are the
+/// table's, set by `settings`).
 fn north_south(flags: &RunFlags) -> TcSettings {
     TcSettings {
         interfaces: flags.interfaces.clone(),
-        xdp: flags.xdp.unwrap_or_default(),
         xdp_veth_peers_ready: flags.xdp_veth_peers_ready,
         ..TcSettings::default()
     }

@@ -1,8 +1,9 @@
-//! The settings that a flag, kube-proxy's configuration file and a default all give, each
-//! defined once, by one row of the table at the end of this file: the field of
-//! [`AgentConfig`] it sets, its default, its flags (clap attributes and help, the setting's
-//! own name first, then kube-proxy's other names of it), the `KubeProxyConfiguration` fields
-//! that give it and its value's reader, and the form it is written back in.
+//! The settings that a flag, kube-proxy's configuration file and a default all give (or a
+//! flag and a default alone), each defined once, by one row of the table at the end of this
+//! file: the field of [`AgentConfig`] it sets, its default, its flags (clap attributes and
+//! help, the setting's own name first, then kube-proxy's other names of it), the
+//! `KubeProxyConfiguration` fields that give it and its value's reader, and the form it is
+//! written back in.
 //!
 //! From the table, [`settings!`] makes the flags ([`SettingFlags`], flattened into
 //! [`super::RunFlags`]), what the flags or the file give ([`SettingValues`], inside
@@ -14,8 +15,8 @@
 //! with ([`write`]).
 //!
 //! The settings whose sources are not of this shape (several flags that mean different
-//! things, a value that depends on another setting, a file field combined otherwise) keep
-//! their code in `flags`, `file`, `resolve` and `written`.
+//! things, a value that depends on another setting, a flag that is not `None` when left
+//! out) keep their code in `flags`, `file`, `resolve` and `written`.
 
 use std::time::Duration;
 
@@ -25,14 +26,20 @@ use serde_yaml_ng::Value;
 use super::AgentConfig;
 use super::defaults::{
     DEFAULT_CONNTRACK_MAX_PER_CORE, DEFAULT_CONNTRACK_MIN, DEFAULT_CT_TCP_ESTABLISHED,
-    DEFAULT_CT_UDP_STREAM, DEFAULT_MIN_SYNC_PERIOD, DEFAULT_SYNC_PERIOD, DEFAULT_UDP_FLOW_TIMEOUT,
-    MAX_CONNTRACK_FLOWS,
+    DEFAULT_CT_UDP_STREAM, DEFAULT_MAX_BACKENDS, DEFAULT_MAX_FRONTENDS, DEFAULT_MAX_SLOTS,
+    DEFAULT_MAX_SOCKETS, DEFAULT_MIN_SYNC_PERIOD, DEFAULT_SYNC_PERIOD, DEFAULT_UDP_FLOW_TIMEOUT,
+    MAGLEV_DEFAULT, MAX_CONNTRACK_FLOWS,
 };
 use super::file::{self, KubeProxyConfiguration};
 use super::go::{format_go_duration, parse_go_bool};
 use super::values::{
-    number_in, parse_conntrack_min, parse_duration, parse_positive_duration, parse_timeout,
+    number_in, parse_conntrack_min, parse_duration, parse_maglev_size, parse_north_south_mode,
+    parse_positive_duration, parse_timeout,
 };
+use crate::datapath::loader::KernelLogLevel;
+use crate::datapath::tc::XdpSetting;
+use crate::model::NorthSouthMode;
+use crate::model::bypass::SocketLbScope;
 
 /// The help heading of kube-proxy's flags (those without a name of ebpf-proxy's own).
 pub(super) const KUBE_PROXY_FLAGS: &str = "kube-proxy flags";
@@ -63,45 +70,80 @@ pub(super) enum Section {
     Conntrack,
 }
 
-/// A setting's value type: how it is shown in messages and written back.
+/// A setting's value type: how messages show it.
 pub trait SettingValue: Copy + PartialEq {
+    /// The value as a message shows it (durations in Go's notation, names as flags take
+    /// them).
+    fn show(self) -> String;
+}
+
+/// The value type of a setting the file gives: how the written-back document holds it.
+pub trait WrittenValue: SettingValue {
     /// The type of its `KubeProxyConfiguration` fields.
     type Field: Clone;
-    /// The value as a message shows it (durations in Go's notation).
-    fn show(self) -> String;
     /// The value as the written-back document holds it.
     fn field(self) -> Self::Field;
 }
 
 impl SettingValue for Duration {
-    type Field = Option<Value>;
     fn show(self) -> String {
         format_go_duration(self)
     }
+}
+
+impl WrittenValue for Duration {
+    type Field = Option<Value>;
     fn field(self) -> Option<Value> {
         Some(Value::String(format_go_duration(self)))
     }
 }
 
 impl SettingValue for u32 {
-    type Field = Option<Value>;
     fn show(self) -> String {
         self.to_string()
     }
+}
+
+impl WrittenValue for u32 {
+    type Field = Option<Value>;
     fn field(self) -> Option<Value> {
         Some(Value::Number(self.into()))
     }
 }
 
 impl SettingValue for bool {
-    type Field = Option<bool>;
     fn show(self) -> String {
         self.to_string()
     }
+}
+
+impl WrittenValue for bool {
+    type Field = Option<bool>;
     fn field(self) -> Option<bool> {
         Some(self)
     }
 }
+
+impl SettingValue for NorthSouthMode {
+    fn show(self) -> String {
+        self.name().to_string()
+    }
+}
+
+/// [`SettingValue`] of the flags' enums, by the names clap takes.
+macro_rules! value_enum_settings {
+    ($($t:ty),*) => {$(
+        impl SettingValue for $t {
+            fn show(self) -> String {
+                clap::ValueEnum::to_possible_value(&self)
+                    .map(|v| v.get_name().to_string())
+                    .unwrap_or_default()
+            }
+        }
+    )*};
+}
+
+value_enum_settings!(SocketLbScope, KernelLogLevel, XdpSetting);
 
 /// The one value of a setting given by several flags (kube-proxy's per-mode names of one
 /// setting, by field name): they must agree.
@@ -166,16 +208,19 @@ fn any(
 ///     flags: { /// help
 ///              #[arg(...)] flag_name, ... },
 ///     unset: |value: &Type| a flag's value that means "not given",    (optional)
-///     file: Section reader => ["yaml.path" = document.field, ...],
+///     file: Section reader => ["yaml.path" = document.field, ...],   (optional, with:)
 ///     combine: how several fields combine,                              (optional)
 ///     written: |value, origin| the document's field,                   (optional)
 /// }
 /// ```
 ///
+/// A row without `file` is a setting of the flags alone (`KubeProxyConfiguration` has no
+/// field for it: it is neither read nor written back).
+///
 /// `reader` is called with the field's dotted path and its value in the document and
 /// returns the setting's value (`None`: unset) or an error naming the path; several fields
 /// must agree, unless `combine` (such as [`any`]) says how they combine. Every field listed
-/// is written back, by [`SettingValue::field`] unless `written` says otherwise.
+/// is written back, by [`WrittenValue::field`] unless `written` says otherwise.
 macro_rules! settings {
     (@keep $v:ident) => { $v };
     (@keep $v:ident, $unset:expr) => { $v.filter(|v| !($unset)(v)) };
@@ -191,7 +236,7 @@ macro_rules! settings {
     (@next $found:ident, $path:ident, $v:ident, $combine:expr) => {
         Ok($combine($found, $path, $v))
     };
-    (@written $v:expr, $origin:expr) => { SettingValue::field($v) };
+    (@written $v:expr, $origin:expr) => { WrittenValue::field($v) };
     (@written $v:expr, $origin:expr, $written:expr) => { ($written)($v, $origin) };
     ($(
         $(#[$doc:meta])*
@@ -199,9 +244,11 @@ macro_rules! settings {
             default: $default:expr,
             flags: { $( $(#[$flag_attr:meta])* $flag:ident ),+ $(,)? },
             $( unset: $unset:expr, )?
-            file: $section:ident $read:expr => [ $( $yaml:literal = $($path:ident).+ ),+ $(,)? ],
-            $( combine: $combine:expr, )?
-            $( written: $written:expr, )?
+            $(
+                file: $section:ident $read:expr => [ $( $yaml:literal = $($path:ident).+ ),+ $(,)? ],
+                $( combine: $combine:expr, )?
+                $( written: $written:expr, )?
+            )?
         }
     ),* $(,)?) => {
         /// The flags of the settings of [`settings`](self), each `None` unless given.
@@ -257,7 +304,7 @@ macro_rules! settings {
                 doc: &KubeProxyConfiguration,
                 section: Section,
             ) -> Result<()> {
-                $( if section == Section::$section {
+                $( $( if section == Section::$section {
                     let next = |found: Option<(&'static str, $ty)>,
                                 path: &'static str,
                                 v: Option<$ty>|
@@ -269,7 +316,7 @@ macro_rules! settings {
                         found = next(found, $yaml, ($read)($yaml, settings!(@get doc $($path).+))?)?;
                     )+
                     self.$name = found.map(|(_, v)| v);
-                } )*
+                } )? )*
                 Ok(())
             }
         }
@@ -294,14 +341,17 @@ macro_rules! settings {
 
         /// The `KubeProxyConfiguration` fields of the table, by dotted path.
         #[cfg(test)]
-        pub(super) const FIELDS: &[&str] = &[$( $($yaml,)+ )*];
+        pub(super) const FIELDS: &[&str] = &[$( $( $($yaml,)+ )? )*];
 
         /// Writes each setting of `c` into its fields of `doc`.
         pub(super) fn write(c: &AgentConfig, origins: &Origins, doc: &mut KubeProxyConfiguration) {
             $( {
+                #[allow(unused_variables)]
                 let value: $ty = c.$($config).+;
-                let field = settings!(@written value, origins.$name $(, $written)?);
-                $( *settings!(@get_mut doc $($path).+) = field.clone(); )+
+                $(
+                    let field = settings!(@written value, origins.$name $(, $written)?);
+                    $( *settings!(@get_mut doc $($path).+) = field.clone(); )+
+                )?
             } )*
         }
     };
@@ -465,5 +515,113 @@ settings! {
         file: Conntrack file::timeout => [
             "conntrack.udpStreamTimeout" = conntrack.udp_stream_timeout,
         ],
+    },
+    /// `--maglev-table-size` (the flag alone).
+    maglev_table_size: u32 => maglev_table_size {
+        default: MAGLEV_DEFAULT,
+        flags: {
+            /// Size of the Maglev lookup tables of source-hash and maglev Services: a prime from 7 to
+            /// 65521 (larger tables spread backends more evenly; each costs 4 bytes per entry)
+            /// [default: 16381].
+            #[arg(long, allow_hyphen_values = true, value_parser = parse_maglev_size)]
+            maglev_table_size,
+        },
+    },
+    /// `--socket-lb-scope` (the flag alone).
+    socket_lb_scope: SocketLbScope => socket_lb_scope {
+        default: SocketLbScope::default(),
+        flags: {
+            /// Which sockets the socket programs translate: `all`, or `host-only` (only the node's
+            /// own network namespace; pods are translated per packet on their interfaces, as
+            /// Cilium's `socketLB.hostNamespaceOnly`). Pods and namespaces also opt out one by one
+            /// with the label or annotation `ebpf-proxy.io/socket-lb: disabled` [default: all].
+            #[arg(allow_hyphen_values = true, long, value_enum)]
+            socket_lb_scope,
+        },
+    },
+    /// `--north-south-mode` (the flag alone).
+    north_south_mode: NorthSouthMode => north_south_mode {
+        default: NorthSouthMode::default(),
+        flags: {
+            /// How a flow from outside (node port, external or LB IP, `externalTrafficPolicy:
+            /// Cluster`) reaches a backend on another node: `snat` (source-NAT to this node's
+            /// address, kube-proxy's), `dsr` (direct server return: the packet is forwarded
+            /// encapsulated, IPIP or IPv6-in-IPv6, and the backend's node answers the client
+            /// directly; the backend sees the client's address), or `hybrid` (DSR for TCP, SNAT for
+            /// UDP). Every node must run the same mode (a DSR packet is accepted by the backend's
+            /// node only when it runs DSR for that Service too). Services override it with the
+            /// annotation `ebpf-proxy.io/north-south-mode` [default: snat].
+            #[arg(allow_hyphen_values = true, long, value_name = "MODE", value_parser = parse_north_south_mode)]
+            north_south_mode,
+        },
+    },
+    /// `--kernel-log-level` (the flag alone).
+    kernel_log_level: KernelLogLevel => kernel_log_level {
+        default: KernelLogLevel::default(),
+        flags: {
+            /// Level of the kernel programs' own log lines (aya-log), forwarded to the agent's log
+            /// under the target `ebpf_proxy::kernel` whatever `--log-level` says: off, error, warn,
+            /// info, debug (one line per decision: a connection translated or refused, a packet
+            /// flow started, dropped or rejected) or trace (also every connect() to an address
+            /// that is no frontend). Off costs nothing: the verifier removes the disabled lines
+            /// [default: off].
+            #[arg(allow_hyphen_values = true, long, value_enum)]
+            kernel_log_level,
+        },
+    },
+    /// `--max-frontends` (the flag alone).
+    max_frontends: u32 => map_sizes.frontends {
+        default: DEFAULT_MAX_FRONTENDS,
+        flags: {
+            /// Size of the frontend map (VIP x port x protocol, plus one entry per VIP) when created
+            /// [default: 65536].
+            #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
+            max_frontends,
+        },
+    },
+    /// `--max-backend-slots` (the flag alone).
+    max_backend_slots: u32 => map_sizes.slots {
+        default: DEFAULT_MAX_SLOTS,
+        flags: {
+            /// Size of the backend slot map (sum of all services' endpoint counts) when created
+            /// [default: 262144].
+            #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
+            max_backend_slots,
+        },
+    },
+    /// `--max-backends` (the flag alone).
+    max_backends: u32 => map_sizes.backends {
+        default: DEFAULT_MAX_BACKENDS,
+        flags: {
+            /// Size of the backend map (distinct endpoint address x port x protocol) when created
+            /// [default: 131072].
+            #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
+            max_backends,
+        },
+    },
+    /// `--max-sockets` (the flag alone).
+    max_sockets: u32 => map_sizes.sockets {
+        default: DEFAULT_MAX_SOCKETS,
+        flags: {
+            /// Size of the per-socket reverse-NAT and UDP flow maps (LRU) when created; connected
+            /// sockets' reverse-NAT slots get the largest power of two not above it
+            /// [default: 262144].
+            #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
+            max_sockets,
+        },
+    },
+    /// `--xdp` (the flag alone).
+    xdp: XdpSetting => tc.xdp {
+        default: XdpSetting::default(),
+        flags: {
+            /// XDP in front of the tcx programs on the external interfaces, for the same
+            /// NodePorts, external IPs and LB IPs with the same conntrack: `native` (driver XDP on
+            /// every external interface; an interface without it is an error), `best-effort`
+            /// (native where the driver supports it, else generic XDP, else the tcx programs
+            /// alone) or `disabled`. `ebpf-proxy check` tells which interfaces have native XDP
+            /// [default: disabled].
+            #[arg(allow_hyphen_values = true, long, value_enum, value_name = "MODE")]
+            xdp,
+        },
     },
 }
