@@ -117,8 +117,6 @@ pub struct FileSettings {
     pub metrics_bind_address: Option<SocketAddr>,
     /// `clusterCIDR`.
     pub cluster_cidr: Option<ClusterCidrs>,
-    /// `nodePortAddresses`.
-    pub node_port_addresses: Option<NodePortAddresses>,
     /// `mode`; `None` when empty.
     pub mode: Option<ProxyMode>,
     /// `ipvs.scheduler`.
@@ -249,6 +247,19 @@ pub(super) fn conntrack_min(field: &str, v: &Option<Value>) -> Result<Option<u32
         Some(v) if v.as_i64() == Some(0) => Ok(None),
         v => count_in(MIN_CONNTRACK_FLOWS, MAX_CONNTRACK_FLOWS)(field, v),
     }
+}
+
+/// `nodePortAddresses`: CIDRs, or `primary` alone; an empty list is `None`.
+pub(super) fn node_port_addresses(
+    field: &str,
+    v: &Option<Vec<String>>,
+) -> Result<Option<NodePortAddresses>> {
+    v.as_ref()
+        .filter(|v| !v.is_empty())
+        .map(|items| {
+            NodePortAddresses::from_items(items).map_err(|e| anyhow::anyhow!("{field}: {e}"))
+        })
+        .transpose()
 }
 
 /// An `ip:port` field (an IP alone gets `default_port`, as kube-proxy's defaulting appends
@@ -397,7 +408,6 @@ fn top_level(file: &KubeProxyConfiguration, s: &mut FileSettings, w: &mut Warnin
         }
         s.bind_address = Some(ip);
     }
-    s.values.read(file, Section::TopLevel)?;
     s.healthz_bind_address = server_address(
         "healthzBindAddress",
         &file.healthz_bind_address,
@@ -412,12 +422,7 @@ fn top_level(file: &KubeProxyConfiguration, s: &mut FileSettings, w: &mut Warnin
         s.cluster_cidr = Some(c.parse().map_err(|e| anyhow::anyhow!("clusterCIDR: {e}"))?);
     }
     s.hostname_override = text(&file.hostname_override).map(str::to_string);
-    if let Some(items) = file.node_port_addresses.as_ref().filter(|v| !v.is_empty()) {
-        s.node_port_addresses = Some(
-            NodePortAddresses::from_items(items)
-                .map_err(|e| anyhow::anyhow!("nodePortAddresses: {e}"))?,
-        );
-    }
+    s.values.read(file, Section::TopLevel)?;
     let (least, most) = OOM_SCORE_ADJ_RANGE;
     s.oom_score_adj = count(
         "oomScoreAdj",

@@ -19,8 +19,8 @@ use super::defaults::{DEFAULT_BPFFS, DEFAULT_PIN_DIR, OOM_SCORE_ADJ_RANGE};
 use super::go::{FeatureGates, parse_go_bool};
 use super::settings::{KUBE_PROXY_FLAGS, SettingFlags};
 use super::values::{
-    ClusterCidrs, LogFormat, NodePortAddresses, SchedulerFlag, ServerAddress,
-    check_detect_local_mode, number_in, parse_duration, parse_scheduler_flag,
+    ClusterCidrs, LogFormat, SchedulerFlag, ServerAddress, check_detect_local_mode, number_in,
+    parse_duration, parse_scheduler_flag,
 };
 
 /// The bpffs mount and the pin directory (every subcommand that touches pins takes them).
@@ -139,12 +139,6 @@ pub struct RunFlags {
     /// client outside the prefix of its family is masqueraded (tc path).
     #[arg(allow_hyphen_values = true, long)]
     pub cluster_cidr: Option<ClusterCidrs>,
-    /// Node addresses that serve NodePorts: comma-separated CIDRs, or `primary` (the
-    /// node's first InternalIP per family, kube-proxy's nftables default) [default: every
-    /// InternalIP and ExternalIP of this node's Node object] (kube-proxy's
-    /// --nodeport-addresses).
-    #[arg(allow_hyphen_values = true, long)]
-    pub nodeport_addresses: Option<NodePortAddresses>,
     /// Interfaces that serve NodePorts, external IPs and LB IPs to traffic from outside the
     /// node, comma-separated [default: the interfaces of the agent's network namespace that
     /// carry one of this node's InternalIP/ExternalIP addresses from its Node object].

@@ -80,10 +80,6 @@ impl AgentConfig {
                 .or(f.cluster_cidr.clone())
                 .map(|c| c.0)
                 .unwrap_or_default(),
-            nodeport_addresses: flags
-                .nodeport_addresses
-                .clone()
-                .or(f.node_port_addresses.clone()),
             tc: north_south(&flags),
             oom_score_adj: k
                 .oom_score_adj

@@ -33,8 +33,8 @@ use super::defaults::{
 use super::file::{self, KubeProxyConfiguration};
 use super::go::{format_go_duration, parse_go_bool};
 use super::values::{
-    number_in, parse_conntrack_min, parse_duration, parse_maglev_size, parse_north_south_mode,
-    parse_positive_duration, parse_timeout,
+    NodePortAddresses, number_in, parse_conntrack_min, parse_duration, parse_maglev_size,
+    parse_north_south_mode, parse_positive_duration, parse_timeout,
 };
 use crate::datapath::loader::KernelLogLevel;
 use crate::datapath::tc::XdpSetting;
@@ -71,10 +71,10 @@ pub(super) enum Section {
 }
 
 /// A setting's value type: how messages show it.
-pub trait SettingValue: Copy + PartialEq {
+pub trait SettingValue: Clone + PartialEq {
     /// The value as a message shows it (durations in Go's notation, names as flags take
     /// them).
-    fn show(self) -> String;
+    fn show(&self) -> String;
 }
 
 /// The value type of a setting the file gives: how the written-back document holds it.
@@ -82,50 +82,56 @@ pub trait WrittenValue: SettingValue {
     /// The type of its `KubeProxyConfiguration` fields.
     type Field: Clone;
     /// The value as the written-back document holds it.
-    fn field(self) -> Self::Field;
+    fn field(&self) -> Self::Field;
 }
 
 impl SettingValue for Duration {
-    fn show(self) -> String {
-        format_go_duration(self)
+    fn show(&self) -> String {
+        format_go_duration(*self)
     }
 }
 
 impl WrittenValue for Duration {
     type Field = Option<Value>;
-    fn field(self) -> Option<Value> {
-        Some(Value::String(format_go_duration(self)))
+    fn field(&self) -> Option<Value> {
+        Some(Value::String(format_go_duration(*self)))
     }
 }
 
 impl SettingValue for u32 {
-    fn show(self) -> String {
+    fn show(&self) -> String {
         self.to_string()
     }
 }
 
 impl WrittenValue for u32 {
     type Field = Option<Value>;
-    fn field(self) -> Option<Value> {
-        Some(Value::Number(self.into()))
+    fn field(&self) -> Option<Value> {
+        Some(Value::Number((*self).into()))
     }
 }
 
 impl SettingValue for bool {
-    fn show(self) -> String {
+    fn show(&self) -> String {
         self.to_string()
     }
 }
 
 impl WrittenValue for bool {
     type Field = Option<bool>;
-    fn field(self) -> Option<bool> {
-        Some(self)
+    fn field(&self) -> Option<bool> {
+        Some(*self)
+    }
+}
+
+impl SettingValue for NodePortAddresses {
+    fn show(&self) -> String {
+        self.to_string()
     }
 }
 
 impl SettingValue for NorthSouthMode {
-    fn show(self) -> String {
+    fn show(&self) -> String {
         self.name().to_string()
     }
 }
@@ -134,8 +140,8 @@ impl SettingValue for NorthSouthMode {
 macro_rules! value_enum_settings {
     ($($t:ty),*) => {$(
         impl SettingValue for $t {
-            fn show(self) -> String {
-                clap::ValueEnum::to_possible_value(&self)
+            fn show(&self) -> String {
+                clap::ValueEnum::to_possible_value(self)
                     .map(|v| v.get_name().to_string())
                     .unwrap_or_default()
             }
@@ -149,22 +155,22 @@ value_enum_settings!(SocketLbScope, KernelLogLevel, XdpSetting);
 /// setting, by field name): they must agree.
 fn agree<T: SettingValue>(given: &[(&str, Option<T>)]) -> Result<Option<T>> {
     let flag = |field: &str| format!("--{}", field.replace('_', "-"));
-    let mut found: Option<(&str, T)> = None;
-    for &(name, v) in given {
+    let mut found: Option<(&str, &T)> = None;
+    for (name, v) in given {
         let Some(v) = v else { continue };
         match found {
             Some((first, f)) if f != v => bail!(
                 "{} {} differs from {} {}; give one value",
-                flag(name),
+                flag(*name),
                 v.show(),
                 flag(first),
                 f.show()
             ),
             Some(_) => {}
-            None => found = Some((name, v)),
+            None => found = Some((*name, v)),
         }
     }
-    Ok(found.map(|(_, v)| v))
+    Ok(found.map(|(_, v)| v.clone()))
 }
 
 /// The value of a setting read so far from the file's fields (`found`, with the field that
@@ -205,14 +211,18 @@ fn any(
 /// /// What the setting is.
 /// name: Type => field.of.AgentConfig {
 ///     default: expression,
+///     into: |value: Type| the field's value,                           (optional)
 ///     flags: { /// help
 ///              #[arg(...)] flag_name, ... },
 ///     unset: |value: &Type| a flag's value that means "not given",    (optional)
 ///     file: Section reader => ["yaml.path" = document.field, ...],   (optional, with:)
 ///     combine: how several fields combine,                              (optional)
-///     written: |value, origin| the document's field,                   (optional)
+///     written: |&field, origin| the document's field,                  (optional)
 /// }
 /// ```
+///
+/// `into` turns a value given into the field's type (the same type without it), so the
+/// default is of the field's type.
 ///
 /// A row without `file` is a setting of the flags alone (`KubeProxyConfiguration` has no
 /// field for it: it is neither read nor written back).
@@ -236,12 +246,15 @@ macro_rules! settings {
     (@next $found:ident, $path:ident, $v:ident, $combine:expr) => {
         Ok($combine($found, $path, $v))
     };
+    (@into $v:ident) => { $v };
+    (@into $v:ident, $into:expr) => { ($into)($v) };
     (@written $v:expr, $origin:expr) => { WrittenValue::field($v) };
     (@written $v:expr, $origin:expr, $written:expr) => { ($written)($v, $origin) };
     ($(
         $(#[$doc:meta])*
         $name:ident: $ty:ty => $($config:ident).+ {
             default: $default:expr,
+            $( into: $into:expr, )?
             flags: { $( $(#[$flag_attr:meta])* $flag:ident ),+ $(,)? },
             $( unset: $unset:expr, )?
             $(
@@ -288,7 +301,7 @@ macro_rules! settings {
                 Ok(SettingValues {
                     $( $name: {
                         let keep = |v: Option<$ty>| settings!(@keep v $(, $unset)?);
-                        agree(&[ $( (stringify!($flag), keep(self.$flag)), )+ ])?
+                        agree(&[ $( (stringify!($flag), keep(Option::clone(&self.$flag))), )+ ])?
                     }, )*
                 })
             }
@@ -330,9 +343,10 @@ macro_rules! settings {
         ) -> Origins {
             let mut origins = Origins::default();
             $(
-                (c.$($config).+, origins.$name) = match (flags.$name, file.$name) {
-                    (Some(v), _) => (v, Origin::Flag),
-                    (None, Some(v)) => (v, Origin::File),
+                (c.$($config).+, origins.$name) =
+                    match (Option::clone(&flags.$name), Option::clone(&file.$name)) {
+                    (Some(v), _) => (settings!(@into v $(, $into)?), Origin::Flag),
+                    (None, Some(v)) => (settings!(@into v $(, $into)?), Origin::File),
                     (None, None) => ($default, Origin::Default),
                 };
             )*
@@ -347,7 +361,7 @@ macro_rules! settings {
         pub(super) fn write(c: &AgentConfig, origins: &Origins, doc: &mut KubeProxyConfiguration) {
             $( {
                 #[allow(unused_variables)]
-                let value: $ty = c.$($config).+;
+                let value = &c.$($config).+;
                 $(
                     let field = settings!(@written value, origins.$name $(, $written)?);
                     $( *settings!(@get_mut doc $($path).+) = field.clone(); )+
@@ -431,6 +445,23 @@ settings! {
         ],
         combine: any,
     },
+    /// `--nodeport-addresses` / `nodePortAddresses` (`None`: every node address).
+    node_port_addresses: NodePortAddresses => nodeport_addresses {
+        default: None,
+        into: Some,
+        flags: {
+            /// Node addresses that serve NodePorts: comma-separated CIDRs, or `primary` (the
+            /// node's first InternalIP per family, kube-proxy's nftables default) [default: every
+            /// InternalIP and ExternalIP of this node's Node object] (kube-proxy's
+            /// --nodeport-addresses).
+            #[arg(allow_hyphen_values = true, long)]
+            nodeport_addresses,
+        },
+        file: TopLevel file::node_port_addresses => [
+            "nodePortAddresses" = node_port_addresses,
+        ],
+        written: |n: &Option<NodePortAddresses>, _| n.as_ref().map(|n| n.items()),
+    },
     /// `--udp-flow-timeout` / `conntrack.udpTimeout`.
     udp_flow_timeout: Duration => udp_flow_timeout {
         default: DEFAULT_UDP_FLOW_TIMEOUT,
@@ -466,7 +497,7 @@ settings! {
         // Unless given, written as null, so that each program applies its own default to the
         // file: 0 here (a preallocated table), 32768 in kube-proxy, for which 0 would mean
         // "leave nf_conntrack_max alone" after a rollback.
-        written: |n: u32, origin| match origin {
+        written: |n: &u32, origin| match origin {
             Origin::Default => Some(Value::Null),
             _ => n.field(),
         },

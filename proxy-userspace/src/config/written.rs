@@ -114,7 +114,7 @@ pub(super) fn effective(
         ),
         mode: text(""),
         nftables: Some(nftables(k, read)),
-        node_port_addresses: c.nodeport_addresses.as_ref().map(|n| n.items()),
+        node_port_addresses: None,
         oom_score_adj: num(c.oom_score_adj as i64),
         port_range: match &k.proxy_port_range {
             Some(r) => Some(r.clone()),
