@@ -161,7 +161,7 @@ fn agree<T: SettingValue>(given: &[(&str, Option<T>)]) -> Result<Option<T>> {
         match found {
             Some((first, f)) if f != v => bail!(
                 "{} {} differs from {} {}; give one value",
-                flag(*name),
+                flag(name),
                 v.show(),
                 flag(first),
                 f.show()
