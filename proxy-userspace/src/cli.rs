@@ -162,12 +162,12 @@ impl CheckArgs {
             Some(path) => Some(crate::config::load(path)?.settings),
             None => None,
         };
-        let flags = RunFlags {
+        let mut flags = RunFlags {
             config: self.config.clone(),
-            conntrack_max_per_core: self.conntrack_max_per_core,
-            conntrack_min: self.conntrack_min,
             ..Default::default()
         };
+        flags.settings.conntrack_max_per_core = self.conntrack_max_per_core;
+        flags.settings.conntrack_min = self.conntrack_min;
         Ok(crate::config::AgentConfig::resolve(flags, file)?.tc)
     }
 }

@@ -31,6 +31,7 @@ use super::defaults::{
     OOM_SCORE_ADJ_RANGE, kube_proxy as kp,
 };
 use super::go::{format_go_duration, parse_go_duration};
+use super::settings::{Section, SettingValues};
 use super::values::{
     ClusterCidrs, IpvsScheduler, LogFormat, NodePortAddresses, ProxyMode, ServerAddress,
     check_detect_local_mode,
@@ -114,41 +115,31 @@ pub struct FileSettings {
     pub healthz_bind_address: Option<SocketAddr>,
     /// `metricsBindAddress` (an IP alone gets port 10249).
     pub metrics_bind_address: Option<SocketAddr>,
-    /// `bindAddressHardFail`.
-    pub bind_address_hard_fail: Option<bool>,
     /// `clusterCIDR`.
     pub cluster_cidr: Option<ClusterCidrs>,
-    /// `nodePortAddresses`.
-    pub node_port_addresses: Option<NodePortAddresses>,
     /// `mode`; `None` when empty.
     pub mode: Option<ProxyMode>,
-    /// `{iptables,nftables,ipvs}.syncPeriod`.
-    pub sync_period: Option<Duration>,
-    /// `{iptables,nftables,ipvs}.minSyncPeriod`.
-    pub min_sync_period: Option<Duration>,
-    /// `iptables.masqueradeAll` or `nftables.masqueradeAll`.
-    pub masquerade_all: Option<bool>,
     /// `ipvs.scheduler`.
     pub ipvs_scheduler: Option<IpvsScheduler>,
-    /// `conntrack.udpTimeout`.
-    pub udp_flow_timeout: Option<Duration>,
-    /// `conntrack.maxPerCore` (`--conntrack-max-per-core`).
-    pub conntrack_max_per_core: Option<u32>,
-    /// `conntrack.min` (`--conntrack-min`).
-    pub conntrack_min: Option<u32>,
-    /// `conntrack.tcpEstablishedTimeout` (`--conntrack-tcp-timeout-established`).
-    pub conntrack_tcp_timeout_established: Option<Duration>,
-    /// `conntrack.udpStreamTimeout` (`--conntrack-udp-timeout-stream`).
-    pub conntrack_udp_timeout_stream: Option<Duration>,
     /// `logging.format`.
     pub log_format: Option<LogFormat>,
     /// `logging.verbosity` (`-v`).
     pub verbosity: Option<u32>,
     /// `oomScoreAdj`.
     pub oom_score_adj: Option<i32>,
+    /// The settings of the table of `settings` (read as fields of [`FileSettings`]).
+    pub values: SettingValues,
     /// The document as read, for `--write-config-to` (it keeps the values of the fields
     /// without an effect here).
     pub document: KubeProxyConfiguration,
+}
+
+impl std::ops::Deref for FileSettings {
+    type Target = SettingValues;
+
+    fn deref(&self) -> &SettingValues {
+        &self.values
+    }
 }
 
 /// A configuration file, read and validated.
@@ -202,9 +193,19 @@ fn duration(field: &str, v: &Option<Value>) -> Result<Option<Duration>> {
     }
 }
 
+/// A duration field where zero means unset (kube-proxy's defaulting replaces it).
+pub(super) fn nonzero_duration(field: &str, v: &Option<Value>) -> Result<Option<Duration>> {
+    Ok(duration(field, v)?.filter(|d| !d.is_zero()))
+}
+
+/// A boolean field, as read (serde checked its type).
+pub(super) fn boolean(_field: &str, v: &Option<bool>) -> Result<Option<bool>> {
+    Ok(*v)
+}
+
 /// A duration field where zero means unset (kube-proxy's "0 to leave as-is"); a value
 /// below 1 ms is an error.
-fn timeout(field: &str, v: &Option<Value>) -> Result<Option<Duration>> {
+pub(super) fn timeout(field: &str, v: &Option<Value>) -> Result<Option<Duration>> {
     let Some(d) = duration(field, v)?.filter(|d| !d.is_zero()) else {
         return Ok(None);
     };
@@ -229,6 +230,36 @@ fn count(field: &str, v: &Option<Value>, least: i64, most: i64) -> Result<Option
             ),
         },
     }
+}
+
+/// The reader of an integer field in `least..=most` (see [`count`]).
+pub(super) fn count_in<T>(least: T, most: T) -> impl Fn(&str, &Option<Value>) -> Result<Option<T>>
+where
+    T: Into<i64> + TryFrom<i64> + Copy,
+{
+    move |field, v| Ok(count(field, v, least.into(), most.into())?.and_then(|n| T::try_from(n).ok()))
+}
+
+/// `conntrack.min`: 0 is kube-proxy's "leave it as is", the default here; otherwise a number
+/// of flows from [`MIN_CONNTRACK_FLOWS`] to [`MAX_CONNTRACK_FLOWS`].
+pub(super) fn conntrack_min(field: &str, v: &Option<Value>) -> Result<Option<u32>> {
+    match v {
+        Some(v) if v.as_i64() == Some(0) => Ok(None),
+        v => count_in(MIN_CONNTRACK_FLOWS, MAX_CONNTRACK_FLOWS)(field, v),
+    }
+}
+
+/// `nodePortAddresses`: CIDRs, or `primary` alone; an empty list is `None`.
+pub(super) fn node_port_addresses(
+    field: &str,
+    v: &Option<Vec<String>>,
+) -> Result<Option<NodePortAddresses>> {
+    v.as_ref()
+        .filter(|v| !v.is_empty())
+        .map(|items| {
+            NodePortAddresses::from_items(items).map_err(|e| anyhow::anyhow!("{field}: {e}"))
+        })
+        .transpose()
 }
 
 /// An `ip:port` field (an IP alone gets `default_port`, as kube-proxy's defaulting appends
@@ -327,8 +358,9 @@ pub fn validate(file: &KubeProxyConfiguration) -> Result<Loaded> {
     top_level(file, &mut s, &mut w)?;
     sync_periods(file, &mut s)?;
     mode_sections(file, &mut s, &mut w)?;
+    s.values.read(file, Section::Conntrack)?;
     if let Some(c) = &file.conntrack {
-        conntrack(c, &mut s, &mut w)?;
+        conntrack(c, &mut w);
     }
     if let Some(c) = &file.client_connection {
         client_connection(c, &mut s, &mut w);
@@ -376,7 +408,6 @@ fn top_level(file: &KubeProxyConfiguration, s: &mut FileSettings, w: &mut Warnin
         }
         s.bind_address = Some(ip);
     }
-    s.bind_address_hard_fail = file.bind_address_hard_fail;
     s.healthz_bind_address = server_address(
         "healthzBindAddress",
         &file.healthz_bind_address,
@@ -391,12 +422,7 @@ fn top_level(file: &KubeProxyConfiguration, s: &mut FileSettings, w: &mut Warnin
         s.cluster_cidr = Some(c.parse().map_err(|e| anyhow::anyhow!("clusterCIDR: {e}"))?);
     }
     s.hostname_override = text(&file.hostname_override).map(str::to_string);
-    if let Some(items) = file.node_port_addresses.as_ref().filter(|v| !v.is_empty()) {
-        s.node_port_addresses = Some(
-            NodePortAddresses::from_items(items)
-                .map_err(|e| anyhow::anyhow!("nodePortAddresses: {e}"))?,
-        );
-    }
+    s.values.read(file, Section::TopLevel)?;
     let (least, most) = OOM_SCORE_ADJ_RANGE;
     s.oom_score_adj = count(
         "oomScoreAdj",
@@ -409,60 +435,10 @@ fn top_level(file: &KubeProxyConfiguration, s: &mut FileSettings, w: &mut Warnin
 }
 
 /// The sync periods: kube-proxy reads them from its mode's section. ebpf-proxy has no
-/// section of its own, so it takes them from any of the three; values given in several must
-/// agree, and the minimum must not be longer than the period.
+/// section of its own, so it takes them from any of the three (`settings`: values given in
+/// several must agree); the minimum must not be longer than the period.
 fn sync_periods(file: &KubeProxyConfiguration, s: &mut FileSettings) -> Result<()> {
-    let sections: [(&str, Option<&Value>, Option<&Value>); 3] = [
-        (
-            "nftables",
-            file.nftables.as_ref().and_then(|x| x.sync_period.as_ref()),
-            file.nftables
-                .as_ref()
-                .and_then(|x| x.min_sync_period.as_ref()),
-        ),
-        (
-            "iptables",
-            file.iptables.as_ref().and_then(|x| x.sync_period.as_ref()),
-            file.iptables
-                .as_ref()
-                .and_then(|x| x.min_sync_period.as_ref()),
-        ),
-        (
-            "ipvs",
-            file.ipvs.as_ref().and_then(|x| x.sync_period.as_ref()),
-            file.ipvs.as_ref().and_then(|x| x.min_sync_period.as_ref()),
-        ),
-    ];
-    for (field, min) in [("syncPeriod", false), ("minSyncPeriod", true)] {
-        let mut found: Option<(String, Duration)> = None;
-        for (name, sync, min_sync) in &sections {
-            let path = format!("{name}.{field}");
-            let v = if min { min_sync } else { sync };
-            let Some(d) = duration(&path, &v.cloned())? else {
-                continue;
-            };
-            // Zero is unset: kube-proxy's defaulting replaces it (30s, 1s); kubeadm writes
-            // 0s everywhere.
-            if d.is_zero() {
-                continue;
-            }
-            match &found {
-                Some((first, v)) if *v != d => bail!(
-                    "{path}: {} differs from {first} ({}); give one value",
-                    format_go_duration(d),
-                    format_go_duration(*v)
-                ),
-                Some(_) => {}
-                None => found = Some((path, d)),
-            }
-        }
-        let d = found.map(|(_, d)| d);
-        if min {
-            s.min_sync_period = d;
-        } else {
-            s.sync_period = d;
-        }
-    }
+    s.values.read(file, Section::SyncPeriods)?;
     if let (Some(min), Some(max)) = (s.min_sync_period, s.sync_period)
         && min > max
     {
@@ -476,17 +452,14 @@ fn sync_periods(file: &KubeProxyConfiguration, s: &mut FileSettings) -> Result<(
 }
 
 /// `iptables`, `nftables` and `ipvs` (their sync periods are read by [`sync_periods`]):
-/// `masqueradeAll` from either of the first two, `ipvs.scheduler`.
+/// `masqueradeAll` from either of the first two (by `settings`), `ipvs.scheduler`.
 fn mode_sections(
     file: &KubeProxyConfiguration,
     s: &mut FileSettings,
     w: &mut Warnings,
 ) -> Result<()> {
-    let mut masquerade_all = None;
+    s.values.read(file, Section::ModeSections)?;
     if let Some(t) = &file.iptables {
-        if t.masquerade_all.is_some() {
-            masquerade_all = Some(masquerade_all.unwrap_or(false) | set_bool(&t.masquerade_all));
-        }
         w.inert(
             "iptables.masqueradeBit",
             set_other_than_number(&t.masquerade_bit, kp::MASQUERADE_BIT),
@@ -497,16 +470,12 @@ fn mode_sections(
         w.unknown("iptables.", &t.other);
     }
     if let Some(t) = &file.nftables {
-        if t.masquerade_all.is_some() {
-            masquerade_all = Some(masquerade_all.unwrap_or(false) | set_bool(&t.masquerade_all));
-        }
         w.inert(
             "nftables.masqueradeBit",
             set_other_than_number(&t.masquerade_bit, kp::MASQUERADE_BIT),
         );
         w.unknown("nftables.", &t.other);
     }
-    s.masquerade_all = masquerade_all;
     if let Some(t) = &file.ipvs {
         if let Some(name) = text(&t.scheduler) {
             s.ipvs_scheduler = Some(
@@ -527,32 +496,9 @@ fn mode_sections(
     Ok(())
 }
 
-/// `conntrack`: the UDP flow timeout and the north-south conntrack table.
-fn conntrack(c: &Conntrack, s: &mut FileSettings, w: &mut Warnings) -> Result<()> {
-    s.udp_flow_timeout = timeout("conntrack.udpTimeout", &c.udp_timeout)?;
-    s.conntrack_max_per_core = count(
-        "conntrack.maxPerCore",
-        &c.max_per_core,
-        0,
-        MAX_CONNTRACK_FLOWS as i64,
-    )?
-    .map(|n| n as u32);
-    // 0 is kube-proxy's "leave it as is": the default here.
-    s.conntrack_min = match &c.min {
-        Some(v) if v.as_i64() == Some(0) => None,
-        v => count(
-            "conntrack.min",
-            v,
-            MIN_CONNTRACK_FLOWS as i64,
-            MAX_CONNTRACK_FLOWS as i64,
-        )?
-        .map(|n| n as u32),
-    };
-    s.conntrack_tcp_timeout_established = timeout(
-        "conntrack.tcpEstablishedTimeout",
-        &c.tcp_established_timeout,
-    )?;
-    s.conntrack_udp_timeout_stream = timeout("conntrack.udpStreamTimeout", &c.udp_stream_timeout)?;
+/// `conntrack`'s fields without an effect here (the UDP flow timeout and the north-south
+/// conntrack table are read by `settings`).
+fn conntrack(c: &Conntrack, w: &mut Warnings) {
     w.inert(
         "conntrack.tcpCloseWaitTimeout",
         set_other_than_duration(
@@ -562,7 +508,6 @@ fn conntrack(c: &Conntrack, s: &mut FileSettings, w: &mut Warnings) -> Result<()
     );
     w.inert("conntrack.tcpBeLiberal", set_bool(&c.tcp_be_liberal));
     w.unknown("conntrack.", &c.other);
-    Ok(())
 }
 
 /// `clientConnection`: the kubeconfig.

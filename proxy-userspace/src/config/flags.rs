@@ -1,9 +1,11 @@
 //! The agent's flags, bound with clap: ebpf-proxy's own and every flag of kube-proxy
 //! (`cmd/kube-proxy/app/options.go`, and the logging flags of component-base `logs/api/v1`,
-//! in kubernetes/kubernetes). A flag's name, help, syntax and range are defined here, once;
-//! its value type and parser are shared with the file ([`super::values`]), its default is in
-//! [`super::defaults`] (the help repeats it in words), and [`super::AgentConfig::resolve`]
-//! applies the flags given onto the settings, over the file.
+//! in kubernetes/kubernetes). A flag's name, help, syntax and range are defined once: here,
+//! or, for a setting that the file and a default give too, in its row of the table of
+//! `settings`, whose flags [`RunFlags`] flattens in. Its value type and parser are shared
+//! with the file ([`super::values`]), its default is in [`super::defaults`] (the help
+//! repeats it in words), and [`super::AgentConfig::resolve`] applies the flags given onto
+//! the settings, over the file.
 //!
 //! Settings left out are `None` (or empty), so that a flag given at its default value still
 //! overrides the file.
@@ -13,14 +15,13 @@ use std::{net::IpAddr, path::PathBuf, time::Duration};
 use anyhow::Result;
 use proxy_common::Algorithm;
 
-use super::defaults::{DEFAULT_BPFFS, DEFAULT_PIN_DIR, MAX_CONNTRACK_FLOWS, OOM_SCORE_ADJ_RANGE};
+use super::defaults::{DEFAULT_BPFFS, DEFAULT_PIN_DIR, OOM_SCORE_ADJ_RANGE};
 use super::go::{FeatureGates, parse_go_bool};
+use super::settings::{KUBE_PROXY_FLAGS, SettingFlags};
 use super::values::{
-    ClusterCidrs, LogFormat, NodePortAddresses, SchedulerFlag, ServerAddress,
-    check_detect_local_mode, number_in, parse_conntrack_min, parse_duration,
-    parse_positive_duration, parse_scheduler_flag, parse_timeout,
+    ClusterCidrs, LogFormat, SchedulerFlag, ServerAddress, check_detect_local_mode, number_in,
+    parse_duration, parse_scheduler_flag,
 };
-use crate::datapath::tc::XdpSetting;
 
 /// The bpffs mount and the pin directory (every subcommand that touches pins takes them).
 #[derive(clap::Args, Debug, Clone)]
@@ -61,26 +62,9 @@ fn parse_detect_local_mode(s: &str) -> Result<String, String> {
     check_detect_local_mode(s).map(|()| s.to_string())
 }
 
-/// `--north-south-mode`: `snat`, `dsr` or `hybrid`.
-fn parse_north_south_mode(s: &str) -> Result<crate::model::NorthSouthMode, String> {
-    crate::model::NorthSouthMode::from_name(s.trim())
-        .ok_or_else(|| format!("{s:?} is not a north-south mode (snat, dsr, hybrid)"))
-}
-
 fn parse_lb_algorithm(s: &str) -> Result<proxy_common::Algorithm, String> {
     crate::model::parse_algorithm(s)
         .ok_or_else(|| format!("{s:?} is not one of {}", crate::model::algorithm_names()))
-}
-
-fn parse_maglev_size(s: &str) -> Result<u32, String> {
-    let n: u32 = s.parse().map_err(|_| format!("{s:?} is not a number"))?;
-    if !crate::maglev::is_prime(n) || n as usize > proxy_common::MAGLEV_MAX || n < 7 {
-        return Err(format!(
-            "{n} is not a prime between 7 and {} (e.g. 251, 1021, 4093, 16381, 65521)",
-            proxy_common::MAGLEV_MAX
-        ));
-    }
-    Ok(n)
 }
 
 /// The flags of the agent (`ebpf-proxy run`, or `ebpf-proxy` with no subcommand as
@@ -101,16 +85,9 @@ pub struct RunFlags {
     /// attached: a missing or broken configuration stops start-up.
     #[arg(allow_hyphen_values = true, long)]
     pub kubeconfig: Option<PathBuf>,
-    /// Minimum time between two syncs from the API source; an isolated change after a
-    /// quiet period is applied at once; 0 syncs every change at once (kube-proxy's
-    /// --iptables-min-sync-period) [default: 1s].
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_duration)]
-    pub min_sync_period: Option<Duration>,
-    /// Period of the verification that compares the maps with what was applied and
-    /// repairs entries changed behind the agent's back (kube-proxy's --iptables-sync-period).
-    /// /healthz fails when an update stays pending for twice this long [default: 30s].
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_positive_duration)]
-    pub sync_period: Option<Duration>,
+    /// The settings of the table of `settings` (read as fields of [`RunFlags`]).
+    #[command(flatten)]
+    pub settings: SettingFlags,
     /// Address of the Prometheus metrics server (`/metrics`): ip:port, an IP alone (port
     /// 10249), or empty to disable it; port 0 picks a free port [default: 127.0.0.1:10249].
     #[arg(allow_hyphen_values = true, long)]
@@ -132,41 +109,12 @@ pub struct RunFlags {
     /// [default: random].
     #[arg(allow_hyphen_values = true, long, value_parser = parse_lb_algorithm)]
     pub lb_algorithm: Option<Algorithm>,
-    /// Which sockets the socket programs translate: `all`, or `host-only` (only the node's
-    /// own network namespace; pods are translated per packet on their interfaces, as
-    /// Cilium's `socketLB.hostNamespaceOnly`). Pods and namespaces also opt out one by one
-    /// with the label or annotation `ebpf-proxy.io/socket-lb: disabled` [default: all].
-    #[arg(allow_hyphen_values = true, long, value_enum)]
-    pub socket_lb_scope: Option<crate::model::bypass::SocketLbScope>,
-    /// How a flow from outside (node port, external or LB IP, `externalTrafficPolicy:
-    /// Cluster`) reaches a backend on another node: `snat` (source-NAT to this node's
-    /// address, kube-proxy's), `dsr` (direct server return: the packet is forwarded
-    /// encapsulated, IPIP or IPv6-in-IPv6, and the backend's node answers the client
-    /// directly; the backend sees the client's address), or `hybrid` (DSR for TCP, SNAT for
-    /// UDP). Every node must run the same mode (a DSR packet is accepted by the backend's
-    /// node only when it runs DSR for that Service too). Services override it with the
-    /// annotation `ebpf-proxy.io/north-south-mode` [default: snat].
-    #[arg(allow_hyphen_values = true, long, value_name = "MODE", value_parser = parse_north_south_mode)]
-    pub north_south_mode: Option<crate::model::NorthSouthMode>,
-    /// Level of the kernel programs' own log lines (aya-log), forwarded to the agent's log
-    /// under the target `ebpf_proxy::kernel` whatever `--log-level` says: off, error, warn,
-    /// info, debug (one line per decision: a connection translated or refused, a packet
-    /// flow started, dropped or rejected) or trace (also every connect() to an address
-    /// that is no frontend). Off costs nothing: the verifier removes the disabled lines
-    /// [default: off].
-    #[arg(allow_hyphen_values = true, long, value_enum)]
-    pub kernel_log_level: Option<crate::datapath::loader::KernelLogLevel>,
     /// Close the TCP connections of client sockets translated to an endpoint that left its
     /// Service (gone from the EndpointSlices, or neither ready nor serving), with sock_diag's
     /// SOCK_DESTROY in the socket's network namespace, as `ss -K` does. Off by default, as
     /// kube-proxy leaves established connections alone [default: false].
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", value_parser = parse_go_bool, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub close_connections_to_removed_endpoints: bool,
-    /// Size of the Maglev lookup tables of source-hash and maglev Services: a prime from 7 to
-    /// 65521 (larger tables spread backends more evenly; each costs 4 bytes per entry)
-    /// [default: 16381].
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_maglev_size)]
-    pub maglev_table_size: Option<u32>,
     /// Address of the health server (`/healthz`, `/livez`): ip:port, an IP alone (port
     /// 10256), or empty to disable it; port 0 picks a free port [default: 0.0.0.0:10256].
     #[arg(allow_hyphen_values = true, long)]
@@ -191,87 +139,34 @@ pub struct RunFlags {
     /// client outside the prefix of its family is masqueraded (tc path).
     #[arg(allow_hyphen_values = true, long)]
     pub cluster_cidr: Option<ClusterCidrs>,
-    /// Node addresses that serve NodePorts: comma-separated CIDRs, or `primary` (the
-    /// node's first InternalIP per family, kube-proxy's nftables default) [default: every
-    /// InternalIP and ExternalIP of this node's Node object] (kube-proxy's
-    /// --nodeport-addresses).
-    #[arg(allow_hyphen_values = true, long)]
-    pub nodeport_addresses: Option<NodePortAddresses>,
-    /// Size of the frontend map (VIP x port x protocol, plus one entry per VIP) when created
-    /// [default: 65536].
-    #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
-    pub max_frontends: Option<u32>,
-    /// Size of the backend slot map (sum of all services' endpoint counts) when created
-    /// [default: 262144].
-    #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
-    pub max_backend_slots: Option<u32>,
-    /// Size of the backend map (distinct endpoint address x port x protocol) when created
-    /// [default: 131072].
-    #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
-    pub max_backends: Option<u32>,
-    /// Size of the per-socket reverse-NAT and UDP flow maps (LRU) when created; connected
-    /// sockets' reverse-NAT slots get the largest power of two not above it
-    /// [default: 262144].
-    #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
-    pub max_sockets: Option<u32>,
-    /// Idle time after which an unconnected UDP flow picks a backend anew, like conntrack's
-    /// nf_conntrack_udp_timeout (e.g. 30s, 2m; kube-proxy's --conntrack-udp-timeout)
-    /// [default: 30s].
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_positive_duration)]
-    pub udp_flow_timeout: Option<Duration>,
     /// Interfaces that serve NodePorts, external IPs and LB IPs to traffic from outside the
     /// node, comma-separated [default: the interfaces of the agent's network namespace that
     /// carry one of this node's InternalIP/ExternalIP addresses from its Node object].
     #[arg(allow_hyphen_values = true, long, value_delimiter = ',')]
     pub interfaces: Vec<String>,
-    /// XDP in front of the tcx programs on the external interfaces, for the same
-    /// NodePorts, external IPs and LB IPs with the same conntrack: `native` (driver XDP on
-    /// every external interface; an interface without it is an error), `best-effort`
-    /// (native where the driver supports it, else generic XDP, else the tcx programs
-    /// alone) or `disabled`. `ebpf-proxy check` tells which interfaces have native XDP
-    /// [default: disabled].
-    #[arg(allow_hyphen_values = true, long, value_enum, value_name = "MODE")]
-    pub xdp: Option<XdpSetting>,
     /// The peers of veth external interfaces run an XDP program in native mode, so frames
     /// the XDP program sends back or redirects into a veth are delivered: lets --xdp use
     /// native XDP on veths, which it otherwise refuses (native) or skips (best-effort)
     /// [default: false].
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", value_parser = parse_go_bool, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub xdp_veth_peers_ready: bool,
-    /// Source-NAT every external flow of a Cluster-policy Service to the node address, also
-    /// when the backend runs on this node (kube-proxy's --masquerade-all).
-    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
-    pub masquerade_all: Option<bool>,
-    /// Flows tracked per CPU by the north-south conntrack table (kube-proxy's
-    /// --conntrack-max-per-core); the table holds max(this x CPUs, --conntrack-min) flows.
-    /// The table is preallocated (about 320 bytes per flow), unlike the kernel's conntrack
-    /// limit kube-proxy sets, so the default is 0: --conntrack-min alone, whatever the core
-    /// count. Fixed when the pinned table is created [default: 0].
-    #[arg(long, allow_hyphen_values = true, value_parser = number_in(0u32, MAX_CONNTRACK_FLOWS), value_name = "N")]
-    pub conntrack_max_per_core: Option<u32>,
-    /// Least number of flows of the north-south conntrack table (kube-proxy's
-    /// --conntrack-min), from 1024 (smaller LRU tables lose live flows to the kernel's batch
-    /// eviction) to 16777216; 0 keeps the default [default: 131072].
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_conntrack_min, value_name = "N")]
-    pub conntrack_min: Option<u32>,
-    /// Idle timeout of an established TCP flow in the north-south conntrack (kube-proxy's
-    /// --conntrack-tcp-timeout-established), e.g. 24h; 0 keeps the default [default: 24h].
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_timeout)]
-    pub conntrack_tcp_timeout_established: Option<Duration>,
-    /// Idle timeout of a UDP flow that saw replies in the north-south conntrack (kube-proxy's
-    /// --conntrack-udp-timeout-stream, the kernel's nf_conntrack_udp_timeout_stream), e.g.
-    /// 2m; 0 keeps the default. Unreplied UDP flows use --udp-flow-timeout [default: 2m].
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_timeout)]
-    pub conntrack_udp_timeout_stream: Option<Duration>,
     /// kube-proxy's other flags.
     #[command(flatten)]
     pub kube_proxy: KubeProxyFlags,
 }
 
+impl std::ops::Deref for RunFlags {
+    type Target = SettingFlags;
+
+    fn deref(&self) -> &SettingFlags {
+        &self.settings
+    }
+}
+
 /// kube-proxy's flags that ebpf-proxy has no name of its own for (the others are in
 /// [`RunFlags`] under their kube-proxy names). Each is `None` unless given.
 #[derive(clap::Args, Debug, Clone, Default)]
-#[command(next_help_heading = "kube-proxy flags")]
+#[command(next_help_heading = KUBE_PROXY_FLAGS)]
 pub struct KubeProxyFlags {
     /// Write the effective configuration (flags, --config and defaults merged) to FILE as a
     /// KubeProxyConfiguration and exit.
@@ -292,29 +187,10 @@ pub struct KubeProxyFlags {
     /// URL of the Kubernetes API server, overriding the kubeconfig's.
     #[arg(allow_hyphen_values = true, long, value_name = "URL")]
     pub master: Option<String>,
-    /// Exit when the health or metrics server cannot bind its address (otherwise the bind is
-    /// retried every 5 s while the data path runs).
-    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
-    pub bind_address_hard_fail: Option<bool>,
-    /// Same as --sync-period.
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_positive_duration, value_name = "DURATION")]
-    pub iptables_sync_period: Option<Duration>,
-    /// Same as --min-sync-period.
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, value_name = "DURATION")]
-    pub iptables_min_sync_period: Option<Duration>,
-    /// Same as --sync-period.
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_positive_duration, value_name = "DURATION")]
-    pub ipvs_sync_period: Option<Duration>,
-    /// Same as --min-sync-period.
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, value_name = "DURATION")]
-    pub ipvs_min_sync_period: Option<Duration>,
     /// Default algorithm by its IPVS scheduler name: rr, wrr, lc, wlc, sed, nq, sh, dh, mh
     /// (see --lb-algorithm; mh is source-hash); empty keeps the default algorithm.
     #[arg(allow_hyphen_values = true, long, value_name = "SCHEDULER", value_parser = parse_scheduler_flag, conflicts_with = "lb_algorithm")]
     pub ipvs_scheduler: Option<SchedulerFlag>,
-    /// Same as --udp-flow-timeout (0 keeps the default).
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_timeout, value_name = "DURATION")]
-    pub conntrack_udp_timeout: Option<Duration>,
     /// oom_score_adj of the agent process, -1000..=1000 [default: -999].
     #[arg(long, allow_hyphen_values = true, value_parser = number_in(OOM_SCORE_ADJ_RANGE.0, OOM_SCORE_ADJ_RANGE.1), value_name = "N")]
     pub oom_score_adj: Option<i32>,

@@ -18,21 +18,28 @@
 //! shared by the flags and the file, `values`; the flags, `flags`; the file, read and
 //! checked section by section, `file`; the merge and the checks across settings,
 //! `resolve`; the written-back `KubeProxyConfiguration`, built from [`AgentConfig`],
-//! `written`.
+//! `written`. The settings that a flag (or several names of one), the file and a default
+//! give in the same way, or a flag and a default alone, are each defined once, by a row of
+//! the table of `settings`, from which their flags, their reading and checking in the file,
+//! their precedence and their written-back fields are made.
 //!
-//! Adding a setting: its field in [`AgentConfig`] and its default in `defaults`; its flag
-//! in `flags` (a value type of `values` when the file takes it too); for a
-//! `KubeProxyConfiguration` field, its `FileSettings` field read in the field's section
-//! of `file` (the document types already hold every v1alpha1 field) and its line in the
-//! section of `written`; then its one precedence line in `resolve`. A kube-proxy flag or
-//! field that gains an effect leaves the warnings of `KubeProxyFlags::warnings` and
-//! `file::validate`.
+//! Adding a setting: its field in [`AgentConfig`] (or in the settings of the part that uses
+//! it, such as the north-south path's), and its row in the table of `settings`: its default
+//! (a constant of `defaults` when something else shares it), its flags with their help and
+//! value parser (a value type of `values`), and for a `KubeProxyConfiguration` field the
+//! section and fields that give it with their reader (the document types already hold
+//! every v1alpha1 field) and, when not the usual one, its written-back form. A setting of
+//! another shape (sources that combine otherwise, a value that depends on other settings)
+//! has its flag in `flags`, its reading in `file`, its precedence line in `resolve` and its
+//! line in `written`. A kube-proxy flag or field that gains an effect leaves the warnings of
+//! `KubeProxyFlags::warnings` and `file::validate`.
 
 pub(crate) mod defaults;
 pub(crate) mod file;
 pub(crate) mod flags;
 pub(crate) mod go;
 mod resolve;
+mod settings;
 pub(crate) mod values;
 mod written;
 
@@ -80,9 +87,10 @@ pub const KIND: &str = "KubeProxyConfiguration";
 
 /// What the process does with the settings (kube-proxy's order: `--write-config-to` first,
 /// then `--cleanup`, then `--init-only`).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub enum Action {
     /// Run the agent.
+    #[default]
     Run,
     /// `--write-config-to FILE`: write the effective configuration and exit.
     WriteConfig(PathBuf),
@@ -93,7 +101,7 @@ pub enum Action {
 }
 
 /// Sizes of the maps created at start (adopted pins keep theirs).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct MapSizeSettings {
     /// `--max-frontends`.
     pub frontends: u32,
@@ -107,7 +115,10 @@ pub(crate) struct MapSizeSettings {
 
 /// Every setting of the agent, merged once from the flags, the configuration file and the
 /// defaults (a flag given wins, then the file, then the default), typed.
-#[derive(Clone, Debug)]
+///
+/// `AgentConfig::default()` holds zero values, not the settings' defaults: those are what
+/// [`AgentConfig::resolve`] gives without flags and file.
+#[derive(Clone, Debug, Default)]
 pub struct AgentConfig {
     /// What to do.
     pub action: Action,

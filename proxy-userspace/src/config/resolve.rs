@@ -1,24 +1,23 @@
 //! [`AgentConfig::resolve`]: the flags given, the file's settings and the defaults applied onto
-//! the one settings type, each setting's precedence written once here (a flag given wins, then
-//! the file, then the default of [`super::defaults`]), then the checks across settings, then
-//! the written-back document built from the result ([`super::written`]).
+//! the one settings type (a flag given wins, then the file, then the default of
+//! [`super::defaults`]): by the table of `settings` for its settings, by one line each here
+//! for the others; then the checks across settings, then the written-back document built
+//! from the result ([`super::written`]).
 
-use std::{net::SocketAddr, time::Duration};
+use std::net::SocketAddr;
 
 use anyhow::{Result, bail};
 use proxy_common::Algorithm;
 
 use super::defaults::{
-    self, DEFAULT_CONNTRACK_MAX_PER_CORE, DEFAULT_CONNTRACK_MIN, DEFAULT_CT_TCP_ESTABLISHED,
-    DEFAULT_CT_UDP_STREAM, DEFAULT_LOG_LEVEL, DEFAULT_MAX_BACKENDS, DEFAULT_MAX_FRONTENDS,
-    DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCKETS, DEFAULT_MIN_SYNC_PERIOD, DEFAULT_OOM_SCORE_ADJ,
-    DEFAULT_STATUS_PORT, DEFAULT_SYNC_PERIOD, DEFAULT_UDP_FLOW_TIMEOUT, MAGLEV_DEFAULT, MAX_PERIOD,
+    self, DEFAULT_LOG_LEVEL, DEFAULT_OOM_SCORE_ADJ, DEFAULT_STATUS_PORT, MAX_PERIOD,
 };
 use super::go::format_go_duration;
+use super::settings::{self, Origin, Origins};
 use super::values::{IpvsScheduler, LogFormat, ProxyMode, SchedulerFlag, ServerAddress};
 use super::{
-    Action, AgentConfig, FileSettings, KubeProxyConfiguration, KubeProxyFlags, MapSizeSettings,
-    RunFlags, SourceChoice, written,
+    Action, AgentConfig, FileSettings, KubeProxyConfiguration, KubeProxyFlags, RunFlags,
+    SourceChoice, written,
 };
 use crate::datapath::tc::TcSettings;
 
@@ -38,18 +37,9 @@ impl AgentConfig {
         // Refuses every mode but ebpf; the value itself is kept for the tests only.
         #[cfg_attr(not(test), allow(unused_variables))]
         let proxy_mode = proxy_mode(&flags, &f, &action)?;
-        let periods = SyncPeriodFlags::given(&flags)?;
+        // The table's settings the flags give (several names of one setting must agree).
+        let given = flags.settings.given()?;
         let hostname_override = hostname_override(&flags, &f)?;
-        let udp_flow_timeout = agree(
-            &[
-                ("--udp-flow-timeout", flags.udp_flow_timeout),
-                (
-                    "--conntrack-udp-timeout",
-                    k.conntrack_udp_timeout.filter(|d| !d.is_zero()),
-                ),
-            ],
-            format_go_duration,
-        )?;
         let (log_level, verbosity, log_format) = logging(&flags, &f);
         let bind_address = k.bind_address.or(f.bind_address);
         let ipv6 = bind_address.is_some_and(|ip| ip.is_ipv6());
@@ -59,14 +49,6 @@ impl AgentConfig {
             proxy_mode,
             source: source(&flags, &f),
             master: k.master.clone().filter(|m| !m.trim().is_empty()),
-            min_sync_period: periods
-                .min
-                .or(f.min_sync_period)
-                .unwrap_or(DEFAULT_MIN_SYNC_PERIOD),
-            sync_period: periods
-                .sync
-                .or(f.sync_period)
-                .unwrap_or(DEFAULT_SYNC_PERIOD),
             metrics_bind_address: server(
                 flags.metrics_bind_address,
                 f.metrics_bind_address,
@@ -83,19 +65,11 @@ impl AgentConfig {
                 Some(a) => a.resolve(DEFAULT_STATUS_PORT),
                 None => Some(defaults::status_bind_address()),
             },
-            bind_address_hard_fail: k
-                .bind_address_hard_fail
-                .or(f.bind_address_hard_fail)
-                .unwrap_or(false),
             bind_address,
             cgroup_path: flags.cgroup_path.clone(),
             pins: flags.pins.clone(),
             hostname_override,
             lb_algorithm: lb_algorithm(&flags, &f),
-            maglev_table_size: flags.maglev_table_size.unwrap_or(MAGLEV_DEFAULT),
-            socket_lb_scope: flags.socket_lb_scope.unwrap_or_default(),
-            north_south_mode: flags.north_south_mode.unwrap_or_default(),
-            kernel_log_level: flags.kernel_log_level.unwrap_or_default(),
             close_connections_to_removed_endpoints: flags.close_connections_to_removed_endpoints,
             log_level,
             verbosity,
@@ -106,51 +80,41 @@ impl AgentConfig {
                 .or(f.cluster_cidr.clone())
                 .map(|c| c.0)
                 .unwrap_or_default(),
-            nodeport_addresses: flags
-                .nodeport_addresses
-                .clone()
-                .or(f.node_port_addresses.clone()),
-            map_sizes: map_sizes(&flags),
-            udp_flow_timeout: udp_flow_timeout
-                .or(f.udp_flow_timeout)
-                .unwrap_or(DEFAULT_UDP_FLOW_TIMEOUT),
-            tc: north_south(&flags, &f),
+            tc: north_south(&flags),
             oom_score_adj: k
                 .oom_score_adj
                 .or(f.oom_score_adj)
                 .unwrap_or(DEFAULT_OOM_SCORE_ADJ),
             warnings: warnings(&flags),
             document: KubeProxyConfiguration::default(),
+            // The table's settings, set below.
+            ..AgentConfig::default()
         };
-        c.check_sync_periods(&periods, &f)?;
-        // Whether the operator chose a per-core figure: the written file leaves it unset
-        // otherwise (see `written::effective`).
-        let max_per_core_given =
-            flags.conntrack_max_per_core.is_some() || f.conntrack_max_per_core.is_some();
-        c.document = written::effective(&c, k, &f.document, max_per_core_given);
+        let origins = settings::apply(&mut c, &given, &f.values);
+        c.check_sync_periods(&origins)?;
+        c.document = written::effective(&c, k, &f.document, &origins);
         Ok(c)
     }
 
     /// kube-proxy's validation of the sync periods, whether they come from flags or the
     /// file: the period at most [`MAX_PERIOD`], the minimum not longer than the period.
-    fn check_sync_periods(&self, flags: &SyncPeriodFlags, f: &FileSettings) -> Result<()> {
+    fn check_sync_periods(&self, origins: &Origins) -> Result<()> {
         if self.sync_period > MAX_PERIOD {
             bail!("--sync-period must be at most 8760h (a year)");
         }
         if self.min_sync_period > self.sync_period {
             // Name where each value came from: a flag, the config file, or the default.
-            let origin =
-                |flag: Option<Duration>, file: Option<Duration>, field: &str| match (flag, file) {
-                    (Some(_), _) => String::new(),
-                    (None, Some(_)) => format!(", the config file's {field}"),
-                    (None, None) => ", the default".to_string(),
-                };
+            let origin = |origin: Origin, field: &str| match origin {
+                Origin::Flag => String::new(),
+                Origin::File => format!(", the config file's {field}"),
+                Origin::Default => ", the default".to_string(),
+            };
             bail!(
                 "--min-sync-period ({}{}) is longer than --sync-period ({}{})",
                 format_go_duration(self.min_sync_period),
-                origin(flags.min, f.min_sync_period, "minSyncPeriod"),
+                origin(origins.min_sync_period, "minSyncPeriod"),
                 format_go_duration(self.sync_period),
-                origin(flags.sync, f.sync_period, "syncPeriod"),
+                origin(origins.sync_period, "syncPeriod"),
             );
         }
         Ok(())
@@ -198,57 +162,6 @@ fn source(flags: &RunFlags, f: &FileSettings) -> SourceChoice {
         Some(m) => SourceChoice::Manifests(m.clone()),
         None => SourceChoice::Api(flags.kubeconfig.clone().or(f.kubeconfig.clone())),
     }
-}
-
-/// The sync periods the flags give: each under its three kube-proxy names, which must agree.
-struct SyncPeriodFlags {
-    sync: Option<Duration>,
-    min: Option<Duration>,
-}
-
-impl SyncPeriodFlags {
-    fn given(flags: &RunFlags) -> Result<SyncPeriodFlags> {
-        let k = &flags.kube_proxy;
-        let sync = agree(
-            &[
-                ("--sync-period", flags.sync_period),
-                ("--iptables-sync-period", k.iptables_sync_period),
-                ("--ipvs-sync-period", k.ipvs_sync_period),
-            ],
-            format_go_duration,
-        )?;
-        let min = agree(
-            &[
-                ("--min-sync-period", flags.min_sync_period),
-                ("--iptables-min-sync-period", k.iptables_min_sync_period),
-                ("--ipvs-min-sync-period", k.ipvs_min_sync_period),
-            ],
-            format_go_duration,
-        )?;
-        Ok(SyncPeriodFlags { sync, min })
-    }
-}
-
-/// The one value of a setting given by several flags (kube-proxy's per-mode names of one
-/// setting): they must agree.
-fn agree<T: PartialEq + Copy>(
-    given: &[(&str, Option<T>)],
-    show: impl Fn(T) -> String,
-) -> Result<Option<T>> {
-    let mut found: Option<(&str, T)> = None;
-    for (name, v) in given {
-        let Some(v) = v else { continue };
-        match found {
-            Some((first, f)) if f != *v => bail!(
-                "{name} {} differs from {first} {}; give one value",
-                show(*v),
-                show(f)
-            ),
-            Some(_) => {}
-            None => found = Some((name, *v)),
-        }
-    }
-    Ok(found.map(|(_, v)| v))
 }
 
 /// `--hostname-override`, else the file's, trimmed and lowercased as kube-proxy does; an
@@ -326,43 +239,13 @@ fn server(
     addr
 }
 
-/// The map sizes: flags only (`KubeProxyConfiguration` has no field for them).
-fn map_sizes(flags: &RunFlags) -> MapSizeSettings {
-    MapSizeSettings {
-        frontends: flags.max_frontends.unwrap_or(DEFAULT_MAX_FRONTENDS),
-        slots: flags.max_backend_slots.unwrap_or(DEFAULT_MAX_SLOTS),
-        backends: flags.max_backends.unwrap_or(DEFAULT_MAX_BACKENDS),
-        sockets: flags.max_sockets.unwrap_or(DEFAULT_MAX_SOCKETS),
-    }
-}
-
-/// The north-south path; a conntrack flag at 0 keeps the file's value or the default, as
-/// kube-proxy's "leave as is".
-fn north_south(flags: &RunFlags, f: &FileSettings) -> TcSettings {
+/// The north-south path (`--xdp`, `--masquerade-all` and the conntrack settings are the
+/// table's, set by `settings`).
+fn north_south(flags: &RunFlags) -> TcSettings {
     TcSettings {
         interfaces: flags.interfaces.clone(),
-        xdp: flags.xdp.unwrap_or_default(),
         xdp_veth_peers_ready: flags.xdp_veth_peers_ready,
-        masquerade_all: flags.masquerade_all.or(f.masquerade_all).unwrap_or(false),
-        conntrack_max_per_core: flags
-            .conntrack_max_per_core
-            .or(f.conntrack_max_per_core)
-            .unwrap_or(DEFAULT_CONNTRACK_MAX_PER_CORE),
-        conntrack_min: flags
-            .conntrack_min
-            .filter(|&n| n != 0)
-            .or(f.conntrack_min)
-            .unwrap_or(DEFAULT_CONNTRACK_MIN),
-        conntrack_tcp_timeout_established: flags
-            .conntrack_tcp_timeout_established
-            .filter(|d| !d.is_zero())
-            .or(f.conntrack_tcp_timeout_established)
-            .unwrap_or(DEFAULT_CT_TCP_ESTABLISHED),
-        conntrack_udp_timeout_stream: flags
-            .conntrack_udp_timeout_stream
-            .filter(|d| !d.is_zero())
-            .or(f.conntrack_udp_timeout_stream)
-            .unwrap_or(DEFAULT_CT_UDP_STREAM),
+        ..TcSettings::default()
     }
 }
 

@@ -1391,3 +1391,22 @@ fn help_states_the_defaults_applied() {
     }
     assert!(stated("log-level").starts_with(d::DEFAULT_LOG_LEVEL));
 }
+
+/// The `KubeProxyConfiguration` fields the table of `settings` names, as its messages name
+/// them, are the document's own: each is in the written-back document under that path
+/// (`nodePortAddresses` is written when set).
+#[test]
+fn the_settings_table_names_the_documents_fields() {
+    let yaml = resolve(&["--nodeport-addresses=primary"], None)
+        .unwrap()
+        .kube_proxy_configuration();
+    let doc: serde_yaml_ng::Value = serde_yaml_ng::from_str(&yaml).unwrap();
+    for path in settings::FIELDS {
+        let mut v = &doc;
+        for key in path.split('.') {
+            v = v
+                .get(key)
+                .unwrap_or_else(|| panic!("{path} is not in\n{yaml}"));
+        }
+    }
+}

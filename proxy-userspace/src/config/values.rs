@@ -397,3 +397,21 @@ pub(super) fn parse_scheduler_flag(s: &str) -> Result<SchedulerFlag, String> {
     }
     s.parse().map(|sch| SchedulerFlag(Some(sch)))
 }
+
+/// `--north-south-mode`: `snat`, `dsr` or `hybrid`.
+pub(super) fn parse_north_south_mode(s: &str) -> Result<crate::model::NorthSouthMode, String> {
+    crate::model::NorthSouthMode::from_name(s.trim())
+        .ok_or_else(|| format!("{s:?} is not a north-south mode (snat, dsr, hybrid)"))
+}
+
+/// `--maglev-table-size`: a prime from 7 to the largest table the kernel programs take.
+pub(super) fn parse_maglev_size(s: &str) -> Result<u32, String> {
+    let n: u32 = s.parse().map_err(|_| format!("{s:?} is not a number"))?;
+    if !crate::maglev::is_prime(n) || n as usize > proxy_common::MAGLEV_MAX || n < 7 {
+        return Err(format!(
+            "{n} is not a prime between 7 and {} (e.g. 251, 1021, 4093, 16381, 65521)",
+            proxy_common::MAGLEV_MAX
+        ));
+    }
+    Ok(n)
+}

@@ -9,7 +9,8 @@
 //!
 //! A kube-proxy flag without an effect here is written as given, over the file's value. Each
 //! section is built by one function below, from the settings ([`AgentConfig`]), the file as
-//! read and the kube-proxy flags.
+//! read and the kube-proxy flags; then the settings of the table of `settings` are written
+//! into their fields, as its rows say.
 
 use std::time::Duration;
 
@@ -20,6 +21,7 @@ use super::file::{
     ClientConnection, Conntrack, DetectLocal, IpTables, Ipvs, KubeProxyConfiguration, Logging,
     NfTables, Winkernel,
 };
+use super::settings::{self, Origins};
 use super::{
     API_VERSION, AgentConfig, IpvsScheduler, KIND, KubeProxyFlags, SourceChoice,
     go::format_go_duration,
@@ -56,22 +58,21 @@ fn flag(file: &Option<bool>, base: bool) -> Option<bool> {
 }
 
 /// Builds the effective document of `c`, from the file as read (`read`, default when there
-/// is none) and the kube-proxy flags `k`. Unless `max_per_core_given`, `conntrack.maxPerCore`
-/// is written as null (see [`conntrack`]).
+/// is none), the kube-proxy flags `k` and where the table's settings came from (`origins`).
 pub(super) fn effective(
     c: &AgentConfig,
     k: &KubeProxyFlags,
     read: &KubeProxyConfiguration,
-    max_per_core_given: bool,
+    origins: &Origins,
 ) -> KubeProxyConfiguration {
-    KubeProxyConfiguration {
+    let mut doc = KubeProxyConfiguration {
         api_version: text(API_VERSION),
         bind_address: Some(
             c.bind_address
                 .map(|ip| ip.to_string())
                 .unwrap_or_else(|| kp::BIND_ADDRESS.into()),
         ),
-        bind_address_hard_fail: Some(c.bind_address_hard_fail),
+        bind_address_hard_fail: None,
         client_connection: Some(client_connection(c, k, read)),
         cluster_cidr: Some(
             c.cluster_cidrs
@@ -84,7 +85,7 @@ pub(super) fn effective(
             Some(d) => dur(d),
             None => value(&read.config_sync_period, dur(kp::CONFIG_SYNC_PERIOD)),
         },
-        conntrack: Some(conntrack(c, k, read, max_per_core_given)),
+        conntrack: Some(conntrack(k, read)),
         detect_local: Some(detect_local(k, read)),
         detect_local_mode: match &k.detect_local_mode {
             Some(m) => Some(m.clone()),
@@ -102,7 +103,7 @@ pub(super) fn effective(
                 .unwrap_or_default(),
         ),
         hostname_override: Some(c.hostname_override.clone().unwrap_or_default()),
-        iptables: Some(iptables(c, k, read)),
+        iptables: Some(iptables(k, read)),
         ipvs: Some(ipvs(c, k, read)),
         kind: text(KIND),
         logging: Some(logging(c, k, read)),
@@ -112,8 +113,8 @@ pub(super) fn effective(
                 .unwrap_or_default(),
         ),
         mode: text(""),
-        nftables: Some(nftables(c, k, read)),
-        node_port_addresses: c.nodeport_addresses.as_ref().map(|n| n.items()),
+        nftables: Some(nftables(k, read)),
+        node_port_addresses: None,
         oom_score_adj: num(c.oom_score_adj as i64),
         port_range: match &k.proxy_port_range {
             Some(r) => Some(r.clone()),
@@ -126,7 +127,9 @@ pub(super) fn effective(
         windows_run_as_service: read.windows_run_as_service.filter(|b| *b),
         winkernel: Some(winkernel(read)),
         other: Default::default(),
-    }
+    };
+    settings::write(c, origins, &mut doc);
+    doc
 }
 
 /// `clientConnection`: the kubeconfig of the API source.
@@ -159,24 +162,10 @@ fn client_connection(
     }
 }
 
-/// `conntrack`: the north-south conntrack table and the UDP flow timeout.
-///
-/// Unless given (`max_per_core_given`), `maxPerCore` is written as null, so that each
-/// program applies its own default to the file: 0 here (a preallocated table), 32768 in
-/// kube-proxy, for which 0 would mean "leave nf_conntrack_max alone" after a rollback.
-fn conntrack(
-    c: &AgentConfig,
-    k: &KubeProxyFlags,
-    read: &KubeProxyConfiguration,
-    max_per_core_given: bool,
-) -> Conntrack {
+/// `conntrack`: the fields without an effect here (the others are the table's).
+fn conntrack(k: &KubeProxyFlags, read: &KubeProxyConfiguration) -> Conntrack {
     let rt = read.conntrack.clone().unwrap_or_default();
     Conntrack {
-        max_per_core: match max_per_core_given {
-            true => num(c.tc.conntrack_max_per_core as i64),
-            false => Some(Value::Null),
-        },
-        min: num(c.tc.conntrack_min as i64),
         tcp_be_liberal: k
             .conntrack_tcp_be_liberal
             .or(flag(&rt.tcp_be_liberal, false)),
@@ -187,10 +176,7 @@ fn conntrack(
                 dur(kp::CONNTRACK_TCP_CLOSE_WAIT_TIMEOUT),
             ),
         },
-        tcp_established_timeout: dur(c.tc.conntrack_tcp_timeout_established),
-        udp_stream_timeout: dur(c.tc.conntrack_udp_timeout_stream),
-        udp_timeout: dur(c.udp_flow_timeout),
-        other: Default::default(),
+        ..Default::default()
     }
 }
 
@@ -210,30 +196,26 @@ fn detect_local(k: &KubeProxyFlags, read: &KubeProxyConfiguration) -> DetectLoca
     }
 }
 
-/// `iptables`: the sync periods and `masqueradeAll`, as in every mode's section.
-fn iptables(c: &AgentConfig, k: &KubeProxyFlags, read: &KubeProxyConfiguration) -> IpTables {
+/// `iptables`: the fields without an effect here (`masqueradeAll` and the sync periods are
+/// the table's).
+fn iptables(k: &KubeProxyFlags, read: &KubeProxyConfiguration) -> IpTables {
     let ri = read.iptables.clone().unwrap_or_default();
     IpTables {
         localhost_node_ports: k
             .iptables_localhost_nodeports
             .or(flag(&ri.localhost_node_ports, kp::LOCALHOST_NODE_PORTS)),
-        masquerade_all: Some(c.tc.masquerade_all),
         masquerade_bit: masquerade_bit(k, &ri.masquerade_bit),
-        min_sync_period: dur(c.min_sync_period),
-        sync_period: dur(c.sync_period),
-        other: Default::default(),
+        ..Default::default()
     }
 }
 
-/// `nftables`: the sync periods and `masqueradeAll`, as in every mode's section.
-fn nftables(c: &AgentConfig, k: &KubeProxyFlags, read: &KubeProxyConfiguration) -> NfTables {
+/// `nftables`: the fields without an effect here (`masqueradeAll` and the sync periods are
+/// the table's).
+fn nftables(k: &KubeProxyFlags, read: &KubeProxyConfiguration) -> NfTables {
     let rn = read.nftables.clone().unwrap_or_default();
     NfTables {
-        masquerade_all: Some(c.tc.masquerade_all),
         masquerade_bit: masquerade_bit(k, &rn.masquerade_bit),
-        min_sync_period: dur(c.min_sync_period),
-        sync_period: dur(c.sync_period),
-        other: Default::default(),
+        ..Default::default()
     }
 }
 
@@ -246,8 +228,8 @@ fn masquerade_bit(k: &KubeProxyFlags, read: &Option<Value>) -> Option<Value> {
     }
 }
 
-/// `ipvs`: the sync periods, and the default algorithm by its scheduler name (empty when it
-/// has none).
+/// `ipvs`: the default algorithm by its scheduler name (empty when it has none), and the
+/// table's sync periods.
 fn ipvs(c: &AgentConfig, k: &KubeProxyFlags, read: &KubeProxyConfiguration) -> Ipvs {
     let rv = read.ipvs.clone().unwrap_or_default();
     let scheduler = IpvsScheduler::of_algorithm(c.lb_algorithm)
@@ -262,14 +244,12 @@ fn ipvs(c: &AgentConfig, k: &KubeProxyFlags, read: &KubeProxyConfiguration) -> I
             false => Some(k.ipvs_exclude_cidrs.clone()),
             true => rv.exclude_cidrs.clone().filter(|v| !v.is_empty()),
         },
-        min_sync_period: dur(c.min_sync_period),
         scheduler: text(scheduler),
         strict_arp: k.ipvs_strict_arp.or(flag(&rv.strict_arp, false)),
-        sync_period: dur(c.sync_period),
         tcp_fin_timeout: timeout(k.ipvs_tcpfin_timeout, &rv.tcp_fin_timeout),
         tcp_timeout: timeout(k.ipvs_tcp_timeout, &rv.tcp_timeout),
         udp_timeout: timeout(k.ipvs_udp_timeout, &rv.udp_timeout),
-        other: Default::default(),
+        ..Default::default()
     }
 }
 

@@ -34,6 +34,13 @@ pub enum SourceChoice {
     Api(Option<PathBuf>),
 }
 
+impl Default for SourceChoice {
+    /// The Kubernetes API, with the kubeconfig `Config::infer` finds.
+    fn default() -> Self {
+        SourceChoice::Api(None)
+    }
+}
+
 /// A producer of [`Batch`]es; implemented by [`ManifestSource`] (a directory of YAML/JSON
 /// files) and [`KubeSource`] (the Kubernetes API), so both feed one model.
 ///

@@ -1,0 +1,658 @@
+//! The settings that a flag, kube-proxy's configuration file and a default all give (or a
+//! flag and a default alone), each defined once, by one row of the table at the end of this
+//! file: the field of [`AgentConfig`] it sets, its default, its flags (clap attributes and
+//! help, the setting's own name first, then kube-proxy's other names of it), the
+//! `KubeProxyConfiguration` fields that give it and its value's reader, and the form it is
+//! written back in.
+//!
+//! From the table, [`settings!`] makes the flags ([`SettingFlags`], flattened into
+//! [`super::RunFlags`]), what the flags or the file give ([`SettingValues`], inside
+//! [`super::FileSettings`]), where each value came from ([`Origins`]), and the code that
+//! drives every step of the table's settings: the flags of one setting must agree
+//! ([`SettingFlags::given`]); the file's fields are read and checked section by section, in
+//! the file's validation order ([`SettingValues::read`]); a flag given wins, then the file,
+//! then the default ([`apply`]); the written-back document holds the value the agent runs
+//! with ([`write`]).
+//!
+//! The settings whose sources are not of this shape (several flags that mean different
+//! things, a value that depends on another setting, a flag that is not `None` when left
+//! out) keep their code in `flags`, `file`, `resolve` and `written`.
+
+use std::time::Duration;
+
+use anyhow::{Result, bail};
+use serde_yaml_ng::Value;
+
+use super::AgentConfig;
+use super::defaults::{
+    DEFAULT_CONNTRACK_MAX_PER_CORE, DEFAULT_CONNTRACK_MIN, DEFAULT_CT_TCP_ESTABLISHED,
+    DEFAULT_CT_UDP_STREAM, DEFAULT_MAX_BACKENDS, DEFAULT_MAX_FRONTENDS, DEFAULT_MAX_SLOTS,
+    DEFAULT_MAX_SOCKETS, DEFAULT_MIN_SYNC_PERIOD, DEFAULT_SYNC_PERIOD, DEFAULT_UDP_FLOW_TIMEOUT,
+    MAGLEV_DEFAULT, MAX_CONNTRACK_FLOWS,
+};
+use super::file::{self, KubeProxyConfiguration};
+use super::go::{format_go_duration, parse_go_bool};
+use super::values::{
+    NodePortAddresses, number_in, parse_conntrack_min, parse_duration, parse_maglev_size,
+    parse_north_south_mode, parse_positive_duration, parse_timeout,
+};
+use crate::datapath::loader::KernelLogLevel;
+use crate::datapath::tc::XdpSetting;
+use crate::model::NorthSouthMode;
+use crate::model::bypass::SocketLbScope;
+
+/// The help heading of kube-proxy's flags (those without a name of ebpf-proxy's own).
+pub(super) const KUBE_PROXY_FLAGS: &str = "kube-proxy flags";
+
+/// Where a setting's value came from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Origin {
+    /// A flag given on the command line.
+    Flag,
+    /// The configuration file.
+    File,
+    /// Neither: the default.
+    #[default]
+    Default,
+}
+
+/// The parts of the configuration file, in the order its validation reads them (which
+/// decides which of several errors is reported).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Section {
+    /// The top level's fields.
+    TopLevel,
+    /// The sync periods of the `iptables`, `nftables` and `ipvs` sections.
+    SyncPeriods,
+    /// The other fields of the `iptables`, `nftables` and `ipvs` sections.
+    ModeSections,
+    /// `conntrack`.
+    Conntrack,
+}
+
+/// A setting's value type: how messages show it.
+pub trait SettingValue: Clone + PartialEq {
+    /// The value as a message shows it (durations in Go's notation, names as flags take
+    /// them).
+    fn show(&self) -> String;
+}
+
+/// The value type of a setting the file gives: how the written-back document holds it.
+pub trait WrittenValue: SettingValue {
+    /// The type of its `KubeProxyConfiguration` fields.
+    type Field: Clone;
+    /// The value as the written-back document holds it.
+    fn field(&self) -> Self::Field;
+}
+
+impl SettingValue for Duration {
+    fn show(&self) -> String {
+        format_go_duration(*self)
+    }
+}
+
+impl WrittenValue for Duration {
+    type Field = Option<Value>;
+    fn field(&self) -> Option<Value> {
+        Some(Value::String(format_go_duration(*self)))
+    }
+}
+
+impl SettingValue for u32 {
+    fn show(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl WrittenValue for u32 {
+    type Field = Option<Value>;
+    fn field(&self) -> Option<Value> {
+        Some(Value::Number((*self).into()))
+    }
+}
+
+impl SettingValue for bool {
+    fn show(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl WrittenValue for bool {
+    type Field = Option<bool>;
+    fn field(&self) -> Option<bool> {
+        Some(*self)
+    }
+}
+
+impl SettingValue for NodePortAddresses {
+    fn show(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl SettingValue for NorthSouthMode {
+    fn show(&self) -> String {
+        self.name().to_string()
+    }
+}
+
+/// [`SettingValue`] of the flags' enums, by the names clap takes.
+macro_rules! value_enum_settings {
+    ($($t:ty),*) => {$(
+        impl SettingValue for $t {
+            fn show(&self) -> String {
+                clap::ValueEnum::to_possible_value(self)
+                    .map(|v| v.get_name().to_string())
+                    .unwrap_or_default()
+            }
+        }
+    )*};
+}
+
+value_enum_settings!(SocketLbScope, KernelLogLevel, XdpSetting);
+
+/// The one value of a setting given by several flags (kube-proxy's per-mode names of one
+/// setting, by field name): they must agree.
+fn agree<T: SettingValue>(given: &[(&str, Option<T>)]) -> Result<Option<T>> {
+    let flag = |field: &str| format!("--{}", field.replace('_', "-"));
+    let mut found: Option<(&str, &T)> = None;
+    for (name, v) in given {
+        let Some(v) = v else { continue };
+        match found {
+            Some((first, f)) if f != v => bail!(
+                "{} {} differs from {} {}; give one value",
+                flag(name),
+                v.show(),
+                flag(first),
+                f.show()
+            ),
+            Some(_) => {}
+            None => found = Some((*name, v)),
+        }
+    }
+    Ok(found.map(|(_, v)| v.clone()))
+}
+
+/// The value of a setting read so far from the file's fields (`found`, with the field that
+/// gave it) and the next field's (`path`, `v`): they must agree.
+fn agree_field<T: SettingValue>(
+    found: Option<(&'static str, T)>,
+    path: &'static str,
+    v: Option<T>,
+) -> Result<Option<(&'static str, T)>> {
+    match (found, v) {
+        (Some((first, f)), Some(v)) if f != v => bail!(
+            "{path}: {} differs from {first} ({}); give one value",
+            v.show(),
+            f.show()
+        ),
+        (Some(f), _) => Ok(Some(f)),
+        (None, v) => Ok(v.map(|v| (path, v))),
+    }
+}
+
+/// A combination of a setting's file fields (a row's `combine`): true when any field that
+/// is set is true, `None` when none is set.
+fn any(
+    found: Option<(&'static str, bool)>,
+    path: &'static str,
+    v: Option<bool>,
+) -> Option<(&'static str, bool)> {
+    match (found, v) {
+        (Some((first, a)), Some(b)) => Some((first, a | b)),
+        (found, None) => found,
+        (None, Some(b)) => Some((path, b)),
+    }
+}
+
+/// Makes the table's types and functions; see the module's documentation. A row:
+///
+/// ```text
+/// /// What the setting is.
+/// name: Type => field.of.AgentConfig {
+///     default: expression,
+///     into: |value: Type| the field's value,                           (optional)
+///     flags: { /// help
+///              #[arg(...)] flag_name, ... },
+///     unset: |value: &Type| a flag's value that means "not given",    (optional)
+///     file: Section reader => ["yaml.path" = document.field, ...],   (optional, with:)
+///     combine: how several fields combine,                              (optional)
+///     written: |&field, origin| the document's field,                  (optional)
+/// }
+/// ```
+///
+/// `into` turns a value given into the field's type (the same type without it), so the
+/// default is of the field's type.
+///
+/// A row without `file` is a setting of the flags alone (`KubeProxyConfiguration` has no
+/// field for it: it is neither read nor written back).
+///
+/// `reader` is called with the field's dotted path and its value in the document and
+/// returns the setting's value (`None`: unset) or an error naming the path; several fields
+/// must agree, unless `combine` (such as [`any`]) says how they combine. Every field listed
+/// is written back, by [`WrittenValue::field`] unless `written` says otherwise.
+macro_rules! settings {
+    (@keep $v:ident) => { $v };
+    (@keep $v:ident, $unset:expr) => { $v.filter(|v| !($unset)(v)) };
+    (@get $doc:ident $field:ident) => { &$doc.$field };
+    (@get $doc:ident $section:ident . $field:ident) => {
+        $doc.$section.as_ref().map_or(&None, |s| &s.$field)
+    };
+    (@get_mut $doc:ident $field:ident) => { &mut $doc.$field };
+    (@get_mut $doc:ident $section:ident . $field:ident) => {
+        &mut $doc.$section.get_or_insert_with(Default::default).$field
+    };
+    (@next $found:ident, $path:ident, $v:ident) => { agree_field($found, $path, $v) };
+    (@next $found:ident, $path:ident, $v:ident, $combine:expr) => {
+        Ok($combine($found, $path, $v))
+    };
+    (@into $v:ident) => { $v };
+    (@into $v:ident, $into:expr) => { ($into)($v) };
+    (@written $v:expr, $origin:expr) => { WrittenValue::field($v) };
+    (@written $v:expr, $origin:expr, $written:expr) => { ($written)($v, $origin) };
+    ($(
+        $(#[$doc:meta])*
+        $name:ident: $ty:ty => $($config:ident).+ {
+            default: $default:expr,
+            $( into: $into:expr, )?
+            flags: { $( $(#[$flag_attr:meta])* $flag:ident ),+ $(,)? },
+            $( unset: $unset:expr, )?
+            $(
+                file: $section:ident $read:expr => [ $( $yaml:literal = $($path:ident).+ ),+ $(,)? ],
+                $( combine: $combine:expr, )?
+                $( written: $written:expr, )?
+            )?
+        }
+    ),* $(,)?) => {
+        /// The flags of the settings of [`settings`](self), each `None` unless given.
+        #[derive(clap::Args, Debug, Clone, Default)]
+        pub struct SettingFlags {
+            $( $(
+                $(#[$flag_attr])*
+                pub $flag: Option<$ty>,
+            )+ )*
+        }
+
+        /// What the flags or the configuration file give of each setting of
+        /// [`settings`](self): `None` where they leave it unset.
+        #[derive(Clone, Debug, Default, PartialEq)]
+        pub struct SettingValues {
+            $(
+                $(#[$doc])*
+                pub $name: Option<$ty>,
+            )*
+        }
+
+        /// Where each setting of [`settings`](self) came from.
+        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+        pub struct Origins {
+            $(
+                $(#[$doc])*
+                pub $name: Origin,
+            )*
+        }
+
+        impl SettingFlags {
+            /// The value of each setting the flags give (a value that means "not given"
+            /// left out).
+            ///
+            /// Errors: flags of one setting that disagree.
+            pub(super) fn given(&self) -> Result<SettingValues> {
+                Ok(SettingValues {
+                    $( $name: {
+                        let keep = |v: Option<$ty>| settings!(@keep v $(, $unset)?);
+                        agree(&[ $( (stringify!($flag), keep(Option::clone(&self.$flag))), )+ ])?
+                    }, )*
+                })
+            }
+        }
+
+        impl SettingValues {
+            /// Reads the settings of `section` from the document, checking each value.
+            ///
+            /// Errors: a value its reader refuses, or fields of one setting that disagree;
+            /// the message starts with the field's dotted path.
+            pub(super) fn read(
+                &mut self,
+                doc: &KubeProxyConfiguration,
+                section: Section,
+            ) -> Result<()> {
+                $( $( if section == Section::$section {
+                    let next = |found: Option<(&'static str, $ty)>,
+                                path: &'static str,
+                                v: Option<$ty>|
+                     -> Result<Option<(&'static str, $ty)>> {
+                        settings!(@next found, path, v $(, $combine)?)
+                    };
+                    let mut found = None;
+                    $(
+                        found = next(found, $yaml, ($read)($yaml, settings!(@get doc $($path).+))?)?;
+                    )+
+                    self.$name = found.map(|(_, v)| v);
+                } )? )*
+                Ok(())
+            }
+        }
+
+        /// Sets each setting of `c`: the flag given (`flags`), else the file's value
+        /// (`file`), else the default.
+        pub(super) fn apply(
+            c: &mut AgentConfig,
+            flags: &SettingValues,
+            file: &SettingValues,
+        ) -> Origins {
+            let mut origins = Origins::default();
+            $(
+                (c.$($config).+, origins.$name) =
+                    match (Option::clone(&flags.$name), Option::clone(&file.$name)) {
+                    (Some(v), _) => (settings!(@into v $(, $into)?), Origin::Flag),
+                    (None, Some(v)) => (settings!(@into v $(, $into)?), Origin::File),
+                    (None, None) => ($default, Origin::Default),
+                };
+            )*
+            origins
+        }
+
+        /// The `KubeProxyConfiguration` fields of the table, by dotted path.
+        #[cfg(test)]
+        pub(super) const FIELDS: &[&str] = &[$( $( $($yaml,)+ )? )*];
+
+        /// Writes each setting of `c` into its fields of `doc`.
+        pub(super) fn write(c: &AgentConfig, origins: &Origins, doc: &mut KubeProxyConfiguration) {
+            $( {
+                #[allow(unused_variables)]
+                let value = &c.$($config).+;
+                $(
+                    let field = settings!(@written value, origins.$name $(, $written)?);
+                    $( *settings!(@get_mut doc $($path).+) = field.clone(); )+
+                )?
+            } )*
+        }
+    };
+}
+
+settings! {
+    /// `--sync-period` / `{iptables,nftables,ipvs}.syncPeriod`.
+    sync_period: Duration => sync_period {
+        default: DEFAULT_SYNC_PERIOD,
+        flags: {
+            /// Period of the verification that compares the maps with what was applied and
+            /// repairs entries changed behind the agent's back (kube-proxy's
+            /// --iptables-sync-period). /healthz fails when an update stays pending for twice
+            /// this long [default: 30s].
+            #[arg(long, allow_hyphen_values = true, value_parser = parse_positive_duration)]
+            sync_period,
+            /// Same as --sync-period.
+            #[arg(long, allow_hyphen_values = true, value_parser = parse_positive_duration, value_name = "DURATION", help_heading = KUBE_PROXY_FLAGS)]
+            iptables_sync_period,
+            /// Same as --sync-period.
+            #[arg(long, allow_hyphen_values = true, value_parser = parse_positive_duration, value_name = "DURATION", help_heading = KUBE_PROXY_FLAGS)]
+            ipvs_sync_period,
+        },
+        // Zero is unset: kube-proxy's defaulting replaces it; kubeadm writes 0s everywhere.
+        file: SyncPeriods file::nonzero_duration => [
+            "nftables.syncPeriod" = nftables.sync_period,
+            "iptables.syncPeriod" = iptables.sync_period,
+            "ipvs.syncPeriod" = ipvs.sync_period,
+        ],
+    },
+    /// `--min-sync-period` / `{iptables,nftables,ipvs}.minSyncPeriod`.
+    min_sync_period: Duration => min_sync_period {
+        default: DEFAULT_MIN_SYNC_PERIOD,
+        flags: {
+            /// Minimum time between two syncs from the API source; an isolated change after a
+            /// quiet period is applied at once; 0 syncs every change at once (kube-proxy's
+            /// --iptables-min-sync-period) [default: 1s].
+            #[arg(long, allow_hyphen_values = true, value_parser = parse_duration)]
+            min_sync_period,
+            /// Same as --min-sync-period.
+            #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, value_name = "DURATION", help_heading = KUBE_PROXY_FLAGS)]
+            iptables_min_sync_period,
+            /// Same as --min-sync-period.
+            #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, value_name = "DURATION", help_heading = KUBE_PROXY_FLAGS)]
+            ipvs_min_sync_period,
+        },
+        file: SyncPeriods file::nonzero_duration => [
+            "nftables.minSyncPeriod" = nftables.min_sync_period,
+            "iptables.minSyncPeriod" = iptables.min_sync_period,
+            "ipvs.minSyncPeriod" = ipvs.min_sync_period,
+        ],
+    },
+    /// `--bind-address-hard-fail` / `bindAddressHardFail`.
+    bind_address_hard_fail: bool => bind_address_hard_fail {
+        default: false,
+        flags: {
+            /// Exit when the health or metrics server cannot bind its address (otherwise the
+            /// bind is retried every 5 s while the data path runs).
+            #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL", help_heading = KUBE_PROXY_FLAGS)]
+            bind_address_hard_fail,
+        },
+        file: TopLevel file::boolean => ["bindAddressHardFail" = bind_address_hard_fail],
+    },
+    /// `--masquerade-all` / `{iptables,nftables}.masqueradeAll`.
+    masquerade_all: bool => tc.masquerade_all {
+        default: false,
+        flags: {
+            /// Source-NAT every external flow of a Cluster-policy Service to the node address,
+            /// also when the backend runs on this node (kube-proxy's --masquerade-all).
+            #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", value_parser = parse_go_bool, value_name = "BOOL")]
+            masquerade_all,
+        },
+        // Either mode's section: kube-proxy reads its own.
+        file: ModeSections file::boolean => [
+            "iptables.masqueradeAll" = iptables.masquerade_all,
+            "nftables.masqueradeAll" = nftables.masquerade_all,
+        ],
+        combine: any,
+    },
+    /// `--nodeport-addresses` / `nodePortAddresses` (`None`: every node address).
+    node_port_addresses: NodePortAddresses => nodeport_addresses {
+        default: None,
+        into: Some,
+        flags: {
+            /// Node addresses that serve NodePorts: comma-separated CIDRs, or `primary` (the
+            /// node's first InternalIP per family, kube-proxy's nftables default) [default: every
+            /// InternalIP and ExternalIP of this node's Node object] (kube-proxy's
+            /// --nodeport-addresses).
+            #[arg(allow_hyphen_values = true, long)]
+            nodeport_addresses,
+        },
+        file: TopLevel file::node_port_addresses => [
+            "nodePortAddresses" = node_port_addresses,
+        ],
+        written: |n: &Option<NodePortAddresses>, _| n.as_ref().map(|n| n.items()),
+    },
+    /// `--udp-flow-timeout` / `conntrack.udpTimeout`.
+    udp_flow_timeout: Duration => udp_flow_timeout {
+        default: DEFAULT_UDP_FLOW_TIMEOUT,
+        flags: {
+            /// Idle time after which an unconnected UDP flow picks a backend anew, like
+            /// conntrack's nf_conntrack_udp_timeout (e.g. 30s, 2m; kube-proxy's
+            /// --conntrack-udp-timeout) [default: 30s].
+            #[arg(long, allow_hyphen_values = true, value_parser = parse_positive_duration)]
+            udp_flow_timeout,
+            /// Same as --udp-flow-timeout (0 keeps the default).
+            #[arg(long, allow_hyphen_values = true, value_parser = parse_timeout, value_name = "DURATION", help_heading = KUBE_PROXY_FLAGS)]
+            conntrack_udp_timeout,
+        },
+        unset: |d: &Duration| d.is_zero(),
+        file: Conntrack file::timeout => ["conntrack.udpTimeout" = conntrack.udp_timeout],
+    },
+    /// `--conntrack-max-per-core` / `conntrack.maxPerCore`.
+    conntrack_max_per_core: u32 => tc.conntrack_max_per_core {
+        default: DEFAULT_CONNTRACK_MAX_PER_CORE,
+        flags: {
+            /// Flows tracked per CPU by the north-south conntrack table (kube-proxy's
+            /// --conntrack-max-per-core); the table holds max(this x CPUs, --conntrack-min)
+            /// flows. The table is preallocated (about 320 bytes per flow), unlike the
+            /// kernel's conntrack limit kube-proxy sets, so the default is 0: --conntrack-min
+            /// alone, whatever the core count. Fixed when the pinned table is created
+            /// [default: 0].
+            #[arg(long, allow_hyphen_values = true, value_parser = number_in(0u32, MAX_CONNTRACK_FLOWS), value_name = "N")]
+            conntrack_max_per_core,
+        },
+        file: Conntrack file::count_in(0, MAX_CONNTRACK_FLOWS) => [
+            "conntrack.maxPerCore" = conntrack.max_per_core,
+        ],
+        // Unless given, written as null, so that each program applies its own default to the
+        // file: 0 here (a preallocated table), 32768 in kube-proxy, for which 0 would mean
+        // "leave nf_conntrack_max alone" after a rollback.
+        written: |n: &u32, origin| match origin {
+            Origin::Default => Some(Value::Null),
+            _ => n.field(),
+        },
+    },
+    /// `--conntrack-min` / `conntrack.min`.
+    conntrack_min: u32 => tc.conntrack_min {
+        default: DEFAULT_CONNTRACK_MIN,
+        flags: {
+            /// Least number of flows of the north-south conntrack table (kube-proxy's
+            /// --conntrack-min), from 1024 (smaller LRU tables lose live flows to the kernel's
+            /// batch eviction) to 16777216; 0 keeps the default [default: 131072].
+            #[arg(long, allow_hyphen_values = true, value_parser = parse_conntrack_min, value_name = "N")]
+            conntrack_min,
+        },
+        // 0 is kube-proxy's "leave it as is": the default here.
+        unset: |n: &u32| *n == 0,
+        file: Conntrack file::conntrack_min => ["conntrack.min" = conntrack.min],
+    },
+    /// `--conntrack-tcp-timeout-established` / `conntrack.tcpEstablishedTimeout`.
+    conntrack_tcp_timeout_established: Duration => tc.conntrack_tcp_timeout_established {
+        default: DEFAULT_CT_TCP_ESTABLISHED,
+        flags: {
+            /// Idle timeout of an established TCP flow in the north-south conntrack
+            /// (kube-proxy's --conntrack-tcp-timeout-established), e.g. 24h; 0 keeps the
+            /// default [default: 24h].
+            #[arg(long, allow_hyphen_values = true, value_parser = parse_timeout)]
+            conntrack_tcp_timeout_established,
+        },
+        unset: |d: &Duration| d.is_zero(),
+        file: Conntrack file::timeout => [
+            "conntrack.tcpEstablishedTimeout" = conntrack.tcp_established_timeout,
+        ],
+    },
+    /// `--conntrack-udp-timeout-stream` / `conntrack.udpStreamTimeout`.
+    conntrack_udp_timeout_stream: Duration => tc.conntrack_udp_timeout_stream {
+        default: DEFAULT_CT_UDP_STREAM,
+        flags: {
+            /// Idle timeout of a UDP flow that saw replies in the north-south conntrack
+            /// (kube-proxy's --conntrack-udp-timeout-stream, the kernel's
+            /// nf_conntrack_udp_timeout_stream), e.g. 2m; 0 keeps the default. Unreplied UDP
+            /// flows use --udp-flow-timeout [default: 2m].
+            #[arg(long, allow_hyphen_values = true, value_parser = parse_timeout)]
+            conntrack_udp_timeout_stream,
+        },
+        unset: |d: &Duration| d.is_zero(),
+        file: Conntrack file::timeout => [
+            "conntrack.udpStreamTimeout" = conntrack.udp_stream_timeout,
+        ],
+    },
+    /// `--maglev-table-size` (the flag alone).
+    maglev_table_size: u32 => maglev_table_size {
+        default: MAGLEV_DEFAULT,
+        flags: {
+            /// Size of the Maglev lookup tables of source-hash and maglev Services: a prime from 7 to
+            /// 65521 (larger tables spread backends more evenly; each costs 4 bytes per entry)
+            /// [default: 16381].
+            #[arg(long, allow_hyphen_values = true, value_parser = parse_maglev_size)]
+            maglev_table_size,
+        },
+    },
+    /// `--socket-lb-scope` (the flag alone).
+    socket_lb_scope: SocketLbScope => socket_lb_scope {
+        default: SocketLbScope::default(),
+        flags: {
+            /// Which sockets the socket programs translate: `all`, or `host-only` (only the node's
+            /// own network namespace; pods are translated per packet on their interfaces, as
+            /// Cilium's `socketLB.hostNamespaceOnly`). Pods and namespaces also opt out one by one
+            /// with the label or annotation `ebpf-proxy.io/socket-lb: disabled` [default: all].
+            #[arg(allow_hyphen_values = true, long, value_enum)]
+            socket_lb_scope,
+        },
+    },
+    /// `--north-south-mode` (the flag alone).
+    north_south_mode: NorthSouthMode => north_south_mode {
+        default: NorthSouthMode::default(),
+        flags: {
+            /// How a flow from outside (node port, external or LB IP, `externalTrafficPolicy:
+            /// Cluster`) reaches a backend on another node: `snat` (source-NAT to this node's
+            /// address, kube-proxy's), `dsr` (direct server return: the packet is forwarded
+            /// encapsulated, IPIP or IPv6-in-IPv6, and the backend's node answers the client
+            /// directly; the backend sees the client's address), or `hybrid` (DSR for TCP, SNAT for
+            /// UDP). Every node must run the same mode (a DSR packet is accepted by the backend's
+            /// node only when it runs DSR for that Service too). Services override it with the
+            /// annotation `ebpf-proxy.io/north-south-mode` [default: snat].
+            #[arg(allow_hyphen_values = true, long, value_name = "MODE", value_parser = parse_north_south_mode)]
+            north_south_mode,
+        },
+    },
+    /// `--kernel-log-level` (the flag alone).
+    kernel_log_level: KernelLogLevel => kernel_log_level {
+        default: KernelLogLevel::default(),
+        flags: {
+            /// Level of the kernel programs' own log lines (aya-log), forwarded to the agent's log
+            /// under the target `ebpf_proxy::kernel` whatever `--log-level` says: off, error, warn,
+            /// info, debug (one line per decision: a connection translated or refused, a packet
+            /// flow started, dropped or rejected) or trace (also every connect() to an address
+            /// that is no frontend). Off costs nothing: the verifier removes the disabled lines
+            /// [default: off].
+            #[arg(allow_hyphen_values = true, long, value_enum)]
+            kernel_log_level,
+        },
+    },
+    /// `--max-frontends` (the flag alone).
+    max_frontends: u32 => map_sizes.frontends {
+        default: DEFAULT_MAX_FRONTENDS,
+        flags: {
+            /// Size of the frontend map (VIP x port x protocol, plus one entry per VIP) when created
+            /// [default: 65536].
+            #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
+            max_frontends,
+        },
+    },
+    /// `--max-backend-slots` (the flag alone).
+    max_backend_slots: u32 => map_sizes.slots {
+        default: DEFAULT_MAX_SLOTS,
+        flags: {
+            /// Size of the backend slot map (sum of all services' endpoint counts) when created
+            /// [default: 262144].
+            #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
+            max_backend_slots,
+        },
+    },
+    /// `--max-backends` (the flag alone).
+    max_backends: u32 => map_sizes.backends {
+        default: DEFAULT_MAX_BACKENDS,
+        flags: {
+            /// Size of the backend map (distinct endpoint address x port x protocol) when created
+            /// [default: 131072].
+            #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
+            max_backends,
+        },
+    },
+    /// `--max-sockets` (the flag alone).
+    max_sockets: u32 => map_sizes.sockets {
+        default: DEFAULT_MAX_SOCKETS,
+        flags: {
+            /// Size of the per-socket reverse-NAT and UDP flow maps (LRU) when created; connected
+            /// sockets' reverse-NAT slots get the largest power of two not above it
+            /// [default: 262144].
+            #[arg(long, allow_hyphen_values = true, value_parser = number_in(1u32, u32::MAX))]
+            max_sockets,
+        },
+    },
+    /// `--xdp` (the flag alone).
+    xdp: XdpSetting => tc.xdp {
+        default: XdpSetting::default(),
+        flags: {
+            /// XDP in front of the tcx programs on the external interfaces, for the same
+            /// NodePorts, external IPs and LB IPs with the same conntrack: `native` (driver XDP on
+            /// every external interface; an interface without it is an error), `best-effort`
+            /// (native where the driver supports it, else generic XDP, else the tcx programs
+            /// alone) or `disabled`. `ebpf-proxy check` tells which interfaces have native XDP
+            /// [default: disabled].
+            #[arg(allow_hyphen_values = true, long, value_enum, value_name = "MODE")]
+            xdp,
+        },
+    },
+}
