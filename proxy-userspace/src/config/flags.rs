@@ -112,7 +112,7 @@ pub struct RunFlags {
     /// Close the TCP connections of client sockets translated to an endpoint that left its
     /// Service (gone from the EndpointSlices, or neither ready nor serving), with sock_diag's
     /// SOCK_DESTROY in the socket's network namespace, as `ss -K` does. Off by default, as
-    /// kube-proxy leaves established connections alone [default: false].
+    /// kube-proxy leaves established connections alone.
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", value_parser = parse_go_bool, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub close_connections_to_removed_endpoints: bool,
     /// Address of the health server (`/healthz`, `/livez`): ip:port, an IP alone (port
@@ -146,8 +146,7 @@ pub struct RunFlags {
     pub interfaces: Vec<String>,
     /// The peers of veth external interfaces run an XDP program in native mode, so frames
     /// the XDP program sends back or redirects into a veth are delivered: lets --xdp use
-    /// native XDP on veths, which it otherwise refuses (native) or skips (best-effort)
-    /// [default: false].
+    /// native XDP on veths, which it otherwise refuses (native) or skips (best-effort).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", value_parser = parse_go_bool, action = clap::ArgAction::Set, value_name = "BOOL")]
     pub xdp_veth_peers_ready: bool,
     /// kube-proxy's other flags.

@@ -34,7 +34,7 @@ use super::file::{self, KubeProxyConfiguration};
 use super::go::{format_go_duration, parse_go_bool};
 use super::values::{
     NodePortAddresses, number_in, parse_conntrack_min, parse_duration, parse_maglev_size,
-    parse_north_south_mode, parse_positive_duration, parse_timeout,
+    parse_north_south_mode, parse_positive_duration, parse_required_timeout, parse_timeout,
 };
 use crate::datapath::loader::KernelLogLevel;
 use crate::datapath::tc::XdpSetting;
@@ -469,7 +469,7 @@ settings! {
             /// Idle time after which an unconnected UDP flow picks a backend anew, like
             /// conntrack's nf_conntrack_udp_timeout (e.g. 30s, 2m; kube-proxy's
             /// --conntrack-udp-timeout) [default: 30s].
-            #[arg(long, allow_hyphen_values = true, value_parser = parse_positive_duration)]
+            #[arg(long, allow_hyphen_values = true, value_parser = parse_required_timeout)]
             udp_flow_timeout,
             /// Same as --udp-flow-timeout (0 keeps the default).
             #[arg(long, allow_hyphen_values = true, value_parser = parse_timeout, value_name = "DURATION", help_heading = KUBE_PROXY_FLAGS)]

@@ -1410,3 +1410,20 @@ fn the_settings_table_names_the_documents_fields() {
         }
     }
 }
+
+#[test]
+fn udp_flow_timeout_flag_takes_what_the_file_takes() {
+    // The written-back file holds the flag's value as conntrack.udpTimeout, which must be
+    // read back: under 1 ms is refused on the command line as in the file.
+    for v in ["1ns", "500us"] {
+        let e = flags_err(&["--udp-flow-timeout", v]);
+        assert!(e.contains("too short (at least 1ms)"), "{v}: {e}");
+    }
+    assert!(flags_err(&["--udp-flow-timeout", "0s"]).contains("greater than zero"));
+    let a = resolve(
+        &["--manifests", "/tmp/m", "--udp-flow-timeout", "1ms"],
+        None,
+    )
+    .unwrap();
+    assert_eq!(a.udp_flow_timeout, Duration::from_millis(1));
+}

@@ -330,6 +330,16 @@ pub fn parse_positive_duration(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
+/// A timeout that must be given: at least 1 ms, the least the configuration file takes for
+/// the same setting (so that the written-back file reads back).
+pub fn parse_required_timeout(s: &str) -> Result<Duration, String> {
+    let d = parse_positive_duration(s)?;
+    if d < Duration::from_millis(1) {
+        return Err(format!("{s:?} is too short (at least 1ms)"));
+    }
+    Ok(d)
+}
+
 /// A timeout: zero (kube-proxy's "leave as is": the default here) or at least 1 ms.
 pub fn parse_timeout(s: &str) -> Result<Duration, String> {
     let d = parse_duration(s)?;
