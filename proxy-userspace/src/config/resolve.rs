@@ -100,7 +100,11 @@ impl AgentConfig {
     /// file: the period at most [`MAX_PERIOD`], the minimum not longer than the period.
     fn check_sync_periods(&self, origins: &Origins) -> Result<()> {
         if self.sync_period > MAX_PERIOD {
-            bail!("--sync-period must be at most 8760h (a year)");
+            let what = match origins.sync_period {
+                Origin::File => "the config file's syncPeriod",
+                _ => "--sync-period",
+            };
+            bail!("{what} must be at most 8760h (a year)");
         }
         if self.min_sync_period > self.sync_period {
             // Name where each value came from: a flag, the config file, or the default.

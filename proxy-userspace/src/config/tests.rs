@@ -1427,3 +1427,17 @@ fn udp_flow_timeout_flag_takes_what_the_file_takes() {
     .unwrap();
     assert_eq!(a.udp_flow_timeout, Duration::from_millis(1));
 }
+
+#[test]
+fn a_sync_period_over_a_year_is_named_where_it_came_from() {
+    let e = resolve(
+        &["--manifests", "/tmp/m"],
+        Some(&body("iptables:\n  syncPeriod: 9000h\n")),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("the config file's syncPeriod must be at most 8760h"),
+        "{e}"
+    );
+}
