@@ -34,8 +34,9 @@
 //!    with a FIB lookup), [`tcbuf`] (the tc context's packet operations), [`icmp`]
 //!    (translation of ICMP and ICMPv6 errors quoting a translated packet), [`dsr`] (direct
 //!    server return: the encapsulation on the entry node, the decapsulation and the replies'
-//!    MSS on the backend's node), [`nat`] (DNAT and SNAT of packet flows: new flows, SNAT
-//!    ports and bindings, tracked packets).
+//!    MSS on the backend's node), [`admit`] (which new flows are admitted and source-NATed:
+//!    source ranges, masquerading rules), [`nat`] (DNAT and SNAT of packet flows: new
+//!    flows, SNAT ports and bindings, tracked packets).
 //! 5. The entry points above.
 //!
 //! Layouts of map keys and values come from `proxy-common` only.
@@ -50,6 +51,7 @@
 #![feature(asm_experimental_arch)]
 
 mod addr;
+mod admit;
 mod csum;
 mod ct;
 mod dsr;

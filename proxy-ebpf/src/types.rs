@@ -31,7 +31,7 @@ pub enum Lookup {
     /// Refused before any endpoint is considered (a cluster IP's undefined port).
     Refused(Refusal),
     /// A frontend; `cluster_ip` when an [`Scope::Ingress`] lookup found a cluster IP (its
-    /// masquerading rule differs, see `nat::needs_snat`).
+    /// masquerading rule differs, see `admit::needs_snat`).
     Frontend { fe: Frontend, cluster_ip: bool },
 }
 
