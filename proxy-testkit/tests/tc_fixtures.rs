@@ -221,6 +221,12 @@ fn consistent_selection_picks_the_same_backend_for_an_untracked_mid_flow_packet(
 /// ICMP errors about translated flows, for one family: `big` is "fragmentation needed" or
 /// "packet too big", `unreach` port unreachable, `ttl` time exceeded (type, code).
 fn icmp_errors(h: &Harness, f: Fam, big: (u8, u8), unreach: (u8, u8), ttl: (u8, u8)) {
+    icmp_errors_of_a_local_flow(h, f, unreach, ttl);
+    icmp_errors_of_a_snat_flow(h, f, big);
+}
+
+/// Errors about a flow to the local backend (no SNAT), leaving at egress.
+fn icmp_errors_of_a_local_flow(h: &Harness, f: Fam, unreach: (u8, u8), ttl: (u8, u8)) {
     // A flow to the local backend (no SNAT).
     let client = sock(f.client, 45000);
     let front = sock(f.node, 30053);
@@ -278,7 +284,10 @@ fn icmp_errors(h: &Harness, f: Fam, big: (u8, u8), unreach: (u8, u8), ttl: (u8, 
         Some(&want.frame()),
         Some("tc_icmp_translated"),
     );
+}
 
+/// An error about a source-NATed flow, arriving at ingress; other ICMP left alone.
+fn icmp_errors_of_a_snat_flow(h: &Harness, f: Fam, big: (u8, u8)) {
     // A source-NATed flow: a router on the backend's side reports "too big" to the node
     // address, quoting the SNATed packet; at ingress it becomes an error from the frontend
     // to the client quoting the client's own packet.
@@ -809,6 +818,14 @@ fn forwarded(p: &Packet, dmac: [u8; 6]) -> Vec<u8> {
 /// entry and a packet whose TTL expires left untouched for the tc program; a flow started
 /// by the tc programs continued by XDP (one conntrack).
 fn xdp_flows(h: &Harness, f: Fam, r: &Routes) {
+    xdp_remote_flow(h, f);
+    xdp_local_flow(h, f);
+    xdp_left_to_the_stack(h, f, r);
+    xdp_continues_tc_flows(h, f);
+}
+
+/// A TCP flow to a remote backend, translated both ways and sent on by XDP alone.
+fn xdp_remote_flow(h: &Harness, f: Fam) {
     let client = sock(f.client, 45000);
     let backend = sock(f.remote, 8080);
     let syn = Packet::tcp(&client, &sock(f.node, 30081), SYN);
@@ -865,7 +882,10 @@ fn xdp_flows(h: &Harness, f: Fam, r: &Routes) {
         Some(&forwarded(&want, BACKEND_HOP_MAC)),
         Some("xdp_forwarded"),
     );
+}
 
+/// A flow to a local backend: DNAT in XDP, then the stack.
+fn xdp_local_flow(h: &Harness, f: Fam) {
     // A local backend: DNAT in XDP, then the stack; the tc program leaves it alone.
     let syn = Packet::tcp(&sock(f.client, 45001), &sock(f.node, 30080), SYN);
     let dnat = Packet {
@@ -900,7 +920,12 @@ fn xdp_flows(h: &Harness, f: Fam, r: &Routes) {
         None,
         None,
     );
+}
 
+/// Packets XDP hands to the stack untouched: a reply without a neighbour entry for its next
+/// hop (tc sends it), a TTL about to expire.
+fn xdp_left_to_the_stack(h: &Harness, f: Fam, r: &Routes) {
+    let backend = sock(f.remote, 8080);
     // No neighbour entry for the far client's router: its reply goes to tc untouched,
     // which sends it with bpf_redirect_neigh.
     let far = sock(r.far_client, 45002);
@@ -939,7 +964,12 @@ fn xdp_flows(h: &Harness, f: Fam, r: &Routes) {
     let mut last = Packet::tcp(&sock(f.client, 45003), &sock(f.node, 30081), SYN);
     last.ttl = 1;
     step(h, "TTL 1", XDP, &last.frame(), XDP_PASS, None, None);
+}
 
+/// A TCP flow the tc programs started, continued in XDP (one conntrack); UDP to a remote
+/// backend.
+fn xdp_continues_tc_flows(h: &Harness, f: Fam) {
+    let backend = sock(f.remote, 8080);
     // A flow the tc programs started, continued in XDP.
     let client = sock(f.client, 45004);
     let syn = Packet::tcp(&client, &sock(f.node, 30081), SYN);
@@ -1080,12 +1110,20 @@ fn mss(v: u16) -> Vec<u8> {
     vec![2, 4, b[0], b[1]]
 }
 
-/// Both ends of direct server return for one family.
+/// Both ends of direct server return for one family, in this order (each part finds the
+/// conntrack the earlier ones left).
 fn dsr_flows(h: &Harness, f: Fam) {
+    dsr_entry_node(h, f);
+    dsr_too_big(h, f);
+    dsr_backend_node(h, f);
+    dsr_after_close(h, f);
+}
+
+/// The entry node: new flows and later packets to a remote backend leave encapsulated, from
+/// tc or after XDP started the flow.
+fn dsr_entry_node(h: &Harness, f: Fam) {
     let v6 = f.node.contains(':');
     let lb = if v6 { "2001:db8:f::40" } else { "203.0.113.40" };
-    let ext = if v6 { "2001:db8:e::41" } else { "203.0.113.41" };
-    let other = other_node(f);
 
     // Entry node: a new flow to a remote backend goes out encapsulated, untranslated
     // inside, towards the backend's next hop; so does every later packet of it.
@@ -1157,7 +1195,11 @@ fn dsr_flows(h: &Harness, f: Fam) {
         Some(&want),
         Some("tc_translated"),
     );
+}
 
+/// The entry node: a packet too big once encapsulated is answered to the client.
+fn dsr_too_big(h: &Harness, f: Fam) {
+    let v6 = f.node.contains(':');
     // Too big once encapsulated: "fragmentation needed" / "packet too big" with the MTU
     // left for the inner packet, back to the client.
     let mut big = Packet::udp(&sock(f.client, 46003), &sock(f.node, 30092));
@@ -1191,6 +1233,14 @@ fn dsr_flows(h: &Harness, f: Fam) {
         .truncate(big.payload.len() - if v6 { 40 } else { 20 });
     let (v, _) = h.run(INGRESS, &big.frame());
     assert_eq!(v, REDIRECT, "a datagram that fits");
+}
+
+/// The backend's node: encapsulated packets of accepted pairs are decapsulated and DNATed,
+/// the replies leave from the frontend; anything else is left alone.
+fn dsr_backend_node(h: &Harness, f: Fam) {
+    let v6 = f.node.contains(':');
+    let ext = if v6 { "2001:db8:e::41" } else { "203.0.113.41" };
+    let other = other_node(f);
 
     // Backend's node: an encapsulated SYN to another node's node port, for an endpoint
     // here: the outer header goes, the inner packet is DNATed to the endpoint.
@@ -1296,6 +1346,12 @@ fn dsr_flows(h: &Harness, f: Fam) {
         None,
         None,
     );
+}
+
+/// Both nodes after the client's FIN and after the pairs went.
+fn dsr_after_close(h: &Harness, f: Fam) {
+    let v6 = f.node.contains(':');
+    let other = other_node(f);
 
     // The entry node after the client's FIN: half-closed (the backend's FIN never passes
     // there), with the longer half-closed timeout rather than the closed one.
@@ -1324,6 +1380,8 @@ fn dsr_flows(h: &Harness, f: Fam) {
     for k in keys {
         pairs.remove(&k).unwrap();
     }
+    // The client's ACK of the flow the backend's node tracks (`dsr_backend_node`).
+    let ack = Packet::tcp(&sock(f.client, 46010), &sock(other, 30093), ACK);
     let frame = ether(&encapsulated(&ack.ip(), other, f.local), v6);
     let dnat = Packet {
         dst: sock(f.local, 8080).parse().unwrap(),
