@@ -155,6 +155,7 @@ fn churn_other(env: &Env, r: &mut Rng) {
     }
 }
 
+// Longer than 120 lines: set-up, rounds and checks share one lab and its running clients.
 #[test]
 fn endpoint_churn_never_disturbs_services_whose_ready_backends_stay() {
     let secs: u64 = std::env::var("EBPF_PROXY_SOAK_SECS")

@@ -302,6 +302,8 @@ fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
+// Longer than 120 lines: one pod's life (start, probes, serving, restart, cleanup), each step
+// on the state the earlier ones left.
 #[test]
 fn the_daemonsets_pod_runs_under_podman_and_serves_the_node() {
     let Ok(image) = std::env::var("EBPF_PROXY_IMAGE") else {

@@ -47,6 +47,7 @@ fn slots_in_use(env: &Env) -> (Vec<(u32, u64)>, u32) {
     (used, spilled.get(&0, 0).unwrap())
 }
 
+// Longer than 120 lines: the slots of sockets held open across the steps, read after each.
 #[test]
 fn connected_sockets_take_slots_spill_when_taken_and_free_them_on_close() {
     let mut env = Env::new("slots", 2, false);

@@ -605,6 +605,9 @@ fn batch(netns: &Netns, cg: Option<&Path>, to: &str, n: usize) -> Vec<(u64, Stri
     attempts(to, &probes)
 }
 
+/// kube-proxy's rules, the switch to ebpf-proxy and the way back on one lab, with the same
+/// long connections held and new ones probed across both switches.
+// Longer than 120 lines: one story whose steps check the connections the earlier ones opened.
 fn switch_and_back(mode: Mode, tag: &str) {
     let mut lab = Lab::new(tag);
     lab.kube_proxy(mode);

@@ -278,17 +278,7 @@ impl Run {
                 let counts = self.active(i);
                 check_active(step, &counts).unwrap_or_else(|e| panic!("{e}"));
             }
-            "json" => {
-                step.only(&["has"]);
-                let i = node(&at(w, 1, "NODE"));
-                let args: Vec<&str> = w[2..].iter().map(String::as_str).collect();
-                assert!(!args.is_empty(), "usage: json @NODE COMMAND... => has=T");
-                let dir = self.agent(i).pin.file_name().unwrap().to_str().unwrap();
-                let text = agent_json(dir, &args).to_string();
-                for h in step.all("has") {
-                    assert!(text.contains(h), "{h:?} not in {text}");
-                }
-            }
+            "json" => self.json(step, w),
             "probe" => self.probe(step, w),
             "collected" => {
                 step.only(&["has"]);
@@ -309,33 +299,8 @@ impl Run {
                     assert!(op.holds(n, v), "{n} entries, not {op:?} {v}");
                 }
             }
-            "xdp" => {
-                let i = node(&at(w, 1, "NODE"));
-                let modes = tc::xdp_modes(&self.agent(i).pin);
-                for (k, v) in &step.expect {
-                    match (k.as_str(), v.as_str()) {
-                        ("none", "") => assert!(modes.is_empty(), "XDP links: {modes:?}"),
-                        (ifname, "native") => assert_eq!(
-                            modes.get(ifname),
-                            Some(&tc::XdpMode::Native),
-                            "XDP links: {modes:?}"
-                        ),
-                        _ => panic!("xdp @NODE => none | IFACE=native"),
-                    }
-                }
-            }
-            "pins" => {
-                step.only(&["count"]);
-                let i = node(&at(w, 1, "NODE"));
-                let prefix = w.get(2).expect("usage: pins @NODE PREFIX => count=N");
-                let n = std::fs::read_dir(&self.agent(i).pin)
-                    .unwrap()
-                    .filter_map(|e| e.ok())
-                    .filter(|e| e.file_name().to_string_lossy().starts_with(prefix.as_str()))
-                    .count();
-                let want: usize = step.get("count").expect("count=N").parse().unwrap();
-                assert_eq!(n, want, "pins starting with {prefix}");
-            }
+            "xdp" => self.xdp(step, w),
+            "pins" => self.pins(step, w),
             "stats" => {
                 step.only(&["traffic"]);
                 assert!(
@@ -358,6 +323,51 @@ impl Run {
             "capture" => self.capture(step, w),
             other => panic!("unknown command {other:?}"),
         }
+    }
+
+    /// `json @NODE COMMAND... => has=T`: an `ebpf-proxy` command's JSON on that node's pins
+    /// holds each text.
+    fn json(&mut self, step: &Step, w: &[String]) {
+        step.only(&["has"]);
+        let i = node(&at(w, 1, "NODE"));
+        let args: Vec<&str> = w[2..].iter().map(String::as_str).collect();
+        assert!(!args.is_empty(), "usage: json @NODE COMMAND... => has=T");
+        let dir = self.agent(i).pin.file_name().unwrap().to_str().unwrap();
+        let text = agent_json(dir, &args).to_string();
+        for h in step.all("has") {
+            assert!(text.contains(h), "{h:?} not in {text}");
+        }
+    }
+
+    /// `xdp @NODE => none | IFACE=native`: the XDP links of the node's agent.
+    fn xdp(&mut self, step: &Step, w: &[String]) {
+        let i = node(&at(w, 1, "NODE"));
+        let modes = tc::xdp_modes(&self.agent(i).pin);
+        for (k, v) in &step.expect {
+            match (k.as_str(), v.as_str()) {
+                ("none", "") => assert!(modes.is_empty(), "XDP links: {modes:?}"),
+                (ifname, "native") => assert_eq!(
+                    modes.get(ifname),
+                    Some(&tc::XdpMode::Native),
+                    "XDP links: {modes:?}"
+                ),
+                _ => panic!("xdp @NODE => none | IFACE=native"),
+            }
+        }
+    }
+
+    /// `pins @NODE PREFIX => count=N`: how many of the node's pins start with PREFIX.
+    fn pins(&mut self, step: &Step, w: &[String]) {
+        step.only(&["count"]);
+        let i = node(&at(w, 1, "NODE"));
+        let prefix = w.get(2).expect("usage: pins @NODE PREFIX => count=N");
+        let n = std::fs::read_dir(&self.agent(i).pin)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().starts_with(prefix.as_str()))
+            .count();
+        let want: usize = step.get("count").expect("count=N").parse().unwrap();
+        assert_eq!(n, want, "pins starting with {prefix}");
     }
 
     /// `write FILE [as NAME]` / `apply FILE [as NAME]`: a manifest; `apply` waits until every

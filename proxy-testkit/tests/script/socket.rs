@@ -208,50 +208,12 @@ impl Lab {
                 args.extend(w[1..].iter().map(|a| self.vars.expand(a)));
                 self.env.extra_agent_args = args;
             }
-            "write" | "apply" => {
-                step.only(&[]);
-                let (section, name) = match &w[1..] {
-                    [s] => (self.vars.expand(s), self.vars.expand(s)),
-                    [s, as_, n] if as_ == "as" => (self.vars.expand(s), self.vars.expand(n)),
-                    _ => panic!("usage: {} FILE [as NAME]", w[0]),
-                };
-                let (section, name) = (section.as_str(), name.as_str());
-                let text = script.file(section);
-                if w[0] == "apply" && self.env.agent.is_some() {
-                    let others: Vec<&OtherNode> = self.others.iter().collect();
-                    apply_on(&self.env, &others, || self.env.write_manifest(name, &text));
-                } else {
-                    self.env.write_manifest(name, &text);
-                }
-            }
+            "write" | "apply" => self.write(script, step),
             "remove" => {
                 step.only(&[]);
                 self.env.remove_manifest(step.word(1, "a file name"));
             }
-            "start" => {
-                step.only(&[]);
-                let wait = match &w[1..] {
-                    [] => true,
-                    [a] if a == "--no-wait" => false,
-                    _ => panic!("usage: start [--no-wait]"),
-                };
-                let source = match &self.api {
-                    Some(api) => api.source(),
-                    None => vec![
-                        "--manifests".to_string(),
-                        self.env.manifests.path().display().to_string(),
-                    ],
-                };
-                let n = self.env.syncs();
-                self.env.start_agent_with(&source);
-                if wait {
-                    self.env.wait_log(|l| syncs(l) > n, "first sync");
-                }
-                for node in self.nodes.iter().skip(1 + self.others.len()) {
-                    let other = self.env.add_node(node);
-                    self.others.push(other);
-                }
-            }
+            "start" => self.start(step),
             "stop" => {
                 step.only(&[]);
                 if let Some(mut agent) = self.env.agent.take() {
@@ -304,46 +266,104 @@ impl Lab {
             "ring" => self.ring(step),
             "conn-counts" => self.conn_counts_step(step),
             "timer" => super::timer(&mut self.timer, step),
-            "clock" => {
-                step.only(&[]);
-                let now = std::time::SystemTime::now();
-                let v = match step.words.get(2).map(String::as_str) {
-                    None => now
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .unwrap()
-                        .as_millis()
-                        .to_string(),
-                    Some("rfc3339") => humantime::format_rfc3339(now).to_string(),
-                    Some(f) => panic!("usage: clock NAME [rfc3339], not {f:?}"),
-                };
-                self.vars.set(step.word(1, "a variable name"), v);
-            }
+            "clock" => self.clock(step),
             "addresses" => self.addresses(step),
-            "pins" => {
-                let c = conds(&step.after);
-                known(&c, PIN_KEYS);
-                let prefix = step.words.get(1).map_or("", String::as_str);
-                let mut vars = std::mem::take(&mut self.vars);
-                let r = self.pins(prefix, &c, &mut vars);
-                self.vars = vars;
-                r.unwrap_or_else(|e| panic!("{e}"));
-            }
-            "collected" => {
-                let name = step.word(1, "a bag's name");
-                let c = conds(&step.after);
-                known(&c, &["distinct"]);
-                let bag = self
-                    .kept
-                    .bags
-                    .get(name)
-                    .unwrap_or_else(|| panic!("no bag {name:?}"));
-                for c in &c {
-                    self.vars
-                        .check_number(c, bag.len() as u64)
-                        .unwrap_or_else(|e| panic!("{name}: {e}: {bag:?}"));
-                }
-            }
+            "pins" => self.pins_step(step),
+            "collected" => self.collected(step),
             other => panic!("unknown command {other:?}"),
+        }
+    }
+
+    /// `write FILE [as NAME]` / `apply ...`: a section of the script as a manifest (`apply`
+    /// waits for every running agent to sync it).
+    fn write(&mut self, script: &Script, step: &Step) {
+        let w = &step.words;
+        step.only(&[]);
+        let (section, name) = match &w[1..] {
+            [s] => (self.vars.expand(s), self.vars.expand(s)),
+            [s, as_, n] if as_ == "as" => (self.vars.expand(s), self.vars.expand(n)),
+            _ => panic!("usage: {} FILE [as NAME]", w[0]),
+        };
+        let (section, name) = (section.as_str(), name.as_str());
+        let text = script.file(section);
+        if w[0] == "apply" && self.env.agent.is_some() {
+            let others: Vec<&OtherNode> = self.others.iter().collect();
+            apply_on(&self.env, &others, || self.env.write_manifest(name, &text));
+        } else {
+            self.env.write_manifest(name, &text);
+        }
+    }
+
+    /// `start [--no-wait]`: the agent on the lab's source, by default until its first sync;
+    /// then the other nodes' agents.
+    fn start(&mut self, step: &Step) {
+        let w = &step.words;
+        step.only(&[]);
+        let wait = match &w[1..] {
+            [] => true,
+            [a] if a == "--no-wait" => false,
+            _ => panic!("usage: start [--no-wait]"),
+        };
+        let source = match &self.api {
+            Some(api) => api.source(),
+            None => vec![
+                "--manifests".to_string(),
+                self.env.manifests.path().display().to_string(),
+            ],
+        };
+        let n = self.env.syncs();
+        self.env.start_agent_with(&source);
+        if wait {
+            self.env.wait_log(|l| syncs(l) > n, "first sync");
+        }
+        for node in self.nodes.iter().skip(1 + self.others.len()) {
+            let other = self.env.add_node(node);
+            self.others.push(other);
+        }
+    }
+
+    /// `clock NAME [rfc3339]`: the wall clock now into a variable (milliseconds since the
+    /// epoch, or RFC 3339).
+    fn clock(&mut self, step: &Step) {
+        step.only(&[]);
+        let now = std::time::SystemTime::now();
+        let v = match step.words.get(2).map(String::as_str) {
+            None => now
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_millis()
+                .to_string(),
+            Some("rfc3339") => humantime::format_rfc3339(now).to_string(),
+            Some(f) => panic!("usage: clock NAME [rfc3339], not {f:?}"),
+        };
+        self.vars.set(step.word(1, "a variable name"), v);
+    }
+
+    /// `pins [PREFIX] => ...`: the pinned objects checked (see [`PIN_KEYS`]).
+    fn pins_step(&mut self, step: &Step) {
+        let c = conds(&step.after);
+        known(&c, PIN_KEYS);
+        let prefix = step.words.get(1).map_or("", String::as_str);
+        let mut vars = std::mem::take(&mut self.vars);
+        let r = self.pins(prefix, &c, &mut vars);
+        self.vars = vars;
+        r.unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// `collected NAME => distinct=N`: the backends a `collect=NAME` probe gathered.
+    fn collected(&mut self, step: &Step) {
+        let name = step.word(1, "a bag's name");
+        let c = conds(&step.after);
+        known(&c, &["distinct"]);
+        let bag = self
+            .kept
+            .bags
+            .get(name)
+            .unwrap_or_else(|| panic!("no bag {name:?}"));
+        for c in &c {
+            self.vars
+                .check_number(c, bag.len() as u64)
+                .unwrap_or_else(|e| panic!("{name}: {e}: {bag:?}"));
         }
     }
 
@@ -1454,53 +1474,12 @@ fn check_probe(step: &Step, lines: &[Probe], took: Duration, vars: &mut Vars, ke
                 !lines.is_empty() && lines.iter().all(|p| p["ok"] != true),
                 "want every probe failed: {lines:?}"
             ),
-            "names" => {
-                let got: BTreeSet<String> = by_name(lines).into_keys().collect();
-                if vars.unbound(v).is_some() {
-                    // Binds the variable to the answering backends.
-                    let all = got.iter().cloned().collect::<Vec<_>>().join(",");
-                    vars.check(&cond(&format!("names={v}")), Some(&Value::from(all)))
-                        .unwrap();
-                    continue;
-                }
-                let want: BTreeSet<String> = list(&vars.expand(v)).into_iter().collect();
-                assert!(
-                    got == want,
-                    "answering backends {got:?}, want {want:?}: {lines:?}"
-                );
-            }
+            "names" => check_names(v, lines, vars),
             "clients" => {
                 let got = client_backends(lines).len();
                 assert_eq!(got, v.parse::<usize>().expect("clients=N"), "{lines:?}");
             }
-            "moved" => {
-                let since = step.get("since").expect("moved=N goes with since=NAME");
-                let saved = kept
-                    .clients
-                    .get(since)
-                    .unwrap_or_else(|| panic!("no probe saved as {since:?}"));
-                let except = list(step.get("except").unwrap_or(""));
-                let now = client_backends(lines);
-                let mut moved = Vec::new();
-                for (client, was) in saved {
-                    if except.contains(was) {
-                        continue;
-                    }
-                    let is = now
-                        .get(client)
-                        .unwrap_or_else(|| panic!("client {client} of {since} did not connect"));
-                    if is != was {
-                        moved.push(format!("{client}: {was} -> {is}"));
-                    }
-                }
-                let c = match v.starts_with(['<', '>']) {
-                    true => cond(&format!("moved{v}")),
-                    false => cond(&format!("moved={v}")),
-                };
-                println!("{} clients moved since {since}: {moved:?}", moved.len());
-                vars.check_number(&c, moved.len() as u64)
-                    .unwrap_or_else(|e| panic!("{e} (since {since}): {moved:?}"));
-            }
+            "moved" => check_moved(step, v, lines, vars, kept),
             "since" | "except" | "save" => {}
             "collect" => {
                 kept.bags
@@ -1553,25 +1532,7 @@ fn check_probe(step: &Step, lines: &[Probe], took: Duration, vars: &mut Vars, ke
                 step.get("least-cost").is_some(),
                 "weights= goes with least-cost="
             ),
-            "tally" => {
-                let seq = sequence(lines);
-                let got = sched::tally(&seq);
-                let mut names = BTreeSet::new();
-                for pair in list(v) {
-                    let (n, c) = pair
-                        .split_once(':')
-                        .unwrap_or_else(|| panic!("{pair:?} is not name:count"));
-                    names.insert(n.to_string());
-                    let have = *got
-                        .get(n)
-                        .unwrap_or_else(|| panic!("tally: {n} did not answer: {seq:?}"))
-                        as u64;
-                    vars.check_number(&cond(&format!("{n}={c}")), have)
-                        .unwrap_or_else(|e| panic!("tally: {e}: {seq:?}"));
-                }
-                let extra: Vec<&String> = got.keys().filter(|n| !names.contains(*n)).collect();
-                assert!(extra.is_empty(), "tally: {extra:?} answered too: {seq:?}");
-            }
+            "tally" => check_tally(v, lines, vars),
             "reconnects" => {
                 let n = lines
                     .iter()
@@ -1603,6 +1564,74 @@ fn check_probe(step: &Step, lines: &[Probe], took: Duration, vars: &mut Vars, ke
         kept.clients
             .insert(vars.expand(name), client_backends(lines));
     }
+}
+
+/// `names=A,B` (or `names=$VAR`, which binds the variable): the set of answering backends.
+fn check_names(v: &str, lines: &[Probe], vars: &mut Vars) {
+    let got: BTreeSet<String> = by_name(lines).into_keys().collect();
+    if vars.unbound(v).is_some() {
+        // Binds the variable to the answering backends.
+        let all = got.iter().cloned().collect::<Vec<_>>().join(",");
+        vars.check(&cond(&format!("names={v}")), Some(&Value::from(all)))
+            .unwrap();
+        return;
+    }
+    let want: BTreeSet<String> = list(&vars.expand(v)).into_iter().collect();
+    assert!(
+        got == want,
+        "answering backends {got:?}, want {want:?}: {lines:?}"
+    );
+}
+
+/// `moved=N` (or `<N`, `>N`) with `since=NAME`: how many clients of the probe saved as
+/// NAME answer from another backend now (`except=` backends left out).
+fn check_moved(step: &Step, v: &str, lines: &[Probe], vars: &mut Vars, kept: &Kept) {
+    let since = step.get("since").expect("moved=N goes with since=NAME");
+    let saved = kept
+        .clients
+        .get(since)
+        .unwrap_or_else(|| panic!("no probe saved as {since:?}"));
+    let except = list(step.get("except").unwrap_or(""));
+    let now = client_backends(lines);
+    let mut moved = Vec::new();
+    for (client, was) in saved {
+        if except.contains(was) {
+            continue;
+        }
+        let is = now
+            .get(client)
+            .unwrap_or_else(|| panic!("client {client} of {since} did not connect"));
+        if is != was {
+            moved.push(format!("{client}: {was} -> {is}"));
+        }
+    }
+    let c = match v.starts_with(['<', '>']) {
+        true => cond(&format!("moved{v}")),
+        false => cond(&format!("moved={v}")),
+    };
+    println!("{} clients moved since {since}: {moved:?}", moved.len());
+    vars.check_number(&c, moved.len() as u64)
+        .unwrap_or_else(|e| panic!("{e} (since {since}): {moved:?}"));
+}
+
+/// `tally=NAME:COUNT,...`: how many answers each backend gave, and no other backend.
+fn check_tally(v: &str, lines: &[Probe], vars: &mut Vars) {
+    let seq = sequence(lines);
+    let got = sched::tally(&seq);
+    let mut names = BTreeSet::new();
+    for pair in list(v) {
+        let (n, c) = pair
+            .split_once(':')
+            .unwrap_or_else(|| panic!("{pair:?} is not name:count"));
+        names.insert(n.to_string());
+        let have =
+            *got.get(n)
+                .unwrap_or_else(|| panic!("tally: {n} did not answer: {seq:?}")) as u64;
+        vars.check_number(&cond(&format!("{n}={c}")), have)
+            .unwrap_or_else(|e| panic!("tally: {e}: {seq:?}"));
+    }
+    let extra: Vec<&String> = got.keys().filter(|n| !names.contains(*n)).collect();
+    assert!(extra.is_empty(), "tally: {extra:?} answered too: {seq:?}");
 }
 
 /// `chi2=NAME:WEIGHT,...`: the answers split as the weights, by a chi-square test at
