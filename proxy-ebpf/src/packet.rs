@@ -238,9 +238,10 @@ const FAST_TCP_LEN: usize = ETH_HLEN + 20 + 14;
 /// not a later fragment, TCP or UDP, every byte [`parse_v4`] reads within the linear part
 /// of the frame. One bounds check, then loads at constant offsets, the pattern the
 /// verifier follows whatever the compiler makes of it. `None` for anything else: the full
-/// parse through the helpers decides, with the same rules. Its own BPF function, so its
-/// loads do not grow the entry points' frames (the call chains share 512 bytes of stack).
-#[inline(never)]
+/// parse through the helpers decides, with the same rules. Inlined: as a BPF function its
+/// call and return cost about 10 ns per packet where returns are mitigated
+/// (`spec_rstack_overflow`), and every program's stack still fits with it inline.
+#[inline(always)]
 fn parse_v4_fast<B: Buf>(b: &B, pkt: &mut Pkt) -> Option<Kind> {
     let (data, end) = b.linear();
     if data + FAST_V4_LEN > end {
