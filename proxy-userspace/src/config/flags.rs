@@ -92,10 +92,6 @@ pub struct RunFlags {
     /// 10249), or empty to disable it; port 0 picks a free port [default: 127.0.0.1:10249].
     #[arg(allow_hyphen_values = true, long)]
     pub metrics_bind_address: Option<ServerAddress>,
-    /// cgroup v2 directory to attach the socket programs to [default: the cgroup2 mount root
-    /// from /proc/self/mounts, i.e. every process of the node].
-    #[arg(allow_hyphen_values = true, long)]
-    pub cgroup_path: Option<PathBuf>,
     #[command(flatten)]
     pub pins: PinArgs,
     /// Name of this node [default: $NODE_NAME, else the hostname]; trimmed and lowercased,
@@ -109,23 +105,10 @@ pub struct RunFlags {
     /// [default: random].
     #[arg(allow_hyphen_values = true, long, value_parser = parse_lb_algorithm)]
     pub lb_algorithm: Option<Algorithm>,
-    /// Close the TCP connections of client sockets translated to an endpoint that left its
-    /// Service (gone from the EndpointSlices, or neither ready nor serving), with sock_diag's
-    /// SOCK_DESTROY in the socket's network namespace, as `ss -K` does. Off by default, as
-    /// kube-proxy leaves established connections alone.
-    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", value_parser = parse_go_bool, action = clap::ArgAction::Set, value_name = "BOOL")]
-    pub close_connections_to_removed_endpoints: bool,
     /// Address of the health server (`/healthz`, `/livez`): ip:port, an IP alone (port
     /// 10256), or empty to disable it; port 0 picks a free port [default: 0.0.0.0:10256].
     #[arg(allow_hyphen_values = true, long)]
     pub healthz_bind_address: Option<ServerAddress>,
-    /// Address of the agent's own status server (`/readyz`, `/livez`, `/status`; read by
-    /// `ebpf-proxy status` and the DaemonSet's probes), on a port kube-proxy never binds so
-    /// that its answers cannot come from kube-proxy while both run: ip:port, an IP alone
-    /// (port 10266), or empty to disable it; port 0 picks a free port
-    /// [default: 127.0.0.1:10266].
-    #[arg(allow_hyphen_values = true, long)]
-    pub status_bind_address: Option<ServerAddress>,
     /// Log level of the agent (error, warn, info, debug, trace; other crates log warnings
     /// only), or a tracing filter directive with `=` or `,` (e.g. `info,kube=debug`)
     /// [default: info, or the one of -v].
@@ -139,16 +122,6 @@ pub struct RunFlags {
     /// client outside the prefix of its family is masqueraded (tc path).
     #[arg(allow_hyphen_values = true, long)]
     pub cluster_cidr: Option<ClusterCidrs>,
-    /// Interfaces that serve NodePorts, external IPs and LB IPs to traffic from outside the
-    /// node, comma-separated [default: the interfaces of the agent's network namespace that
-    /// carry one of this node's InternalIP/ExternalIP addresses from its Node object].
-    #[arg(allow_hyphen_values = true, long, value_delimiter = ',')]
-    pub interfaces: Vec<String>,
-    /// The peers of veth external interfaces run an XDP program in native mode, so frames
-    /// the XDP program sends back or redirects into a veth are delivered: lets --xdp use
-    /// native XDP on veths, which it otherwise refuses (native) or skips (best-effort).
-    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", value_parser = parse_go_bool, action = clap::ArgAction::Set, value_name = "BOOL")]
-    pub xdp_veth_peers_ready: bool,
     /// kube-proxy's other flags.
     #[command(flatten)]
     pub kube_proxy: KubeProxyFlags,

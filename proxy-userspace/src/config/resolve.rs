@@ -9,9 +9,7 @@ use std::net::SocketAddr;
 use anyhow::{Result, bail};
 use proxy_common::Algorithm;
 
-use super::defaults::{
-    self, DEFAULT_LOG_LEVEL, DEFAULT_OOM_SCORE_ADJ, DEFAULT_STATUS_PORT, MAX_PERIOD,
-};
+use super::defaults::{self, DEFAULT_LOG_LEVEL, DEFAULT_OOM_SCORE_ADJ, MAX_PERIOD};
 use super::go::format_go_duration;
 use super::settings::{self, Origin, Origins};
 use super::values::{IpvsScheduler, LogFormat, ProxyMode, SchedulerFlag, ServerAddress};
@@ -19,7 +17,6 @@ use super::{
     Action, AgentConfig, FileSettings, KubeProxyConfiguration, KubeProxyFlags, RunFlags,
     SourceChoice, written,
 };
-use crate::datapath::tc::TcSettings;
 
 impl AgentConfig {
     /// Merges the flags with the configuration file's settings (`file`, when `--config` was
@@ -61,16 +58,10 @@ impl AgentConfig {
                 k.healthz_port,
                 defaults::healthz_bind_address(ipv6),
             ),
-            status_bind_address: match flags.status_bind_address {
-                Some(a) => a.resolve(DEFAULT_STATUS_PORT),
-                None => Some(defaults::status_bind_address()),
-            },
             bind_address,
-            cgroup_path: flags.cgroup_path.clone(),
             pins: flags.pins.clone(),
             hostname_override,
             lb_algorithm: lb_algorithm(&flags, &f),
-            close_connections_to_removed_endpoints: flags.close_connections_to_removed_endpoints,
             log_level,
             verbosity,
             log_format,
@@ -80,7 +71,6 @@ impl AgentConfig {
                 .or(f.cluster_cidr.clone())
                 .map(|c| c.0)
                 .unwrap_or_default(),
-            tc: north_south(&flags),
             oom_score_adj: k
                 .oom_score_adj
                 .or(f.oom_score_adj)
@@ -241,16 +231,6 @@ fn server(
         addr = (port != 0).then(|| SocketAddr::new(addr.map_or(default.ip(), |a| a.ip()), port));
     }
     addr
-}
-
-/// The north-south path (`--xdp`, `--masquerade-all` and the conntrack settings are the
-/// table's, set by `settings`).
-fn north_south(flags: &RunFlags) -> TcSettings {
-    TcSettings {
-        interfaces: flags.interfaces.clone(),
-        xdp_veth_peers_ready: flags.xdp_veth_peers_ready,
-        ..TcSettings::default()
-    }
 }
 
 /// One line per flag given that has no effect here, then one when the two log format flags

@@ -18,6 +18,7 @@
 //! things, a value that depends on another setting, a flag that is not `None` when left
 //! out) keep their code in `flags`, `file`, `resolve` and `written`.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Result, bail};
@@ -27,14 +28,15 @@ use super::AgentConfig;
 use super::defaults::{
     DEFAULT_CONNTRACK_MAX_PER_CORE, DEFAULT_CONNTRACK_MIN, DEFAULT_CT_TCP_ESTABLISHED,
     DEFAULT_CT_UDP_STREAM, DEFAULT_MAX_BACKENDS, DEFAULT_MAX_FRONTENDS, DEFAULT_MAX_SLOTS,
-    DEFAULT_MAX_SOCKETS, DEFAULT_MIN_SYNC_PERIOD, DEFAULT_SYNC_PERIOD, DEFAULT_UDP_FLOW_TIMEOUT,
-    MAGLEV_DEFAULT, MAX_CONNTRACK_FLOWS,
+    DEFAULT_MAX_SOCKETS, DEFAULT_MIN_SYNC_PERIOD, DEFAULT_STATUS_PORT, DEFAULT_SYNC_PERIOD,
+    DEFAULT_UDP_FLOW_TIMEOUT, MAGLEV_DEFAULT, MAX_CONNTRACK_FLOWS, status_bind_address,
 };
 use super::file::{self, KubeProxyConfiguration};
 use super::go::{format_go_duration, parse_go_bool};
 use super::values::{
-    NodePortAddresses, number_in, parse_conntrack_min, parse_duration, parse_maglev_size,
-    parse_north_south_mode, parse_positive_duration, parse_required_timeout, parse_timeout,
+    NodePortAddresses, ServerAddress, number_in, parse_conntrack_min, parse_duration,
+    parse_maglev_size, parse_north_south_mode, parse_positive_duration, parse_required_timeout,
+    parse_timeout,
 };
 use crate::datapath::loader::KernelLogLevel;
 use crate::datapath::tc::XdpSetting;
@@ -130,6 +132,28 @@ impl SettingValue for NodePortAddresses {
     }
 }
 
+impl SettingValue for ServerAddress {
+    fn show(&self) -> String {
+        match self {
+            ServerAddress::Disabled => String::new(),
+            ServerAddress::Ip(ip) => ip.to_string(),
+            ServerAddress::Addr(a) => a.to_string(),
+        }
+    }
+}
+
+impl SettingValue for PathBuf {
+    fn show(&self) -> String {
+        self.display().to_string()
+    }
+}
+
+impl SettingValue for Vec<String> {
+    fn show(&self) -> String {
+        self.join(",")
+    }
+}
+
 impl SettingValue for NorthSouthMode {
     fn show(&self) -> String {
         self.name().to_string()
@@ -213,13 +237,17 @@ fn any(
 ///     default: expression,
 ///     into: |value: Type| the field's value,                           (optional)
 ///     flags: { /// help
-///              #[arg(...)] flag_name, ... },
+///              #[arg(...)] flag_name, ... },        (or flag_name: Type: see below)
 ///     unset: |value: &Type| a flag's value that means "not given",    (optional)
 ///     file: Section reader => ["yaml.path" = document.field, ...],   (optional, with:)
 ///     combine: how several fields combine,                              (optional)
 ///     written: |&field, origin| the document's field,                  (optional)
 /// }
 /// ```
+///
+/// A flag is `Option<Type>`, `None` unless given, unless it names a type of its own
+/// (`flag_name: Type`, e.g. a `bool` with a clap `default_value`, or a `Vec` that is empty
+/// when left out): then its value is always taken as given.
 ///
 /// `into` turns a value given into the field's type (the same type without it), so the
 /// default is of the field's type.
@@ -232,6 +260,22 @@ fn any(
 /// must agree, unless `combine` (such as [`any`]) says how they combine. Every field listed
 /// is written back, by [`WrittenValue::field`] unless `written` says otherwise.
 macro_rules! settings {
+    // The flags' struct, one field at a time: clap's derive must see the field's type
+    // itself (`Option<..>`, `Vec<..>`), not a macro that makes it.
+    (@flag_fields [$($fields:tt)*]) => {
+        /// The flags of the settings of [`settings`](self), each `None` unless given (a flag
+        /// of a type of its own, such as a `bool` with a clap default, always has a value).
+        #[derive(clap::Args, Debug, Clone, Default)]
+        pub struct SettingFlags { $($fields)* }
+    };
+    (@flag_fields [$($fields:tt)*] [$($attrs:tt)*] $flag:ident [$ty:ty] [$flag_ty:ty]; $($rest:tt)*) => {
+        settings!(@flag_fields [$($fields)* $($attrs)* pub $flag: $flag_ty,] $($rest)*);
+    };
+    (@flag_fields [$($fields:tt)*] [$($attrs:tt)*] $flag:ident [$ty:ty]; $($rest:tt)*) => {
+        settings!(@flag_fields [$($fields)* $($attrs)* pub $flag: Option<$ty>,] $($rest)*);
+    };
+    (@given $v:expr) => { Option::clone(&$v) };
+    (@given $v:expr, $flag_ty:ty) => { Some(Clone::clone(&$v)) };
     (@keep $v:ident) => { $v };
     (@keep $v:ident, $unset:expr) => { $v.filter(|v| !($unset)(v)) };
     (@get $doc:ident $field:ident) => { &$doc.$field };
@@ -255,7 +299,7 @@ macro_rules! settings {
         $name:ident: $ty:ty => $($config:ident).+ {
             default: $default:expr,
             $( into: $into:expr, )?
-            flags: { $( $(#[$flag_attr:meta])* $flag:ident ),+ $(,)? },
+            flags: { $( $(#[$flag_attr:meta])* $flag:ident $(: $flag_ty:ty)? ),+ $(,)? },
             $( unset: $unset:expr, )?
             $(
                 file: $section:ident $read:expr => [ $( $yaml:literal = $($path:ident).+ ),+ $(,)? ],
@@ -264,14 +308,9 @@ macro_rules! settings {
             )?
         }
     ),* $(,)?) => {
-        /// The flags of the settings of [`settings`](self), each `None` unless given.
-        #[derive(clap::Args, Debug, Clone, Default)]
-        pub struct SettingFlags {
-            $( $(
-                $(#[$flag_attr])*
-                pub $flag: Option<$ty>,
-            )+ )*
-        }
+        settings!(@flag_fields []
+            $( $( [$(#[$flag_attr])*] $flag [$ty] $([$flag_ty])?; )+ )*
+        );
 
         /// What the flags or the configuration file give of each setting of
         /// [`settings`](self): `None` where they leave it unset.
@@ -301,7 +340,9 @@ macro_rules! settings {
                 Ok(SettingValues {
                     $( $name: {
                         let keep = |v: Option<$ty>| settings!(@keep v $(, $unset)?);
-                        agree(&[ $( (stringify!($flag), keep(Option::clone(&self.$flag))), )+ ])?
+                        agree(&[ $(
+                            (stringify!($flag), keep(settings!(@given self.$flag $(, $flag_ty)?))),
+                        )+ ])?
                     }, )*
                 })
             }
@@ -653,6 +694,65 @@ settings! {
             /// [default: disabled].
             #[arg(allow_hyphen_values = true, long, value_enum, value_name = "MODE")]
             xdp,
+        },
+    },
+    /// `--cgroup-path` (the flag alone; `None`: the cgroup2 mount root).
+    cgroup_path: PathBuf => cgroup_path {
+        default: None,
+        into: Some,
+        flags: {
+            /// cgroup v2 directory to attach the socket programs to [default: the cgroup2 mount root
+            /// from /proc/self/mounts, i.e. every process of the node].
+            #[arg(allow_hyphen_values = true, long)]
+            cgroup_path,
+        },
+    },
+    /// `--close-connections-to-removed-endpoints` (the flag alone).
+    close_connections_to_removed_endpoints: bool => close_connections_to_removed_endpoints {
+        default: false,
+        flags: {
+            /// Close the TCP connections of client sockets translated to an endpoint that left its
+            /// Service (gone from the EndpointSlices, or neither ready nor serving), with sock_diag's
+            /// SOCK_DESTROY in the socket's network namespace, as `ss -K` does. Off by default, as
+            /// kube-proxy leaves established connections alone.
+            #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", value_parser = parse_go_bool, action = clap::ArgAction::Set, value_name = "BOOL")]
+            close_connections_to_removed_endpoints: bool,
+        },
+    },
+    /// `--status-bind-address` (the flag alone; `None`: no status server).
+    status_bind_address: ServerAddress => status_bind_address {
+        default: Some(status_bind_address()),
+        into: |a: ServerAddress| a.resolve(DEFAULT_STATUS_PORT),
+        flags: {
+            /// Address of the agent's own status server (`/readyz`, `/livez`, `/status`; read by
+            /// `ebpf-proxy status` and the DaemonSet's probes), on a port kube-proxy never binds so
+            /// that its answers cannot come from kube-proxy while both run: ip:port, an IP alone
+            /// (port 10266), or empty to disable it; port 0 picks a free port
+            /// [default: 127.0.0.1:10266].
+            #[arg(allow_hyphen_values = true, long)]
+            status_bind_address,
+        },
+    },
+    /// `--interfaces` (the flag alone; empty: the interfaces of the node's addresses).
+    interfaces: Vec<String> => tc.interfaces {
+        default: Vec::new(),
+        flags: {
+            /// Interfaces that serve NodePorts, external IPs and LB IPs to traffic from outside the
+            /// node, comma-separated [default: the interfaces of the agent's network namespace that
+            /// carry one of this node's InternalIP/ExternalIP addresses from its Node object].
+            #[arg(allow_hyphen_values = true, long, value_delimiter = ',')]
+            interfaces: Vec<String>,
+        },
+    },
+    /// `--xdp-veth-peers-ready` (the flag alone).
+    xdp_veth_peers_ready: bool => tc.xdp_veth_peers_ready {
+        default: false,
+        flags: {
+            /// The peers of veth external interfaces run an XDP program in native mode, so frames
+            /// the XDP program sends back or redirects into a veth are delivered: lets --xdp use
+            /// native XDP on veths, which it otherwise refuses (native) or skips (best-effort).
+            #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", value_parser = parse_go_bool, action = clap::ArgAction::Set, value_name = "BOOL")]
+            xdp_veth_peers_ready: bool,
         },
     },
 }
