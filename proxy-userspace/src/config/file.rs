@@ -28,7 +28,7 @@ pub use self::document::{
 use self::yaml::{duplicate_key_line, field_line, plain_type_error};
 use super::defaults::{
     DEFAULT_HEALTHZ_PORT, DEFAULT_METRICS_PORT, MAX_CONNTRACK_FLOWS, MIN_CONNTRACK_FLOWS,
-    OOM_SCORE_ADJ_RANGE, kube_proxy as kp,
+    kube_proxy as kp,
 };
 use super::go::{format_go_duration, parse_go_duration};
 use super::settings::{Section, SettingValues};
@@ -125,8 +125,6 @@ pub struct FileSettings {
     pub log_format: Option<LogFormat>,
     /// `logging.verbosity` (`-v`).
     pub verbosity: Option<u32>,
-    /// `oomScoreAdj`.
-    pub oom_score_adj: Option<i32>,
     /// The settings of the table of `settings` (read as fields of [`FileSettings`]).
     pub values: SettingValues,
     /// The document as read, for `--write-config-to` (it keeps the values of the fields
@@ -423,14 +421,6 @@ fn top_level(file: &KubeProxyConfiguration, s: &mut FileSettings, w: &mut Warnin
     }
     s.hostname_override = text(&file.hostname_override).map(str::to_string);
     s.values.read(file, Section::TopLevel)?;
-    let (least, most) = OOM_SCORE_ADJ_RANGE;
-    s.oom_score_adj = count(
-        "oomScoreAdj",
-        &file.oom_score_adj,
-        least.into(),
-        most.into(),
-    )?
-    .map(|n| n as i32);
     Ok(())
 }
 

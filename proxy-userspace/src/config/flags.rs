@@ -15,7 +15,7 @@ use std::{net::IpAddr, path::PathBuf, time::Duration};
 use anyhow::Result;
 use proxy_common::Algorithm;
 
-use super::defaults::{DEFAULT_BPFFS, DEFAULT_PIN_DIR, OOM_SCORE_ADJ_RANGE};
+use super::defaults::{DEFAULT_BPFFS, DEFAULT_PIN_DIR};
 use super::go::{FeatureGates, parse_go_bool};
 use super::settings::{KUBE_PROXY_FLAGS, SettingFlags};
 use super::values::{
@@ -163,9 +163,6 @@ pub struct KubeProxyFlags {
     /// (see --lb-algorithm; mh is source-hash); empty keeps the default algorithm.
     #[arg(allow_hyphen_values = true, long, value_name = "SCHEDULER", value_parser = parse_scheduler_flag, conflicts_with = "lb_algorithm")]
     pub ipvs_scheduler: Option<SchedulerFlag>,
-    /// oom_score_adj of the agent process, -1000..=1000 [default: -999].
-    #[arg(long, allow_hyphen_values = true, value_parser = number_in(OOM_SCORE_ADJ_RANGE.0, OOM_SCORE_ADJ_RANGE.1), value_name = "N")]
-    pub oom_score_adj: Option<i32>,
     /// Deprecated in kube-proxy: port of the health server (0 disables it).
     #[arg(allow_hyphen_values = true, long, value_name = "PORT", value_parser = number_in(0u16, u16::MAX))]
     pub healthz_port: Option<u16>,

@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use anyhow::{Result, bail};
 use proxy_common::Algorithm;
 
-use super::defaults::{self, DEFAULT_LOG_LEVEL, DEFAULT_OOM_SCORE_ADJ, MAX_PERIOD};
+use super::defaults::{self, DEFAULT_LOG_LEVEL, MAX_PERIOD};
 use super::go::format_go_duration;
 use super::settings::{self, Origin, Origins};
 use super::values::{IpvsScheduler, LogFormat, ProxyMode, SchedulerFlag, ServerAddress};
@@ -71,10 +71,6 @@ impl AgentConfig {
                 .or(f.cluster_cidr.clone())
                 .map(|c| c.0)
                 .unwrap_or_default(),
-            oom_score_adj: k
-                .oom_score_adj
-                .or(f.oom_score_adj)
-                .unwrap_or(DEFAULT_OOM_SCORE_ADJ),
             warnings: warnings(&flags),
             document: KubeProxyConfiguration::default(),
             // The table's settings, set below.

@@ -28,8 +28,9 @@ use super::AgentConfig;
 use super::defaults::{
     DEFAULT_CONNTRACK_MAX_PER_CORE, DEFAULT_CONNTRACK_MIN, DEFAULT_CT_TCP_ESTABLISHED,
     DEFAULT_CT_UDP_STREAM, DEFAULT_MAX_BACKENDS, DEFAULT_MAX_FRONTENDS, DEFAULT_MAX_SLOTS,
-    DEFAULT_MAX_SOCKETS, DEFAULT_MIN_SYNC_PERIOD, DEFAULT_STATUS_PORT, DEFAULT_SYNC_PERIOD,
-    DEFAULT_UDP_FLOW_TIMEOUT, MAGLEV_DEFAULT, MAX_CONNTRACK_FLOWS, status_bind_address,
+    DEFAULT_MAX_SOCKETS, DEFAULT_MIN_SYNC_PERIOD, DEFAULT_OOM_SCORE_ADJ, DEFAULT_STATUS_PORT,
+    DEFAULT_SYNC_PERIOD, DEFAULT_UDP_FLOW_TIMEOUT, MAGLEV_DEFAULT, MAX_CONNTRACK_FLOWS,
+    OOM_SCORE_ADJ_RANGE, status_bind_address,
 };
 use super::file::{self, KubeProxyConfiguration};
 use super::go::{format_go_duration, parse_go_bool};
@@ -107,6 +108,19 @@ impl SettingValue for u32 {
 }
 
 impl WrittenValue for u32 {
+    type Field = Option<Value>;
+    fn field(&self) -> Option<Value> {
+        Some(Value::Number((*self).into()))
+    }
+}
+
+impl SettingValue for i32 {
+    fn show(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl WrittenValue for i32 {
     type Field = Option<Value>;
     fn field(&self) -> Option<Value> {
         Some(Value::Number((*self).into()))
@@ -754,5 +768,18 @@ settings! {
             #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", value_parser = parse_go_bool, action = clap::ArgAction::Set, value_name = "BOOL")]
             xdp_veth_peers_ready: bool,
         },
+    },
+    /// `--oom-score-adj` / `oomScoreAdj`.
+    oom_score_adj: i32 => oom_score_adj {
+        default: DEFAULT_OOM_SCORE_ADJ,
+        flags: {
+            /// oom_score_adj of the agent process, -1000..=1000 [default: -999].
+            #[arg(long, allow_hyphen_values = true, value_parser = number_in(OOM_SCORE_ADJ_RANGE.0, OOM_SCORE_ADJ_RANGE.1), value_name = "N", help_heading = KUBE_PROXY_FLAGS)]
+            oom_score_adj,
+        },
+        // Read after nodePortAddresses (the table's order is the file's validation order).
+        file: TopLevel file::count_in(OOM_SCORE_ADJ_RANGE.0, OOM_SCORE_ADJ_RANGE.1) => [
+            "oomScoreAdj" = oom_score_adj,
+        ],
     },
 }

@@ -115,7 +115,7 @@ pub(super) fn effective(
         mode: text(""),
         nftables: Some(nftables(k, read)),
         node_port_addresses: None,
-        oom_score_adj: num(c.oom_score_adj as i64),
+        oom_score_adj: None,
         port_range: match &k.proxy_port_range {
             Some(r) => Some(r.clone()),
             None => string(&read.port_range, ""),
