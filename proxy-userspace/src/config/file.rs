@@ -115,8 +115,6 @@ pub struct FileSettings {
     pub healthz_bind_address: Option<SocketAddr>,
     /// `metricsBindAddress` (an IP alone gets port 10249).
     pub metrics_bind_address: Option<SocketAddr>,
-    /// `clusterCIDR`.
-    pub cluster_cidr: Option<ClusterCidrs>,
     /// `mode`; `None` when empty.
     pub mode: Option<ProxyMode>,
     /// `ipvs.scheduler`.
@@ -245,6 +243,13 @@ pub(super) fn conntrack_min(field: &str, v: &Option<Value>) -> Result<Option<u32
         Some(v) if v.as_i64() == Some(0) => Ok(None),
         v => count_in(MIN_CONNTRACK_FLOWS, MAX_CONNTRACK_FLOWS)(field, v),
     }
+}
+
+/// `clusterCIDR`: one CIDR, or an IPv4 and an IPv6 one; empty is `None`.
+pub(super) fn cluster_cidrs(field: &str, v: &Option<String>) -> Result<Option<ClusterCidrs>> {
+    text(v)
+        .map(|c| c.parse().map_err(|e| anyhow::anyhow!("{field}: {e}")))
+        .transpose()
 }
 
 /// `nodePortAddresses`: CIDRs, or `primary` alone; an empty list is `None`.
@@ -416,9 +421,6 @@ fn top_level(file: &KubeProxyConfiguration, s: &mut FileSettings, w: &mut Warnin
         &file.metrics_bind_address,
         DEFAULT_METRICS_PORT,
     )?;
-    if let Some(c) = text(&file.cluster_cidr) {
-        s.cluster_cidr = Some(c.parse().map_err(|e| anyhow::anyhow!("clusterCIDR: {e}"))?);
-    }
     s.hostname_override = text(&file.hostname_override).map(str::to_string);
     s.values.read(file, Section::TopLevel)?;
     Ok(())

@@ -19,8 +19,8 @@ use super::defaults::{DEFAULT_BPFFS, DEFAULT_PIN_DIR};
 use super::go::{FeatureGates, parse_go_bool};
 use super::settings::{KUBE_PROXY_FLAGS, SettingFlags};
 use super::values::{
-    ClusterCidrs, LogFormat, SchedulerFlag, ServerAddress, check_detect_local_mode, number_in,
-    parse_duration, parse_scheduler_flag,
+    LogFormat, SchedulerFlag, ServerAddress, check_detect_local_mode, number_in, parse_duration,
+    parse_scheduler_flag,
 };
 
 /// The bpffs mount and the pin directory (every subcommand that touches pins takes them).
@@ -117,11 +117,6 @@ pub struct RunFlags {
     /// Log format: one text line or one JSON object per event [default: text].
     #[arg(allow_hyphen_values = true, long, value_enum)]
     pub log_format: Option<LogFormat>,
-    /// CIDR of the cluster's pods, or an IPv4 and an IPv6 CIDR separated by a comma
-    /// (kube-proxy's --cluster-cidr): traffic entering the node to a cluster IP from a
-    /// client outside the prefix of its family is masqueraded (tc path).
-    #[arg(allow_hyphen_values = true, long)]
-    pub cluster_cidr: Option<ClusterCidrs>,
     /// kube-proxy's other flags.
     #[command(flatten)]
     pub kube_proxy: KubeProxyFlags,

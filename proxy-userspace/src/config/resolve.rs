@@ -65,12 +65,6 @@ impl AgentConfig {
             log_level,
             verbosity,
             log_format,
-            cluster_cidrs: flags
-                .cluster_cidr
-                .clone()
-                .or(f.cluster_cidr.clone())
-                .map(|c| c.0)
-                .unwrap_or_default(),
             warnings: warnings(&flags),
             document: KubeProxyConfiguration::default(),
             // The table's settings, set below.

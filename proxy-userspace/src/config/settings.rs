@@ -22,6 +22,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Result, bail};
+use ipnet::IpNet;
 use serde_yaml_ng::Value;
 
 use super::AgentConfig;
@@ -35,7 +36,7 @@ use super::defaults::{
 use super::file::{self, KubeProxyConfiguration};
 use super::go::{format_go_duration, parse_go_bool};
 use super::values::{
-    NodePortAddresses, ServerAddress, number_in, parse_conntrack_min, parse_duration,
+    ClusterCidrs, NodePortAddresses, ServerAddress, number_in, parse_conntrack_min, parse_duration,
     parse_maglev_size, parse_north_south_mode, parse_positive_duration, parse_required_timeout,
     parse_timeout,
 };
@@ -137,6 +138,12 @@ impl WrittenValue for bool {
     type Field = Option<bool>;
     fn field(&self) -> Option<bool> {
         Some(*self)
+    }
+}
+
+impl SettingValue for ClusterCidrs {
+    fn show(&self) -> String {
+        self.to_string()
     }
 }
 
@@ -499,6 +506,21 @@ settings! {
             "nftables.masqueradeAll" = nftables.masquerade_all,
         ],
         combine: any,
+    },
+    /// `--cluster-cidr` / `clusterCIDR` (empty: none).
+    cluster_cidr: ClusterCidrs => cluster_cidrs {
+        default: Vec::new(),
+        into: |c: ClusterCidrs| c.0,
+        flags: {
+            /// CIDR of the cluster's pods, or an IPv4 and an IPv6 CIDR separated by a comma
+            /// (kube-proxy's --cluster-cidr): traffic entering the node to a cluster IP from a
+            /// client outside the prefix of its family is masqueraded (tc path).
+            #[arg(allow_hyphen_values = true, long)]
+            cluster_cidr,
+        },
+        // Read before nodePortAddresses (the table's order is the file's validation order).
+        file: TopLevel file::cluster_cidrs => ["clusterCIDR" = cluster_cidr],
+        written: |c: &Vec<IpNet>, _| Some(c.iter().map(ToString::to_string).collect::<Vec<_>>().join(",")),
     },
     /// `--nodeport-addresses` / `nodePortAddresses` (`None`: every node address).
     node_port_addresses: NodePortAddresses => nodeport_addresses {

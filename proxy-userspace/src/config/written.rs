@@ -74,13 +74,7 @@ pub(super) fn effective(
         ),
         bind_address_hard_fail: None,
         client_connection: Some(client_connection(c, k, read)),
-        cluster_cidr: Some(
-            c.cluster_cidrs
-                .iter()
-                .map(ToString::to_string)
-                .collect::<Vec<_>>()
-                .join(","),
-        ),
+        cluster_cidr: None,
         config_sync_period: match k.config_sync_period {
             Some(d) => dur(d),
             None => value(&read.config_sync_period, dur(kp::CONFIG_SYNC_PERIOD)),
