@@ -107,8 +107,6 @@ pub fn parse(text: &str) -> Result<Loaded> {
 pub struct FileSettings {
     /// `clientConnection.kubeconfig`.
     pub kubeconfig: Option<PathBuf>,
-    /// `hostnameOverride`.
-    pub hostname_override: Option<String>,
     /// `bindAddress` (only its family matters here: the default server addresses).
     pub bind_address: Option<IpAddr>,
     /// `healthzBindAddress` (an IP alone gets port 10256).
@@ -243,6 +241,11 @@ pub(super) fn conntrack_min(field: &str, v: &Option<Value>) -> Result<Option<u32
         Some(v) if v.as_i64() == Some(0) => Ok(None),
         v => count_in(MIN_CONNTRACK_FLOWS, MAX_CONNTRACK_FLOWS)(field, v),
     }
+}
+
+/// A name (`hostnameOverride`), trimmed; empty is `None`.
+pub(super) fn name(_field: &str, v: &Option<String>) -> Result<Option<String>> {
+    Ok(text(v).map(str::to_string))
 }
 
 /// `clusterCIDR`: one CIDR, or an IPv4 and an IPv6 one; empty is `None`.
@@ -421,7 +424,6 @@ fn top_level(file: &KubeProxyConfiguration, s: &mut FileSettings, w: &mut Warnin
         &file.metrics_bind_address,
         DEFAULT_METRICS_PORT,
     )?;
-    s.hostname_override = text(&file.hostname_override).map(str::to_string);
     s.values.read(file, Section::TopLevel)?;
     Ok(())
 }

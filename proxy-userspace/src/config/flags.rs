@@ -94,10 +94,6 @@ pub struct RunFlags {
     pub metrics_bind_address: Option<ServerAddress>,
     #[command(flatten)]
     pub pins: PinArgs,
-    /// Name of this node [default: $NODE_NAME, else the hostname]; trimmed and lowercased,
-    /// as kube-proxy does.
-    #[arg(allow_hyphen_values = true, long)]
-    pub hostname_override: Option<String>,
     /// Backend selection of Services without the `ebpf-proxy.io/lb-algorithm` annotation:
     /// random (kube-proxy's), round-robin, weighted-round-robin, least-connections,
     /// source-hash, maglev, weighted-least-connections, shortest-expected-delay, never-queue,

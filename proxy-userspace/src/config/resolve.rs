@@ -36,7 +36,6 @@ impl AgentConfig {
         let proxy_mode = proxy_mode(&flags, &f, &action)?;
         // The table's settings the flags give (several names of one setting must agree).
         let given = flags.settings.given()?;
-        let hostname_override = hostname_override(&flags, &f)?;
         let (log_level, verbosity, log_format) = logging(&flags, &f);
         let bind_address = k.bind_address.or(f.bind_address);
         let ipv6 = bind_address.is_some_and(|ip| ip.is_ipv6());
@@ -60,7 +59,6 @@ impl AgentConfig {
             ),
             bind_address,
             pins: flags.pins.clone(),
-            hostname_override,
             lb_algorithm: lb_algorithm(&flags, &f),
             log_level,
             verbosity,
@@ -145,21 +143,6 @@ fn source(flags: &RunFlags, f: &FileSettings) -> SourceChoice {
     match &flags.manifests {
         Some(m) => SourceChoice::Manifests(m.clone()),
         None => SourceChoice::Api(flags.kubeconfig.clone().or(f.kubeconfig.clone())),
-    }
-}
-
-/// `--hostname-override`, else the file's, trimmed and lowercased as kube-proxy does; an
-/// empty flag is an error.
-fn hostname_override(flags: &RunFlags, f: &FileSettings) -> Result<Option<String>> {
-    match &flags.hostname_override {
-        Some(h) => {
-            let h = h.trim().to_lowercase();
-            if h.is_empty() {
-                bail!("--hostname-override: an empty name is invalid");
-            }
-            Ok(Some(h))
-        }
-        None => Ok(f.hostname_override.clone().map(|h| h.trim().to_lowercase())),
     }
 }
 

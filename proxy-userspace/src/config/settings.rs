@@ -153,6 +153,12 @@ impl SettingValue for NodePortAddresses {
     }
 }
 
+impl SettingValue for String {
+    fn show(&self) -> String {
+        self.clone()
+    }
+}
+
 impl SettingValue for ServerAddress {
     fn show(&self) -> String {
         match self {
@@ -260,6 +266,7 @@ fn any(
 ///     flags: { /// help
 ///              #[arg(...)] flag_name, ... },        (or flag_name: Type: see below)
 ///     unset: |value: &Type| a flag's value that means "not given",    (optional)
+///     check: |value: &Type| -> Result<()> a flag's value refused,       (optional)
 ///     file: Section reader => ["yaml.path" = document.field, ...],   (optional, with:)
 ///     combine: how several fields combine,                              (optional)
 ///     written: |&field, origin| the document's field,                  (optional)
@@ -272,6 +279,9 @@ fn any(
 ///
 /// `into` turns a value given into the field's type (the same type without it), so the
 /// default is of the field's type.
+///
+/// `check` refuses a value given by the flags (not by the file, whose reader checks its
+/// own), with an error that names the flag.
 ///
 /// A row without `file` is a setting of the flags alone (`KubeProxyConfiguration` has no
 /// field for it: it is neither read nor written back).
@@ -322,6 +332,7 @@ macro_rules! settings {
             $( into: $into:expr, )?
             flags: { $( $(#[$flag_attr:meta])* $flag:ident $(: $flag_ty:ty)? ),+ $(,)? },
             $( unset: $unset:expr, )?
+            $( check: $check:expr, )?
             $(
                 file: $section:ident $read:expr => [ $( $yaml:literal = $($path:ident).+ ),+ $(,)? ],
                 $( combine: $combine:expr, )?
@@ -356,14 +367,19 @@ macro_rules! settings {
             /// The value of each setting the flags give (a value that means "not given"
             /// left out).
             ///
-            /// Errors: flags of one setting that disagree.
+            /// Errors: flags of one setting that disagree, or a value its `check` refuses
+            /// (the first row's error, in the table's order).
             pub(super) fn given(&self) -> Result<SettingValues> {
                 Ok(SettingValues {
                     $( $name: {
                         let keep = |v: Option<$ty>| settings!(@keep v $(, $unset)?);
-                        agree(&[ $(
+                        let value = agree(&[ $(
                             (stringify!($flag), keep(settings!(@given self.$flag $(, $flag_ty)?))),
-                        )+ ])?
+                        )+ ])?;
+                        $( if let Some(v) = &value {
+                            ($check)(v)?;
+                        } )?
+                        value
                     }, )*
                 })
             }
@@ -803,5 +819,27 @@ settings! {
         file: TopLevel file::count_in(OOM_SCORE_ADJ_RANGE.0, OOM_SCORE_ADJ_RANGE.1) => [
             "oomScoreAdj" = oom_score_adj,
         ],
+    },
+    /// `--hostname-override` / `hostnameOverride`, trimmed and lowercased as kube-proxy does
+    /// (`None`: the node name is resolved at start).
+    hostname_override: String => hostname_override {
+        default: None,
+        into: |h: String| Some(h.trim().to_lowercase()),
+        flags: {
+            /// Name of this node [default: $NODE_NAME, else the hostname]; trimmed and lowercased,
+            /// as kube-proxy does.
+            #[arg(allow_hyphen_values = true, long)]
+            hostname_override,
+        },
+        // An empty flag is an error (after the disagreements of the rows above it); an empty
+        // field is unset.
+        check: |h: &String| -> Result<()> {
+            if h.trim().is_empty() {
+                bail!("--hostname-override: an empty name is invalid");
+            }
+            Ok(())
+        },
+        file: TopLevel file::name => ["hostnameOverride" = hostname_override],
+        written: |h: &Option<String>, _| Some(h.clone().unwrap_or_default()),
     },
 }

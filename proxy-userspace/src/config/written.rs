@@ -96,7 +96,7 @@ pub(super) fn effective(
                 .map(|a| a.to_string())
                 .unwrap_or_default(),
         ),
-        hostname_override: Some(c.hostname_override.clone().unwrap_or_default()),
+        hostname_override: None,
         iptables: Some(iptables(k, read)),
         ipvs: Some(ipvs(c, k, read)),
         kind: text(KIND),
