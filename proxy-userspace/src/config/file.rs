@@ -107,8 +107,6 @@ pub fn parse(text: &str) -> Result<Loaded> {
 pub struct FileSettings {
     /// `clientConnection.kubeconfig`.
     pub kubeconfig: Option<PathBuf>,
-    /// `bindAddress` (only its family matters here: the default server addresses).
-    pub bind_address: Option<IpAddr>,
     /// `healthzBindAddress` (an IP alone gets port 10256).
     pub healthz_bind_address: Option<SocketAddr>,
     /// `metricsBindAddress` (an IP alone gets port 10249).
@@ -241,6 +239,16 @@ pub(super) fn conntrack_min(field: &str, v: &Option<Value>) -> Result<Option<u32
         Some(v) if v.as_i64() == Some(0) => Ok(None),
         v => count_in(MIN_CONNTRACK_FLOWS, MAX_CONNTRACK_FLOWS)(field, v),
     }
+}
+
+/// An IP address (`bindAddress`); empty is `None`.
+pub(super) fn ip_address(field: &str, v: &Option<String>) -> Result<Option<IpAddr>> {
+    text(v)
+        .map(|b| {
+            b.parse()
+                .map_err(|_| anyhow::anyhow!("{field}: {b:?} is not an IP address"))
+        })
+        .transpose()
 }
 
 /// A name (`hostnameOverride`), trimmed; empty is `None`.
@@ -403,16 +411,13 @@ fn check_type(file: &KubeProxyConfiguration) -> Result<()> {
 
 /// The top level's settings: addresses, the node name, CIDRs, `oomScoreAdj`.
 fn top_level(file: &KubeProxyConfiguration, s: &mut FileSettings, w: &mut Warnings) -> Result<()> {
-    if let Some(b) = text(&file.bind_address) {
-        let ip: IpAddr = b
-            .parse()
-            .map_err(|_| anyhow::anyhow!("bindAddress: {b:?} is not an IP address"))?;
-        if !ip.is_unspecified() {
-            w.0.push(format!(
-                "--config: field \"bindAddress\" ({b}) has no effect in ebpf-proxy: ignored"
-            ));
-        }
-        s.bind_address = Some(ip);
+    s.values.read(file, Section::BindAddress)?;
+    if let Some(b) = text(&file.bind_address)
+        && s.bind_address.is_some_and(|ip| !ip.is_unspecified())
+    {
+        w.0.push(format!(
+            "--config: field \"bindAddress\" ({b}) has no effect in ebpf-proxy: ignored"
+        ));
     }
     s.healthz_bind_address = server_address(
         "healthzBindAddress",

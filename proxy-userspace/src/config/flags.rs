@@ -10,7 +10,7 @@
 //! Settings left out are `None` (or empty), so that a flag given at its default value still
 //! overrides the file.
 
-use std::{net::IpAddr, path::PathBuf, time::Duration};
+use std::{path::PathBuf, time::Duration};
 
 use anyhow::Result;
 use proxy_common::Algorithm;
@@ -166,10 +166,6 @@ pub struct KubeProxyFlags {
     /// klog verbosity: 0-2 is --log-level info, 3-4 debug, 5 and more trace.
     #[arg(allow_hyphen_values = true, short = 'v', long = "v", value_name = "N", value_parser = number_in(0u32, u32::MAX))]
     pub verbosity: Option<u32>,
-    /// kube-proxy's idea of the node's primary IP; only its family is used here (the
-    /// default server addresses are IPv6 when it is IPv6).
-    #[arg(allow_hyphen_values = true, long, value_name = "IP")]
-    pub bind_address: Option<IpAddr>,
     /// No effect here.
     #[arg(allow_hyphen_values = true, long, value_name = "Name=bool,...")]
     pub feature_gates: Option<FeatureGates>,
@@ -266,7 +262,8 @@ pub struct KubeProxyFlags {
 
 impl KubeProxyFlags {
     /// One warning per flag given that has no effect here (a zero value, such as
-    /// `--profiling=false`, is not reported).
+    /// `--profiling=false`, is not reported); `--bind-address`'s is the table's row's, told
+    /// first by `resolve`.
     pub fn warnings(&self) -> Vec<String> {
         let given = |set: bool, name: &str| {
             set.then(|| format!("flag --{name} has no effect in ebpf-proxy: ignored"))
@@ -275,10 +272,6 @@ impl KubeProxyFlags {
         let yes = |v: &Option<bool>| v.unwrap_or(false);
         let nonzero = |v: &Option<Duration>| v.is_some_and(|d| !d.is_zero());
         [
-            given(
-                self.bind_address.is_some_and(|ip| !ip.is_unspecified()),
-                "bind-address",
-            ),
             given(
                 self.feature_gates.as_ref().is_some_and(|g| !g.0.is_empty()),
                 "feature-gates",

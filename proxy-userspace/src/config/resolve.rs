@@ -37,27 +37,12 @@ impl AgentConfig {
         // The table's settings the flags give (several names of one setting must agree).
         let given = flags.settings.given()?;
         let (log_level, verbosity, log_format) = logging(&flags, &f);
-        let bind_address = k.bind_address.or(f.bind_address);
-        let ipv6 = bind_address.is_some_and(|ip| ip.is_ipv6());
         let mut c = AgentConfig {
             action,
             #[cfg(test)]
             proxy_mode,
             source: source(&flags, &f),
             master: k.master.clone().filter(|m| !m.trim().is_empty()),
-            metrics_bind_address: server(
-                flags.metrics_bind_address,
-                f.metrics_bind_address,
-                k.metrics_port,
-                defaults::metrics_bind_address(ipv6),
-            ),
-            healthz_bind_address: server(
-                flags.healthz_bind_address,
-                f.healthz_bind_address,
-                k.healthz_port,
-                defaults::healthz_bind_address(ipv6),
-            ),
-            bind_address,
             pins: flags.pins.clone(),
             lb_algorithm: lb_algorithm(&flags, &f),
             log_level,
@@ -65,10 +50,24 @@ impl AgentConfig {
             log_format,
             warnings: warnings(&flags),
             document: KubeProxyConfiguration::default(),
-            // The table's settings, set below.
+            // The table's settings and the servers, set below.
             ..AgentConfig::default()
         };
         let origins = settings::apply(&mut c, &given, &f.values);
+        // The servers' default addresses are IPv6 when the bind address (the table's) is.
+        let ipv6 = c.bind_address.is_some_and(|ip| ip.is_ipv6());
+        c.metrics_bind_address = server(
+            flags.metrics_bind_address,
+            f.metrics_bind_address,
+            k.metrics_port,
+            defaults::metrics_bind_address(ipv6),
+        );
+        c.healthz_bind_address = server(
+            flags.healthz_bind_address,
+            f.healthz_bind_address,
+            k.healthz_port,
+            defaults::healthz_bind_address(ipv6),
+        );
         c.check_sync_periods(&origins)?;
         c.document = written::effective(&c, k, &f.document, &origins);
         Ok(c)
@@ -206,11 +205,17 @@ fn server(
     addr
 }
 
-/// One line per flag given that has no effect here, then one when the two log format flags
-/// disagree.
+/// One line per flag given that has no effect here (`--bind-address` first, then those of
+/// [`KubeProxyFlags::warnings`]), then one when the two log format flags disagree.
 fn warnings(flags: &RunFlags) -> Vec<String> {
     let k = &flags.kube_proxy;
-    let mut warnings = k.warnings();
+    let mut warnings: Vec<String> = flags
+        .bind_address
+        .filter(|ip| !ip.is_unspecified())
+        .map(|_| "flag --bind-address has no effect in ebpf-proxy: ignored".to_string())
+        .into_iter()
+        .collect();
+    warnings.extend(k.warnings());
     if k.logging_format.is_some()
         && flags.log_format.is_some()
         && k.logging_format != flags.log_format

@@ -18,6 +18,7 @@
 //! things, a value that depends on another setting, a flag that is not `None` when left
 //! out) keep their code in `flags`, `file`, `resolve` and `written`.
 
+use std::net::IpAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -26,6 +27,7 @@ use ipnet::IpNet;
 use serde_yaml_ng::Value;
 
 use super::AgentConfig;
+use super::defaults::kube_proxy as kp;
 use super::defaults::{
     DEFAULT_CONNTRACK_MAX_PER_CORE, DEFAULT_CONNTRACK_MIN, DEFAULT_CT_TCP_ESTABLISHED,
     DEFAULT_CT_UDP_STREAM, DEFAULT_MAX_BACKENDS, DEFAULT_MAX_FRONTENDS, DEFAULT_MAX_SLOTS,
@@ -64,7 +66,9 @@ pub enum Origin {
 /// decides which of several errors is reported).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Section {
-    /// The top level's fields.
+    /// The top level's `bindAddress`, read before the server addresses.
+    BindAddress,
+    /// The top level's other fields.
     TopLevel,
     /// The sync periods of the `iptables`, `nftables` and `ipvs` sections.
     SyncPeriods,
@@ -156,6 +160,12 @@ impl SettingValue for NodePortAddresses {
 impl SettingValue for String {
     fn show(&self) -> String {
         self.clone()
+    }
+}
+
+impl SettingValue for IpAddr {
+    fn show(&self) -> String {
+        self.to_string()
     }
 }
 
@@ -841,5 +851,21 @@ settings! {
         },
         file: TopLevel file::name => ["hostnameOverride" = hostname_override],
         written: |h: &Option<String>, _| Some(h.clone().unwrap_or_default()),
+    },
+    /// `--bind-address` / `bindAddress`: kube-proxy's idea of the node's primary IP; only its
+    /// family is used here (the default server addresses are IPv6 when it is IPv6).
+    bind_address: IpAddr => bind_address {
+        default: None,
+        into: Some,
+        flags: {
+            /// kube-proxy's idea of the node's primary IP; only its family is used here (the
+            /// default server addresses are IPv6 when it is IPv6).
+            #[arg(allow_hyphen_values = true, long, value_name = "IP", help_heading = KUBE_PROXY_FLAGS)]
+            bind_address,
+        },
+        file: BindAddress file::ip_address => ["bindAddress" = bind_address],
+        written: |ip: &Option<IpAddr>, _| {
+            Some(ip.map_or_else(|| kp::BIND_ADDRESS.into(), |ip| ip.to_string()))
+        },
     },
 }

@@ -67,11 +67,7 @@ pub(super) fn effective(
 ) -> KubeProxyConfiguration {
     let mut doc = KubeProxyConfiguration {
         api_version: text(API_VERSION),
-        bind_address: Some(
-            c.bind_address
-                .map(|ip| ip.to_string())
-                .unwrap_or_else(|| kp::BIND_ADDRESS.into()),
-        ),
+        bind_address: None,
         bind_address_hard_fail: None,
         client_connection: Some(client_connection(c, k, read)),
         cluster_cidr: None,
