@@ -409,7 +409,9 @@ fn check_type(file: &KubeProxyConfiguration) -> Result<()> {
     Ok(())
 }
 
-/// The top level's settings: addresses, the node name, CIDRs, `oomScoreAdj`.
+/// The top level's settings: `bindAddress` (by `settings`, with its warning), the server
+/// addresses, then the table's others (`clusterCIDR`, `hostnameOverride`,
+/// `bindAddressHardFail`, `nodePortAddresses`, `oomScoreAdj`), in this order.
 fn top_level(file: &KubeProxyConfiguration, s: &mut FileSettings, w: &mut Warnings) -> Result<()> {
     s.values.read(file, Section::BindAddress)?;
     if let Some(b) = text(&file.bind_address)

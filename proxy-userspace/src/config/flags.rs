@@ -1,8 +1,8 @@
 //! The agent's flags, bound with clap: ebpf-proxy's own and every flag of kube-proxy
 //! (`cmd/kube-proxy/app/options.go`, and the logging flags of component-base `logs/api/v1`,
 //! in kubernetes/kubernetes). A flag's name, help, syntax and range are defined once: here,
-//! or, for a setting that the file and a default give too, in its row of the table of
-//! `settings`, whose flags [`RunFlags`] flattens in. Its value type and parser are shared
+//! or, for a setting of the table of `settings` (most of ebpf-proxy's own and those the
+//! file gives too), in its row, whose flags [`RunFlags`] flattens in. Its value type and parser are shared
 //! with the file ([`super::values`]), its default is in [`super::defaults`] (the help
 //! repeats it in words), and [`super::AgentConfig::resolve`] applies the flags given onto
 //! the settings, over the file.

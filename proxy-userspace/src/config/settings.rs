@@ -14,9 +14,30 @@
 //! then the default ([`apply`]); the written-back document holds the value the agent runs
 //! with ([`write`]).
 //!
-//! The settings whose sources are not of this shape (several flags that mean different
-//! things, a value that depends on another setting, a flag that is not `None` when left
-//! out) keep their code in `flags`, `file`, `resolve` and `written`.
+//! The settings whose sources interact otherwise keep their code in `flags`, `file`,
+//! `resolve` and `written`, each for one reason:
+//!
+//! - `--metrics-bind-address` / `metricsBindAddress` and `--healthz-bind-address` /
+//!   `healthzBindAddress`: the deprecated `--metrics-port` / `--healthz-port` change the port
+//!   of whichever value wins (0 disables the server), and the default's family follows the
+//!   bind address.
+//! - `--log-level`, `-v` / `logging.verbosity`, `--log-format`, `--logging-format` /
+//!   `logging.format`: `-v` (or the file's verbosity) gives the level unless `--log-level`
+//!   does, the verbosity is also kept as given for the written document, and the two format
+//!   flags disagreeing is a warning, not an error.
+//! - `--lb-algorithm`, `--ipvs-scheduler` / `ipvs.scheduler`: two flags of different value
+//!   types (clap refuses both at once), an empty `--ipvs-scheduler` means the default over
+//!   the file, and the document holds the algorithm's scheduler name.
+//! - `--manifests`, `--kubeconfig` / `clientConnection.kubeconfig`: one choice of source
+//!   (clap refuses both flags); `--master` goes with the API source.
+//! - `--proxy-mode` / `mode`: judged against the action (`--cleanup` takes any mode), its
+//!   error names where it came from, and it is written empty.
+//! - `--write-config-to`, `--cleanup`, `--init-only`: one action of three flags, in
+//!   kube-proxy's order.
+//! - `--bpffs`, `--pin-dir`: shared with the other subcommands (`PinArgs`), with clap's
+//!   defaults.
+//! - kube-proxy's flags and fields without an effect here: a warning each, and written back
+//!   as given.
 
 use std::net::IpAddr;
 use std::path::PathBuf;
