@@ -324,16 +324,13 @@ fn parse_target(s: &str) -> Result<(SocketAddr, u8)> {
 fn explain(args: ExplainArgs) -> Result<()> {
     let (addr, proto) = parse_target(&args.target)?;
     let dir = args.pins.dir()?;
+    let mut flags = RunFlags {
+        pins: args.pins.clone(),
+        ..Default::default()
+    };
+    flags.settings.hostname_override = args.hostname_override.clone();
     let node = NodeInfo {
-        name: AgentConfig::resolve(
-            RunFlags {
-                hostname_override: args.hostname_override.clone(),
-                pins: args.pins.clone(),
-                ..Default::default()
-            },
-            None,
-        )?
-        .node_name(),
+        name: AgentConfig::resolve(flags, None)?.node_name(),
         ..Default::default()
     };
     let model = if let Some(m) = &args.manifests {

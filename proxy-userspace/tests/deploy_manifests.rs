@@ -2331,7 +2331,7 @@ fn the_image_runs_kubeadms_kube_proxy_command() {
     let loaded = proxy_userspace::config::parse(&fs::read_to_string(&written).unwrap()).unwrap();
     let s = loaded.settings;
     assert_eq!(s.hostname_override.as_deref(), Some("node-1"));
-    assert_eq!(s.cluster_cidr.unwrap().to_string(), "10.244.0.0/16");
+    assert_eq!(s.cluster_cidr.clone().unwrap().to_string(), "10.244.0.0/16");
     assert_eq!(
         s.kubeconfig.as_deref(),
         Some(Path::new("/var/lib/kube-proxy/kubeconfig.conf"))

@@ -28,7 +28,7 @@ pub use self::document::{
 use self::yaml::{duplicate_key_line, field_line, plain_type_error};
 use super::defaults::{
     DEFAULT_HEALTHZ_PORT, DEFAULT_METRICS_PORT, MAX_CONNTRACK_FLOWS, MIN_CONNTRACK_FLOWS,
-    OOM_SCORE_ADJ_RANGE, kube_proxy as kp,
+    kube_proxy as kp,
 };
 use super::go::{format_go_duration, parse_go_duration};
 use super::settings::{Section, SettingValues};
@@ -107,16 +107,10 @@ pub fn parse(text: &str) -> Result<Loaded> {
 pub struct FileSettings {
     /// `clientConnection.kubeconfig`.
     pub kubeconfig: Option<PathBuf>,
-    /// `hostnameOverride`.
-    pub hostname_override: Option<String>,
-    /// `bindAddress` (only its family matters here: the default server addresses).
-    pub bind_address: Option<IpAddr>,
     /// `healthzBindAddress` (an IP alone gets port 10256).
     pub healthz_bind_address: Option<SocketAddr>,
     /// `metricsBindAddress` (an IP alone gets port 10249).
     pub metrics_bind_address: Option<SocketAddr>,
-    /// `clusterCIDR`.
-    pub cluster_cidr: Option<ClusterCidrs>,
     /// `mode`; `None` when empty.
     pub mode: Option<ProxyMode>,
     /// `ipvs.scheduler`.
@@ -125,8 +119,6 @@ pub struct FileSettings {
     pub log_format: Option<LogFormat>,
     /// `logging.verbosity` (`-v`).
     pub verbosity: Option<u32>,
-    /// `oomScoreAdj`.
-    pub oom_score_adj: Option<i32>,
     /// The settings of the table of `settings` (read as fields of [`FileSettings`]).
     pub values: SettingValues,
     /// The document as read, for `--write-config-to` (it keeps the values of the fields
@@ -247,6 +239,28 @@ pub(super) fn conntrack_min(field: &str, v: &Option<Value>) -> Result<Option<u32
         Some(v) if v.as_i64() == Some(0) => Ok(None),
         v => count_in(MIN_CONNTRACK_FLOWS, MAX_CONNTRACK_FLOWS)(field, v),
     }
+}
+
+/// An IP address (`bindAddress`); empty is `None`.
+pub(super) fn ip_address(field: &str, v: &Option<String>) -> Result<Option<IpAddr>> {
+    text(v)
+        .map(|b| {
+            b.parse()
+                .map_err(|_| anyhow::anyhow!("{field}: {b:?} is not an IP address"))
+        })
+        .transpose()
+}
+
+/// A name (`hostnameOverride`), trimmed; empty is `None`.
+pub(super) fn name(_field: &str, v: &Option<String>) -> Result<Option<String>> {
+    Ok(text(v).map(str::to_string))
+}
+
+/// `clusterCIDR`: one CIDR, or an IPv4 and an IPv6 one; empty is `None`.
+pub(super) fn cluster_cidrs(field: &str, v: &Option<String>) -> Result<Option<ClusterCidrs>> {
+    text(v)
+        .map(|c| c.parse().map_err(|e| anyhow::anyhow!("{field}: {e}")))
+        .transpose()
 }
 
 /// `nodePortAddresses`: CIDRs, or `primary` alone; an empty list is `None`.
@@ -395,18 +409,17 @@ fn check_type(file: &KubeProxyConfiguration) -> Result<()> {
     Ok(())
 }
 
-/// The top level's settings: addresses, the node name, CIDRs, `oomScoreAdj`.
+/// The top level's settings: `bindAddress` (by `settings`, with its warning), the server
+/// addresses, then the table's others (`clusterCIDR`, `hostnameOverride`,
+/// `bindAddressHardFail`, `nodePortAddresses`, `oomScoreAdj`), in this order.
 fn top_level(file: &KubeProxyConfiguration, s: &mut FileSettings, w: &mut Warnings) -> Result<()> {
-    if let Some(b) = text(&file.bind_address) {
-        let ip: IpAddr = b
-            .parse()
-            .map_err(|_| anyhow::anyhow!("bindAddress: {b:?} is not an IP address"))?;
-        if !ip.is_unspecified() {
-            w.0.push(format!(
-                "--config: field \"bindAddress\" ({b}) has no effect in ebpf-proxy: ignored"
-            ));
-        }
-        s.bind_address = Some(ip);
+    s.values.read(file, Section::BindAddress)?;
+    if let Some(b) = text(&file.bind_address)
+        && s.bind_address.is_some_and(|ip| !ip.is_unspecified())
+    {
+        w.0.push(format!(
+            "--config: field \"bindAddress\" ({b}) has no effect in ebpf-proxy: ignored"
+        ));
     }
     s.healthz_bind_address = server_address(
         "healthzBindAddress",
@@ -418,19 +431,7 @@ fn top_level(file: &KubeProxyConfiguration, s: &mut FileSettings, w: &mut Warnin
         &file.metrics_bind_address,
         DEFAULT_METRICS_PORT,
     )?;
-    if let Some(c) = text(&file.cluster_cidr) {
-        s.cluster_cidr = Some(c.parse().map_err(|e| anyhow::anyhow!("clusterCIDR: {e}"))?);
-    }
-    s.hostname_override = text(&file.hostname_override).map(str::to_string);
     s.values.read(file, Section::TopLevel)?;
-    let (least, most) = OOM_SCORE_ADJ_RANGE;
-    s.oom_score_adj = count(
-        "oomScoreAdj",
-        &file.oom_score_adj,
-        least.into(),
-        most.into(),
-    )?
-    .map(|n| n as i32);
     Ok(())
 }
 

@@ -1,8 +1,8 @@
 //! The agent's flags, bound with clap: ebpf-proxy's own and every flag of kube-proxy
 //! (`cmd/kube-proxy/app/options.go`, and the logging flags of component-base `logs/api/v1`,
 //! in kubernetes/kubernetes). A flag's name, help, syntax and range are defined once: here,
-//! or, for a setting that the file and a default give too, in its row of the table of
-//! `settings`, whose flags [`RunFlags`] flattens in. Its value type and parser are shared
+//! or, for a setting of the table of `settings` (most of ebpf-proxy's own and those the
+//! file gives too), in its row, whose flags [`RunFlags`] flattens in. Its value type and parser are shared
 //! with the file ([`super::values`]), its default is in [`super::defaults`] (the help
 //! repeats it in words), and [`super::AgentConfig::resolve`] applies the flags given onto
 //! the settings, over the file.
@@ -10,17 +10,17 @@
 //! Settings left out are `None` (or empty), so that a flag given at its default value still
 //! overrides the file.
 
-use std::{net::IpAddr, path::PathBuf, time::Duration};
+use std::{path::PathBuf, time::Duration};
 
 use anyhow::Result;
 use proxy_common::Algorithm;
 
-use super::defaults::{DEFAULT_BPFFS, DEFAULT_PIN_DIR, OOM_SCORE_ADJ_RANGE};
+use super::defaults::{DEFAULT_BPFFS, DEFAULT_PIN_DIR};
 use super::go::{FeatureGates, parse_go_bool};
 use super::settings::{KUBE_PROXY_FLAGS, SettingFlags};
 use super::values::{
-    ClusterCidrs, LogFormat, SchedulerFlag, ServerAddress, check_detect_local_mode, number_in,
-    parse_duration, parse_scheduler_flag,
+    LogFormat, SchedulerFlag, ServerAddress, check_detect_local_mode, number_in, parse_duration,
+    parse_scheduler_flag,
 };
 
 /// The bpffs mount and the pin directory (every subcommand that touches pins takes them).
@@ -92,16 +92,8 @@ pub struct RunFlags {
     /// 10249), or empty to disable it; port 0 picks a free port [default: 127.0.0.1:10249].
     #[arg(allow_hyphen_values = true, long)]
     pub metrics_bind_address: Option<ServerAddress>,
-    /// cgroup v2 directory to attach the socket programs to [default: the cgroup2 mount root
-    /// from /proc/self/mounts, i.e. every process of the node].
-    #[arg(allow_hyphen_values = true, long)]
-    pub cgroup_path: Option<PathBuf>,
     #[command(flatten)]
     pub pins: PinArgs,
-    /// Name of this node [default: $NODE_NAME, else the hostname]; trimmed and lowercased,
-    /// as kube-proxy does.
-    #[arg(allow_hyphen_values = true, long)]
-    pub hostname_override: Option<String>,
     /// Backend selection of Services without the `ebpf-proxy.io/lb-algorithm` annotation:
     /// random (kube-proxy's), round-robin, weighted-round-robin, least-connections,
     /// source-hash, maglev, weighted-least-connections, shortest-expected-delay, never-queue,
@@ -109,23 +101,10 @@ pub struct RunFlags {
     /// [default: random].
     #[arg(allow_hyphen_values = true, long, value_parser = parse_lb_algorithm)]
     pub lb_algorithm: Option<Algorithm>,
-    /// Close the TCP connections of client sockets translated to an endpoint that left its
-    /// Service (gone from the EndpointSlices, or neither ready nor serving), with sock_diag's
-    /// SOCK_DESTROY in the socket's network namespace, as `ss -K` does. Off by default, as
-    /// kube-proxy leaves established connections alone.
-    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", value_parser = parse_go_bool, action = clap::ArgAction::Set, value_name = "BOOL")]
-    pub close_connections_to_removed_endpoints: bool,
     /// Address of the health server (`/healthz`, `/livez`): ip:port, an IP alone (port
     /// 10256), or empty to disable it; port 0 picks a free port [default: 0.0.0.0:10256].
     #[arg(allow_hyphen_values = true, long)]
     pub healthz_bind_address: Option<ServerAddress>,
-    /// Address of the agent's own status server (`/readyz`, `/livez`, `/status`; read by
-    /// `ebpf-proxy status` and the DaemonSet's probes), on a port kube-proxy never binds so
-    /// that its answers cannot come from kube-proxy while both run: ip:port, an IP alone
-    /// (port 10266), or empty to disable it; port 0 picks a free port
-    /// [default: 127.0.0.1:10266].
-    #[arg(allow_hyphen_values = true, long)]
-    pub status_bind_address: Option<ServerAddress>,
     /// Log level of the agent (error, warn, info, debug, trace; other crates log warnings
     /// only), or a tracing filter directive with `=` or `,` (e.g. `info,kube=debug`)
     /// [default: info, or the one of -v].
@@ -134,21 +113,6 @@ pub struct RunFlags {
     /// Log format: one text line or one JSON object per event [default: text].
     #[arg(allow_hyphen_values = true, long, value_enum)]
     pub log_format: Option<LogFormat>,
-    /// CIDR of the cluster's pods, or an IPv4 and an IPv6 CIDR separated by a comma
-    /// (kube-proxy's --cluster-cidr): traffic entering the node to a cluster IP from a
-    /// client outside the prefix of its family is masqueraded (tc path).
-    #[arg(allow_hyphen_values = true, long)]
-    pub cluster_cidr: Option<ClusterCidrs>,
-    /// Interfaces that serve NodePorts, external IPs and LB IPs to traffic from outside the
-    /// node, comma-separated [default: the interfaces of the agent's network namespace that
-    /// carry one of this node's InternalIP/ExternalIP addresses from its Node object].
-    #[arg(allow_hyphen_values = true, long, value_delimiter = ',')]
-    pub interfaces: Vec<String>,
-    /// The peers of veth external interfaces run an XDP program in native mode, so frames
-    /// the XDP program sends back or redirects into a veth are delivered: lets --xdp use
-    /// native XDP on veths, which it otherwise refuses (native) or skips (best-effort).
-    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", value_parser = parse_go_bool, action = clap::ArgAction::Set, value_name = "BOOL")]
-    pub xdp_veth_peers_ready: bool,
     /// kube-proxy's other flags.
     #[command(flatten)]
     pub kube_proxy: KubeProxyFlags,
@@ -190,9 +154,6 @@ pub struct KubeProxyFlags {
     /// (see --lb-algorithm; mh is source-hash); empty keeps the default algorithm.
     #[arg(allow_hyphen_values = true, long, value_name = "SCHEDULER", value_parser = parse_scheduler_flag, conflicts_with = "lb_algorithm")]
     pub ipvs_scheduler: Option<SchedulerFlag>,
-    /// oom_score_adj of the agent process, -1000..=1000 [default: -999].
-    #[arg(long, allow_hyphen_values = true, value_parser = number_in(OOM_SCORE_ADJ_RANGE.0, OOM_SCORE_ADJ_RANGE.1), value_name = "N")]
-    pub oom_score_adj: Option<i32>,
     /// Deprecated in kube-proxy: port of the health server (0 disables it).
     #[arg(allow_hyphen_values = true, long, value_name = "PORT", value_parser = number_in(0u16, u16::MAX))]
     pub healthz_port: Option<u16>,
@@ -205,10 +166,6 @@ pub struct KubeProxyFlags {
     /// klog verbosity: 0-2 is --log-level info, 3-4 debug, 5 and more trace.
     #[arg(allow_hyphen_values = true, short = 'v', long = "v", value_name = "N", value_parser = number_in(0u32, u32::MAX))]
     pub verbosity: Option<u32>,
-    /// kube-proxy's idea of the node's primary IP; only its family is used here (the
-    /// default server addresses are IPv6 when it is IPv6).
-    #[arg(allow_hyphen_values = true, long, value_name = "IP")]
-    pub bind_address: Option<IpAddr>,
     /// No effect here.
     #[arg(allow_hyphen_values = true, long, value_name = "Name=bool,...")]
     pub feature_gates: Option<FeatureGates>,
@@ -305,7 +262,8 @@ pub struct KubeProxyFlags {
 
 impl KubeProxyFlags {
     /// One warning per flag given that has no effect here (a zero value, such as
-    /// `--profiling=false`, is not reported).
+    /// `--profiling=false`, is not reported); `--bind-address`'s is the table's row's, told
+    /// first by `resolve`.
     pub fn warnings(&self) -> Vec<String> {
         let given = |set: bool, name: &str| {
             set.then(|| format!("flag --{name} has no effect in ebpf-proxy: ignored"))
@@ -314,10 +272,6 @@ impl KubeProxyFlags {
         let yes = |v: &Option<bool>| v.unwrap_or(false);
         let nonzero = |v: &Option<Duration>| v.is_some_and(|d| !d.is_zero());
         [
-            given(
-                self.bind_address.is_some_and(|ip| !ip.is_unspecified()),
-                "bind-address",
-            ),
             given(
                 self.feature_gates.as_ref().is_some_and(|g| !g.0.is_empty()),
                 "feature-gates",

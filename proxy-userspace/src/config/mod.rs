@@ -21,16 +21,17 @@
 //! `written`. The settings that a flag (or several names of one), the file and a default
 //! give in the same way, or a flag and a default alone, are each defined once, by a row of
 //! the table of `settings`, from which their flags, their reading and checking in the file,
-//! their precedence and their written-back fields are made.
+//! their precedence and their written-back fields are made; its documentation names the
+//! settings left off it and why.
 //!
 //! Adding a setting: its field in [`AgentConfig`] (or in the settings of the part that uses
 //! it, such as the north-south path's), and its row in the table of `settings`: its default
 //! (a constant of `defaults` when something else shares it), its flags with their help and
 //! value parser (a value type of `values`), and for a `KubeProxyConfiguration` field the
-//! section and fields that give it with their reader (the document types already hold
-//! every v1alpha1 field) and, when not the usual one, its written-back form. A setting of
-//! another shape (sources that combine otherwise, a value that depends on other settings)
-//! has its flag in `flags`, its reading in `file`, its precedence line in `resolve` and its
+//! section and fields that give it with their reader (a function of `file`; the document
+//! types already hold every v1alpha1 field) and, when not the usual one, its written-back
+//! form. A setting of another shape (sources that combine otherwise, see `settings`) has its
+//! flag in `flags`, its reading in `file`, its precedence line in `resolve` and its
 //! line in `written`. A kube-proxy flag or field that gains an effect leaves the warnings of
 //! `KubeProxyFlags::warnings` and `file::validate`.
 

@@ -9,9 +9,7 @@ use std::net::SocketAddr;
 use anyhow::{Result, bail};
 use proxy_common::Algorithm;
 
-use super::defaults::{
-    self, DEFAULT_LOG_LEVEL, DEFAULT_OOM_SCORE_ADJ, DEFAULT_STATUS_PORT, MAX_PERIOD,
-};
+use super::defaults::{self, DEFAULT_LOG_LEVEL, MAX_PERIOD};
 use super::go::format_go_duration;
 use super::settings::{self, Origin, Origins};
 use super::values::{IpvsScheduler, LogFormat, ProxyMode, SchedulerFlag, ServerAddress};
@@ -19,7 +17,6 @@ use super::{
     Action, AgentConfig, FileSettings, KubeProxyConfiguration, KubeProxyFlags, RunFlags,
     SourceChoice, written,
 };
-use crate::datapath::tc::TcSettings;
 
 impl AgentConfig {
     /// Merges the flags with the configuration file's settings (`file`, when `--config` was
@@ -39,58 +36,38 @@ impl AgentConfig {
         let proxy_mode = proxy_mode(&flags, &f, &action)?;
         // The table's settings the flags give (several names of one setting must agree).
         let given = flags.settings.given()?;
-        let hostname_override = hostname_override(&flags, &f)?;
         let (log_level, verbosity, log_format) = logging(&flags, &f);
-        let bind_address = k.bind_address.or(f.bind_address);
-        let ipv6 = bind_address.is_some_and(|ip| ip.is_ipv6());
         let mut c = AgentConfig {
             action,
             #[cfg(test)]
             proxy_mode,
             source: source(&flags, &f),
             master: k.master.clone().filter(|m| !m.trim().is_empty()),
-            metrics_bind_address: server(
-                flags.metrics_bind_address,
-                f.metrics_bind_address,
-                k.metrics_port,
-                defaults::metrics_bind_address(ipv6),
-            ),
-            healthz_bind_address: server(
-                flags.healthz_bind_address,
-                f.healthz_bind_address,
-                k.healthz_port,
-                defaults::healthz_bind_address(ipv6),
-            ),
-            status_bind_address: match flags.status_bind_address {
-                Some(a) => a.resolve(DEFAULT_STATUS_PORT),
-                None => Some(defaults::status_bind_address()),
-            },
-            bind_address,
-            cgroup_path: flags.cgroup_path.clone(),
             pins: flags.pins.clone(),
-            hostname_override,
             lb_algorithm: lb_algorithm(&flags, &f),
-            close_connections_to_removed_endpoints: flags.close_connections_to_removed_endpoints,
             log_level,
             verbosity,
             log_format,
-            cluster_cidrs: flags
-                .cluster_cidr
-                .clone()
-                .or(f.cluster_cidr.clone())
-                .map(|c| c.0)
-                .unwrap_or_default(),
-            tc: north_south(&flags),
-            oom_score_adj: k
-                .oom_score_adj
-                .or(f.oom_score_adj)
-                .unwrap_or(DEFAULT_OOM_SCORE_ADJ),
             warnings: warnings(&flags),
             document: KubeProxyConfiguration::default(),
-            // The table's settings, set below.
+            // The table's settings and the servers, set below.
             ..AgentConfig::default()
         };
         let origins = settings::apply(&mut c, &given, &f.values);
+        // The servers' default addresses are IPv6 when the bind address (the table's) is.
+        let ipv6 = c.bind_address.is_some_and(|ip| ip.is_ipv6());
+        c.metrics_bind_address = server(
+            flags.metrics_bind_address,
+            f.metrics_bind_address,
+            k.metrics_port,
+            defaults::metrics_bind_address(ipv6),
+        );
+        c.healthz_bind_address = server(
+            flags.healthz_bind_address,
+            f.healthz_bind_address,
+            k.healthz_port,
+            defaults::healthz_bind_address(ipv6),
+        );
         c.check_sync_periods(&origins)?;
         c.document = written::effective(&c, k, &f.document, &origins);
         Ok(c)
@@ -168,21 +145,6 @@ fn source(flags: &RunFlags, f: &FileSettings) -> SourceChoice {
     }
 }
 
-/// `--hostname-override`, else the file's, trimmed and lowercased as kube-proxy does; an
-/// empty flag is an error.
-fn hostname_override(flags: &RunFlags, f: &FileSettings) -> Result<Option<String>> {
-    match &flags.hostname_override {
-        Some(h) => {
-            let h = h.trim().to_lowercase();
-            if h.is_empty() {
-                bail!("--hostname-override: an empty name is invalid");
-            }
-            Ok(Some(h))
-        }
-        None => Ok(f.hostname_override.clone().map(|h| h.trim().to_lowercase())),
-    }
-}
-
 /// `--lb-algorithm`, else `--ipvs-scheduler` (empty: the default algorithm, over the file),
 /// else the file's `ipvs.scheduler`, else random.
 fn lb_algorithm(flags: &RunFlags, f: &FileSettings) -> Algorithm {
@@ -243,21 +205,17 @@ fn server(
     addr
 }
 
-/// The north-south path (`--xdp`, `--masquerade-all` and the conntrack settings are the
-/// table's, set by `settings`).
-fn north_south(flags: &RunFlags) -> TcSettings {
-    TcSettings {
-        interfaces: flags.interfaces.clone(),
-        xdp_veth_peers_ready: flags.xdp_veth_peers_ready,
-        ..TcSettings::default()
-    }
-}
-
-/// One line per flag given that has no effect here, then one when the two log format flags
-/// disagree.
+/// One line per flag given that has no effect here (`--bind-address` first, then those of
+/// [`KubeProxyFlags::warnings`]), then one when the two log format flags disagree.
 fn warnings(flags: &RunFlags) -> Vec<String> {
     let k = &flags.kube_proxy;
-    let mut warnings = k.warnings();
+    let mut warnings: Vec<String> = flags
+        .bind_address
+        .filter(|ip| !ip.is_unspecified())
+        .map(|_| "flag --bind-address has no effect in ebpf-proxy: ignored".to_string())
+        .into_iter()
+        .collect();
+    warnings.extend(k.warnings());
     if k.logging_format.is_some()
         && flags.log_format.is_some()
         && k.logging_format != flags.log_format

@@ -14,27 +14,54 @@
 //! then the default ([`apply`]); the written-back document holds the value the agent runs
 //! with ([`write`]).
 //!
-//! The settings whose sources are not of this shape (several flags that mean different
-//! things, a value that depends on another setting, a flag that is not `None` when left
-//! out) keep their code in `flags`, `file`, `resolve` and `written`.
+//! The settings whose sources interact otherwise keep their code in `flags`, `file`,
+//! `resolve` and `written`, each for one reason:
+//!
+//! - `--metrics-bind-address` / `metricsBindAddress` and `--healthz-bind-address` /
+//!   `healthzBindAddress`: the deprecated `--metrics-port` / `--healthz-port` change the port
+//!   of whichever value wins (0 disables the server), and the default's family follows the
+//!   bind address.
+//! - `--log-level`, `-v` / `logging.verbosity`, `--log-format`, `--logging-format` /
+//!   `logging.format`: `-v` (or the file's verbosity) gives the level unless `--log-level`
+//!   does, the verbosity is also kept as given for the written document, and the two format
+//!   flags disagreeing is a warning, not an error.
+//! - `--lb-algorithm`, `--ipvs-scheduler` / `ipvs.scheduler`: two flags of different value
+//!   types (clap refuses both at once), an empty `--ipvs-scheduler` means the default over
+//!   the file, and the document holds the algorithm's scheduler name.
+//! - `--manifests`, `--kubeconfig` / `clientConnection.kubeconfig`: one choice of source
+//!   (clap refuses both flags); `--master` goes with the API source.
+//! - `--proxy-mode` / `mode`: judged against the action (`--cleanup` takes any mode), its
+//!   error names where it came from, and it is written empty.
+//! - `--write-config-to`, `--cleanup`, `--init-only`: one action of three flags, in
+//!   kube-proxy's order.
+//! - `--bpffs`, `--pin-dir`: shared with the other subcommands (`PinArgs`), with clap's
+//!   defaults.
+//! - kube-proxy's flags and fields without an effect here: a warning each, and written back
+//!   as given.
 
+use std::net::IpAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Result, bail};
+use ipnet::IpNet;
 use serde_yaml_ng::Value;
 
 use super::AgentConfig;
+use super::defaults::kube_proxy as kp;
 use super::defaults::{
     DEFAULT_CONNTRACK_MAX_PER_CORE, DEFAULT_CONNTRACK_MIN, DEFAULT_CT_TCP_ESTABLISHED,
     DEFAULT_CT_UDP_STREAM, DEFAULT_MAX_BACKENDS, DEFAULT_MAX_FRONTENDS, DEFAULT_MAX_SLOTS,
-    DEFAULT_MAX_SOCKETS, DEFAULT_MIN_SYNC_PERIOD, DEFAULT_SYNC_PERIOD, DEFAULT_UDP_FLOW_TIMEOUT,
-    MAGLEV_DEFAULT, MAX_CONNTRACK_FLOWS,
+    DEFAULT_MAX_SOCKETS, DEFAULT_MIN_SYNC_PERIOD, DEFAULT_OOM_SCORE_ADJ, DEFAULT_STATUS_PORT,
+    DEFAULT_SYNC_PERIOD, DEFAULT_UDP_FLOW_TIMEOUT, MAGLEV_DEFAULT, MAX_CONNTRACK_FLOWS,
+    OOM_SCORE_ADJ_RANGE, status_bind_address,
 };
 use super::file::{self, KubeProxyConfiguration};
 use super::go::{format_go_duration, parse_go_bool};
 use super::values::{
-    NodePortAddresses, number_in, parse_conntrack_min, parse_duration, parse_maglev_size,
-    parse_north_south_mode, parse_positive_duration, parse_required_timeout, parse_timeout,
+    ClusterCidrs, NodePortAddresses, ServerAddress, number_in, parse_conntrack_min, parse_duration,
+    parse_maglev_size, parse_north_south_mode, parse_positive_duration, parse_required_timeout,
+    parse_timeout,
 };
 use crate::datapath::loader::KernelLogLevel;
 use crate::datapath::tc::XdpSetting;
@@ -60,7 +87,9 @@ pub enum Origin {
 /// decides which of several errors is reported).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Section {
-    /// The top level's fields.
+    /// The top level's `bindAddress`, read before the server addresses.
+    BindAddress,
+    /// The top level's other fields.
     TopLevel,
     /// The sync periods of the `iptables`, `nftables` and `ipvs` sections.
     SyncPeriods,
@@ -111,6 +140,19 @@ impl WrittenValue for u32 {
     }
 }
 
+impl SettingValue for i32 {
+    fn show(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl WrittenValue for i32 {
+    type Field = Option<Value>;
+    fn field(&self) -> Option<Value> {
+        Some(Value::Number((*self).into()))
+    }
+}
+
 impl SettingValue for bool {
     fn show(&self) -> String {
         self.to_string()
@@ -124,9 +166,49 @@ impl WrittenValue for bool {
     }
 }
 
+impl SettingValue for ClusterCidrs {
+    fn show(&self) -> String {
+        self.to_string()
+    }
+}
+
 impl SettingValue for NodePortAddresses {
     fn show(&self) -> String {
         self.to_string()
+    }
+}
+
+impl SettingValue for String {
+    fn show(&self) -> String {
+        self.clone()
+    }
+}
+
+impl SettingValue for IpAddr {
+    fn show(&self) -> String {
+        self.to_string()
+    }
+}
+
+impl SettingValue for ServerAddress {
+    fn show(&self) -> String {
+        match self {
+            ServerAddress::Disabled => String::new(),
+            ServerAddress::Ip(ip) => ip.to_string(),
+            ServerAddress::Addr(a) => a.to_string(),
+        }
+    }
+}
+
+impl SettingValue for PathBuf {
+    fn show(&self) -> String {
+        self.display().to_string()
+    }
+}
+
+impl SettingValue for Vec<String> {
+    fn show(&self) -> String {
+        self.join(",")
     }
 }
 
@@ -213,16 +295,24 @@ fn any(
 ///     default: expression,
 ///     into: |value: Type| the field's value,                           (optional)
 ///     flags: { /// help
-///              #[arg(...)] flag_name, ... },
+///              #[arg(...)] flag_name, ... },        (or flag_name: Type: see below)
 ///     unset: |value: &Type| a flag's value that means "not given",    (optional)
+///     check: |value: &Type| -> Result<()> a flag's value refused,       (optional)
 ///     file: Section reader => ["yaml.path" = document.field, ...],   (optional, with:)
 ///     combine: how several fields combine,                              (optional)
 ///     written: |&field, origin| the document's field,                  (optional)
 /// }
 /// ```
 ///
+/// A flag is `Option<Type>`, `None` unless given, unless it names a type of its own
+/// (`flag_name: Type`, e.g. a `bool` with a clap `default_value`, or a `Vec` that is empty
+/// when left out): then its value is always taken as given.
+///
 /// `into` turns a value given into the field's type (the same type without it), so the
 /// default is of the field's type.
+///
+/// `check` refuses a value given by the flags (not by the file, whose reader checks its
+/// own), with an error that names the flag.
 ///
 /// A row without `file` is a setting of the flags alone (`KubeProxyConfiguration` has no
 /// field for it: it is neither read nor written back).
@@ -232,6 +322,22 @@ fn any(
 /// must agree, unless `combine` (such as [`any`]) says how they combine. Every field listed
 /// is written back, by [`WrittenValue::field`] unless `written` says otherwise.
 macro_rules! settings {
+    // The flags' struct, one field at a time: clap's derive must see the field's type
+    // itself (`Option<..>`, `Vec<..>`), not a macro that makes it.
+    (@flag_fields [$($fields:tt)*]) => {
+        /// The flags of the settings of [`settings`](self), each `None` unless given (a flag
+        /// of a type of its own, such as a `bool` with a clap default, always has a value).
+        #[derive(clap::Args, Debug, Clone, Default)]
+        pub struct SettingFlags { $($fields)* }
+    };
+    (@flag_fields [$($fields:tt)*] [$($attrs:tt)*] $flag:ident [$ty:ty] [$flag_ty:ty]; $($rest:tt)*) => {
+        settings!(@flag_fields [$($fields)* $($attrs)* pub $flag: $flag_ty,] $($rest)*);
+    };
+    (@flag_fields [$($fields:tt)*] [$($attrs:tt)*] $flag:ident [$ty:ty]; $($rest:tt)*) => {
+        settings!(@flag_fields [$($fields)* $($attrs)* pub $flag: Option<$ty>,] $($rest)*);
+    };
+    (@given $v:expr) => { Option::clone(&$v) };
+    (@given $v:expr, $flag_ty:ty) => { Some(Clone::clone(&$v)) };
     (@keep $v:ident) => { $v };
     (@keep $v:ident, $unset:expr) => { $v.filter(|v| !($unset)(v)) };
     (@get $doc:ident $field:ident) => { &$doc.$field };
@@ -255,8 +361,9 @@ macro_rules! settings {
         $name:ident: $ty:ty => $($config:ident).+ {
             default: $default:expr,
             $( into: $into:expr, )?
-            flags: { $( $(#[$flag_attr:meta])* $flag:ident ),+ $(,)? },
+            flags: { $( $(#[$flag_attr:meta])* $flag:ident $(: $flag_ty:ty)? ),+ $(,)? },
             $( unset: $unset:expr, )?
+            $( check: $check:expr, )?
             $(
                 file: $section:ident $read:expr => [ $( $yaml:literal = $($path:ident).+ ),+ $(,)? ],
                 $( combine: $combine:expr, )?
@@ -264,14 +371,9 @@ macro_rules! settings {
             )?
         }
     ),* $(,)?) => {
-        /// The flags of the settings of [`settings`](self), each `None` unless given.
-        #[derive(clap::Args, Debug, Clone, Default)]
-        pub struct SettingFlags {
-            $( $(
-                $(#[$flag_attr])*
-                pub $flag: Option<$ty>,
-            )+ )*
-        }
+        settings!(@flag_fields []
+            $( $( [$(#[$flag_attr])*] $flag [$ty] $([$flag_ty])?; )+ )*
+        );
 
         /// What the flags or the configuration file give of each setting of
         /// [`settings`](self): `None` where they leave it unset.
@@ -296,12 +398,19 @@ macro_rules! settings {
             /// The value of each setting the flags give (a value that means "not given"
             /// left out).
             ///
-            /// Errors: flags of one setting that disagree.
+            /// Errors: flags of one setting that disagree, or a value its `check` refuses
+            /// (the first row's error, in the table's order).
             pub(super) fn given(&self) -> Result<SettingValues> {
                 Ok(SettingValues {
                     $( $name: {
                         let keep = |v: Option<$ty>| settings!(@keep v $(, $unset)?);
-                        agree(&[ $( (stringify!($flag), keep(Option::clone(&self.$flag))), )+ ])?
+                        let value = agree(&[ $(
+                            (stringify!($flag), keep(settings!(@given self.$flag $(, $flag_ty)?))),
+                        )+ ])?;
+                        $( if let Some(v) = &value {
+                            ($check)(v)?;
+                        } )?
+                        value
                     }, )*
                 })
             }
@@ -444,6 +553,21 @@ settings! {
             "nftables.masqueradeAll" = nftables.masquerade_all,
         ],
         combine: any,
+    },
+    /// `--cluster-cidr` / `clusterCIDR` (empty: none).
+    cluster_cidr: ClusterCidrs => cluster_cidrs {
+        default: Vec::new(),
+        into: |c: ClusterCidrs| c.0,
+        flags: {
+            /// CIDR of the cluster's pods, or an IPv4 and an IPv6 CIDR separated by a comma
+            /// (kube-proxy's --cluster-cidr): traffic entering the node to a cluster IP from a
+            /// client outside the prefix of its family is masqueraded (tc path).
+            #[arg(allow_hyphen_values = true, long)]
+            cluster_cidr,
+        },
+        // Read before nodePortAddresses (the table's order is the file's validation order).
+        file: TopLevel file::cluster_cidrs => ["clusterCIDR" = cluster_cidr],
+        written: |c: &Vec<IpNet>, _| Some(c.iter().map(ToString::to_string).collect::<Vec<_>>().join(",")),
     },
     /// `--nodeport-addresses` / `nodePortAddresses` (`None`: every node address).
     node_port_addresses: NodePortAddresses => nodeport_addresses {
@@ -653,6 +777,116 @@ settings! {
             /// [default: disabled].
             #[arg(allow_hyphen_values = true, long, value_enum, value_name = "MODE")]
             xdp,
+        },
+    },
+    /// `--cgroup-path` (the flag alone; `None`: the cgroup2 mount root).
+    cgroup_path: PathBuf => cgroup_path {
+        default: None,
+        into: Some,
+        flags: {
+            /// cgroup v2 directory to attach the socket programs to [default: the cgroup2 mount root
+            /// from /proc/self/mounts, i.e. every process of the node].
+            #[arg(allow_hyphen_values = true, long)]
+            cgroup_path,
+        },
+    },
+    /// `--close-connections-to-removed-endpoints` (the flag alone).
+    close_connections_to_removed_endpoints: bool => close_connections_to_removed_endpoints {
+        default: false,
+        flags: {
+            /// Close the TCP connections of client sockets translated to an endpoint that left its
+            /// Service (gone from the EndpointSlices, or neither ready nor serving), with sock_diag's
+            /// SOCK_DESTROY in the socket's network namespace, as `ss -K` does. Off by default, as
+            /// kube-proxy leaves established connections alone.
+            #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", value_parser = parse_go_bool, action = clap::ArgAction::Set, value_name = "BOOL")]
+            close_connections_to_removed_endpoints: bool,
+        },
+    },
+    /// `--status-bind-address` (the flag alone; `None`: no status server).
+    status_bind_address: ServerAddress => status_bind_address {
+        default: Some(status_bind_address()),
+        into: |a: ServerAddress| a.resolve(DEFAULT_STATUS_PORT),
+        flags: {
+            /// Address of the agent's own status server (`/readyz`, `/livez`, `/status`; read by
+            /// `ebpf-proxy status` and the DaemonSet's probes), on a port kube-proxy never binds so
+            /// that its answers cannot come from kube-proxy while both run: ip:port, an IP alone
+            /// (port 10266), or empty to disable it; port 0 picks a free port
+            /// [default: 127.0.0.1:10266].
+            #[arg(allow_hyphen_values = true, long)]
+            status_bind_address,
+        },
+    },
+    /// `--interfaces` (the flag alone; empty: the interfaces of the node's addresses).
+    interfaces: Vec<String> => tc.interfaces {
+        default: Vec::new(),
+        flags: {
+            /// Interfaces that serve NodePorts, external IPs and LB IPs to traffic from outside the
+            /// node, comma-separated [default: the interfaces of the agent's network namespace that
+            /// carry one of this node's InternalIP/ExternalIP addresses from its Node object].
+            #[arg(allow_hyphen_values = true, long, value_delimiter = ',')]
+            interfaces: Vec<String>,
+        },
+    },
+    /// `--xdp-veth-peers-ready` (the flag alone).
+    xdp_veth_peers_ready: bool => tc.xdp_veth_peers_ready {
+        default: false,
+        flags: {
+            /// The peers of veth external interfaces run an XDP program in native mode, so frames
+            /// the XDP program sends back or redirects into a veth are delivered: lets --xdp use
+            /// native XDP on veths, which it otherwise refuses (native) or skips (best-effort).
+            #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true", default_value = "false", value_parser = parse_go_bool, action = clap::ArgAction::Set, value_name = "BOOL")]
+            xdp_veth_peers_ready: bool,
+        },
+    },
+    /// `--oom-score-adj` / `oomScoreAdj`.
+    oom_score_adj: i32 => oom_score_adj {
+        default: DEFAULT_OOM_SCORE_ADJ,
+        flags: {
+            /// oom_score_adj of the agent process, -1000..=1000 [default: -999].
+            #[arg(long, allow_hyphen_values = true, value_parser = number_in(OOM_SCORE_ADJ_RANGE.0, OOM_SCORE_ADJ_RANGE.1), value_name = "N", help_heading = KUBE_PROXY_FLAGS)]
+            oom_score_adj,
+        },
+        // Read after nodePortAddresses (the table's order is the file's validation order).
+        file: TopLevel file::count_in(OOM_SCORE_ADJ_RANGE.0, OOM_SCORE_ADJ_RANGE.1) => [
+            "oomScoreAdj" = oom_score_adj,
+        ],
+    },
+    /// `--hostname-override` / `hostnameOverride`, trimmed and lowercased as kube-proxy does
+    /// (`None`: the node name is resolved at start).
+    hostname_override: String => hostname_override {
+        default: None,
+        into: |h: String| Some(h.trim().to_lowercase()),
+        flags: {
+            /// Name of this node [default: $NODE_NAME, else the hostname]; trimmed and lowercased,
+            /// as kube-proxy does.
+            #[arg(allow_hyphen_values = true, long)]
+            hostname_override,
+        },
+        // An empty flag is an error (after the disagreements of the rows above it); an empty
+        // field is unset.
+        check: |h: &String| -> Result<()> {
+            if h.trim().is_empty() {
+                bail!("--hostname-override: an empty name is invalid");
+            }
+            Ok(())
+        },
+        file: TopLevel file::name => ["hostnameOverride" = hostname_override],
+        written: |h: &Option<String>, _| Some(h.clone().unwrap_or_default()),
+    },
+    /// `--bind-address` / `bindAddress`: kube-proxy's idea of the node's primary IP; only its
+    /// family is used here (the default server addresses are IPv6 when it is IPv6).
+    bind_address: IpAddr => bind_address {
+        default: None,
+        into: Some,
+        flags: {
+            /// kube-proxy's idea of the node's primary IP; only its family is used here (the
+            /// default server addresses are IPv6 when it is IPv6).
+            #[arg(allow_hyphen_values = true, long, value_name = "IP", help_heading = KUBE_PROXY_FLAGS)]
+            bind_address,
+        },
+        file: BindAddress file::ip_address => ["bindAddress" = bind_address],
+        written: |ip: &Option<IpAddr>, _| {
+            Some(ip.map_or_else(|| kp::BIND_ADDRESS.into(), |ip| ip.to_string()))
         },
     },
 }

@@ -1236,7 +1236,7 @@ fn ranged_flags_say_their_range_in_words() {
         "--max-frontends=7",
     ]);
     assert_eq!(f.kube_proxy.healthz_port, Some(0));
-    assert_eq!(f.kube_proxy.oom_score_adj, Some(-1000));
+    assert_eq!(f.oom_score_adj, Some(-1000));
     assert_eq!(f.max_frontends, Some(7));
 }
 

@@ -67,20 +67,10 @@ pub(super) fn effective(
 ) -> KubeProxyConfiguration {
     let mut doc = KubeProxyConfiguration {
         api_version: text(API_VERSION),
-        bind_address: Some(
-            c.bind_address
-                .map(|ip| ip.to_string())
-                .unwrap_or_else(|| kp::BIND_ADDRESS.into()),
-        ),
+        bind_address: None,
         bind_address_hard_fail: None,
         client_connection: Some(client_connection(c, k, read)),
-        cluster_cidr: Some(
-            c.cluster_cidrs
-                .iter()
-                .map(ToString::to_string)
-                .collect::<Vec<_>>()
-                .join(","),
-        ),
+        cluster_cidr: None,
         config_sync_period: match k.config_sync_period {
             Some(d) => dur(d),
             None => value(&read.config_sync_period, dur(kp::CONFIG_SYNC_PERIOD)),
@@ -102,7 +92,7 @@ pub(super) fn effective(
                 .map(|a| a.to_string())
                 .unwrap_or_default(),
         ),
-        hostname_override: Some(c.hostname_override.clone().unwrap_or_default()),
+        hostname_override: None,
         iptables: Some(iptables(k, read)),
         ipvs: Some(ipvs(c, k, read)),
         kind: text(KIND),
@@ -115,7 +105,7 @@ pub(super) fn effective(
         mode: text(""),
         nftables: Some(nftables(k, read)),
         node_port_addresses: None,
-        oom_score_adj: num(c.oom_score_adj as i64),
+        oom_score_adj: None,
         port_range: match &k.proxy_port_range {
             Some(r) => Some(r.clone()),
             None => string(&read.port_range, ""),
