@@ -1,6 +1,6 @@
 //! kube-proxy's configuration file (`--config`): a `KubeProxyConfiguration` of
 //! `kubeproxy.config.k8s.io/v1alpha1`, read with serde into [`KubeProxyConfiguration`]
-//! ([`document`]), then checked section by section, as kube-proxy's
+//! ([`super::document`]), then checked section by section, as kube-proxy's
 //! `pkg/proxy/apis/config/validation` does.
 //!
 //! [`validate`] turns a document into [`FileSettings`]: the settings that have a meaning in
@@ -9,11 +9,10 @@
 //! mean "unset" (kube-proxy's defaulting) and are not reported. An invalid value stops
 //! start-up with an error naming the field (and its line).
 
-pub mod document;
 pub(crate) mod yaml;
 
 use std::{
-    net::{IpAddr, SocketAddr},
+    net::SocketAddr,
     path::{Path, PathBuf},
     time::Duration,
 };
@@ -21,21 +20,17 @@ use std::{
 use anyhow::{Context, Result, bail};
 use serde_yaml_ng::Value;
 
-pub use self::document::{
+use self::yaml::{duplicate_key_line, field_line, plain_type_error};
+use super::defaults::{DEFAULT_HEALTHZ_PORT, DEFAULT_METRICS_PORT, kube_proxy as kp};
+pub use super::document::{
     ClientConnection, Conntrack, DetectLocal, IpTables, Ipvs, KubeProxyConfiguration, Logging,
     NfTables, Other, Winkernel,
 };
-use self::yaml::{duplicate_key_line, field_line, plain_type_error};
-use super::defaults::{
-    DEFAULT_HEALTHZ_PORT, DEFAULT_METRICS_PORT, MAX_CONNTRACK_FLOWS, MIN_CONNTRACK_FLOWS,
-    kube_proxy as kp,
-};
+use super::fields::{count, is_unset, server_address, text};
 use super::go::{format_go_duration, parse_go_duration};
-use super::settings::{Section, SettingValues};
-use super::values::{
-    ClusterCidrs, IpvsScheduler, LogFormat, NodePortAddresses, ProxyMode, ServerAddress,
-    check_detect_local_mode,
-};
+use super::settings::SettingValues;
+use super::table::Section;
+use super::values::{IpvsScheduler, LogFormat, ProxyMode, check_detect_local_mode};
 use super::{API_VERSION, KIND};
 
 /// Reads and validates the configuration file at `path`.
@@ -141,157 +136,6 @@ pub struct Loaded {
     pub settings: FileSettings,
     /// One line per field that is unknown or has no effect here, by name.
     pub warnings: Vec<String>,
-}
-
-/// True for a value that kube-proxy treats as unset: null, false, 0, "", a zero duration,
-/// and empty lists or maps (or maps holding only such values).
-pub fn is_unset(v: &Value) -> bool {
-    match v {
-        Value::Null => true,
-        Value::Bool(b) => !b,
-        Value::Number(n) => n.as_f64() == Some(0.0),
-        Value::String(s) => s.is_empty() || parse_go_duration(s).is_ok_and(|d| d.is_zero()),
-        Value::Sequence(s) => s.is_empty(),
-        Value::Mapping(m) => m.values().all(is_unset),
-        Value::Tagged(_) => false,
-    }
-}
-
-/// A YAML value as written (for messages), not its Rust debug form.
-pub fn show(v: &Value) -> String {
-    serde_yaml_ng::to_string(v)
-        .map(|s| s.trim_end().to_string())
-        .unwrap_or_else(|_| format!("{v:?}"))
-}
-
-/// A string field; empty means unset.
-fn text(v: &Option<String>) -> Option<&str> {
-    v.as_deref().map(str::trim).filter(|s| !s.is_empty())
-}
-
-/// A duration field (Go notation in a string); null, absent or empty is `None`, zero is
-/// `Some(0)`. Anything else that is not a duration is an error naming the field.
-fn duration(field: &str, v: &Option<Value>) -> Result<Option<Duration>> {
-    match v {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) if s.trim().is_empty() => Ok(None),
-        Some(Value::String(s)) => parse_go_duration(s)
-            .map(Some)
-            .map_err(|e| anyhow::anyhow!("{field}: {e}")),
-        Some(other) => bail!(
-            "{field}: {} is not a duration; write a string such as \"30s\" or \"1m30s\"",
-            show(other)
-        ),
-    }
-}
-
-/// A duration field where zero means unset (kube-proxy's defaulting replaces it).
-pub(super) fn nonzero_duration(field: &str, v: &Option<Value>) -> Result<Option<Duration>> {
-    Ok(duration(field, v)?.filter(|d| !d.is_zero()))
-}
-
-/// A boolean field, as read (serde checked its type).
-pub(super) fn boolean(_field: &str, v: &Option<bool>) -> Result<Option<bool>> {
-    Ok(*v)
-}
-
-/// A duration field where zero means unset (kube-proxy's "0 to leave as-is"); a value
-/// below 1 ms is an error.
-pub(super) fn timeout(field: &str, v: &Option<Value>) -> Result<Option<Duration>> {
-    let Some(d) = duration(field, v)?.filter(|d| !d.is_zero()) else {
-        return Ok(None);
-    };
-    if d < Duration::from_millis(1) {
-        bail!(
-            "{field}: {} is too short (at least 1ms)",
-            format_go_duration(d)
-        );
-    }
-    Ok(Some(d))
-}
-
-/// An integer field in `least..=most` (kube-proxy's `*int32`); null or absent is `None`.
-fn count(field: &str, v: &Option<Value>, least: i64, most: i64) -> Result<Option<i64>> {
-    match v {
-        None | Some(Value::Null) => Ok(None),
-        Some(v) => match v.as_i64() {
-            Some(n) if n >= least && n <= most => Ok(Some(n)),
-            _ => bail!(
-                "{field}: {} is not an integer from {least} to {most}",
-                show(v)
-            ),
-        },
-    }
-}
-
-/// The reader of an integer field in `least..=most` (see [`count`]).
-pub(super) fn count_in<T>(least: T, most: T) -> impl Fn(&str, &Option<Value>) -> Result<Option<T>>
-where
-    T: Into<i64> + TryFrom<i64> + Copy,
-{
-    move |field, v| Ok(count(field, v, least.into(), most.into())?.and_then(|n| T::try_from(n).ok()))
-}
-
-/// `conntrack.min`: 0 is kube-proxy's "leave it as is", the default here; otherwise a number
-/// of flows from [`MIN_CONNTRACK_FLOWS`] to [`MAX_CONNTRACK_FLOWS`].
-pub(super) fn conntrack_min(field: &str, v: &Option<Value>) -> Result<Option<u32>> {
-    match v {
-        Some(v) if v.as_i64() == Some(0) => Ok(None),
-        v => count_in(MIN_CONNTRACK_FLOWS, MAX_CONNTRACK_FLOWS)(field, v),
-    }
-}
-
-/// An IP address (`bindAddress`); empty is `None`.
-pub(super) fn ip_address(field: &str, v: &Option<String>) -> Result<Option<IpAddr>> {
-    text(v)
-        .map(|b| {
-            b.parse()
-                .map_err(|_| anyhow::anyhow!("{field}: {b:?} is not an IP address"))
-        })
-        .transpose()
-}
-
-/// A name (`hostnameOverride`), trimmed; empty is `None`.
-pub(super) fn name(_field: &str, v: &Option<String>) -> Result<Option<String>> {
-    Ok(text(v).map(str::to_string))
-}
-
-/// `clusterCIDR`: one CIDR, or an IPv4 and an IPv6 one; empty is `None`.
-pub(super) fn cluster_cidrs(field: &str, v: &Option<String>) -> Result<Option<ClusterCidrs>> {
-    text(v)
-        .map(|c| c.parse().map_err(|e| anyhow::anyhow!("{field}: {e}")))
-        .transpose()
-}
-
-/// `nodePortAddresses`: CIDRs, or `primary` alone; an empty list is `None`.
-pub(super) fn node_port_addresses(
-    field: &str,
-    v: &Option<Vec<String>>,
-) -> Result<Option<NodePortAddresses>> {
-    v.as_ref()
-        .filter(|v| !v.is_empty())
-        .map(|items| {
-            NodePortAddresses::from_items(items).map_err(|e| anyhow::anyhow!("{field}: {e}"))
-        })
-        .transpose()
-}
-
-/// An `ip:port` field (an IP alone gets `default_port`, as kube-proxy's defaulting appends
-/// it); empty is `None`.
-fn server_address(
-    field: &str,
-    v: &Option<String>,
-    default_port: u16,
-) -> Result<Option<SocketAddr>> {
-    let Some(s) = text(v) else { return Ok(None) };
-    match s.parse::<ServerAddress>() {
-        Ok(a) => Ok(a.resolve(default_port)),
-        Err(_) => {
-            bail!(
-                "{field}: {s:?} is not an IP address and port (e.g. 0.0.0.0:{default_port} or [::]:{default_port})"
-            )
-        }
-    }
 }
 
 /// Collects the warnings of one level: unknown fields always, fields without an effect here

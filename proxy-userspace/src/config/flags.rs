@@ -17,7 +17,8 @@ use proxy_common::Algorithm;
 
 use super::defaults::{DEFAULT_BPFFS, DEFAULT_PIN_DIR};
 use super::go::{FeatureGates, parse_go_bool};
-use super::settings::{KUBE_PROXY_FLAGS, SettingFlags};
+use super::settings::SettingFlags;
+use super::table::KUBE_PROXY_FLAGS;
 use super::values::{
     LogFormat, SchedulerFlag, ServerAddress, check_detect_local_mode, number_in, parse_duration,
     parse_scheduler_flag,

@@ -36,11 +36,14 @@
 //! `KubeProxyFlags::warnings` and `file::validate`.
 
 pub(crate) mod defaults;
+pub(crate) mod document;
+mod fields;
 pub(crate) mod file;
 pub(crate) mod flags;
 pub(crate) mod go;
 mod resolve;
 mod settings;
+mod table;
 pub(crate) mod values;
 mod written;
 

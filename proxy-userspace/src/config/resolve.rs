@@ -11,7 +11,8 @@ use proxy_common::Algorithm;
 
 use super::defaults::{self, DEFAULT_LOG_LEVEL, MAX_PERIOD};
 use super::go::format_go_duration;
-use super::settings::{self, Origin, Origins};
+use super::settings::{self, Origins};
+use super::table::Origin;
 use super::values::{IpvsScheduler, LogFormat, ProxyMode, SchedulerFlag, ServerAddress};
 use super::{
     Action, AgentConfig, FileSettings, KubeProxyConfiguration, KubeProxyFlags, RunFlags,
