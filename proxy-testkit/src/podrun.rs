@@ -36,7 +36,9 @@ use std::{
 };
 
 use anyhow::{Context, Result, bail};
-use k8s_openapi::api::core::v1::{ConfigMap, Container, PodSpec, Probe as K8sProbe};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Container, PodSpec, Probe as K8sProbe, SecurityContext, Volume,
+};
 
 /// How the pod meets the lab node.
 #[derive(Clone, Debug)]
@@ -224,6 +226,49 @@ fn environment(c: &Container, node: &Node) -> Result<BTreeMap<String, String>> {
 ///
 /// Errors: a field the translation does not know or cannot honour (see the module doc).
 pub fn translate(spec: &PodSpec, c: &Container, node: &Node, image: &str) -> Result<RunSpec> {
+    check_translatable(spec, c)?;
+    let env = environment(c, node)?;
+    let mut args: Vec<String> = vec![
+        "--name".into(),
+        c.name.clone(),
+        "--network".into(),
+        format!("ns:{}", node.netns.display()),
+    ];
+    args.extend(ulimits());
+    if spec.host_pid == Some(true) {
+        args.extend(["--pid".into(), "host".into()]);
+    }
+    let sc = c.security_context.clone().unwrap_or_default();
+    args.extend(security_args(&sc, &c.name)?);
+    for (k, v) in &env {
+        args.extend(["--env".into(), format!("{k}={v}")]);
+    }
+    args.extend(volume_args(spec, c, node, sc.privileged == Some(true))?);
+    if spec.automount_service_account_token != Some(false) {
+        args.extend([
+            "-v".into(),
+            format!(
+                "{}:/var/run/secrets/kubernetes.io/serviceaccount:ro",
+                node.service_account.display()
+            ),
+        ]);
+    }
+    args.extend(command_args(c, &env, image));
+    Ok(RunSpec {
+        name: c.name.clone(),
+        args,
+        probes: Probes {
+            startup: probe(&c.startup_probe, "startupProbe")?,
+            liveness: probe(&c.liveness_probe, "livenessProbe")?,
+            readiness: probe(&c.readiness_probe, "readinessProbe")?,
+        },
+    })
+}
+
+/// Refuses a pod or container field that [`translate`] does not map and that would matter:
+/// a pod other than hostNetwork with hostPath and configMap volumes, and the fields listed
+/// here. Errors name the first such field.
+fn check_translatable(spec: &PodSpec, c: &Container) -> Result<()> {
     let known_pod = spec.host_network == Some(true)
         && spec
             .volumes
@@ -275,19 +320,14 @@ pub fn translate(spec: &PodSpec, c: &Container, node: &Node, image: &str) -> Res
             bail!("container {}: {what} is not translated by the lab", c.name);
         }
     }
-    let env = environment(c, node)?;
-    let mut args: Vec<String> = vec![
-        "--name".into(),
-        c.name.clone(),
-        "--network".into(),
-        format!("ns:{}", node.netns.display()),
-    ];
-    args.extend(ulimits());
-    if spec.host_pid == Some(true) {
-        args.extend(["--pid".into(), "host".into()]);
-    }
-    // Security context.
-    let sc = c.security_context.clone().unwrap_or_default();
+    Ok(())
+}
+
+/// The podman options of the security context `sc` of container `name`: `--privileged`,
+/// `--cap-drop`/`--cap-add`, `--read-only`, `--security-opt`. Errors on an AppArmor
+/// profile other than Unconfined or RuntimeDefault, and on the fields not translated.
+fn security_args(sc: &SecurityContext, name: &str) -> Result<Vec<String>> {
+    let mut args: Vec<String> = Vec::new();
     if sc.privileged == Some(true) {
         args.push("--privileged".into());
     }
@@ -325,15 +365,25 @@ pub fn translate(spec: &PodSpec, c: &Container, node: &Node, image: &str) -> Res
     {
         bail!(
             "container {}: securityContext fields beyond privileged, capabilities, readOnlyRootFilesystem, appArmorProfile and seLinuxOptions are not translated",
-            c.name
+            name
         );
     }
-    // Environment.
-    for (k, v) in &env {
-        args.extend(["--env".into(), format!("{k}={v}")]);
-    }
-    // Volumes.
-    let volumes: BTreeMap<&str, &k8s_openapi::api::core::v1::Volume> = spec
+    Ok(args)
+}
+
+/// The `-v` options of container `c`'s volume mounts, in their order (ConfigMap volumes
+/// written to `node.scratch` first). `privileged`: whether the container is, which
+/// Bidirectional propagation needs. Errors on a mount without its volume, a subPath, a
+/// host path the lab has no directory for, a ConfigMap not rendered, and a propagation
+/// not translated.
+fn volume_args(
+    spec: &PodSpec,
+    c: &Container,
+    node: &Node,
+    privileged: bool,
+) -> Result<Vec<String>> {
+    let mut args: Vec<String> = Vec::new();
+    let volumes: BTreeMap<&str, &Volume> = spec
         .volumes
         .iter()
         .flatten()
@@ -346,27 +396,7 @@ pub fn translate(spec: &PodSpec, c: &Container, node: &Node, image: &str) -> Res
         if m.sub_path.is_some() || m.sub_path_expr.is_some() {
             bail!("volumeMount {}: subPath not translated", m.name);
         }
-        let source = if let Some(hp) = &v.host_path {
-            let dir = node.host_paths.get(&hp.path).with_context(|| {
-                format!(
-                    "hostPath {} of volume {}: the lab has no directory standing for it",
-                    hp.path, v.name
-                )
-            })?;
-            dir.clone()
-        } else if let Some(cmv) = &v.config_map {
-            let cm = node.config_maps.get(&cmv.name).with_context(|| {
-                format!("volume {}: ConfigMap {} not rendered", v.name, cmv.name)
-            })?;
-            let dir = node.scratch.join(format!("configmap-{}", v.name));
-            std::fs::create_dir_all(&dir)?;
-            for (k, val) in cm.data.iter().flatten() {
-                std::fs::write(dir.join(k), val)?;
-            }
-            dir
-        } else {
-            unreachable!("checked above")
-        };
+        let source = volume_source(v, node)?;
         let mut opts = Vec::new();
         if m.read_only == Some(true) {
             opts.push("ro");
@@ -375,7 +405,7 @@ pub fn translate(spec: &PodSpec, c: &Container, node: &Node, image: &str) -> Res
             None | Some("None") => {}
             Some("HostToContainer") => opts.push("rslave"),
             Some("Bidirectional") => {
-                if sc.privileged != Some(true) {
+                if !privileged {
                     // The API server rejects it too.
                     bail!(
                         "volumeMount {}: Bidirectional needs a privileged container",
@@ -386,45 +416,58 @@ pub fn translate(spec: &PodSpec, c: &Container, node: &Node, image: &str) -> Res
             }
             Some(other) => bail!("volumeMount {}: mountPropagation {other}", m.name),
         }
-        let mut spec = format!("{}:{}", source.display(), m.mount_path);
+        let mut volume = format!("{}:{}", source.display(), m.mount_path);
         if !opts.is_empty() {
-            spec.push(':');
-            spec.push_str(&opts.join(","));
+            volume.push(':');
+            volume.push_str(&opts.join(","));
         }
-        args.extend(["-v".into(), spec]);
+        args.extend(["-v".into(), volume]);
     }
-    if spec.automount_service_account_token != Some(false) {
-        args.extend([
-            "-v".into(),
+    Ok(args)
+}
+
+/// The directory mounted for volume `v`: the lab's directory standing for a hostPath, or
+/// a ConfigMap's data written to a directory of `node.scratch`. Errors when the lab has no
+/// directory for the host path, the ConfigMap is not rendered, or writing it fails.
+fn volume_source(v: &Volume, node: &Node) -> Result<PathBuf> {
+    if let Some(hp) = &v.host_path {
+        let dir = node.host_paths.get(&hp.path).with_context(|| {
             format!(
-                "{}:/var/run/secrets/kubernetes.io/serviceaccount:ro",
-                node.service_account.display()
-            ),
-        ]);
+                "hostPath {} of volume {}: the lab has no directory standing for it",
+                hp.path, v.name
+            )
+        })?;
+        Ok(dir.clone())
+    } else if let Some(cmv) = &v.config_map {
+        let cm = node
+            .config_maps
+            .get(&cmv.name)
+            .with_context(|| format!("volume {}: ConfigMap {} not rendered", v.name, cmv.name))?;
+        let dir = node.scratch.join(format!("configmap-{}", v.name));
+        std::fs::create_dir_all(&dir)?;
+        for (k, val) in cm.data.iter().flatten() {
+            std::fs::write(dir.join(k), val)?;
+        }
+        Ok(dir)
+    } else {
+        unreachable!("check_translatable refuses other volumes")
     }
-    // Command and arguments, expanded as the kubelet does.
-    let command: Vec<String> = c
-        .command
-        .iter()
-        .flatten()
-        .map(|s| expand(s, &env))
-        .collect();
-    let cargs: Vec<String> = c.args.iter().flatten().map(|s| expand(s, &env)).collect();
+}
+
+/// The image and the container's command and arguments, `$(VAR)` expanded from `env` as
+/// the kubelet does: the command's first word as `--entrypoint`, then the image, the rest
+/// of the command and the arguments.
+fn command_args(c: &Container, env: &BTreeMap<String, String>, image: &str) -> Vec<String> {
+    let mut args: Vec<String> = Vec::new();
+    let command: Vec<String> = c.command.iter().flatten().map(|s| expand(s, env)).collect();
+    let cargs: Vec<String> = c.args.iter().flatten().map(|s| expand(s, env)).collect();
     if let Some(entry) = command.first() {
         args.extend(["--entrypoint".into(), entry.clone()]);
     }
     args.push(image.to_string());
     args.extend(command.iter().skip(1).cloned());
     args.extend(cargs);
-    Ok(RunSpec {
-        name: c.name.clone(),
-        args,
-        probes: Probes {
-            startup: probe(&c.startup_probe, "startupProbe")?,
-            liveness: probe(&c.liveness_probe, "livenessProbe")?,
-            readiness: probe(&c.readiness_probe, "readinessProbe")?,
-        },
-    })
+    args
 }
 
 /// Runs `podman ARGS` with a timeout; the output (a non-zero exit is not an error).

@@ -1276,6 +1276,9 @@ fn programming_sum_count() -> Result<(f64, f64)> {
     Ok((sum, count))
 }
 
+/// One run of ebpf-proxy with the manifest source at N = `svcs.len()`: its cold start, the
+/// data path, then (where `--change-at` and `--steady-at` name N) endpoint changes and the
+/// RSS after the first verification. Leaves the agent running (`run_ebpf` stops it).
 fn run_ebpf_inner(
     env: &mut Env,
     o: &Opts,
@@ -1285,6 +1288,30 @@ fn run_ebpf_inner(
     results: &mut Results,
     run: usize,
 ) -> Result<()> {
+    let n = svcs.len();
+    let (t0, pid, maps) = ebpf_cold_start(env, o, svcs, change_svc, results, run)?;
+    data_path(env, o, Case::Ebpf, &vip_target(real), n, results, run)?;
+    if o.change_at.contains(&n) {
+        ebpf_manifest_changes(env, o, &maps, &svcs[change_svc], n, results, run)?;
+    }
+    if o.steady_at.contains(&n) {
+        ebpf_verified_rss(t0, pid, n, results, run)?;
+    }
+    Ok(())
+}
+
+/// Starts the agent on the manifests of `svcs` and records its cold start: the first
+/// sync (its time and the model's part), the wall time to it, RSS and the maps' memory.
+/// Returns when the agent was started, its pid, and its maps; errors when the agent does
+/// not start or its maps lack the last service after the first sync.
+fn ebpf_cold_start(
+    env: &mut Env,
+    o: &Opts,
+    svcs: &[Svc],
+    change_svc: usize,
+    results: &mut Results,
+    run: usize,
+) -> Result<(Instant, u32, Maps)> {
     let n = svcs.len();
     stop_agent(env);
     write_manifests(&env.manifests, svcs, change_svc)?;
@@ -1356,77 +1383,97 @@ fn run_ebpf_inner(
         run,
         Sample::ServiceMapMiB(mem_svc as f64 / 1048576.0),
     );
+    Ok((t0, pid, maps))
+}
 
-    data_path(env, o, Case::Ebpf, &vip_target(real), n, results, run)?;
-
-    if o.change_at.contains(&n) {
-        let mut svc = svcs[change_svc].clone();
-        let file = env.manifests.join("change.json");
-        for k in 0..o.changes {
-            check_stop()?;
-            let new_ip = rules::change_addr(k);
-            svc.endpoints[rules::ENDPOINTS - 1].0 = new_ip;
-            let syncs = SyncLine::count(&agent_log(env));
-            let t = Instant::now();
-            write_atomic(&file, &(rules::slice_json(&svc) + "\n"))?;
-            let (lat, sync) = await_change(env, &maps, svc.vip, new_ip, t, syncs)
-                .with_context(|| format!("change {k}"))?;
-            let ms = |us: u64| us as f64 / 1e3;
-            results.add(
-                Case::Ebpf,
-                n,
-                run,
-                Sample::ChangeMs(lat.as_secs_f64() * 1e3),
-            );
-            results.add(
-                Case::Ebpf,
-                n,
-                run,
-                Sample::ChangeLatencyMs(ms(sync.latency_us)),
-            );
-            results.add(
-                Case::Ebpf,
-                n,
-                run,
-                Sample::ChangeSyncMs(ms(sync.duration_us)),
-            );
-            results.add(Case::Ebpf, n, run, Sample::ChangeModelMs(ms(sync.model_us)));
-            // A pause, so each change is read alone (a burst would be one sync).
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        results.log_change(Case::Ebpf, n, run);
-        // Kept for a look at where a change's time went.
-        let _ = fs::write(o.out.join(format!("agent-changes-{n}.log")), agent_log(env));
-    }
-
-    if o.steady_at.contains(&n) {
-        // The verification snapshots every map entry: RSS once it has run (its loop starts
-        // after loading, at most a few seconds after the process).
-        let at = t0 + VERIFY_PERIOD + Duration::from_secs(8);
-        while Instant::now() < at {
-            check_stop()?;
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        let rss = proc_status_kib(pid, "VmRSS:").unwrap_or(0);
-        let hwm = proc_status_kib(pid, "VmHWM:").unwrap_or(0);
-        eprintln!(
-            "  Ebpf after the first verification: RSS {} MiB (peak {} MiB)",
-            rss / 1024,
-            hwm / 1024
+/// `--changes` endpoint changes of `svc` through the manifest source, one at a time: each
+/// its last endpoint's new address written to `change.json`, timed until `maps` show it
+/// and by the agent's `sync done` line (latency, map writes, model). Errors when the file
+/// cannot be written, a change is not seen within 30 s, or the run is stopped.
+fn ebpf_manifest_changes(
+    env: &Env,
+    o: &Opts,
+    maps: &Maps,
+    svc: &Svc,
+    n: usize,
+    results: &mut Results,
+    run: usize,
+) -> Result<()> {
+    let mut svc = svc.clone();
+    let file = env.manifests.join("change.json");
+    for k in 0..o.changes {
+        check_stop()?;
+        let new_ip = rules::change_addr(k);
+        svc.endpoints[rules::ENDPOINTS - 1].0 = new_ip;
+        let syncs = SyncLine::count(&agent_log(env));
+        let t = Instant::now();
+        write_atomic(&file, &(rules::slice_json(&svc) + "\n"))?;
+        let (lat, sync) = await_change(env, maps, svc.vip, new_ip, t, syncs)
+            .with_context(|| format!("change {k}"))?;
+        let ms = |us: u64| us as f64 / 1e3;
+        results.add(
+            Case::Ebpf,
+            n,
+            run,
+            Sample::ChangeMs(lat.as_secs_f64() * 1e3),
         );
         results.add(
             Case::Ebpf,
             n,
             run,
-            Sample::RssVerifiedMiB(rss as f64 / 1024.0),
+            Sample::ChangeLatencyMs(ms(sync.latency_us)),
         );
         results.add(
             Case::Ebpf,
             n,
             run,
-            Sample::PeakRssVerifiedMiB(hwm as f64 / 1024.0),
+            Sample::ChangeSyncMs(ms(sync.duration_us)),
         );
+        results.add(Case::Ebpf, n, run, Sample::ChangeModelMs(ms(sync.model_us)));
+        // A pause, so each change is read alone (a burst would be one sync).
+        std::thread::sleep(Duration::from_millis(50));
     }
+    results.log_change(Case::Ebpf, n, run);
+    // Kept for a look at where a change's time went.
+    let _ = fs::write(o.out.join(format!("agent-changes-{n}.log")), agent_log(env));
+    Ok(())
+}
+
+/// Waits until the agent `pid`, started at `t0`, has run its first periodic verification,
+/// then records its RSS and peak RSS (MiB). Errors only when the run is stopped.
+fn ebpf_verified_rss(
+    t0: Instant,
+    pid: u32,
+    n: usize,
+    results: &mut Results,
+    run: usize,
+) -> Result<()> {
+    // The verification snapshots every map entry: RSS once it has run (its loop starts
+    // after loading, at most a few seconds after the process).
+    let at = t0 + VERIFY_PERIOD + Duration::from_secs(8);
+    while Instant::now() < at {
+        check_stop()?;
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let rss = proc_status_kib(pid, "VmRSS:").unwrap_or(0);
+    let hwm = proc_status_kib(pid, "VmHWM:").unwrap_or(0);
+    eprintln!(
+        "  Ebpf after the first verification: RSS {} MiB (peak {} MiB)",
+        rss / 1024,
+        hwm / 1024
+    );
+    results.add(
+        Case::Ebpf,
+        n,
+        run,
+        Sample::RssVerifiedMiB(rss as f64 / 1024.0),
+    );
+    results.add(
+        Case::Ebpf,
+        n,
+        run,
+        Sample::PeakRssVerifiedMiB(hwm as f64 / 1024.0),
+    );
     Ok(())
 }
 

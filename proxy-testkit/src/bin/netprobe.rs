@@ -794,6 +794,10 @@ mod demo {
         testbed::output_in(None, None, cmd, timeout).with_context(|| format!("running {cmd:?}"))
     }
 
+    /// The demo (`netprobe demo`): a lab of a client pod and three backends, the agent on
+    /// `manifests` (copied), HTTP and DNS-like rounds, an endpoint removal, then the agent
+    /// stopped and `ebpf-proxy cleanup`. Errors: not root, a step failed (the agent log's
+    /// last lines are printed), or interrupted; everything made is removed either way.
     pub fn run(agent_bin: &Path, manifests: &Path) -> Result<()> {
         install_signal_handlers();
         ensure!(
@@ -812,27 +816,8 @@ mod demo {
         let tmp = tempfile::Builder::new()
             .prefix("ebpf-proxy-demo-")
             .tempdir()?;
-        let mdir = tmp.path().join("manifests");
-        fs::create_dir_all(&mdir)?;
-        for e in fs::read_dir(&manifests)?.flatten() {
-            let p = e.path();
-            if p.extension().is_some_and(|x| x == "yaml" || x == "yml") {
-                fs::copy(&p, mdir.join(e.file_name()))?;
-            }
-        }
+        let mdir = copy_manifests(&manifests, tmp.path())?;
         let demo_yaml = mdir.join("demo.yaml");
-        let demo_text =
-            fs::read_to_string(&demo_yaml).context("demo.yaml missing in the manifests")?;
-        ensure!(
-            demo_text.contains(WEB_VIP),
-            "demo.yaml does not mention {WEB_VIP}; the demo expects that ClusterIP"
-        );
-        for (_, ip) in BACKENDS {
-            ensure!(
-                demo_text.contains(&ip.to_string()),
-                "demo.yaml has no endpoint {ip}"
-            );
-        }
 
         let cg = TestCgroup::create(CGROUP)?;
         println!("cgroup {}", cg.path().display());
@@ -846,12 +831,80 @@ mod demo {
 
         let mut lab = Lab::new(PREFIX, false)?;
         let client = lab.add_pod(CLIENT.0, CLIENT.1, None)?;
+        let (backends, servers) = start_backends(&mut lab, &me)?;
+        println!(
+            "pod {:<10} {}  netns {}  (in cgroup {CGROUP})",
+            client.name, client.ipv4, client.netns
+        );
+        wait_servers_listening(&backends)?;
+
+        step("starting the agent")?;
+        let port = free_port()?;
+        let mut agent = start_agent(&agent_bin, &mdir, cg.path(), tmp.path(), port)?;
+        let result = (|| -> Result<()> {
+            wait_healthy(&mut agent, port)?;
+            println!("agent healthy (/healthz 200 on 127.0.0.1:{port})");
+            rounds(&agent, &me, &client, cg.path(), &demo_yaml, tmp.path())
+        })();
+        if let Err(e) = result {
+            eprintln!(
+                "\ndemo failed: {e:#}\n--- last lines of the agent log ---\n{}",
+                agent.log_tail(30)
+            );
+            return Err(e);
+        }
+
+        step("stopping the agent and running ebpf-proxy cleanup")?;
+        cleanup_summary(&mut agent)?;
+        drop(agent);
+        drop(servers);
+        drop(lab);
+        drop(cg);
+        println!(
+            "\nremoved namespaces {PREFIX}-*, cgroup {CGROUP}, pins {}/{PIN_DIR}",
+            testbed::BPFFS_PATH
+        );
+        println!("demo OK");
+        Ok(())
+    }
+
+    /// Copies the YAML files of `manifests` to `<tmp>/manifests` and returns that directory.
+    /// Errors when a file cannot be copied, or demo.yaml is missing or lacks the Service
+    /// address or an endpoint the demo expects.
+    fn copy_manifests(manifests: &Path, tmp: &Path) -> Result<PathBuf> {
+        let mdir = tmp.join("manifests");
+        fs::create_dir_all(&mdir)?;
+        for e in fs::read_dir(manifests)?.flatten() {
+            let p = e.path();
+            if p.extension().is_some_and(|x| x == "yaml" || x == "yml") {
+                fs::copy(&p, mdir.join(e.file_name()))?;
+            }
+        }
+        let demo_text = fs::read_to_string(mdir.join("demo.yaml"))
+            .context("demo.yaml missing in the manifests")?;
+        ensure!(
+            demo_text.contains(WEB_VIP),
+            "demo.yaml does not mention {WEB_VIP}; the demo expects that ClusterIP"
+        );
+        for (_, ip) in BACKENDS {
+            ensure!(
+                demo_text.contains(&ip.to_string()),
+                "demo.yaml has no endpoint {ip}"
+            );
+        }
+        Ok(mdir)
+    }
+
+    /// Adds the backend pods to `lab`, each with `netprobe serve` (`me`) on HTTP :8080 and
+    /// TCP and UDP :5353. Returns the pods and their servers' guards (the servers stop when
+    /// the guards drop); errors when a pod or server cannot be made, or on a stop signal.
+    fn start_backends(lab: &mut Lab, me: &Path) -> Result<(Vec<Pod>, Vec<ChildGuard>)> {
         let mut backends: Vec<Pod> = Vec::new();
         let mut servers: Vec<ChildGuard> = Vec::new();
         for (name, ip) in BACKENDS {
             check_stop()?;
             let pod = lab.add_pod(name, ip, None)?;
-            let mut cmd = Command::new(&me);
+            let mut cmd = Command::new(me);
             cmd.args([
                 "serve", "--name", name, "--http", ":8080", "--tcp", ":5353", "--udp", ":5353",
             ])
@@ -866,21 +919,25 @@ mod demo {
             );
             backends.push(pod);
         }
-        println!(
-            "pod {:<10} {}  netns {}  (in cgroup {CGROUP})",
-            client.name, client.ipv4, client.netns
-        );
-        wait_servers_listening(&backends)?;
+        Ok((backends, servers))
+    }
 
-        step("starting the agent")?;
-        let port = free_port()?;
-        let log = tmp.path().join("agent.log");
-        let mut cmd = Command::new(&agent_bin);
+    /// Starts the agent on the manifests in `mdir`, in cgroup `cg`, with its health server
+    /// on 127.0.0.1:`port` and its log in `tmp`. Errors when it cannot be started.
+    fn start_agent(
+        agent_bin: &Path,
+        mdir: &Path,
+        cg: &Path,
+        tmp: &Path,
+        port: u16,
+    ) -> Result<Agent> {
+        let log = tmp.join("agent.log");
+        let mut cmd = Command::new(agent_bin);
         cmd.arg("run")
             .arg("--manifests")
-            .arg(&mdir)
+            .arg(mdir)
             .arg("--cgroup-path")
-            .arg(cg.path())
+            .arg(cg)
             .args([
                 "--pin-dir",
                 PIN_DIR,
@@ -898,87 +955,92 @@ mod demo {
             "{} run --manifests {} --cgroup-path {} --pin-dir {PIN_DIR} --healthz-bind-address 127.0.0.1:{port} --metrics-bind-address 127.0.0.1:0",
             agent_bin.display(),
             mdir.display(),
-            cg.path().display()
+            cg.display()
         );
         // The log lives in the demo's temporary directory, removed when the demo ends.
         println!(
             "agent log (while the demo runs; its last lines are shown if the demo fails): {}",
             log.display()
         );
-        let mut agent = Agent {
+        Ok(Agent {
             child: Some(ChildGuard::new(
                 testbed::spawn_in(None, None, &mut cmd).context("starting the agent")?,
             )),
-            bin: agent_bin.clone(),
-            cgroup: cg.path().to_owned(),
+            bin: agent_bin.to_owned(),
+            cgroup: cg.to_owned(),
             log,
             cleaned: false,
-        };
-        let result = (|| -> Result<()> {
-            wait_healthy(&mut agent, port)?;
-            println!("agent healthy (/healthz 200 on 127.0.0.1:{port})");
+        })
+    }
 
-            step(&format!(
-                "{REQUESTS} HTTP requests from the client pod to http://{WEB_VIP}:80/ (Service demo/web)"
-            ))?;
-            let counts = http_round(&client, cg.path())?;
-            print_counts(&counts);
-            for (name, _) in BACKENDS {
-                ensure!(
-                    counts.get(name).copied().unwrap_or(0) > 0,
-                    "{name} got no request"
-                );
-            }
-            ensure!(!counts.contains_key("(failed)"), "some requests failed");
-
-            step(&format!(
-                "DNS-like Service demo/dns: TCP and UDP port 53 on {DNS_VIP} (two frontends)"
-            ))?;
-            dns_round(&me, &client, cg.path())?;
-
-            step("ebpf-proxy services")?;
-            let out = run_cmd(
-                Command::new(&agent.bin).args(["services", "--pin-dir", PIN_DIR]),
-                Duration::from_secs(10),
-            )?;
-            print!("{}", String::from_utf8_lossy(&out.stdout));
+    /// The demo's steps with the agent healthy: HTTP requests from `client` (in cgroup
+    /// `cg`) spread over every backend, the DNS-like Service over TCP and UDP, `ebpf-proxy
+    /// services`, backend-c removed from `demo_yaml` (rewritten through `tmp`), then HTTP
+    /// again without it. Errors name the step's failed expectation.
+    fn rounds(
+        agent: &Agent,
+        me: &Path,
+        client: &Pod,
+        cg: &Path,
+        demo_yaml: &Path,
+        tmp: &Path,
+    ) -> Result<()> {
+        step(&format!(
+            "{REQUESTS} HTTP requests from the client pod to http://{WEB_VIP}:80/ (Service demo/web)"
+        ))?;
+        let counts = http_round(client, cg)?;
+        print_counts(&counts);
+        for (name, _) in BACKENDS {
             ensure!(
-                out.status.success(),
-                "ebpf-proxy services failed: {}",
-                String::from_utf8_lossy(&out.stderr)
+                counts.get(name).copied().unwrap_or(0) > 0,
+                "{name} got no request"
             );
-
-            step("removing backend-c (198.18.0.13) from the EndpointSlice of demo/web")?;
-            let c_ip = BACKENDS[2].1.to_string();
-            let listed_before = services_mentions(&agent.bin, &c_ip)?;
-            remove_endpoint(&demo_yaml, tmp.path(), &c_ip)?;
-            wait_removed(&agent.bin, &c_ip, listed_before)?;
-
-            step(&format!("{REQUESTS} HTTP requests again"))?;
-            let counts = http_round(&client, cg.path())?;
-            print_counts(&counts);
-            ensure!(
-                !counts.contains_key("backend-c"),
-                "backend-c still got traffic after its removal"
-            );
-            ensure!(!counts.contains_key("(failed)"), "some requests failed");
-            for name in ["backend-a", "backend-b"] {
-                ensure!(
-                    counts.get(name).copied().unwrap_or(0) > 0,
-                    "{name} got no request"
-                );
-            }
-            Ok(())
-        })();
-        if let Err(e) = result {
-            eprintln!(
-                "\ndemo failed: {e:#}\n--- last lines of the agent log ---\n{}",
-                agent.log_tail(30)
-            );
-            return Err(e);
         }
+        ensure!(!counts.contains_key("(failed)"), "some requests failed");
 
-        step("stopping the agent and running ebpf-proxy cleanup")?;
+        step(&format!(
+            "DNS-like Service demo/dns: TCP and UDP port 53 on {DNS_VIP} (two frontends)"
+        ))?;
+        dns_round(me, client, cg)?;
+
+        step("ebpf-proxy services")?;
+        let out = run_cmd(
+            Command::new(&agent.bin).args(["services", "--pin-dir", PIN_DIR]),
+            Duration::from_secs(10),
+        )?;
+        print!("{}", String::from_utf8_lossy(&out.stdout));
+        ensure!(
+            out.status.success(),
+            "ebpf-proxy services failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+
+        step("removing backend-c (198.18.0.13) from the EndpointSlice of demo/web")?;
+        let c_ip = BACKENDS[2].1.to_string();
+        let listed_before = services_mentions(&agent.bin, &c_ip)?;
+        remove_endpoint(demo_yaml, tmp, &c_ip)?;
+        wait_removed(&agent.bin, &c_ip, listed_before)?;
+
+        step(&format!("{REQUESTS} HTTP requests again"))?;
+        let counts = http_round(client, cg)?;
+        print_counts(&counts);
+        ensure!(
+            !counts.contains_key("backend-c"),
+            "backend-c still got traffic after its removal"
+        );
+        ensure!(!counts.contains_key("(failed)"), "some requests failed");
+        for name in ["backend-a", "backend-b"] {
+            ensure!(
+                counts.get(name).copied().unwrap_or(0) > 0,
+                "{name} got no request"
+            );
+        }
+        Ok(())
+    }
+
+    /// Stops the agent, runs `ebpf-proxy cleanup` and prints its summary. Errors when the
+    /// cleanup fails.
+    fn cleanup_summary(agent: &mut Agent) -> Result<()> {
         let out = agent.stop_and_cleanup()?;
         // One line per link and map is what `cleanup` prints for an operator; the demo
         // sums them up and shows anything else as is.
@@ -993,15 +1055,6 @@ mod demo {
             }
         }
         println!("cleanup: detached {links} program links, removed {pins} pins");
-        drop(agent);
-        drop(servers);
-        drop(lab);
-        drop(cg);
-        println!(
-            "\nremoved namespaces {PREFIX}-*, cgroup {CGROUP}, pins {}/{PIN_DIR}",
-            testbed::BPFFS_PATH
-        );
-        println!("demo OK");
         Ok(())
     }
 

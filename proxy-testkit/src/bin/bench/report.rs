@@ -555,99 +555,7 @@ impl Results {
         let _ = writeln!(o, "### Control-plane targets\n");
         let _ = writeln!(o, "| target | N | measured | limit | met |");
         let _ = writeln!(o, "| --- | ---: | ---: | ---: | --- |");
-        // (what, metric, N, statistic, limit, unit); `p99` over every change, else the
-        // median over runs (min–max shown).
-        let rows: [(&str, &str, usize, &str, f64, &str); 11] = [
-            (
-                "one endpoint change, watch event → maps written (agent), p99",
-                "change_latency_ms",
-                10000,
-                "p99",
-                5.0,
-                "ms",
-            ),
-            (
-                "one endpoint change, watch event → maps written (agent), p99",
-                "change_latency_ms",
-                30000,
-                "p99",
-                5.0,
-                "ms",
-            ),
-            (
-                "one endpoint change, file renamed → visible in the pinned maps, median",
-                "change_ms",
-                10000,
-                "med",
-                20.0,
-                "ms",
-            ),
-            (
-                "one endpoint change, API source: watch event → maps written (agent), p99",
-                "api_change_latency_ms",
-                10000,
-                "p99",
-                5.0,
-                "ms",
-            ),
-            (
-                "one endpoint change, API source: watch event → maps written (agent), p99",
-                "api_change_latency_ms",
-                30000,
-                "p99",
-                5.0,
-                "ms",
-            ),
-            (
-                "agent RSS after the first sync",
-                "rss_mib",
-                10000,
-                "runs",
-                100.0,
-                "MiB",
-            ),
-            (
-                "agent RSS after the first sync",
-                "rss_mib",
-                30000,
-                "runs",
-                250.0,
-                "MiB",
-            ),
-            (
-                "agent RSS after its first periodic verification",
-                "rss_verified_mib",
-                10000,
-                "runs",
-                100.0,
-                "MiB",
-            ),
-            (
-                "agent RSS after its first periodic verification",
-                "rss_verified_mib",
-                30000,
-                "runs",
-                250.0,
-                "MiB",
-            ),
-            (
-                "cold start, agent process start → first `sync done`",
-                "cold_wall_ms",
-                30000,
-                "runs",
-                2000.0,
-                "ms",
-            ),
-            (
-                "one endpoint change, file renamed → visible in the pinned maps, median",
-                "change_ms",
-                30000,
-                "med",
-                20.0,
-                "ms",
-            ),
-        ];
-        for (what, m, n, statistic, limit, unit) in rows {
+        for (what, m, n, statistic, limit, unit) in CONTROL_PLANE_TARGETS {
             let Some(s) = self.get(Case::Ebpf, n, m) else {
                 continue;
             };
@@ -785,6 +693,18 @@ impl Results {
         let mut o = String::new();
         o.push_str(&self.targets());
         o.push_str(&self.data_path_targets());
+        o.push_str(&self.cold_table());
+        o.push_str(&self.change_table());
+        o.push_str(&self.connection_rate_table());
+        o.push_str(&self.program_costs());
+        o.push_str(&self.memory_table());
+        o
+    }
+
+    /// Programming N services from cold: ebpf-proxy's start to its first sync (and the
+    /// sync's parts) against the peers' whole restores.
+    fn cold_table(&self) -> String {
+        let mut o = String::new();
         let _ = writeln!(
             o,
             "### Control plane: programming N services from cold (ms)\n"
@@ -805,6 +725,13 @@ impl Results {
                 self.cell(Case::Nftables, n, "cold_ms", 0)
             );
         }
+        o
+    }
+
+    /// One endpoint change at every N of `change_at`: a row per row of [`CHANGE_ROWS`]
+    /// that was measured or whose cold load timed out.
+    fn change_table(&self) -> String {
+        let mut o = String::new();
         let _ = writeln!(
             o,
             "\n### Control plane: one endpoint change (ms, over all changes of all runs)\n"
@@ -812,7 +739,7 @@ impl Results {
         let _ = writeln!(o, "| N | proxy | median | p99 | changes | what is timed |");
         let _ = writeln!(o, "| ---: | --- | ---: | ---: | ---: | --- |");
         for &n in &self.change_at {
-            let row = |o: &mut String, label: &str, case: Case, m: &str, what: &str| {
+            for (label, case, m, what) in CHANGE_ROWS {
                 let cell = match self.get(case, n, m) {
                     Some(s) => format!("{:.2} | {:.2} | {}", s.med, s.p99, s.n),
                     None if self.get(case, n, "timed_out_s").is_some()
@@ -820,74 +747,18 @@ impl Results {
                     {
                         "not run (cold load timed out) | | ".to_string()
                     }
-                    None => return,
+                    None => continue,
                 };
                 let _ = writeln!(o, "| {n} | {label} | {cell} | {what} |");
-            };
-            row(
-                &mut o,
-                "ebpf-proxy",
-                Case::Ebpf,
-                "change_ms",
-                "manifest file renamed → new endpoint readable in the pinned maps (polled every 100 µs)",
-            );
-            row(
-                &mut o,
-                "ebpf-proxy (agent)",
-                Case::Ebpf,
-                "change_latency_ms",
-                "the agent's `latency_us`: watch event received → maps written",
-            );
-            row(
-                &mut o,
-                "ebpf-proxy (model)",
-                Case::Ebpf,
-                "change_model_ms",
-                "of which the model (`model_us`)",
-            );
-            row(
-                &mut o,
-                "ebpf-proxy (map writes)",
-                Case::Ebpf,
-                "change_sync_ms",
-                "of which the map writes (`duration_us`)",
-            );
-            row(
-                &mut o,
-                "ebpf-proxy, API source",
-                Case::Ebpf,
-                "api_change_ms",
-                "EndpointSlice applied on the (in-process) API server → new endpoint readable in the pinned maps",
-            );
-            row(
-                &mut o,
-                "ebpf-proxy, API source (agent)",
-                Case::Ebpf,
-                "api_change_latency_ms",
-                "the agent's `latency_us`: watch event received → maps written",
-            );
-            row(
-                &mut o,
-                "ebpf-proxy, API source (metric)",
-                Case::Ebpf,
-                "api_programming_mean_ms",
-                "`kubeproxy_network_programming_duration_seconds`, mean per run (its buckets start at 250 ms)",
-            );
-            row(
-                &mut o,
-                "iptables",
-                Case::Iptables,
-                "change_ms",
-                "`iptables-restore --noflush` of a partial sync",
-            );
-            row(
-                &mut o,
-                "nftables",
-                Case::Nftables,
-                "change_ms",
-                "`nft -f` of the changed chains",
-            );
+            }
         }
+        o
+    }
+
+    /// New TCP connections per second to one ClusterIP, each proxy with its ratio to
+    /// direct.
+    fn connection_rate_table(&self) -> String {
+        let mut o = String::new();
         let _ = writeln!(
             o,
             "\n### Data path: new TCP connections per second to one ClusterIP (ratio to direct)\n"
@@ -915,7 +786,13 @@ impl Results {
                 c(Case::Nftables)
             );
         }
-        o.push_str(&self.program_costs());
+        o
+    }
+
+    /// ebpf-proxy's memory: the agent's RSS (after the first sync and after the first
+    /// verification, with their peaks) and the BPF maps' memlock.
+    fn memory_table(&self) -> String {
+        let mut o = String::new();
         let _ = writeln!(o, "\n### Memory of ebpf-proxy (MiB)\n");
         let _ = writeln!(
             o,
@@ -946,141 +823,329 @@ impl Results {
     /// latency, ebpf-proxy's tc program costs, and losses.
     pub fn north_south_tables(&self) -> String {
         let mut o = String::new();
-        const CASES: [Case; 6] = NS_CASES;
         for &n in &self.north_south {
-            let _ = writeln!(
-                o,
-                "\n### North-south: NodePorts from a client outside the cluster (ratio to plain routing), {n} ClusterIP services loaded too\n"
-            );
-            let _ = writeln!(
-                o,
-                "TCP: new connections per second, each with a one-line request and reply; UDP: request/reply exchanges per second on one flow (32-byte datagrams, {} in flight).\n",
-                32
-            );
-            // The column alignment row: the path, then one right-aligned column per case.
-            let align = format!("| --- |{}", " ---: |".repeat(CASES.len()));
-            let _ = writeln!(o, "| path | {} |", CASES.map(ns_label).join(" | "));
-            let _ = writeln!(o, "{align}");
-            for (path, label) in NS_PATHS {
-                let m = format!("ns:{path}:rate");
-                let cells: Vec<String> = CASES
-                    .iter()
-                    .map(|&c| {
-                        let v = self.cell(c, n, &m, 0);
-                        if c == Case::Direct || v == "–" {
-                            v
-                        } else {
-                            format!("{v} ({})", self.ratio(c, n, &m))
-                        }
-                    })
-                    .collect();
-                let _ = writeln!(o, "| {label} | {} |", cells.join(" | "));
-            }
-            let _ = writeln!(
-                o,
-                "\nTCP latency per connection, p50 / p99 (µs):\n\n| path | {} |\n{align}",
-                CASES.map(ns_label).join(" | ")
-            );
-            for (path, label) in NS_PATHS.iter().filter(|(p, _)| p.starts_with("tcp")) {
-                let cells: Vec<String> = CASES
-                    .iter()
-                    .map(|&c| {
-                        format!(
-                            "{} / {}",
-                            self.ns_cell(c, n, path, "p50_us", 0),
-                            self.ns_cell(c, n, path, "p99_us", 0)
-                        )
-                    })
-                    .collect();
-                let _ = writeln!(o, "| {label} | {} |", cells.join(" | "));
-            }
-            // (case, node prefix of its metrics, row label): node-a's programs in every
-            // ebpf-proxy case, node-b's too with DSR (they decapsulate and answer there).
-            let bpf_rows: Vec<(Case, &str, String)> = [
-                (Case::Xdp, "", ns_label(Case::Xdp).to_string()),
-                (Case::Ebpf, "", ns_label(Case::Ebpf).to_string()),
-                (Case::Dsr, "", format!("{}, node-a", ns_label(Case::Dsr))),
-                (
-                    Case::Dsr,
-                    NODE_B_PREFIX,
-                    format!("{}, node-b", ns_label(Case::Dsr)),
-                ),
-            ]
-            .into_iter()
-            .filter(|(c, node, _)| {
-                NS_PATHS.iter().any(|(p, _)| {
-                    self.get(*c, n, &format!("ns:{p}:{node}bpf_ns_per_flow"))
-                        .is_some()
+            o.push_str(&self.ns_rate_table(n));
+            o.push_str(&self.ns_latency_table(n));
+            o.push_str(&self.ns_program_table(n));
+            o.push_str(&self.ns_problems(n));
+        }
+        o
+    }
+
+    /// North-south at `n` ClusterIP services: the section's heading and the rate of every
+    /// path, each case with its ratio to plain routing.
+    fn ns_rate_table(&self, n: usize) -> String {
+        let mut o = String::new();
+        let _ = writeln!(
+            o,
+            "\n### North-south: NodePorts from a client outside the cluster (ratio to plain routing), {n} ClusterIP services loaded too\n"
+        );
+        let _ = writeln!(
+            o,
+            "TCP: new connections per second, each with a one-line request and reply; UDP: request/reply exchanges per second on one flow (32-byte datagrams, {} in flight).\n",
+            32
+        );
+        let _ = writeln!(o, "| path | {} |", NS_CASES.map(ns_label).join(" | "));
+        let _ = writeln!(o, "{}", ns_align());
+        for (path, label) in NS_PATHS {
+            let m = format!("ns:{path}:rate");
+            let cells: Vec<String> = NS_CASES
+                .iter()
+                .map(|&c| {
+                    let v = self.cell(c, n, &m, 0);
+                    if c == Case::Direct || v == "–" {
+                        v
+                    } else {
+                        format!("{v} ({})", self.ratio(c, n, &m))
+                    }
                 })
+                .collect();
+            let _ = writeln!(o, "| {label} | {} |", cells.join(" | "));
+        }
+        o
+    }
+
+    /// North-south at `n`: p50 / p99 latency of the TCP paths.
+    fn ns_latency_table(&self, n: usize) -> String {
+        let mut o = String::new();
+        let _ = writeln!(
+            o,
+            "\nTCP latency per connection, p50 / p99 (µs):\n\n| path | {} |\n{}",
+            NS_CASES.map(ns_label).join(" | "),
+            ns_align()
+        );
+        for (path, label) in NS_PATHS.iter().filter(|(p, _)| p.starts_with("tcp")) {
+            let cells: Vec<String> = NS_CASES
+                .iter()
+                .map(|&c| {
+                    format!(
+                        "{} / {}",
+                        self.ns_cell(c, n, path, "p50_us", 0),
+                        self.ns_cell(c, n, path, "p99_us", 0)
+                    )
+                })
+                .collect();
+            let _ = writeln!(o, "| {label} | {} |", cells.join(" | "));
+        }
+        o
+    }
+
+    /// North-south at `n`: the cost of ebpf-proxy's programs per path, a row per case and
+    /// node whose programs were measured; empty when none were.
+    fn ns_program_table(&self, n: usize) -> String {
+        let mut o = String::new();
+        // (case, node prefix of its metrics, row label): node-a's programs in every
+        // ebpf-proxy case, node-b's too with DSR (they decapsulate and answer there).
+        let bpf_rows: Vec<(Case, &str, String)> = [
+            (Case::Xdp, "", ns_label(Case::Xdp).to_string()),
+            (Case::Ebpf, "", ns_label(Case::Ebpf).to_string()),
+            (Case::Dsr, "", format!("{}, node-a", ns_label(Case::Dsr))),
+            (
+                Case::Dsr,
+                NODE_B_PREFIX,
+                format!("{}, node-b", ns_label(Case::Dsr)),
+            ),
+        ]
+        .into_iter()
+        .filter(|(c, node, _)| {
+            NS_PATHS.iter().any(|(p, _)| {
+                self.get(*c, n, &format!("ns:{p}:{node}bpf_ns_per_flow"))
+                    .is_some()
             })
-            .collect();
-            if !bpf_rows.is_empty() {
+        })
+        .collect();
+        if bpf_rows.is_empty() {
+            return o;
+        }
+        let _ = writeln!(
+            o,
+            "\nebpf-proxy's programs (kernel program statistics): ns per packet x packets per TCP connection or UDP exchange, and BPF ns per connection or exchange (warm-up included). node-a's programs in every case; with DSR, node-b's too (plain routing in the other cases):\n"
+        );
+        let _ = writeln!(
+            o,
+            "| path | xdp_ingress | tc_ingress | tc_egress | BPF ns per connection / exchange |"
+        );
+        let _ = writeln!(o, "| --- | ---: | ---: | ---: | ---: |");
+        for (c, node, row) in &bpf_rows {
+            let c = *c;
+            for (path, label) in NS_PATHS {
+                // node-b has no part in flows to a0: no row where none of its
+                // programs ran.
+                if !node.is_empty()
+                    && self
+                        .get(c, n, &format!("ns:{path}:{node}bpf_ns_per_flow"))
+                        .is_none_or(|s| s.max == 0.0)
+                {
+                    continue;
+                }
+                let prog = |name: &str| {
+                    let g = |m: &str| self.get(c, n, &format!("ns:{path}:{m}:{node}{name}"));
+                    match (g("ns_per_run"), g("runs_per_flow")) {
+                        (Some(a), Some(b)) => format!("{:.0} x {:.2}", a.med, b.med),
+                        _ => "–".into(),
+                    }
+                };
                 let _ = writeln!(
                     o,
-                    "\nebpf-proxy's programs (kernel program statistics): ns per packet x packets per TCP connection or UDP exchange, and BPF ns per connection or exchange (warm-up included). node-a's programs in every case; with DSR, node-b's too (plain routing in the other cases):\n"
+                    "| {row}: {label} | {} | {} | {} | {} |",
+                    prog("xdp_ingress"),
+                    prog("tc_ingress"),
+                    prog("tc_egress"),
+                    self.ns_cell(c, n, path, &format!("{node}bpf_ns_per_flow"), 0)
                 );
-                let _ = writeln!(
-                    o,
-                    "| path | xdp_ingress | tc_ingress | tc_egress | BPF ns per connection / exchange |"
-                );
-                let _ = writeln!(o, "| --- | ---: | ---: | ---: | ---: |");
-                for (c, node, row) in &bpf_rows {
-                    let c = *c;
-                    for (path, label) in NS_PATHS {
-                        // node-b has no part in flows to a0: no row where none of its
-                        // programs ran.
-                        if !node.is_empty()
-                            && self
-                                .get(c, n, &format!("ns:{path}:{node}bpf_ns_per_flow"))
-                                .is_none_or(|s| s.max == 0.0)
-                        {
-                            continue;
-                        }
-                        let prog = |name: &str| {
-                            let g =
-                                |m: &str| self.get(c, n, &format!("ns:{path}:{m}:{node}{name}"));
-                            match (g("ns_per_run"), g("runs_per_flow")) {
-                                (Some(a), Some(b)) => format!("{:.0} x {:.2}", a.med, b.med),
-                                _ => "–".into(),
-                            }
-                        };
-                        let _ = writeln!(
-                            o,
-                            "| {row}: {label} | {} | {} | {} | {} |",
-                            prog("xdp_ingress"),
-                            prog("tc_ingress"),
-                            prog("tc_egress"),
-                            self.ns_cell(c, n, path, &format!("{node}bpf_ns_per_flow"), 0)
-                        );
+            }
+        }
+        o
+    }
+
+    /// North-south at `n`: the failed connections and lost UDP requests of every case and
+    /// path; empty when there were none.
+    fn ns_problems(&self, n: usize) -> String {
+        let mut o = String::new();
+        let mut problems = Vec::new();
+        for c in NS_CASES {
+            for (path, label) in NS_PATHS {
+                for (what, unit) in [("errors", "failed"), ("lost", "lost")] {
+                    if let Some(s) = self.get(c, n, &format!("ns:{path}:{what}"))
+                        && s.max > 0.0
+                    {
+                        problems.push(format!(
+                            "{} — {label}: up to {} {unit} per run",
+                            ns_label(c),
+                            s.max
+                        ));
                     }
                 }
             }
-            let mut problems = Vec::new();
-            for c in CASES {
-                for (path, label) in NS_PATHS {
-                    for (what, unit) in [("errors", "failed"), ("lost", "lost")] {
-                        if let Some(s) = self.get(c, n, &format!("ns:{path}:{what}"))
-                            && s.max > 0.0
-                        {
-                            problems.push(format!(
-                                "{} — {label}: up to {} {unit} per run",
-                                ns_label(c),
-                                s.max
-                            ));
-                        }
-                    }
-                }
-            }
-            if !problems.is_empty() {
-                let _ = writeln!(o, "\nFailed connections and lost UDP requests:\n");
-                for p in problems {
-                    let _ = writeln!(o, "- {p}");
-                }
+        }
+        if !problems.is_empty() {
+            let _ = writeln!(o, "\nFailed connections and lost UDP requests:\n");
+            for p in problems {
+                let _ = writeln!(o, "- {p}");
             }
         }
         o
     }
 }
+
+/// The column alignment row of the north-south tables: the path, then one right-aligned
+/// column per case of [`NS_CASES`].
+fn ns_align() -> String {
+    format!("| --- |{}", " ---: |".repeat(NS_CASES.len()))
+}
+
+/// The rows of the one-endpoint-change table, in its order: (proxy label, case, metric,
+/// what is timed).
+const CHANGE_ROWS: [(&str, Case, &str, &str); 9] = [
+    (
+        "ebpf-proxy",
+        Case::Ebpf,
+        "change_ms",
+        "manifest file renamed → new endpoint readable in the pinned maps (polled every 100 µs)",
+    ),
+    (
+        "ebpf-proxy (agent)",
+        Case::Ebpf,
+        "change_latency_ms",
+        "the agent's `latency_us`: watch event received → maps written",
+    ),
+    (
+        "ebpf-proxy (model)",
+        Case::Ebpf,
+        "change_model_ms",
+        "of which the model (`model_us`)",
+    ),
+    (
+        "ebpf-proxy (map writes)",
+        Case::Ebpf,
+        "change_sync_ms",
+        "of which the map writes (`duration_us`)",
+    ),
+    (
+        "ebpf-proxy, API source",
+        Case::Ebpf,
+        "api_change_ms",
+        "EndpointSlice applied on the (in-process) API server → new endpoint readable in the pinned maps",
+    ),
+    (
+        "ebpf-proxy, API source (agent)",
+        Case::Ebpf,
+        "api_change_latency_ms",
+        "the agent's `latency_us`: watch event received → maps written",
+    ),
+    (
+        "ebpf-proxy, API source (metric)",
+        Case::Ebpf,
+        "api_programming_mean_ms",
+        "`kubeproxy_network_programming_duration_seconds`, mean per run (its buckets start at 250 ms)",
+    ),
+    (
+        "iptables",
+        Case::Iptables,
+        "change_ms",
+        "`iptables-restore --noflush` of a partial sync",
+    ),
+    (
+        "nftables",
+        Case::Nftables,
+        "change_ms",
+        "`nft -f` of the changed chains",
+    ),
+];
+
+/// The control-plane targets of [`Results::targets`]: (what, metric, N, statistic, limit,
+/// unit); statistic `p99` is over every change, `med` the median over every change, else
+/// (`runs`) the median over runs (min–max shown).
+const CONTROL_PLANE_TARGETS: [(&str, &str, usize, &str, f64, &str); 11] = [
+    (
+        "one endpoint change, watch event → maps written (agent), p99",
+        "change_latency_ms",
+        10000,
+        "p99",
+        5.0,
+        "ms",
+    ),
+    (
+        "one endpoint change, watch event → maps written (agent), p99",
+        "change_latency_ms",
+        30000,
+        "p99",
+        5.0,
+        "ms",
+    ),
+    (
+        "one endpoint change, file renamed → visible in the pinned maps, median",
+        "change_ms",
+        10000,
+        "med",
+        20.0,
+        "ms",
+    ),
+    (
+        "one endpoint change, API source: watch event → maps written (agent), p99",
+        "api_change_latency_ms",
+        10000,
+        "p99",
+        5.0,
+        "ms",
+    ),
+    (
+        "one endpoint change, API source: watch event → maps written (agent), p99",
+        "api_change_latency_ms",
+        30000,
+        "p99",
+        5.0,
+        "ms",
+    ),
+    (
+        "agent RSS after the first sync",
+        "rss_mib",
+        10000,
+        "runs",
+        100.0,
+        "MiB",
+    ),
+    (
+        "agent RSS after the first sync",
+        "rss_mib",
+        30000,
+        "runs",
+        250.0,
+        "MiB",
+    ),
+    (
+        "agent RSS after its first periodic verification",
+        "rss_verified_mib",
+        10000,
+        "runs",
+        100.0,
+        "MiB",
+    ),
+    (
+        "agent RSS after its first periodic verification",
+        "rss_verified_mib",
+        30000,
+        "runs",
+        250.0,
+        "MiB",
+    ),
+    (
+        "cold start, agent process start → first `sync done`",
+        "cold_wall_ms",
+        30000,
+        "runs",
+        2000.0,
+        "ms",
+    ),
+    (
+        "one endpoint change, file renamed → visible in the pinned maps, median",
+        "change_ms",
+        30000,
+        "med",
+        20.0,
+        "ms",
+    ),
+];
 
 /// The north-south cases, in the order of the tables' columns and the chart's bars.
 const NS_CASES: [Case; 6] = [
