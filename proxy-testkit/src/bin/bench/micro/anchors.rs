@@ -83,7 +83,7 @@ pub(super) fn floor_cases() -> Vec<Case> {
 
 // ---------------------------------------------------------------------------------------
 
-/// Katran's `struct flow_key` (balancer_structs.h): src[16], dst[16], ports, proto, pad.
+/// Katran's `struct flow_key` (balancer_structs.h): `src[16]`, `dst[16]`, ports, proto, pad.
 pub(super) type KatranFlowKey = [u8; 40];
 /// `RING_SIZE` (balancer_consts.h): ring positions per VIP.
 pub(super) const KATRAN_RING: u32 = 65537;
