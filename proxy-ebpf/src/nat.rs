@@ -5,7 +5,7 @@
 //!   says, its TCP state followed, its least-connections count given back when it closes;
 //! - [`new_flow`]: a first packet towards a frontend passes the LB IP's source ranges, gets
 //!   a backend from `lb::select` (the client is the packet's source), is source-NATed when
-//!   [`admit::needs_snat`] says so, and its conntrack entries are written (the reply entry first;
+//!   [`crate::admit::needs_snat`] says so, and its conntrack entries are written (the reply entry first;
 //!   nothing is rewritten when a write fails). Only a packet that can start a flow does:
 //!   see [`starts_flow`] for TCP packets in the middle of a flow this table does not know.
 //!
@@ -390,7 +390,7 @@ fn starts_flow(proto: u8, tcp_flags: u8, algorithm: u8) -> bool {
     }
 }
 
-/// Whether `algorithm` (a [`Frontend::algorithm`]) picks the same backend for the same
+/// Whether `algorithm` (a [`proxy_common::Frontend::algorithm`]) picks the same backend for the same
 /// flow every time, on every node, while the backend set stays the same: the Maglev table
 /// of the client address (source-hash), address and port (maglev) or frontend address
 /// (destination-hash). Random, round-robin and the least-load algorithms do not. ClientIP affinity is not taken into account: it applies
