@@ -15,7 +15,7 @@
 //!   the pod's veth has its node side);
 //! - memory: agent RSS after the first sync (and, at some Ns, after its first periodic
 //!   verification) and the memlock of its BPF maps;
-//! - the control-plane targets, each met or missed (report.rs).
+//! - the control-plane targets, each met or missed (report/targets.rs).
 //!
 //! `ebpf-proxy-bench micro` (micro.rs) is apart: the cost of one packet in each packet
 //! program through `BPF_PROG_TEST_RUN`, next to a minimal floor program and Katran's.
@@ -32,7 +32,7 @@ mod micro;
 mod northsouth;
 #[path = "bench/progstats.rs"]
 mod progstats;
-#[path = "bench/report.rs"]
+#[path = "bench/report/mod.rs"]
 mod report;
 
 use std::collections::BTreeMap;
