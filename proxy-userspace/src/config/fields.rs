@@ -13,7 +13,7 @@ use serde_yaml_ng::Value;
 
 use super::defaults::{MAX_CONNTRACK_FLOWS, MIN_CONNTRACK_FLOWS};
 use super::go::{format_go_duration, parse_go_duration};
-use super::values::{ClusterCidrs, NodePortAddresses, ServerAddress};
+use super::values::{ClusterCidrs, NodePortAddresses, ServerAddress, check_node_name};
 
 /// True for a value that kube-proxy treats as unset: null, false, 0, "", a zero duration,
 /// and empty lists or maps (or maps holding only such values).
@@ -123,9 +123,16 @@ pub(super) fn ip_address(field: &str, v: &Option<String>) -> Result<Option<IpAdd
         .transpose()
 }
 
-/// A name (`hostnameOverride`), trimmed; empty is `None`.
-pub(super) fn name(_field: &str, v: &Option<String>) -> Result<Option<String>> {
-    Ok(text(v).map(str::to_string))
+/// A node name (`hostnameOverride`), trimmed; empty is `None`; once lowercased, a DNS
+/// subdomain ([`check_node_name`]).
+pub(super) fn name(field: &str, v: &Option<String>) -> Result<Option<String>> {
+    let Some(name) = text(v) else {
+        return Ok(None);
+    };
+    if let Err(e) = check_node_name(&name.to_lowercase()) {
+        bail!("{field}: {e}");
+    }
+    Ok(Some(name.to_string()))
 }
 
 /// `clusterCIDR`: one CIDR, or an IPv4 and an IPv6 one; empty is `None`.

@@ -30,7 +30,9 @@ use super::fields::{count, is_unset, server_address, text};
 use super::go::{format_go_duration, parse_go_duration};
 use super::settings::SettingValues;
 use super::table::Section;
-use super::values::{IpvsScheduler, LogFormat, ProxyMode, check_detect_local_mode};
+use super::values::{
+    BIND_ADDRESS_WARNING, IpvsScheduler, LogFormat, ProxyMode, check_detect_local_mode,
+};
 use super::{API_VERSION, KIND};
 
 /// Reads and validates the configuration file at `path`.
@@ -261,9 +263,9 @@ fn top_level(file: &KubeProxyConfiguration, s: &mut FileSettings, w: &mut Warnin
     if let Some(b) = text(&file.bind_address)
         && s.bind_address.is_some_and(|ip| !ip.is_unspecified())
     {
-        w.0.push(format!(
-            "--config: field \"bindAddress\" ({b}) has no effect in ebpf-proxy: ignored"
-        ));
+        w.0.push(
+            BIND_ADDRESS_WARNING.replace("{}", &format!("--config: field \"bindAddress\" ({b})")),
+        );
     }
     s.healthz_bind_address = server_address(
         "healthzBindAddress",

@@ -13,7 +13,9 @@ use super::defaults::{self, DEFAULT_LOG_LEVEL, MAX_PERIOD};
 use super::go::format_go_duration;
 use super::settings::{self, Origins};
 use super::table::Origin;
-use super::values::{IpvsScheduler, LogFormat, ProxyMode, SchedulerFlag, ServerAddress};
+use super::values::{
+    BIND_ADDRESS_WARNING, IpvsScheduler, LogFormat, ProxyMode, SchedulerFlag, ServerAddress,
+};
 use super::{
     Action, AgentConfig, FileSettings, KubeProxyConfiguration, KubeProxyFlags, RunFlags,
     SourceChoice, written,
@@ -26,7 +28,8 @@ impl AgentConfig {
     /// Errors: a mode other than empty or `ebpf` (except with `--cleanup`), an IPVS
     /// scheduler the data path does not implement, flags of one setting that disagree,
     /// `--min-sync-period` longer than `--sync-period` (as kube-proxy's validation, whether
-    /// they come from flags or the file), an empty `--hostname-override`.
+    /// they come from flags or the file), an empty `--hostname-override` or one that is no
+    /// node name, a `--pin-dir` that is not a plain name.
     pub fn resolve(flags: RunFlags, file: Option<FileSettings>) -> Result<AgentConfig> {
         let f = file.unwrap_or_default();
         let k = &flags.kube_proxy;
@@ -70,6 +73,8 @@ impl AgentConfig {
             defaults::healthz_bind_address(ipv6),
         );
         c.check_sync_periods(&origins)?;
+        // Refused by every command that opens the pins; `--write-config-to` checks it too.
+        crate::datapath::loader::check_pin_dir_name(&c.pins.pin_dir)?;
         c.document = written::effective(&c, k, &f.document, &origins);
         Ok(c)
     }
@@ -206,14 +211,15 @@ fn server(
     addr
 }
 
-/// One line per flag given that has no effect here (`--bind-address` first, then those of
+/// One line per flag given that has no effect here (`--bind-address`, whose address is not
+/// used, first; then those of
 /// [`KubeProxyFlags::warnings`]), then one when the two log format flags disagree.
 fn warnings(flags: &RunFlags) -> Vec<String> {
     let k = &flags.kube_proxy;
     let mut warnings: Vec<String> = flags
         .bind_address
         .filter(|ip| !ip.is_unspecified())
-        .map(|_| "flag --bind-address has no effect in ebpf-proxy: ignored".to_string())
+        .map(|_| BIND_ADDRESS_WARNING.replace("{}", "flag --bind-address"))
         .into_iter()
         .collect();
     warnings.extend(k.warnings());

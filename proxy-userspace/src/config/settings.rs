@@ -63,9 +63,9 @@ use super::table::{
     KUBE_PROXY_FLAGS, Origin, Section, WrittenValue, agree, agree_field, any, settings,
 };
 use super::values::{
-    ClusterCidrs, NodePortAddresses, ServerAddress, number_in, parse_conntrack_min, parse_duration,
-    parse_maglev_size, parse_north_south_mode, parse_positive_duration, parse_required_timeout,
-    parse_timeout,
+    ClusterCidrs, NodePortAddresses, ServerAddress, check_node_name, number_in,
+    parse_conntrack_min, parse_duration, parse_maglev_size, parse_north_south_mode,
+    parse_positive_duration, parse_required_timeout, parse_timeout,
 };
 use crate::datapath::loader::KernelLogLevel;
 use crate::datapath::tc::XdpSetting;
@@ -157,6 +157,8 @@ settings! {
             #[arg(allow_hyphen_values = true, long)]
             cluster_cidr,
         },
+        // Empty, as kube-proxy's default, is as if not given.
+        unset: |c: &ClusterCidrs| c.0.is_empty(),
         // Read before nodePortAddresses (the table's order is the file's validation order).
         file: TopLevel fields::cluster_cidrs => ["clusterCIDR" = cluster_cidr],
         written: |c: &Vec<IpNet>, _| Some(c.iter().map(ToString::to_string).collect::<Vec<_>>().join(",")),
@@ -173,6 +175,8 @@ settings! {
             #[arg(allow_hyphen_values = true, long)]
             nodeport_addresses,
         },
+        // Empty, as kube-proxy's default, is as if not given.
+        unset: |n: &NodePortAddresses| *n == NodePortAddresses::Cidrs(Vec::new()),
         file: TopLevel fields::node_port_addresses => [
             "nodePortAddresses" = node_port_addresses,
         ],
@@ -460,7 +464,8 @@ settings! {
             if h.trim().is_empty() {
                 bail!("--hostname-override: an empty name is invalid");
             }
-            Ok(())
+            check_node_name(&h.trim().to_lowercase())
+                .map_err(|e| anyhow::anyhow!("--hostname-override: {e}"))
         },
         file: TopLevel fields::name => ["hostnameOverride" = hostname_override],
         written: |h: &Option<String>, _| Some(h.clone().unwrap_or_default()),

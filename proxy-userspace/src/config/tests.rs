@@ -268,6 +268,10 @@ fn each_invalid_value_names_the_field() {
             "hostnameOverride: expected a string, found a list",
         ),
         (
+            "hostnameOverride: Node A\n",
+            "hostnameOverride: \"node a\" is not a valid node name",
+        ),
+        (
             "mode: nftables\nclusterCIDR: 10.0.0.0/8\nmode: iptables\n",
             "duplicate field `mode` (line 5)",
         ),
@@ -343,7 +347,7 @@ fn unknown_and_meaningless_fields_are_warned_about_once_each_by_name() {
     ))
     .unwrap();
     let expected = [
-        "--config: field \"bindAddress\" (192.0.2.1) has no effect in ebpf-proxy: ignored",
+        "--config: field \"bindAddress\" (192.0.2.1): only its IP family is used here (that of the default health and metrics addresses); kube-proxy takes it as the node's primary IP, which ebpf-proxy does not need",
         "--config: field \"iptables.masqueradeBit\" has no effect in ebpf-proxy: ignored",
         "--config: unknown field \"iptables.udpTimeout\" (not in kubeproxy.config.k8s.io/v1alpha1 KubeProxyConfiguration): ignored",
         "--config: field \"ipvs.strictARP\" has no effect in ebpf-proxy: ignored",
@@ -469,7 +473,11 @@ fn list_flags_parse_like_kube_proxy() {
     );
     assert!("10.0.0.0/8,fd00::/64".parse::<ClusterCidrs>().is_ok());
     assert!("fd00::/64,fd01::/64".parse::<ClusterCidrs>().is_err());
-    assert!("".parse::<ClusterCidrs>().is_err());
+    // Empty is kube-proxy's default: none (the flag takes it as not given).
+    assert_eq!(
+        "".parse::<ClusterCidrs>().unwrap(),
+        ClusterCidrs(Vec::new())
+    );
     assert_eq!(
         "primary".parse::<NodePortAddresses>().unwrap(),
         NodePortAddresses::Primary
@@ -839,7 +847,12 @@ fn kube_proxy_flags_without_effect_are_accepted_with_one_warning_each() {
         .warnings
         .iter()
         .map(|w| {
-            assert!(w.ends_with(" has no effect in ebpf-proxy: ignored"), "{w}");
+            // --bind-address's family is used; its address is not.
+            assert!(
+                w.ends_with(" has no effect in ebpf-proxy: ignored")
+                    || w.starts_with("flag --bind-address: only its IP family is used here"),
+                "{w}"
+            );
             w.trim_start_matches("flag --")
                 .split(' ')
                 .next()
@@ -1440,4 +1453,78 @@ fn a_sync_period_over_a_year_is_named_where_it_came_from() {
         e.contains("the config file's syncPeriod must be at most 8760h"),
         "{e}"
     );
+}
+
+#[test]
+fn a_hostname_override_must_be_a_node_name() {
+    // Trimmed and lowercased first, as kube-proxy does; then a DNS subdomain.
+    let c = resolve(&["--hostname-override", " MyNode.Example.COM "], None).unwrap();
+    assert_eq!(c.hostname_override.as_deref(), Some("mynode.example.com"));
+    let long = format!(
+        "{}.{}.{}.{}",
+        "a".repeat(63),
+        "b".repeat(63),
+        "c".repeat(63),
+        "d".repeat(61)
+    );
+    assert_eq!(long.len(), 253);
+    assert!(resolve(&["--hostname-override", &long], None).is_ok());
+    for bad in [
+        "a b",
+        "node,x=y",
+        "-node",
+        "node-",
+        "a..b",
+        "nöde",
+        &format!("{long}e"),
+    ] {
+        let e = resolve(&["--hostname-override", bad], None)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("--hostname-override: ") && e.contains("is not a valid node name"),
+            "{bad:?}: {e}"
+        );
+    }
+    let e = format!(
+        "{:#}",
+        parse(&body("hostnameOverride: \"node,other\"\n")).unwrap_err()
+    );
+    assert!(
+        e.starts_with("hostnameOverride: \"node,other\" is not a valid node name"),
+        "{e}"
+    );
+}
+
+#[test]
+fn write_config_to_refuses_a_pin_dir_that_is_no_plain_name() {
+    for bad in ["../../etc", "", "a/b", "x.y"] {
+        let e = resolve(
+            &["--write-config-to", "/tmp/x.yaml", "--pin-dir", bad],
+            None,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("must be a plain name"), "{bad:?}: {e}");
+    }
+    assert!(resolve(&["--pin-dir", "ebpf-proxy_2"], None).is_ok());
+}
+
+#[test]
+fn empty_cluster_cidr_and_nodeport_addresses_flags_are_as_if_not_given() {
+    // kube-proxy's defaults are empty: a DaemonSet may pass them from an empty variable.
+    let c = resolve(&["--cluster-cidr", "", "--nodeport-addresses", " "], None).unwrap();
+    assert!(c.cluster_cidrs.is_empty());
+    assert_eq!(c.nodeport_addresses, None);
+    let file = "clusterCIDR: 10.244.0.0/16\nnodePortAddresses: [primary]\n";
+    let c = resolve(
+        &["--cluster-cidr=", "--nodeport-addresses="],
+        Some(&body(file)),
+    )
+    .unwrap();
+    assert_eq!(
+        c.cluster_cidrs,
+        vec!["10.244.0.0/16".parse::<ipnet::IpNet>().unwrap()]
+    );
+    assert_eq!(c.nodeport_addresses, Some(NodePortAddresses::Primary));
 }

@@ -53,7 +53,12 @@ pub struct ClusterCidrs(pub Vec<IpNet>);
 impl FromStr for ClusterCidrs {
     type Err = String;
 
+    /// Empty (a flag filled from an empty variable, kube-proxy's default) is the empty list:
+    /// no cluster CIDR.
     fn from_str(s: &str) -> Result<Self, String> {
+        if s.trim().is_empty() {
+            return Ok(Self(Vec::new()));
+        }
         let cidrs = s
             .split(',')
             .map(|c| {
@@ -128,7 +133,12 @@ impl NodePortAddresses {
 impl FromStr for NodePortAddresses {
     type Err = String;
 
+    /// Empty (a flag filled from an empty variable, kube-proxy's default) is the empty list
+    /// of CIDRs, which the flag takes as not given.
     fn from_str(s: &str) -> Result<Self, String> {
+        if s.trim().is_empty() {
+            return Ok(Self::Cidrs(Vec::new()));
+        }
         let items: Vec<&str> = s.split(',').collect();
         Self::from_items(&items)
     }
@@ -424,4 +434,32 @@ pub(super) fn parse_maglev_size(s: &str) -> Result<u32, String> {
         ));
     }
     Ok(n)
+}
+
+/// The warning for a specific `--bind-address` / `bindAddress` (`{}` is where it came
+/// from): only its family is used, for the default server addresses as kube-proxy's
+/// defaulting does; kube-proxy also takes it as the node's primary IP, which the data path
+/// here does not need (the node's addresses come from its Node object and interfaces).
+pub(super) const BIND_ADDRESS_WARNING: &str = "{}: only its IP family is used here (that of the default health and metrics addresses); kube-proxy takes it as the node's primary IP, which ebpf-proxy does not need";
+
+/// Checks a node name given by `--hostname-override` / `hostnameOverride`, after the trim and
+/// lowercasing: a Node's name is a DNS subdomain (RFC 1123: labels of lower-case letters,
+/// digits and `-`, starting and ending with a letter or digit, joined by `.`, at most 253
+/// characters; Kubernetes' `IsDNS1123Subdomain`), so anything else names no Node, and the
+/// name goes into the API's field selectors, where a `,` would add a condition of its own.
+///
+/// Errors: the reason, for the caller to prefix with the flag or field.
+pub(super) fn check_node_name(name: &str) -> Result<(), String> {
+    let label_ok = |l: &str| {
+        let b = l.as_bytes();
+        let inner = |c: &u8| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-';
+        let end = |c: &u8| c.is_ascii_lowercase() || c.is_ascii_digit();
+        !b.is_empty() && b.iter().all(inner) && end(&b[0]) && end(&b[b.len() - 1])
+    };
+    if name.len() > 253 || !name.split('.').all(label_ok) {
+        return Err(format!(
+            "{name:?} is not a valid node name (a DNS subdomain: lower-case letters, digits, '-' and '.', each part starting and ending with a letter or digit, at most 253 characters)"
+        ));
+    }
+    Ok(())
 }
