@@ -31,7 +31,7 @@ use super::go::{format_go_duration, parse_go_duration};
 use super::settings::SettingValues;
 use super::table::Section;
 use super::values::{
-    BIND_ADDRESS_WARNING, IpvsScheduler, LogFormat, ProxyMode, check_detect_local_mode,
+    IpvsScheduler, LogFormat, ProxyMode, bind_address_warning, check_detect_local_mode,
 };
 use super::{API_VERSION, KIND};
 
@@ -263,9 +263,9 @@ fn top_level(file: &KubeProxyConfiguration, s: &mut FileSettings, w: &mut Warnin
     if let Some(b) = text(&file.bind_address)
         && s.bind_address.is_some_and(|ip| !ip.is_unspecified())
     {
-        w.0.push(
-            BIND_ADDRESS_WARNING.replace("{}", &format!("--config: field \"bindAddress\" ({b})")),
-        );
+        w.0.push(bind_address_warning(&format!(
+            "--config: field \"bindAddress\" ({b})"
+        )));
     }
     s.healthz_bind_address = server_address(
         "healthzBindAddress",

@@ -14,7 +14,7 @@ use super::go::format_go_duration;
 use super::settings::{self, Origins};
 use super::table::Origin;
 use super::values::{
-    BIND_ADDRESS_WARNING, IpvsScheduler, LogFormat, ProxyMode, SchedulerFlag, ServerAddress,
+    IpvsScheduler, LogFormat, ProxyMode, SchedulerFlag, ServerAddress, bind_address_warning,
 };
 use super::{
     Action, AgentConfig, FileSettings, KubeProxyConfiguration, KubeProxyFlags, RunFlags,
@@ -219,7 +219,7 @@ fn warnings(flags: &RunFlags) -> Vec<String> {
     let mut warnings: Vec<String> = flags
         .bind_address
         .filter(|ip| !ip.is_unspecified())
-        .map(|_| BIND_ADDRESS_WARNING.replace("{}", "flag --bind-address"))
+        .map(|_| bind_address_warning("flag --bind-address"))
         .into_iter()
         .collect();
     warnings.extend(k.warnings());

@@ -436,11 +436,16 @@ pub(super) fn parse_maglev_size(s: &str) -> Result<u32, String> {
     Ok(n)
 }
 
-/// The warning for a specific `--bind-address` / `bindAddress` (`{}` is where it came
-/// from): only its family is used, for the default server addresses as kube-proxy's
-/// defaulting does; kube-proxy also takes it as the node's primary IP, which the data path
-/// here does not need (the node's addresses come from its Node object and interfaces).
-pub(super) const BIND_ADDRESS_WARNING: &str = "{}: only its IP family is used here (that of the default health and metrics addresses); kube-proxy takes it as the node's primary IP, which ebpf-proxy does not need";
+/// The warning for a specific `--bind-address` / `bindAddress` given by `source` (the flag,
+/// or the file's field with its value): only its family is used, for the default server
+/// addresses as kube-proxy's defaulting does; kube-proxy also takes it as the node's primary
+/// IP, which the data path here does not need (the node's addresses come from its Node
+/// object and interfaces).
+pub(super) fn bind_address_warning(source: &str) -> String {
+    format!(
+        "{source}: only its IP family is used here (that of the default health and metrics addresses); kube-proxy takes it as the node's primary IP, which ebpf-proxy does not need"
+    )
+}
 
 /// Checks a node name given by `--hostname-override` / `hostnameOverride`, after the trim and
 /// lowercasing: a Node's name is a DNS subdomain (RFC 1123: labels of lower-case letters,
