@@ -153,7 +153,8 @@ settings! {
         flags: {
             /// CIDR of the cluster's pods, or an IPv4 and an IPv6 CIDR separated by a comma
             /// (kube-proxy's --cluster-cidr): traffic entering the node to a cluster IP from a
-            /// client outside the prefix of its family is masqueraded (tc path).
+            /// client outside the prefix of its family is masqueraded (tc path). Empty is as if
+            /// not given.
             #[arg(allow_hyphen_values = true, long)]
             cluster_cidr,
         },
@@ -454,7 +455,7 @@ settings! {
         into: |h: String| Some(h.trim().to_lowercase()),
         flags: {
             /// Name of this node [default: $NODE_NAME, else the hostname]; trimmed and lowercased,
-            /// as kube-proxy does.
+            /// as kube-proxy does, then refused unless it is a Node name (a DNS subdomain).
             #[arg(allow_hyphen_values = true, long)]
             hostname_override,
         },
