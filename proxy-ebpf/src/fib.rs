@@ -2,7 +2,18 @@
 
 use aya_ebpf::bindings::bpf_fib_lookup as FibParams;
 
-use crate::{maps::TC_SCRATCH, mem, packet::Buf, verdict::Verdict};
+use crate::{
+    ct,
+    maps::{FIB_HOPS, TC_SCRATCH},
+    mem,
+    packet::Buf,
+    types::FibHop,
+    verdict::Verdict,
+};
+
+/// Slots of the next-hop cache (`maps::FIB_HOPS`, per CPU), a power of two: 64 KiB per
+/// CPU.
+pub const FIB_HOP_SLOTS: u32 = 1024;
 
 /// `AF_INET` / `AF_INET6` for `bpf_fib_lookup`.
 const AF_INET: u8 = 2;
@@ -41,6 +52,16 @@ pub fn redirect_out<B: Buf>(b: &B, src: &[u8; 16], dst: &[u8; 16]) -> Verdict {
 /// hop's MAC addresses and the output interface are then in the parameters) and the
 /// parameters. `ip_len`: the IP packet's length in bytes for the helper's MTU check (0: no
 /// check). `None` without a scratch slot.
+///
+/// A lookup with a length goes through this CPU's next-hop cache (`FIB_HOPS`) first: a
+/// successful lookup from `src` to `dst` for a packet from the same interface, in the same
+/// tick of the conntrack clock (`ct::tick`, about a second), whose MTU check passed for a
+/// packet at least as long, gives the same answer without the helper. The helper costs
+/// about as much as the rest of a tracked packet's path (the route, the neighbour, the
+/// MTU); a route, neighbour or MTU change reaches the packets of a cached next hop within
+/// a tick, as it reaches a neighbour entry the kernel still holds as stale. A failed
+/// lookup, and one without a length (the kernel then checks the packet against the
+/// device's MTU itself), are never cached.
 #[inline(always)]
 pub fn lookup<B: Buf>(
     b: &B,
@@ -53,7 +74,26 @@ pub fn lookup<B: Buf>(
     let f = unsafe { &mut (*sc).fib };
     // SAFETY: the FIB parameters are plain integers (all-zero is valid); a map value.
     unsafe { mem::zero_words(f) };
-    f.ifindex = b.ifindex();
+    let ifindex = b.ifindex();
+    f.ifindex = ifindex;
+    let (hop, tick) = if ip_len != 0 {
+        (
+            FIB_HOPS.get_ptr_mut(slot(src, dst, ifindex)),
+            ct::tick(ct::now()),
+        )
+    } else {
+        (None, 0)
+    };
+    if let Some(h) = hop {
+        // SAFETY: this CPU's slot of the cache, plain integers.
+        let h = unsafe { &*h };
+        if cached(h, src, dst, ifindex, ip_len, tick) {
+            f.ifindex = h.ifindex_out;
+            f.smac = h.smac;
+            f.dmac = h.dmac;
+            return Some((0, f));
+        }
+    }
     f.__bindgen_anon_1.tot_len = ip_len;
     if proxy_common::is_v4_mapped(dst) {
         f.family = AF_INET;
@@ -76,5 +116,66 @@ pub fn lookup<B: Buf>(
         }
     }
     let r = b.fib_lookup(f);
+    if r == 0
+        && let Some(h) = hop
+    {
+        // SAFETY: this CPU's slot of the cache, plain integers; only this CPU writes it.
+        let h = unsafe { &mut *h };
+        // The same next hop again in this tick: the longest length checked so far stays.
+        let len = if cached(h, src, dst, ifindex, 0, tick) {
+            h.checked_len.max(ip_len)
+        } else {
+            ip_len
+        };
+        mem::copy_addr(&mut h.src, src);
+        mem::copy_addr(&mut h.dst, dst);
+        h.ifindex_in = ifindex;
+        h.ifindex_out = f.ifindex;
+        h.smac = f.smac;
+        h.dmac = f.dmac;
+        h.checked_len = len;
+        h.tick = tick;
+    }
     Some((r, f))
+}
+
+/// The cache slot of a lookup from `src` to `dst` for a packet from `ifindex`: a
+/// multiplicative hash of the addresses' words and the interface.
+#[inline(always)]
+fn slot(src: &[u8; 16], dst: &[u8; 16], ifindex: u32) -> u32 {
+    let (s, d) = (src.as_ptr() as usize, dst.as_ptr() as usize);
+    // SAFETY: 16 readable bytes each (map values or the scratch slot).
+    let x = unsafe {
+        mem::load32(d + 12)
+            ^ mem::load32(d + 8).rotate_left(7)
+            ^ mem::load32(d).rotate_left(13)
+            ^ mem::load32(s + 12).rotate_left(19)
+            ^ mem::load32(s).rotate_left(25)
+    } ^ ifindex;
+    x.wrapping_mul(0x9e37_79b1) >> (32 - FIB_HOP_SLOTS.trailing_zeros())
+}
+
+/// Whether the slot `h` holds the next hop from `src` to `dst` for a packet of `ip_len`
+/// bytes from `ifindex`, looked up in tick `tick` (`ip_len` 0: any length).
+#[inline(always)]
+fn cached(
+    h: &FibHop,
+    src: &[u8; 16],
+    dst: &[u8; 16],
+    ifindex: u32,
+    ip_len: u16,
+    tick: u32,
+) -> bool {
+    let word = |a: &[u8; 16], i: usize| {
+        // SAFETY: `i` is 0 or 8, within the 16 readable bytes of `a`.
+        unsafe { mem::load64(a.as_ptr() as usize + i) }
+    };
+    h.ifindex_out != 0
+        && h.tick == tick
+        && h.ifindex_in == ifindex
+        && ip_len <= h.checked_len
+        && word(&h.dst, 0) == word(dst, 0)
+        && word(&h.dst, 8) == word(dst, 8)
+        && word(&h.src, 0) == word(src, 0)
+        && word(&h.src, 8) == word(src, 8)
 }

@@ -24,7 +24,10 @@ use proxy_common::{
     },
 };
 
-use crate::types::Scratch;
+use crate::{
+    fib::FIB_HOP_SLOTS,
+    types::{FibHop, Scratch},
+};
 
 // ---------------------------------------------------------------------------------------
 // Services and the socket path
@@ -268,6 +271,11 @@ pub static TC_LC_FLOWS: HashMap<
 /// One [`Scratch`] per CPU.
 #[btf_map]
 pub static TC_SCRATCH: PerCpuArray<Scratch, 1> = PerCpuArray::new();
+
+/// Per-CPU next-hop cache of `fib::lookup`, direct-mapped (`fib::FIB_HOP_SLOTS` slots of
+/// [`FibHop`]). Not pinned: one per load, never read by the agent.
+#[btf_map]
+pub static FIB_HOPS: PerCpuArray<FibHop, { FIB_HOP_SLOTS as usize }> = PerCpuArray::new();
 
 // ---------------------------------------------------------------------------------------
 // The event stream of `ebpf-proxy monitor` (see `proxy_common::monitor`)

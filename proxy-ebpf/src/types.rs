@@ -127,3 +127,32 @@ pub struct Scratch {
     /// Its port (network byte order), from `TC_DSR`.
     pub dsr_port: [u8; 2],
 }
+
+/// A slot of the next-hop cache (`maps::FIB_HOPS`, see `fib::lookup`): the result of a
+/// successful `bpf_fib_lookup` from `src` to `dst` (IPv4-mapped or IPv6, network byte
+/// order) for a packet that arrived on `ifindex_in`, during conntrack clock tick `tick`
+/// (`ct::tick`), for IP packets of at most `checked_len` bytes (the longest length the
+/// lookup's MTU check passed). Empty while `ifindex_out` is 0. Never read by the agent.
+#[repr(C)]
+pub struct FibHop {
+    /// Source address of the lookup.
+    pub src: [u8; 16],
+    /// Destination address of the lookup.
+    pub dst: [u8; 16],
+    /// Interface the looked-up packet arrived on.
+    pub ifindex_in: u32,
+    /// Output interface of the route (0: empty slot).
+    pub ifindex_out: u32,
+    /// The output interface's MAC address.
+    pub smac: [u8; 6],
+    /// The next hop's MAC address.
+    pub dmac: [u8; 6],
+    /// The longest IP packet, in bytes, the route's MTU check passed.
+    pub checked_len: u16,
+    /// Explicit padding (zero).
+    pub _pad: u16,
+    /// The tick of the lookup; the slot serves that tick only.
+    pub tick: u32,
+    /// Explicit padding (zero).
+    pub _pad2: u32,
+}

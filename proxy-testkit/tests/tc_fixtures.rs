@@ -816,12 +816,13 @@ fn forwarded(p: &Packet, dmac: [u8; 6]) -> Vec<u8> {
 /// the frame arrived on) in both directions; a flow to a local backend DNATed and handed to
 /// the stack, where the tc program finds nothing more to do; a reply without a neighbour
 /// entry and a packet whose TTL expires left untouched for the tc program; a flow started
-/// by the tc programs continued by XDP (one conntrack).
+/// by the tc programs continued by XDP (one conntrack); the next-hop cache.
 fn xdp_flows(h: &Harness, f: Fam, r: &Routes) {
     xdp_remote_flow(h, f);
     xdp_local_flow(h, f);
     xdp_left_to_the_stack(h, f, r);
     xdp_continues_tc_flows(h, f);
+    xdp_next_hop_cache(h, f);
 }
 
 /// A TCP flow to a remote backend, translated both ways and sent on by XDP alone.
@@ -1001,6 +1002,100 @@ fn xdp_continues_tc_flows(h: &Harness, f: Fam) {
     let (v, out) = h.run(XDP, &dgram.frame());
     assert_eq!(v, XDP_REDIRECT, "UDP to a remote backend: {}", show(&out));
     verify(&out).expect("checksums of the forwarded datagram");
+}
+
+/// The router of the other node's pod network on `xf0` ([`xdp_routes`]).
+fn backend_router(f: Fam) -> &'static str {
+    if f.node == V4.node {
+        "192.0.2.2"
+    } else {
+        "fd00:100::2"
+    }
+}
+
+/// XDP's next-hop cache: a segment longer than any the cached next hop's MTU check passed is
+/// looked up again (too big for the route: DNATed, to the stack, whose tcx egress applies
+/// the SNAT stage and answers it), the next segment of the usual size is sent on; a changed
+/// neighbour of the next hop is used once the cache's tick (about a second) is over.
+fn xdp_next_hop_cache(h: &Harness, f: Fam) {
+    let client = sock(f.client, 45006);
+    let frontend = sock(f.node, 30081);
+    let backend = sock(f.remote, 8080);
+    let (v, out) = h.run(XDP, &Packet::tcp(&client, &frontend, SYN).frame());
+    assert_eq!(v, XDP_REDIRECT, "SYN to a remote backend: {}", show(&out));
+    let port = h
+        .snat_port(client.parse().unwrap(), backend.parse().unwrap(), TCP)
+        .expect("the SNAT stage of the flow");
+    let ack = Packet::tcp(&client, &frontend, ACK);
+    let sent = |p: &Packet, mac: [u8; 6]| {
+        let want = Packet {
+            src: sock(f.node, port).parse().unwrap(),
+            dst: backend.parse().unwrap(),
+            ..p.clone()
+        };
+        forwarded(&want, mac)
+    };
+    step(
+        h,
+        "an ACK (its next hop now cached)",
+        XDP,
+        &ack.frame(),
+        XDP_REDIRECT,
+        Some(&sent(&ack, BACKEND_HOP_MAC)),
+        Some("xdp_forwarded"),
+    );
+    let big = Packet {
+        payload: vec![0x61; 1600],
+        ..ack.clone()
+    };
+    step(
+        h,
+        "a segment longer than xf0's 1500-byte MTU, after the cached next hop",
+        XDP,
+        &big.frame(),
+        XDP_PASS,
+        Some(
+            &Packet {
+                dst: backend.parse().unwrap(),
+                ..big.clone()
+            }
+            .frame(),
+        ),
+        Some("xdp_to_stack"),
+    );
+    let data = Packet {
+        payload: vec![0x62; 1000],
+        ..ack.clone()
+    };
+    step(
+        h,
+        "a 1000-byte segment (within the MTU)",
+        XDP,
+        &data.frame(),
+        XDP_REDIRECT,
+        Some(&sent(&data, BACKEND_HOP_MAC)),
+        Some("xdp_forwarded"),
+    );
+    const MOVED: [u8; 6] = [0x02, 0, 0, 0, 0, 0x23];
+    let router = backend_router(f);
+    ip(&format!(
+        "neigh replace {router} lladdr 02:00:00:00:00:23 dev xf0 nud permanent"
+    ));
+    // Longer than a tick of the conntrack clock (2^30 ns) and its lag.
+    std::thread::sleep(std::time::Duration::from_millis(1300));
+    let changed = step(
+        h,
+        "a segment after the next hop's neighbour changed and a tick passed",
+        XDP,
+        &data.frame(),
+        XDP_REDIRECT,
+        Some(&sent(&data, MOVED)),
+        Some("xdp_forwarded"),
+    );
+    assert_eq!(changed[0..6], MOVED, "the changed neighbour's address");
+    ip(&format!(
+        "neigh replace {router} lladdr 02:00:00:00:00:22 dev xf0 nud permanent"
+    ));
 }
 
 #[test]
