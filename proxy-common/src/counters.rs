@@ -33,6 +33,45 @@ pub const BACKEND_STATS: &str = "BACKEND_STATS";
 /// bound are deleted.
 pub const STATS_CARRIED: &str = "STATS_CARRIED";
 
+/// Name of the owner map of the per-CPU packet counters: slot `u32` -> owner tag `u64`
+/// (BPF_MAP_TYPE_ARRAY, [`PACKET_SLOTS`] entries). Service id `id` may count its packets in
+/// slot `id & (PACKET_SLOTS - 1)` of [`SERVICE_PACKETS`] when it owns that slot: the tag's
+/// low 32 bits are the owner's service id (0: free), the high 32 bits the slot's generation
+/// ([`packet_tag`]). The programs claim a free slot for the service of a packet they count
+/// (an atomic compare-and-exchange, so one claim wins); the agent's periodic verification
+/// frees the slots of ids no longer bound, with the next generation, so values of an
+/// earlier owner never count for a later one. A service whose slot another owns counts in
+/// [`SERVICE_STATS`]. Readers add both.
+pub const PACKET_OWNERS: &str = "PACKET_OWNERS";
+/// Name of the per-CPU packet counters: slot `u32` -> [`PacketCounts`]
+/// (BPF_MAP_TYPE_PERCPU_ARRAY, [`PACKET_SLOTS`] entries; see [`PACKET_OWNERS`]). Written by
+/// the programs only: a CPU's value counts for the slot's owner when its tag equals the
+/// owner's tag, else it is an earlier owner's, reset at the owner's first packet on that
+/// CPU. An array lookup instead of [`SERVICE_STATS`]'s hashed one for every tracked packet.
+pub const SERVICE_PACKETS: &str = "SERVICE_PACKETS";
+/// Slots of [`PACKET_OWNERS`] and [`SERVICE_PACKETS`] (a power of two; 96 KiB per CPU).
+/// Service ids are handed out in increasing order, so the first this many live ids have
+/// slots of their own.
+pub const PACKET_SLOTS: u32 = 4096;
+
+/// The owner tag of service id `service_id` in a slot of generation `generation`
+/// ([`PACKET_OWNERS`]).
+pub const fn packet_tag(service_id: u32, generation: u32) -> u64 {
+    service_id as u64 | (generation as u64) << 32
+}
+
+/// One CPU's packet counters of a slot of [`SERVICE_PACKETS`]. 24 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct PacketCounts {
+    /// The owner tag these counts belong to ([`packet_tag`]).
+    pub tag: u64,
+    /// Packets translated through a conntrack entry, as [`ServiceStats::packets`].
+    pub packets: u64,
+    /// Their bytes, as [`ServiceStats::bytes`].
+    pub bytes: u64,
+}
+
 /// Per-CPU counters of one service id. 32 bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
@@ -45,7 +84,8 @@ pub struct ServiceStats {
     pub refused: u64,
     /// Packets translated by the tc path through a conntrack entry (both directions; a flow's
     /// first packet, translated while the entry is created, is not counted: the socket path
-    /// sees no packets).
+    /// sees no packets), those a service counted while another id owned its slot of
+    /// [`SERVICE_PACKETS`]; readers add the slot's.
     pub packets: u64,
     /// Bytes of those packets (IP length as the tc hook sees it).
     pub bytes: u64,
@@ -130,4 +170,5 @@ mod user {
     // SAFETY: all types are #[repr(C)], contain only integers and explicit padding fields,
     // and are valid for every bit pattern.
     unsafe impl aya::Pod for ServiceStats {}
+    unsafe impl aya::Pod for PacketCounts {}
 }

@@ -55,7 +55,7 @@ pub const KERNEL_LOGS: &str = "AYA_LOGS";
 pub const KERNEL_LOG_LEVEL: &str = "AYA_LOG_LEVEL";
 
 /// Every map the agent pins, in the order the data path depends on them.
-pub const ALL_MAPS: [&str; 23] = [
+pub const ALL_MAPS: [&str; 25] = [
     FRONTENDS,
     BACKEND_SLOTS,
     BACKENDS,
@@ -71,6 +71,8 @@ pub const ALL_MAPS: [&str; 23] = [
     CONFIG,
     COUNTERS,
     SERVICE_STATS,
+    PACKET_OWNERS,
+    SERVICE_PACKETS,
     BACKEND_STATS,
     STATS_CARRIED,
     SERVICE_NAMES,

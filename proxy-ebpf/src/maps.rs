@@ -13,7 +13,7 @@ use aya_ebpf::{
 use proxy_common::{
     AffinityKey, AffinityValue, Backend, BackendSlot, BackendSlotKey, COUNTER_MAX, Config,
     DEFAULT_MAX_BACKENDS, DEFAULT_MAX_FRONTENDS, DEFAULT_MAX_MAGLEV, DEFAULT_MAX_SLOTS,
-    DEFAULT_MAX_SOCKETS, Frontend, FrontendKey, MaglevTable, MemberKey, RevNatKey, RevNatValue,
+    DEFAULT_MAX_SOCKETS, Frontend, FrontendKey, MaglevTable, MemberKey, PACKET_SLOTS, PacketCounts, RevNatKey, RevNatValue,
     ServiceName, ServiceStats, SockNat, UdpFlow, UdpFlowKey,
     bypass::{BypassConfig, MAX_BYPASS_NETNS},
     monitor::{MONITOR_RING_BYTES, MonitorCpu, MonitorCtl, MonitorEvent},
@@ -173,6 +173,15 @@ pub static SERVICE_STATS: PerCpuHashMap<
     { DEFAULT_MAX_FRONTENDS as usize },
     { BPF_F_NO_PREALLOC as usize },
 > = PerCpuHashMap::new();
+
+/// Owners of the per-CPU packet counter slots; see `proxy_common::PACKET_OWNERS`.
+#[btf_map]
+pub static PACKET_OWNERS: Array<u64, { PACKET_SLOTS as usize }> = Array::new();
+
+/// Per-CPU packet counters by slot; see `proxy_common::SERVICE_PACKETS`.
+#[btf_map]
+pub static SERVICE_PACKETS: PerCpuArray<PacketCounts, { PACKET_SLOTS as usize }> =
+    PerCpuArray::new();
 
 /// Per-CPU connections by (service id, backend id); see `proxy_common::BACKEND_STATS`. Not
 /// preallocated (see `SERVICE_STATS`).

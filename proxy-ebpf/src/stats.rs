@@ -2,10 +2,10 @@
 //! (`TC_COUNTERS`), and the per-service and per-(service, backend) figures (`SERVICE_STATS`,
 //! `BACKEND_STATS`). Per-CPU values, so plain adds.
 
-use proxy_common::{Counter, MemberKey, ServiceStats, nat::TcCounter};
+use proxy_common::{Counter, MemberKey, PACKET_SLOTS, ServiceStats, nat::TcCounter};
 
 use crate::{
-    maps::{BACKEND_STATS, COUNTERS, SERVICE_STATS, TC_COUNTERS},
+    maps::{BACKEND_STATS, COUNTERS, PACKET_OWNERS, SERVICE_PACKETS, SERVICE_STATS, TC_COUNTERS},
     verdict::Verdict,
 };
 
@@ -76,10 +76,15 @@ static ZERO_STATS: ServiceStats = ServiceStats {
 };
 
 /// Counts one packet of `bytes` translated through a conntrack entry for service id
-/// `service_id`. Inlined and without a value on the stack: it runs deep in the packet
+/// `service_id`: in its slot of `SERVICE_PACKETS` when it owns the slot or claims it free
+/// (two array lookups, see `proxy_common::PACKET_OWNERS`), else in `SERVICE_STATS` (a
+/// hashed lookup). Inlined and without a value on the stack: it runs deep in the packet
 /// programs' call chain, which shares the 512-byte stack.
 #[inline(always)]
 pub fn count_packet(service_id: u32, bytes: u32) {
+    if count_in_slot(service_id, bytes) {
+        return;
+    }
     let p = match SERVICE_STATS.get_ptr_mut(service_id) {
         Some(p) => p,
         None => {
@@ -97,6 +102,52 @@ pub fn count_packet(service_id: u32, bytes: u32) {
         (*p).packets += 1;
         (*p).bytes += bytes as u64;
     }
+}
+
+/// [`count_packet`] in the slot of `service_id` when it owns it or claims it now (false:
+/// another service owns it).
+#[inline(always)]
+fn count_in_slot(service_id: u32, bytes: u32) -> bool {
+    let slot = service_id & (PACKET_SLOTS - 1);
+    let Some(o) = PACKET_OWNERS.get_ptr_mut(slot) else {
+        return false;
+    };
+    // SAFETY: a value of the map, one aligned 8-byte load.
+    let mut tag = unsafe { core::ptr::read_volatile(o) };
+    if tag as u32 != service_id {
+        if tag as u32 != 0 || service_id == 0 {
+            return false;
+        }
+        // A free slot: claimed with this generation, once, whichever CPU wins.
+        let want = tag | service_id as u64;
+        // SAFETY: a value of the map, one atomic compare-and-exchange of 8 aligned bytes.
+        let (_, won) = unsafe {
+            core::intrinsics::atomic_cxchg::<
+                u64,
+                { core::intrinsics::AtomicOrdering::Relaxed },
+                { core::intrinsics::AtomicOrdering::Relaxed },
+            >(o, tag, want)
+        };
+        if !won {
+            return false;
+        }
+        tag = want;
+    }
+    let Some(p) = SERVICE_PACKETS.get_ptr_mut(slot) else {
+        return false;
+    };
+    // SAFETY: this CPU's value; only this CPU writes it while we run.
+    unsafe {
+        if (*p).tag != tag {
+            // An earlier owner's counts (or none yet): this owner starts from zero.
+            (*p).tag = tag;
+            (*p).packets = 0;
+            (*p).bytes = 0;
+        }
+        (*p).packets += 1;
+        (*p).bytes += bytes as u64;
+    }
+    true
 }
 
 /// A counted drop.

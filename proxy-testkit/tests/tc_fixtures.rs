@@ -1523,3 +1523,82 @@ fn ipv6_direct_server_return_encapsulation_and_decapsulation() {
         dsr_flows(&h, V6)
     });
 }
+
+// ---------------------------------------------------------------------------------------
+// Per-service packet counters
+// ---------------------------------------------------------------------------------------
+
+/// A tracked packet counts in its Service port's slot of `SERVICE_PACKETS` once its first
+/// counted packet claimed the free slot, in `SERVICE_STATS` while another id owns the slot;
+/// the verification frees the slot of an id no longer bound with the next generation, and
+/// readers add both maps.
+#[test]
+fn tracked_packets_count_in_their_service_slot_or_else_in_the_hash() {
+    use aya::maps::{Array, MapData, PerCpuHashMap};
+    use proxy_common::{PACKET_OWNERS, PACKET_SLOTS, SERVICE_STATS, ServiceStats, packet_tag};
+    use proxy_userspace::datapath::{
+        Bound, ServiceMaps,
+        maps::{PinnedMaps, read_service_stats},
+    };
+    in_private_netns(|| {
+        let h = seeded("slots");
+        let client = sock(V4.client, 46100);
+        let frontend = sock(V4.node, 30080);
+        let (v, _) = h.run(INGRESS, &Packet::tcp(&client, &frontend, SYN).frame());
+        assert_eq!(v, PASS, "SYN to a local backend");
+        let sid = h
+            .conntrack()
+            .iter()
+            .find(|(k, e)| {
+                k.sport == 46100u16.to_be_bytes() && e.flags & proxy_common::nat::CT_F_REPLY == 0
+            })
+            .map(|(_, e)| e.service_id)
+            .expect("the flow's original entry");
+        let slot = sid & (PACKET_SLOTS - 1);
+        let owners = || -> Array<MapData, u64> { h.map(PACKET_OWNERS) };
+        let in_hash = || -> u64 {
+            let m: PerCpuHashMap<MapData, u32, ServiceStats> = h.map(SERVICE_STATS);
+            m.get(&sid, 0)
+                .map(|v| v.iter().map(|s| s.packets).sum())
+                .unwrap_or(0)
+        };
+        let total = || read_service_stats(&h.dir).unwrap()[&sid];
+        let ack = Packet::tcp(&client, &frontend, ACK).frame();
+        let send = |n: usize| {
+            for _ in 0..n {
+                assert_eq!(h.run(INGRESS, &ack).0, PASS, "a tracked segment");
+            }
+        };
+        // Another id (not bound) holds the slot: the packets count in the hash.
+        let other = sid + PACKET_SLOTS;
+        owners().set(slot, packet_tag(other, 0), 0).unwrap();
+        send(2);
+        assert_eq!(in_hash(), 2, "counted in SERVICE_STATS");
+        assert_eq!(total().packets, 2);
+        assert!(total().bytes > 2 * 40, "bytes: {:?}", total());
+        // The verification frees it (only `sid` is bound), with the next generation.
+        let bound = |id: u32| id == sid;
+        let sweep = || {
+            PinnedMaps::open(&h.dir)
+                .unwrap()
+                .sweep_stats(&Bound {
+                    service: &bound,
+                    backend: &|_| true,
+                    member: &|_, _| true,
+                })
+                .unwrap()
+        };
+        assert!(sweep() >= 1, "the slot of the unbound id freed");
+        assert_eq!(owners().get(&slot, 0).unwrap(), packet_tag(0, 1));
+        // The next packet claims it for its own id; the hash's count stays in the sum.
+        send(3);
+        assert_eq!(owners().get(&slot, 0).unwrap(), packet_tag(sid, 1));
+        assert_eq!(in_hash(), 2, "no longer counted in SERVICE_STATS");
+        assert_eq!(total().packets, 5, "the hash's 2 and the slot's 3");
+        // A bound owner keeps its slot.
+        sweep();
+        assert_eq!(owners().get(&slot, 0).unwrap(), packet_tag(sid, 1));
+        send(1);
+        assert_eq!(total().packets, 6);
+    });
+}

@@ -14,6 +14,8 @@ use proxy_common::{
 
 use super::{Capacity, DatapathError, Released, ServiceMaps, Snapshot, decode_name, encode_name};
 
+mod packet_slots;
+
 /// The service maps of one pin directory.
 pub struct PinnedMaps {
     dir: PathBuf,
@@ -255,7 +257,8 @@ fn read_percpu_counters(dir: &Path, name: &'static str) -> Result<Vec<u64>, Data
 }
 
 /// Per-service counters of the maps pinned under `dir`, summed over CPUs: `SERVICE_STATS`,
-/// with each service's connections added (its `BACKEND_STATS` pairs and its carried count in
+/// with each service's packets and bytes counted in its slot of `SERVICE_PACKETS` and its
+/// connections added (its `BACKEND_STATS` pairs and its carried count in
 /// `STATS_CARRIED`; see [`read_connection_counts`]).
 pub fn read_service_stats(
     dir: &Path,
@@ -274,6 +277,7 @@ pub fn read_service_stats(
         });
         out.insert(k, sum);
     }
+    packet_slots::add_packets(dir, &mut out)?;
     for (k, n) in read_connection_counts(dir)? {
         if k.service_id != 0 {
             out.entry(k.service_id)
@@ -602,6 +606,7 @@ impl ServiceMaps for PinnedMaps {
     fn sweep_stats(&mut self, bound: &super::Bound<'_>) -> Result<usize, DatapathError> {
         Ok(
             sweep::<ServiceStats>(&self.dir, SERVICE_STATS, bound.service)?
+                + packet_slots::free_released(&self.dir, bound)?
                 + sweep_pairs(&self.dir, bound)?,
         )
     }

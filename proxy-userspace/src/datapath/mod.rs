@@ -149,7 +149,8 @@ pub trait ServiceMaps {
         released: &[(u32, u32, Backend)],
     ) -> Result<Released, DatapathError>;
     /// Deletes the counters of ids no longer bound (`SERVICE_STATS` by service id,
-    /// `BACKEND_STATS` and `STATS_CARRIED` keys naming such an id) and the (service,
+    /// `BACKEND_STATS` and `STATS_CARRIED` keys naming such an id; their packet counter
+    /// slots in `PACKET_OWNERS` are freed) and the (service,
     /// backend) counters of pairs no longer in use, moving their counts to the carried keys
     /// (`STATS_CARRIED`) of the service and the backend that stay bound (`plan_pair_sweep`,
     /// `apply_pair_sweep`): those maps are not LRU and ids are not reused soon. Returns how
@@ -162,11 +163,11 @@ pub trait ServiceMaps {
 /// What the agent has bound now, for [`ServiceMaps::sweep_stats`].
 pub struct Bound<'a> {
     /// Whether a service id is bound.
-    pub(crate) service: &'a dyn Fn(u32) -> bool,
+    pub service: &'a dyn Fn(u32) -> bool,
     /// Whether a backend id is bound.
-    pub(crate) backend: &'a dyn Fn(u32) -> bool,
+    pub backend: &'a dyn Fn(u32) -> bool,
     /// Whether (service id, backend id) is in use: the backend is in the service's slots.
-    pub(crate) member: &'a dyn Fn(u32, u32) -> bool,
+    pub member: &'a dyn Fn(u32, u32) -> bool,
 }
 
 /// What a sweep of the connection counters does (`proxy_common::BACKEND_STATS` pairs,
