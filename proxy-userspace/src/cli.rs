@@ -51,7 +51,7 @@ pub enum Command {
     /// Print the per-service counters and the per-reason data path counters. Per Service:
     /// CONNECTIONS (connections and new UDP flows translated, socket and tc paths),
     /// REFUSED (refused or dropped for lack of (local) endpoints), PACKETS and BYTES
-    /// (packets translated by the north-south tc path, and their bytes); then each
+    /// (packets translated by the north-south programs, tc and XDP, and their bytes); then each
     /// REASON's COUNT with its MEANING, for the socket and the tc programs.
     Stats(ServicesArgs),
     /// List the socket-level translations: connected sockets and unconnected UDP flows,

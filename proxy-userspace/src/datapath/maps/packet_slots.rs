@@ -11,10 +11,10 @@ use super::{batch_err, map_err, open_map};
 use crate::datapath::{Bound, DatapathError, batch};
 
 /// The owner tag of every slot (slot, tag), or `None` when the pins are an earlier
-/// version's, without the slots.
+/// version's, without the slots (or, after an interrupted pinning, without either map).
 fn owners(dir: &Path) -> Result<Option<Vec<(u32, u64)>>, DatapathError> {
     let path = dir.join(PACKET_OWNERS);
-    if !path.exists() {
+    if !path.exists() || !dir.join(SERVICE_PACKETS).exists() {
         return Ok(None);
     }
     let data = MapData::from_pin(&path).map_err(|e| map_err("open pinned", PACKET_OWNERS, e))?;
