@@ -50,8 +50,8 @@ pub const PACKET_OWNERS: &str = "PACKET_OWNERS";
 /// CPU. An array lookup instead of [`SERVICE_STATS`]'s hashed one for every tracked packet.
 pub const SERVICE_PACKETS: &str = "SERVICE_PACKETS";
 /// Slots of [`PACKET_OWNERS`] and [`SERVICE_PACKETS`] (a power of two; 96 KiB per CPU).
-/// Service ids are handed out in increasing order, so the first this many live ids have
-/// slots of their own.
+/// Service ids are handed out in increasing order, so two live ids share a slot only when
+/// they are this many or more apart.
 pub const PACKET_SLOTS: u32 = 4096;
 
 /// The owner tag of service id `service_id` in a slot of generation `generation`
