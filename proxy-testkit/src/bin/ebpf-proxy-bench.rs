@@ -59,7 +59,7 @@ use anyhow::{Result, bail};
 use clap::{Parser, Subcommand};
 
 use child::{ClientResult, client, serve};
-use conn_rate::run_client_in;
+use conn_rate::{load_client, run_client_in};
 use driver::{PinGuard, at_least_one, bench, positive_secs, which};
 use kube_proxy::apply_in_netns;
 

@@ -52,11 +52,29 @@ pub(super) fn run_client_in(
     secs: f64,
     warmup: usize,
 ) -> Result<ClientResult> {
+    load_client(me, ns, cg, "client", to, count, secs, warmup, 60.0)
+}
+
+/// Runs this binary's load client `subcommand` (`client`, `udp-client`) in the namespace at
+/// `ns` and `cg` against `to` (`count` at once for `secs` seconds after `warmup`), allowed
+/// `secs + slack_s` seconds, and parses the JSON line it prints.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn load_client<T: serde::de::DeserializeOwned>(
+    me: &Path,
+    ns: &Path,
+    cg: Option<&Path>,
+    subcommand: &str,
+    to: &str,
+    count: usize,
+    secs: f64,
+    warmup: usize,
+    slack_s: f64,
+) -> Result<T> {
     let out = testbed::output_in(
         Some(ns),
         cg,
         Command::new(me).args([
-            "client",
+            subcommand,
             "--to",
             to,
             "--count",
@@ -66,15 +84,15 @@ pub(super) fn run_client_in(
             "--warmup",
             &warmup.to_string(),
         ]),
-        Duration::from_secs_f64(secs + 60.0),
+        Duration::from_secs_f64(secs + slack_s),
     )?;
     ensure!(
         out.status.success(),
-        "client failed: {}",
+        "{subcommand} failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     let line = String::from_utf8_lossy(&out.stdout);
-    serde_json::from_str(line.trim()).with_context(|| format!("client output {line:?}"))
+    serde_json::from_str(line.trim()).with_context(|| format!("{subcommand} output {line:?}"))
 }
 
 /// Measures the data path of `case` towards `to`, records it.

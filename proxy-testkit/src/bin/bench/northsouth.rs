@@ -865,29 +865,17 @@ fn udp_client(
     secs: f64,
     warmup: usize,
 ) -> Result<UdpResult> {
-    let out = testbed::output_in(
-        Some(&t.client.path()),
+    crate::load_client(
+        me,
+        &t.client.path(),
         None,
-        Command::new(me).args([
-            "udp-client",
-            "--to",
-            to,
-            "--count",
-            &count.to_string(),
-            "--secs",
-            &secs.to_string(),
-            "--warmup",
-            &warmup.to_string(),
-        ]),
-        Duration::from_secs_f64(secs + 30.0),
-    )?;
-    ensure!(
-        out.status.success(),
-        "udp client failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let line = String::from_utf8_lossy(&out.stdout);
-    serde_json::from_str(line.trim()).with_context(|| format!("udp client output {line:?}"))
+        "udp-client",
+        to,
+        count,
+        secs,
+        warmup,
+        30.0,
+    )
 }
 
 /// (run inside the lab) The UDP client: one connected socket, 32-byte requests, at most
